@@ -1,0 +1,117 @@
+"""Training and cluster inputs of one plan, validated once, with every default written down."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .model import ModelSpec
+from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
+
+CHECKPOINTING = ("none", "selective", "full")
+ATTENTION = ("sdpa", "eager")
+OFFLOAD = ("none", "optimizer", "params")
+FRAMEWORKS = ("pytorch", "deepspeed")
+
+
+def _choice(name: str, value: str, accepted: tuple) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r}: accepted values are {', '.join(accepted)}")
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What one training step does on each data-parallel rank."""
+
+    model: ModelSpec
+    seq_len: int = 2048
+    """Tokens per sequence (s)."""
+    micro_batch: int = 1
+    """Sequences per rank per micro-step (b)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step (A)."""
+    precision: str = "bf16-mixed"
+    """One of fp32, bf16-mixed, fp16-mixed, bf16 (see precision.py)."""
+    optimizer: str = "adamw"
+    optimizer_impl: str = "foreach"
+    """foreach (PyTorch's default on CUDA), fused, for-loop."""
+    checkpointing: str = "none"
+    """Activation checkpointing: none, selective (save matmul/SDPA outputs), full (per block)."""
+    attention: str = "sdpa"
+    cpu_offload: str = "none"
+    framework: str = "pytorch"
+    """pytorch (native implementations, validated) or deepspeed (DeepSpeed ZeRO's buffers)."""
+
+    def __post_init__(self) -> None:
+        _positive("seq_len", self.seq_len)
+        _positive("micro_batch", self.micro_batch)
+        _positive("grad_accum", self.grad_accum)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        _choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        _choice("attention", self.attention, ATTENTION)
+        _choice("cpu_offload", self.cpu_offload, OFFLOAD)
+        _choice("framework", self.framework, FRAMEWORKS)
+        if self.model.position == "learned" and self.seq_len > self.model.max_positions:
+            raise ValueError(
+                f"seq_len={self.seq_len} exceeds the model's {self.model.max_positions} learned positions")
+
+    @property
+    def prec(self) -> Precision:
+        return get_precision(self.precision)
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs, how they are grouped into nodes, and the links between them."""
+
+    gpus: int = 8
+    gpus_per_node: int = 0
+    """0 means min(8, gpus)."""
+    gpu_memory_bytes: int = 80 * 2**30
+    gpu_name: str = "h100-sxm"
+    intra_link: str = "nvlink4"
+    inter_link: str = "ib-ndr"
+    nics_per_node: int = 8
+    inter_bytes_per_s: float | None = None
+    """Override of the per-node inter-node bandwidth (from --inter-gbps)."""
+    notes: tuple = field(default=())
+
+    def __post_init__(self) -> None:
+        _positive("gpus", self.gpus)
+        if self.gpus_per_node == 0:
+            object.__setattr__(self, "gpus_per_node", min(8, self.gpus))
+        _positive("gpus_per_node", self.gpus_per_node)
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ValueError(
+                f"gpus={self.gpus} is not a multiple of gpus_per_node={self.gpus_per_node}")
+        if self.gpu_memory_bytes <= 0:
+            raise ValueError(f"gpu_memory_bytes={self.gpu_memory_bytes}: must be positive")
+        _positive("nics_per_node", self.nics_per_node)
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    @property
+    def local_size(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d

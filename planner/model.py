@@ -1,0 +1,185 @@
+"""Model architecture: the decoder the planner describes, and its exact parameter inventory.
+
+Owns `ModelSpec` (a Llama-style or GPT-2-style decoder) and the list of parameter tensors in the
+order PyTorch registers them in the reference model (`distplan.validate.model.Decoder`). The planner's
+parameter count, its DDP bucket assignment and its FSDP unit sizes all come from `param_inventory`,
+and a test asserts the same count and shapes as the torch module, so the two cannot drift.
+
+Known limitations: dense decoders only (no MoE, no cross-attention); rotary embeddings have no
+parameters; the MLP is either SwiGLU (gate, up, down) or GELU (fc, proj).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
+
+MLP = Literal["swiglu", "gelu"]
+NORM = Literal["rmsnorm", "layernorm"]
+POSITION = Literal["rope", "learned"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, enough to count parameters, activations and FLOPs exactly."""
+
+    name: str
+    """Display name (catalog name, `hf:<path>`, or `~7B (llama-2-7b scaled)`)."""
+    layers: int
+    """Number of decoder blocks (L)."""
+    hidden: int
+    """Model width (h)."""
+    heads: int
+    """Query heads (a); head dim is hidden // heads."""
+    kv_heads: int
+    """Key/value heads (GQA when < heads, MHA when == heads)."""
+    ffn_hidden: int
+    """Inner width of the MLP (f)."""
+    vocab: int
+    """Vocabulary size (V)."""
+    max_positions: int = 2048
+    """Learned position table size (only for position='learned')."""
+    mlp: MLP = "swiglu"
+    """'swiglu' (gate, up, down; Llama) or 'gelu' (fc, proj; GPT-2)."""
+    norm: NORM = "rmsnorm"
+    """'rmsnorm' (weight only) or 'layernorm' (weight and bias)."""
+    position: POSITION = "rope"
+    """'rope' (no parameters) or 'learned' (a max_positions x hidden table)."""
+    tie_embeddings: bool = False
+    """The LM head reuses the token embedding weight."""
+    linear_bias: bool = False
+    """Every Linear in the blocks has a bias (GPT-2)."""
+    qkv_bias: bool = False
+    """Only q, k, v projections have a bias (Qwen2)."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_positions"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field}={value!r}: must be a positive integer")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"heads={self.heads} does not divide hidden={self.hidden}: "
+                f"choose heads so that hidden/heads is a whole head dimension")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"kv_heads={self.kv_heads} does not divide heads={self.heads}: "
+                f"grouped-query attention needs heads to be a multiple of kv_heads")
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"mlp={self.mlp!r}: accepted values are 'swiglu', 'gelu'")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"norm={self.norm!r}: accepted values are 'rmsnorm', 'layernorm'")
+        if self.position not in ("rope", "learned"):
+            raise ValueError(f"position={self.position!r}: accepted values are 'rope', 'learned'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def with_overrides(self, **changes) -> "ModelSpec":
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return replace(self, **changes) if changes else self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # -- parameters ---------------------------------------------------------------------------
+
+    def param_inventory(self) -> list["ParamGroup"]:
+        """Parameter tensors grouped by wrapping unit, in registration order.
+
+        Units: 'embed' (token + learned positions), 'block{i}' for each layer, 'head' (final norm
+        and, when untied, the LM head). This is the order of `Decoder.named_parameters()`.
+        """
+        h, f, v, kv = self.hidden, self.ffn_hidden, self.vocab, self.kv_dim
+        embed = [("tok_embeddings.weight", (v, h))]
+        if self.position == "learned":
+            embed.append(("pos_embeddings.weight", (self.max_positions, h)))
+        units = [ParamGroup("embed", tuple(embed))]
+
+        def norm(prefix: str) -> list:
+            out = [(f"{prefix}.weight", (h,))]
+            if self.norm == "layernorm":
+                out.append((f"{prefix}.bias", (h,)))
+            return out
+
+        def linear(prefix: str, out_f: int, in_f: int, bias: bool) -> list:
+            out = [(f"{prefix}.weight", (out_f, in_f))]
+            if bias:
+                out.append((f"{prefix}.bias", (out_f,)))
+            return out
+
+        qkvb = self.linear_bias or self.qkv_bias
+        for i in range(self.layers):
+            p = f"layers.{i}"
+            params = norm(f"{p}.attn_norm")
+            params += linear(f"{p}.attn.wq", h, h, qkvb)
+            params += linear(f"{p}.attn.wk", kv, h, qkvb)
+            params += linear(f"{p}.attn.wv", kv, h, qkvb)
+            params += linear(f"{p}.attn.wo", h, h, self.linear_bias)
+            params += norm(f"{p}.mlp_norm")
+            if self.mlp == "swiglu":
+                params += linear(f"{p}.mlp.w_gate", f, h, self.linear_bias)
+                params += linear(f"{p}.mlp.w_up", f, h, self.linear_bias)
+                params += linear(f"{p}.mlp.w_down", h, f, self.linear_bias)
+            else:
+                params += linear(f"{p}.mlp.fc", f, h, self.linear_bias)
+                params += linear(f"{p}.mlp.proj", h, f, self.linear_bias)
+            units.append(ParamGroup(f"block{i}", tuple(params)))
+
+        head = norm("norm")
+        if not self.tie_embeddings:
+            head.append(("output.weight", (v, h)))
+        units.append(ParamGroup("head", tuple(head)))
+        return units
+
+    def block_param_count(self) -> int:
+        return self.param_inventory()[1].numel if self.layers else 0
+
+    def param_count(self) -> int:
+        """Exact parameter count (tied weights counted once), as `sum(p.numel())` in torch."""
+        h, f, v, kv = self.hidden, self.ffn_hidden, self.vocab, self.kv_dim
+        n_norm = h * (2 if self.norm == "layernorm" else 1)
+        qkvb = self.linear_bias or self.qkv_bias
+        attn = h * h + 2 * kv * h + h * h + (h + 2 * kv if qkvb else 0) + (h if self.linear_bias else 0)
+        if self.mlp == "swiglu":
+            mlp = 3 * h * f + ((2 * f + h) if self.linear_bias else 0)
+        else:
+            mlp = 2 * h * f + ((f + h) if self.linear_bias else 0)
+        block = 2 * n_norm + attn + mlp
+        embed = v * h + (self.max_positions * h if self.position == "learned" else 0)
+        head = n_norm + (0 if self.tie_embeddings else v * h)
+        return embed + self.layers * block + head
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One wrapping unit's parameters: (name, shape) in registration order."""
+
+    unit: str
+    params: tuple
+
+    @property
+    def numel(self) -> int:
+        total = 0
+        for _, shape in self.params:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def sizes(self) -> list[int]:
+        out = []
+        for _, shape in self.params:
+            n = 1
+            for d in shape:
+                n *= d
+            out.append(n)
+        return out

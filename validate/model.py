@@ -1,0 +1,151 @@
+"""The reference decoder in torch: the model the planner describes exactly.
+
+Parameter names, shapes and registration order match `distplan.planner.model.ModelSpec.param_inventory`
+(a test asserts it for every catalog architecture at small scale), and the forward pass is the one the
+planner's activation table (`distplan.planner.activations`) was derived from, op by op.
+
+Blocks: pre-norm (RMSNorm or LayerNorm), attention with GQA (SDPA with `enable_gqa`, or eager
+matmul-softmax-matmul with repeated K/V), rotary or learned positions, SwiGLU or GELU MLP. The loss is
+cross-entropy on fp32 logits, as Hugging Face and torchtitan compute it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, kind: str, eps: float = 1e-5):
+        super().__init__()
+        self.kind = kind
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        if kind == "layernorm":
+            self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, device=None, base: float = 10000.0):
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()  # (S, hd)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec, attention: str):
+        super().__init__()
+        h, kv = spec.hidden, spec.kv_dim
+        qkvb = spec.linear_bias or spec.qkv_bias
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        self.rope = spec.position == "rope"
+        self.attention = attention
+        self.wq = nn.Linear(h, h, bias=qkvb)
+        self.wk = nn.Linear(h, kv, bias=qkvb)
+        self.wv = nn.Linear(h, kv, bias=qkvb)
+        self.wo = nn.Linear(h, h, bias=spec.linear_bias)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
+        k = self.wk(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        v = self.wv(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.rope:
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        else:
+            rep = self.heads // self.kv_heads
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, S, S)
+            mask = torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+            y = torch.softmax(scores, dim=-1) @ v
+        y = y.transpose(1, 2).reshape(B, S, -1)  # (B, S, h)
+        return self.wo(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        h, f, b = spec.hidden, spec.ffn_hidden, spec.linear_bias
+        self.kind = spec.mlp
+        if spec.mlp == "swiglu":
+            self.w_gate = nn.Linear(h, f, bias=b)
+            self.w_up = nn.Linear(h, f, bias=b)
+            self.w_down = nn.Linear(f, h, bias=b)
+        else:
+            self.fc = nn.Linear(h, f, bias=b)
+            self.proj = nn.Linear(f, h, bias=b)
+
+    def forward(self, x):
+        if self.kind == "swiglu":
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, spec, attention: str):
+        super().__init__()
+        self.attn_norm = Norm(spec.hidden, spec.norm)
+        self.attn = Attention(spec, attention)
+        self.mlp_norm = Norm(spec.hidden, spec.norm)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Token ids (B, S) and targets (B, S) -> scalar mean cross-entropy loss."""
+
+    def __init__(self, spec, attention: str = "sdpa", checkpointing: str = "none"):
+        super().__init__()
+        self.spec = spec
+        self.checkpointing = checkpointing
+        self.tok_embeddings = nn.Embedding(spec.vocab, spec.hidden)
+        if spec.position == "learned":
+            self.pos_embeddings = nn.Embedding(spec.max_positions, spec.hidden)
+        self.layers = nn.ModuleList(Block(spec, attention) for _ in range(spec.layers))
+        self.norm = Norm(spec.hidden, spec.norm)
+        if not spec.tie_embeddings:
+            self.output = nn.Linear(spec.hidden, spec.vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        B, S = tokens.shape
+        x = self.tok_embeddings(tokens)  # (B, S, h)
+        cos = sin = None
+        if self.spec.position == "learned":
+            x = x + self.pos_embeddings(torch.arange(S, device=tokens.device))
+        else:
+            cos, sin = rope_tables(S, self.spec.head_dim, device=tokens.device)
+        for block in self.layers:
+            if self.checkpointing == "full":
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        x = self.norm(x)
+        weight = self.tok_embeddings.weight if self.spec.tie_embeddings else self.output.weight
+        logits = F.linear(x, weight)  # (B, S, V)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
