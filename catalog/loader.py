@@ -1,0 +1,638 @@
+"""Typed, strict loader for the hardware and model catalog (YAML files under catalog/).
+
+Owns the four entry types (`GPU`, `Interconnect`, `Node`, `ModelEntry`), the unit conversion from
+the YAML keys (`memory_gib`, `line_rate_gbit_per_s`, `latency_us`, ...) to base units (bytes,
+bytes/s, FLOP/s, seconds), and the layering of user catalog directories over the built-in one.
+
+Rules (house style, calculon-ai/calculon `systems/*.json` loaders): every numeric key carries its unit
+as a suffix; unknown keys, numbers without a unit, impossible values (a fraction outside (0, 1],
+zero or negative sizes and rates, non-integer counts), missing required keys, a missing `source:`
+and references to unknown entries are all rejected with a one-line `CatalogError` that names the
+file, the key and what is accepted. Conversion happens once, here.
+
+Nothing is read at import time: `load_catalog()` reads the files on first use and caches the result
+per tuple of directories.
+
+Known limitations: a user directory replaces whole entries (same file stem), it cannot patch one key
+of a built-in entry; duplicate keys inside one YAML file are not detected (PyYAML keeps the last).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "CatalogError", "GPU", "Interconnect", "Node", "ModelEntry", "Catalog", "load_catalog",
+    "clear_cache", "BUILTIN_DIR", "KINDS", "UNIT_SUFFIXES",
+]
+
+BUILTIN_DIR = Path(__file__).resolve().parent
+"""The built-in catalog: this package's folder, with gpus/, interconnects/, nodes/, models/."""
+
+KINDS = ("gpus", "interconnects", "nodes", "models")
+"""Sub-folders of a catalog directory, one per entry type."""
+
+ENV_VAR = "DISTPLAN_CATALOG"
+"""Extra catalog directories, os.pathsep-separated, layered over the built-in catalog."""
+
+
+class CatalogError(ValueError):
+    """A catalog file or lookup is invalid; the message is one line naming the file and key."""
+
+
+# -- units ----------------------------------------------------------------------------------------
+
+# suffix -> (dimension, factor to base units). Checked longest first, so `_gb_per_s` wins over `_gb`.
+UNIT_SUFFIXES: dict[str, tuple[str, float]] = {
+    "_gbit_per_s": ("bytes_per_s", 1e9 / 8),   # 1e9 bits/s
+    "_gb_per_s": ("bytes_per_s", 1e9),         # 1e9 bytes/s
+    "_fraction": ("fraction", 1.0),            # 0 < x <= 1
+    "_tflops": ("flops", 1e12),                # 1e12 FLOP/s
+    "_count": ("count", 1),                    # positive integer
+    "_gib": ("bytes", float(2**30)),           # GiB = 2^30 bytes
+    "_mib": ("bytes", float(2**20)),           # MiB = 2^20 bytes
+    "_gb": ("bytes", 1e9),                     # GB = 1e9 bytes
+    "_us": ("seconds", 1e-6),                  # microseconds
+}
+_SUFFIXES_LONGEST_FIRST = sorted(UNIT_SUFFIXES, key=len, reverse=True)
+_ACCEPTED_UNITS = ", ".join(sorted(UNIT_SUFFIXES))
+
+
+def _split_unit(key: str) -> tuple[str, str] | None:
+    for suffix in _SUFFIXES_LONGEST_FIRST:
+        if key.endswith(suffix) and len(key) > len(suffix):
+            return key[: -len(suffix)], suffix
+    return None
+
+
+# -- entry types ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator as PyTorch sees it (one device = one rank)."""
+
+    name: str
+    """Catalog name (the file stem), e.g. 'h100-sxm'."""
+    aliases: tuple[str, ...]
+    """Other names accepted by lookups (case-insensitive)."""
+    vendor: str
+    """'nvidia' or 'amd'."""
+    memory_bytes: int
+    """Device memory as the vendor states it, in bytes (a 'GB' figure is 1e9, a 'GiB' one 2^30)."""
+    hbm_bytes_per_s: float
+    """Peak device-memory bandwidth, bytes/s."""
+    flops: dict[str, float]
+    """Dense (no sparsity) peak throughput per dtype ('fp32', 'tf32', 'fp16', 'bf16'), FLOP/s."""
+    matmul_efficiency: float
+    """Achievable dense matmul FLOP/s divided by the peak (ml-engineering MAMF table or a stated assumption)."""
+    scale_up_link: str
+    """Interconnect name of the GPU-to-GPU link inside a node (e.g. 'nvlink4', 'pcie4')."""
+    nvlink_links: int | None
+    """NVLink links per GPU, where the GPU has NVLink."""
+    source: tuple[str, ...]
+    """Where the figures come from."""
+    notes: str = ""
+    """Assumptions and caveats."""
+    path: str = ""
+    """The file this entry was read from."""
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype`; CatalogError naming the dtypes this GPU has."""
+        try:
+            return self.flops[dtype]
+        except KeyError:
+            raise CatalogError(
+                f"gpu '{self.name}' has no {dtype!r} throughput; known: {', '.join(sorted(self.flops))}"
+            ) from None
+
+    def achievable_flops(self, dtype: str) -> float:
+        """peak_flops(dtype) x matmul_efficiency."""
+        return self.peak_flops(dtype) * self.matmul_efficiency
+
+    def to_dict(self) -> dict:
+        return _to_dict(self)
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """One link technology: per GPU (intra-node) or per NIC (inter-node), one direction."""
+
+    name: str
+    """Catalog name, e.g. 'nvlink4', 'ib-ndr'."""
+    aliases: tuple[str, ...]
+    """Other names accepted by lookups."""
+    kind: str
+    """One of nvlink, pcie, infiniband, roce, tcp, xgmi."""
+    tier: str
+    """'intra_node' or 'inter_node'."""
+    line_rate_bytes_per_s: float
+    """Line rate, one direction, bytes/s (per GPU intra-node, per NIC inter-node)."""
+    busbw_efficiency: float
+    """Achievable NCCL bus bandwidth for large messages / line rate (nccl-tests `busbw`)."""
+    latency_s: float
+    """Per-step latency (alpha) of a collective, seconds."""
+    half_efficiency_bytes: float
+    """Message size at which achieved bandwidth is half the large-message one: eff(S) = S / (S + this)."""
+    source: tuple[str, ...]
+    """Where the figures come from."""
+    notes: str = ""
+    """Assumptions and caveats."""
+    path: str = ""
+    """The file this entry was read from."""
+
+    @property
+    def busbw_bytes_per_s(self) -> float:
+        """Large-message NCCL bus bandwidth: line rate x busbw_efficiency, bytes/s."""
+        return self.line_rate_bytes_per_s * self.busbw_efficiency
+
+    def efficiency_at(self, message_bytes: float) -> float:
+        """Size-dependent fraction of the large-message bus bandwidth: S / (S + S_half)."""
+        if message_bytes <= 0:
+            return 0.0
+        return message_bytes / (message_bytes + self.half_efficiency_bytes)
+
+    def to_dict(self) -> dict:
+        d = _to_dict(self)
+        d["busbw_bytes_per_s"] = self.busbw_bytes_per_s
+        return d
+
+
+@dataclass(frozen=True)
+class Node:
+    """A node type: N GPUs of one kind, an intra-node link and NICs to the other nodes."""
+
+    name: str
+    """Catalog name, e.g. 'dgx-h100'."""
+    aliases: tuple[str, ...]
+    """Other names accepted by lookups."""
+    gpu: str
+    """GPU catalog name."""
+    gpus_per_node: int
+    """GPUs (ranks) per node."""
+    intra_link: str
+    """Interconnect name inside the node (tier intra_node)."""
+    inter_link: str
+    """Interconnect name of one NIC between nodes (tier inter_node)."""
+    nics_per_node: int
+    """Compute NICs per node (storage NICs not counted)."""
+    source: tuple[str, ...]
+    """Where the figures come from."""
+    notes: str = ""
+    """Assumptions and caveats."""
+    path: str = ""
+    """The file this entry was read from."""
+
+    def to_dict(self) -> dict:
+        return _to_dict(self)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A published model architecture; `arch` holds ModelSpec keyword arguments."""
+
+    name: str
+    """Catalog name, e.g. 'llama-2-7b'."""
+    aliases: tuple[str, ...]
+    """Other names accepted by lookups (e.g. the Hugging Face repo id)."""
+    arch: dict[str, Any]
+    """ModelSpec field name -> value: layers, hidden, heads, kv_heads, ffn_hidden, vocab,
+    max_positions, mlp, norm, position, tie_embeddings, linear_bias, qkv_bias."""
+    params_published: int | None
+    """Parameter count as published / as computed by Hugging Face for this config."""
+    source: tuple[str, ...]
+    """Where the figures come from (the official config.json)."""
+    notes: str = ""
+    """Assumptions and caveats."""
+    path: str = ""
+    """The file this entry was read from."""
+
+    def spec_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `distplan.planner.model.ModelSpec` (arch + name + source)."""
+        return {"name": self.name, **self.arch, "source": "; ".join(self.source)}
+
+    def to_dict(self) -> dict:
+        return _to_dict(self)
+
+
+def _to_dict(entry) -> dict:
+    d = asdict(entry)
+    for k, v in d.items():
+        if isinstance(v, tuple):
+            d[k] = list(v)
+    return d
+
+
+# -- schema ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Kind:
+    numeric: dict[str, tuple[str, bool]]        # base name -> (dimension, required)
+    text: dict[str, bool]                        # key -> required (strings)
+    enums: dict[str, tuple[tuple[str, ...], bool]] = field(default_factory=dict)
+    bools: tuple[str, ...] = ()
+
+
+_COMMON_TEXT = {"name": False, "vendor": False, "notes": False}
+
+_SCHEMA: dict[str, _Kind] = {
+    "gpus": _Kind(
+        numeric={
+            "memory": ("bytes", True),
+            "hbm_bandwidth": ("bytes_per_s", True),
+            "fp32": ("flops", False),
+            "tf32": ("flops", False),
+            "fp16": ("flops", False),
+            "bf16": ("flops", False),
+            "matmul_efficiency": ("fraction", True),
+            "nvlink_links": ("count", False),
+        },
+        text={**_COMMON_TEXT, "vendor": True, "scale_up_link": True},
+        enums={"vendor": (("nvidia", "amd", "intel", "other"), True)},
+    ),
+    "interconnects": _Kind(
+        numeric={
+            "line_rate": ("bytes_per_s", True),
+            "busbw_efficiency": ("fraction", True),
+            "latency": ("seconds", True),
+            "half_efficiency_size": ("bytes", True),
+        },
+        text=dict(_COMMON_TEXT),
+        enums={
+            "kind": (("nvlink", "pcie", "infiniband", "roce", "tcp", "xgmi"), True),
+            "tier": (("intra_node", "inter_node"), True),
+        },
+    ),
+    "nodes": _Kind(
+        numeric={"gpus_per_node": ("count", True), "nics_per_node": ("count", True)},
+        text={**_COMMON_TEXT, "gpu": True, "intra_link": True, "inter_link": True},
+    ),
+    "models": _Kind(
+        numeric={
+            "layers": ("count", True),
+            "hidden": ("count", True),
+            "heads": ("count", True),
+            "kv_heads": ("count", True),
+            "ffn_hidden": ("count", True),
+            "vocab": ("count", True),
+            "max_positions": ("count", True),
+            "params_published": ("count", False),
+        },
+        text=dict(_COMMON_TEXT),
+        enums={
+            "mlp": (("swiglu", "gelu"), True),
+            "norm": (("rmsnorm", "layernorm"), True),
+            "position": (("rope", "learned"), True),
+        },
+        bools=("tie_embeddings", "linear_bias", "qkv_bias"),
+    ),
+}
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
+
+
+# -- parsing one file -----------------------------------------------------------------------------
+
+def _yaml_load(text: str):
+    import yaml  # lazy: the planner imports nothing from here until a lookup is needed
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(text, Loader=loader)
+
+
+def _err(path: Path, key: str | None, msg: str) -> CatalogError:
+    where = f"{path}: key '{key}'" if key else f"{path}"
+    return CatalogError(f"{where}: {msg}")
+
+
+def _parse_file(path: Path, kind: str) -> dict[str, Any]:
+    """Validate one YAML file; return its fields in base units (not yet cross-checked)."""
+    stem = path.stem
+    if not _NAME_RE.match(stem):
+        raise _err(path, None, f"file name {stem!r} is not a catalog name; "
+                   "accepted: lowercase letters, digits, '-' and '.', e.g. 'h100-sxm.yaml'")
+    try:
+        data = _yaml_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise _err(path, None, f"cannot read: {e.strerror or e}") from None
+    except Exception as e:  # yaml.YAMLError; keep it to one line
+        msg = " ".join(str(e).split())
+        raise _err(path, None, f"invalid YAML ({msg})") from None
+    if not isinstance(data, dict):
+        raise _err(path, None, "must be a YAML mapping of key: value")
+
+    schema = _SCHEMA[kind]
+    known_numeric = {base + sfx for base, (dim, _) in schema.numeric.items()
+                     for sfx, (d, _) in UNIT_SUFFIXES.items() if d == dim}
+    known_other = set(schema.text) | set(schema.enums) | set(schema.bools) | {"aliases", "source"}
+    accepted_keys = ", ".join(sorted(
+        [f"{b}_<{'|'.join(s.lstrip('_') for s, (d, _) in UNIT_SUFFIXES.items() if d == dim)}>"
+         for b, (dim, _) in schema.numeric.items()] + sorted(known_other)))
+
+    out: dict[str, Any] = {"name": stem, "path": str(path)}
+    seen_base: dict[str, str] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise _err(path, str(key), f"keys must be strings; accepted: {accepted_keys}")
+        if key in known_numeric:
+            base, suffix = _split_unit(key)  # type: ignore[misc]
+            if base in seen_base:
+                raise _err(path, key, f"duplicates '{seen_base[base]}'; give {base} once, in one unit")
+            seen_base[base] = key
+            out[base] = _convert(path, key, value, suffix)
+        elif key in known_other:
+            out[key] = value
+        else:
+            split = _split_unit(key)
+            if split and split[0] in schema.numeric:
+                dim = schema.numeric[split[0]][0]
+                ok = [split[0] + s for s, (d, _) in UNIT_SUFFIXES.items() if d == dim]
+                raise _err(path, key, f"wrong unit for {split[0]}; accepted: {', '.join(ok)}")
+            if key in schema.numeric:
+                dim = schema.numeric[key][0]
+                ok = [key + s for s, (d, _) in UNIT_SUFFIXES.items() if d == dim]
+                raise _err(path, key, f"a number needs its unit in the key; accepted: {', '.join(ok)}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and split is None:
+                raise _err(path, key, f"a number needs a unit suffix; accepted suffixes: {_ACCEPTED_UNITS}")
+            raise _err(path, key, f"unknown key for {kind}; accepted: {accepted_keys}")
+
+    # source: a non-empty string or list of non-empty strings
+    if "source" not in out:
+        raise _err(path, "source", "missing; every catalog file needs source: (datasheet, URL, paper or file)")
+    src = out["source"]
+    if isinstance(src, str):
+        src = [src]
+    if (not isinstance(src, list) or not src
+            or not all(isinstance(s, str) and s.strip() for s in src)):
+        raise _err(path, "source", "must be a non-empty string or a list of non-empty strings")
+    out["source"] = tuple(s.strip() for s in src)
+
+    aliases = out.get("aliases", [])
+    if isinstance(aliases, str):
+        aliases = [aliases]
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a.strip() for a in aliases):
+        raise _err(path, "aliases", "must be a list of non-empty strings")
+    out["aliases"] = tuple(a.strip() for a in aliases)
+
+    name = data.get("name")
+    if name is not None and (not isinstance(name, str) or name.lower() != stem):
+        raise _err(path, "name", f"{name!r} differs from the file name; accepted: {stem!r} (or omit name)")
+
+    for key, required in schema.text.items():
+        if key == "name":
+            continue
+        if key not in out:
+            if required:
+                raise _err(path, key, "missing (required)")
+            continue
+        if not isinstance(out[key], str) or not out[key].strip():
+            raise _err(path, key, "must be a non-empty string")
+        out[key] = out[key].strip()
+    for key, (choices, required) in schema.enums.items():
+        if key not in out:
+            if required:
+                raise _err(path, key, f"missing (required); accepted: {', '.join(choices)}")
+            continue
+        v = out[key]
+        if not isinstance(v, str) or v.strip().lower() not in choices:
+            raise _err(path, key, f"{v!r} is not accepted; accepted: {', '.join(choices)}")
+        out[key] = v.strip().lower()
+    for key in schema.bools:
+        v = out.get(key, False)
+        if not isinstance(v, bool):
+            raise _err(path, key, f"{v!r} is not a boolean; accepted: true, false")
+        out[key] = v
+    for base, (dim, required) in schema.numeric.items():
+        if required and base not in out:
+            ok = [base + s for s, (d, _) in UNIT_SUFFIXES.items() if d == dim]
+            raise _err(path, ok[0] if len(ok) == 1 else base,
+                       f"missing (required); accepted: {', '.join(ok)}")
+    return out
+
+
+def _convert(path: Path, key: str, value: Any, suffix: str) -> float | int:
+    dim, factor = UNIT_SUFFIXES[suffix]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _err(path, key, f"{value!r} is not a number (write 1.5e9 as 1.5e+9 or 1500000000)")
+    if not math.isfinite(value):
+        raise _err(path, key, f"{value!r} is not finite")
+    if dim == "count":
+        if not isinstance(value, int) or value <= 0:
+            raise _err(path, key, f"{value!r} is not a positive integer")
+        return value
+    if dim == "fraction":
+        if not 0 < value <= 1:
+            raise _err(path, key, f"{value!r} is outside (0, 1]; accepted: 0 < x <= 1")
+        return float(value)
+    if dim == "seconds":
+        if value < 0:
+            raise _err(path, key, f"{value!r} is negative; accepted: >= 0")
+        return value * factor
+    if value <= 0:
+        raise _err(path, key, f"{value!r} must be > 0")
+    if dim == "bytes":
+        return int(round(value * factor))
+    return value * factor
+
+
+# -- building entries -----------------------------------------------------------------------------
+
+def _build(kind: str, f: dict[str, Any]) -> Any:
+    common = dict(name=f["name"], aliases=f["aliases"], source=f["source"],
+                  notes=f.get("notes", ""), path=f["path"])
+    if kind == "gpus":
+        flops = {d: f[d] for d in ("fp32", "tf32", "fp16", "bf16") if d in f}
+        if not flops:
+            raise _err(Path(f["path"]), "bf16_tflops",
+                       "no throughput given; accepted: fp32_tflops, tf32_tflops, fp16_tflops, bf16_tflops")
+        return GPU(vendor=f["vendor"], memory_bytes=f["memory"], hbm_bytes_per_s=f["hbm_bandwidth"],
+                   flops=flops, matmul_efficiency=f["matmul_efficiency"],
+                   scale_up_link=f["scale_up_link"].lower(), nvlink_links=f.get("nvlink_links"),
+                   **common)
+    if kind == "interconnects":
+        return Interconnect(kind=f["kind"], tier=f["tier"], line_rate_bytes_per_s=f["line_rate"],
+                            busbw_efficiency=f["busbw_efficiency"], latency_s=f["latency"],
+                            half_efficiency_bytes=float(f["half_efficiency_size"]), **common)
+    if kind == "nodes":
+        return Node(gpu=f["gpu"].lower(), gpus_per_node=f["gpus_per_node"],
+                    intra_link=f["intra_link"].lower(), inter_link=f["inter_link"].lower(),
+                    nics_per_node=f["nics_per_node"], **common)
+    path = Path(f["path"])
+    if f["hidden"] % f["heads"]:
+        raise _err(path, "heads_count", f"{f['heads']} does not divide hidden_count={f['hidden']}")
+    if f["heads"] % f["kv_heads"]:
+        raise _err(path, "kv_heads_count", f"{f['kv_heads']} does not divide heads_count={f['heads']}")
+    arch = {k: f[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                              "max_positions", "mlp", "norm", "position", "tie_embeddings",
+                              "linear_bias", "qkv_bias")}
+    return ModelEntry(arch=arch, params_published=f.get("params_published"), **common)
+
+
+# -- the catalog ----------------------------------------------------------------------------------
+
+_SINGULAR = {"gpus": "gpu", "interconnects": "interconnect", "nodes": "node", "models": "model"}
+
+
+class Catalog:
+    """All entries, by kind; lookups by name or alias, case-insensitive."""
+
+    def __init__(self, entries: dict[str, dict[str, Any]], dirs: tuple[Path, ...]):
+        self.dirs = dirs
+        """The directories read, built-in first; later ones replace same-named entries."""
+        self._entries = entries
+        self._index: dict[str, dict[str, str]] = {}
+        for kind, by_name in entries.items():
+            idx: dict[str, str] = {}
+            for name, e in by_name.items():
+                idx[name.lower()] = name
+            for name, e in by_name.items():
+                for alias in e.aliases:
+                    a = alias.lower()
+                    if a in idx and idx[a] != name:
+                        raise CatalogError(
+                            f"{e.path}: key 'aliases': {alias!r} is already the name or an alias of "
+                            f"{_SINGULAR[kind]} '{idx[a]}'; accepted: an unused name")
+                    idx[a] = name
+            self._index[kind] = idx
+
+    def names(self, kind: str) -> list[str]:
+        """Sorted entry names of one kind: gpus, interconnects, nodes or models."""
+        return sorted(self._entries[self._kind(kind)])
+
+    def entries(self, kind: str) -> list[Any]:
+        """All entries of one kind, sorted by name."""
+        k = self._kind(kind)
+        return [self._entries[k][n] for n in sorted(self._entries[k])]
+
+    def _kind(self, kind: str) -> str:
+        k = kind.lower()
+        k = {v: key for key, v in _SINGULAR.items()}.get(k, k)
+        if k not in KINDS:
+            raise CatalogError(f"unknown catalog kind {kind!r}; known: {', '.join(KINDS)}")
+        return k
+
+    def _get(self, kind: str, name: str) -> Any:
+        key = str(name).strip().lower()
+        real = self._index[kind].get(key)
+        if real is None:
+            raise CatalogError(
+                f"unknown {_SINGULAR[kind]} {name!r}; known: {', '.join(self.names(kind))}")
+        return self._entries[kind][real]
+
+    def gpu(self, name: str) -> GPU:
+        return self._get("gpus", name)
+
+    def interconnect(self, name: str) -> Interconnect:
+        return self._get("interconnects", name)
+
+    def node(self, name: str) -> Node:
+        return self._get("nodes", name)
+
+    def model(self, name: str) -> ModelEntry:
+        return self._get("models", name)
+
+    def entry(self, name: str) -> Any:
+        """An entry of any kind by name or alias (for `distplan catalog show`)."""
+        key = str(name).strip().lower()
+        hits = [(k, self._index[k][key]) for k in KINDS if key in self._index[k]]
+        if len(hits) == 1:
+            k, real = hits[0]
+            return self._entries[k][real]
+        if hits:
+            raise CatalogError(f"{name!r} is ambiguous: " + ", ".join(
+                f"{_SINGULAR[k]} '{n}'" for k, n in hits) + "; use the kind-specific lookup")
+        known = sorted(n for k in KINDS for n in self._entries[k])
+        raise CatalogError(f"unknown catalog entry {name!r}; known: {', '.join(known)}")
+
+    def kind_of(self, entry: Any) -> str:
+        """'gpus', 'interconnects', 'nodes' or 'models' for an entry object."""
+        return {GPU: "gpus", Interconnect: "interconnects", Node: "nodes", ModelEntry: "models"}[type(entry)]
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{len(self._entries[k])} {k}" for k in KINDS)
+        return f"Catalog({counts}; dirs={[str(d) for d in self.dirs]})"
+
+
+def _cross_check(entries: dict[str, dict[str, Any]]) -> None:
+    """References between entries: node -> gpu and links; gpu -> scale_up_link."""
+    links = entries["interconnects"]
+    link_index = {n.lower(): n for n in links}
+    for e in links.values():
+        for a in e.aliases:
+            link_index.setdefault(a.lower(), e.name)
+    gpu_index = {n.lower(): n for n in entries["gpus"]}
+    for e in entries["gpus"].values():
+        for a in e.aliases:
+            gpu_index.setdefault(a.lower(), e.name)
+
+    def need(index, value, path, key, what, tier=None):
+        real = index.get(value.lower())
+        if real is None:
+            pool = sorted(links if what == "interconnect" else entries["gpus"])
+            raise CatalogError(f"{path}: key '{key}': unknown {what} {value!r}; known: {', '.join(pool)}")
+        if tier and links[real].tier != tier:
+            raise CatalogError(f"{path}: key '{key}': interconnect {real!r} has tier "
+                               f"{links[real].tier}; accepted: a {tier} interconnect")
+
+    for g in entries["gpus"].values():
+        need(link_index, g.scale_up_link, g.path, "scale_up_link", "interconnect", "intra_node")
+    for n in entries["nodes"].values():
+        need(gpu_index, n.gpu, n.path, "gpu", "gpu")
+        need(link_index, n.intra_link, n.path, "intra_link", "interconnect", "intra_node")
+        need(link_index, n.inter_link, n.path, "inter_link", "interconnect", "inter_node")
+
+
+def _read_dirs(dirs: Iterable[Path]) -> dict[str, dict[str, Any]]:
+    entries: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
+    for d in dirs:
+        for kind in KINDS:
+            sub = d / kind
+            if not sub.is_dir():
+                continue
+            for path in sorted(sub.iterdir()):
+                if path.suffix not in (".yaml", ".yml") or not path.is_file():
+                    continue
+                fields = _parse_file(path, kind)
+                entries[kind][fields["name"]] = _build(kind, fields)
+    _cross_check(entries)
+    return entries
+
+
+_CACHE: dict[tuple[Path, ...], Catalog] = {}
+
+
+def _env_dirs() -> list[str]:
+    raw = os.environ.get(ENV_VAR, "")
+    return [p for p in raw.split(os.pathsep) if p.strip()]
+
+
+def load_catalog(extra_dirs: Sequence[str | Path] = ()) -> Catalog:
+    """The built-in catalog, then $DISTPLAN_CATALOG dirs, then `extra_dirs`, each layered over the last.
+
+    A later directory's file replaces an earlier one with the same stem (same kind). Each directory
+    may hold any of the sub-folders gpus/, interconnects/, nodes/, models/. Cached per tuple of dirs.
+    """
+    if isinstance(extra_dirs, (str, Path)):
+        extra_dirs = [extra_dirs]
+    resolved: list[Path] = [BUILTIN_DIR]
+    for raw, origin in [(p, ENV_VAR) for p in _env_dirs()] + [(p, "extra_dirs") for p in extra_dirs]:
+        p = Path(raw).expanduser().resolve()
+        if not p.is_dir():
+            raise CatalogError(f"catalog directory '{raw}' (from {origin}) not found; accepted: a directory "
+                               f"with any of {', '.join(k + '/' for k in KINDS)}")
+        resolved.append(p)
+    key = tuple(resolved)
+    cat = _CACHE.get(key)
+    if cat is None:
+        cat = Catalog(_read_dirs(key), key)
+        _CACHE[key] = cat
+    return cat
+
+
+def clear_cache() -> None:
+    """Forget loaded catalogs (after editing YAML files in a running process)."""
+    _CACHE.clear()
