@@ -31,7 +31,11 @@ class Norm(nn.Module):
     def forward(self, x):
         if self.kind == "layernorm":
             return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Hugging Face LlamaRMSNorm, written out so that every device saves the same tensors.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
 
 
 def rope_tables(seq_len: int, head_dim: int, device=None, base: float = 10000.0):

@@ -1,0 +1,204 @@
+"""Activation memory: the bytes autograd saves in the reference decoder, op by op.
+
+Derived from what `torch.autograd.graph.saved_tensors_hooks` reports on `distplan.validate.model.Decoder`
+(tests/test_activations.py checks every term against it), not from a paper constant. Korthikanti et al.
+2022 (arXiv:2205.05198, Table 2) give `sbh(34 + 5as/h)` for Megatron's GPT block with fused kernels;
+our blocks differ (SwiGLU, RMSNorm in fp32 as Hugging Face writes it, SDPA keeps O(s) statistics), so
+each term below names the op whose backward keeps the tensor.
+
+Three numeric regimes decide the dtypes of saved tensors:
+- `fp32`: everything fp32.
+- `lowp`: the module runs in 16 bits (pure bf16, or FSDP1/FSDP2 mixed precision casting the
+  all-gathered parameters): residual stream 16-bit, norms upcast internally.
+- `autocast`: fp32 parameters under `torch.autocast` (single/ddp/zero1 with *-mixed): residual stream
+  fp32, every Linear saves a 16-bit cast of its input, and the autocast weight cache keeps a 16-bit
+  copy of every Linear weight (and bias) alive from its forward use to its backward.
+
+Per token, per block (n = b*s tokens; h hidden; kv = kv_heads*head_dim; f ffn; a heads; e = 2 or 4
+bytes of the compute dtype; r = 4 (fp32 residual) or 2):
+- RMSNorm (HF): x.float() 4h (saved by pow and mul), rsqrt 4, normalized x*rstd (fp32: 4h; lowp: the
+  16-bit cast saved by `weight *`: 2h; autocast: fp32 4h), output (saved by the next Linear: fp32 4h,
+  lowp 2h; autocast: not saved, each Linear saves its own 16-bit cast 2h).
+- LayerNorm (`native_layer_norm`): input r*h, mean and rstd 8, output as for RMSNorm.
+- attention: q e*h, k and v e*kv after RoPE (saved by SDPA), SDPA output e*h and logsumexp 4a
+  (`_scaled_dot_product_flash_attention*` backward); the output's (B, S, nh, hd) layout makes the
+  reshape for wo free. Eager: q e*h, K/V repeated to all heads 2*e*h, softmax output e*a*s (per
+  token), the causal mask s*s bytes per block, and the contiguous copy for wo e*h. CUDA autocast runs
+  softmax in fp32 (`autocast_mode.cpp` fp32 list), so there the probabilities are saved in fp32 and
+  again as a 16-bit cast for the second matmul.
+- MLP: SwiGLU gate, up, silu(gate), product: 4*e*f; GELU: fc output and gelu output: 2*e*f.
+- RoPE cos/sin tables (s*head_dim each): fp32 shared by all blocks, or a 16-bit copy per block.
+Outside the blocks: token ids and targets (int64), the embedding output when it feeds the first norm,
+final norm, the LM head's input, and `log_softmax`'s fp32 output n*V*4 for the loss.
+
+Checkpointing: `full` (`torch.utils.checkpoint`, non-reentrant, per block) keeps each block's input
+and recomputes the block inside backward; `selective` is op-level selective checkpointing
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that saves the outputs of `mm`/`addmm`
+and SDPA and recomputes everything else (norms, RoPE, activations, the eager attention core).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import TrainConfig
+
+
+def regime_for(train: TrainConfig, family: str) -> str:
+    """Which numeric regime a strategy family runs the reference model in."""
+    p = train.prec
+    if not p.mixed:
+        return "fp32" if p.compute_bytes == 4 else "lowp"
+    return "lowp" if family in ("fsdp1", "fsdp2") else "autocast"
+
+
+@dataclass(frozen=True)
+class ActivationBreakdown:
+    """Bytes of saved activations for one micro-batch on one rank."""
+
+    per_block: int
+    """Saved by one block (no checkpointing), excluding RoPE tables shared across blocks."""
+    blocks_total: int
+    """All blocks, as kept through forward under the checkpointing mode."""
+    outside: int
+    """Embedding, inputs, final norm, LM head input (not the loss's log_softmax)."""
+    loss_saved: int
+    """log_softmax output saved for the loss backward (fp32, n*V*4)."""
+    weight_cache: int
+    """autocast's 16-bit copies of Linear weights, alive forward -> backward (0 unless autocast)."""
+    recompute_block: int
+    """Extra bytes alive while one checkpointed block is recomputed in backward."""
+    logits_transient: int
+    """Live at the loss in forward beyond loss_saved: 16-bit logits and their fp32 copy."""
+
+    @property
+    def total(self) -> int:
+        return self.blocks_total + self.outside + self.loss_saved + self.weight_cache
+
+
+def _norm_saved(train: TrainConfig, regime: str, n: int, consumers: int, device: str) -> int:
+    """Bytes a pre-norm keeps for backward, including its output as the next Linear(s) save it."""
+    h = train.model.hidden
+    res = 4 if regime in ("fp32", "autocast") else 2
+    e = 4 if regime == "fp32" else 2
+    if train.model.norm == "rmsnorm":
+        body = 4 * h + 4 + (2 * h if regime == "lowp" else 4 * h)  # x.float(), rsqrt, x*rstd
+    else:
+        # native_layer_norm saves input, mean, rstd; mean/rstd are fp32 on CUDA (accumulate type,
+        # aten/src/ATen/native/cuda/layer_norm_kernel.cu) but in the input dtype on CPU (LayerNorm.cpp).
+        stats = 8 if device == "cuda" else 2 * res
+        body = res * h + stats
+    if regime == "autocast":
+        out = consumers * 2 * h  # each Linear saves its own 16-bit cast of the fp32 output
+    else:
+        out = e * h
+    return n * (body + out)
+
+
+def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
+    m = train.model
+    h, a, kv = m.hidden, m.heads, m.kv_dim
+    e = 4 if regime == "fp32" else 2
+    b, s = train.micro_batch, train.seq_len
+    if train.attention == "sdpa":
+        return n * (e * (h + 2 * kv) + e * h + 4 * a)
+    probs = b * a * s * s
+    saved = n * e * (h + 2 * h + h) + s * s  # q, K/V repeated, y copy for wo; bool causal mask
+    if regime == "autocast" and device == "cuda":
+        saved += probs * (4 + 2)  # softmax in fp32 on CUDA autocast, then cast for the matmul
+    else:
+        saved += probs * e
+    return saved
+
+
+def _mlp_saved(train: TrainConfig, regime: str, n: int) -> int:
+    e = 4 if regime == "fp32" else 2
+    f = train.model.ffn_hidden
+    return n * e * f * (4 if train.model.mlp == "swiglu" else 2)
+
+
+def _rope_tables(train: TrainConfig, regime: str) -> tuple[int, int]:
+    """(shared fp32 bytes, per-block 16-bit copy bytes) of the cos/sin tables."""
+    if train.model.position != "rope":
+        return 0, 0
+    table = train.seq_len * train.model.head_dim
+    if regime == "fp32":
+        return 2 * table * 4, 0
+    return 0, 2 * table * 2
+
+
+def linear_weight_elems(train: TrainConfig) -> int:
+    """Elements of every Linear weight (and the tied LM head): the casts autocast's backward keeps.
+
+    Biases are cast too but `addmm`'s backward does not save them, so they die with the autocast
+    region (before backward) and are not counted here.
+    """
+    m = train.model
+    total = 0
+    for unit in m.param_inventory():
+        for name, shape in unit.params:
+            if "norm" in name or "embeddings" in name or name.endswith(".bias"):
+                continue
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+    if m.tie_embeddings:
+        total += m.vocab * m.hidden
+    return total
+
+
+def block_saved(train: TrainConfig, regime: str, device: str = "cuda") -> int:
+    """Bytes one block saves for backward with no checkpointing (RoPE tables excluded)."""
+    n = train.micro_batch * train.seq_len
+    mlp_consumers = 2 if train.model.mlp == "swiglu" else 1
+    _, rope_per_block = _rope_tables(train, regime)
+    return (_norm_saved(train, regime, n, 3, device) + _attention_saved(train, regime, n, device)
+            + _norm_saved(train, regime, n, mlp_consumers, device) + _mlp_saved(train, regime, n)
+            + rope_per_block)
+
+
+def _selective_block_saved(train: TrainConfig, regime: str) -> int:
+    """Op-level SAC: outputs of mm/addmm (7 or 6 Linears) and SDPA (output + logsumexp)."""
+    m = train.model
+    n = train.micro_batch * train.seq_len
+    e = 4 if regime == "fp32" else 2
+    h, kv, f = m.hidden, m.kv_dim, m.ffn_hidden
+    mm = h + 2 * kv + h + (2 * f + h if m.mlp == "swiglu" else f + h)
+    saved = n * e * mm
+    if train.attention == "sdpa":
+        saved += n * (e * h + 4 * m.heads)
+    return saved
+
+
+def activations(train: TrainConfig, family: str, device: str = "cuda") -> ActivationBreakdown:
+    m = train.model
+    regime = regime_for(train, family)
+    n = train.micro_batch * train.seq_len
+    h, v = m.hidden, m.vocab
+    e = 4 if regime == "fp32" else 2
+    res = 4 if regime in ("fp32", "autocast") else 2
+    shared_rope, _ = _rope_tables(train, regime)
+
+    per_block = block_saved(train, regime, device)
+    if train.checkpointing == "none":
+        blocks_total = m.layers * per_block + shared_rope
+        recompute = 0
+    elif train.checkpointing == "full":
+        blocks_total = m.layers * n * res * h + shared_rope  # each block's input
+        recompute = per_block
+    else:
+        blocks_total = m.layers * (_selective_block_saved(train, regime) + n * res * h) + shared_rope
+        recompute = per_block - _selective_block_saved(train, regime)
+
+    # Token ids (embedding backward) and targets (nll_loss), int64; positions for learned embeddings.
+    outside = 2 * n * 8 + (train.seq_len * 8 if m.position == "learned" else 0)
+    # Final norm and the LM head's input (the norm's output, or autocast's 16-bit cast of it).
+    outside += _norm_saved(train, regime, n, 1, device)
+    # `x = tok_embeddings(tokens)`: fp32 when the embedding is fp32, saved by the first RMSNorm only
+    # through x.float() (regime fp32/autocast: the same tensor; lowp: a new fp32 copy counted there).
+    loss_saved = n * v * 4
+    weight_cache = 2 * linear_weight_elems(train) if regime == "autocast" else 0
+    logits_transient = n * v * e + (0 if e == 4 else n * v * 4)
+    return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache,
+                               recompute, logits_transient)
