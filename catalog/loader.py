@@ -417,7 +417,8 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
 def _convert(path: Path, key: str, value: Any, suffix: str) -> float | int:
     dim, factor = UNIT_SUFFIXES[suffix]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _err(path, key, f"{value!r} is not a number (write 1.5e9 as 1.5e+9 or 1500000000)")
+        hint = " (YAML reads 1e9 as text: write 1.0e+9, and no quotes)" if isinstance(value, str) else ""
+        raise _err(path, key, f"{value!r} is not a number{hint}")
     if not math.isfinite(value):
         raise _err(path, key, f"{value!r} is not finite")
     if dim == "count":
@@ -433,7 +434,7 @@ def _convert(path: Path, key: str, value: Any, suffix: str) -> float | int:
             raise _err(path, key, f"{value!r} is negative; accepted: >= 0")
         return value * factor
     if value <= 0:
-        raise _err(path, key, f"{value!r} must be > 0")
+        raise _err(path, key, f"{value!r} must be > 0; accepted: a positive number")
     if dim == "bytes":
         return int(round(value * factor))
     return value * factor
@@ -576,7 +577,7 @@ def _cross_check(entries: dict[str, dict[str, Any]]) -> None:
             raise CatalogError(f"{path}: key '{key}': unknown {what} {value!r}; known: {', '.join(pool)}")
         if tier and links[real].tier != tier:
             raise CatalogError(f"{path}: key '{key}': interconnect {real!r} has tier "
-                               f"{links[real].tier}; accepted: a {tier} interconnect")
+                               f"{links[real].tier}; accepted: an interconnect with tier {tier}")
 
     for g in entries["gpus"].values():
         need(link_index, g.scale_up_link, g.path, "scale_up_link", "interconnect", "intra_node")
