@@ -1,0 +1,449 @@
+"""`distplan validate`: run real probes and compare them with the planner's prediction.
+
+Owns the command's options, its checks of user input (exit 2, one line naming the flag), the header that
+says where probes run, the progress line, the tables and the exit code (0 all PASS, 1 any FAIL, 130 on
+Ctrl-C). The work itself lives in `distplan.validate` (runner, matrix, results, compare), imported
+inside the command so that `distplan --help` and `distplan estimate` never import torch.
+
+Known limitations: `--matrix` uses its own model shapes (model flags are refused with it); across nodes
+(`--nnodes`) the same command must be started on every node and only rank 0's node gets results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import sys
+
+import click
+
+from .config import ATTENTION, CHECKPOINTING
+from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+from .strategies import NAMES, get_strategy
+from .units import fmt_bytes
+
+MODEL_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
+COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
+RAM_FRACTION = 0.5
+"""A user-given model must fit in this fraction of free RAM (CPU), across all local ranks."""
+
+
+def _strategies(ctx, param, values):
+    out = []
+    for v in values or ():
+        for part in str(v).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if part.lower() == "all":
+                out.extend(NAMES)
+                continue
+            try:
+                out.append(get_strategy(part).name)
+            except ValueError:
+                raise click.BadParameter(f"{part!r} is not a strategy; accepted: all, {', '.join(NAMES)}")
+    return tuple(dict.fromkeys(out))
+
+
+def _positive_int(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter(f"{value} must be a positive integer (>= 1)")
+    return value
+
+
+def _tolerance(ctx, param, value):
+    if not (0 < value < 100):
+        raise click.BadParameter(f"{value:g} is not a percentage in (0, 100), e.g. 5 for 5%")
+    return value
+
+
+def _timeout(ctx, param, value):
+    if value is not None and not value > 0:
+        raise click.BadParameter(f"{value:g} must be a positive number of seconds")
+    return value
+
+
+@click.command("validate")
+@click.option("--strategy", "strategies", multiple=True, callback=_strategies, metavar="NAME",
+              help=f"Strategy to probe (repeatable, comma-separated, or 'all'; default all): {', '.join(NAMES)}.")
+@click.option("--model", default=None, help="Catalog model name (must fit this machine).")
+@click.option("--params", default=None, help="Parameter count such as 50M (scaled Llama shape; must fit this machine).")
+@click.option("--hf-config", default=None, type=click.Path(dir_okay=False),
+              help="A Hugging Face config.json to read the architecture from.")
+@click.option("--layers", type=int, default=None, callback=_positive_int)
+@click.option("--hidden", type=int, default=None, callback=_positive_int)
+@click.option("--heads", type=int, default=None, callback=_positive_int)
+@click.option("--kv-heads", type=int, default=None, callback=_positive_int)
+@click.option("--ffn-hidden", type=int, default=None, callback=_positive_int)
+@click.option("--vocab", type=int, default=None, callback=_positive_int)
+@click.option("--seq-len", type=int, default=None, callback=_positive_int, help="Default 64 on CPU, 256 on GPU.")
+@click.option("--micro-batch", type=int, default=2, show_default=True, callback=_positive_int)
+@click.option("--grad-accum", type=int, default=1, show_default=True, callback=_positive_int)
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="Default fp32 on CPU, bf16-mixed on GPU (fp16-mixed without bf16).")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True)
+@click.option("--optimizer-impl", type=click.Choice(OPTIMIZER_IMPLS), default="foreach", show_default=True)
+@click.option("--activation-checkpointing", "checkpointing", type=click.Choice(CHECKPOINTING), default="none",
+              show_default=True)
+@click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True)
+@click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "
+              "x checkpointing x precision) instead of one probe per strategy.")
+@click.option("--simulate-world-size", type=int, default=None, callback=_positive_int, metavar="N",
+              help="Run as rank 0 of N ranks on the fake process group (collectives counted, not executed).")
+@click.option("--nproc", type=int, default=None, callback=_positive_int,
+              help="Processes per node (default: the GPUs here, or 2 gloo ranks on CPU).")
+@click.option("--nnodes", type=int, default=1, show_default=True, callback=_positive_int)
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="Rendezvous endpoint for --nnodes > 1.")
+@click.option("--tolerance", type=float, default=5.0, show_default=True, callback=_tolerance,
+              help="Allowed |peak error| in percent (components: twice this, or 64 KiB).")
+@click.option("--out", "out_path", default="distplan-results.jsonl", show_default=True,
+              type=click.Path(dir_okay=False), help="JSON-lines file; one record appended per probe.")
+@click.option("--resume", is_flag=True, help="Skip probes whose id (same inputs) already has a final record in --out.")
+@click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, callback=_timeout,
+              help="Seconds per probe before its process group is killed.")
+@click.option("--steps", type=int, default=3, show_default=True, callback=_positive_int,
+              help="Training steps per probe (after one warm-up step).")
+@click.option("--jobs", type=int, default=None, callback=_positive_int,
+              help="CPU slots for concurrent probes (a gloo probe takes one per rank; default: CPU cores, "
+                   "1 on GPU machines).")
+@click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON object.")
+@click.option("--probe-cmd", default=None, hidden=True, help="Replace the probe launcher (tests).")
+@click.pass_context
+def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, heads, kv_heads, ffn_hidden,
+                     vocab, seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
+                     checkpointing, attention, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
+                     tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
+    """Run real torchrun probes and compare measured memory and collectives with the prediction.
+
+    Where probes run: GPUs here -> torchrun + NCCL, one rank per GPU; --simulate-world-size N -> one
+    process as rank 0 of N on the fake process group; no GPU -> CPU, gloo, 2 processes. Every probe is
+    appended to --out the moment it ends.
+    """
+    from distplan.validate import matrix as mx
+    from distplan.validate import runner
+    from distplan.validate.compare import rule_text
+    from distplan.validate.results import ResultsFile
+
+    overrides = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
+                     vocab=vocab)
+    user_model = any(v is not None for v in (model, params, hf_config, *overrides.values()))
+    if matrix and user_model:
+        given = [f"--{k.replace('_', '-')}" for k, v in dict(model=model, params=params, hf_config=hf_config,
+                                                              **overrides).items() if v is not None]
+        raise click.UsageError(f"{', '.join(given)}: --matrix runs its own model shapes; drop "
+                               f"{'it' if len(given) == 1 else 'them'} or drop --matrix")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise click.BadParameter(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)",
+                                 param_hint="'--rdzv-endpoint'")
+    strategies = strategies or tuple(NAMES)
+    tol = tolerance / 100.0
+    err = sys.stderr
+
+    hw = runner.detect_hardware()
+    if hw.get("error"):
+        raise click.ClickException(f"distplan validate needs torch ({hw['error']}); "
+                                   f"install it with: pip install 'distplan[validate]'")
+    device = "gpu" if hw.get("gpus") else "cpu"
+    if jobs is None:
+        jobs = 1 if device == "gpu" else max(1, min(8, int(hw.get("cpu_count") or os.cpu_count() or 1)))
+    try:
+        mode, world = runner.choose_mode(hw, simulate_world_size, nproc, nnodes)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--nproc'")
+
+    if matrix:
+        specs = mx.standard_matrix(hw, strategies, fake_world=simulate_world_size, steps=steps)
+        model_label = ", ".join(mx.shapes_for(device))
+    else:
+        spec_model = _resolve_model(model, params, hf_config, overrides, device)
+        if precision is None:
+            precision = mx.matrix_precisions(hw)[0]
+        if precision in ("bf16-mixed", "bf16") and device == "gpu" and not hw.get("bf16", True):
+            raise click.BadParameter(f"{precision!r}: this GPU has no bf16; accepted here: fp32, fp16-mixed",
+                                     param_hint="'--precision'")
+        train = dict(seq_len=seq_len or (mx.TRAIN_GPU if device == "gpu" else mx.TRAIN_CPU)["seq_len"],
+                     micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
+                     optimizer_impl=optimizer_impl, checkpointing=checkpointing, attention=attention)
+        if spec_model.get("position") == "learned" and train["seq_len"] > spec_model.get("max_positions", 0):
+            raise click.BadParameter(f"{train['seq_len']} exceeds the model's {spec_model['max_positions']} "
+                                     f"learned positions", param_hint="'--seq-len'")
+        specs = []
+        for s in strategies:
+            if s == "single":
+                m, w = ("gpu" if device == "gpu" else "cpu"), 1
+            else:
+                m, w = mode, world
+            specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, **train))
+        model_label = spec_model["name"]
+        if user_model:
+            _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
+
+    modes = list(dict.fromkeys((s["mode"], s["world_size"]) for s in specs))
+    header = ["distplan validate: " + f"{len(specs)} probe{'s' if len(specs) != 1 else ''}, model {model_label}"]
+    header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]
+    header.append(f"  {rule_text(tol)}")
+    header.append(f"  results -> {out_path}" + (" (resume)" if resume else ""))
+    click.echo("\n".join(header), file=err if as_json else None)
+
+    progress = _Progress(len(specs), err)
+    results = ResultsFile(out_path)
+    try:
+        records = runner.run_validation(
+            specs, out_path, tolerance=tol, timeout_s=timeout_s,
+            probe_cmd=shlex.split(probe_cmd) if probe_cmd else None, nnodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint, resume=resume, jobs=jobs, on_event=progress.event, results=results)
+    except KeyboardInterrupt:
+        progress.clear()
+        click.echo(f"interrupted: {results.appended} probe{'s' if results.appended != 1 else ''} saved to "
+                   f"{out_path}; run again with --resume to continue", file=err)
+        ctx.exit(130)
+    progress.clear()
+
+    failed = [r for r in records if r.get("verdict") != "PASS"]
+    if as_json:
+        report = {"out": out_path, "tolerance": tol, "rule": rule_text(tol),
+                  "where": [runner.describe_mode(m, w, hw) for m, w in modes],
+                  "probes": records, "summary": summarize(records) if len(records) > 1 else None,
+                  "passed": len(records) - len(failed), "failed": len(failed), "ok": not failed}
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        click.echo(render_table(records))
+        if len(records) == 1:
+            click.echo(render_detail(records[0]))
+        if matrix or len(records) > 1:
+            click.echo(render_summary(records))
+        click.echo(f"{len(records) - len(failed)}/{len(records)} PASS"
+                   + (f"; {len(failed)} FAIL" if failed else "") + f"; records in {out_path}")
+    ctx.exit(1 if failed else 0)
+
+
+# -- model resolution and fit check -----------------------------------------------------------------
+
+def _resolve_model(model, params, hf_config, overrides: dict, device: str) -> dict:
+    """The spec's model dict: `distplan estimate`'s resolution, or the matrix's small Llama by default."""
+    from distplan.validate import matrix as mx
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if model is None and params is None and hf_config is None:
+        name = "llama-small" if device == "gpu" else "llama-tiny"
+        base = dict(mx.shapes_for(device)[name], name=name)
+        if given:
+            base.update(given)
+            base["name"] = name + "(" + ",".join(f"{k}={v}" for k, v in given.items()) + ")"
+            if "heads" in given and "kv_heads" not in given and base["heads"] % base["kv_heads"]:
+                base["kv_heads"] = base["heads"]
+        return _checked_model(base)
+    try:
+        from distplan.planner import api
+        resolve = api.resolve_model
+    except (ImportError, AttributeError):
+        raise click.UsageError("--model/--params/--hf-config need distplan.planner.api.resolve_model, "
+                               "which this installation lacks; give --layers/--hidden/... instead")
+    try:
+        spec = resolve(model=model, params=params, hf_config=hf_config, overrides=given)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    return mx.model_dict(spec)
+
+
+def _checked_model(d: dict) -> dict:
+    from .model import ModelSpec
+
+    fields = set(ModelSpec.__dataclass_fields__)
+    try:
+        return ModelSpec(**{k: v for k, v in d.items() if k in fields}).to_dict()
+    except ValueError as e:
+        raise click.UsageError(str(e))
+
+
+def _check_fits(specs: list[dict], hw: dict, nnodes: int, **flags) -> None:
+    """A user-given model must fit this machine: predicted peak per rank x local ranks <= half the free
+    RAM (CPU ranks, fake rank 0) or <= the GPU's memory (GPU ranks)."""
+    flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), "the model")
+    for spec in specs:
+        try:
+            from distplan.planner.api import predict_probe
+            peak = int(predict_probe(spec)["memory"]["peak_allocated"])
+        except Exception:
+            n = _param_count(spec["model"])
+            peak = 16 * n  # fp32 params + grads + Adam's two states, unsharded
+        if spec["mode"] == "gpu" or (spec["mode"] == "fake" and hw.get("gpus")):
+            cap = min(hw.get("gpu_memory_bytes") or [0])
+            local = 1
+            where = f"one {hw.get('gpu_names', ['GPU'])[0]} ({fmt_bytes(cap)})"
+        else:
+            ram = hw.get("ram_bytes")
+            if not ram:
+                continue
+            cap = int(RAM_FRACTION * ram)
+            local = 1 if spec["mode"] == "fake" else max(1, spec["world_size"] // max(1, nnodes))
+            where = f"half the free RAM ({fmt_bytes(cap)}) across {local} local rank{'s' if local > 1 else ''}"
+        if cap and peak * local > cap:
+            raise click.UsageError(
+                f"{flag}: probe {spec['id']} needs about {fmt_bytes(peak)} per rank, more than {where}; "
+                f"validate a smaller model (e.g. --params 20M, or --layers/--hidden) and let "
+                f"`distplan estimate` extrapolate")
+
+
+def _param_count(model: dict) -> int:
+    from .model import ModelSpec
+
+    fields = set(ModelSpec.__dataclass_fields__)
+    return ModelSpec(**{k: v for k, v in model.items() if k in fields}).param_count()
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+class _Progress:
+    """One updating line on a terminal; one line per finished probe otherwise."""
+
+    def __init__(self, total: int, stream):
+        self.total, self.stream, self.done, self.running = total, stream, 0, []
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self._width = 0
+
+    def event(self, kind, index, spec, record):
+        if kind == "start":
+            self.running.append(spec["id"])
+        elif kind in ("done", "skip"):
+            self.done += 1
+            if spec["id"] in self.running:
+                self.running.remove(spec["id"])
+            line = (f"[{self.done}/{self.total}] {spec['id']}: "
+                    + ("resumed " if kind == "skip" else "")
+                    + f"{record.get('status')} {record.get('verdict')}"
+                    + (f" ({record['measurement'].get('wall_s'):.1f} s)" if kind == "done"
+                       and record["measurement"].get("wall_s") is not None else ""))
+            if self.tty:
+                self._write("\r" + " " * self._width + "\r" + line + "\n")
+                self._width = 0
+            else:
+                self._write(line + "\n")
+        if self.tty and self.running:
+            bar_n = 20 * self.done // max(1, self.total)
+            line = f"[{'#' * bar_n}{'.' * (20 - bar_n)}] {self.done}/{self.total} running {', '.join(self.running)}"
+            line = line[:150]
+            self._write("\r" + line + " " * max(0, self._width - len(line)))
+            self._width = len(line)
+
+    def clear(self):
+        if self.tty and self._width:
+            self._write("\r" + " " * self._width + "\r")
+            self._width = 0
+
+    def _write(self, s):
+        self.stream.write(s)
+        self.stream.flush()
+
+
+def _pct(e) -> str:
+    return "n/a" if e is None else f"{e * 100:+.1f}%"
+
+
+def _b(n) -> str:
+    return "-" if n is None else fmt_bytes(n)
+
+
+def _row(rec: dict) -> list:
+    spec, cmp = rec.get("inputs") or {}, rec.get("comparison") or {}
+    peak = cmp.get("peak") or {}
+    pred_peak = peak.get("predicted", ((rec.get("prediction") or {}).get("memory") or {}).get("peak_allocated"))
+    meas_peak = peak.get("measured", ((rec.get("measurement") or {}).get("memory") or {}).get("peak_allocated"))
+    worst = cmp.get("worst_component")
+    worst_s = f"{worst} {_pct(cmp.get('worst_component_error'))}" if worst else "-"
+    coll = cmp.get("collectives")
+    coll_s = "-" if not coll or coll.get("exact") is None else ("exact" if coll["exact"] else "DIFF")
+    status = rec.get("status")
+    if status == "oom":
+        meas_s = "OOM"
+    else:
+        meas_s = _b(meas_peak) if status == "ok" else status
+    world = f"{spec.get('world_size')}" + (" fake" if spec.get("mode") == "fake" else "")
+    reason = "" if rec.get("verdict") == "PASS" else "; ".join(cmp.get("reasons") or [])[:70]
+    return [spec.get("strategy"), (spec.get("model") or {}).get("name"), world,
+            (spec.get("train") or {}).get("checkpointing"), (spec.get("train") or {}).get("precision"),
+            _b(pred_peak), meas_s, _pct(peak.get("error")), worst_s, coll_s,
+            rec.get("verdict") + (" (resumed)" if rec.get("resumed") else ""), reason]
+
+
+def render_table(records: list[dict]) -> str:
+    from tabulate import tabulate
+
+    headers = ["strategy", "model", "world", "ckpt", "precision", "pred peak", "meas peak", "error",
+               "worst component", "collectives", "verdict", "why"]
+    return tabulate([_row(r) for r in records], headers=headers, disable_numparse=True)
+
+
+def render_detail(rec: dict) -> str:
+    """Per-component predicted vs measured, and the collective table, for one probe."""
+    from tabulate import tabulate
+
+    cmp = rec.get("comparison") or {}
+    out = []
+    comps = cmp.get("components") or {}
+    if comps:
+        rows = []
+        for name in COMPONENTS:
+            c = comps.get(name) or {}
+            ok = "unmeasured" if c.get("unmeasured") else ("ok" if c.get("ok") else "OUT")
+            rows.append([name, _b(c.get("predicted")), _b(c.get("measured")), _pct(c.get("error")),
+                         _b(c.get("abs_error_bytes")), ok])
+        p = cmp.get("peak") or {}
+        rows.append(["peak_allocated", _b(p.get("predicted")), _b(p.get("measured")), _pct(p.get("error")),
+                     _b(p.get("abs_error_bytes")),
+                     f"{'ok' if p.get('ok') else 'OUT'} ({p.get('predicted_phase')} / {p.get('measured_phase')})"])
+        out.append("\nmemory (bytes on the most loaded rank)")
+        out.append(tabulate(rows, headers=["component", "predicted", "measured", "error", "abs diff", "judged"],
+                            disable_numparse=True))
+    coll = cmp.get("collectives") or {}
+    if coll.get("rows"):
+        rows = [[r["op"], r["group_size"], r["dtype"], _b(r["message_bytes"]), r["predicted_calls"],
+                 r["measured_calls"], "yes" if r["match"] else "NO"] for r in coll["rows"]]
+        out.append("\ncollectives per probe run (matched by op, group, dtype, message bytes)")
+        out.append(tabulate(rows, headers=["op", "group", "dtype", "message", "predicted calls",
+                                           "counted calls", "match"], disable_numparse=True))
+    st = cmp.get("step_time") or {}
+    if st.get("measured") is not None or st.get("predicted") is not None:
+        out.append(f"\nstep time: predicted {st.get('predicted')}, measured {st.get('measured')} s "
+                   f"(reported, not judged)")
+    if cmp.get("reasons"):
+        out.append("\n" + "\n".join(f"  - {r}" for r in cmp["reasons"]))
+    return "\n".join(out)
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per strategy: probes, passes, and median/max |error| of the peak and each component."""
+    by: dict[str, list[dict]] = {}
+    for r in records:
+        by.setdefault((r.get("inputs") or {}).get("strategy"), []).append(r)
+    out = {}
+    for strategy, recs in by.items():
+        row = {"probes": len(recs), "pass": sum(r.get("verdict") == "PASS" for r in recs)}
+        for name in ("peak",) + COMPONENTS:
+            errs = []
+            for r in recs:
+                cmp = r.get("comparison") or {}
+                cell = cmp.get("peak") if name == "peak" else (cmp.get("components") or {}).get(name)
+                if cell and cell.get("error") is not None:
+                    errs.append(abs(cell["error"]))
+            row[name] = ({"median_abs_error": statistics.median(errs), "max_abs_error": max(errs)}
+                         if errs else None)
+        out[strategy] = row
+    return out
+
+
+def render_summary(records: list[dict]) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for strategy, row in summarize(records).items():
+        cells = []
+        for name in ("peak",) + COMPONENTS:
+            s = row[name]
+            cells.append("-" if s is None else
+                         f"{s['median_abs_error'] * 100:.1f} / {s['max_abs_error'] * 100:.1f}")
+        rows.append([strategy, f"{row['pass']}/{row['probes']}"] + cells)
+    return ("\nsummary: median / max |error| in % per strategy\n"
+            + tabulate(rows, headers=["strategy", "pass", "peak", *COMPONENTS], disable_numparse=True))

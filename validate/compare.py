@@ -1,0 +1,158 @@
+"""Compare the planner's prediction for one probe with what the probe measured.
+
+Owns the accuracy numbers and the PASS/FAIL rule of `distplan validate`:
+
+- error = (predicted - measured) / measured, per memory component and for the peak; 0 when both are 0,
+  None when only the measurement is 0 (undefined; judged by the absolute floor). The absolute
+  difference in bytes is reported next to every ratio.
+- Collectives are matched by (op, group_size, dtype, message_bytes); predicted calls vs counted calls,
+  every key equal = exact.
+- PASS when |peak error| <= tolerance (default 5%), every measured component is within 2 x tolerance
+  *or* within an absolute floor of 64 KiB (a component that is tiny next to the peak is dominated by
+  allocator rounding and small tensors, so its ratio is noise), and the collectives are exact.
+- A measured OOM agrees with a prediction that says it does not fit (`fits: False`), and disagrees
+  otherwise; a probe that timed out, crashed or raised is a FAIL with its reason.
+
+Known limitations: step time is reported (error when both sides have one) but never judged: on CPU and on
+the fake process group nothing comparable is timed. Components the probe lists in `unmeasured` are shown
+as such and not judged.
+"""
+
+from __future__ import annotations
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
+DEFAULT_TOLERANCE = 0.05
+ABS_FLOOR_BYTES = 64 * 2**10
+RULE = ("PASS = |peak error| <= {tol:.0%}, every component within {ctol:.0%} or within {floor} KiB "
+        "absolute (components tiny next to the peak are noise), collectives exact")
+
+
+def rule_text(tolerance: float = DEFAULT_TOLERANCE) -> str:
+    return RULE.format(tol=tolerance, ctol=2 * tolerance, floor=ABS_FLOOR_BYTES // 2**10)
+
+
+def rel_error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured; 0.0 when both are 0; None when undefined."""
+    if predicted is None or measured is None:
+        return None
+    if measured == 0:
+        return 0.0 if predicted == 0 else None
+    return (predicted - measured) / measured
+
+
+def _cell(predicted, measured, tol: float, floor: int | None) -> dict:
+    err = rel_error(predicted, measured)
+    abs_err = None if predicted is None or measured is None else int(predicted - measured)
+    ok = err is not None and abs(err) <= tol
+    if floor is not None and abs_err is not None and abs(abs_err) <= floor:
+        ok = True
+    return {"predicted": predicted, "measured": measured, "error": err, "abs_error_bytes": abs_err, "ok": ok}
+
+
+def _coll_key(c: dict) -> tuple:
+    return (c["op"], int(c["group_size"]), str(c["dtype"]), int(c["message_bytes"]))
+
+
+def compare_collectives(predicted: list[dict], measured: list[dict]) -> dict:
+    """Match by (op, group_size, dtype, message_bytes); calls summed per key on each side."""
+    pred: dict[tuple, int] = {}
+    meas: dict[tuple, int] = {}
+    for c in predicted or []:
+        pred[_coll_key(c)] = pred.get(_coll_key(c), 0) + int(c.get("calls", 0))
+    for c in measured or []:
+        meas[_coll_key(c)] = meas.get(_coll_key(c), 0) + int(c.get("calls", 0))
+    rows = []
+    for key in sorted(set(pred) | set(meas), key=lambda k: (k[0], k[1], k[2], -k[3])):
+        p, m = pred.get(key, 0), meas.get(key, 0)
+        rows.append({"op": key[0], "group_size": key[1], "dtype": key[2], "message_bytes": key[3],
+                     "predicted_calls": p, "measured_calls": m, "match": p == m})
+    return {"exact": all(r["match"] for r in rows), "rows": rows}
+
+
+def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAULT_TOLERANCE) -> dict:
+    """Judge one probe. Returns {"verdict": "PASS"|"FAIL", "reasons": [...], "peak", "components", ...}."""
+    if not tolerance > 0:
+        raise ValueError(f"tolerance={tolerance!r}: must be a positive fraction such as 0.05")
+    out: dict = {"verdict": "FAIL", "reasons": [], "tolerance": tolerance,
+                 "component_tolerance": 2 * tolerance, "abs_floor_bytes": ABS_FLOOR_BYTES,
+                 "rule": rule_text(tolerance), "peak": None, "components": {},
+                 "worst_component": None, "worst_component_error": None,
+                 "collectives": None, "step_time": None, "fits": None}
+    status = measurement.get("status")
+    reasons = out["reasons"]
+    pred_fits = None if prediction is None else prediction.get("fits")
+
+    if status in ("timeout", "crashed", "error"):
+        reasons.append(f"probe {status}: {measurement.get('error') or 'no reason given'}")
+        return out
+    if prediction is None:
+        reasons.append("no prediction: " + str(measurement.get("prediction_error") or "planner failed"))
+        return out
+    if status == "oom":
+        out["fits"] = {"predicted": pred_fits, "measured": False}
+        if pred_fits is False:
+            out["verdict"] = "PASS"
+            reasons.append("measured OOM; predicted does not fit: agreement")
+        else:
+            reasons.append(f"measured OOM but predicted fits={pred_fits}")
+        return out
+    if status != "ok":
+        reasons.append(f"probe status {status!r} is not one of ok, oom, error, timeout, crashed")
+        return out
+    if pred_fits is False:
+        out["fits"] = {"predicted": False, "measured": True}
+        reasons.append("predicted does not fit, but the probe ran")
+
+    pm, mm = prediction.get("memory") or {}, measurement.get("memory") or {}
+    unmeasured = set(measurement.get("unmeasured") or ())
+    out["peak"] = _cell(pm.get("peak_allocated"), mm.get("peak_allocated"), tolerance, None)
+    out["peak"]["predicted_phase"] = pm.get("peak_phase")
+    out["peak"]["measured_phase"] = mm.get("peak_phase")
+    if out["peak"]["measured"] is None or out["peak"]["predicted"] is None:
+        reasons.append("peak_allocated missing from the " +
+                       ("measurement" if out["peak"]["measured"] is None else "prediction"))
+    elif not out["peak"]["ok"]:
+        e = out["peak"]["error"]
+        reasons.append(f"peak error {e:+.1%} exceeds {tolerance:.0%}" if e is not None
+                       else "peak measured 0 but predicted nonzero")
+
+    mcomp = mm.get("components") or {}
+    worst, worst_err = None, -1.0
+    for name in COMPONENTS:
+        if name in unmeasured or f"memory.{name}" in unmeasured or name not in mcomp:
+            out["components"][name] = {"predicted": pm.get(name), "measured": None, "error": None,
+                                       "abs_error_bytes": None, "ok": None, "unmeasured": True}
+            continue
+        cell = _cell(pm.get(name, 0), mcomp[name], 2 * tolerance, ABS_FLOOR_BYTES)
+        out["components"][name] = cell
+        if not cell["ok"]:
+            reasons.append(f"{name}: predicted {cell['predicted']} vs measured {cell['measured']} bytes "
+                           f"({_pct(cell['error'])}) outside {2 * tolerance:.0%} and {ABS_FLOOR_BYTES // 1024} KiB")
+        e = abs(cell["error"]) if cell["error"] is not None else float("inf")
+        if e > worst_err:
+            worst, worst_err = name, e
+    out["worst_component"] = worst
+    out["worst_component_error"] = None if worst is None else out["components"][worst]["error"]
+
+    if "collectives" in unmeasured:
+        out["collectives"] = {"exact": None, "rows": [], "unmeasured": True}
+    else:
+        out["collectives"] = compare_collectives(prediction.get("collectives") or [],
+                                                 measurement.get("collectives") or [])
+        if not out["collectives"]["exact"]:
+            bad = [r for r in out["collectives"]["rows"] if not r["match"]]
+            reasons.append("collectives differ: " + "; ".join(
+                f"{r['op']} g{r['group_size']} {r['dtype']} {r['message_bytes']} B "
+                f"predicted {r['predicted_calls']} counted {r['measured_calls']}" for r in bad[:3])
+                + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""))
+
+    ps, ms = prediction.get("step_time_s"), measurement.get("step_time_s")
+    out["step_time"] = {"predicted": ps, "measured": ms, "error": rel_error(ps, ms), "judged": False}
+
+    if not reasons:
+        out["verdict"] = "PASS"
+    return out
+
+
+def _pct(err: float | None) -> str:
+    return "n/a" if err is None else f"{err:+.1%}"

@@ -1,0 +1,152 @@
+"""Probe specs: one spec per probe, and the standard validation matrix.
+
+`make_spec()` builds the JSON spec a probe reads (`distplan.validate.probe --spec`). `standard_matrix()`
+crosses every strategy of `distplan.planner.strategies.NAMES` (`single` only at world 1) with three small
+model shapes and two world sizes, and rotates activation checkpointing (none/full) x two precisions
+through them so that each strategy meets all four (checkpointing, precision) pairs and each shape and
+world size meets all four too, in 54 probes instead of the 204 of the full product (`full=True` gives
+the full product). Where the probes run:
+
+| machine      | world sizes                              | precisions                  |
+|--------------|------------------------------------------|-----------------------------|
+| no GPU       | gloo 2 ranks (torchrun), fake 8 ranks    | fp32, bf16-mixed            |
+| 1 GPU        | fake 2 ranks, fake 8 ranks (on the GPU)  | bf16-mixed (or fp16), fp32  |
+| n >= 2 GPUs  | NCCL n ranks, fake max(8, 2n) ranks      | bf16-mixed (or fp16), fp32  |
+
+Shapes (tiny on CPU, 4x wider on GPU): a Llama-style GQA + SwiGLU + RMSNorm + RoPE decoder, a GPT-2-style
+MHA + GELU + LayerNorm + learned positions + tied embeddings + biases, and a Qwen2-style GQA with q/k/v
+biases, tied embeddings and a width that is not a power of two (uneven FSDP shards).
+
+Timing (2-core CPU, torch 2.13): a gloo probe costs ~4 s of launcher and import before any work, a
+fake-pg probe ~2 s; the standard CPU matrix is sized to stay under ~8 minutes.
+
+Known limitations: `hsdp` uses gpus_per_node = world // 2 (two replicas); at world 2 that is a 2 x 1 mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+
+CHECKPOINTING = ("none", "full")
+
+SHAPES_CPU: dict[str, dict] = {
+    "llama-tiny": dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn_hidden=352, vocab=512,
+                       max_positions=128, mlp="swiglu", norm="rmsnorm", position="rope",
+                       tie_embeddings=False, linear_bias=False, qkv_bias=False,
+                       source="distplan matrix: Llama-style (GQA, SwiGLU, RMSNorm, RoPE), tiny"),
+    "gpt2-tiny": dict(layers=2, hidden=128, heads=4, kv_heads=4, ffn_hidden=512, vocab=512,
+                      max_positions=128, mlp="gelu", norm="layernorm", position="learned",
+                      tie_embeddings=True, linear_bias=True, qkv_bias=False,
+                      source="distplan matrix: GPT-2-style (MHA, GELU, LayerNorm, learned positions, "
+                             "tied embeddings, biases), tiny"),
+    "qwen-tiny": dict(layers=2, hidden=96, heads=6, kv_heads=2, ffn_hidden=264, vocab=384,
+                      max_positions=128, mlp="swiglu", norm="rmsnorm", position="rope",
+                      tie_embeddings=True, linear_bias=False, qkv_bias=True,
+                      source="distplan matrix: Qwen2-style (GQA, q/k/v bias, tied embeddings), tiny"),
+}
+TRAIN_CPU = dict(seq_len=64, micro_batch=2, grad_accum=1)
+TRAIN_GPU = dict(seq_len=256, micro_batch=2, grad_accum=1)
+
+
+def shapes_for(device: str) -> dict[str, dict]:
+    """The matrix's model shapes; on GPU 4x wider, 2x deeper and 8x the vocabulary."""
+    if device != "gpu":
+        return {k: dict(v) for k, v in SHAPES_CPU.items()}
+    out = {}
+    for name, s in SHAPES_CPU.items():
+        g = dict(s, layers=4, hidden=4 * s["hidden"], ffn_hidden=4 * s["ffn_hidden"], vocab=8 * s["vocab"],
+                 max_positions=256)
+        out[name.replace("-tiny", "-small")] = g
+    return out
+
+
+def model_dict(model) -> dict:
+    """A ModelSpec (or a dict of its fields) as the spec's "model" object."""
+    if is_dataclass(model):
+        return asdict(model)
+    return dict(model)
+
+
+def spec_id(strategy: str, model_name: str, world_size: int, mode: str, checkpointing: str,
+            precision: str) -> str:
+    w = f"w{world_size}" + ("-fake" if mode == "fake" else "")
+    return f"{strategy}/{model_name}/{w}/{checkpointing}/{precision}"
+
+
+def default_gpus_per_node(strategy: str, world_size: int, mode: str) -> int:
+    if strategy == "hsdp" and world_size >= 2:
+        return max(1, world_size // 2)
+    return max(1, min(world_size, 8)) if mode == "fake" else max(1, world_size)
+
+
+def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node: int | None = None,
+              seq_len: int = 64, micro_batch: int = 2, grad_accum: int = 1, precision: str = "fp32",
+              optimizer: str = "adamw", optimizer_impl: str = "foreach", checkpointing: str = "none",
+              attention: str = "sdpa", steps: int = 3, seed: int = 0, model_name: str | None = None) -> dict:
+    """One probe spec, in the JSON shape `distplan.validate.probe --spec` reads."""
+    m = model_dict(model)
+    if model_name:
+        m["name"] = model_name
+    if strategy == "single":
+        world_size = 1
+    return {
+        "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision),
+        "strategy": strategy, "world_size": int(world_size),
+        "gpus_per_node": int(gpus_per_node or default_gpus_per_node(strategy, world_size, mode)),
+        "mode": mode, "model": m,
+        "train": {"seq_len": seq_len, "micro_batch": micro_batch, "grad_accum": grad_accum,
+                  "precision": precision, "optimizer": optimizer, "optimizer_impl": optimizer_impl,
+                  "checkpointing": checkpointing, "attention": attention},
+        "steps": int(steps), "seed": int(seed),
+    }
+
+
+def matrix_worlds(hw: dict, fake_world: int | None = None) -> list[tuple[str, int]]:
+    """[(mode, world_size), ...] the matrix runs on this machine (see the module table)."""
+    gpus = int(hw.get("gpus") or 0)
+    if gpus >= 2:
+        return [("gpu", gpus), ("fake", fake_world or max(8, 2 * gpus))]
+    if gpus == 1:
+        return [("fake", 2), ("fake", fake_world or 8)]
+    return [("cpu", 2), ("fake", fake_world or 8)]
+
+
+def matrix_precisions(hw: dict) -> tuple[str, str]:
+    if int(hw.get("gpus") or 0):
+        return ("bf16-mixed" if hw.get("bf16", True) else "fp16-mixed", "fp32")
+    return ("fp32", "bf16-mixed")
+
+
+def standard_matrix(hw: dict, strategies=None, fake_world: int | None = None, full: bool = False,
+                    steps: int = 3, seed: int = 0) -> list[dict]:
+    """The standard matrix for this machine (`hw` from `runner.detect_hardware()`), optionally only
+    some strategies. Real-rank probes first, then fake-pg probes (which can run two at a time)."""
+    from distplan.planner.strategies import NAMES, get_strategy
+
+    names = list(NAMES) if not strategies else [get_strategy(s).name for s in strategies]
+    device = "gpu" if int(hw.get("gpus") or 0) else "cpu"
+    shapes = shapes_for(device)
+    train = TRAIN_GPU if device == "gpu" else TRAIN_CPU
+    p0, p1 = matrix_precisions(hw)
+    combos = [("none", p0), ("full", p1), ("none", p1), ("full", p0)]
+    worlds = matrix_worlds(hw, fake_world)
+    specs = []
+
+    def add(strategy, shape_name, mode, world, ckpt, prec):
+        specs.append(make_spec(strategy, dict(shapes[shape_name], name=shape_name), world, mode,
+                               precision=prec, checkpointing=ckpt, steps=steps, seed=seed, **train))
+
+    if "single" in names:
+        single_mode = "gpu" if device == "gpu" else "cpu"
+        for mi, shape_name in enumerate(shapes):
+            picks = combos if full else [combos[mi % 4], combos[(mi + 2) % 4]]
+            for ckpt, prec in picks:
+                add("single", shape_name, single_mode, 1, ckpt, prec)
+    multi = [n for n in names if n != "single"]
+    for wi, (mode, world) in enumerate(worlds):
+        for si, strategy in enumerate(multi):
+            for mi, shape_name in enumerate(shapes):
+                picks = combos if full else [combos[(si + mi + 3 * wi) % 4]]
+                for ckpt, prec in picks:
+                    add(strategy, shape_name, mode, world, ckpt, prec)
+    return specs

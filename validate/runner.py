@@ -1,0 +1,414 @@
+"""Launch probes and run a validation session: predict, probe, compare, append.
+
+Owns the process side of `distplan validate`:
+
+- `detect_hardware()` asks a subprocess what torch sees (GPUs, names, memory, bf16), so the CLI process
+  never initialises CUDA; `choose_mode()` turns that into where probes run: GPUs -> `gpu` (NCCL, one rank
+  per GPU); `--simulate-world-size N` -> `fake` (one process, rank 0 of N on the fake process group);
+  no GPU -> `cpu` (gloo, 2 processes).
+- `ProbeRun` / `run_probe()` launch one probe in its own session (`start_new_session=True`):
+  `python -m torch.distributed.run --standalone --nproc-per-node=W -m distplan.validate.probe --spec S
+  --out R` (cpu/gpu; `--nnodes N --rdzv-endpoint E --rdzv-backend c10d` across nodes) or
+  `python -m distplan.validate.probe ...` (fake). A timeout or Ctrl-C kills the whole process group
+  (SIGTERM, then SIGKILL after a grace period). The probe's own result says ok / oom / error; without a
+  result file the run is `crashed` (reason: the last meaningful stderr line) or `timeout`.
+- `run_validation()` runs a list of specs (fake probes several at a time, torchrun probes alone), asks
+  the planner for each prediction (`distplan.planner.api.predict_probe`), compares, and appends one record
+  per probe to the JSON-lines file the moment it ends.
+
+Known limitations: across nodes, only the node that hosts rank 0 gets the result file; the other nodes
+record status `crashed` unless they see it. No retry of failed probes (use `--resume` after fixing).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from .compare import DEFAULT_TOLERANCE, compare
+from .results import ResultsFile, done, read_records
+
+PROBE_MODULE = "distplan.validate.probe"
+DEFAULT_TIMEOUT_S = 300.0
+KILL_GRACE_S = 3.0
+DEFAULT_CPU_RANKS = 2
+MODES = ("cpu", "gpu", "fake")
+
+
+# -- hardware -------------------------------------------------------------------------------------
+
+_HW_SCRIPT = r"""
+import json, sys
+try:
+    import torch
+except Exception as e:
+    print(json.dumps({"error": f"cannot import torch: {e}"})); sys.exit(0)
+out = {"torch_version": torch.__version__, "gpus": 0, "gpu_names": [], "gpu_memory_bytes": [], "bf16": True,
+       "cpu_count": __import__("os").cpu_count()}
+try:
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out["gpus"] = n
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        out["gpu_names"].append(p.name); out["gpu_memory_bytes"].append(int(p.total_memory))
+    if n:
+        out["bf16"] = bool(torch.cuda.is_bf16_supported())
+except Exception as e:
+    out["cuda_error"] = str(e)
+print(json.dumps(out))
+"""
+
+_hw_cache: dict | None = None
+
+
+def detect_hardware(timeout_s: float = 120.0) -> dict:
+    """{"torch_version", "gpus", "gpu_names", "gpu_memory_bytes", "bf16", "cpu_count", "ram_bytes"} or
+    {"error": ...} when torch cannot be imported. Runs in a subprocess; cached per process."""
+    global _hw_cache
+    if _hw_cache is not None:
+        return dict(_hw_cache)
+    try:
+        cp = subprocess.run([sys.executable, "-c", _HW_SCRIPT], capture_output=True, text=True,
+                            timeout=timeout_s)
+        line = [ln for ln in cp.stdout.splitlines() if ln.startswith("{")]
+        hw = json.loads(line[-1]) if line else {"error": _last_error_line(cp.stderr) or "no answer"}
+    except (subprocess.TimeoutExpired, OSError) as e:
+        hw = {"error": f"hardware probe failed: {e}"}
+    hw["ram_bytes"] = available_ram_bytes()
+    _hw_cache = hw
+    return dict(hw)
+
+
+def available_ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def choose_mode(hw: dict, simulate_world_size: int | None = None, nproc: int | None = None,
+                nnodes: int = 1) -> tuple[str, int]:
+    """(mode, world_size) for a run on this machine; see the module docstring."""
+    if simulate_world_size:
+        return "fake", int(simulate_world_size)
+    gpus = int(hw.get("gpus") or 0)
+    if gpus:
+        per_node = nproc or gpus
+        if per_node > gpus:
+            raise ValueError(f"--nproc={per_node}: this machine has {gpus} GPU(s); accepted: 1..{gpus}, "
+                             f"or --simulate-world-size for more ranks")
+        return "gpu", per_node * nnodes
+    return "cpu", (nproc or DEFAULT_CPU_RANKS) * nnodes
+
+
+def describe_mode(mode: str, world_size: int, hw: dict) -> str:
+    """The header line saying where probes run and what that means for the numbers."""
+    if mode == "fake":
+        where = (f"on {hw['gpu_names'][0]}" if hw.get("gpus") else "on CPU")
+        return (f"fake process group {where}: rank 0 of {world_size}, real allocations, "
+                f"collectives counted, not executed (no step time)")
+    if mode == "gpu":
+        name = hw.get("gpu_names", ["GPU"])[0] if hw.get("gpu_names") else "GPU"
+        return (f"{world_size} x {name}, NCCL, torchrun: memory from torch.cuda.max_memory_allocated, "
+                f"collectives counted, step time measured")
+    return (f"CPU, gloo, {world_size} process{'es' if world_size != 1 else ''}: memory from the storage "
+            f"tracker, collectives counted, no GPU step time")
+
+
+# -- one probe ------------------------------------------------------------------------------------
+
+def probe_argv(spec: dict, spec_path: str, out_path: str, probe_cmd: list[str] | None = None,
+               nnodes: int = 1, rdzv_endpoint: str | None = None) -> list[str]:
+    """The command line that runs `spec`. `probe_cmd` (argv prefix) replaces the whole launcher."""
+    tail = ["--spec", spec_path, "--out", out_path]
+    if probe_cmd:
+        return list(probe_cmd) + tail
+    mode = spec.get("mode", "cpu")
+    if mode == "fake":
+        return [sys.executable, "-m", PROBE_MODULE] + tail
+    world = int(spec["world_size"])
+    if nnodes > 1:
+        if world % nnodes:
+            raise ValueError(f"world_size={world} is not a multiple of --nnodes={nnodes}")
+        if not rdzv_endpoint:
+            raise ValueError(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        rdzv = ["--nnodes", str(nnodes), "--rdzv-endpoint", rdzv_endpoint, "--rdzv-backend", "c10d",
+                "--rdzv-id", "distplan-" + str(abs(hash(spec.get("id"))) % 10**8)]
+        per_node = world // nnodes
+    else:
+        rdzv = ["--standalone"]
+        per_node = world
+    return ([sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={per_node}",
+             "-m", PROBE_MODULE] + tail)
+
+
+_ERROR_RE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
+
+
+def _last_error_line(text: str) -> str:
+    """The most telling line of a crashed run's stderr: the last `SomeError: ...` (not torchrun's
+    ChildFailedError summary), else the last non-rule line."""
+    lines = [re.sub(r"^\[(?:default)?rank\d+\]:\s*", "", ln.strip()) for ln in (text or "").splitlines()]
+    lines = [ln for ln in lines if ln and not set(ln) <= set("=-*#_ ")]
+    for ln in reversed(lines):
+        if _ERROR_RE.match(ln) and "ChildFailedError" not in ln:
+            return ln[:500]
+    return lines[-1][:500] if lines else ""
+
+
+class ProbeRun:
+    """One launched probe. `poll()` returns its measurement dict once it has ended, else None."""
+
+    def __init__(self, spec: dict, probe_cmd: list[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 nnodes: int = 1, rdzv_endpoint: str | None = None, env: dict | None = None):
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self.dir = tempfile.mkdtemp(prefix="distplan-probe-")
+        self.spec_path = os.path.join(self.dir, "spec.json")
+        self.out_path = os.path.join(self.dir, "result.json")
+        with open(self.spec_path, "w") as f:
+            json.dump(spec, f)
+        self.argv = probe_argv(spec, self.spec_path, self.out_path, probe_cmd, nnodes, rdzv_endpoint)
+        full_env = dict(os.environ)
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        full_env["PYTHONUNBUFFERED"] = "1"
+        full_env.update(env or {})
+        self._stdout = open(os.path.join(self.dir, "stdout.log"), "wb")
+        self._stderr = open(os.path.join(self.dir, "stderr.log"), "wb")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._stdout,
+                                     stderr=self._stderr, env=full_env, start_new_session=True)
+        self.pgid = self.proc.pid  # a new session's leader: its pid is the group id
+        self.result: dict | None = None
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.t0
+
+    def poll(self) -> dict | None:
+        if self.result is not None:
+            return self.result
+        rc = self.proc.poll()
+        if rc is None:
+            if self.elapsed_s > self.timeout_s:
+                self.kill()
+                self.result = self._finish(rc=self.proc.returncode, timed_out=True)
+                return self.result
+            return None
+        self.kill()  # reap stragglers left in the group (torchrun workers, probe children)
+        self.result = self._finish(rc=rc, timed_out=False)
+        return self.result
+
+    def wait(self, interval_s: float = 0.05) -> dict:
+        while True:
+            res = self.poll()
+            if res is not None:
+                return res
+            time.sleep(interval_s)
+
+    def kill(self) -> None:
+        """SIGTERM the whole process group, SIGKILL whatever is left after the grace period."""
+        if not _group_alive(self.pgid):
+            self._reap()
+            return
+        _signal_group(self.pgid, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE_S
+        while time.monotonic() < deadline:
+            self._reap()
+            if not _group_alive(self.pgid):
+                break
+            time.sleep(0.05)
+        else:
+            _signal_group(self.pgid, signal.SIGKILL)
+        self._reap(block=True)
+
+    def _reap(self, block: bool = False) -> None:
+        try:
+            self.proc.wait(timeout=5.0 if block else 0.0)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _finish(self, rc: int | None, timed_out: bool) -> dict:
+        wall = self.elapsed_s
+        for f in (self._stdout, self._stderr):
+            f.close()
+        stderr = _read_tail(os.path.join(self.dir, "stderr.log"))
+        result = None
+        if os.path.exists(self.out_path):
+            try:
+                with open(self.out_path) as f:
+                    result = json.load(f)
+            except ValueError:
+                result = None
+        if result is None or not isinstance(result, dict):
+            status = "timeout" if timed_out else "crashed"
+            if timed_out:
+                reason = f"no result after {self.timeout_s:g} s; process group killed"
+            elif rc == 0:
+                reason = "exited 0 without writing a result"
+            else:
+                reason = _last_error_line(stderr) or f"exit code {rc}"
+                if rc is not None and rc < 0:
+                    reason = f"killed by signal {-rc}" + (f": {reason}" if reason else "")
+            result = {"id": self.spec.get("id"), "status": status, "error": reason,
+                      "mode": self.spec.get("mode"), "world_size": self.spec.get("world_size")}
+        result.setdefault("status", "error")
+        result["returncode"] = rc
+        result["wall_s"] = round(wall, 3)
+        if result["status"] != "ok":
+            result["stderr_tail"] = stderr[-2000:]
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return result
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any non-zombie process is left in the group."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg succeeds on zombies too; look for a live member where /proc exists.
+    if not os.path.isdir("/proc"):
+        return True
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_tail(path: str, nbytes: int = 20000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def run_probe(spec: dict, probe_cmd: list[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              nnodes: int = 1, rdzv_endpoint: str | None = None, env: dict | None = None) -> dict:
+    """Run one probe to its end and return its measurement (status ok/oom/error/timeout/crashed).
+    Ctrl-C kills the probe's process group and re-raises."""
+    run = ProbeRun(spec, probe_cmd, timeout_s, nnodes, rdzv_endpoint, env)
+    try:
+        return run.wait()
+    except BaseException:
+        run.kill()
+        raise
+
+
+# -- a session ------------------------------------------------------------------------------------
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def default_predict(spec: dict) -> dict:
+    from distplan.planner.api import predict_probe  # the planner; imported when first needed
+    return predict_probe(spec)
+
+
+def make_record(spec: dict, prediction: dict | None, prediction_error: str | None, measurement: dict,
+                tolerance: float) -> dict:
+    if prediction_error:
+        measurement = dict(measurement, prediction_error=prediction_error)
+    comparison = compare(prediction, measurement, tolerance)
+    return {"id": spec.get("id"), "inputs": spec, "prediction": prediction,
+            "prediction_error": prediction_error, "measurement": measurement, "comparison": comparison,
+            "verdict": comparison["verdict"], "status": measurement.get("status"),
+            "device": measurement.get("device"), "torch_version": measurement.get("torch_version"),
+            "date": measurement.get("date") or _now()}
+
+
+def spec_cost(spec: dict, capacity: int) -> int:
+    """Slots a probe takes: one per local process on CPU; a GPU probe takes the machine."""
+    if spec.get("mode") == "gpu":
+        return capacity
+    if spec.get("mode") == "fake":
+        return 1
+    return min(capacity, int(spec.get("world_size", 1)))
+
+
+def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAULT_TOLERANCE,
+                   timeout_s: float = DEFAULT_TIMEOUT_S, probe_cmd: list[str] | None = None,
+                   nnodes: int = 1, rdzv_endpoint: str | None = None, resume: bool = False,
+                   jobs: int = 1, predict=None, on_event=None,
+                   results: ResultsFile | None = None) -> list[dict]:
+    """Run every spec (skipping those already done when `resume`), append each record as it ends,
+    and return the records in spec order. `on_event(kind, index, spec, record_or_None)` is called with
+    kind 'skip', 'start' or 'done'. A KeyboardInterrupt kills the running probes and propagates; the
+    records already appended stay in the file (pass `results` to read `results.appended` afterwards)."""
+    predict = predict or default_predict
+    on_event = on_event or (lambda *a: None)
+    results = results or ResultsFile(out_path)
+    existing = read_records(out_path) if resume else []
+    records: dict[int, dict] = {}
+    todo: list[int] = []
+    for i, spec in enumerate(specs):
+        prev = done(existing, spec) if resume else None
+        if prev is not None:
+            records[i] = dict(prev, resumed=True)
+            on_event("skip", i, spec, records[i])
+        else:
+            todo.append(i)
+    capacity = max(1, int(jobs))
+    running: list[tuple[int, ProbeRun, dict | None, str | None]] = []
+    try:
+        while todo or running:
+            used = sum(spec_cost(specs[i], capacity) for i, *_ in running)
+            while todo and (not running or used + spec_cost(specs[todo[0]], capacity) <= capacity):
+                i = todo.pop(0)
+                spec = specs[i]
+                try:
+                    prediction, perr = predict(spec), None
+                except Exception as e:  # the planner's failure is recorded, the probe still runs
+                    prediction, perr = None, f"{type(e).__name__}: {e}"
+                on_event("start", i, spec, None)
+                running.append((i, ProbeRun(spec, probe_cmd, timeout_s, nnodes, rdzv_endpoint),
+                                prediction, perr))
+                used += spec_cost(spec, capacity)
+            still = []
+            for item in running:
+                i, run, prediction, perr = item
+                measurement = run.poll()
+                if measurement is None:
+                    still.append(item)
+                    continue
+                rec = make_record(specs[i], prediction, perr, measurement, tolerance)
+                results.append(rec)
+                records[i] = rec
+                on_event("done", i, specs[i], rec)
+            running = still
+            if running:
+                time.sleep(0.05)
+    except BaseException:
+        for _, run, *_ in running:
+            run.kill()
+        raise
+    return [records[i] for i in sorted(records)]
+
