@@ -40,9 +40,10 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in (
     Strategy("zero1", True, False, False, False, "world",
              "DDP + torch.distributed.optim.ZeroRedundancyOptimizer", "zero1",
              description="Optimizer state sharded; gradients all-reduced by DDP, updated params broadcast."),
-    Strategy("zero2", True, True, False, False, "world",
+    Strategy("zero2", True, True, True, False, "world",
              "FSDP2 fully_shard(reshard_after_forward=False) per block", "fsdp2", ("optimizer", "params"),
-             description="Optimizer state and gradients sharded; parameters stay unsharded from forward to backward."),
+             description="Optimizer state and gradients sharded; parameters sharded at rest but kept unsharded "
+                         "from forward to backward (ZeRO-2's traffic and peak)."),
     Strategy("zero3", True, True, True, True, "world", "FSDP2 fully_shard() per block", "fsdp2",
              ("optimizer", "params"),
              description="Parameters, gradients and optimizer state sharded; each block all-gathered when used."),

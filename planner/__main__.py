@@ -1,0 +1,5 @@
+"""`python -m distplan.planner` runs the `distplan` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,403 @@
+"""The planner's public API: resolve inputs, evaluate every strategy, recommend one.
+
+    from distplan.planner import plan
+    p = plan(params="7B", gpus=8, gpu_mem=80)
+    p.best.name, p["fsdp"].memory.peak_allocated, p.to_dict()
+
+Everything here is pure Python (no torch); the catalog is read lazily on first use. Invalid arguments
+raise `ValueError` naming the argument, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from .config import Cluster, TrainConfig
+from .memory import COMPONENTS, MemoryEstimate, estimate_memory
+from .model import ModelSpec
+from .strategies import NAMES, REGISTRY, Strategy, get_strategy
+from .units import GiB, fmt_count, parse_count, parse_memory
+
+DEFAULT_GPU = "h100-sxm"
+
+_OVERRIDE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
+
+
+def _catalog(catalog_dirs: Sequence[str] = ()):
+    from distplan.catalog.loader import load_catalog
+    return load_catalog(tuple(catalog_dirs))
+
+
+# -- model --------------------------------------------------------------------------------------
+
+def scaled_llama(target: int, catalog_dirs: Sequence[str] = ()) -> tuple[ModelSpec, str]:
+    """A Llama-style decoder of about `target` parameters, scaled from the nearest catalog model.
+
+    The nearest SwiGLU/RMSNorm/RoPE catalog model (by log parameter count) keeps its head dimension,
+    GQA ratio, FFN/hidden ratio and vocabulary; width and depth scale by (target/P)^(1/3), width rounded
+    to whole heads (and a multiple of 128 when large), the FFN to a multiple of 256, and the depth then
+    chosen to land closest to the target.
+    """
+    cat = _catalog(catalog_dirs)
+    best, best_d = None, math.inf
+    for e in cat.entries("models"):
+        a = e.arch
+        if a.get("mlp") != "swiglu" or a.get("position") != "rope":
+            continue
+        spec = ModelSpec(**e.spec_kwargs())
+        d = abs(math.log(target / spec.param_count()))
+        if d < best_d:
+            best, best_d = spec, d
+    assert best is not None, "the catalog has no Llama-style model"
+    k = (target / best.param_count()) ** (1 / 3)
+    hd = best.head_dim
+    group = best.heads // best.kv_heads
+    unit = hd * group
+    hidden = max(unit, round(best.hidden * k / unit) * unit)
+    if hidden >= 1024:
+        step = unit * 128 // math.gcd(unit, 128)
+        hidden = max(step, round(hidden / step) * step)
+    heads = hidden // hd
+    kv_heads = max(1, heads // group)
+    ffn = max(256, round(best.ffn_hidden / best.hidden * hidden / 256) * 256)
+    base = ModelSpec(name="", layers=1, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn,
+                     vocab=best.vocab, max_positions=best.max_positions, tie_embeddings=best.tie_embeddings)
+    per_layer = base.block_param_count()
+    fixed = base.param_count() - per_layer
+    layers = max(1, round((target - fixed) / per_layer))
+    spec = ModelSpec(name=f"~{fmt_count(target)} (scaled from {best.name})", layers=layers, hidden=hidden,
+                     heads=heads, kv_heads=kv_heads, ffn_hidden=ffn, vocab=best.vocab,
+                     max_positions=best.max_positions, tie_embeddings=best.tie_embeddings,
+                     source=f"scaled from catalog model {best.name}")
+    note = (f"assumed a Llama-style decoder scaled from {best.name}: {layers} layers, hidden {hidden}, "
+            f"{heads} heads ({kv_heads} KV), FFN {ffn}, vocab {best.vocab} = {spec.param_count():,} params")
+    return spec, note
+
+
+def resolve_model(model: str | ModelSpec | None = None, params: str | int | float | None = None,
+                  hf_config: str | None = None, overrides: dict | None = None,
+                  catalog_dirs: Sequence[str] = ()) -> tuple[ModelSpec, list[str]]:
+    """One ModelSpec from a catalog name, a parameter count or a Hugging Face config.json, plus notes."""
+    notes: list[str] = []
+    given = [x for x in (model, params, hf_config) if x is not None]
+    if len(given) > 1:
+        raise ValueError("model, params and hf_config: give only one of them")
+    if isinstance(model, ModelSpec):
+        spec = model
+    elif model is not None:
+        from distplan.catalog.loader import CatalogError
+        try:
+            entry = _catalog(catalog_dirs).model(str(model))
+        except CatalogError as exc:
+            raise ValueError(f"--model={model!r}: {exc}") from None
+        spec = ModelSpec(**entry.spec_kwargs())
+    elif hf_config is not None:
+        from .hf_config import read_hf_config
+        kwargs = read_hf_config(hf_config)
+        try:
+            spec = ModelSpec(**kwargs)
+        except ValueError as exc:
+            raise ValueError(f"--hf-config={hf_config!r}: {exc}") from None
+    else:
+        target = parse_count(params if params is not None else "7B", "--params")
+        if params is None:
+            notes.append("no model given: assuming 7B parameters")
+        spec, note = scaled_llama(target, catalog_dirs)
+        notes.append(note)
+    changes = {k: v for k, v in (overrides or {}).items() if v is not None and k in _OVERRIDE_FIELDS}
+    if changes.get("kv_heads") is None and changes.get("heads") is not None and spec.kv_heads == spec.heads:
+        changes["kv_heads"] = changes["heads"]
+    if changes:
+        try:
+            spec = spec.with_overrides(**changes)
+        except ValueError as exc:
+            raise ValueError(f"model overrides: {exc}") from None
+        notes.append("overrides: " + ", ".join(f"{k}={v}" for k, v in changes.items()))
+    return spec, notes
+
+
+# -- cluster ------------------------------------------------------------------------------------
+
+def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, gpu: str | None = None,
+                    gpu_mem: str | float | None = None, node: str | None = None, intra: str | None = None,
+                    inter: str | None = None, nics_per_node: int | None = None,
+                    inter_gbps: float | None = None, detect_local: bool = False,
+                    catalog_dirs: Sequence[str] = ()) -> tuple[Cluster, list[str]]:
+    """A Cluster from a node type, a GPU name or raw numbers, with the catalog's links filled in.
+
+    With `detect_local` and no GPU/memory/count given, the local GPUs are read through NVML
+    (`hardware.detect_local_gpus`); no driver or no GPU leaves the catalog default with a notice.
+    """
+    from distplan.catalog.loader import CatalogError
+    cat = _catalog(catalog_dirs)
+    notes: list[str] = []
+    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
+        raise ValueError(f"--gpus={gpus!r}: must be a positive integer")
+    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
+        raise ValueError(f"--gpus-per-node={gpus_per_node!r}: must be a positive integer")
+    if nics_per_node is not None and (not isinstance(nics_per_node, int) or nics_per_node < 1):
+        raise ValueError(f"--nics-per-node={nics_per_node!r}: must be a positive integer")
+    if inter_gbps is not None and not inter_gbps > 0:
+        raise ValueError(f"--inter-gbps={inter_gbps!r}: must be a positive bandwidth in Gbit/s")
+    mem_bytes = parse_memory(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
+
+    local = None
+    if detect_local and gpus is None and gpu is None and gpu_mem is None and node is None:
+        from .hardware import detect_local_gpus
+        local, notice = detect_local_gpus()
+        notes.append(notice)
+
+    try:
+        node_e = cat.node(node) if node else None
+        gpu_name = gpu or (node_e.gpu if node_e else None)
+        if gpu_name is None and local is not None:
+            gpu_name = local.catalog_gpu
+        gpu_e = cat.gpu(gpu_name or DEFAULT_GPU)
+    except CatalogError as exc:
+        flag = "--node" if node and "node" in str(exc) else "--gpu"
+        raise ValueError(f"{flag}: {exc}") from None
+
+    if mem_bytes is None:
+        mem_bytes = local.memory_bytes if local is not None else gpu_e.memory_bytes
+    if gpus is None:
+        gpus = local.count if local is not None else (node_e.gpus_per_node if node_e else 8)
+        if local is None and gpu is None and gpu_mem is None and node is None:
+            notes.append(f"no --gpus given: assuming {gpus}")
+    if gpus_per_node is None:
+        gpus_per_node = node_e.gpus_per_node if node_e else min(8, gpus)
+    intra_name = intra or (node_e.intra_link if node_e else None)
+    if intra_name is None:
+        if local is not None and local.intra_link:
+            intra_name = local.intra_link
+        else:
+            intra_name = gpu_e.scale_up_link
+    inter_name = inter or (node_e.inter_link if node_e else "ib-ndr")
+    for flag, name, tier in (("--intra", intra_name, "intra_node"), ("--inter", inter_name, "inter_node")):
+        try:
+            link = cat.interconnect(name)
+        except CatalogError as exc:
+            raise ValueError(f"{flag}={name!r}: {exc}") from None
+        if flag == "--inter" and link.tier != "inter_node":
+            raise ValueError(f"--inter={name!r} is an intra-node link ({link.kind}); accepted: "
+                             + ", ".join(n for n in cat.names("interconnects")
+                                         if cat.interconnect(n).tier == "inter_node"))
+        if flag == "--intra":
+            intra_name = link.name
+        else:
+            inter_name = link.name
+    nics = nics_per_node or (node_e.nics_per_node if node_e else gpus_per_node)
+    try:
+        cluster = Cluster(gpus=gpus, gpus_per_node=min(gpus_per_node, gpus), gpu_memory_bytes=mem_bytes,
+                          gpu_name=gpu_e.name, intra_link=intra_name, inter_link=inter_name,
+                          nics_per_node=nics,
+                          inter_bytes_per_s=inter_gbps * 1e9 / 8 if inter_gbps else None,
+                          notes=tuple(notes))
+    except ValueError as exc:
+        raise ValueError(f"cluster: {exc}") from None
+    return cluster, notes
+
+
+# -- results ------------------------------------------------------------------------------------
+
+@dataclass
+class StrategyResult:
+    """One strategy's prediction: memory at the peak, collectives, step time."""
+
+    strategy: Strategy
+    memory: MemoryEstimate
+    collectives: list = field(default_factory=list)
+    time: Any = None
+    required_inter_bytes_per_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def comm_bytes_per_gpu(self) -> int:
+        return sum(c.bytes_per_gpu for c in self.collectives)
+
+    @property
+    def comm_time_s(self) -> float:
+        return sum(c.time_s for c in self.collectives)
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self.time.step_time_s if self.time is not None else None
+
+    def to_dict(self) -> dict:
+        t = self.time
+        return {
+            "name": self.name,
+            "implementation": self.strategy.implementation,
+            "fits": self.fits,
+            "peak_phase": self.memory.peak_phase,
+            "memory": self.memory.to_dict(),
+            "headroom_bytes": int(self.memory.headroom),
+            "comm": {
+                "collectives": [c.to_dict() for c in self.collectives],
+                "bytes_per_gpu": int(self.comm_bytes_per_gpu),
+                "time_s": self.comm_time_s,
+                "exposed_s": t.exposed_comm_s if t is not None else None,
+            },
+            "compute_s": t.compute_s if t is not None else None,
+            "step_time_s": t.step_time_s if t is not None else None,
+            "tokens_per_s": t.tokens_per_s if t is not None else None,
+            "mfu": t.mfu if t is not None else None,
+            "required_inter_bytes_per_s": self.required_inter_bytes_per_s,
+            "notes": list(self.memory.notes),
+        }
+
+
+def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, comm: bool = True,
+             device: str = "cuda", catalog_dirs: Sequence[str] = ()) -> StrategyResult:
+    st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
+    mem = estimate_memory(train, cluster, st, device=device)
+    result = StrategyResult(st, mem)
+    if comm:
+        from .comm import collective_schedule
+        from .compute import required_inter_bandwidth, step_time
+        result.collectives = collective_schedule(train, cluster, st.name)
+        gpu = _catalog(catalog_dirs).gpu(cluster.gpu_name)
+        result.time = step_time(train, cluster, st.name, result.collectives, gpu)
+        result.required_inter_bytes_per_s = required_inter_bandwidth(train, cluster, st.name, gpu=gpu)
+    return result
+
+
+@dataclass
+class Plan:
+    """Every evaluated strategy for one model, training setup and cluster, and the recommendation."""
+
+    train: TrainConfig
+    cluster: Cluster
+    results: list[StrategyResult]
+    notes: list[str] = field(default_factory=list)
+    tokens: float | None = None
+
+    def __getitem__(self, name: str) -> StrategyResult:
+        for r in self.results:
+            if r.name == name:
+                return r
+        raise KeyError(f"{name!r} was not evaluated; evaluated: {', '.join(r.name for r in self.results)}")
+
+    @property
+    def recommendation(self):
+        from .recommend import recommend
+        return recommend(self)
+
+    @property
+    def best(self) -> StrategyResult | None:
+        rec = self.recommendation
+        return self[rec.strategy] if rec.strategy else None
+
+    def to_dict(self) -> dict:
+        rec = self.recommendation
+        inputs = {"model": self.train.model.to_dict(), "model_params": self.train.model.param_count(),
+                  "train": {k: v for k, v in self.train.to_dict().items() if k != "model"},
+                  "cluster": self.cluster.to_dict(), "notes": list(self.notes)}
+        if self.tokens:
+            inputs["tokens"] = self.tokens
+        out = {"inputs": inputs, "strategies": []}
+        for r in self.results:
+            d = r.to_dict()
+            if self.tokens and r.time is not None and r.time.tokens_per_s:
+                d["time_to_train_s"] = self.tokens / r.time.tokens_per_s
+            out["strategies"].append(d)
+        out["recommendation"] = rec.to_dict()
+        return out
+
+    def _repr_html_(self) -> str:
+        from .report import plan_html
+        return plan_html(self)
+
+    def plot(self, path: str | None = None):
+        from .report import plot_matplotlib
+        return plot_matplotlib(self, path)
+
+    def svg(self) -> str:
+        from .report import plan_svg
+        return plan_svg(self)
+
+
+def plan(model: str | ModelSpec | None = None, *, params: str | int | float | None = None,
+         hf_config: str | None = None, gpus: int | None = None, gpus_per_node: int | None = None,
+         gpu: str | None = None, gpu_mem: str | float | None = None, node: str | None = None,
+         intra: str | None = None, inter: str | None = None, nics_per_node: int | None = None,
+         inter_gbps: float | None = None, seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1,
+         precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
+         activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
+         framework: str = "pytorch", strategies: Iterable[str] | None = None, tokens: float | None = None,
+         comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
+         **overrides) -> Plan:
+    """Plan a training run: every strategy's per-GPU memory, communication and step time.
+
+    Args:
+        model: a catalog model name ("llama-3-8b") or a ModelSpec; or give `params` ("7B") or
+            `hf_config` (path to a Hugging Face config.json).
+        gpus, gpus_per_node, gpu, gpu_mem, node, intra, inter, nics_per_node, inter_gbps: the cluster
+            (catalog names; `gpu_mem` as 80, "80GB" or "80GiB").
+        seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
+            activation_checkpointing, attention, cpu_offload, framework: one training step.
+        strategies: names from the registry (default: all).
+        tokens: total training tokens, for the time-to-train figure.
+        overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
+    """
+    unknown = set(overrides) - set(_OVERRIDE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}; model overrides accepted: "
+                         + ", ".join(_OVERRIDE_FIELDS))
+    spec, notes = resolve_model(model if not isinstance(model, ModelSpec) else model, params, hf_config,
+                                overrides, catalog_dirs)
+    cluster, cnotes = resolve_cluster(gpus, gpus_per_node, gpu, gpu_mem, node, intra, inter, nics_per_node,
+                                      inter_gbps, detect_local, catalog_dirs)
+    train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+                        checkpointing=activation_checkpointing, attention=attention,
+                        cpu_offload=cpu_offload, framework=framework)
+    names = list(strategies) if strategies else [n for n in NAMES if n != "single" or cluster.gpus == 1]
+    if cluster.gpus == 1 and not strategies:
+        names = ["single"]
+    results = [evaluate(train, cluster, get_strategy(n), comm=comm, catalog_dirs=catalog_dirs) for n in names]
+    if tokens is not None and not tokens > 0:
+        raise ValueError(f"tokens={tokens!r}: must be positive")
+    return Plan(train, cluster, results, notes + cnotes, tokens)
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+def predict_probe(spec: dict) -> dict:
+    """The planner's prediction for one validation probe (see distplan.validate), in base units.
+
+    Probes run on CPU (gloo, fake process group) or GPU; `device` picks the activation terms that
+    differ between the two (LayerNorm statistics dtype, autocast's softmax).
+    """
+    model = ModelSpec(**spec["model"])
+    t = spec["train"]
+    train = TrainConfig(model, seq_len=t["seq_len"], micro_batch=t["micro_batch"],
+                        grad_accum=t.get("grad_accum", 1), precision=t["precision"],
+                        optimizer=t.get("optimizer", "adamw"), optimizer_impl=t.get("optimizer_impl", "foreach"),
+                        checkpointing=t.get("checkpointing", "none"), attention=t.get("attention", "sdpa"))
+    world = int(spec["world_size"])
+    gpn = int(spec.get("gpus_per_node") or world)
+    cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15, gpu_name=DEFAULT_GPU,
+                      intra_link="nvlink4", inter_link="ib-ndr", nics_per_node=gpn)
+    device = "cuda" if spec.get("mode") == "gpu" else "cpu"
+    mem = estimate_memory(train, cluster, spec["strategy"], device=device)
+    out = {k: int(mem.components[k]) for k in COMPONENTS}
+    out.update(peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
+    collectives = []
+    try:
+        from .comm import collective_schedule
+    except ImportError:  # pragma: no cover - comm model not present
+        collective_schedule = None
+    if collective_schedule is not None:
+        for c in collective_schedule(train, cluster, spec["strategy"]):
+            collectives.append({"op": c.op, "group_size": c.group_size, "dtype": c.dtype,
+                                "message_bytes": int(c.message_bytes), "calls": int(c.calls)})
+    return {"memory": out, "collectives": collectives, "step_time_s": None}

@@ -1,0 +1,263 @@
+"""The `distplan` command line: estimate, recommend, sweep, catalog, validate.
+
+Pure Python at import (click, tabulate); torch is imported only by `validate` and `--module`, inside
+the command. Every user error is one line naming the flag, the value and what is accepted, exit code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from .config import ATTENTION, CHECKPOINTING, FRAMEWORKS, OFFLOAD
+from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+from .strategies import NAMES
+
+TABLE_FORMATS = ("simple", "github", "grid", "plain", "pipe", "rst", "psql", "fancy_grid", "tsv")
+
+
+class UserError(click.UsageError):
+    """A one-line error with exit code 2 and no usage banner."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"Error: {self.format_message()}", err=True, file=file)
+
+
+def _fail_on_value_error(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as exc:
+            raise UserError(str(exc).splitlines()[0]) from None
+    return wrapper
+
+
+def model_options(fn):
+    """--model/--params/--hf-config/--module and the architecture overrides."""
+    opts = [
+        click.option("--model", "model", metavar="NAME", help="A catalog model (distplan catalog list models)."),
+        click.option("--params", metavar="COUNT", help="Parameter count: 7B, 125M, 1.3e9, 350_000_000. "
+                     "Assumes a Llama-style decoder scaled from the nearest catalog model."),
+        click.option("--hf-config", metavar="PATH", help="A Hugging Face config.json (llama, mistral, qwen2, gpt2, phi3)."),
+        click.option("--layers", type=int, help="Override: decoder blocks."),
+        click.option("--hidden", type=int, help="Override: model width."),
+        click.option("--heads", type=int, help="Override: attention heads."),
+        click.option("--kv-heads", type=int, help="Override: key/value heads (GQA)."),
+        click.option("--ffn-hidden", type=int, help="Override: MLP inner width."),
+        click.option("--vocab", type=int, help="Override: vocabulary size."),
+        click.option("--tie-embeddings/--no-tie-embeddings", default=None, help="Override: tie LM head to embeddings."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def training_options(fn):
+    opts = [
+        click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per sequence."),
+        click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per GPU per micro-step."),
+        click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-steps per optimizer step."),
+        click.option("--precision", type=click.Choice(PRECISIONS), default="bf16-mixed", show_default=True),
+        click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True),
+        click.option("--optimizer-impl", type=click.Choice(OPTIMIZER_IMPLS), default="foreach", show_default=True),
+        click.option("--activation-checkpointing", type=click.Choice(CHECKPOINTING), default="none", show_default=True),
+        click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True),
+        click.option("--cpu-offload", type=click.Choice(OFFLOAD), default="none", show_default=True,
+                     help="Where the strategy supports it (FSDP: params)."),
+        click.option("--framework", type=click.Choice(FRAMEWORKS), default="pytorch", show_default=True,
+                     help="deepspeed models DeepSpeed's ZeRO-1/2/3 buffers (not validated)."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def cluster_options(fn):
+    opts = [
+        click.option("--gpus", type=int, help="Total GPUs (ranks). Default: the local GPUs, else 8."),
+        click.option("--gpus-per-node", type=int, help="Default: the node's, else min(8, gpus)."),
+        click.option("--gpu", metavar="NAME", help="A catalog GPU (distplan catalog list gpus)."),
+        click.option("--gpu-mem", metavar="SIZE", help="GPU memory: 80 (GiB), 80GiB, 80GB, 81920MiB."),
+        click.option("--node", metavar="NAME", help="A catalog node type (dgx-h100, aws-p5, ...)."),
+        click.option("--intra", metavar="LINK", help="Intra-node link (nvlink4, pcie5, ...)."),
+        click.option("--inter", metavar="LINK", help="Inter-node link (ib-ndr, eth-100g-tcp, ...)."),
+        click.option("--nics-per-node", type=int, help="Inter-node NICs per node."),
+        click.option("--inter-gbps", type=float, help="Inter-node bandwidth per node, Gbit/s (overrides the NICs)."),
+        click.option("--catalog", "catalog_dirs", multiple=True, metavar="DIR",
+                     help="Your own YAML catalog layered over ours (also $DISTPLAN_CATALOG)."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def output_options(fn):
+    fn = click.option("--format", "table_format", type=click.Choice(TABLE_FORMATS), default="simple",
+                      show_default=True, help="Table style (tabulate).")(fn)
+    fn = click.option("--json", "as_json", is_flag=True, help="Print the JSON contract instead of tables.")(fn)
+    return fn
+
+
+def _check_positive(name: str, value) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name}={value}: must be a positive integer")
+
+
+def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
+    from .api import plan
+    for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum",
+                 "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
+        if kw.get(flag) is not None and kw[flag] < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={kw[flag]}: must be a positive integer")
+    if kw.get("module"):
+        from .module_plan import module_spec_plan
+        return module_spec_plan(kw, strategies)
+    overrides = {k: kw.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                                         "tie_embeddings")}
+    for s in strategies:
+        if s not in NAMES:
+            raise ValueError(f"--strategy={s!r}: accepted: {', '.join(NAMES)}")
+    return plan(kw.get("model"), params=kw.get("params"), hf_config=kw.get("hf_config"),
+                gpus=kw.get("gpus"), gpus_per_node=kw.get("gpus_per_node"), gpu=kw.get("gpu"),
+                gpu_mem=kw.get("gpu_mem"), node=kw.get("node"), intra=kw.get("intra"), inter=kw.get("inter"),
+                nics_per_node=kw.get("nics_per_node"), inter_gbps=kw.get("inter_gbps"),
+                seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], grad_accum=kw["grad_accum"],
+                precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
+                activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
+                cpu_offload=kw["cpu_offload"], framework=kw["framework"], strategies=list(strategies) or None,
+                tokens=kw.get("tokens"), comm=comm, detect_local=detect_local,
+                catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="distplan")
+def main():
+    """distplan: per-GPU memory, communication, step time and strategy for distributed PyTorch
+    training, checked against real torchrun probes (`distplan validate`)."""
+
+
+@main.command()
+@model_options
+@training_options
+@cluster_options
+@click.option("--strategy", "strategies", multiple=True, metavar="NAME",
+              help=f"Limit to these strategies (repeatable): {', '.join(NAMES)}.")
+@click.option("--tokens", type=str, help="Total training tokens (e.g. 2T) for time to train.")
+@click.option("--plot", "plot_path", metavar="FILE.svg", help="Write the memory chart as SVG.")
+@click.option("--module", metavar="PKG.MOD:FACTORY", help="Any nn.Module from a factory (needs torch).")
+@click.option("--input-shape", metavar="N,C,H,W", help="Example input shape for --module.")
+@output_options
+@_fail_on_value_error
+def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
+    """Per-GPU memory (and communication, step time) of every strategy; which fits; which to use."""
+    from .report import render_estimate
+    from .units import parse_count
+    kw["tokens"] = parse_count(tokens, "--tokens") if tokens else None
+    p = build_plan(kw, strategies)
+    if plot_path:
+        from .report import plan_svg
+        with open(plot_path, "w", encoding="utf-8") as fh:
+            fh.write(plan_svg(p))
+    if as_json:
+        click.echo(json.dumps(p.to_dict(), indent=2))
+    else:
+        click.echo(render_estimate(p, table_format))
+        if plot_path:
+            click.echo(f"chart written to {plot_path}")
+
+
+@main.command()
+@model_options
+@training_options
+@cluster_options
+@click.option("--strategy", "strategies", multiple=True, metavar="NAME", help="Consider only these.")
+@output_options
+@_fail_on_value_error
+def recommend(strategies, as_json, table_format, **kw):
+    """The strategy that fits with headroom and is fastest, the largest micro-batch, and why."""
+    from .recommend import render_recommendation
+    kw["tokens"] = None
+    p = build_plan(kw, strategies)
+    if as_json:
+        out = p.to_dict()
+        click.echo(json.dumps(out, indent=2))
+    else:
+        click.echo(render_recommendation(p, table_format))
+
+
+@main.command()
+@model_options
+@training_options
+@cluster_options
+@click.option("--strategy", "strategies", multiple=True, metavar="NAME", help="Limit to these strategies.")
+@click.option("--sweep-gpus", "sweep_gpus", metavar="LIST", help="GPU counts, e.g. 8,16,32,64.")
+@click.option("--sweep-micro-batch", metavar="LIST", help="Micro-batch sizes, e.g. 1,2,4,8.")
+@click.option("--sweep-seq-len", metavar="LIST", help="Sequence lengths, e.g. 2048,4096,8192.")
+@output_options
+@_fail_on_value_error
+def sweep(strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len, as_json, table_format, **kw):
+    """A table over GPU counts, micro-batch sizes or sequence lengths, for one or all strategies."""
+    from .sweep import render_sweep, run_sweep
+    kw["tokens"] = None
+    rows = run_sweep(kw, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        click.echo(render_sweep(rows, table_format))
+
+
+@main.group()
+def catalog():
+    """Browse the hardware and model catalog (GPUs, interconnects, nodes, models)."""
+
+
+@catalog.command("list")
+@click.argument("kind", required=False, type=click.Choice(["gpus", "interconnects", "nodes", "models"]))
+@click.option("--catalog", "catalog_dirs", multiple=True, metavar="DIR", help="Extra catalog directory.")
+@_fail_on_value_error
+def catalog_list(kind, catalog_dirs):
+    """List catalog entries (all kinds, or one)."""
+    from distplan.catalog.loader import load_catalog
+    cat = load_catalog(tuple(catalog_dirs))
+    for k in ([kind] if kind else ["gpus", "interconnects", "nodes", "models"]):
+        click.echo(f"{k}: {', '.join(cat.names(k))}")
+
+
+@catalog.command("show")
+@click.argument("name")
+@click.option("--catalog", "catalog_dirs", multiple=True, metavar="DIR", help="Extra catalog directory.")
+@_fail_on_value_error
+def catalog_show(name, catalog_dirs):
+    """Show one entry with its figures in base units and its sources."""
+    from distplan.catalog.loader import load_catalog
+    cat = load_catalog(tuple(catalog_dirs))
+    entry = cat.entry(name)
+    d = entry.to_dict()
+    click.echo(f"{cat.kind_of(entry)}: {d.pop('name')}")
+    for k, v in d.items():
+        if k == "path":
+            continue
+        if isinstance(v, list):
+            v = "; ".join(str(x) for x in v) if v else "-"
+        click.echo(f"  {k}: {v}")
+
+
+def _register_validate() -> None:
+    try:
+        from .validate_cmd import validate_command
+    except ImportError:  # pragma: no cover
+        return
+    main.add_command(validate_command)
+
+
+_register_validate()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

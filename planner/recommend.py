@@ -1,0 +1,177 @@
+"""The recommendation: which strategy to use, the largest micro-batch, and why, in actionable words.
+
+Rule: among strategies that fit with headroom (at least `HEADROOM_FRACTION` of GPU memory free after
+the allocator and process overhead), the one with the lowest step time; a simpler strategy wins when
+it is within `TIE_FRACTION` of the fastest. Without a time model, the simplest that fits. When nothing
+fits, the smallest change that would: a smaller micro-batch, activation checkpointing, CPU offload, or
+more GPUs. DeepSpeed autotuning (references.md §8) follows the same "simplest stage that fits and is not
+slower" idea, measured instead of modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .config import Cluster, TrainConfig
+from .memory import estimate_memory
+from .strategies import get_strategy
+from .units import fmt_bytes, fmt_gib, fmt_seconds
+
+HEADROOM_FRACTION = 0.05
+TIE_FRACTION = 0.05
+SIMPLICITY = ("single", "ddp", "fsdp-no-shard", "zero1", "zero2", "fsdp-grad-op", "hsdp", "zero3", "fsdp")
+
+
+@dataclass
+class Recommendation:
+    strategy: str | None
+    reasons: list = field(default_factory=list)
+    max_micro_batch: int | None = None
+    change: str | None = None
+    """When nothing fits: the smallest change that makes something fit."""
+
+    @property
+    def summary(self) -> str:
+        if self.strategy is None:
+            return "nothing fits. " + (self.change or "")
+        mb = f" (largest micro-batch that fits: {self.max_micro_batch})" if self.max_micro_batch else ""
+        return f"{self.strategy}{mb}: " + (self.reasons[0] if self.reasons else "")
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "reasons": list(self.reasons),
+                "max_micro_batch": self.max_micro_batch, "change": self.change}
+
+
+def _rank(name: str) -> int:
+    return SIMPLICITY.index(name) if name in SIMPLICITY else len(SIMPLICITY)
+
+
+def _headroom_ok(r) -> bool:
+    return r.fits and r.memory.headroom >= HEADROOM_FRACTION * r.memory.gpu_memory_bytes
+
+
+def max_micro_batch(train: TrainConfig, cluster: Cluster, strategy: str, limit: int = 4096) -> int:
+    """Largest micro-batch for which the strategy still fits (0 if even 1 does not)."""
+    def fits(b: int) -> bool:
+        return estimate_memory(replace(train, micro_batch=b), cluster, strategy).fits
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _smallest_change(plan) -> str:
+    train, cluster = plan.train, plan.cluster
+    names = [r.name for r in plan.results]
+    sharded = [n for n in ("zero3", "fsdp", "hsdp") if n in names] or ["zero3"]
+    if train.micro_batch > 1:
+        for b in range(train.micro_batch - 1, 0, -1):
+            t = replace(train, micro_batch=b)
+            for n in names:
+                if estimate_memory(t, cluster, n).fits:
+                    return (f"use --micro-batch {b} with {n} (and --grad-accum "
+                            f"{train.grad_accum * -(-train.micro_batch // b)} to keep the batch)")
+    if train.checkpointing != "full":
+        t = replace(train, checkpointing="full")
+        for n in names:
+            if estimate_memory(t, cluster, n).fits:
+                return f"use --activation-checkpointing full with {n} (about 1/3 more compute)"
+    t = replace(train, cpu_offload="params", checkpointing="full")
+    for n in sharded:
+        if estimate_memory(t, cluster, n).fits:
+            return f"use --cpu-offload params --activation-checkpointing full with {n} (slow: PCIe-bound)"
+    gpus = cluster.gpus
+    for _ in range(12):
+        gpus *= 2
+        c = replace(cluster, gpus=gpus, gpus_per_node=min(cluster.gpus_per_node, gpus))
+        for n in sharded:
+            if estimate_memory(replace(train, checkpointing="full"), c, n).fits:
+                return (f"use at least {gpus} GPUs with {n} and --activation-checkpointing full")
+    return "no change tried fits: the model needs a different parallelism (tensor/pipeline) or larger GPUs"
+
+
+def recommend(plan) -> Recommendation:
+    results = plan.results
+    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits]
+    if not ok:
+        return Recommendation(None, [f"no strategy fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB "
+                                     f"per GPU"], None, _smallest_change(plan))
+    timed = all(r.step_time_s for r in ok)
+    if timed:
+        fastest = min(r.step_time_s for r in ok)
+        near = [r for r in ok if r.step_time_s <= fastest * (1 + TIE_FRACTION)]
+        best = min(near, key=lambda r: _rank(r.name))
+    else:
+        best = min(ok, key=lambda r: _rank(r.name))
+    reasons = _reasons(plan, best, ok, timed)
+    mb = max_micro_batch(plan.train, plan.cluster, best.name)
+    return Recommendation(best.name, reasons, mb or None)
+
+
+def _reasons(plan, best, ok, timed) -> list[str]:
+    gpu_gib = fmt_gib(plan.cluster.gpu_memory_bytes)
+    by = {r.name: r for r in plan.results}
+    out = []
+    mem = best.memory
+    if timed:
+        out.append(f"fits with {fmt_gib(mem.headroom)} GiB free of {gpu_gib} GiB and has the lowest step time "
+                   f"({fmt_seconds(best.step_time_s)}, {best.time.tokens_per_s:,.0f} tokens/s, "
+                   f"MFU {100 * best.time.mfu:.0f}%)"
+                   + (" among those within 5% it is the simplest" if len(ok) > 1 else ""))
+    else:
+        out.append(f"the simplest strategy that fits: peak {fmt_gib(mem.peak_allocated)} GiB + "
+                   f"{fmt_gib(mem.reserved_estimate + mem.process_overhead)} GiB overhead = "
+                   f"{fmt_gib(mem.total_required)} of {gpu_gib} GiB")
+    too_big = [r for r in plan.results if not r.fits]
+    if too_big:
+        out.append("does not fit: " + ", ".join(
+            f"{r.name} ({fmt_gib(r.memory.total_required)} GiB)" for r in sorted(too_big, key=lambda r: _rank(r.name))))
+    ddp = by.get("ddp")
+    if timed and ddp is not None and ddp.comm_bytes_per_gpu:
+        for name in ("zero3", "fsdp"):
+            r = by.get(name)
+            if r is not None and r.comm_bytes_per_gpu:
+                ratio = r.comm_bytes_per_gpu / ddp.comm_bytes_per_gpu
+                extra = r.time.exposed_comm_s - ddp.time.exposed_comm_s
+                link = plan.cluster.inter_link if plan.cluster.nodes > 1 else plan.cluster.intra_link
+                out.append(f"{name} moves {ratio:.2f}x DDP's bytes ({fmt_bytes(r.comm_bytes_per_gpu)} per GPU "
+                           f"per step); over {link} that {'adds' if extra >= 0 else 'saves'} "
+                           f"{fmt_seconds(abs(extra))} of exposed communication a step")
+                break
+    hs = by.get("hsdp")
+    if timed and hs is not None and plan.cluster.nodes > 1:
+        z3 = by.get("zero3") or by.get("fsdp")
+        if z3 is not None and z3.step_time_s:
+            out.append(f"hsdp keeps all-gathers and reduce-scatters inside the node and sends only a gradient "
+                       f"all-reduce across nodes: step {fmt_seconds(hs.step_time_s)} vs "
+                       f"{fmt_seconds(z3.step_time_s)} for {z3.name}")
+    if timed and best.required_inter_bytes_per_s:
+        out.append(f"{best.name}'s communication would hide behind compute at "
+                   f"{best.required_inter_bytes_per_s * 8 / 1e9:,.0f} Gbit/s per node between nodes")
+    return out
+
+
+def render_recommendation(plan, table_format: str = "simple") -> str:
+    from .report import comm_table, header, memory_table
+    rec = plan.recommendation
+    lines = [header(plan), "", memory_table(plan, table_format)]
+    ct = comm_table(plan, table_format)
+    if ct:
+        lines += ["", ct]
+    lines.append("")
+    if rec.strategy is None:
+        lines.append("recommendation: nothing fits")
+        lines.append(f"  - {rec.reasons[0]}")
+        lines.append(f"  - smallest change: {rec.change}")
+    else:
+        mb = f", largest micro-batch that fits: {rec.max_micro_batch}" if rec.max_micro_batch else ""
+        lines.append(f"recommendation: {rec.strategy} ({get_strategy(rec.strategy).implementation}){mb}")
+        for reason in rec.reasons:
+            lines.append(f"  - {reason}")
+    return "\n".join(lines)
