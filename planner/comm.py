@@ -1,0 +1,465 @@
+"""Collective schedule of one optimizer step, as the installed PyTorch issues it, and its time.
+
+Owns `collective_schedule` (op, group, dtype, message bytes, calls per optimizer step, phase, bytes
+sent per GPU, time), the alpha-beta time of one collective (`collective_time`) and `comm_summary`.
+
+Each schedule was read from the torch 2.13 source and checked call by call with the fake process
+group on the reference decoder (tests/test_comm.py, `test_schedule_matches_torch`):
+
+- DDP (`torch/nn/parallel/distributed.py`): the first iteration runs ONE bucket (bucket limits
+  `[sys.maxsize]` when `find_unused_parameters=False`); from the second iteration the C++ Reducer has
+  rebuilt its buckets in gradient-ready order (modules in reverse order, each module's params in
+  registration order: weight then bias), first bucket capped at `first_bucket_bytes_cap`, the others
+  at `bucket_cap_mb` MiB, a bucket closed when its size reaches the cap (so it may exceed it). An
+  explicit `bucket_cap_mb=25` (what `validate/wrap.py` passes) makes the first cap 25 MiB too; only
+  `bucket_cap_mb=None` gives the 1 MiB `dist._DEFAULT_FIRST_BUCKET_BYTES` first bucket. We model the
+  steady state (iteration >= 2). One all-reduce per bucket per optimizer step (`no_sync` before).
+- ZeroRedundancyOptimizer (`torch/distributed/optim/zero_redundancy_optimizer.py`), defaults
+  (`parameters_as_bucket_view=False`): after the local step `_sync_params` broadcasts EVERY parameter
+  tensor from its owner rank, one `broadcast` per parameter (not one all-gather), in the param dtype.
+- FSDP2 (`torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`): one all-gather per group of the
+  concatenated shards, each param padded on dim 0 to a multiple of the world size
+  (`_get_dim0_padded_size`); reduce-scatter of the same padded size in reduce_dtype. The root group
+  (embed + final norm + head) is NOT resharded after forward only when `fully_shard(root)` is called
+  without `reshard_after_forward` (`_fsdp_state.py` `_lazy_init`); `validate/wrap.py` passes it
+  explicitly, so under zero3 the root is all-gathered in backward too (`fsdp2_root_reshard`).
+  With `set_requires_gradient_sync(False)`: no reduce-scatter, unsharded grads accumulate
+  (`accumulate_unsharded_grad_if_needed`); params are still resharded after backward, so every
+  micro-step all-gathers again.
+- FSDP1 (`torch/distributed/fsdp/_flat_param.py`, `_runtime_utils.py`): one FlatParameter per unit;
+  `use_orig_params=False` adds no alignment padding, only padding of the flat numel to a multiple of the
+  shard-group size. FULL_SHARD / HYBRID_SHARD: the root is never resharded after forward, blocks are
+  all-gathered in forward and backward. SHARD_GRAD_OP under `no_sync` keeps params unsharded across
+  micro-steps (`_should_free_in_backward`), so it all-gathers ONCE per optimizer step, not per
+  micro-step. NO_SHARD: one all-reduce of the unpadded flat grad per unit. HYBRID_SHARD: plus an
+  all-reduce of the reduced shard over the replica group, issued even when that group has one rank.
+- DeepSpeed (`--framework deepspeed`): modelled from DeepSpeed's source, NOT validated (no DeepSpeed
+  here); see `_deepspeed`.
+
+Known limitations: a collective's time is the alpha-beta ring model with an nccl-tests bus-bandwidth
+factor and a size-dependent efficiency; NCCL's tree/NVLS algorithms, protocol switching, SHARP and
+contention between concurrent collectives are not modelled. Tensor/pipeline parallel groups are absent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+from .config import Cluster, TrainConfig
+from .model import ModelSpec
+from .strategies import get_strategy
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+DDP_BUCKET_CAP_MB: int | None = 25
+"""Bucket cap as `validate/wrap.py` passes it (explicit 25: every bucket, the first included, 25 MiB).
+None means PyTorch's default argument (25 MiB buckets after a 1 MiB first bucket)."""
+DDP_DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+"""`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB), used only when bucket_cap_mb is None."""
+FSDP2_ROOT_RESHARD_EXPLICIT = True
+"""`validate/wrap.py` calls `fully_shard(model, reshard_after_forward=...)` on the root explicitly."""
+
+# DeepSpeed defaults, deepspeedai/DeepSpeed deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig):
+DS_REDUCE_BUCKET_SIZE = 500_000_000
+"""`reduce_bucket_size: int = Field(pp_int(5e8))`, elements."""
+DS_ALLGATHER_BUCKET_SIZE = 500_000_000
+"""`allgather_bucket_size: int = Field(pp_int(5e8))`, elements."""
+DS_PREFETCH_BUCKET_SIZE = 50_000_000
+"""`stage3_prefetch_bucket_size: Field(pp_int(5e7))`, elements (prefetch only; no change to volume)."""
+DS_PARAM_PERSISTENCE_THRESHOLD = 100_000
+"""`stage3_param_persistence_threshold: Field(pp_int(1e5))`: smaller params are never partitioned."""
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective of an optimizer step (identical calls merged)."""
+
+    op: str
+    """'all_reduce' | 'all_gather' | 'reduce_scatter' | 'broadcast'."""
+    group: str
+    """'world' (all ranks), 'intra_node' (the node's ranks), 'inter_node' (one rank per node)."""
+    group_size: int
+    dtype: str
+    """'float32' | 'bfloat16' | 'float16' on the wire."""
+    message_bytes: int
+    """all_gather: gathered OUTPUT bytes; reduce_scatter: INPUT bytes; all_reduce/broadcast: the tensor."""
+    calls: int
+    """Calls per optimizer step (grad_accum micro-steps included)."""
+    phase: str
+    """'forward' | 'backward' | 'optimizer'."""
+    bytes_per_gpu: int = 0
+    """Bytes each GPU sends over all calls: nccl-tests factor x message_bytes x calls."""
+    time_s: float = 0.0
+    """Modelled time of all calls, seconds."""
+    unit: str = ""
+    """What it moves: 'block' (one per decoder block), 'root' (embed + final norm + head), 'bucket',
+    'last_bucket' (the DDP bucket reduced last), 'param' (per-tensor broadcasts), 'bucket_ds'."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- nccl-tests factors and the alpha-beta model ---------------------------------------------------
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests doc/PERFORMANCE.md: busbw = algbw x factor; bytes each rank sends per byte of S."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if op == "broadcast":
+        return 1.0
+    raise ValueError(f"op={op!r}: accepted values are {', '.join(OPS)}")
+
+
+def latency_steps(op: str, n: int) -> int:
+    """Ring steps (Thakur, Rabenseifner, Gropp 2005): (n-1) for AG/RS/broadcast, 2(n-1) for AR."""
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if op == "all_reduce" else n - 1
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """What the alpha-beta model needs of one link tier, per GPU, one direction."""
+
+    busbw_bytes_per_s: float
+    """Large-message bus bandwidth available to one GPU (bytes/s)."""
+    latency_s: float
+    """Per ring step latency (alpha), seconds."""
+    half_efficiency_bytes: float = 0.0
+    """eff(S) = S / (S + half_efficiency_bytes)."""
+
+    def efficiency(self, message_bytes: float) -> float:
+        if self.half_efficiency_bytes <= 0:
+            return 1.0
+        return message_bytes / (message_bytes + self.half_efficiency_bytes) if message_bytes > 0 else 0.0
+
+
+def _flat_time(op: str, message_bytes: float, n: int, link: LinkModel) -> float:
+    """One flat ring collective: alpha(n) + factor(op, n) * S / (busbw * eff(S)) (references.md §4)."""
+    if n <= 1 or message_bytes <= 0:
+        return 0.0
+    bw = link.busbw_bytes_per_s * link.efficiency(message_bytes)
+    return latency_steps(op, n) * link.latency_s + bus_factor(op, n) * message_bytes / bw
+
+
+def collective_time(op: str, message_bytes: float, group_size: int, link: LinkModel, *,
+                    gpus_per_node: int | None = None, inter_link: LinkModel | None = None) -> float:
+    """Seconds for ONE call of `op` on `message_bytes` over `group_size` ranks.
+
+    Flat (one tier, `link`) unless `inter_link` is given and the group spans nodes
+    (group_size > gpus_per_node): then hierarchical, k = group_size / g nodes of g GPUs,
+
+        T = alpha_intra(g) + f(op, g) * S / B_intra  +  alpha_inter(k) + f(op, k) * (S / g) / B_inter_gpu
+
+    references.md §4 ("Hierarchical all-reduce across k nodes of g GPUs: 2(g-1)/g * S / B_nvlink inside
+    plus 2(k-1)/k * (S/g) / B_nic_per_gpu across"), summed (full serialisation, the upper end of the
+    range §4 gives): each GPU carries 1/g of the message over its share of the node's NICs, and that
+    inter-node step bounds a ring that crosses nodes. `inter_link.busbw_bytes_per_s` is per GPU
+    (node NIC bandwidth / g). Broadcast is modelled as a pipelined ring (factor 1) on the same terms.
+    """
+    if group_size <= 1 or message_bytes <= 0:
+        return 0.0
+    g = gpus_per_node or group_size
+    if inter_link is None or group_size <= g:
+        return _flat_time(op, message_bytes, group_size, link)
+    k = math.ceil(group_size / g)
+    return _flat_time(op, message_bytes, g, link) + _flat_time(op, message_bytes / g, k, inter_link)
+
+
+# -- link lookups (cached) -------------------------------------------------------------------------
+
+@lru_cache(maxsize=256)
+def _interconnect(name: str):
+    from distplan.catalog.loader import load_catalog  # lazy: the catalog is never loaded at import
+
+    return load_catalog().interconnect(name)
+
+
+@lru_cache(maxsize=1024)
+def cluster_links(cluster: Cluster) -> tuple[LinkModel, LinkModel]:
+    """(intra-node per-GPU link, inter-node per-GPU link) of a cluster, catalog lookups cached.
+
+    Inter-node per GPU = NIC busbw x nics_per_node / gpus_per_node, or `cluster.inter_bytes_per_s`
+    (per node, already an achievable figure) / gpus_per_node when given.
+    """
+    intra = _interconnect(cluster.intra_link)
+    inter = _interconnect(cluster.inter_link)
+    g = cluster.local_size
+    intra_m = LinkModel(intra.busbw_bytes_per_s, intra.latency_s, intra.half_efficiency_bytes)
+    node_bw = (cluster.inter_bytes_per_s if cluster.inter_bytes_per_s
+               else inter.busbw_bytes_per_s * cluster.nics_per_node)
+    inter_m = LinkModel(node_bw / g, inter.latency_s, inter.half_efficiency_bytes)
+    return intra_m, inter_m
+
+
+def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cluster,
+                links: tuple[LinkModel, LinkModel]) -> float:
+    intra, inter = links
+    if group == "inter_node":
+        return _flat_time(c_op, message_bytes, n, inter)
+    if group == "intra_node":
+        return _flat_time(c_op, message_bytes, n, intra)
+    return collective_time(c_op, message_bytes, n, intra, gpus_per_node=cluster.local_size,
+                           inter_link=inter if n > cluster.local_size else None)
+
+
+# -- unit sizes (cached per model) -----------------------------------------------------------------
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@lru_cache(maxsize=512)
+def _units(model: ModelSpec) -> tuple[tuple, tuple]:
+    """(block params, root params): shapes of one block and of the root unit (embed + head)."""
+    inv = model.param_inventory()
+    block = tuple(s for _, s in inv[1].params) if model.layers else ()
+    root = tuple(s for _, s in inv[0].params) + tuple(s for _, s in inv[-1].params)
+    return block, root
+
+
+@lru_cache(maxsize=2048)
+def _fsdp2_numel(shapes: tuple, ws: int) -> int:
+    """FSDP2 all-gather output / reduce-scatter input elements: each param padded on dim 0 to ws."""
+    return sum(-(-s[0] // ws) * ws * _numel(s[1:]) for s in shapes)
+
+
+def _fsdp1_numel(shapes: tuple, ws: int) -> int:
+    """FSDP1 FlatParameter (use_orig_params=False): flat numel padded to a multiple of ws."""
+    n = sum(_numel(s) for s in shapes)
+    return -(-n // ws) * ws
+
+
+@lru_cache(maxsize=512)
+def ready_order_sizes(model: ModelSpec) -> tuple[int, ...]:
+    """Parameter numels in autograd's gradient-ready order (what DDP's rebuilt buckets follow).
+
+    Measured on the reference decoder (tests/test_comm.py): modules in reverse registration order,
+    inside a module its parameters in registration order (weight before bias). Tied embeddings count once.
+    """
+    modules: list[list[int]] = []
+    prev = None
+    for unit in model.param_inventory():
+        for name, shape in unit.params:
+            mod = name.rsplit(".", 1)[0]
+            if mod != prev:
+                modules.append([])
+                prev = mod
+            modules[-1].append(_numel(shape))
+    return tuple(n for mod in reversed(modules) for n in mod)
+
+
+@lru_cache(maxsize=1024)
+def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB
+                ) -> tuple[int, ...]:
+    """Bucket sizes in bytes, in reduction order, of DDP's rebuilt buckets (iteration >= 2).
+
+    `compute_bucket_assignment_by_size` (torch/csrc/distributed/c10d/reducer.cpp) with limits
+    [first_bucket_bytes_cap, bucket_bytes_cap]: a tensor is appended, then the bucket closes when its
+    size >= the current limit. One dtype (the model has one), so one key.
+    """
+    cap = (bucket_cap_mb if bucket_cap_mb is not None else 25) * 1024 * 1024
+    first = DDP_DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    out, size = [], 0
+    for n in ready_order_sizes(model):
+        size += n * elem_bytes
+        if size >= (first if not out else cap):
+            out.append(size)
+            size = 0
+    if size:
+        out.append(size)
+    return tuple(out)
+
+
+# -- dtypes ----------------------------------------------------------------------------------------
+
+def _param_dtype(precision: str) -> str:
+    """Dtype of all-gathered params: param_dtype of the MixedPrecision policy, else the param dtype."""
+    return {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}[precision]
+
+
+def _grad_dtype(precision: str) -> str:
+    """Dtype of reduced gradients: fp32 (autocast keeps fp32 params; reduce_dtype=fp32), bf16 if pure."""
+    return "bfloat16" if precision == "bf16" else "float32"
+
+
+def _stored_dtype(precision: str) -> str:
+    return "bfloat16" if precision == "bf16" else "float32"
+
+
+# -- schedules -------------------------------------------------------------------------------------
+
+def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str, *,
+                        ddp_bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB,
+                        fsdp2_root_reshard_explicit: bool = FSDP2_ROOT_RESHARD_EXPLICIT) -> list[Collective]:
+    """The collectives of one optimizer step on the most loaded rank (all ranks issue the same ones).
+
+    `strategy` is a registry name. Steady state (the second and later steps). Identical calls are
+    merged; `calls` counts all grad_accum micro-steps. Times use the cluster's links (catalog, cached).
+    """
+    s = get_strategy(strategy)
+    key = _schedule_key(train, s.name, cluster.gpus, cluster.local_size, cluster.nodes,
+                        ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
+    raw = _raw_schedule(*key)
+    if not raw:
+        return []
+    links = cluster_links(cluster)
+    out = []
+    for (op, group, n, dtype, msg, calls, phase, unit) in raw:
+        t = _group_time(op, group, n, msg, cluster, links)
+        out.append(Collective(op, group, n, dtype, msg, calls, phase,
+                              int(round(bus_factor(op, n) * msg * calls)), t * calls, unit))
+    return out
+
+
+def _schedule_key(train: TrainConfig, name: str, world: int, g: int, nodes: int, cap, root_explicit):
+    return (train.model, train.precision, train.grad_accum, train.framework, name, world, g, nodes,
+            cap, root_explicit)
+
+
+@lru_cache(maxsize=4096)
+def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name: str, world: int,
+                  g: int, nodes: int, cap, root_explicit) -> tuple:
+    """Tuples (op, group, group_size, dtype, message_bytes, calls, phase, unit), cached."""
+    s = get_strategy(name)
+    if s.family == "single":
+        return ()
+    if framework == "deepspeed" and name in ("zero1", "zero2", "zero3"):
+        return tuple(_deepspeed(model, precision, A, int(name[-1]), world))
+    L = model.layers
+    block, root = _units(model)
+    pdt, gdt = _param_dtype(precision), _grad_dtype(precision)
+    pb, gb = _DTYPE_BYTES[pdt], _DTYPE_BYTES[gdt]
+    out: list[tuple] = []
+
+    def add(op, group, n, dtype, msg, calls, phase, unit):
+        if calls > 0:
+            out.append((op, group, n, dtype, int(msg), int(calls), phase, unit))
+
+    if s.family in ("ddp", "zero1"):
+        buckets = ddp_buckets(model, gb, cap)
+        counts: dict[int, int] = {}
+        for b in buckets[:-1]:
+            counts[b] = counts.get(b, 0) + 1
+        for b, c in counts.items():
+            add("all_reduce", "world", world, gdt, b, c, "backward", "bucket")
+        add("all_reduce", "world", world, gdt, buckets[-1], 1, "backward", "last_bucket")
+        if s.family == "zero1":
+            sdt = _stored_dtype(precision)
+            per: dict[int, int] = {}
+            for n in ready_order_sizes(model):
+                per[n] = per.get(n, 0) + 1
+            for n, c in sorted(per.items(), reverse=True):
+                add("broadcast", "world", world, sdt, n * _DTYPE_BYTES[sdt], c, "optimizer", "param")
+        return tuple(out)
+
+    if s.family == "fsdp2":
+        blk, rt = _fsdp2_numel(block, world), _fsdp2_numel(root, world)
+        reshard = s.reshard_after_forward
+        root_bwd = reshard and root_explicit
+        add("all_gather", "world", world, pdt, blk * pb, L * A, "forward", "block")
+        add("all_gather", "world", world, pdt, rt * pb, A, "forward", "root")
+        if reshard:
+            add("all_gather", "world", world, pdt, blk * pb, L * A, "backward", "block")
+        if root_bwd:
+            add("all_gather", "world", world, pdt, rt * pb, A, "backward", "root")
+        add("reduce_scatter", "world", world, gdt, blk * gb, L, "backward", "block")
+        add("reduce_scatter", "world", world, gdt, rt * gb, 1, "backward", "root")
+        return tuple(out)
+
+    if s.family == "fsdp1":
+        if name == "fsdp-no-shard":
+            nb, nr = sum(map(_numel, block)), sum(map(_numel, root))
+            add("all_reduce", "world", world, gdt, nb * gb, L, "backward", "block")
+            add("all_reduce", "world", world, gdt, nr * gb, 1, "backward", "root")
+            return tuple(out)
+        if name == "hsdp":
+            shard_n, group = min(world, g), "intra_node"
+        else:
+            shard_n, group = world, "world"
+        blk, rt = _fsdp1_numel(block, shard_n), _fsdp1_numel(root, shard_n)
+        fwd_calls = 1 if name == "fsdp-grad-op" else A  # SHARD_GRAD_OP keeps params under no_sync
+        add("all_gather", group, shard_n, pdt, blk * pb, L * fwd_calls, "forward", "block")
+        add("all_gather", group, shard_n, pdt, rt * pb, fwd_calls, "forward", "root")
+        if s.reshard_after_forward:
+            add("all_gather", group, shard_n, pdt, blk * pb, L * A, "backward", "block")
+        add("reduce_scatter", group, shard_n, gdt, blk * gb, L, "backward", "block")
+        add("reduce_scatter", group, shard_n, gdt, rt * gb, 1, "backward", "root")
+        if name == "hsdp":
+            replicas = max(1, world // shard_n)
+            add("all_reduce", "inter_node", replicas, gdt, blk // shard_n * gb, L, "backward", "block")
+            add("all_reduce", "inter_node", replicas, gdt, rt // shard_n * gb, 1, "backward", "root")
+        return tuple(out)
+    raise AssertionError(f"no schedule for family {s.family!r}")
+
+
+def _deepspeed(model: ModelSpec, precision: str, A: int, stage: int, world: int) -> list[tuple]:
+    """DeepSpeed ZeRO-1/2/3 with its default config. NOT validated: DeepSpeed is not installed here.
+
+    Read from deepspeedai/DeepSpeed `deepspeed/runtime/zero/stage_1_and_2.py` and `stage3.py`:
+    - stage 1/2: gradients go into IPG buckets of `reduce_bucket_size` (5e8) elements; with the default
+      `reduce_scatter=True` and `use_multi_rank_bucket_allreduce=True`, `average_tensor` ->
+      `allreduce_and_scatter` ALL-REDUCES each bucket (in chunks of <= reduce_bucket_size elements) and
+      each rank keeps its partition. Stage 2 reduces in backward on every micro-step; stage 1 only at
+      the accumulation boundary. After the step, updated 16-bit partitions are all-gathered
+      (`all_gather_dp_groups`, runtime/utils.py) in `num_shards = max(1, P_partition * dp // allgather_bucket_size)`
+      calls. Communication dtype: the 16-bit param/grad dtype (fp32 for fp32 training).
+    - stage 3: every leaf module's partitioned params (each padded to a multiple of world size) are
+      all-gathered before its forward and again before its backward, per micro-step; params with fewer
+      than `param_persistence_threshold` (1e5) elements stay unpartitioned (no all-gather). Gradients
+      are reduce-scattered every micro-step in `reduce_bucket_size` buckets. No post-step all-gather.
+    The single IPG buffer / module order is approximated by contiguous chunks of the total.
+    """
+    ws = world
+    dt = "float32" if precision == "fp32" else ("float16" if precision == "fp16-mixed" else "bfloat16")
+    eb = _DTYPE_BYTES[dt]
+    P = model.param_count()
+    out: list[tuple] = []
+    if stage in (1, 2):
+        nb = max(1, -(-P // DS_REDUCE_BUCKET_SIZE))
+        rounds = A if stage == 2 else 1
+        base, rem = divmod(P, nb)
+        sizes = {}
+        for i in range(nb):
+            sz = base + (1 if i < rem else 0)
+            sizes[sz] = sizes.get(sz, 0) + 1
+        for sz, c in sizes.items():
+            out.append(("all_reduce", "world", ws, dt, sz * eb, c * rounds, "backward", "bucket_ds"))
+        part = -(-P // ws)
+        shards = max(1, part * ws // DS_ALLGATHER_BUCKET_SIZE)
+        out.append(("all_gather", "world", ws, dt, (part // shards) * ws * eb, shards, "optimizer", "bucket_ds"))
+        return out
+    # stage 3: leaf modules with partitioned params
+    mods: dict[str, list] = {}
+    for unit in model.param_inventory():
+        for name, shape in unit.params:
+            mods.setdefault(name.rsplit(".", 1)[0], []).append(shape)
+    ag: dict[int, int] = {}
+    for shapes in mods.values():
+        part = [s for s in shapes if _numel(s) >= DS_PARAM_PERSISTENCE_THRESHOLD]
+        if part:
+            n = sum(-(-_numel(s) // ws) * ws for s in part)
+            ag[n] = ag.get(n, 0) + 1
+    for n, c in ag.items():
+        out.append(("all_gather", "world", ws, dt, n * eb, c * A, "forward", "module"))
+        out.append(("all_gather", "world", ws, dt, n * eb, c * A, "backward", "module"))
+    nb = max(1, -(-P // DS_REDUCE_BUCKET_SIZE))
+    out.append(("reduce_scatter", "world", ws, dt, (-(-P // nb)) * eb, nb * A, "backward", "bucket_ds"))
+    return out
+
+
+def comm_summary(schedule: list[Collective]) -> dict:
+    """Totals of a schedule: {'bytes_per_gpu': int, 'time_s': float} (serial sum, no overlap)."""
+    return {"bytes_per_gpu": sum(c.bytes_per_gpu for c in schedule),
+            "time_s": sum(c.time_s for c in schedule)}
