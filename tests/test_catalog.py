@@ -85,7 +85,7 @@ def test_unit_conversions_of_builtin_entries():
     assert cat.interconnect("nvlink4").busbw_bytes_per_s == pytest.approx(450e9 * 0.82)
     assert cat.interconnect("nvlink4").latency_s == pytest.approx(3.4e-6)
     assert cat.interconnect("nvlink4").half_efficiency_bytes == pytest.approx(9.6 * 2**20)
-    assert cat.gpu("a100-80gb").memory_bytes == 80 * 10**9  # NVIDIA's "80GB" taken as written
+    assert cat.gpu("a100-80gb").memory_bytes == 81920 * 2**20  # nvidia-smi total: 80 GiB of HBM2e
     assert cat.gpu("a100-80gb").hbm_bytes_per_s == pytest.approx(2039e9)
 
 
@@ -294,7 +294,7 @@ def test_user_dir_overrides_builtin(tmp_path):
     assert cat.gpu("h100").memory_bytes == 94 * GIB
     assert cat.gpu("h100").path.startswith(str(tmp_path))
     assert len(cat.names("gpus")) == len(load_catalog().names("gpus"))
-    assert load_catalog().gpu("h100").memory_bytes == 80 * 10**9  # built-in catalog untouched
+    assert load_catalog().gpu("h100").memory_bytes == 81559 * 2**20  # built-in catalog untouched
 
 
 def test_user_dir_adds_entries_referencing_builtins(tmp_path):

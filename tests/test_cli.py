@@ -1,0 +1,162 @@
+"""`distplan` as a user types it: estimate, recommend, sweep, catalog, bad input, import cost."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from distplan.planner.cli import main
+from distplan.planner.strategies import NAMES
+
+CONTRACT_MEMORY = {"params", "grads", "optimizer", "activations", "comm_buffers", "temporaries",
+                   "peak_allocated", "reserved_estimate", "process_overhead"}
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_estimate_7b_prints_every_strategy():
+    r = run("estimate", "--params", "7B", "--gpus", "8", "--gpu-mem", "80")
+    assert r.exit_code == 0, r.output
+    for name in NAMES:
+        if name != "single":
+            assert f"\n{name} " in r.output
+    assert "recommendation:" in r.output
+    assert "assumed a Llama-style decoder" in r.output
+
+
+def test_estimate_70b_on_h100_json_contract():
+    r = run("estimate", "--model", "llama-3-70b", "--gpus", "64", "--gpu", "h100", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert set(d) >= {"inputs", "strategies", "recommendation"}
+    assert d["inputs"]["model_params"] == 70553706496
+    assert len(d["strategies"]) == len(NAMES) - 1
+    for s in d["strategies"]:
+        assert set(s) >= {"name", "fits", "peak_phase", "memory", "comm", "step_time_s", "tokens_per_s"}
+        assert set(s["memory"]) >= CONTRACT_MEMORY
+        assert all(isinstance(v, int) and v >= 0 for v in s["memory"].values())
+        assert s["peak_phase"] in ("forward", "backward", "optimizer")
+        assert set(s["comm"]) >= {"collectives", "bytes_per_gpu", "time_s", "exposed_s"}
+    assert {"strategy", "reasons"} <= set(d["recommendation"])
+    by = {s["name"]: s for s in d["strategies"]}
+    assert not by["ddp"]["fits"] and by["fsdp"]["fits"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--params", "7X"], "--params"),
+    (["--gpus", "0"], "--gpus"),
+    (["--gpu-mem", "-1"], "--gpu-mem"),
+    (["--model", "nope"], "--model"),
+    (["--hf-config", "missing.json"], "--hf-config"),
+    (["--strategy", "nope"], "--strategy"),
+    (["--gpu", "h900"], "--gpu"),
+    (["--inter", "carrier-pigeon"], "--inter"),
+    (["--params", "7B", "--heads", "7"], "heads"),
+])
+def test_bad_input_is_one_line_exit_2(args, flag):
+    r = CliRunner().invoke(main, ["estimate", *args])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, r.output
+    assert flag in lines[0]
+    assert "Traceback" not in r.output
+
+
+def test_hf_config_heads_not_dividing_hidden(tmp_path):
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 100, "num_attention_heads": 7,
+           "intermediate_size": 256, "vocab_size": 1000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["estimate", "--hf-config", str(path), "--gpus", "2"])
+    assert r.exit_code == 2
+    assert "--hf-config" in r.output and "heads" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_hf_config_reads(tmp_path):
+    r = run("estimate", "--hf-config", "tests/data/hf/llama-3-8b.json", "--gpus", "8", "--gpu-mem", "80")
+    assert r.exit_code == 0, r.output
+    assert "8,030,261,248 params" in r.output
+
+
+def test_estimate_does_not_import_torch():
+    code = ("import sys; from distplan.planner.cli import main\n"
+            "try:\n main(['estimate','--params','7B','--gpus','8','--gpu-mem','80'], standalone_mode=False)\n"
+            "finally:\n print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("NO-TORCH"), out
+
+
+def test_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "distplan.planner", "estimate", "--params", "125M", "--gpus", "2",
+                          "--gpu-mem", "24", "--json"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["strategies"]
+
+
+def test_recommend_small_model_two_gpus_is_ddp():
+    r = run("recommend", "--params", "125M", "--gpus", "2", "--gpu", "a100-80gb", "--json")
+    d = json.loads(r.output)
+    assert d["recommendation"]["strategy"] == "ddp", d["recommendation"]
+
+
+def test_recommend_70b_on_64_h100_is_sharded():
+    r = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--json")
+    d = json.loads(r.output)
+    assert d["recommendation"]["strategy"] in ("zero3", "fsdp", "hsdp", "zero2", "fsdp-grad-op")
+
+
+def test_recommend_changes_over_slow_ethernet():
+    ib = json.loads(run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--json").output)
+    eth = json.loads(run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100",
+                         "--inter", "eth-100g-tcp", "--json").output)
+    assert eth["recommendation"]["strategy"] == "hsdp", eth["recommendation"]
+    assert ib["recommendation"]["strategy"] != eth["recommendation"]["strategy"]
+    text = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--inter", "eth-100g-tcp").output
+    assert "hsdp keeps all-gathers" in text
+
+
+def test_recommend_nothing_fits_names_a_change():
+    r = run("recommend", "--params", "70B", "--gpus", "2", "--gpu-mem", "24")
+    assert r.exit_code == 0
+    assert "nothing fits" in r.output and "smallest change" in r.output
+
+
+def test_sweep_json_rows():
+    r = run("sweep", "--params", "7B", "--sweep-gpus", "8,16", "--strategy", "fsdp", "--strategy", "ddp", "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    assert {(x["gpus"], x["strategy"]) for x in rows} == {(8, "fsdp"), (8, "ddp"), (16, "fsdp"), (16, "ddp")}
+
+
+def test_sweep_bad_list():
+    r = CliRunner().invoke(main, ["sweep", "--params", "7B", "--sweep-gpus", "8,x"])
+    assert r.exit_code == 2 and "--sweep-gpus" in r.output
+
+
+def test_catalog_list_and_show():
+    r = run("catalog", "list", "gpus")
+    assert "h100-sxm" in r.output
+    r = run("catalog", "show", "dgx-h100")
+    assert "ib-ndr" in r.output and "source" in r.output
+    r = CliRunner().invoke(main, ["catalog", "show", "nope"])
+    assert r.exit_code == 2
+
+
+def test_user_catalog_dir(tmp_path):
+    (tmp_path / "gpus").mkdir()
+    (tmp_path / "gpus" / "my-gpu.yaml").write_text(
+        "name: my-gpu\nvendor: nvidia\nmemory_gib: 48\nhbm_bandwidth_gb_per_s: 900\nbf16_tflops: 300\n"
+        "fp32_tflops: 80\nmatmul_efficiency_fraction: 0.7\nscale_up_link: pcie4\nsource: my lab\n")
+    r = run("estimate", "--params", "1B", "--gpus", "2", "--gpu", "my-gpu", "--catalog", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    assert "my-gpu (48.00 GiB)" in r.output
+
+
+def test_every_command_is_in_the_readme():
+    readme = open("README.md", encoding="utf-8").read()
+    for name in main.commands:
+        assert f"distplan {name}" in readme, name

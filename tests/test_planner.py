@@ -1,0 +1,99 @@
+"""Planner invariants (hypothesis) and exact figures."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distplan.planner.config import Cluster, TrainConfig
+from distplan.planner.memory import COMPONENTS, estimate_memory
+from distplan.planner.model import ModelSpec
+from distplan.planner.strategies import NAMES, get_strategy
+from distplan.planner.units import GiB, parse_count, parse_memory
+
+
+@pytest.mark.parametrize("text, value", [("7B", 7 * 10**9), ("7b", 7 * 10**9), ("1.3e9", 1_300_000_000),
+                                         ("125M", 125 * 10**6), ("1.5T", 1_500_000_000_000),
+                                         ("350_000_000", 350_000_000), ("7000000000", 7 * 10**9)])
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text, value", [("80", 80 * GiB), ("80GiB", 80 * GiB), ("80GB", 80 * 10**9),
+                                         ("81920MiB", 80 * GiB), (24, 24 * GiB)])
+def test_parse_memory_gib_vs_gb(text, value):
+    assert parse_memory(text) == value
+
+
+@pytest.mark.parametrize("bad", ["7X", "", "-1", "0", "B7"])
+def test_parse_count_rejects(bad):
+    with pytest.raises(ValueError, match="--params"):
+        parse_count(bad)
+
+
+def test_unknown_strategy_lists_valid():
+    with pytest.raises(ValueError, match="accepted: single, ddp"):
+        get_strategy("nope")
+
+
+def test_llama2_7b_param_count_exact():
+    m = ModelSpec("l", layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000)
+    assert m.param_count() == 6_738_415_616
+    assert sum(u.numel for u in m.param_inventory()) == m.param_count()
+
+
+models = st.builds(
+    lambda layers, hd, heads, group, ffn_mult, vocab, mlp, tie: ModelSpec(
+        "h", layers=layers, hidden=hd * heads, heads=heads, kv_heads=max(1, heads // group),
+        ffn_hidden=hd * heads * ffn_mult // 2, vocab=vocab, mlp=mlp, tie_embeddings=tie),
+    st.integers(1, 96), st.sampled_from([32, 64, 128]), st.sampled_from([4, 8, 16, 32, 64]),
+    st.sampled_from([1, 2, 4]), st.integers(4, 8), st.integers(1000, 200_000),
+    st.sampled_from(["swiglu", "gelu"]), st.booleans())
+trains = st.builds(
+    lambda m, s, b, prec, ck, opt: TrainConfig(m, seq_len=s, micro_batch=b, precision=prec, checkpointing=ck,
+                                               optimizer=opt),
+    models, st.sampled_from([128, 1024, 4096]), st.integers(1, 8),
+    st.sampled_from(["fp32", "bf16-mixed", "bf16"]), st.sampled_from(["none", "selective", "full"]),
+    st.sampled_from(["adamw", "sgd", "sgd-momentum", "adafactor"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(trains, st.sampled_from([n for n in NAMES if n != "single"]), st.sampled_from([2, 4, 8, 16]))
+def test_components_nonnegative_and_peak_is_their_sum(train, strategy, gpus):
+    est = estimate_memory(train, Cluster(gpus=gpus * 2), strategy)
+    assert all(est.components[k] >= 0 for k in COMPONENTS)
+    assert est.peak_allocated == sum(est.components.values())
+    assert est.peak_phase in ("forward", "backward", "optimizer")
+
+
+@settings(max_examples=150, deadline=None)
+@given(trains, st.sampled_from(["zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op", "hsdp"]),
+       st.sampled_from([1, 2, 4, 8, 16]))
+def test_sharded_bytes_never_rise_with_more_ranks(train, strategy, gpus):
+    def model_states(n):
+        c = Cluster(gpus=n, gpus_per_node=min(8, n))
+        e = estimate_memory(train, c, strategy)
+        from distplan.planner.memory import layout
+        return e
+    small, big = model_states(gpus), model_states(gpus * 2)
+    assert big.components["optimizer"] <= small.components["optimizer"]
+    assert big.components["params"] <= small.components["params"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(trains, st.sampled_from([2, 4, 8, 64]))
+def test_zero_stages_order_model_states(train, gpus):
+    c = Cluster(gpus=gpus)
+
+    def states(name):
+        # Model states at rest: parameters, gradients after backward, optimizer state.
+        from distplan.planner import memory as mem
+        st_ = get_strategy(name)
+        shard = gpus
+        lay = mem.layout(train.model, st_.family, shard, st_.shards_params, st_.shards_optimizer)
+        pb, gb = train.prec.param_bytes, train.prec.grad_bytes
+        opt = estimate_memory(train, c, name).components["optimizer"]
+        params = lay.shard_total * pb
+        grads = (lay.shard_total if st_.shards_grads else lay.total) * gb
+        return params + grads + opt
+
+    assert states("zero3") <= states("zero2") <= states("zero1") <= states("ddp")
