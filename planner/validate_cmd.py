@@ -193,7 +193,8 @@ def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, 
         records = runner.run_validation(
             specs, out_path, tolerance=tol, timeout_s=timeout_s,
             probe_cmd=shlex.split(probe_cmd) if probe_cmd else None, nnodes=nnodes,
-            rdzv_endpoint=rdzv_endpoint, resume=resume, jobs=jobs, on_event=progress.event, results=results)
+            rdzv_endpoint=rdzv_endpoint, resume=resume, jobs=jobs, on_event=progress.event, results=results,
+            device_memory_bytes=min(hw.get("gpu_memory_bytes") or [0]) or None)
     except KeyboardInterrupt:
         progress.clear()
         click.echo(f"interrupted: {results.appended} probe{'s' if results.appended != 1 else ''} saved to "
@@ -201,12 +202,13 @@ def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, 
         ctx.exit(130)
     progress.clear()
 
-    failed = [r for r in records if r.get("verdict") != "PASS"]
+    failed = [r for r in records if r.get("verdict") not in ("PASS", "SKIP")]
     if as_json:
         report = {"out": out_path, "tolerance": tol, "rule": rule_text(tol),
                   "where": [runner.describe_mode(m, w, hw) for m, w in modes],
                   "probes": records, "summary": summarize(records) if len(records) > 1 else None,
-                  "passed": len(records) - len(failed), "failed": len(failed), "ok": not failed}
+                  "passed": sum(r.get("verdict") == "PASS" for r in records), "failed": len(failed),
+                  "ok": not failed}
         click.echo(json.dumps(report, indent=2, default=str))
     else:
         click.echo(render_table(records))
@@ -214,7 +216,9 @@ def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, 
             click.echo(render_detail(records[0]))
         if matrix or len(records) > 1:
             click.echo(render_summary(records))
-        click.echo(f"{len(records) - len(failed)}/{len(records)} PASS"
+        skipped = sum(r.get("verdict") == "SKIP" for r in records)
+        click.echo(f"{len(records) - len(failed) - skipped}/{len(records)} PASS"
+                   + (f"; {skipped} SKIP (rank 0 on another node)" if skipped else "")
                    + (f"; {len(failed)} FAIL" if failed else "") + f"; records in {out_path}")
     ctx.exit(1 if failed else 0)
 
@@ -245,6 +249,8 @@ def _resolve_model(model, params, hf_config, overrides: dict, device: str) -> di
         spec = resolve(model=model, params=params, hf_config=hf_config, overrides=given)
     except ValueError as e:
         raise click.UsageError(str(e))
+    if isinstance(spec, tuple):  # (ModelSpec, notes)
+        spec = spec[0]
     return mx.model_dict(spec)
 
 

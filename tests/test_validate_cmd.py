@@ -373,3 +373,18 @@ def test_real_probe_fake_pg_smoke(tmp_path):
     assert m["status"] == "ok", m.get("error") or m.get("stderr_tail")
     assert m["memory"]["peak_allocated"] > 0 and m["collectives"]
     assert recs[0]["comparison"]["peak"]["measured"] == m["memory"]["peak_allocated"]
+
+
+def test_fits_filled_from_device_memory_when_prediction_has_none():
+    p = {"memory": {"peak_allocated": 100}}
+    assert runner.with_fits(p, 99)["fits"] is False
+    assert runner.with_fits(p, 100)["fits"] is True
+    assert runner.with_fits(p, None) is p
+    assert runner.with_fits(dict(p, fits=True), 1)["fits"] is True
+
+
+def test_other_node_without_result_is_remote_skip():
+    spec = _spec(mode="cpu", behavior="exit0")
+    m = runner.run_probe(spec, probe_cmd=FAKE, nnodes=2, rdzv_endpoint="h:1")
+    assert m["status"] == "remote"
+    assert compare(_exact_prediction(spec), m)["verdict"] == "SKIP"

@@ -11,7 +11,8 @@ Owns the accuracy numbers and the PASS/FAIL rule of `distplan validate`:
   *or* within an absolute floor of 64 KiB (a component that is tiny next to the peak is dominated by
   allocator rounding and small tensors, so its ratio is noise), and the collectives are exact.
 - A measured OOM agrees with a prediction that says it does not fit (`fits: False`), and disagrees
-  otherwise; a probe that timed out, crashed or raised is a FAIL with its reason.
+  otherwise; a probe that timed out, crashed or raised is a FAIL with its reason; a probe whose rank 0
+  ran on another node (`remote`) is SKIP.
 
 Known limitations: step time is reported (error when both sides have one) but never judged: on CPU and on
 the fake process group nothing comparable is timed. Components the probe lists in `unmeasured` are shown
@@ -70,7 +71,7 @@ def compare_collectives(predicted: list[dict], measured: list[dict]) -> dict:
 
 
 def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAULT_TOLERANCE) -> dict:
-    """Judge one probe. Returns {"verdict": "PASS"|"FAIL", "reasons": [...], "peak", "components", ...}."""
+    """Judge one probe. Returns {"verdict": "PASS"|"FAIL"|"SKIP", "reasons": [...], "peak", "components", ...}."""
     if not tolerance > 0:
         raise ValueError(f"tolerance={tolerance!r}: must be a positive fraction such as 0.05")
     out: dict = {"verdict": "FAIL", "reasons": [], "tolerance": tolerance,
@@ -82,6 +83,10 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
     reasons = out["reasons"]
     pred_fits = None if prediction is None else prediction.get("fits")
 
+    if status == "remote":
+        out["verdict"] = "SKIP"
+        reasons.append(measurement.get("error") or "measured on another node")
+        return out
     if status in ("timeout", "crashed", "error"):
         reasons.append(f"probe {status}: {measurement.get('error') or 'no reason given'}")
         return out

@@ -17,7 +17,7 @@ Owns the process side of `distplan validate`:
   per probe to the JSON-lines file the moment it ends.
 
 Known limitations: across nodes, only the node that hosts rank 0 gets the result file; the other nodes
-record status `crashed` unless they see it. No retry of failed probes (use `--resume` after fixing).
+record status `remote` (verdict SKIP) when their launcher exits cleanly. No retry of failed probes (use `--resume` after fixing).
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ class ProbeRun:
                  nnodes: int = 1, rdzv_endpoint: str | None = None, env: dict | None = None):
         self.spec = spec
         self.timeout_s = timeout_s
+        self.nnodes = nnodes
         self.dir = tempfile.mkdtemp(prefix="distplan-probe-")
         self.spec_path = os.path.join(self.dir, "spec.json")
         self.out_path = os.path.join(self.dir, "result.json")
@@ -184,8 +185,14 @@ class ProbeRun:
         self._stdout = open(os.path.join(self.dir, "stdout.log"), "wb")
         self._stderr = open(os.path.join(self.dir, "stderr.log"), "wb")
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._stdout,
-                                     stderr=self._stderr, env=full_env, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._stdout,
+                                         stderr=self._stderr, env=full_env, start_new_session=True)
+        except OSError:
+            self._stdout.close()
+            self._stderr.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         self.pgid = self.proc.pid  # a new session's leader: its pid is the group id
         self.result: dict | None = None
 
@@ -248,6 +255,10 @@ class ProbeRun:
                     result = json.load(f)
             except ValueError:
                 result = None
+        if (result is None or not isinstance(result, dict)) and rc == 0 and self.nnodes > 1:
+            result = {"id": self.spec.get("id"), "status": "remote", "mode": self.spec.get("mode"),
+                      "world_size": self.spec.get("world_size"),
+                      "error": "rank 0 ran on another node; its record is in that node's results file"}
         if result is None or not isinstance(result, dict):
             status = "timeout" if timed_out else "crashed"
             if timed_out:
@@ -263,7 +274,7 @@ class ProbeRun:
         result.setdefault("status", "error")
         result["returncode"] = rc
         result["wall_s"] = round(wall, 3)
-        if result["status"] != "ok":
+        if result["status"] not in ("ok", "remote"):
             result["stderr_tail"] = stderr[-2000:]
         shutil.rmtree(self.dir, ignore_errors=True)
         return result
@@ -345,6 +356,16 @@ def make_record(spec: dict, prediction: dict | None, prediction_error: str | Non
             "date": measurement.get("date") or _now()}
 
 
+def with_fits(prediction: dict | None, device_memory_bytes: int | None) -> dict | None:
+    if prediction is None or "fits" in prediction or not device_memory_bytes:
+        return prediction
+    peak = (prediction.get("memory") or {}).get("peak_allocated")
+    if peak is None:
+        return prediction
+    return dict(prediction, fits=bool(peak <= device_memory_bytes),
+                fits_source=f"predicted peak_allocated <= device memory {device_memory_bytes} B")
+
+
 def spec_cost(spec: dict, capacity: int) -> int:
     """Slots a probe takes: one per local process on CPU; a GPU probe takes the machine."""
     if spec.get("mode") == "gpu":
@@ -358,11 +379,13 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
                    timeout_s: float = DEFAULT_TIMEOUT_S, probe_cmd: list[str] | None = None,
                    nnodes: int = 1, rdzv_endpoint: str | None = None, resume: bool = False,
                    jobs: int = 1, predict=None, on_event=None,
-                   results: ResultsFile | None = None) -> list[dict]:
+                   results: ResultsFile | None = None, device_memory_bytes: int | None = None) -> list[dict]:
     """Run every spec (skipping those already done when `resume`), append each record as it ends,
     and return the records in spec order. `on_event(kind, index, spec, record_or_None)` is called with
     kind 'skip', 'start' or 'done'. A KeyboardInterrupt kills the running probes and propagates; the
-    records already appended stay in the file (pass `results` to read `results.appended` afterwards)."""
+    records already appended stay in the file (pass `results` to read `results.appended` afterwards).
+    `device_memory_bytes` (the GPU's total memory) fills in `fits` = predicted peak <= it when the
+    prediction has no verdict of its own, so a measured OOM can be compared."""
     predict = predict or default_predict
     on_event = on_event or (lambda *a: None)
     results = results or ResultsFile(out_path)
@@ -386,6 +409,7 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
                 spec = specs[i]
                 try:
                     prediction, perr = predict(spec), None
+                    prediction = with_fits(prediction, device_memory_bytes)
                 except Exception as e:  # the planner's failure is recorded, the probe still runs
                     prediction, perr = None, f"{type(e).__name__}: {e}"
                 on_event("start", i, spec, None)
