@@ -311,16 +311,23 @@ def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str, *,
     s = get_strategy(strategy)
     key = _schedule_key(train, s.name, cluster.gpus, cluster.local_size, cluster.nodes,
                         ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
+    return list(_timed_schedule(key, cluster))
+
+
+@lru_cache(maxsize=8192)
+def _timed_schedule(key: tuple, cluster: Cluster) -> tuple:
+    """The schedule with times; depends on (model, precision, accum, framework, strategy, cluster) only,
+    so a sweep over sequence length and micro-batch reuses it."""
     raw = _raw_schedule(*key)
     if not raw:
-        return []
+        return ()
     links = cluster_links(cluster)
     out = []
     for (op, group, n, dtype, msg, calls, phase, unit) in raw:
         t = _group_time(op, group, n, msg, cluster, links)
         out.append(Collective(op, group, n, dtype, msg, calls, phase,
                               int(round(bus_factor(op, n) * msg * calls)), t * calls, unit))
-    return out
+    return tuple(out)
 
 
 def _schedule_key(train: TrainConfig, name: str, world: int, g: int, nodes: int, cap, root_explicit):

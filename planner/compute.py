@@ -1,0 +1,278 @@
+"""FLOPs of a step, step time with communication overlap, and the inter-node bandwidth a plan needs.
+
+Owns `step_flops`, `model_flops`, `step_time` (-> `StepTime`) and `required_inter_bandwidth`.
+
+FLOPs: Narayanan et al. 2021 (arXiv:2104.04473) Eq. 3 counts, per layer and micro-batch,
+24*b*s*h^2 (QKV + projection + a 4h MLP) + 4*b*s^2*h (scores and attention-over-values) forward, and
+2*b*s*h*V for the logits, backward = 2x forward, full recompute = +1 forward. We adapt it: the matmul
+term is 2 x (Linear weights of a block) x tokens, counted from the exact inventory (GQA, SwiGLU, any
+ffn width, biases excluded as non-matmul); the attention term is halved for SDPA with
+`is_causal=True` (the flash / memory-efficient kernels skip fully masked tiles, ~s^2/2), kept whole for
+eager attention (the full s x s scores are computed, then masked). Embedding lookups are 0 FLOPs.
+
+Overlap model (per optimizer step; exposure = max(0, comm - compute it can hide behind)):
+- DDP (and zero1's DDP part): bucket all-reduces overlap the last micro-step's backward except the last
+  bucket, which is exposed; zero1's parameter broadcasts (after the step) are exposed.
+- FSDP1/FSDP2: forward all-gather of unit i+1 overlaps compute of unit i (prefetch); the first
+  (root) all-gather is exposed, so is block 0's (only the embedding lookup precedes it). In backward,
+  the root's backward (logits) hides block L-1's all-gather; each block's backward hides the
+  all-gather of the next block plus the reduce-scatter (and HSDP inter-node all-reduce) of the
+  previous one; the last block's reduce-scatter/all-reduce and the root's are exposed.
+  Reduce-scatters exist only on the last micro-step.
+- DeepSpeed: stage 1/2 (overlap_comm=False by default) expose everything; stage 3 overlaps per phase
+  (exposed = max(0, comm - compute) per phase).
+Optimizer step: memory bound, bytes touched / HBM bandwidth.
+
+Known limitations: compute is FLOPs / (peak x matmul_efficiency), one efficiency for every op
+(norms, softmax, rotary are not timed); no kernel-launch or data-loader overhead; collectives that
+overlap compute are assumed not to slow it (SM contention ignored).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+
+from .comm import Collective, collective_schedule
+from .config import Cluster, TrainConfig
+from .model import ModelSpec
+from .strategies import get_strategy
+
+
+@lru_cache(maxsize=512)
+def _matmul_params(model: ModelSpec) -> tuple[int, int]:
+    """(Linear weight elements of one block, of the LM head) - the weights that enter matmuls."""
+    inv = model.param_inventory()
+    block = sum(math.prod(s) for n, s in inv[1].params if n.endswith(".weight") and len(s) == 2) \
+        if model.layers else 0
+    head = model.vocab * model.hidden  # logits: x @ W^T with W the head (or the tied embedding)
+    return block, head
+
+
+def _forward_flops(train: TrainConfig) -> tuple[float, float]:
+    """(block FLOPs of ONE block, head FLOPs) for one micro-step forward on one rank."""
+    m = train.model
+    b, s, h = train.micro_batch, train.seq_len, m.hidden
+    block_w, head_w = _matmul_params(m)
+    tokens = b * s
+    # Narayanan et al. 2021 Eq. 3: 4*b*s^2*h per layer (QK^T and AV); halved for causal SDPA.
+    attn = 4.0 * b * s * s * h * (0.5 if train.attention == "sdpa" else 1.0)
+    block = 2.0 * block_w * tokens + attn
+    head = 2.0 * head_w * tokens  # Eq. 3's logits term 2*b*s*h*V
+    return block, head
+
+
+def model_flops(train: TrainConfig) -> float:
+    """FLOPs per rank per optimizer step WITHOUT recompute (the MFU numerator): 3 x forward x A."""
+    block, head = _forward_flops(train)
+    return 3.0 * (train.model.layers * block + head) * train.grad_accum
+
+
+def step_flops(train: TrainConfig) -> float:
+    """FLOPs per rank per optimizer step, recompute included.
+
+    forward F = L x block + head; backward 2F (Narayanan Eq. 3); full checkpointing re-runs the
+    blocks' forward (+ L x block); selective recomputes only non-matmul ops (~0 matmul FLOPs).
+    """
+    block, head = _forward_flops(train)
+    recompute = train.model.layers * block if train.checkpointing == "full" else 0.0
+    return (3.0 * (train.model.layers * block + head) + recompute) * train.grad_accum
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    """Forward + backward (+ recompute) time of all micro-steps."""
+    comm_s: float
+    """Serial sum of the schedule's collective times."""
+    exposed_comm_s: float
+    """The part of comm_s not hidden behind compute (overlap model in the module docstring)."""
+    optimizer_s: float
+    """Optimizer step, memory bound."""
+    step_time_s: float
+    """compute + exposed + optimizer."""
+    tokens_per_s: float
+    """Global tokens per optimizer step / step time."""
+    mfu: float
+    """model_flops (no recompute) / (step_time x peak) per GPU."""
+
+    @property
+    def exposed_s(self) -> float:
+        return self.exposed_comm_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["exposed_s"] = self.exposed_comm_s
+        return d
+
+
+def _compute_dtype(train: TrainConfig) -> str:
+    """Key of GPU.flops for the matmul dtype: fp32 (PyTorch's default allow_tf32=False), bf16, fp16."""
+    return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}[train.precision]
+
+
+def _peak(gpu, dtype: str) -> float:
+    flops = gpu.flops
+    if dtype in flops:
+        return flops[dtype]
+    return flops.get("fp32") or max(flops.values())  # no bf16 (V100, T4): emulated at best fp32 speed
+
+
+_OPT_PASSES = {"fused": 1.0, "foreach": 2.0, "for-loop": 2.0}
+"""Passes over the state per step: fused kernels read/write once; foreach/for-loop launch several
+elementwise kernels that each re-read their operands (an assumption, ~2x the minimum traffic)."""
+
+
+def _optimizer_bytes(train: TrainConfig, elems: float) -> float:
+    """Bytes the optimizer step touches for `elems` owned parameters (read + write)."""
+    p = train.prec
+    pb, gb = p.param_bytes, p.grad_bytes
+    opt = train.optimizer
+    if opt in ("adam", "adamw"):
+        per = 2 * pb + gb + 2 * 2 * pb  # param r/w, grad r, exp_avg and exp_avg_sq r/w
+    elif opt == "adamw-8bit":
+        per = 2 * pb + gb + 2 * 2 * 1
+    elif opt == "sgd-momentum":
+        per = 2 * pb + gb + 2 * pb
+    else:  # sgd, adafactor (factored state is small)
+        per = 2 * pb + gb
+    return elems * per * _OPT_PASSES.get(train.optimizer_impl, 2.0)
+
+
+def _owned_elems(train: TrainConfig, cluster: Cluster, strategy: str) -> float:
+    s = get_strategy(strategy)
+    P = train.model.param_count()
+    if not s.shards_optimizer:
+        return float(P)
+    n = cluster.local_size if s.shard_group == "node" else cluster.gpus
+    return math.ceil(P / n)
+
+
+def _per_call(schedule, op=None, phase=None, unit=None) -> tuple[float, int]:
+    """(time of one call, calls) summed over matching entries (per-call time averaged)."""
+    t = c = 0
+    for x in schedule:
+        if (op is None or x.op == op) and (phase is None or x.phase == phase) and (unit is None or x.unit == unit):
+            t += x.time_s
+            c += x.calls
+    return (t / c if c else 0.0), c
+
+
+def exposed_comm(train: TrainConfig, strategy: str, schedule: list[Collective], compute_rate: float) -> float:
+    """Seconds of communication not hidden by compute, per optimizer step (module docstring model)."""
+    if not schedule:
+        return 0.0
+    s = get_strategy(strategy)
+    A, L = train.grad_accum, train.model.layers
+    block_f, head_f = _forward_flops(train)
+    rec = 1.0 if train.checkpointing == "full" else 0.0
+    F_blk, F_head = block_f / compute_rate, head_f / compute_rate
+    B_blk, B_head = (2.0 + rec) * F_blk, 2.0 * F_head
+    bwd_total = L * B_blk + B_head
+    opt_comm = sum(c.time_s for c in schedule if c.phase == "optimizer")
+
+    if train.framework == "deepspeed" and strategy in ("zero1", "zero2", "zero3"):
+        if strategy != "zero3":
+            return sum(c.time_s for c in schedule)
+        fwd = sum(c.time_s for c in schedule if c.phase == "forward")
+        bwd = sum(c.time_s for c in schedule if c.phase == "backward")
+        return max(0.0, fwd - A * (L * F_blk + F_head)) + max(0.0, bwd - A * bwd_total) + opt_comm
+
+    if s.family in ("ddp", "zero1"):
+        last = sum(c.time_s for c in schedule if c.unit == "last_bucket")
+        rest = sum(c.time_s for c in schedule if c.unit == "bucket")
+        return last + max(0.0, rest - bwd_total) + opt_comm
+
+    # FSDP1 / FSDP2: per-unit walk with uniform blocks (closed form over L).
+    ag_bf, n_bf = _per_call(schedule, "all_gather", "forward", "block")
+    ag_rf, n_rf = _per_call(schedule, "all_gather", "forward", "root")
+    ag_bb, n_bb = _per_call(schedule, "all_gather", "backward", "block")
+    ag_rb, n_rb = _per_call(schedule, "all_gather", "backward", "root")
+    red_b = sum(_per_call(schedule, op, "backward", "block")[0] for op in ("reduce_scatter", "all_reduce"))
+    red_r = sum(_per_call(schedule, op, "backward", "root")[0] for op in ("reduce_scatter", "all_reduce"))
+    fwd_steps = n_rf  # micro-steps that all-gather in forward
+    bwd_ag_steps = max(n_rb, n_bb // L if L else 0)
+    total = 0.0
+    # forward of a micro-step that all-gathers: root AG, block 0 AG exposed; block i hides AG(i+1)
+    fwd_exp = ag_rf + ag_bf + max(0, L - 1) * max(0.0, ag_bf - F_blk)
+    total += fwd_steps * fwd_exp
+    for k in range(A):
+        last = k == A - 1
+        ag = ag_bb if k < bwd_ag_steps else 0.0
+        agr = ag_rb if k < bwd_ag_steps else 0.0
+        red, redr = (red_b, red_r) if last else (0.0, 0.0)
+        if ag == 0.0 and red == 0.0 and agr == 0.0:
+            continue
+        # root AG (if resharded) is needed before the head backward: exposed
+        exp = agr + max(0.0, ag - B_head)
+        exp += max(0, L - 1) * max(0.0, ag + red - B_blk)
+        exp += red + redr  # last block's and the root's reductions
+        total += exp
+    return total + opt_comm
+
+
+def step_time(train: TrainConfig, cluster: Cluster, strategy: str, schedule: list[Collective] | None = None,
+              gpu=None) -> StepTime:
+    """Step time of one optimizer step on the most loaded rank.
+
+    `gpu`: a catalog GPU (flops dict, matmul_efficiency, hbm_bytes_per_s); default the cluster's
+    `gpu_name` from the catalog. `schedule`: default `collective_schedule(train, cluster, strategy)`.
+    """
+    if gpu is None:
+        gpu = _gpu(cluster.gpu_name)
+    if schedule is None:
+        schedule = collective_schedule(train, cluster, strategy)
+    peak = _peak(gpu, _compute_dtype(train))
+    rate = peak * gpu.matmul_efficiency
+    compute = step_flops(train) / rate
+    comm = sum(c.time_s for c in schedule)
+    exposed = exposed_comm(train, strategy, schedule, rate)
+    opt = _optimizer_bytes(train, _owned_elems(train, cluster, strategy)) / gpu.hbm_bytes_per_s
+    total = compute + exposed + opt
+    gpus = 1 if get_strategy(strategy).family == "single" else cluster.gpus
+    tokens = train.tokens_per_micro_step * train.grad_accum * gpus
+    mfu = model_flops(train) / (total * peak) if total > 0 else 0.0
+    return StepTime(compute, comm, exposed, opt, total, tokens / total if total else 0.0, mfu)
+
+
+@lru_cache(maxsize=64)
+def _gpu(name: str):
+    from distplan.catalog.loader import load_catalog  # lazy
+
+    return load_catalog().gpu(name)
+
+
+def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str, *, gpu=None,
+                             target_fraction: float = 0.05, lo: float = 1e6, hi: float = 1e14,
+                             rel_tol: float = 1e-3) -> float | None:
+    """Per-node inter-node bandwidth (bytes/s) at which exposed comm <= target_fraction x compute.
+
+    Bisection on `cluster.inter_bytes_per_s` (geometric, exposure is non-increasing in it). None for a
+    single-node cluster or a strategy with no inter-node traffic; math.inf when even `hi` does not
+    get there (intra-node links or latency alone expose more than the target).
+    """
+    s = get_strategy(strategy)
+    if cluster.nodes <= 1 or s.family == "single":
+        return None
+    if gpu is None:
+        gpu = _gpu(cluster.gpu_name)
+    rate = _peak(gpu, _compute_dtype(train)) * gpu.matmul_efficiency
+    compute = step_flops(train) / rate
+    target = target_fraction * compute
+
+    def exposed(bw: float) -> float:
+        cl = replace(cluster, inter_bytes_per_s=bw)
+        return exposed_comm(train, strategy, collective_schedule(train, cl, strategy), rate)
+
+    if exposed(hi) > target:
+        return math.inf
+    if exposed(lo) <= target:
+        return lo
+    while hi / lo > 1 + rel_tol:
+        mid = math.sqrt(lo * hi)
+        if exposed(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
