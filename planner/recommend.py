@@ -33,7 +33,9 @@ class Recommendation:
     @property
     def summary(self) -> str:
         if self.strategy is None:
-            return "nothing fits. " + (self.change or "")
+            return "nothing fits; " + (self.change or "")
+        if self.change:
+            return f"nothing fits as given; with {self.change}: {self.strategy}"
         mb = f" (largest micro-batch that fits: {self.max_micro_batch})" if self.max_micro_batch else ""
         return f"{self.strategy}{mb}: " + (self.reasons[0] if self.reasons else "")
 
@@ -66,42 +68,55 @@ def max_micro_batch(train: TrainConfig, cluster: Cluster, strategy: str, limit: 
     return lo
 
 
-def _smallest_change(plan) -> str:
+def _smallest_change(plan):
+    """(words, train, cluster) of the smallest change that makes a strategy fit, or (words, None, None)."""
     train, cluster = plan.train, plan.cluster
     names = [r.name for r in plan.results]
     sharded = [n for n in ("zero3", "fsdp", "hsdp") if n in names] or ["zero3"]
     if train.micro_batch > 1:
         for b in range(train.micro_batch - 1, 0, -1):
-            t = replace(train, micro_batch=b)
-            for n in names:
-                if estimate_memory(t, cluster, n).fits:
-                    return (f"use --micro-batch {b} with {n} (and --grad-accum "
-                            f"{train.grad_accum * -(-train.micro_batch // b)} to keep the batch)")
+            t = replace(train, micro_batch=b, grad_accum=train.grad_accum * -(-train.micro_batch // b))
+            if any(estimate_memory(t, cluster, n).fits for n in names):
+                return (f"--micro-batch {b} --grad-accum {t.grad_accum} (same global batch)", t, cluster)
     if train.checkpointing != "full":
-        t = replace(train, checkpointing="full")
-        for n in names:
-            if estimate_memory(t, cluster, n).fits:
-                return f"use --activation-checkpointing full with {n} (about 1/3 more compute)"
+        for mode in ("selective", "full"):
+            if train.checkpointing == "selective" and mode == "selective":
+                continue
+            t = replace(train, checkpointing=mode)
+            if any(estimate_memory(t, cluster, n).fits for n in names):
+                extra = "about 1/3 more compute" if mode == "full" else "recomputes norms and activations"
+                return (f"--activation-checkpointing {mode} ({extra})", t, cluster)
     t = replace(train, cpu_offload="params", checkpointing="full")
     for n in sharded:
         if estimate_memory(t, cluster, n).fits:
-            return f"use --cpu-offload params --activation-checkpointing full with {n} (slow: PCIe-bound)"
+            return ("--cpu-offload params --activation-checkpointing full (slow: bound by PCIe)", t, cluster)
     gpus = cluster.gpus
+    t = replace(train, checkpointing="full") if train.checkpointing != "full" else train
     for _ in range(12):
         gpus *= 2
         c = replace(cluster, gpus=gpus, gpus_per_node=min(cluster.gpus_per_node, gpus))
-        for n in sharded:
-            if estimate_memory(replace(train, checkpointing="full"), c, n).fits:
-                return (f"use at least {gpus} GPUs with {n} and --activation-checkpointing full")
-    return "no change tried fits: the model needs a different parallelism (tensor/pipeline) or larger GPUs"
+        if any(estimate_memory(t, c, n).fits for n in sharded):
+            ck = " with --activation-checkpointing full" if t is not train else ""
+            return (f"--gpus {gpus}{ck}", t, c)
+    return ("no change tried fits: this model needs tensor/pipeline parallelism or larger GPUs", None, None)
 
 
-def recommend(plan) -> Recommendation:
+def recommend(plan, _depth: int = 0) -> Recommendation:
     results = plan.results
     ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits]
     if not ok:
-        return Recommendation(None, [f"no strategy fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB "
-                                     f"per GPU"], None, _smallest_change(plan))
+        words, train, cluster = _smallest_change(plan)
+        first = (f"nothing fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB per GPU as given; "
+                 f"smallest change: {words}")
+        if train is None or _depth > 0:
+            return Recommendation(None, [first], None, words)
+        from .api import Plan, evaluate
+        changed = Plan(train, cluster, [evaluate(train, cluster, r.strategy) for r in plan.results],
+                       list(plan.notes))
+        rec = recommend(changed, _depth=1)
+        rec.reasons = [first] + [f"with that change: {r}" for r in rec.reasons]
+        rec.change = words
+        return rec
     timed = all(r.step_time_s for r in ok)
     if timed:
         fastest = min(r.step_time_s for r in ok)
@@ -151,10 +166,23 @@ def _reasons(plan, best, ok, timed) -> list[str]:
             out.append(f"hsdp keeps all-gathers and reduce-scatters inside the node and sends only a gradient "
                        f"all-reduce across nodes: step {fmt_seconds(hs.step_time_s)} vs "
                        f"{fmt_seconds(z3.step_time_s)} for {z3.name}")
-    if timed and best.required_inter_bytes_per_s:
-        out.append(f"{best.name}'s communication would hide behind compute at "
-                   f"{best.required_inter_bytes_per_s * 8 / 1e9:,.0f} Gbit/s per node between nodes")
+    req = best.required_inter_bytes_per_s
+    if timed and req is not None:
+        if req == float("inf"):
+            out.append(f"{best.name}'s communication cannot hide behind compute at any inter-node bandwidth: "
+                       f"the intra-node part alone ({plan.cluster.intra_link}) exceeds the compute it overlaps")
+        else:
+            out.append(f"{best.name}'s communication would hide behind compute at "
+                       f"{req * 8 / 1e9:,.0f} Gbit/s per node between nodes (now "
+                       f"{_inter_gbps(plan.cluster):,.0f} Gbit/s)")
     return out
+
+
+def _inter_gbps(cluster) -> float:
+    if cluster.inter_bytes_per_s:
+        return cluster.inter_bytes_per_s * 8 / 1e9
+    from .api import _catalog
+    return _catalog().interconnect(cluster.inter_link).line_rate_bytes_per_s * cluster.nics_per_node * 8 / 1e9
 
 
 def render_recommendation(plan, table_format: str = "simple") -> str:
@@ -168,10 +196,10 @@ def render_recommendation(plan, table_format: str = "simple") -> str:
     if rec.strategy is None:
         lines.append("recommendation: nothing fits")
         lines.append(f"  - {rec.reasons[0]}")
-        lines.append(f"  - smallest change: {rec.change}")
     else:
         mb = f", largest micro-batch that fits: {rec.max_micro_batch}" if rec.max_micro_batch else ""
-        lines.append(f"recommendation: {rec.strategy} ({get_strategy(rec.strategy).implementation}){mb}")
+        change = f" with {rec.change}" if rec.change else ""
+        lines.append(f"recommendation: {rec.strategy} ({get_strategy(rec.strategy).implementation}){change}{mb}")
         for reason in rec.reasons:
             lines.append(f"  - {reason}")
     return "\n".join(lines)

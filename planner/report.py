@@ -56,7 +56,7 @@ def comm_table(plan, table_format: str = "simple") -> str:
         rows.append([r.name, fmt_bytes(r.comm_bytes_per_gpu), fmt_seconds(r.comm_time_s),
                      fmt_seconds(t.exposed_comm_s), fmt_seconds(t.compute_s), fmt_seconds(t.step_time_s),
                      f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.0f}%",
-                     "-" if req is None else f"{req * 8 / 1e9:,.0f} Gb/s"])
+                     "-" if req is None else ("unreachable" if req == float("inf") else f"{req * 8 / 1e9:,.0f} Gb/s")])
     if not rows:
         return ""
     headers = ["strategy", "sent/GPU/step", "comm", "exposed", "compute", "step", "tokens/s", "MFU",

@@ -1,0 +1,70 @@
+"""Planner speed targets, printed as ratios (not timed tests: machines differ).
+
+1. Cold `distplan estimate --params 7B --gpus 8 --gpu-mem 80` vs `python -c "import click, yaml, tabulate"`
+   (target <= 2x): the CLI's own start-up cost over its unavoidable imports.
+2. One config through the API, all strategies, memory + communication + time (target <= 1 ms).
+3. 10,000 configs x one strategy each, memory + communication + time (target <= 1 s).
+
+Run: python benchmarks/bench_planner.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import subprocess
+import sys
+import time
+
+
+def cold(cmd: list[str], runs: int = 7) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    base = cold([sys.executable, "-c", "import click, yaml, tabulate"])
+    est = cold([sys.executable, "-m", "distplan.planner", "estimate", "--params", "7B", "--gpus", "8",
+                "--gpu-mem", "80"])
+    print(f"cold estimate: {est * 1e3:.0f} ms vs imports {base * 1e3:.0f} ms = {est / base:.2f}x (target <= 2x)")
+
+    from distplan.planner.api import evaluate, plan
+    from distplan.planner.config import Cluster, TrainConfig
+    from distplan.planner.model import ModelSpec
+    from distplan.planner.strategies import NAMES
+
+    p = plan("llama-3-8b", gpus=16, gpu="h100")  # warm the catalog
+    train, cluster = p.train, p.cluster
+    n = 200
+    t0 = time.perf_counter()
+    for i in range(n):
+        t = TrainConfig(train.model, seq_len=train.seq_len, micro_batch=1 + i % 4)
+        for s in NAMES[1:]:
+            evaluate(t, cluster, s)
+    one = (time.perf_counter() - t0) / n
+    print(f"one config, {len(NAMES) - 1} strategies, memory+comm+time: {one * 1e3:.3f} ms (target <= 1 ms)")
+
+    layers = [16, 24, 32, 40, 48, 60, 80, 96, 126, 8]
+    hidden = [1024, 2048, 3072, 4096, 5120, 6144, 8192, 12288, 16384, 2560]
+    seqs = [512, 1024, 2048, 4096, 8192]
+    batches = [1, 2, 4, 8]
+    gpus = [8, 16, 32, 64, 128]
+    configs = list(itertools.islice(itertools.product(layers, hidden, seqs, batches, gpus), 10_000))
+    models = {(L, h): ModelSpec(f"m{L}x{h}", layers=L, hidden=h, heads=h // 128, kv_heads=h // 128,
+                                ffn_hidden=int(h * 8 / 3) // 256 * 256, vocab=32000) for L in layers for h in hidden}
+    clusters = {g: Cluster(gpus=g, gpu_name=cluster.gpu_name, gpu_memory_bytes=cluster.gpu_memory_bytes,
+                           intra_link=cluster.intra_link, inter_link=cluster.inter_link) for g in gpus}
+    strategies = NAMES[1:]
+    t0 = time.perf_counter()
+    for i, (L, h, s, b, g) in enumerate(configs):
+        evaluate(TrainConfig(models[L, h], seq_len=s, micro_batch=b), clusters[g], strategies[i % len(strategies)])
+    total = time.perf_counter() - t0
+    print(f"10,000 configs, memory+comm+time: {total:.3f} s (target <= 1 s)")
+
+
+if __name__ == "__main__":
+    main()
