@@ -1,0 +1,315 @@
+"""The probe that runs on every rank: one strategy, a few training steps, a JSON of what was measured.
+
+    torchrun --nproc-per-node=W -m distplan.validate.probe --spec SPEC.json --out RESULT.json   # gpu, cpu
+    python -m distplan.validate.probe --spec SPEC.json --out RESULT.json                        # fake
+
+Modes: `gpu` (NCCL, one rank per GPU, peak from `torch.cuda.max_memory_allocated`), `cpu` (gloo, CPU
+tensors, peak from the storage tracker), `fake` (one process, rank 0 of `world_size` ranks on the fake
+process group: real allocations, collectives issued and counted but not executed, so data is garbage and
+step time is not measured).
+
+Protocol (design.md, "Validation protocol"): the tracker starts before the model exists (baseline:
+what the allocator holds then, on GPU; 0 for the tracker by construction); model built with a fixed
+seed, wrapped (`wrap.py`), two warm-up steps (optimizer state, FSDP lazy init, DDP's bucket rebuild in the second forward,
+cuBLAS workspace),
+peak reset, `steps` measured steps (memory and collectives), then `steps` timing steps with the tracker
+off. Rank 0 gathers every rank's peak and writes the result atomically; a rank that fails writes its
+error unless a result is already there, and exits 1 so torchrun stops the others.
+
+Known limitations: one batch of random tokens is reused every step; `checkpointing='selective'` runs as
+the reference decoder implements it (see `unmeasured`); CPU offload is not wired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+MODES = ("gpu", "cpu", "fake")
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {msg[0] if msg else ''}".strip()
+    return text[:400]
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+
+
+def write_json(path: str, obj: dict, clobber: bool = True) -> bool:
+    """Atomic write (tmp + rename); with clobber=False, only if `path` does not exist yet."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    if clobber:
+        os.replace(tmp, path)
+        return True
+    try:
+        os.link(tmp, path)  # fails if path exists: the first error wins
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class Probe:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.mode = spec.get("mode", "cpu")
+        self.world_size = int(spec.get("world_size", 1))
+        self.rank = 0
+        self.tracker = None
+        self.device = None
+        self.baseline = 0
+        self.result = {
+            "id": spec.get("id"), "status": "error", "error": None, "mode": self.mode, "backend": None,
+            "device": None, "world_size": self.world_size, "measured_ranks": [], "torch_version": None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "memory": None, "collectives": [], "step_time_s": None, "unmeasured": [],
+        }
+
+    # -- setup ---------------------------------------------------------------------------------
+    def init(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.result["torch_version"] = torch.__version__
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r}: accepted values are {', '.join(MODES)}")
+        timeout = datetime.timedelta(seconds=float(self.spec.get("timeout_s", 300)))
+        if self.mode == "fake":
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            self.device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+            if self.device.type == "cpu":  # as torchrun does: one thread per process unless told
+                torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size,
+                                    timeout=timeout)
+            self.result["measured_ranks"] = [0]
+            self.result["unmeasured"].append("step time (fake process group executes no collective)")
+            self.result["unmeasured"].append("ranks other than 0 (fake process group: one process)")
+        else:
+            env_world = int(os.environ.get("WORLD_SIZE", "0"))
+            if env_world != self.world_size:
+                raise ValueError(f"spec world_size={self.world_size} but the launcher started "
+                                 f"WORLD_SIZE={env_world or 'unset'} processes; run under "
+                                 f"torchrun --nproc-per-node={self.world_size}")
+            self.rank = int(os.environ["RANK"])
+            if self.mode == "gpu":
+                if not torch.cuda.is_available():
+                    raise RuntimeError("mode='gpu' but torch.cuda.is_available() is False; use mode 'cpu'")
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+                dist.init_process_group("nccl", device_id=self.device, timeout=timeout)
+            else:
+                self.device = torch.device("cpu")
+                dist.init_process_group("gloo", timeout=timeout)
+            self.result["measured_ranks"] = list(range(self.world_size))
+        self.result["backend"] = dist.get_backend()
+        self.result["device"] = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                                 else "cpu")
+        if self.device.type == "cpu":
+            self.result["unmeasured"].append(
+                "allocator peak (CPU: live tensor storages from the storage tracker, no caching allocator)")
+
+    # -- the run -------------------------------------------------------------------------------
+    def run(self) -> None:
+        import torch
+
+        from distplan.planner.model import ModelSpec
+
+        from .measure import StepTimer, Tracker
+        from .model import Decoder
+        from .wrap import wrap
+
+        spec, train = self.spec, dict(self.spec.get("train", {}))
+        mspec = ModelSpec(**spec["model"])
+        steps = int(spec.get("steps", 3))
+        if steps <= 0:
+            raise ValueError(f"steps={steps}: must be a positive integer")
+        seq, mb, accum = int(train.get("seq_len", 64)), int(train.get("micro_batch", 1)), int(train.get("grad_accum", 1))
+        for k, v in (("seq_len", seq), ("micro_batch", mb), ("grad_accum", accum)):
+            if v <= 0:
+                raise ValueError(f"train.{k}={v}: must be a positive integer")
+        ckpt = train.get("checkpointing", "none")
+        if ckpt not in ("none", "full"):
+            self.result["unmeasured"].append(
+                f"checkpointing={ckpt!r} (the reference decoder implements only 'none' and 'full'; ran as 'none')")
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            self.baseline = torch.cuda.memory_allocated(self.device)
+
+        tracker = self.tracker = Tracker()
+        with tracker:
+            torch.manual_seed(int(spec.get("seed", 0)))
+            if cuda:  # built in place (no CPU copy of a large model)
+                with torch.device(self.device):
+                    model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
+            else:  # (a torch.device context costs a torch._dynamo import through __torch_function__)
+                model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
+            model, opt, ctx = wrap(model, spec["strategy"], train, self.world_size,
+                                   int(spec.get("gpus_per_node", self.world_size)), self.device,
+                                   fake=self.mode == "fake")
+            if self.mode == "fake" and train.get("precision") == "fp16-mixed" and self.device.type == "cuda":
+                self.result["unmeasured"].append("GradScaler (fake process group: garbage gradients)")
+            tracker.roles = ctx.roles
+            gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + self.rank)
+            batches = [(torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device),
+                        torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device))
+                       for _ in range(accum)]
+
+            def step():
+                for i, (tokens, targets) in enumerate(batches):
+                    with ctx.sync(i == accum - 1):
+                        tracker.phase = "forward"
+                        with ctx.autocast():
+                            loss = model(tokens, targets) / accum
+                        tracker.phase = "backward"
+                        (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
+                        del loss
+                tracker.phase = "optimizer"
+                if ctx.scaler is not None:
+                    ctx.scaler.step(opt)
+                    ctx.scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                tracker.phase = "idle"
+
+            # warm-up: optimizer state, FSDP lazy init, and DDP's bucket rebuild (in the 2nd forward)
+            for _ in range(int(spec.get("warmup_steps", 2))):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(self.device)
+            tracker.reset_peak()
+            tracker.counting = True
+            for _ in range(steps):
+                step()
+            tracker.counting = False
+            if cuda:
+                torch.cuda.synchronize()
+        self._record_memory(complete=True)
+        self.result["collectives"] = tracker.collective_list(steps)
+
+        if self.mode != "fake":
+            timer = StepTimer(self.device)
+            for _ in range(steps):
+                with timer:
+                    step()
+            self.result["step_time_s"] = timer.median()
+        self._gather()
+        self.result["status"] = "ok"
+
+    # -- results -------------------------------------------------------------------------------
+    def _record_memory(self, complete: bool) -> None:
+        import torch
+
+        t = self.tracker
+        if t is None:
+            return
+        cuda = self.device is not None and self.device.type == "cuda"
+        mem = {
+            "peak_allocated": None, "per_rank_peak_allocated": None, "peak_reserved": None,
+            "baseline": self.baseline, "peak_phase": t.peak_phase, "components": t.components(),
+            "source": "torch.cuda.max_memory_allocated" if cuda else "storage tracker",
+            "tracker_peak_allocated": t.peak_bytes,
+        }
+        if cuda:
+            mem["peak_allocated"] = torch.cuda.max_memory_allocated(self.device) - self.baseline
+            mem["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
+        else:
+            mem["peak_allocated"] = t.peak_bytes
+        mem["per_rank_peak_allocated"] = [mem["peak_allocated"]]
+        self.result["memory"] = mem
+
+    def _gather(self) -> None:
+        """Every rank's peak, components and phase to rank 0 (an int64 all_gather; no pickling)."""
+        import torch
+        import torch.distributed as dist
+
+        from .measure import CATEGORIES
+
+        if self.mode == "fake" or self.world_size == 1:
+            return
+        phases = ("setup", "forward", "backward", "optimizer", "idle")
+        mine = self.result["memory"]
+        row = [mine["peak_allocated"], mine["tracker_peak_allocated"], mine["peak_reserved"] or 0,
+               phases.index(mine["peak_phase"]) if mine["peak_phase"] in phases else 0]
+        row += [mine["components"][c] for c in CATEGORIES]
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        local = torch.tensor(row, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(rows, local)
+        rows = [r.tolist() for r in rows]
+        worst = max(range(self.world_size), key=lambda r: rows[r][0])
+        w = rows[worst]
+        mine.update({
+            "peak_allocated": w[0], "tracker_peak_allocated": w[1],
+            "peak_reserved": w[2] if mine["peak_reserved"] is not None else None,
+            "peak_phase": phases[w[3]], "components": dict(zip(CATEGORIES, w[4:])),
+            "per_rank_peak_allocated": [r[0] for r in rows], "peak_rank": worst,
+        })
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m distplan.validate.probe", description=__doc__.split("\n")[0])
+    ap.add_argument("--spec", required=True, help="probe spec JSON file")
+    ap.add_argument("--out", required=True, help="result JSON file (written by rank 0, atomically)")
+    args = ap.parse_args(argv)
+    if os.environ.get("RANK", "0") == "0" and os.path.exists(args.out):
+        os.unlink(args.out)  # a stale result would shadow this run's error (errors never clobber)
+    try:
+        with open(args.spec) as f:
+            spec = json.load(f)
+    except (OSError, ValueError) as e:
+        probe = Probe({})
+        probe.result["error"] = _one_line(e)
+        write_json(args.out, probe.result, clobber=False)
+        return 1
+    probe = Probe(spec)
+    try:
+        probe.init()
+        probe.run()
+    except BaseException as e:  # noqa: BLE001 - every failure is a result
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        oom = _is_oom(e)
+        probe.result["status"] = "oom" if oom else "error"
+        probe.result["error"] = _one_line(e)
+        probe.result["error_rank"] = probe.rank
+        try:
+            if probe.tracker is not None:
+                probe._record_memory(complete=False)
+        except Exception:  # noqa: BLE001
+            pass
+        write_json(args.out, probe.result, clobber=False)
+        return 1
+    if probe.rank == 0:
+        write_json(args.out, probe.result)
+    try:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Wrap the reference decoder for one registry strategy, with its optimizer and precision recipe.
+
+One function per entry of `distplan.planner.strategies.REGISTRY`, each the PyTorch-native
+implementation the registry names, with PyTorch's defaults unless the brief of that strategy says
+otherwise (DDP: 25 MiB buckets, `gradient_as_bucket_view=False`; FSDP1: `ModuleWrapPolicy({Block})`,
+`use_orig_params=False`; FSDP2: `fully_shard` per block, then the root).
+
+Precision: fp32 (all fp32); bf16-mixed / fp16-mixed (fp32 params; autocast for single/ddp/zero1,
+`MixedPrecision(param, reduce=fp32, buffer)` for FSDP1, `MixedPrecisionPolicy(param, reduce=fp32)`
+for FSDP2; a GradScaler for fp16 on GPU); bf16 (the model cast to bf16, no autocast).
+
+Known limitations: `adamw-8bit` (bitsandbytes) is not run; CPU offload is not wired; `fused` needs an
+optimizer that has a fused kernel for the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .measure import storage_key
+
+_LOW = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+@dataclass
+class WrapContext:
+    """What the training loop needs besides the model and optimizer."""
+
+    family: str
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None
+    """Run forward + loss under torch.autocast with this dtype (single/ddp/zero1, mixed precision)."""
+    scaler: object = None
+    """GradScaler (fp16-mixed on GPU) or None."""
+    sync: Callable[[bool], contextlib.AbstractContextManager] = lambda last: contextlib.nullcontext()
+    """sync(last_micro_step): gradient-sync context for one micro-step (no_sync when not last)."""
+    params: list = field(default_factory=list)
+    """The wrapped model's parameters as registered after wrapping (flat params, DTensors)."""
+    optimizer_state_owner: object = None
+    """The optimizer whose .state holds this rank's states (ZeRO: the local inner optimizer)."""
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def roles(self) -> dict:
+        """Tracker storage key -> 'params' | 'grads' | 'optimizer' for the current state."""
+        roles: dict = {}
+
+        def put(t, role):
+            if isinstance(t, torch.Tensor):
+                t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
+                k = storage_key(t)
+                if k is not None:
+                    roles.setdefault(k, role)
+
+        for p in self.params:
+            shard = getattr(p, "_local_shard", None)  # FSDP1 FlatParameter: the sharded flat param
+            put(shard if shard is not None else p, "params")
+        for p in self.params:
+            put(p.grad, "grads")
+            put(getattr(p, "_saved_grad_shard", None), "grads")
+        owner = self.optimizer_state_owner
+        if owner is not None:
+            for state in list(owner.state.values()):
+                for v in state.values():
+                    put(v, "optimizer")
+        return roles
+
+
+def make_optimizer(params, train: dict, zero: bool = False):
+    """torch.optim optimizer from train['optimizer'] and train['optimizer_impl'] (explicit foreach)."""
+    name, impl = train.get("optimizer", "adamw"), train.get("optimizer_impl", "foreach")
+    table = {
+        "adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}), "sgd": (torch.optim.SGD, {}),
+        "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),
+        "adafactor": (getattr(torch.optim, "Adafactor", None), {}),
+    }
+    if name not in table or table[name][0] is None:
+        raise ValueError(f"optimizer={name!r} is not run by the probes; accepted: {', '.join(table)}")
+    cls, kw = table[name]
+    impls = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+    if impl not in impls:
+        raise ValueError(f"optimizer_impl={impl!r}: accepted values are {', '.join(impls)}")
+    if impl == "fused" and name == "adafactor":
+        raise ValueError("optimizer_impl='fused': torch.optim.Adafactor has no fused kernel; use foreach")
+    kw = {"lr": 1e-4, **kw, **impls[impl]}
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kw)
+    return cls(params, **kw)
+
+
+def _block_class(model):
+    return type(model.layers[0])
+
+
+def _no_sync(model):
+    return lambda last: contextlib.nullcontext() if last else model.no_sync()
+
+
+def _single(model, train, world_size, gpus_per_node, device):
+    ctx = WrapContext("single", device, autocast_dtype=_LOW.get(train["precision"]))
+    return model, ctx
+
+
+def _ddp(model, train, world_size, gpus_per_node, device):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DDP(model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=False)
+    if train.get("_fake"):
+        ddp.register_comm_hook(None, _fake_allreduce_hook)
+    return ddp, WrapContext("ddp", device, autocast_dtype=_LOW.get(train["precision"]), sync=_no_sync(ddp))
+
+
+def _fake_allreduce_hook(state, bucket):
+    """DDP's default all-reduce hook (divide, all-reduce the bucket in place) for the fake process group,
+    whose Work's future completes with None, which the C++ reducer rejects."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    dist.all_reduce(buf)
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def _zero1(model, train, world_size, gpus_per_node, device):
+    ddp, ctx = _ddp(model, train, world_size, gpus_per_node, device)
+    ctx.family = "zero1"
+    return ddp, ctx
+
+
+def _fsdp2(reshard: bool):
+    def wrap(model, train, world_size, gpus_per_node, device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (world_size,))
+        kw = {"mesh": mesh, "reshard_after_forward": reshard}
+        low = _LOW.get(train["precision"])
+        if low is not None:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        return model, WrapContext("fsdp2", device, sync=lambda last: _fsdp2_sync(model, last))
+    return wrap
+
+
+def _fsdp2_sync(model, last: bool):
+    model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def _fsdp1(strategy: str):
+    def wrap(model, train, world_size, gpus_per_node, device):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        kw = {}
+        if strategy == "HYBRID_SHARD":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if world_size % gpus_per_node:
+                raise ValueError(f"hsdp: world_size={world_size} is not a multiple of "
+                                 f"gpus_per_node={gpus_per_node}")
+            replicate, shard = max(1, world_size // gpus_per_node), min(world_size, gpus_per_node)
+            kw["device_mesh"] = init_device_mesh(device.type, (replicate, shard),
+                                                 mesh_dim_names=("replicate", "shard"))
+        low = _LOW.get(train["precision"])
+        if low is not None:
+            kw["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32,
+                                                   buffer_dtype=low)
+        kw["device_id"] = device  # explicit, so that FSDP1 accepts CPU (gloo) as the compute device
+        fsdp = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
+                    auto_wrap_policy=ModuleWrapPolicy({_block_class(model)}), use_orig_params=False, **kw)
+        return fsdp, WrapContext("fsdp1", device, sync=_no_sync(fsdp))
+    return wrap
+
+
+WRAPPERS = {
+    "single": _single,
+    "ddp": _ddp,
+    "zero1": _zero1,
+    "zero2": _fsdp2(reshard=False),
+    "zero3": _fsdp2(reshard=True),
+    "fsdp": _fsdp1("FULL_SHARD"),
+    "fsdp-grad-op": _fsdp1("SHARD_GRAD_OP"),
+    "hsdp": _fsdp1("HYBRID_SHARD"),
+    "fsdp-no-shard": _fsdp1("NO_SHARD"),
+}
+
+
+def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node: int, device, *,
+         fake: bool = False):
+    """(wrapped_model, optimizer, ctx) for one registry strategy; the model must already be on `device`.
+
+    fake=True: the process group is the fake one (DDP gets an equivalent Python all-reduce hook; no
+    GradScaler, since gradients are garbage).
+    """
+    from distplan.planner.strategies import get_strategy
+
+    strategy = get_strategy(strategy_name)
+    if strategy.name not in WRAPPERS:
+        raise ValueError(f"strategy {strategy.name!r} has no probe wrapper; accepted: {', '.join(WRAPPERS)}")
+    device = torch.device(device)
+    precision = train.get("precision", "fp32")
+    if precision not in ("fp32", "bf16-mixed", "fp16-mixed", "bf16"):
+        raise ValueError(f"precision={precision!r}: accepted values are fp32, bf16-mixed, fp16-mixed, bf16")
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if strategy.name == "single" and world_size != 1:
+        raise ValueError(f"strategy 'single' runs on one rank, not world_size={world_size}")
+    wrapped, ctx = WRAPPERS[strategy.name](model, {**train, "precision": precision, "_fake": fake}, world_size,
+                                           gpus_per_node, device)
+    ctx.params = list(wrapped.parameters())
+    optimizer = make_optimizer(ctx.params, train, zero=strategy.name == "zero1")
+    ctx.optimizer_state_owner = getattr(optimizer, "optim", optimizer)
+    if precision == "fp16-mixed" and device.type == "cuda" and not fake:
+        if ctx.family == "fsdp1":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            ctx.scaler = ShardedGradScaler()
+        else:
+            ctx.scaler = torch.amp.GradScaler("cuda")
+    return wrapped, optimizer, ctx
