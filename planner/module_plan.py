@@ -1,0 +1,638 @@
+"""Plan any `nn.Module` (`distplan estimate --module pkg.mod:factory --input-shape 128,1,28,28`).
+
+The transformer planner (`memory.py`, `comm.py`) describes a decoder by formula. An arbitrary module has
+no formula, so this module plans from a measured description instead (`ModuleDesc`): the parameter
+shapes grouped into wrapping units (the module's top-level children, as an FSDP auto-wrap policy on
+direct children gives them; parameters owned by the root form the `root` unit), and the forward as
+segments in execution order, each with the bytes autograd saves and the bytes of its input. Both come
+from `distplan.validate.module_probe.profile_module`, which runs the factory and one forward on fake
+tensors (torch is imported lazily; nothing is allocated).
+
+`estimate_module_memory` then walks the same phases as `memory.estimate_memory`, per family:
+
+- single/ddp/zero1: full parameters and gradients; DDP buckets the size of all gradients (allocated at
+  construction, `reducer.cpp`); zero1's optimizer state by ZeroRedundancyOptimizer's greedy partition
+  (largest tensor first to the least loaded rank; the most loaded rank reported).
+- fsdp2 (zero2, zero3): each parameter sharded on dim 0, padded to the shard group; fsdp1 (fsdp,
+  fsdp-grad-op, hsdp, fsdp-no-shard): one flat parameter per unit, padded. The unit in use is unsharded
+  (in the compute dtype under mixed precision), the next one prefetched when resharding; its unsharded
+  gradient and the reduce-scatter input (fp32 under mixed precision) coexist; the root unit stays
+  unsharded from forward to the end of backward.
+- backward, segment by segment from the last: the saved activations of the segments before it and of
+  itself are alive, the gradients of every unit already reached exist; the transient is the gradient
+  of the segment's output and of its input (`input_bytes` of this and the next segment).
+- temporaries: the output and its gradient around the loss; at the optimizer step the foreach
+  intermediate (one tensor the size of the rank's parameters, `_multi_tensor_adam`'s exp_avg_sq_sqrt).
+- activation checkpointing `full` (per unit, non-reentrant): each segment keeps only its input; the
+  largest segment's saved tensors come back during its recomputation. `selective` is not defined for an
+  arbitrary module: treated as `none`, with a note.
+
+Collectives follow `comm.py`'s schedules with the units' real sizes; the step time is FLOPs (forward x 3,
+x 4 with full checkpointing) over the GPU's achievable FLOP/s plus the communication that backward or
+forward compute cannot hide. For `--module` a "token" in `tokens_per_s` is one sample (one row of
+the batch dimension).
+
+Known limitations: activations and outputs scale linearly with the batch (used for the largest batch
+that fits); kernels' workspaces (cuDNN) and the CUDA launch overhead that dominates small models' step
+time are not modelled; `--micro-batch` and `--seq-len` are ignored (the batch is the input shape's
+first dimension); CPU offload and `--framework deepspeed` are not supported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .api import Plan, StrategyResult, resolve_cluster
+from .comm import (DDP_BUCKET_CAP_MB, Collective, _group_time, bus_factor, cluster_links)
+from .config import CHECKPOINTING, Cluster
+from .memory import COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot
+from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
+from .strategies import NAMES, Strategy, get_strategy
+from .units import fmt_count
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -- the measured description ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModuleDesc:
+    """What the planner needs of a module: units of parameter shapes and forward segments."""
+
+    name: str
+    """Display name: `Class (pkg.mod:factory)`."""
+    units: tuple
+    """((unit, ((param name, shape), ...)), ...) in registration order; 'root' = the root's own."""
+    segments: tuple
+    """((unit, saved activation bytes, input bytes), ...) in forward order, 'loss' last."""
+    output_bytes: int
+    buffers_bytes: int
+    forward_flops: int
+    batch: int
+    """The input shape's first dimension: samples per GPU per micro-step."""
+    loss: str = "sum"
+    """'cross_entropy' (2-D output) or 'sum' (module_probe's rule)."""
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(s[1] for s in self.segments)
+
+    def param_count(self) -> int:
+        return sum(_numel(s) for _, ps in self.units for _, s in ps)
+
+    def unit_shapes(self, unit: str) -> tuple:
+        for u, ps in self.units:
+            if u == unit:
+                return tuple(s for _, s in ps)
+        return ()
+
+    def all_shapes(self) -> list:
+        return [s for _, ps in self.units for _, s in ps]
+
+    @classmethod
+    def from_profile(cls, prof: dict) -> "ModuleDesc":
+        units = tuple((u["name"], tuple((n, tuple(s)) for n, s in u["params"])) for u in prof["units"])
+        segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"])) for s in prof["segments"])
+        return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
+                   int(prof["buffers_bytes"]), int(prof["forward_flops"]), int(prof["input_shape"][0]),
+                   prof.get("loss", "sum"))
+
+    def scaled(self, batch: int) -> "ModuleDesc":
+        """The same module at another batch: activations, inputs, output, FLOPs scale linearly."""
+        k = batch / self.batch
+        segs = tuple((u, int(a * k), int(i * k)) for u, a, i in self.segments)
+        return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
+                       forward_flops=int(self.forward_flops * k), batch=batch)
+
+
+@dataclass(frozen=True)
+class ModuleTrain:
+    """The training step of a module plan; mirrors TrainConfig's fields that reports read."""
+
+    model: "ModuleModel"
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    optimizer_impl: str = "foreach"
+    checkpointing: str = "none"
+    grad_accum: int = 1
+    input_shape: tuple = ()
+    # TrainConfig fields that have no meaning for an arbitrary module (kept for report.header):
+    seq_len: str = "-"
+    attention: str = "-"
+    cpu_offload: str = "none"
+    framework: str = "pytorch"
+
+    @property
+    def micro_batch(self) -> int:
+        return self.input_shape[0]
+
+    @property
+    def prec(self):
+        return get_precision(self.precision)
+
+    def to_dict(self) -> dict:
+        return {"input_shape": list(self.input_shape), "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum, "precision": self.precision, "optimizer": self.optimizer,
+                "optimizer_impl": self.optimizer_impl, "checkpointing": self.checkpointing}
+
+
+@dataclass(frozen=True)
+class ModuleModel:
+    """The module as `report.header` reads a model; the decoder-only fields print as '-'."""
+
+    name: str
+    factory: str
+    params: int
+    units: tuple
+    layers: int = 0
+    hidden: str = "-"
+    heads: str = "-"
+    kv_heads: str = "-"
+    ffn_hidden: str = "-"
+    mlp: str = "-"
+    vocab: str = "-"
+
+    def param_count(self) -> int:
+        return self.params
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "factory": self.factory, "params": self.params,
+                "units": [{"name": u, "params": [[n, list(s)] for n, s in ps]} for u, ps in self.units]}
+
+
+@dataclass
+class ModuleTime:
+    """Compute + exposed communication for one optimizer step (see the module docstring)."""
+
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_time_s: float
+    tokens_per_s: float
+    """Samples per second, all GPUs (a sample counts as a token for --module)."""
+    mfu: float
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+def _shard_group(st: Strategy, cluster: Cluster) -> tuple[int, int]:
+    world = 1 if st.name == "single" else cluster.gpus
+    shard = {"world": world, "node": min(world, cluster.local_size), "none": 1}[st.shard_group]
+    if st.name == "fsdp-no-shard":
+        shard = 1
+    return world, shard
+
+
+def _unit_sizes(desc: ModuleDesc, family: str, shard: int, sharding: bool) -> dict:
+    """{unit: (shard elems, unsharded elems)} per FSDP family (memory.layout's rules, per unit)."""
+    out = {}
+    for u, ps in desc.units:
+        shapes = [s for _, s in ps]
+        if family == "fsdp2" and sharding:  # FSDPParam: dim-0 shards, padded
+            sh = sum(-(-s[0] // shard) * _numel(s[1:]) if s else -(-1 // shard) for s in shapes)
+            out[u] = (sh, sh * shard)
+        elif sharding:  # FSDP1 FlatParameter padded to a multiple of the group
+            n = sum(_numel(s) for s in shapes)
+            sh = -(-n // shard)
+            out[u] = (sh, sh * shard)
+        else:
+            n = sum(_numel(s) for s in shapes)
+            out[u] = (n, n)
+    return out
+
+
+def _zero1_owned(shapes: list, shard: int) -> list:
+    """ZeroRedundancyOptimizer._partition_parameters: largest first to the least loaded rank."""
+    totals = [0] * shard
+    owned: list[list] = [[] for _ in range(shard)]
+    for s in sorted(shapes, key=_numel, reverse=True):
+        r = totals.index(min(totals))
+        totals[r] += _numel(s)
+        owned[r].append(s)
+    return owned[totals.index(max(totals))]
+
+
+def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster,
+                           strategy: str | Strategy) -> MemoryEstimate:
+    """Most loaded rank's memory of one strategy for a measured module (module docstring)."""
+    st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
+    family = st.family
+    world, shard = _shard_group(st, cluster)
+    prec = train.prec
+    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
+    notes: list[str] = []
+    shapes = desc.all_shapes()
+    total = desc.param_count()
+    largest = max((_numel(s) for s in shapes), default=0)
+    fsdp = family in ("fsdp1", "fsdp2")
+    sharding = fsdp and shard > 1 and st.shards_params
+    sizes = _unit_sizes(desc, family, shard, sharding) if fsdp else {}
+
+    # Optimizer state (precision.optimizer_state_elems) on this rank's elements.
+    if family == "zero1" and shard > 1:
+        owned = _zero1_owned(shapes, shard)
+        elems, extra = optimizer_state_elems(train.optimizer, owned)
+        step_elems = sum(_numel(s) for s in owned)
+    elif sharding:
+        elems, extra = optimizer_state_elems(train.optimizer, shapes)
+        elems, extra = -(-elems // shard), extra / shard
+        step_elems = sum(v[0] for v in sizes.values())
+    else:
+        elems, extra = optimizer_state_elems(train.optimizer, shapes)
+        step_elems = total
+    opt = elems * pb + int(extra)
+    if train.optimizer in ("adam", "adamw"):
+        opt_tmp = {"foreach": step_elems * pb, "for-loop": 2 * min(largest, step_elems) * pb}.get(
+            train.optimizer_impl, 0)
+    elif train.optimizer == "adafactor":
+        opt_tmp = 2 * largest * pb
+    else:
+        opt_tmp = 0
+
+    # Forward segments, with checkpointing.
+    segs = [s for s in desc.segments if s[0] != "loss"]
+    loss_act = sum(s[1] for s in desc.segments if s[0] == "loss")
+    acts = [s[1] for s in segs]
+    recompute = 0
+    if train.checkpointing == "full":
+        acts = [s[2] for s in segs]  # each unit keeps its input; the rest is recomputed in backward
+        recompute = max((s[1] for s in segs), default=0)
+    elif train.checkpointing == "selective":
+        notes.append("selective checkpointing is not defined for an arbitrary module: planned as none")
+    inputs = [s[2] for s in segs] + [desc.output_bytes]
+    out_tmp = desc.output_bytes
+    buffers = desc.buffers_bytes
+
+    snaps: list[Snapshot] = []
+
+    def snap(phase, **parts):
+        full = {k: 0 for k in COMPONENTS}
+        for k, v in parts.items():
+            full[k] += int(v)
+        snaps.append(Snapshot(phase, full))
+
+    all_acts = sum(acts) + loss_act
+    if family in ("single", "ddp", "zero1"):
+        unit_grad = {u: sum(_numel(s) for _, s in ps) * gb for u, ps in desc.units}
+        base = dict(params=total * pb + buffers, optimizer=opt,
+                    comm_buffers=0 if family == "single" else total * gb)
+        snap("forward", **base, activations=all_acts, temporaries=out_tmp)
+        snap("backward", **base, activations=all_acts, temporaries=2 * out_tmp)
+        reached: set = set()
+        for k in range(len(segs) - 1, -1, -1):
+            u = segs[k][0]
+            reached.add(u)
+            grads = sum(unit_grad.get(x, 0) for x in reached)
+            snap("backward", **base, activations=sum(acts[:k + 1]) + recompute, grads=grads,
+                 temporaries=inputs[k] + inputs[k + 1])
+        snap("optimizer", **base, grads=total * gb, temporaries=opt_tmp)
+    else:
+        udt = cb if prec.mixed else pb  # param_dtype of the unsharded unit
+        red = 4 if prec.mixed else gb  # reduce_dtype
+        sg = 4 if prec.mixed else gb  # sharded gradient (fp32 under mixed precision)
+        reshard = st.reshard_after_forward and sharding
+        shard_params = sum(v[0] for v in sizes.values())
+        base = dict(params=shard_params * pb + buffers, optimizer=opt)
+        unsh = {u: v[1] * udt for u, v in sizes.items()}
+        if not sharding:  # NO_SHARD: only a 16-bit copy of the unit in use under mixed precision
+            unsh = {u: (v[1] * cb if prec.mixed else 0) for u, v in sizes.items()}
+        root = unsh.get("root", 0)
+        order = [s[0] for s in segs if s[0] in sizes and s[0] != "root"]
+        held: list = []  # units unsharded and kept to backward (no reshard)
+        for k, (u, _, _) in enumerate(segs):
+            cur = unsh.get(u, 0) if u != "root" else 0
+            if u in sizes and u != "root" and not reshard and u not in held:
+                held.append(u)
+            nxt = next((x for x in order[order.index(u) + 1:]), None) if u in order else None
+            pre = unsh.get(nxt, 0) if reshard and nxt else 0
+            kept = sum(unsh[x] for x in held)
+            snap("forward", **base, comm_buffers=root + (cur + pre if reshard else kept),
+                 activations=sum(acts[:k + 1]), temporaries=inputs[k + 1])
+        kept_fwd = root + sum(unsh[x] for x in held)
+        snap("forward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=out_tmp)
+        snap("backward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=2 * out_tmp)
+        reached = set()
+        for k in range(len(segs) - 1, -1, -1):
+            u = segs[k][0]
+            first = u not in reached
+            reached.add(u)
+            in_use = unsh.get(u, 0) if u != "root" else 0
+            prev = next((x for x in reversed(order[:order.index(u)])), None) if u in order else None
+            pre = unsh.get(prev, 0) if reshard and prev else 0
+            g_unit = sizes[u][1] * udt if u in sizes and first else 0
+            rs = sizes[u][1] * red if u in sizes and first and sharding else 0
+            done = [x for x in reached if x in sizes and x != u]
+            grads = (sum(sizes[x][0] for x in done) * sg if sharding
+                     else sum(sizes[x][1] for x in done) * gb)
+            unsharded = root + (in_use + pre if reshard else sum(unsh[x] for x in held))
+            snap("backward", **base, comm_buffers=unsharded + g_unit + rs,
+                 activations=sum(acts[:k + 1]) + recompute, grads=grads,
+                 temporaries=inputs[k] + inputs[k + 1])
+        grads_end = shard_params * sg if sharding else total * gb
+        snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
+
+    peak = max(snaps, key=lambda s: s.total)
+    reserved = int(0.10 * peak.total)  # as memory.estimate_memory
+    groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
+    overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
+    tot = peak.total + reserved + overhead
+    return MemoryEstimate(st.name, dict(peak.parts), peak.total, peak.phase, reserved, overhead,
+                          cluster.gpu_memory_bytes, tot <= cluster.gpu_memory_bytes, notes)
+
+
+# -- communication -----------------------------------------------------------------------------
+
+def ready_order_sizes(desc: ModuleDesc) -> list[int]:
+    """Parameter numels in gradient-ready order: leaf modules reversed, params in registration order
+    (as comm.ready_order_sizes measures on the decoder)."""
+    modules: list[list[int]] = []
+    prev = None
+    for _, ps in desc.units:
+        for name, shape in ps:
+            mod = name.rsplit(".", 1)[0] if "." in name else ""
+            if mod != prev:
+                modules.append([])
+                prev = mod
+            modules[-1].append(_numel(shape))
+    return [n for mod in reversed(modules) for n in mod]
+
+
+def ddp_buckets(desc: ModuleDesc, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB) -> list[int]:
+    """comm.ddp_buckets on the module's ready order (reducer.cpp compute_bucket_assignment_by_size)."""
+    cap = (bucket_cap_mb if bucket_cap_mb is not None else 25) * 2**20
+    first = 2**20 if bucket_cap_mb is None else cap
+    out, size = [], 0
+    for n in ready_order_sizes(desc):
+        size += n * elem_bytes
+        if size >= (first if not out else cap):
+            out.append(size)
+            size = 0
+    if size:
+        out.append(size)
+    return out
+
+
+def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, strategy: str) -> list[Collective]:
+    """One optimizer step's collectives for the module (comm._raw_schedule's rules, real unit sizes)."""
+    st = get_strategy(strategy)
+    if st.family == "single":
+        return []
+    world, g = cluster.gpus, cluster.local_size
+    A = train.grad_accum
+    pdt = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}[train.precision]
+    gdt = "bfloat16" if train.precision == "bf16" else "float32"
+    nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    pb, gb = nbytes[pdt], nbytes[gdt]
+    raw: dict[tuple, int] = {}
+
+    def add(op, group, n, dtype, msg, calls, phase, unit):
+        if calls > 0 and msg > 0:
+            key = (op, group, n, dtype, int(msg), phase, unit)
+            raw[key] = raw.get(key, 0) + int(calls)
+
+    units = [(u, tuple(s for _, s in ps)) for u, ps in desc.units]
+    if st.family in ("ddp", "zero1"):
+        buckets = ddp_buckets(desc, gb)
+        for b in buckets[:-1]:
+            add("all_reduce", "world", world, gdt, b, 1, "backward", "bucket")
+        add("all_reduce", "world", world, gdt, buckets[-1], 1, "backward", "last_bucket")
+        if st.family == "zero1":
+            sdt = "bfloat16" if train.precision == "bf16" else "float32"
+            for n in ready_order_sizes(desc):
+                add("broadcast", "world", world, sdt, n * nbytes[sdt], 1, "optimizer", "param")
+    elif st.family == "fsdp2":
+        for u, shapes in units:
+            n = sum(-(-s[0] // world) * world * _numel(s[1:]) if s else world for s in shapes)
+            kind = "root" if u == "root" else "unit"
+            add("all_gather", "world", world, pdt, n * pb, A, "forward", kind)
+            if st.reshard_after_forward:
+                add("all_gather", "world", world, pdt, n * pb, A, "backward", kind)
+            add("reduce_scatter", "world", world, gdt, n * gb, 1, "backward", kind)
+    else:  # fsdp1
+        shard_n, group = (min(world, g), "intra_node") if st.name == "hsdp" else (world, "world")
+        for u, shapes in units:
+            n = sum(_numel(s) for s in shapes)
+            kind = "root" if u == "root" else "unit"
+            if st.name == "fsdp-no-shard":
+                add("all_reduce", "world", world, gdt, n * gb, 1, "backward", kind)
+                continue
+            flat = -(-n // shard_n) * shard_n
+            add("all_gather", group, shard_n, pdt, flat * pb, 1 if st.name == "fsdp-grad-op" else A,
+                "forward", kind)
+            if st.reshard_after_forward and u != "root":
+                add("all_gather", group, shard_n, pdt, flat * pb, A, "backward", kind)
+            add("reduce_scatter", group, shard_n, gdt, flat * gb, 1, "backward", kind)
+            if st.name == "hsdp":
+                add("all_reduce", "inter_node", max(1, world // shard_n), gdt, flat // shard_n * gb, 1,
+                    "backward", kind)
+    links = cluster_links(cluster)
+    out = []
+    for (op, group, n, dtype, msg, phase, unit), calls in raw.items():
+        t = _group_time(op, group, n, msg, cluster, links)
+        out.append(Collective(op, group, n, dtype, msg, calls, phase,
+                              int(round(bus_factor(op, n) * msg * calls)), t * calls, unit))
+    return out
+
+
+def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collectives: list,
+                gpu) -> ModuleTime:
+    """Forward FLOPs x 3 (x 4 with full checkpointing) at the GPU's achievable FLOP/s; communication in
+    forward/backward hides behind that phase's compute (1/3 and 2/3 of it), except the last bucket
+    or unit of backward and the optimizer-phase broadcasts, which nothing follows."""
+    dtype = "fp32" if train.precision == "fp32" else ("fp16" if train.precision == "fp16-mixed" else "bf16")
+    try:
+        flops_s = gpu.achievable_flops(dtype)
+    except Exception:
+        flops_s = gpu.achievable_flops("bf16")
+    mult = 4 if train.checkpointing == "full" else 3
+    train_flops = mult * desc.forward_flops * train.grad_accum
+    compute = train_flops / flops_s
+    fwd = sum(c.time_s for c in collectives if c.phase == "forward")
+    bwd_tail = sum(c.time_s / max(1, c.calls) for c in collectives
+                   if c.phase == "backward" and c.unit in ("last_bucket", "root"))
+    bwd = sum(c.time_s for c in collectives if c.phase == "backward") - bwd_tail
+    opt = sum(c.time_s for c in collectives if c.phase == "optimizer")
+    exposed = max(0.0, fwd - compute / mult) + max(0.0, bwd - compute * (mult - 1) / mult) + bwd_tail + opt
+    step = compute + exposed
+    samples = desc.batch * train.grad_accum * cluster.gpus
+    peak = gpu.peak_flops(dtype) if dtype in getattr(gpu, "flops", {}) else flops_s
+    return ModuleTime(compute, sum(c.time_s for c in collectives), exposed, step,
+                      samples / step if step > 0 else 0.0,
+                      train_flops / (step * peak) if step > 0 else 0.0)
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+@dataclass
+class ModulePlan(Plan):
+    """A Plan whose model is a measured nn.Module (`desc`); renders like a decoder plan."""
+
+    desc: ModuleDesc | None = None
+    descs: dict = field(default_factory=dict)
+    """ModuleDesc per strategy family regime (mixed precision measures fp32+autocast and 16-bit)."""
+    profile_s: float = 0.0
+
+    def header_lines(self) -> list[str]:
+        t, c, d = self.train, self.cluster, self.desc
+        n = d.param_count()
+        units = ", ".join(f"{u} {fmt_count(sum(_numel(s) for _, s in ps))}" for u, ps in d.units)
+        return [
+            f"model: {d.name}: {n:,} params ({fmt_count(n)}); wrapping units: {units}",
+            f"training: input {'x'.join(map(str, t.input_shape))} per GPU x accum {t.grad_accum}, "
+            f"{t.precision}, {t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}; "
+            f"measured on fake tensors in {self.profile_s:.2f} s",
+            f"cluster: {c.gpus} x {c.gpu_name} ({c.gpu_memory_bytes / 2**30:.2f} GiB) in {c.nodes} node(s) of "
+            f"{c.gpus_per_node}; intra {c.intra_link}, inter {c.inter_link} x {c.nics_per_node}",
+        ] + [f"note: {x}" for x in self.notes]
+
+    @property
+    def recommendation(self):
+        return module_recommend(self)
+
+    def to_dict(self) -> dict:
+        rec = self.recommendation
+        d = self.desc
+        inputs = {"module": self.train.model.factory, "model": self.train.model.to_dict(),
+                  "model_params": d.param_count(), "train": self.train.to_dict(),
+                  "cluster": self.cluster.to_dict(), "notes": list(self.notes),
+                  "profile": {regime: {"activation_bytes": x.activation_bytes, "output_bytes": x.output_bytes,
+                                       "buffers_bytes": x.buffers_bytes, "forward_flops": x.forward_flops,
+                                       "segments": [list(s) for s in x.segments]}
+                              for regime, x in self.descs.items()}}
+        return {"inputs": inputs, "strategies": [r.to_dict() for r in self.results],
+                "recommendation": rec.to_dict()}
+
+
+def _regime(precision: str, family: str) -> str:
+    """module_probe dtype for a precision recipe and family (activations.regime_for's rule)."""
+    if precision == "fp32":
+        return "float32"
+    low = "float16" if precision == "fp16-mixed" else "bfloat16"
+    if precision == "bf16":
+        return "bfloat16"
+    return low if family in ("fsdp1", "fsdp2") else f"autocast-{low}"
+
+
+def module_recommend(plan: ModulePlan):
+    """recommend.recommend's rule, with the largest batch from the module's linear scaling."""
+    from .recommend import TIE_FRACTION, Recommendation, _headroom_ok, _rank, _reasons
+    from .units import fmt_gib
+    results = plan.results
+    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits]
+
+    def fits(name: str, batch: int) -> bool:
+        st = get_strategy(name)
+        desc = plan.descs[_regime(plan.train.precision, st.family)].scaled(batch)
+        return estimate_module_memory(desc, plan.train, plan.cluster, st).fits
+
+    if not ok:
+        names = [r.name for r in results]
+        change = None
+        for b in range(plan.desc.batch - 1, 0, -1):
+            hit = next((n for n in names if fits(n, b)), None)
+            if hit:
+                change = f"use a batch of {b} per GPU with {hit} (--input-shape {b},...; raise --grad-accum to keep the batch)"
+                break
+        return Recommendation(None, [f"no strategy fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB per GPU"],
+                              None, change or "use more GPUs with a sharded strategy (zero3, fsdp) or larger GPUs")
+    timed = all(r.step_time_s for r in ok)
+    if timed:
+        fastest = min(r.step_time_s for r in ok)
+        best = min([r for r in ok if r.step_time_s <= fastest * (1 + TIE_FRACTION)], key=lambda r: _rank(r.name))
+    else:
+        best = min(ok, key=lambda r: _rank(r.name))
+    reasons = [x.replace("tokens/s", "samples/s") for x in _reasons(plan, best, ok, timed)]
+    lo, hi = plan.desc.batch, plan.desc.batch * 2
+    while hi <= 2**20 and fits(best.name, hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(best.name, mid) else (lo, mid)
+    return Recommendation(best.name, reasons, lo)
+
+
+def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
+    """Plan `kw["module"]` (PKG.MOD:FACTORY) at `kw["input_shape"]` for every strategy (or `strategies`).
+
+    `kw` holds the `estimate` command's options (see cli.build_plan). Raises ValueError naming the flag.
+    """
+    factory = kw.get("module")
+    shape_text = kw.get("input_shape")
+    if not shape_text:
+        raise ValueError(f"--module={factory!r} needs --input-shape, the example input's shape with the batch "
+                         f"first, e.g. --input-shape 128,1,28,28")
+    for flag in ("model", "params", "hf_config"):
+        if kw.get(flag):
+            raise ValueError(f"--{flag.replace('_', '-')} and --module: give only one model")
+    if kw.get("framework", "pytorch") != "pytorch":
+        raise ValueError(f"--framework={kw['framework']!r}: --module plans the PyTorch-native strategies only")
+    try:
+        import warnings
+        with warnings.catch_warnings():  # torch warns at import when numpy is absent; not our user's concern
+            warnings.simplefilter("ignore")
+            import torch  # noqa: F401
+    except ImportError:
+        raise ValueError("--module needs torch: pip install 'distplan[validate]'") from None
+    from distplan.validate.module_probe import parse_shape, profile_module
+    shape = parse_shape(shape_text, "--input-shape")
+    precision = kw.get("precision") or "bf16-mixed"
+    for flag, value, accepted in (("--precision", precision, PRECISIONS),
+                                  ("--optimizer", kw.get("optimizer") or "adamw", OPTIMIZERS),
+                                  ("--optimizer-impl", kw.get("optimizer_impl") or "foreach", OPTIMIZER_IMPLS),
+                                  ("--activation-checkpointing", kw.get("activation_checkpointing") or "none",
+                                   CHECKPOINTING)):
+        if value not in accepted:
+            raise ValueError(f"{flag}={value!r}: accepted values are {', '.join(accepted)}")
+    for s in strategies:
+        if s not in NAMES:
+            raise ValueError(f"--strategy={s!r}: accepted: {', '.join(NAMES)}")
+
+    cluster, notes = resolve_cluster(kw.get("gpus"), kw.get("gpus_per_node"), kw.get("gpu"), kw.get("gpu_mem"),
+                                     kw.get("node"), kw.get("intra"), kw.get("inter"), kw.get("nics_per_node"),
+                                     kw.get("inter_gbps"), kw.get("detect_local", True),
+                                     tuple(kw.get("catalog_dirs") or ()))
+    names = list(strategies) or [n for n in NAMES if n != "single" or cluster.gpus == 1]
+    if cluster.gpus == 1 and not strategies:
+        names = ["single"]
+
+    descs: dict[str, ModuleDesc] = {}
+    profile_s = 0.0
+    for n in names:
+        regime = _regime(precision, get_strategy(n).family)
+        if regime not in descs:
+            prof = profile_module(factory, shape, regime)
+            descs[regime] = ModuleDesc.from_profile(prof)
+            profile_s += prof["profile_s"]
+    desc = next(iter(descs.values()))
+    model = ModuleModel(desc.name, factory, desc.param_count(), desc.units, layers=len(desc.units))
+    train = ModuleTrain(model, precision=precision, optimizer=kw.get("optimizer") or "adamw",
+                        optimizer_impl=kw.get("optimizer_impl") or "foreach",
+                        checkpointing=kw.get("activation_checkpointing") or "none",
+                        grad_accum=kw.get("grad_accum") or 1, input_shape=shape)
+    notes = list(notes)
+    if kw.get("micro_batch") not in (None, 1) or kw.get("seq_len") not in (None, 2048):
+        notes.append("--micro-batch and --seq-len are ignored with --module: the batch is --input-shape's first dim")
+    if kw.get("cpu_offload") not in (None, "none"):
+        notes.append(f"--cpu-offload={kw['cpu_offload']} is not modelled for --module; planned without offload")
+    if any(kw.get(k) is not None for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                                           "tie_embeddings")):
+        notes.append("architecture overrides (--layers, --hidden, ...) do not apply to --module; ignored")
+    notes.append("activations measured with saved_tensors_hooks on fake tensors; loss: "
+                 + ("cross-entropy (2-D output)" if desc.loss == "cross_entropy" else "sum of the outputs"))
+
+    from distplan.catalog.loader import load_catalog
+    gpu = load_catalog(tuple(kw.get("catalog_dirs") or ())).gpu(cluster.gpu_name)
+    results = []
+    for n in names:
+        st = get_strategy(n)
+        d = descs[_regime(precision, st.family)]
+        mem = estimate_module_memory(d, train, cluster, st)
+        colls = module_collectives(d, train, cluster, n)
+        results.append(StrategyResult(st, mem, colls, module_time(d, train, cluster, colls, gpu)))
+    return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s)
+

@@ -1,0 +1,217 @@
+"""Profile any `nn.Module` from a factory without allocating it: parameters, saved activations, FLOPs.
+
+`profile_module("pkg.mod:factory", (128, 1, 28, 28), "float32")` imports `pkg.mod` (the working
+directory is put on `sys.path` first, so `examples.mnist_cnn:make_model` works from the repository
+root), calls `factory()` under `torch._subclasses.fake_tensor.FakeTensorMode` (no real allocation, no
+weights touched), and runs one forward pass plus the loss on a fake input of that shape:
+
+- parameters: every tensor of `named_parameters()` (shared weights once), with its shape, grouped by
+  the top-level child that owns it. Those children are the wrapping units FSDP would get from an
+  auto-wrap policy on the module's direct children; parameters owned by the root itself form `root`.
+  Buffers (BatchNorm statistics) are counted apart.
+- activations: the bytes autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`),
+  counted once per storage (views of one tensor share it), excluding the parameters' own storages.
+  Casts of parameters (autocast's weight cache, a 16-bit copy) are not parameters and are counted.
+- loss: cross-entropy against class 0 when the output is 2-D (N, C) (a classifier), else the sum of
+  all outputs. What the loss saves (log_softmax's output) is part of the activations; the output's
+  bytes are returned apart (`output_bytes`) because the planner counts them as a temporary.
+- FLOPs of the forward pass (`torch.utils.flop_counter.FlopCounterMode`; matmuls and convolutions).
+
+`dtype`: "float32"; "bfloat16"/"float16" cast the module and the input (pure 16-bit, and the 16-bit
+compute of FSDP mixed precision); "autocast-bfloat16"/"autocast-float16" keep fp32 parameters and run
+the forward under CPU `torch.autocast` (the DDP mixed-precision recipe). CPU autocast's op lists are
+close to, not identical with, CUDA's (CUDA runs softmax/log_softmax in fp32 too) -- a known limitation.
+
+Known limitations: one forward of one input tensor (models that take several inputs, dicts or integer
+token ids need a small wrapper factory); data-dependent control flow sees fake values; kernels' own
+workspaces (cuDNN) are not saved tensors and are not counted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+
+_DTYPES = ("float32", "bfloat16", "float16", "autocast-bfloat16", "autocast-float16")
+
+
+def load_factory(factory_path: str):
+    """`pkg.mod:factory` -> the callable; ValueError naming --module and the value on any failure."""
+    if not isinstance(factory_path, str) or factory_path.count(":") != 1:
+        raise ValueError(f"--module={factory_path!r}: expected PKG.MOD:FACTORY, e.g. examples.mnist_cnn:make_model")
+    mod_name, attr = factory_path.split(":")
+    if not mod_name or not attr:
+        raise ValueError(f"--module={factory_path!r}: expected PKG.MOD:FACTORY, e.g. examples.mnist_cnn:make_model")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as exc:  # ImportError, SyntaxError, anything the module raises on import
+        raise ValueError(f"--module={factory_path!r}: cannot import {mod_name!r} "
+                         f"({type(exc).__name__}: {exc}); run from the directory that contains it") from None
+    factory = mod
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ValueError(f"--module={factory_path!r}: {mod_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise ValueError(f"--module={factory_path!r}: {attr!r} is not callable")
+    return factory
+
+
+def parse_shape(text, flag: str = "--input-shape") -> tuple[int, ...]:
+    """`128,1,28,28` (or `128x1x28x28`, or a tuple) -> (128, 1, 28, 28); the first dim is the batch."""
+    if isinstance(text, (tuple, list)):
+        parts = list(text)
+    else:
+        s = str(text or "").strip().strip("()[]").replace("x", ",").replace(" ", "")
+        parts = [p for p in s.split(",") if p != ""]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas, batch first, "
+                         f"e.g. 128,1,28,28")
+    return shape
+
+
+def _storage_key(t):
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # pragma: no cover - tensors without storage (sparse, nested)
+        return id(t)
+
+
+def _storage_nbytes(t) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # pragma: no cover
+        return int(t.numel() * t.element_size())
+
+
+def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> dict:
+    """Parameters (per top-level unit), saved-activation bytes, output bytes and forward FLOPs.
+
+    Returns a dict in base units: {"factory", "module_class", "input_shape", "dtype", "params": int,
+    "param_bytes_dtype": int, "units": [{"name", "params": [[name, shape], ...], "numel"}],
+    "buffers_bytes", "activation_bytes", "output_bytes", "output_shape", "loss",
+    "segments": [{"unit", "activation_bytes", "input_bytes"}, ...] (forward order; "root" first,
+    "loss" last), "forward_flops", "profile_s"}.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: accepted values are {', '.join(_DTYPES)}")
+    shape = parse_shape(input_shape)
+    factory = load_factory(factory_path)
+    t0 = time.perf_counter()
+    autocast = dtype.startswith("autocast-")
+    tdtype = getattr(torch, dtype.split("-")[-1])
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        try:
+            model = factory()
+        except Exception as exc:
+            raise ValueError(f"--module={factory_path!r}: the factory raised "
+                             f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"--module={factory_path!r}: the factory returned {type(model).__name__}, "
+                             f"not an nn.Module")
+        if not autocast and tdtype != torch.float32:
+            # Module.to() swaps tensors, which fake tensors refuse; assigning .data casts in place.
+            for t in list(model.parameters()) + list(model.buffers()):
+                if t.is_floating_point():
+                    t.data = t.data.to(tdtype)
+        model.train()
+
+        # Parameters, once each (tied weights), grouped by the top-level child that owns them.
+        seen: set = set()
+        units: dict[str, dict] = {}
+        param_keys = set()
+        for name, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            param_keys.add(_storage_key(p))
+            unit = name.split(".", 1)[0] if "." in name else "root"
+            u = units.setdefault(unit, {"name": unit, "params": [], "numel": 0})
+            u["params"].append([name, list(p.shape)])
+            u["numel"] += p.numel()
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        n_params = sum(u["numel"] for u in units.values())
+        pbytes = next(iter(model.parameters())).element_size() if n_params else 4
+
+        x = torch.empty(shape, dtype=torch.float32 if autocast else tdtype)
+        saved: dict = {}
+        # Segments of the forward in execution order: each top-level child's call starts one; what
+        # the root computes between children (functional relu, flatten) joins the segment before it.
+        segments: list[dict] = [{"unit": "root", "activation_bytes": 0,
+                                 "input_bytes": x.numel() * x.element_size()}]
+
+        def pre_hook(name):
+            def hook(_mod, args):
+                inp = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+                segments.append({"unit": name, "activation_bytes": 0, "input_bytes": int(inp)})
+            return hook
+
+        handles = [child.register_forward_pre_hook(pre_hook(name)) for name, child in model.named_children()]
+
+        def pack(t):
+            k = _storage_key(t)
+            if k not in param_keys and k not in saved:
+                saved[k] = _storage_nbytes(t)
+                segments[-1]["activation_bytes"] += saved[k]
+            return t
+
+        try:
+            with FlopCounterMode(display=False) as flops, \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast("cpu", dtype=tdtype, enabled=autocast):
+                out = model(x)
+                if isinstance(out, (tuple, list)):
+                    out = out[0]
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"the forward returned {type(out).__name__}; profile needs a tensor output")
+                for h in handles:
+                    h.remove()
+                segments.append({"unit": "loss", "activation_bytes": 0,
+                                 "input_bytes": out.numel() * out.element_size()})
+                if out.dim() == 2:
+                    target = torch.zeros(out.shape[0], dtype=torch.long)
+                    loss = torch.nn.functional.cross_entropy(out, target)
+                    loss_kind = "cross_entropy"
+                else:
+                    loss = out.sum()
+                    loss_kind = "sum"
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"--input-shape={','.join(map(str, shape))}: the forward of {factory_path} "
+                             f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        out_bytes = out.numel() * out.element_size()
+        out_shape = list(out.shape)
+        fwd_flops = int(flops.get_total_flops())
+        del loss
+    return {
+        "factory": factory_path,
+        "module_class": type(model).__name__,
+        "input_shape": list(shape),
+        "dtype": dtype,
+        "params": int(n_params),
+        "param_bytes_dtype": int(pbytes),
+        "units": list(units.values()),
+        "buffers_bytes": int(buffers),
+        "activation_bytes": int(sum(saved.values())),
+        "output_bytes": int(out_bytes),
+        "output_shape": out_shape,
+        "segments": [seg for i, seg in enumerate(segments) if i == 0 or seg["activation_bytes"]
+                     or seg["unit"] in units or seg["unit"] == "loss"],
+        "loss": loss_kind,
+        "forward_flops": fwd_flops,
+        "profile_s": time.perf_counter() - t0,
+    }
