@@ -239,8 +239,13 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         elems, extra = optimizer_state_elems(train.optimizer, owned)
         step_elems = sum(_numel(s) for s in owned)
     elif sharding:
-        elems, extra = optimizer_state_elems(train.optimizer, shapes)
-        elems, extra = -(-elems // shard), extra / shard
+        # The most loaded rank's shards: FSDP2 keeps each parameter's dim-0 chunk (rank 0 has
+        # ceil(d0/shard) rows), FSDP1 one flat 1-D shard per unit; states are zeros_like(shard).
+        if family == "fsdp2":
+            local = [(-(-s[0] // shard),) + tuple(s[1:]) if s else (1,) for s in shapes]
+        else:
+            local = [(v[0],) for v in sizes.values()]
+        elems, extra = optimizer_state_elems(train.optimizer, local)
         step_elems = sum(v[0] for v in sizes.values())
     else:
         elems, extra = optimizer_state_elems(train.optimizer, shapes)

@@ -1,0 +1,181 @@
+"""`distplan estimate --module`: any nn.Module profiled on fake tensors and planned for every strategy."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+from distplan.planner.cli import main  # noqa: E402
+from distplan.planner.module_plan import ModuleDesc, estimate_module_memory, module_spec_plan  # noqa: E402
+from distplan.planner.strategies import NAMES  # noqa: E402
+from distplan.validate.module_probe import profile_module  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CNN = "examples.mnist_cnn:make_model"
+CNN_PARAMS = (32 * 1 * 9 + 32) + (64 * 32 * 9 + 64) + (128 * 64 * 9 + 128) + (1152 * 256 + 256) + (256 * 10 + 10)
+
+
+@pytest.fixture(autouse=True)
+def _repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the factory path is resolved from the working directory
+
+
+def _real_cnn():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from examples.mnist_cnn import make_model
+    finally:
+        sys.path.remove(str(ROOT))
+    return make_model()
+
+
+def test_cnn_param_count_is_exact():
+    model = _real_cnn()
+    n = sum(p.numel() for p in model.parameters())
+    prof = profile_module(CNN, (4, 1, 28, 28), "float32")
+    print(f"we see: {prof['params']}, expected: {n}, match: {prof['params'] == n}")
+    assert prof["params"] == n == CNN_PARAMS == 390_410
+    assert [u["name"] for u in prof["units"]] == ["conv1", "conv2", "conv3", "fc1", "fc2"]
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_saved_activations_match_a_real_forward(batch):
+    """The fake-tensor measurement equals what autograd saves on a real CPU forward (exact)."""
+    model = _real_cnn()
+    pkeys = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict = {}
+
+    def pack(t):
+        k = t.untyped_storage()._cdata
+        if k not in pkeys:
+            saved[k] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(batch, 1, 28, 28)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+        torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.long))
+    prof = profile_module(CNN, (batch, 1, 28, 28), "float32")
+    print(f"measured {sum(saved.values())}, profiled {prof['activation_bytes']}")
+    assert prof["activation_bytes"] == sum(saved.values())
+    assert prof["output_bytes"] == batch * 10 * 4
+    assert prof["loss"] == "cross_entropy"
+    assert sum(s["activation_bytes"] for s in prof["segments"]) == prof["activation_bytes"]
+
+
+def test_cnn_plan_through_the_cli_prints_every_strategy():
+    t0 = time.perf_counter()
+    res = CliRunner().invoke(main, ["estimate", "--module", CNN, "--input-shape", "128,1,28,28", "--gpus", "8",
+                                    "--gpu", "h100-sxm", "--precision", "fp32", "--optimizer", "adam"])
+    elapsed = time.perf_counter() - t0
+    assert res.exit_code == 0, res.output
+    print(res.output)
+    assert elapsed < 20, f"--module took {elapsed:.1f} s"
+    lines = res.output.splitlines()
+    for name in NAMES:
+        if name == "single":
+            continue
+        assert any(line.split()[:1] == [name] for line in lines), name
+    assert f"{CNN_PARAMS:,} params" in res.output
+    assert "recommendation:" in res.output
+
+
+def test_cnn_plan_numbers():
+    """fp32 + Adam, 8 GPUs: model state from the real shapes, sharded as each family shards it."""
+    kw = {"module": CNN, "input_shape": "128,1,28,28", "gpus": 8, "gpu": "h100-sxm", "precision": "fp32",
+          "optimizer": "adam", "optimizer_impl": "foreach", "activation_checkpointing": "none", "grad_accum": 1,
+          "detect_local": False}
+    p = module_spec_plan(kw, ())
+    d = p.to_dict()
+    assert d["inputs"]["model_params"] == CNN_PARAMS
+    by = {s["name"]: s for s in d["strategies"]}
+    assert set(by) == set(NAMES) - {"single"}
+    n = CNN_PARAMS
+    ddp = by["ddp"]["memory"]
+    assert ddp["params"] == 4 * n and ddp["optimizer"] == 8 * n and ddp["comm_buffers"] == 4 * n
+    # zero3 (FSDP2): each parameter padded on dim 0 to a multiple of 8, 1/8 per rank.
+    shapes = [tuple(p.shape) for p in _real_cnn().parameters()]
+    shard = sum(-(-s[0] // 8) * (s[1] if len(s) > 1 else 1) * (s[2] * s[3] if len(s) == 4 else 1) for s in shapes)
+    z3 = by["zero3"]["memory"]
+    assert z3["params"] == 4 * shard
+    assert z3["optimizer"] == 8 * shard  # exp_avg + exp_avg_sq, zeros_like(each local shard)
+    # fsdp (FSDP1): one flat parameter per unit, padded to a multiple of 8
+    flat = sum(-(-sum(p.numel() for p in m.parameters()) // 8) for m in _real_cnn().children()
+               if any(True for _ in m.parameters()))
+    assert by["fsdp"]["memory"]["params"] == 4 * flat and by["fsdp"]["memory"]["optimizer"] == 8 * flat
+    # activations at the peak never exceed what one forward saves (plus the loss)
+    prof = profile_module(CNN, (128, 1, 28, 28), "float32")
+    for s in by.values():
+        assert 0 <= s["memory"]["activations"] <= prof["activation_bytes"]
+        assert s["comm"]["bytes_per_gpu"] > 0
+    # DDP all-reduces every gradient once: 2(n-1)/n x 4 bytes x params
+    assert by["ddp"]["comm"]["bytes_per_gpu"] == round(2 * 7 / 8 * 4 * n)
+    assert d["recommendation"]["strategy"] in by
+
+
+def test_mixed_precision_measures_two_regimes():
+    kw = {"module": CNN, "input_shape": "32,1,28,28", "gpus": 2, "gpu": "h100-sxm", "precision": "bf16-mixed",
+          "optimizer": "adamw", "detect_local": False}
+    p = module_spec_plan(kw, ("ddp", "zero3"))
+    assert set(p.descs) == {"autocast-bfloat16", "bfloat16"}
+    assert [r.name for r in p.results] == ["ddp", "zero3"]
+
+
+def test_more_gpus_never_raise_sharded_bytes():
+    prof = profile_module(CNN, (64, 1, 28, 28), "float32")
+    desc = ModuleDesc.from_profile(prof)
+    from distplan.planner.config import Cluster
+    from distplan.planner.module_plan import ModuleModel, ModuleTrain
+    train = ModuleTrain(ModuleModel(desc.name, CNN, desc.param_count(), desc.units), precision="fp32",
+                        optimizer="adam", input_shape=(64, 1, 28, 28))
+    prev = None
+    for g in (2, 4, 8, 16, 32):
+        m = estimate_module_memory(desc, train, Cluster(gpus=g, gpus_per_node=min(8, g)), "zero3")
+        state = m.components["params"] + m.components["optimizer"]
+        assert all(v >= 0 for v in m.components.values())
+        if prev is not None:
+            assert state <= prev
+        prev = state
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--module", "no_such_pkg.mod:make", "--input-shape", "8,1,28,28"], "--module"),
+    (["--module", "examples.mnist_cnn", "--input-shape", "8,1,28,28"], "--module"),
+    (["--module", "examples.mnist_cnn:nope", "--input-shape", "8,1,28,28"], "--module"),
+    (["--module", CNN, "--input-shape", "8,one,28"], "--input-shape"),
+    (["--module", CNN, "--input-shape", "8,0,28,28"], "--input-shape"),
+    (["--module", CNN, "--input-shape", "8,3,28,28"], "--input-shape"),  # wrong channels: forward fails
+    (["--module", CNN], "--input-shape"),
+])
+def test_bad_module_or_shape_is_one_line_exit_2(args, flag):
+    res = CliRunner().invoke(main, ["estimate", "--gpus", "2", *args])
+    assert res.exit_code == 2, res.output
+    out = res.output.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("Error: ") and flag in out[0], res.output
+    assert "Traceback" not in res.output
+
+
+def test_missing_torch_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ValueError, match=r"--module needs torch: pip install 'distplan\[validate\]'"):
+        module_spec_plan({"module": CNN, "input_shape": "8,1,28,28", "gpus": 2}, ())
+
+
+def test_json_and_svg(tmp_path):
+    svg = tmp_path / "cnn.svg"
+    res = CliRunner().invoke(main, ["estimate", "--module", CNN, "--input-shape", "16,1,28,28", "--gpus", "2",
+                                    "--json", "--plot", str(svg)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["inputs"]["module"] == CNN and d["inputs"]["model_params"] == CNN_PARAMS
+    import xml.etree.ElementTree as ET
+    root = ET.parse(svg).getroot()
+    bars = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if g.get("class") == "bar"]
+    assert len(bars) == len(d["strategies"])
