@@ -17,8 +17,10 @@ Shapes (tiny on CPU, 4x wider on GPU): a Llama-style GQA + SwiGLU + RMSNorm + Ro
 MHA + GELU + LayerNorm + learned positions + tied embeddings + biases, and a Qwen2-style GQA with q/k/v
 biases, tied embeddings and a width that is not a power of two (uneven FSDP shards).
 
-Timing (2-core CPU, torch 2.13): a gloo probe costs ~4 s of launcher and import before any work, a
-fake-pg probe ~2 s; the standard CPU matrix is sized to stay under ~8 minutes.
+Timing, measured (2-core CPU, torch 2.13, probe = 2 warm-up + 3 measured + 3 timed steps): a gloo 2-rank
+probe 9.0 s median (11.4 s max; ~4 s of it is torchrun and imports), a 1-process `single` probe 7.6 s, a
+fake-pg 8-rank probe 4.3 s (two at a time). The standard CPU matrix (54 probes) took 4 min 55 s end to
+end; the full product (204 probes) would take about 18 minutes, hence the rotation.
 
 Known limitations: `hsdp` uses gpus_per_node = world // 2 (two replicas); at world 2 that is a 2 x 1 mesh.
 """

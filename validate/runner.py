@@ -237,6 +237,13 @@ class ProbeRun:
             _signal_group(self.pgid, signal.SIGKILL)
         self._reap(block=True)
 
+    def abandon(self) -> None:
+        """Kill the probe and remove its scratch directory without reading a result (Ctrl-C)."""
+        self.kill()
+        for f in (self._stdout, self._stderr):
+            f.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
     def _reap(self, block: bool = False) -> None:
         try:
             self.proc.wait(timeout=5.0 if block else 0.0)
@@ -329,7 +336,7 @@ def run_probe(spec: dict, probe_cmd: list[str] | None = None, timeout_s: float =
     try:
         return run.wait()
     except BaseException:
-        run.kill()
+        run.abandon()
         raise
 
 
@@ -432,7 +439,7 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
                 time.sleep(0.05)
     except BaseException:
         for _, run, *_ in running:
-            run.kill()
+            run.abandon()
         raise
     return [records[i] for i in sorted(records)]
 
