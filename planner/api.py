@@ -193,7 +193,7 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
                           gpu_name=gpu_e.name, intra_link=intra_name, inter_link=inter_name,
                           nics_per_node=nics,
                           inter_bytes_per_s=inter_gbps * 1e9 / 8 if inter_gbps else None,
-                          notes=tuple(notes))
+                          notes=tuple(notes), catalog_dirs=tuple(str(d) for d in catalog_dirs))
     except ValueError as exc:
         raise ValueError(f"cluster: {exc}") from None
     return cluster, notes
@@ -250,7 +250,10 @@ class StrategyResult:
             "step_time_s": t.step_time_s if t is not None else None,
             "tokens_per_s": t.tokens_per_s if t is not None else None,
             "mfu": t.mfu if t is not None else None,
-            "required_inter_bytes_per_s": self.required_inter_bytes_per_s,
+            # inf (no inter-node bandwidth hides it: the intra-node part alone is exposed) -> null + flag
+            "required_inter_bytes_per_s": (None if self.required_inter_bytes_per_s == float("inf")
+                                           else self.required_inter_bytes_per_s),
+            "comm_hideable": self.required_inter_bytes_per_s != float("inf"),
             "notes": list(self.memory.notes),
         }
 

@@ -177,10 +177,10 @@ def collective_time(op: str, message_bytes: float, group_size: int, link: LinkMo
 # -- link lookups (cached) -------------------------------------------------------------------------
 
 @lru_cache(maxsize=256)
-def _interconnect(name: str):
+def _interconnect(name: str, catalog_dirs: tuple = ()):
     from distplan.catalog.loader import load_catalog  # lazy: the catalog is never loaded at import
 
-    return load_catalog().interconnect(name)
+    return load_catalog(catalog_dirs).interconnect(name)
 
 
 @lru_cache(maxsize=1024)
@@ -190,8 +190,8 @@ def cluster_links(cluster: Cluster) -> tuple[LinkModel, LinkModel]:
     Inter-node per GPU = NIC busbw x nics_per_node / gpus_per_node, or `cluster.inter_bytes_per_s`
     (per node, already an achievable figure) / gpus_per_node when given.
     """
-    intra = _interconnect(cluster.intra_link)
-    inter = _interconnect(cluster.inter_link)
+    intra = _interconnect(cluster.intra_link, cluster.catalog_dirs)
+    inter = _interconnect(cluster.inter_link, cluster.catalog_dirs)
     g = cluster.local_size
     intra_m = LinkModel(intra.busbw_bytes_per_s, intra.latency_s, intra.half_efficiency_bytes)
     node_bw = (cluster.inter_bytes_per_s if cluster.inter_bytes_per_s

@@ -91,11 +91,13 @@ class StepTime:
     optimizer_s: float
     """Optimizer step, memory bound."""
     step_time_s: float
-    """compute + exposed + optimizer."""
+    """compute + exposed + optimizer + copies and launches around the collectives (copy_bytes)."""
     tokens_per_s: float
     """Global tokens per optimizer step / step time."""
     mfu: float
     """model_flops (no recompute) / (step_time x peak) per GPU."""
+    overhead_s: float = 0.0
+    """Memory-bound copies around the collectives and per-call launch cost (copy_bytes, COLLECTIVE_LAUNCH_S)."""
 
     @property
     def exposed_s(self) -> float:
@@ -212,6 +214,36 @@ def exposed_comm(train: TrainConfig, strategy: str, schedule: list[Collective], 
     return total + opt_comm
 
 
+COLLECTIVE_LAUNCH_S = 20e-6
+"""Host-side cost per collective call (Python hooks, NCCL kernel launch). An assumption of a few tens of
+microseconds seen in PyTorch profiler traces; not measured by the probes (they time whole steps)."""
+
+
+def copy_bytes(train: TrainConfig, strategy: str, schedule: list[Collective]) -> float:
+    """HBM bytes the implementation moves around its collectives (read + write), per optimizer step.
+
+    - DDP with `gradient_as_bucket_view=False` (reducer.cpp `mark_variable_ready_dense` copies each grad
+      into its bucket, `finalize_backward` copies the reduced bucket back): 2 copies of every bucket.
+    - FSDP2 (`_fsdp_collectives.py`): `foreach_all_gather_copy_out` copies the all-gather output into the
+      unsharded parameters; `foreach_reduce` copies the unsharded gradients into the reduce-scatter
+      input, casting to `reduce_dtype`.
+    - FSDP1 (`_flat_param.py`, `_runtime_utils.py`): all-gathers straight into the flat parameter; under
+      mixed precision the unsharded gradient is cast to `reduce_dtype` before reduce-scatter.
+    """
+    fam = get_strategy(strategy).family
+    cb = train.prec.compute_bytes if train.prec.mixed else train.prec.param_bytes
+    total = 0.0
+    for c in schedule:
+        if fam in ("ddp", "zero1") and c.op == "all_reduce":
+            total += 2 * 2 * c.message_bytes * c.calls
+        elif fam == "fsdp2" and c.op == "all_gather":
+            total += 2 * c.message_bytes * c.calls
+        elif fam in ("fsdp2", "fsdp1") and c.op == "reduce_scatter" and (fam == "fsdp2" or train.prec.mixed):
+            elem = {"float32": 4, "bfloat16": 2, "float16": 2}[c.dtype]
+            total += c.message_bytes * (1 + cb / elem) * c.calls
+    return total
+
+
 def step_time(train: TrainConfig, cluster: Cluster, strategy: str, schedule: list[Collective] | None = None,
               gpu=None) -> StepTime:
     """Step time of one optimizer step on the most loaded rank.
@@ -220,7 +252,7 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str, schedule: lis
     `gpu_name` from the catalog. `schedule`: default `collective_schedule(train, cluster, strategy)`.
     """
     if gpu is None:
-        gpu = _gpu(cluster.gpu_name)
+        gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
     if schedule is None:
         schedule = collective_schedule(train, cluster, strategy)
     peak = _peak(gpu, _compute_dtype(train))
@@ -229,18 +261,21 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str, schedule: lis
     comm = sum(c.time_s for c in schedule)
     exposed = exposed_comm(train, strategy, schedule, rate)
     opt = _optimizer_bytes(train, _owned_elems(train, cluster, strategy)) / gpu.hbm_bytes_per_s
-    total = compute + exposed + opt
+    # Copies around the collectives (memory bound) and the host cost of each call; added, not overlapped.
+    overhead = copy_bytes(train, strategy, schedule) / gpu.hbm_bytes_per_s
+    overhead += COLLECTIVE_LAUNCH_S * sum(c.calls for c in schedule)
+    total = compute + exposed + opt + overhead
     gpus = 1 if get_strategy(strategy).family == "single" else cluster.gpus
     tokens = train.tokens_per_micro_step * train.grad_accum * gpus
     mfu = model_flops(train) / (total * peak) if total > 0 else 0.0
-    return StepTime(compute, comm, exposed, opt, total, tokens / total if total else 0.0, mfu)
+    return StepTime(compute, comm, exposed, opt, total, tokens / total if total else 0.0, mfu, overhead)
 
 
 @lru_cache(maxsize=64)
-def _gpu(name: str):
+def _gpu(name: str, catalog_dirs: tuple = ()):
     from distplan.catalog.loader import load_catalog  # lazy
 
-    return load_catalog().gpu(name)
+    return load_catalog(catalog_dirs).gpu(name)
 
 
 def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str, *, gpu=None,
@@ -256,7 +291,7 @@ def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str
     if cluster.nodes <= 1 or s.family == "single":
         return None
     if gpu is None:
-        gpu = _gpu(cluster.gpu_name)
+        gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
     rate = _peak(gpu, _compute_dtype(train)) * gpu.matmul_efficiency
     compute = step_flops(train) / rate
     target = target_fraction * compute

@@ -90,6 +90,8 @@ class Cluster:
     inter_bytes_per_s: float | None = None
     """Override of the per-node inter-node bandwidth (from --inter-gbps)."""
     notes: tuple = field(default=())
+    catalog_dirs: tuple = field(default=())
+    """User catalog directories layered over ours (links and GPUs are looked up there too)."""
 
     def __post_init__(self) -> None:
         _positive("gpus", self.gpus)

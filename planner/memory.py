@@ -287,6 +287,15 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         if not sharding and prec.mixed:
             held_blocks = 1 if family == "fsdp1" else L
         fwd_comm = ur + held_blocks * ub
+        # Gradient accumulation without sync (FSDP1 no_sync, FSDP2 set_requires_gradient_sync(False)):
+        # FSDP1 keeps each unit's unsharded flat gradient (param_dtype) in flat_param.grad
+        # (_runtime_utils._post_backward_hook returns before reducing); FSDP2 keeps unsharded
+        # accumulated gradients in reduce_dtype (_fsdp_param.to_accumulated_grad_if_needed). From the
+        # second micro-step on they exist for every unit through forward and backward.
+        if train.grad_accum > 1 and sharding:
+            acc_bytes = unsharded_dtype if family == "fsdp1" else reduce_bytes
+            fwd_comm += (lay.unshard_root + L * lay.unshard_block) * acc_bytes
+            notes.append("gradient accumulation keeps unsharded gradients of every unit between micro-steps")
         snap("forward", **base, comm_buffers=fwd_comm + (ub if reshard else 0),
              activations=blocks_act + base_act - act.outside + act.outside + act.loss_saved - act.loss_saved,
              temporaries=0)
@@ -299,11 +308,15 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # its unsharded grads (param dtype) and the reduce-scatter input (reduce dtype) coexist.
         rs_block = lay.unshard_block * reduce_bytes if sharding else 0
         g_block = lay.unshard_block * unsharded_dtype
-        bwd_unsharded = ur + (2 * ub if reshard else held_blocks * ub)
+        acc = fwd_comm - (ur + held_blocks * ub)
+        bwd_unsharded = ur + (2 * ub if reshard else held_blocks * ub) + acc
         snap("backward", **base, comm_buffers=bwd_unsharded + g_block + rs_block,
              activations=blocks_act + base_act, grads=0, temporaries=block_bwd_tmp)
         # Backward through the first block: all block grads but one are reduced to shards.
-        bwd_unsharded_first = ur + (ub if reshard else ub)
+        # After a block's backward its parameters are resharded, except FSDP1 SHARD_GRAD_OP under
+        # no_sync (_should_free_in_backward is False), which keeps every unit unsharded.
+        keep_all = family == "fsdp1" and not st.reshard_after_forward and train.grad_accum > 1
+        bwd_unsharded_first = ur + (held_blocks * ub if keep_all else ub) + acc
         snap("backward", **base, comm_buffers=bwd_unsharded_first + g_block + rs_block,
              activations=per_block_act + act.outside,
              grads=max(0, lay.shard_total - lay.shard_root) * (4 if prec.mixed else gb) if sharding else

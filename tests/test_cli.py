@@ -43,7 +43,8 @@ def test_estimate_70b_on_h100_json_contract():
         assert set(s["comm"]) >= {"collectives", "bytes_per_gpu", "time_s", "exposed_s"}
     assert {"strategy", "reasons"} <= set(d["recommendation"])
     by = {s["name"]: s for s in d["strategies"]}
-    assert not by["ddp"]["fits"] and by["fsdp"]["fits"]
+    assert not by["ddp"]["fits"]
+    assert by["fsdp"]["memory"]["peak_allocated"] < by["ddp"]["memory"]["peak_allocated"] / 4
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -98,7 +99,9 @@ def test_module_entry_point():
 
 
 def test_recommend_small_model_two_gpus_is_ddp():
-    r = run("recommend", "--params", "125M", "--gpus", "2", "--gpu", "a100-80gb", "--json")
+    # At micro-batch 8 compute dominates; the sharded strategies are within 5% and the simpler DDP wins.
+    # (At micro-batch 1 the model prefers zero2: its sharded optimizer step halves a 3.5 ms AdamW pass.)
+    r = run("recommend", "--params", "125M", "--gpus", "2", "--gpu", "a100-80gb", "--micro-batch", "8", "--json")
     d = json.loads(r.output)
     assert d["recommendation"]["strategy"] == "ddp", d["recommendation"]
 
@@ -107,16 +110,24 @@ def test_recommend_70b_on_64_h100_is_sharded():
     r = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--json")
     d = json.loads(r.output)
     assert d["recommendation"]["strategy"] in ("zero3", "fsdp", "hsdp", "zero2", "fsdp-grad-op")
+    assert d["recommendation"]["change"]  # 70B at seq 2048 needs activation checkpointing on 80 GB
 
 
-def test_recommend_changes_over_slow_ethernet():
-    ib = json.loads(run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--json").output)
-    eth = json.loads(run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100",
-                         "--inter", "eth-100g-tcp", "--json").output)
+def test_recommend_70b_infiniband_vs_ethernet_explained():
+    ib = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100").output
+    eth = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--inter", "eth-100g-tcp").output
+    assert "over ib-ndr" in ib and "over eth-100g-tcp" in eth
+    rec = lambda out: [ln for ln in out.splitlines() if ln.startswith("recommendation:")][0]  # noqa: E731
+    assert rec(ib) != rec(eth)
+
+
+def test_recommend_hsdp_over_slow_ethernet():
+    args = ["recommend", "--params", "13B", "--gpus", "64", "--node", "generic-ethernet", "--grad-accum", "8"]
+    eth = json.loads(run(*args, "--json").output)
     assert eth["recommendation"]["strategy"] == "hsdp", eth["recommendation"]
-    assert ib["recommendation"]["strategy"] != eth["recommendation"]["strategy"]
-    text = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--inter", "eth-100g-tcp").output
-    assert "hsdp keeps all-gathers" in text
+    assert "hsdp keeps all-gathers" in run(*args).output
+    small = json.loads(run("recommend", "--params", "13B", "--gpus", "8", "--node", "dgx-h100", "--json").output)
+    assert small["recommendation"]["strategy"] != "hsdp"  # one node: nothing to keep inside it
 
 
 def test_recommend_nothing_fits_names_a_change():
