@@ -42,6 +42,9 @@ class WrapContext:
     """The wrapped model's parameters as registered after wrapping (flat params, DTensors)."""
     optimizer_state_owner: object = None
     """The optimizer whose .state holds this rank's states (ZeRO: the local inner optimizer)."""
+    fsdp2_params: list = field(default_factory=list)
+    """FSDP2's FSDPParam objects: their unsharded gradients (before reduce-scatter, or accumulated
+    without gradient sync) count as grads, as DDP's and FSDP1's unsharded .grad do."""
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -65,6 +68,11 @@ class WrapContext:
         for p in self.params:
             put(p.grad, "grads")
             put(getattr(p, "_saved_grad_shard", None), "grads")
+        for fp in self.fsdp2_params:
+            put(getattr(fp, "unsharded_accumulated_grad", None), "grads")
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                put(unsharded.grad, "grads")
         owner = self.optimizer_state_owner
         if owner is not None:
             for state in list(owner.state.values()):
@@ -152,7 +160,12 @@ def _fsdp2(reshard: bool):
         for block in model.layers:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
-        return model, WrapContext("fsdp2", device, sync=lambda last: _fsdp2_sync(model, last))
+        ctx = WrapContext("fsdp2", device, sync=lambda last: _fsdp2_sync(model, last))
+        for m in model.modules():
+            group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
+            if group is not None:
+                ctx.fsdp2_params.extend(group.fsdp_params)
+        return model, ctx
     return wrap
 
 
