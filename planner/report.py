@@ -15,6 +15,8 @@ MEM_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
 
 
 def header(plan) -> str:
+    if hasattr(plan, "header_lines"):  # a --module plan describes its own model
+        return "\n".join(plan.header_lines())
     t, c, m = plan.train, plan.cluster, plan.train.model
     lines = [
         f"model: {m.name}: {m.param_count():,} params ({fmt_count(m.param_count())}), {m.layers} layers, "
