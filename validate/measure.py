@@ -24,7 +24,8 @@ track storages created inside the tracker and attribute them by module hooks, so
 buckets (created at wrap time), FSDP1 flat parameters and ZeroRedundancyOptimizer's state are
 misattributed or missed; this tracker classifies by role at the peak instead.
 
-Known limitations: allocations made inside a single op and freed before it returns (kernel
+Known limitations: with activation checkpointing, block activations recomputed during backward are
+created in the backward phase and so count as temporaries, not activations. Allocations made inside a single op and freed before it returns (kernel
 workspaces, gloo/NCCL internal buffers, cuBLAS workspace) are invisible; on GPU the headline peak is
 `torch.cuda.max_memory_allocated`, and the tracker's own peak is reported beside it.
 """
