@@ -65,7 +65,11 @@ class ActivationBreakdown:
     loss_saved: int
     """log_softmax output saved for the loss backward (fp32, n*V*4)."""
     weight_cache: int
-    """autocast's 16-bit copies of Linear weights, alive forward -> backward (0 unless autocast)."""
+    """autocast's 16-bit copies of Linear weights that backward keeps (0 unless autocast; with
+    checkpointing only the LM head's, the blocks' casts are recomputed)."""
+    weight_cache_forward: int
+    """autocast's weight cache at the end of forward: every Linear's cast, alive until the autocast
+    region exits (`autocast_mode.cpp` cached_casts), whether or not backward keeps it."""
     recompute_block: int
     """Extra bytes alive while one checkpointed block is recomputed in backward."""
     logits_transient: int
@@ -181,6 +185,9 @@ def activations(train: TrainConfig, family: str, device: str = "cuda") -> Activa
     shared_rope, _ = _rope_tables(train, regime)
 
     per_block = block_saved(train, regime, device)
+    if train.checkpointing != "none" and m.position == "rope" and not shared_rope:
+        # Checkpointed blocks keep their inputs, the fp32 cos/sin tables among them (2 * s * hd * 4).
+        shared_rope = 2 * train.seq_len * m.head_dim * 4
     if train.checkpointing == "none":
         blocks_total = m.layers * per_block + shared_rope
         recompute = 0
@@ -198,7 +205,9 @@ def activations(train: TrainConfig, family: str, device: str = "cuda") -> Activa
     # `x = tok_embeddings(tokens)`: fp32 when the embedding is fp32, saved by the first RMSNorm only
     # through x.float() (regime fp32/autocast: the same tensor; lowp: a new fp32 copy counted there).
     loss_saved = n * v * 4
-    weight_cache = 2 * linear_weight_elems(train) if regime == "autocast" else 0
+    cache_all = 2 * linear_weight_elems(train) if regime == "autocast" else 0
+    head_cache = 2 * v * h if regime == "autocast" else 0
+    weight_cache = cache_all if train.checkpointing == "none" else head_cache
     logits_transient = n * v * e + (0 if e == 4 else n * v * 4)
-    return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache,
+    return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache, cache_all,
                                recompute, logits_transient)

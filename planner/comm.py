@@ -53,13 +53,14 @@ from .strategies import get_strategy
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
-DDP_BUCKET_CAP_MB: int | None = 25
-"""Bucket cap as `validate/wrap.py` passes it (explicit 25: every bucket, the first included, 25 MiB).
-None means PyTorch's default argument (25 MiB buckets after a 1 MiB first bucket)."""
+DDP_BUCKET_CAP_MB: int | None = None
+"""DDP's bucket_cap_mb as `validate/wrap.py` passes it: None, PyTorch's default (25 MiB buckets after a
+1 MiB first bucket). An explicit 25 would make every bucket, the first included, 25 MiB."""
 DDP_DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB), used only when bucket_cap_mb is None."""
-FSDP2_ROOT_RESHARD_EXPLICIT = True
-"""`validate/wrap.py` calls `fully_shard(model, reshard_after_forward=...)` on the root explicitly."""
+FSDP2_ROOT_RESHARD_EXPLICIT = False
+"""`validate/wrap.py` leaves the root's reshard_after_forward at FSDP2's default for zero3 (the root is
+not resharded after forward) and passes False for zero2."""
 
 # DeepSpeed defaults, deepspeedai/DeepSpeed deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig):
 DS_REDUCE_BUCKET_SIZE = 500_000_000

@@ -4,6 +4,9 @@ Parameter names, shapes and registration order match `distplan.planner.model.Mod
 (a test asserts it for every catalog architecture at small scale), and the forward pass is the one the
 planner's activation table (`distplan.planner.activations`) was derived from, op by op.
 
+Activation checkpointing per block: `full` is `torch.utils.checkpoint` (non-reentrant); `selective` is
+op-level selective checkpointing that saves the outputs of mm/addmm and SDPA and recomputes the rest.
+
 Blocks: pre-norm (RMSNorm or LayerNorm), attention with GQA (SDPA with `enable_gqa`, or eager
 matmul-softmax-matmul with repeated K/V), rotary or learned positions, SwiGLU or GELU MLP. The loss is
 cross-entropy on fp32 logits, as Hugging Face and torchtitan compute it.
@@ -17,6 +20,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs):
+    """Selective checkpointing: keep the outputs of matmuls and SDPA, recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+
+
+_aten = torch.ops.aten
+_SAVED_OPS = {
+    _aten.mm.default, _aten.addmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+}
 
 
 class Norm(nn.Module):
@@ -147,6 +173,8 @@ class Decoder(nn.Module):
         for block in self.layers:
             if self.checkpointing == "full":
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            elif self.checkpointing == "selective":
+                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=_selective_contexts)
             else:
                 x = block(x, cos, sin)
         x = self.norm(x)

@@ -122,7 +122,9 @@ def _ddp(model, train, world_size, gpus_per_node, device):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None
-    ddp = DDP(model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=False)
+    # PyTorch's defaults: bucket_cap_mb=None gives a 1 MiB first bucket, then 25 MiB buckets (passing
+    # 25 explicitly would make the first bucket 25 MiB too); gradient_as_bucket_view=False.
+    ddp = DDP(model, device_ids=ids)
     if train.get("_fake"):
         ddp.register_comm_hook(None, _fake_allreduce_hook)
     return ddp, WrapContext("ddp", device, autocast_dtype=_LOW.get(train["precision"]), sync=_no_sync(ddp))
@@ -159,7 +161,12 @@ def _fsdp2(reshard: bool):
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         for block in model.layers:
             fully_shard(block, **kw)
-        fully_shard(model, **kw)
+        # The root: for zero3 FSDP2's default (reshard_after_forward=None: the root is not resharded after
+        # forward, its parameters are used at once by backward); for zero2 explicitly False.
+        root_kw = dict(kw)
+        if reshard:
+            root_kw.pop("reshard_after_forward")
+        fully_shard(model, **root_kw)
         ctx = WrapContext("fsdp2", device, sync=lambda last: _fsdp2_sync(model, last))
         for m in model.modules():
             group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
