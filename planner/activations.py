@@ -74,6 +74,10 @@ class ActivationBreakdown:
     """Extra bytes alive while one checkpointed block is recomputed in backward."""
     logits_transient: int
     """Live at the loss in forward beyond loss_saved: 16-bit logits and their fp32 copy."""
+    inputs: int = 0
+    """Part of `outside` alive until the embedding's backward: token ids, targets, position ids."""
+    block_cache: int = 0
+    """Part of `weight_cache` that belongs to one block (freed with that block's backward)."""
 
     @property
     def total(self) -> int:
@@ -205,9 +209,16 @@ def activations(train: TrainConfig, family: str, device: str = "cuda") -> Activa
     # `x = tok_embeddings(tokens)`: fp32 when the embedding is fp32, saved by the first RMSNorm only
     # through x.float() (regime fp32/autocast: the same tensor; lowp: a new fp32 copy counted there).
     loss_saved = n * v * 4
+    if regime == "autocast" and train.checkpointing != "none" and m.layers:
+        # The recompute runs under autocast again: it re-casts the block's weights and biases, alive
+        # in the cache while the block's backward runs.
+        blk = m.param_inventory()[1]
+        recompute += 2 * sum(n for (name, _), n in zip(blk.params, blk.sizes()) if "norm" not in name)
     cache_all = 2 * linear_weight_elems(train) if regime == "autocast" else 0
     head_cache = 2 * v * h if regime == "autocast" else 0
     weight_cache = cache_all if train.checkpointing == "none" else head_cache
+    block_cache = (weight_cache - head_cache) // m.layers if m.layers else 0
     logits_transient = n * v * e + (0 if e == 4 else n * v * 4)
+    inputs = 2 * n * 8 + (train.seq_len * 8 if m.position == "learned" else 0)
     return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache, cache_all,
-                               recompute, logits_transient)
+                               recompute, logits_transient, inputs, block_cache)

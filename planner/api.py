@@ -390,8 +390,10 @@ def predict_probe(spec: dict) -> dict:
     gpn = int(spec.get("gpus_per_node") or world)
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15, gpu_name=DEFAULT_GPU,
                       intra_link="nvlink4", inter_link="ib-ndr", nics_per_node=gpn)
-    device = "cuda" if spec.get("mode") == "gpu" else "cpu"
-    mem = estimate_memory(train, cluster, spec["strategy"], device=device)
+    mode = spec.get("mode")
+    device = spec.get("device_type") or ("cuda" if mode == "gpu" else "cpu")
+    backend = {"gpu": "nccl", "cpu": "gloo", "fake": "fake"}.get(mode, "nccl")
+    mem = estimate_memory(train, cluster, spec["strategy"], device=device, backend=backend)
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
     collectives = []

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .activations import ActivationBreakdown, activations
+from .activations import ActivationBreakdown, activations, regime_for
 from .config import Cluster, TrainConfig
 from .model import ModelSpec
 from .precision import optimizer_state_elems
@@ -181,8 +181,14 @@ def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int, key: t
 # -- the walk ------------------------------------------------------------------------------------
 
 def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
-                    device: str = "cuda") -> MemoryEstimate:
-    """Predict the most loaded rank's memory for one strategy (see module docstring)."""
+                    device: str = "cuda", backend: str = "nccl") -> MemoryEstimate:
+    """Predict the most loaded rank's memory for one strategy (see module docstring).
+
+    `device` ('cuda' or 'cpu') picks the activation terms that differ between the two; `backend`
+    ('nccl', 'gloo' or 'fake') adds what the collective backend allocates itself: gloo's
+    `reduce_scatter_tensor` splits its input into per-rank copies (one input-sized copy), which
+    NCCL and the fake process group do not. The CPU validation path runs on gloo.
+    """
     st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
     if train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3"):
         from .deepspeed import estimate_deepspeed
@@ -192,11 +198,15 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     shard = {"world": world, "node": min(world, cluster.local_size), "none": 1}[st.shard_group]
     if family == "fsdp1" and st.name == "fsdp-no-shard":
         shard = 1
+    notes_pre = []
+    if st.name == "hsdp" and shard == 1 and world > 1:
+        notes_pre.append("hsdp with 1 GPU per node: PyTorch's HYBRID_SHARD falls back to NO_SHARD and "
+                         "all-reduces only inside the node's group of one; use ddp or fsdp instead")
     prec = train.prec
     m = train.model
     lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
     act: ActivationBreakdown = activations(train, family, device)
-    notes: list[str] = []
+    notes: list[str] = list(notes_pre)
 
     pb, gb = prec.param_bytes, prec.grad_bytes
     cb = prec.compute_bytes  # FSDP param_dtype / activation dtype
@@ -238,91 +248,139 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             full[k] += int(val)
         snaps.append(Snapshot(phase, full))
 
-    loss_fwd_tmp = act.logits_transient  # 16-bit logits + fp32 copy at cross_entropy
-    loss_bwd_tmp = 2 * n_tok * v * 4  # nll_loss grad + log_softmax backward output (fp32)
-    # Backward through one block: gradient of the residual stream plus the largest pair of
-    # intermediate gradients (SwiGLU: d(silu*up) split to gate and up, n*f each).
-    f = m.ffn_hidden
-    e_act = 4 if prec.compute_bytes == 4 else 2
-    block_bwd_tmp = n_tok * (4 * m.hidden + 2 * e_act * f)
-
     if offload_params:
-        params = grads_full = 0
         opt = 0
         opt_tmp = 0
         notes.append("parameters, gradients and optimizer state live in CPU memory (CPU offload)")
 
+    h, f = m.hidden, m.ffn_hidden
+    regime = regime_for(train, family)
+    e = 4 if regime == "fp32" else 2  # activation / matmul-output bytes
+    r = 4 if regime in ("fp32", "autocast") else 2  # residual stream bytes
+    # Categories follow what the probes measure: storages made in forward and alive are activations
+    # (logits included), those made in backward or the optimizer step are temporaries.
+    acts_fwd = act.blocks_total + act.outside + act.weight_cache_forward + act.loss_saved + act.logits_transient
+    acts_bwd = act.blocks_total + act.outside + act.weight_cache + act.loss_saved
+    loss_bwd_tmp = 2 * n_tok * v * 4  # nll_loss_backward's dense grad + log_softmax_backward's output
+    freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok)
+    head_elems = v * h + h * (2 if m.norm == "layernorm" else 1)  # LM head (or tied) + final norm
+    per_block_act = (act.blocks_total - 0) // L if L else 0
+    if train.checkpointing != "none":
+        # A checkpointed block is recomputed inside its backward: what it rebuilds is made in the
+        # backward phase (a temporary to the probes), and the freed tensor is one of those.
+        first_acts = act.blocks_total
+        last_acts = act.blocks_total // L if L else 0
+        blk_tmp = blk_tmp + act.recompute_block - freed
+        freed = 0
+    else:
+        first_acts = act.blocks_total
+        last_acts = per_block_act
+    # Once the head's backward is done its saved tensors (final norm, LM head input, its weight cast)
+    # are freed; each block's weight casts go with that block's backward.
+    outside_first = act.inputs + L * act.block_cache
+    outside_last = act.inputs + act.block_cache
+
     if family in ("single", "ddp", "zero1"):
         params = lay.total * pb
         buckets = 0 if family == "single" else lay.total * gb
-        grads = lay.total * gb
         base = dict(params=params, optimizer=opt, comm_buffers=buckets)
-        snap("forward", **base, activations=blocks_act + base_act + act.loss_saved, temporaries=loss_fwd_tmp)
-        snap("backward", **base, activations=blocks_act + base_act + act.loss_saved, temporaries=loss_bwd_tmp)
-        # End of the head's backward: head grads exist, all block activations still alive.
-        head_grads = lay.root * gb if not m.tie_embeddings else (lay.root - m.vocab * m.hidden) * gb
-        snap("backward", **base, activations=blocks_act + base_act, grads=head_grads,
-             temporaries=block_bwd_tmp)
-        # Last block (block 0) backward: all block grads exist but the embedding's.
-        emb = m.vocab * m.hidden + (m.max_positions * m.hidden if m.position == "learned" else 0)
-        snap("backward", **base, activations=per_block_act + act.outside,
-             grads=(lay.total - emb) * gb, temporaries=block_bwd_tmp)
-        snap("optimizer", **base, grads=grads, temporaries=opt_tmp)
+        snap("forward", **base, activations=acts_fwd)
+        snap("backward", **base, activations=acts_bwd, temporaries=loss_bwd_tmp)
+        # First block's MLP backward: the head's gradient exists, every block's activations live.
+        snap("backward", **base, activations=first_acts + outside_first - freed,
+             grads=(head_elems + wgrad_elems) * gb, temporaries=blk_tmp)
+        # Last block (block 0): every gradient but the embedding's and most of block 0's.
+        emb = v * h + (m.max_positions * h if m.position == "learned" else 0)
+        grads_last = (lay.total - emb - lay.block + wgrad_elems) * gb
+        if m.tie_embeddings:
+            grads_last += v * h * gb  # the tied weight's grad arrived from the head
+        snap("backward", **base, activations=last_acts + outside_last - freed, grads=grads_last,
+             temporaries=blk_tmp)
+        snap("optimizer", **base, grads=lay.total * gb, temporaries=opt_tmp)
     else:
-        unsharded_dtype = cb if prec.mixed else pb
-        reduce_bytes = 4 if prec.mixed else gb  # reduce_dtype=fp32 under mixed precision
+        ud = cb if prec.mixed else pb  # dtype of unsharded parameters and of their gradients
+        rb = 4 if prec.mixed else gb  # reduce_dtype
+        gsh = 4 if prec.mixed else gb  # sharded gradient dtype (the fp32 parameter's)
         params = 0 if offload_params else lay.shard_total * pb
-        grads_sharded = 0 if offload_params else lay.shard_total * (4 if prec.mixed else gb)
-        ub, ur = lay.unshard_block * unsharded_dtype, lay.unshard_root * unsharded_dtype
         sharding = shard > 1 and st.shards_params
         reshard = st.reshard_after_forward and sharding
+        ub, ur = lay.unshard_block * ud, lay.unshard_root * ud
         base = dict(params=params, optimizer=opt)
-        if not sharding:  # fsdp-no-shard: full flat params, all-reduce per unit
-            # Mixed precision keeps a 16-bit copy of each unit's flat parameter while it is used.
+        if not sharding:  # fsdp-no-shard: full flat params; mixed precision adds 16-bit copies
             ub = lay.unshard_block * cb if prec.mixed else 0
             ur = lay.unshard_root * cb if prec.mixed else 0
-        # Forward, end: root stays unsharded (FSDP1: root not resharded after forward; FSDP2:
-        # root post_forward_mesh_info=None); zero3/full shard keep 1 block (+1 prefetched is freed).
-        held_blocks = 1 if reshard else L
-        if not sharding and prec.mixed:
-            held_blocks = 1 if family == "fsdp1" else L
-        fwd_comm = ur + held_blocks * ub
-        # Gradient accumulation without sync (FSDP1 no_sync, FSDP2 set_requires_gradient_sync(False)):
-        # FSDP1 keeps each unit's unsharded flat gradient (param_dtype) in flat_param.grad
-        # (_runtime_utils._post_backward_hook returns before reducing); FSDP2 keeps unsharded
-        # accumulated gradients in reduce_dtype (_fsdp_param.to_accumulated_grad_if_needed). From the
-        # second micro-step on they exist for every unit through forward and backward.
+        held = 1 if reshard else L  # blocks unsharded at the end of forward
+        acc = 0
         if train.grad_accum > 1 and sharding:
-            acc_bytes = unsharded_dtype if family == "fsdp1" else reduce_bytes
-            fwd_comm += (lay.unshard_root + L * lay.unshard_block) * acc_bytes
+            # Accumulation without sync: FSDP1 keeps each unit's unsharded flat gradient (param_dtype)
+            # (_runtime_utils._post_backward_hook returns before reducing); FSDP2 keeps unsharded
+            # accumulated gradients in reduce_dtype (_fsdp_param.to_accumulated_grad_if_needed).
+            acc_bytes = ud if family == "fsdp1" else rb
+            acc = (lay.unshard_root + L * lay.unshard_block) * acc_bytes
             notes.append("gradient accumulation keeps unsharded gradients of every unit between micro-steps")
-        snap("forward", **base, comm_buffers=fwd_comm + (ub if reshard else 0),
-             activations=blocks_act + base_act - act.outside + act.outside + act.loss_saved - act.loss_saved,
-             temporaries=0)
-        snap("forward", **base, comm_buffers=fwd_comm,
-             activations=blocks_act + base_act + act.loss_saved, temporaries=loss_fwd_tmp)
-        # Backward at the loss: root unsharded; the head's gradient appears.
-        snap("backward", **base, comm_buffers=fwd_comm,
-             activations=blocks_act + base_act + act.loss_saved, temporaries=loss_bwd_tmp)
-        # Backward through the last block: it is unsharded (+ the next prefetched when resharding),
-        # its unsharded grads (param dtype) and the reduce-scatter input (reduce dtype) coexist.
-        rs_block = lay.unshard_block * reduce_bytes if sharding else 0
-        g_block = lay.unshard_block * unsharded_dtype
-        acc = fwd_comm - (ur + held_blocks * ub)
-        bwd_unsharded = ur + (2 * ub if reshard else held_blocks * ub) + acc
-        snap("backward", **base, comm_buffers=bwd_unsharded + g_block + rs_block,
-             activations=blocks_act + base_act, grads=0, temporaries=block_bwd_tmp)
-        # Backward through the first block: all block grads but one are reduced to shards.
-        # After a block's backward its parameters are resharded, except FSDP1 SHARD_GRAD_OP under
-        # no_sync (_should_free_in_backward is False), which keeps every unit unsharded.
+        fwd_comm = ur + (0 if reshard else held * ub)
+        # FSDP2 without resharding keeps the last block's all-gather output until the root's
+        # post-forward (measured: freed right after the loss).
+        ag_tail = ub if (family == "fsdp2" and sharding and not reshard and L) else 0
+        snap("forward", **base, comm_buffers=fwd_comm + acc + ag_tail, activations=acts_fwd)
+        prefetch = ub if reshard and L > 1 else 0  # backward prefetch of the next block's all-gather
+        # At the loss: the root is unsharded; the last block's all-gather is prefetched.
+        snap("backward", **base, comm_buffers=fwd_comm + acc + (ub if reshard else 0),
+             activations=acts_bwd, temporaries=loss_bwd_tmp)
+        # Gradients of the unsharded parameters. FSDP2: each parameter's .grad; the root reduces at the
+        # very end, so the head's gradient stays unsharded until then. FSDP1 (use_orig_params=False):
+        # the module parameters are views of the FlatParameter, so their gradients wait in autograd's
+        # input buffer (temporaries) until the unit's last one arrives, then are concatenated into
+        # flat_param.grad (both alive for a moment).
+        head_g = head_elems * ud
+        cur_g = wgrad_elems * ud
         keep_all = family == "fsdp1" and not st.reshard_after_forward and train.grad_accum > 1
-        bwd_unsharded_first = ur + (held_blocks * ub if keep_all else ub) + acc
-        snap("backward", **base, comm_buffers=bwd_unsharded_first + g_block + rs_block,
-             activations=per_block_act + act.outside,
-             grads=max(0, lay.shard_total - lay.shard_root) * (4 if prec.mixed else gb) if sharding else
-             (lay.total - lay.root) * gb,
-             temporaries=block_bwd_tmp)
-        snap("optimizer", **base, grads=grads_sharded if sharding else lay.total * gb, temporaries=opt_tmp)
+        blocks_unsharded = ub + prefetch if reshard else held * ub
+        shards = max(0, L - 1) * lay.shard_block * gsh if sharding else max(0, L - 1) * lay.block * gb
+        rs_held = lay.unshard_block * rb if (sharding and family == "fsdp2" and L > 1) else 0
+        blocks_unsharded_last = (held * ub if keep_all else ub)
+        at_rs = prefetch if reshard else (held * ub if keep_all else max(0, held - 1) * ub)
+        if family == "fsdp2":
+            snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc,
+                 activations=first_acts + outside_first - freed, grads=head_g + cur_g, temporaries=blk_tmp)
+            snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + rs_held + acc,
+                 activations=last_acts + outside_last - freed, grads=shards + head_g + cur_g,
+                 temporaries=blk_tmp)
+            if sharding and backend == "gloo":  # gloo's reduce-scatter copies its input (split)
+                # The block is resharded before its reduce-scatter (post-backward), so only the
+                # prefetched next block is unsharded then.
+                snap("backward", **base, comm_buffers=ur + at_rs + lay.unshard_block * rb + acc,
+                     activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
+                     grads=head_g, temporaries=n_tok * h * r + lay.unshard_block * rb)
+            if sharding:  # the root's reduce-scatter: unsharded grads + its input in reduce_dtype
+                snap("backward", **base, comm_buffers=ur + lay.unshard_root * rb,
+                     grads=L * lay.shard_block * gsh + lay.unshard_root * ud)
+        else:
+            snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc,
+                 activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
+            # End of the first block's backward: its view gradients and their concatenation.
+            snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc,
+                 activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
+                 temporaries=n_tok * h * r + head_g + 2 * lay.unshard_block * ud)
+            snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + acc,
+                 activations=last_acts + outside_last - freed, grads=shards,
+                 temporaries=blk_tmp + head_g + cur_g)
+            if sharding and backend == "gloo":
+                # Reduce-scatter of the first block on gloo: the flat gradient, its reduce_dtype cast,
+                # the output shard and gloo's split copy of the input.
+                cast = lay.unshard_block * rb if prec.mixed else 0
+                snap("backward", **base, comm_buffers=ur + at_rs + acc,
+                     activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
+                     temporaries=n_tok * h * r + head_g + lay.unshard_block * (ud + rb) + cast
+                     + lay.shard_block * rb)
+            # The root at the end: its view gradients, their concatenation, then the reduce_dtype cast.
+            root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if prec.mixed else 0)
+            snap("backward", **base, comm_buffers=ur, grads=L * lay.shard_block * gsh if sharding
+                 else L * lay.block * gb, temporaries=root_tmp)
+        grads_final = lay.shard_total * gsh if sharding else lay.total * gb
+        if offload_params:
+            grads_final = 0
+        snap("optimizer", **base, grads=grads_final, temporaries=opt_tmp)
 
     peak = max(snaps, key=lambda s: s.total)
     comps = dict(peak.parts)
@@ -332,3 +390,28 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     total = peak.total + reserved + overhead
     return MemoryEstimate(st.name, comps, peak.total, peak.phase, reserved, overhead,
                           cluster.gpu_memory_bytes, total <= cluster.gpu_memory_bytes, notes)
+
+
+def _block_backward_peak(train: TrainConfig, regime: str, n: int) -> tuple[int, int, int]:
+    """(saved bytes already freed, transient bytes, weight-gradient elements) at a block's backward peak.
+
+    The peak inside a block's backward is in the MLP (or, for eager attention with long sequences, at the
+    softmax): SwiGLU `w_down` backward makes d(prod) (n*f) and its weight gradient and frees `prod`; the
+    product's backward then makes d(silu) and d(up) (n*f each) while d(prod) is alive. GELU: d(gelu) and
+    d(fc) (n*f each). The gradient of the residual stream (n*h) is alive throughout.
+    """
+    m = train.model
+    h, f = m.hidden, m.ffn_hidden
+    e = 4 if regime == "fp32" else 2
+    r = 4 if regime in ("fp32", "autocast") else 2
+    resid = n * h * r
+    if m.mlp == "swiglu":
+        mlp = (n * f * e, resid + 3 * n * f * e, h * f)
+    else:
+        mlp = (n * f * e, resid + 2 * n * f * e, h * f)
+    if train.attention == "eager":
+        probs = train.micro_batch * m.heads * train.seq_len ** 2 * e
+        att = (0, resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * h)
+        if att[1] > mlp[1]:
+            return att
+    return mlp

@@ -180,6 +180,8 @@ def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, 
         if user_model:
             _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
 
+    for s in specs:  # fake-process-group probes run on the GPU when there is one
+        s["device_type"] = "cuda" if hw.get("gpus") else "cpu"
     modes = list(dict.fromkeys((s["mode"], s["world_size"]) for s in specs))
     header = ["distplan validate: " + f"{len(specs)} probe{'s' if len(specs) != 1 else ''}, model {model_label}"]
     header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]

@@ -22,7 +22,8 @@ probe 9.0 s median (11.4 s max; ~4 s of it is torchrun and imports), a 1-process
 fake-pg 8-rank probe 4.3 s (two at a time). The standard CPU matrix (54 probes) took 4 min 55 s end to
 end; the full product (204 probes) would take about 18 minutes, hence the rotation.
 
-Known limitations: `hsdp` uses gpus_per_node = world // 2 (two replicas); at world 2 that is a 2 x 1 mesh.
+Known limitations: `hsdp` uses gpus_per_node = world // 2 (two replicas) from 4 ranks on; at world 2 it is
+one shard group of 2 (a 1 x 2 mesh: the replica all-reduce runs in a group of one).
 """
 
 from __future__ import annotations
@@ -76,8 +77,12 @@ def spec_id(strategy: str, model_name: str, world_size: int, mode: str, checkpoi
 
 
 def default_gpus_per_node(strategy: str, world_size: int, mode: str) -> int:
-    if strategy == "hsdp" and world_size >= 2:
-        return max(1, world_size // 2)
+    # hsdp needs >= 2 ranks per shard group: with one, PyTorch's HYBRID_SHARD falls back to NO_SHARD and
+    # all-reduces inside a group of one (nothing crosses replicas). Two replicas where there are 4+ ranks.
+    if strategy == "hsdp" and world_size >= 4:
+        return max(2, world_size // 2)
+    if strategy == "hsdp":
+        return max(1, world_size)
     return max(1, min(world_size, 8)) if mode == "fake" else max(1, world_size)
 
 

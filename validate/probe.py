@@ -146,7 +146,7 @@ class Probe:
             if v <= 0:
                 raise ValueError(f"train.{k}={v}: must be a positive integer")
         ckpt = train.get("checkpointing", "none")
-        if ckpt not in ("none", "full"):
+        if ckpt not in ("none", "full", "selective"):
             self.result["unmeasured"].append(
                 f"checkpointing={ckpt!r} (the reference decoder implements only 'none' and 'full'; ran as 'none')")
         cuda = self.device.type == "cuda"
