@@ -257,7 +257,12 @@ def ready_order_sizes(model: ModelSpec) -> tuple[int, ...]:
             if mod != prev:
                 modules.append([])
                 prev = mod
-            modules[-1].append(_numel(shape))
+            # A Linear's bias grad is ready before its weight's: addmm(bias, input, weight.t()) lists
+            # the bias edge first (a norm's weight comes before its bias: native_layer_norm's outputs).
+            if name.endswith(".bias") and "norm" not in mod:
+                modules[-1].insert(0, _numel(shape))
+            else:
+                modules[-1].append(_numel(shape))
     return tuple(n for mod in reversed(modules) for n in mod)
 
 

@@ -287,15 +287,16 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         snap("forward", **base, activations=acts_fwd)
         snap("backward", **base, activations=acts_bwd, temporaries=loss_bwd_tmp)
         # First block's MLP backward: the head's gradient exists, every block's activations live.
+        # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
+        # AccumulateGrad runs; so does a tied head's, until the embedding's half arrives.
+        head_in_buf = head_elems * gb if m.tie_embeddings else 0
         snap("backward", **base, activations=first_acts + outside_first - freed,
-             grads=(head_elems + wgrad_elems) * gb, temporaries=blk_tmp)
+             grads=head_elems * gb - head_in_buf, temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
         # Last block (block 0): every gradient but the embedding's and most of block 0's.
         emb = v * h + (m.max_positions * h if m.position == "learned" else 0)
-        grads_last = (lay.total - emb - lay.block + wgrad_elems) * gb
-        if m.tie_embeddings:
-            grads_last += v * h * gb  # the tied weight's grad arrived from the head
+        grads_last = (lay.total - emb - lay.block) * gb
         snap("backward", **base, activations=last_acts + outside_last - freed, grads=grads_last,
-             temporaries=blk_tmp)
+             temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
         snap("optimizer", **base, grads=lay.total * gb, temporaries=opt_tmp)
     else:
         ud = cb if prec.mixed else pb  # dtype of unsharded parameters and of their gradients
@@ -341,15 +342,18 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         blocks_unsharded_last = (held * ub if keep_all else ub)
         at_rs = prefetch if reshard else (held * ub if keep_all else max(0, held - 1) * ub)
         if family == "fsdp2":
+            tied_buf = head_g if m.tie_embeddings else 0
             snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc,
-                 activations=first_acts + outside_first - freed, grads=head_g + cur_g, temporaries=blk_tmp)
+                 activations=first_acts + outside_first - freed, grads=head_g - tied_buf,
+                 temporaries=blk_tmp + cur_g + tied_buf)
             snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + rs_held + acc,
-                 activations=last_acts + outside_last - freed, grads=shards + head_g + cur_g,
-                 temporaries=blk_tmp)
+                 activations=last_acts + outside_last - freed, grads=shards + head_g - tied_buf,
+                 temporaries=blk_tmp + cur_g + tied_buf)
             if sharding and backend == "gloo":  # gloo's reduce-scatter copies its input (split)
                 # The block is resharded before its reduce-scatter (post-backward), so only the
                 # prefetched next block is unsharded then.
-                snap("backward", **base, comm_buffers=ur + at_rs + lay.unshard_block * rb + acc,
+                # FSDP2's prefetched block holds its all-gather output and its copied-out parameters.
+                snap("backward", **base, comm_buffers=ur + 2 * at_rs + lay.unshard_block * rb + acc,
                      activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
                      grads=head_g, temporaries=n_tok * h * r + lay.unshard_block * rb)
             if sharding:  # the root's reduce-scatter: unsharded grads + its input in reduce_dtype
@@ -358,21 +362,25 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         else:
             snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc,
                  activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
-            # End of the first block's backward: its view gradients and their concatenation.
-            snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc,
+            # End of the first block's backward: its view gradients and their concatenation (which is
+            # the reduce-scatter's input, a comm buffer, unless mixed precision casts it first).
+            flat = lay.unshard_block * ud
+            snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc + (0 if prec.mixed else flat),
                  activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
-                 temporaries=n_tok * h * r + head_g + 2 * lay.unshard_block * ud)
+                 temporaries=n_tok * h * r + head_g + flat + (flat if prec.mixed else 0))
             snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + acc,
                  activations=last_acts + outside_last - freed, grads=shards,
                  temporaries=blk_tmp + head_g + cur_g)
             if sharding and backend == "gloo":
                 # Reduce-scatter of the first block on gloo: the flat gradient, its reduce_dtype cast,
                 # the output shard and gloo's split copy of the input.
+                # (the cast and the output shard are the collective's buffers)
                 cast = lay.unshard_block * rb if prec.mixed else 0
-                snap("backward", **base, comm_buffers=ur + at_rs + acc,
+                flat = lay.unshard_block * ud
+                snap("backward", **base, comm_buffers=ur + at_rs + cast + acc + (0 if prec.mixed else flat)
+                     + lay.shard_block * rb,
                      activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
-                     temporaries=n_tok * h * r + head_g + lay.unshard_block * (ud + rb) + cast
-                     + lay.shard_block * rb)
+                     temporaries=n_tok * h * r + head_g + lay.unshard_block * rb + (flat if prec.mixed else 0))
             # The root at the end: its view gradients, their concatenation, then the reduce_dtype cast.
             root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if prec.mixed else 0)
             snap("backward", **base, comm_buffers=ur, grads=L * lay.shard_block * gsh if sharding
