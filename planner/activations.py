@@ -25,7 +25,8 @@ bytes of the compute dtype; r = 4 (fp32 residual) or 2):
   reshape for wo free. Eager: q e*h, K/V repeated to all heads 2*e*h, softmax output e*a*s (per
   token), the causal mask s*s bytes per block, and the contiguous copy for wo e*h. CUDA autocast runs
   softmax in fp32 (`autocast_mode.cpp` fp32 list), so there the probabilities are saved in fp32 and
-  again as a 16-bit cast for the second matmul.
+  again as a 16-bit cast for the second matmul. SDPA's math fallback (CUDA, fp32, GQA: `sdpa_math`):
+  scaled q, K/V repeated, the probabilities and the copy for wo, 4*e*h + e*a*s per token.
 - MLP: SwiGLU gate, up, silu(gate), product: 4*e*f; GELU: fc output and gelu output: 2*e*f.
 - RoPE cos/sin tables (s*head_dim each): fp32 shared by all blocks, or a 16-bit copy per block.
 Outside the blocks: token ids and targets (int64), the embedding output when it feeds the first norm,
@@ -108,15 +109,33 @@ def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> in
     h, a, kv = m.hidden, m.heads, m.kv_dim
     e = 4 if regime == "fp32" else 2
     b, s = train.micro_batch, train.seq_len
-    if train.attention == "sdpa":
+    if train.attention == "sdpa" and not sdpa_math(train, regime, device):
         return n * (e * (h + 2 * kv) + e * h + 4 * a)
     probs = b * a * s * s
+    if train.attention == "sdpa":
+        # `_scaled_dot_product_attention_math`: q and k scaled by sqrt(scale) (saved by the first
+        # matmul, k repeated to all heads), the fp32 softmax (saved by softmax and the second matmul),
+        # v repeated (saved by the second matmul), and the contiguous copy of the (B, nh, S, hd) output
+        # that wo's input needs.
+        return n * e * 4 * h + probs * e
     saved = n * e * (h + 2 * h + h) + s * s  # q, K/V repeated, y copy for wo; bool causal mask
     if regime == "autocast" and device == "cuda":
         saved += probs * (4 + 2)  # softmax in fp32 on CUDA autocast, then cast for the matmul
     else:
         saved += probs * e
     return saved
+
+
+def sdpa_math(train: TrainConfig, regime: str, device: str) -> bool:
+    """Whether `F.scaled_dot_product_attention` falls back to its math backend here.
+
+    On CUDA the flash kernel takes only fp16/bf16 and the memory-efficient kernel does not take
+    `enable_gqa` (`aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`), so fp32 with grouped-query
+    attention runs the math composite; on CPU the flash kernel takes fp32 and GQA. Measured on an H100
+    (torch 2.11): the qwen-small matrix shape in fp32 saves the (B, nh, S, S) probabilities.
+    """
+    m = train.model
+    return train.attention == "sdpa" and device == "cuda" and regime == "fp32" and m.kv_heads < m.heads
 
 
 def _mlp_saved(train: TrainConfig, regime: str, n: int) -> int:

@@ -378,7 +378,8 @@ def predict_probe(spec: dict) -> dict:
     """The planner's prediction for one validation probe (see distplan.validate), in base units.
 
     Probes run on CPU (gloo, fake process group) or GPU; `device` picks the activation terms that
-    differ between the two (LayerNorm statistics dtype, autocast's softmax).
+    differ between the two (LayerNorm statistics dtype, autocast's softmax, SDPA's backend) and adds
+    the cuBLAS workspaces of the spec's `gpu_name` (the probing machine's GPU) on CUDA.
     """
     model = ModelSpec(**spec["model"])
     t = spec["train"]
@@ -393,9 +394,10 @@ def predict_probe(spec: dict) -> dict:
     mode = spec.get("mode")
     device = spec.get("device_type") or ("cuda" if mode == "gpu" else "cpu")
     backend = {"gpu": "nccl", "cpu": "gloo", "fake": "fake"}.get(mode, "nccl")
-    mem = estimate_memory(train, cluster, spec["strategy"], device=device, backend=backend)
+    mem = estimate_memory(train, cluster, spec["strategy"], device=device, backend=backend,
+                          gpu_name=spec.get("gpu_name"))
     out = {k: int(mem.components[k]) for k in COMPONENTS}
-    out.update(peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
+    out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
     collectives = []
     try:
         from .comm import collective_schedule

@@ -242,12 +242,21 @@ def _fsdp1_numel(shapes: tuple, ws: int) -> int:
     return -(-n // ws) * ws
 
 
+def _autocast(precision: str) -> bool:
+    """Whether DDP/ZeRO-1 run this precision under `torch.autocast` (fp32 parameters, 16-bit compute)."""
+    return precision in ("bf16-mixed", "fp16-mixed")
+
+
 @lru_cache(maxsize=512)
-def ready_order_sizes(model: ModelSpec) -> tuple[int, ...]:
+def ready_order_sizes(model: ModelSpec, autocast: bool = False) -> tuple[int, ...]:
     """Parameter numels in autograd's gradient-ready order (what DDP's rebuilt buckets follow).
 
-    Measured on the reference decoder (tests/test_comm.py): modules in reverse registration order,
-    inside a module its parameters in registration order (weight before bias). Tied embeddings count once.
+    Measured on the reference decoder with `register_post_accumulate_grad_hook` (tests/test_comm.py):
+    modules in reverse registration order; a norm's weight before its bias (native_layer_norm's
+    outputs). A Linear's bias gradient is ready before its weight's in full precision
+    (addmm(bias, input, weight.t()) lists the bias edge first) but after it under autocast, where each
+    reaches its AccumulateGrad through its own cast node (ToCopyBackward), the weight's first.
+    Tied embeddings count once.
     """
     modules: list[list[int]] = []
     prev = None
@@ -257,9 +266,7 @@ def ready_order_sizes(model: ModelSpec) -> tuple[int, ...]:
             if mod != prev:
                 modules.append([])
                 prev = mod
-            # A Linear's bias grad is ready before its weight's: addmm(bias, input, weight.t()) lists
-            # the bias edge first (a norm's weight comes before its bias: native_layer_norm's outputs).
-            if name.endswith(".bias") and "norm" not in mod:
+            if name.endswith(".bias") and "norm" not in mod and not autocast:
                 modules[-1].insert(0, _numel(shape))
             else:
                 modules[-1].append(_numel(shape))
@@ -267,8 +274,8 @@ def ready_order_sizes(model: ModelSpec) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=1024)
-def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB
-                ) -> tuple[int, ...]:
+def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB,
+                autocast: bool = False) -> tuple[int, ...]:
     """Bucket sizes in bytes, in reduction order, of DDP's rebuilt buckets (iteration >= 2).
 
     `compute_bucket_assignment_by_size` (torch/csrc/distributed/c10d/reducer.cpp) with limits
@@ -278,7 +285,7 @@ def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = D
     cap = (bucket_cap_mb if bucket_cap_mb is not None else 25) * 1024 * 1024
     first = DDP_DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
     out, size = [], 0
-    for n in ready_order_sizes(model):
+    for n in ready_order_sizes(model, autocast):
         size += n * elem_bytes
         if size >= (first if not out else cap):
             out.append(size)
@@ -361,7 +368,7 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
             out.append((op, group, n, dtype, int(msg), int(calls), phase, unit))
 
     if s.family in ("ddp", "zero1"):
-        buckets = ddp_buckets(model, gb, cap)
+        buckets = ddp_buckets(model, gb, cap, _autocast(precision))
         counts: dict[int, int] = {}
         for b in buckets[:-1]:
             counts[b] = counts.get(b, 0) + 1
@@ -371,7 +378,7 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
         if s.family == "zero1":
             sdt = _stored_dtype(precision)
             per: dict[int, int] = {}
-            for n in ready_order_sizes(model):
+            for n in ready_order_sizes(model, _autocast(precision)):
                 per[n] = per.get(n, 0) + 1
             for n, c in sorted(per.items(), reverse=True):
                 add("broadcast", "world", world, sdt, n * _DTYPE_BYTES[sdt], c, "optimizer", "param")

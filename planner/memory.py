@@ -27,8 +27,12 @@ Sources, by family (installed torch, `torch/...`):
 - Optimizers (`optim/adam.py` `_multi_tensor_adam`): foreach keeps one intermediate the size of the
   step's parameters (`exp_avg_sq_sqrt`); fused none; the for-loop one per parameter, twice its size.
 
-Known limitations: the CUDA caching allocator's rounding (512 B blocks) and fragmentation are not in
-`peak_allocated` (see `reserved_estimate`); FSDP's CUDA-stream reuse (`recordStream`) can hold an extra
+On CUDA `peak_allocated` also holds the cuBLAS/cuBLASLt workspaces (`library_workspace_bytes`), which
+no tensor owns and no component counts.
+
+Known limitations: the CUDA caching allocator's rounding (a cached block less than 1 MiB larger than the
+request is handed out whole) and fragmentation are not in `peak_allocated` (see `reserved_estimate`;
+measured on an H100: 0 to 13 MiB above the tensors and workspaces); FSDP's CUDA-stream reuse (`recordStream`) can hold an extra
 all-gather buffer on GPUs; DeepSpeed figures follow its estimators and are not validated here.
 """
 
@@ -37,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .activations import ActivationBreakdown, activations, regime_for
+from .activations import ActivationBreakdown, activations, regime_for, sdpa_math
 from .config import Cluster, TrainConfig
 from .model import ModelSpec
 from .precision import optimizer_state_elems
@@ -48,7 +52,19 @@ DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25)
 DDP_FIRST_BUCKET_BYTES = 1 * 2**20  # dist._DEFAULT_FIRST_BUCKET_BYTES
 CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS handles (references.md §3: 0.3-2 GiB)
 NCCL_COMM_BYTES = 250 * 2**20  # per communicator group, buffers (NCCL_BUFFSIZE 4 MiB x channels)
-CUBLAS_WORKSPACE_BYTES = 8 * 2**20 + 4 * 2**20 * 0  # Hopper: 32 MiB; counted in temporaries on GPU
+# cuBLAS workspace per (handle, stream), from `parseChosenWorkspaceSize` in
+# aten/src/ATen/cuda/CublasHandlePool.cpp: ":4096:8" (32 MiB) on compute capability 9.x-12.x (Hopper,
+# Blackwell), ":4096:2:16:8" otherwise; on ROCm 32 MiB, 128 MiB on gfx942/gfx950 (MI300X, MI350).
+CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024
+CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
+ROCBLAS_WORKSPACE_DEFAULT = 32 * 2**20
+ROCBLAS_WORKSPACE_GFX942 = 128 * 2**20
+CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
+"""`getCUDABlasLtWorkspace()`: CUBLASLT_WORKSPACE_SIZE default 1024 KiB, per thread that runs an addmm with
+a bias through cuBLASLt (measured on torch 2.11 + H100: a separate 1 MiB block beside the cuBLAS one)."""
+_LARGE_WORKSPACE_GPUS = ("h100", "h200", "h800", "h20", "gh200", "b100", "b200", "b300", "gb200", "gb300",
+                         "rtx 50", "rtx pro 6000", "rtx-pro-6000")
+_GFX942_GPUS = ("mi300", "mi325", "mi350", "mi355")
 
 
 @dataclass
@@ -74,6 +90,8 @@ class MemoryEstimate:
     gpu_memory_bytes: int
     fits: bool
     notes: list = field(default_factory=list)
+    workspace: int = 0
+    """cuBLAS/cuBLASLt workspaces (CUDA only), included in `peak_allocated`, in no component."""
 
     @property
     def total_required(self) -> int:
@@ -85,9 +103,37 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict:
         d = {k: int(self.components[k]) for k in COMPONENTS}
-        d.update(peak_allocated=int(self.peak_allocated), reserved_estimate=int(self.reserved_estimate),
-                 process_overhead=int(self.process_overhead))
+        d.update(workspace=int(self.workspace), peak_allocated=int(self.peak_allocated),
+                 reserved_estimate=int(self.reserved_estimate), process_overhead=int(self.process_overhead))
         return d
+
+
+# -- library workspaces ------------------------------------------------------------------------------
+
+def cublas_workspace_bytes(gpu_name: str) -> int:
+    """Bytes of one cuBLAS (rocBLAS) workspace on this GPU, as PyTorch sizes it by default."""
+    g = (gpu_name or "").lower()
+    if g.startswith("mi") or "instinct" in g or "amd" in g:
+        return ROCBLAS_WORKSPACE_GFX942 if any(k in g for k in _GFX942_GPUS) else ROCBLAS_WORKSPACE_DEFAULT
+    return CUBLAS_WORKSPACE_LARGE if any(k in g for k in _LARGE_WORKSPACE_GPUS) else CUBLAS_WORKSPACE_DEFAULT
+
+
+def library_workspace_bytes(train: TrainConfig, gpu_name: str, linear_biases: bool | None = None) -> int:
+    """cuBLAS/cuBLASLt workspaces a training step leaves allocated on a CUDA device.
+
+    PyTorch keeps one cuBLAS workspace per (handle, stream) and one handle per thread
+    (`cublas_handle_stream_to_workspace`): forward's matmuls run on the Python thread, backward's on
+    autograd's device thread, so two workspaces live from the first step on (measured: 2 x 32 MiB on an
+    H100, `validate/snapshot.py`). A Linear with a bias goes through cuBLASLt's `addmm`, which takes one
+    more 1 MiB workspace on each thread that runs it: forward, and backward too when full activation
+    checkpointing recomputes the block there. Not part of the six components: no tensor owns these
+    bytes, so the probes' tracker does not see them, but `torch.cuda.max_memory_allocated` does.
+    """
+    if linear_biases is None:
+        m = train.model
+        linear_biases = bool(m.linear_bias or m.qkv_bias)
+    lt = CUBLASLT_WORKSPACE_BYTES * (2 if train.checkpointing == "full" else 1) if linear_biases else 0
+    return 2 * cublas_workspace_bytes(gpu_name) + lt
 
 
 # -- parameter layout -------------------------------------------------------------------------------
@@ -181,13 +227,14 @@ def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int, key: t
 # -- the walk ------------------------------------------------------------------------------------
 
 def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
-                    device: str = "cuda", backend: str = "nccl") -> MemoryEstimate:
+                    device: str = "cuda", backend: str = "nccl", gpu_name: str | None = None) -> MemoryEstimate:
     """Predict the most loaded rank's memory for one strategy (see module docstring).
 
     `device` ('cuda' or 'cpu') picks the activation terms that differ between the two; `backend`
     ('nccl', 'gloo' or 'fake') adds what the collective backend allocates itself: gloo's
     `reduce_scatter_tensor` splits its input into per-rank copies (one input-sized copy), which
-    NCCL and the fake process group do not. The CPU validation path runs on gloo.
+    NCCL and the fake process group do not. The CPU validation path runs on gloo. On 'cuda',
+    `peak_allocated` adds the cuBLAS workspaces of `gpu_name` (default: the cluster's GPU).
     """
     st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
     if train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3"):
@@ -262,7 +309,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     acts_fwd = act.blocks_total + act.outside + act.weight_cache_forward + act.loss_saved + act.logits_transient
     acts_bwd = act.blocks_total + act.outside + act.weight_cache + act.loss_saved
     loss_bwd_tmp = 2 * n_tok * v * 4  # nll_loss_backward's dense grad + log_softmax_backward's output
-    freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok)
+    freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok, device)
     head_elems = v * h + h * (2 if m.norm == "layernorm" else 1)  # LM head (or tied) + final norm
     per_block_act = (act.blocks_total - 0) // L if L else 0
     if train.checkpointing != "none":
@@ -349,13 +396,14 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + rs_held + acc,
                  activations=last_acts + outside_last - freed, grads=shards + head_g - tied_buf,
                  temporaries=blk_tmp + cur_g + tied_buf)
-            if sharding and backend == "gloo":  # gloo's reduce-scatter copies its input (split)
-                # The block is resharded before its reduce-scatter (post-backward), so only the
-                # prefetched next block is unsharded then.
-                # FSDP2's prefetched block holds its all-gather output and its copied-out parameters.
+            if sharding:
+                # The first block's reduce-scatter: the block is resharded (post-backward) before it
+                # reduces; FSDP2's prefetched block holds its all-gather output and its copied-out
+                # parameters; gloo's reduce_scatter_tensor also splits its input (one more copy).
+                split = lay.unshard_block * rb if backend == "gloo" else 0
                 snap("backward", **base, comm_buffers=ur + 2 * at_rs + lay.unshard_block * rb + acc,
                      activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
-                     grads=head_g, temporaries=n_tok * h * r + lay.unshard_block * rb)
+                     grads=head_g - tied_buf, temporaries=n_tok * h * r + split + tied_buf)
             if sharding:  # the root's reduce-scatter: unsharded grads + its input in reduce_dtype
                 snap("backward", **base, comm_buffers=ur + lay.unshard_root * rb,
                      grads=L * lay.shard_block * gsh + lay.unshard_root * ud)
@@ -371,16 +419,20 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + acc,
                  activations=last_acts + outside_last - freed, grads=shards,
                  temporaries=blk_tmp + head_g + cur_g)
-            if sharding and backend == "gloo":
-                # Reduce-scatter of the first block on gloo: the flat gradient, its reduce_dtype cast,
-                # the output shard and gloo's split copy of the input.
-                # (the cast and the output shard are the collective's buffers)
-                cast = lay.unshard_block * rb if prec.mixed else 0
+            if sharding:
+                # The first block's reduce-scatter: its flat gradient (the input, unless mixed precision
+                # casts it to reduce_dtype first), the output shard (flat_param.grad; on gloo a buffer
+                # the collective writes) and, on gloo, the split copy of the input.
                 flat = lay.unshard_block * ud
-                snap("backward", **base, comm_buffers=ur + at_rs + cast + acc + (0 if prec.mixed else flat)
-                     + lay.shard_block * rb,
+                cast = lay.unshard_block * rb if prec.mixed else 0
+                out_shard = lay.shard_block * rb
+                split = lay.unshard_block * rb if backend == "gloo" else 0
+                snap("backward", **base,
+                     comm_buffers=ur + at_rs + cast + acc + (0 if prec.mixed else flat)
+                     + (out_shard if backend == "gloo" else 0),
+                     grads=0 if backend == "gloo" else out_shard,
                      activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
-                     temporaries=n_tok * h * r + head_g + lay.unshard_block * rb + (flat if prec.mixed else 0))
+                     temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
             # The root at the end: its view gradients, their concatenation, then the reduce_dtype cast.
             root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if prec.mixed else 0)
             snap("backward", **base, comm_buffers=ur, grads=L * lay.shard_block * gsh if sharding
@@ -392,15 +444,17 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
 
     peak = max(snaps, key=lambda s: s.total)
     comps = dict(peak.parts)
-    reserved = int(0.10 * peak.total)  # caching-allocator fragmentation (references.md §3)
+    workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
+    peak_allocated = peak.total + workspace
+    reserved = int(0.10 * peak_allocated)  # caching-allocator fragmentation (references.md §3)
     groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
-    total = peak.total + reserved + overhead
-    return MemoryEstimate(st.name, comps, peak.total, peak.phase, reserved, overhead,
-                          cluster.gpu_memory_bytes, total <= cluster.gpu_memory_bytes, notes)
+    total = peak_allocated + reserved + overhead
+    return MemoryEstimate(st.name, comps, peak_allocated, peak.phase, reserved, overhead,
+                          cluster.gpu_memory_bytes, total <= cluster.gpu_memory_bytes, notes, workspace)
 
 
-def _block_backward_peak(train: TrainConfig, regime: str, n: int) -> tuple[int, int, int]:
+def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> tuple[int, int, int]:
     """(saved bytes already freed, transient bytes, weight-gradient elements) at a block's backward peak.
 
     The peak inside a block's backward is in the MLP (or, for eager attention with long sequences, at the
@@ -417,7 +471,7 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int) -> tuple[int, 
         mlp = (n * f * e, resid + 3 * n * f * e, h * f)
     else:
         mlp = (n * f * e, resid + 2 * n * f * e, h * f)
-    if train.attention == "eager":
+    if train.attention == "eager" or sdpa_math(train, regime, device):
         probs = train.micro_batch * m.heads * train.seq_len ** 2 * e
         att = (0, resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * h)
         if att[1] > mlp[1]:

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field, replace
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import (DDP_BUCKET_CAP_MB, Collective, _group_time, bus_factor, cluster_links)
 from .config import CHECKPOINTING, Cluster
-from .memory import COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot
+from .memory import (COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot,
+                     cublas_workspace_bytes)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
 from .strategies import NAMES, Strategy, get_strategy
 from .units import fmt_count
@@ -218,8 +219,11 @@ def _zero1_owned(shapes: list, shard: int) -> list:
 
 
 def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster,
-                           strategy: str | Strategy) -> MemoryEstimate:
-    """Most loaded rank's memory of one strategy for a measured module (module docstring)."""
+                           strategy: str | Strategy, device: str = "cuda") -> MemoryEstimate:
+    """Most loaded rank's memory of one strategy for a measured module (module docstring).
+
+    On 'cuda' `peak_allocated` adds two cuBLAS workspaces (forward and backward threads; see
+    `memory.library_workspace_bytes`); convolutions' cuDNN workspaces are transient and not counted."""
     st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
     family = st.family
     world, shard = _shard_group(st, cluster)
@@ -342,12 +346,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
 
     peak = max(snaps, key=lambda s: s.total)
-    reserved = int(0.10 * peak.total)  # as memory.estimate_memory
+    workspace = 2 * cublas_workspace_bytes(cluster.gpu_name) if device == "cuda" else 0
+    peak_allocated = peak.total + workspace
+    reserved = int(0.10 * peak_allocated)  # as memory.estimate_memory
     groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
-    tot = peak.total + reserved + overhead
-    return MemoryEstimate(st.name, dict(peak.parts), peak.total, peak.phase, reserved, overhead,
-                          cluster.gpu_memory_bytes, tot <= cluster.gpu_memory_bytes, notes)
+    tot = peak_allocated + reserved + overhead
+    return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, reserved, overhead,
+                          cluster.gpu_memory_bytes, tot <= cluster.gpu_memory_bytes, notes, workspace)
 
 
 # -- communication -----------------------------------------------------------------------------

@@ -182,6 +182,8 @@ def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, 
 
     for s in specs:  # fake-process-group probes run on the GPU when there is one
         s["device_type"] = "cuda" if hw.get("gpus") else "cpu"
+        if hw.get("gpus") and hw.get("gpu_names"):
+            s["gpu_name"] = hw["gpu_names"][0]  # sizes the cuBLAS workspaces in the prediction
     modes = list(dict.fromkeys((s["mode"], s["world_size"]) for s in specs))
     header = ["distplan validate: " + f"{len(specs)} probe{'s' if len(specs) != 1 else ''}, model {model_label}"]
     header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]

@@ -195,6 +195,29 @@ def test_ddp_bucket_cap_default_vs_explicit():
     assert ddp_buckets(MID, 4, 25)[0] > 25 * 2**20 > head
 
 
+@pytest.mark.parametrize("model", ["GPT", "MID", "TINY"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_ready_order_matches_autograd(model, autocast):
+    """The order DDP's rebuilt buckets follow, against the order AccumulateGrad actually runs in
+    (post-accumulate-grad hooks) on the reference decoder, in fp32 and under autocast (bf16)."""
+    torch = pytest.importorskip("torch")
+    from distplan.validate.model import Decoder
+
+    spec = globals()[model]
+    torch.manual_seed(0)
+    m = Decoder(spec)
+    names = {p: n for n, p in m.named_parameters()}
+    order: list[str] = []
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: order.append(names[p]))
+    tok = torch.randint(0, spec.vocab, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = m(tok, tok)
+    loss.backward()
+    measured = tuple(m.get_parameter(n).numel() for n in order)
+    assert measured == comm.ready_order_sizes(spec, autocast), order
+
+
 def test_schedule_matches_torch():
     pytest.importorskip("torch")
     cases = [c for c in CASES]

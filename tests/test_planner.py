@@ -61,8 +61,27 @@ trains = st.builds(
 def test_components_nonnegative_and_peak_is_their_sum(train, strategy, gpus):
     est = estimate_memory(train, Cluster(gpus=gpus * 2), strategy)
     assert all(est.components[k] >= 0 for k in COMPONENTS)
-    assert est.peak_allocated == sum(est.components.values())
+    assert est.peak_allocated == sum(est.components.values()) + est.workspace
+    assert est.workspace >= 2 * 32 * 2**20  # two cuBLAS workspaces on the default H100
+    assert estimate_memory(train, Cluster(gpus=gpus * 2), strategy, device="cpu").workspace == 0
     assert est.peak_phase in ("forward", "backward", "optimizer")
+
+
+def test_cublas_workspace_by_gpu():
+    """PyTorch's default workspace (CublasHandlePool.cpp): 32 MiB on Hopper/Blackwell, :4096:2:16:8
+    elsewhere, rocBLAS 32 MiB or 128 MiB on gfx942; two threads (forward, backward) hold one each."""
+    from distplan.planner.memory import cublas_workspace_bytes, library_workspace_bytes
+
+    assert cublas_workspace_bytes("NVIDIA H100 80GB HBM3") == cublas_workspace_bytes("h200") == 32 * 2**20
+    assert cublas_workspace_bytes("b200") == 32 * 2**20
+    assert cublas_workspace_bytes("a100-80gb") == cublas_workspace_bytes("NVIDIA L4") == 8519680
+    assert cublas_workspace_bytes("mi300x") == 128 * 2**20 and cublas_workspace_bytes("mi250x") == 32 * 2**20
+    llama = TrainConfig(ModelSpec("l", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=100))
+    gpt = TrainConfig(ModelSpec("g", layers=2, hidden=64, heads=4, kv_heads=4, ffn_hidden=128, vocab=100,
+                                mlp="gelu", norm="layernorm", position="learned", linear_bias=True),
+                      checkpointing="full")
+    assert library_workspace_bytes(llama, "h100") == 64 * 2**20
+    assert library_workspace_bytes(gpt, "h100") == 66 * 2**20  # + cuBLASLt's 1 MiB, forward and recompute
 
 
 @settings(max_examples=150, deadline=None)

@@ -271,12 +271,24 @@ def test_cli_ctrl_c_kills_probe_and_leaves_parseable_file(cli, tmp_path):
     pidfile = tmp_path / "pids"
     env = {"DISTPLAN_FAKE_PROBE": json.dumps({"behavior": "ok", "by_id": {
         "zero3/llama-tiny/w2/none/fp32": {"behavior": "hang", "pidfile": str(pidfile)}}})}
-    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    stop = threading.Event()
+
+    def interrupt_when_hanging():  # Ctrl-C once the hanging probe has started (its pidfile exists)
+        deadline = time.monotonic() + 120
+        while not stop.is_set() and time.monotonic() < deadline:
+            if pidfile.exists() and pidfile.read_text().strip():
+                time.sleep(0.3)
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=interrupt_when_hanging, daemon=True)
+    watcher.start()
     try:
-        r = cli("--strategy", "ddp,zero1,zero3,fsdp", "--out", str(out), "--jobs", "1", env=env)
+        r = cli("--strategy", "ddp,zero1,zero3,fsdp", "--out", str(out), "--jobs", "1", "--timeout", "60",
+                env=env)
     finally:
-        timer.cancel()
+        stop.set()
     assert r.exit_code == 130, r.output
     assert "interrupted: 2 probes saved" in r.output and "--resume" in r.output
     lines = out.read_text().splitlines()

@@ -29,6 +29,9 @@ import os
 import sys
 
 MODES = ("gpu", "cpu", "fake")
+SNAPSHOT_ENV = "DISTPLAN_MEMORY_SNAPSHOT"
+"""Set to a file path: on CUDA, rank 0 records every allocation from the baseline on and dumps
+`torch.cuda.memory._snapshot()` there after the measured steps (`python -m distplan.validate.snapshot`)."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -153,6 +156,9 @@ class Probe:
         if cuda:
             torch.cuda.synchronize()
             self.baseline = torch.cuda.memory_allocated(self.device)
+            if os.environ.get(SNAPSHOT_ENV) and self.rank == 0:
+                # every allocation from here on, with its Python and C++ stack (validate/snapshot.py)
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="all", stacks="all")
 
         tracker = self.tracker = Tracker()
         with tracker:
@@ -206,6 +212,9 @@ class Probe:
                 torch.cuda.synchronize()
         self._record_memory(complete=True)
         self.result["collectives"] = tracker.collective_list(steps)
+        if cuda and os.environ.get(SNAPSHOT_ENV) and self.rank == 0:
+            torch.cuda.memory._dump_snapshot(os.environ[SNAPSHOT_ENV])
+            torch.cuda.memory._record_memory_history(enabled=None)
 
         if self.mode != "fake":
             timer = StepTimer(self.device)

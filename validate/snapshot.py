@@ -1,0 +1,82 @@
+"""What was live at the allocator's peak, from a `torch.cuda.memory._dump_snapshot()` pickle.
+
+    DISTPLAN_MEMORY_SNAPSHOT=snap.pickle python -m distplan.validate.probe --spec S.json --out R.json
+    python -m distplan.validate.snapshot snap.pickle [--top 25]
+
+Replays the allocator's trace (`alloc` adds a block's size, `free_completed` removes it: the events that
+move `allocated_bytes`, hence `torch.cuda.max_memory_allocated`), finds the highest point, and lists the
+blocks live there grouped by where they were allocated: the innermost frame of our own code or of
+torch's Python, and the C++ frame that names the kernel or library that asked (cuBLAS workspaces, for
+instance, are allocated by no tensor operation, so a dispatch-level tracker never sees them).
+Pure Python apart from unpickling; used to find what the planner's memory walk leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pickle
+import sys
+
+_CPP_HINTS = ("Workspace", "workspace", "cublas", "Cublas", "cudnn", "at::native::", "at::_ops::",
+              "c10d::", "Reducer", "FlatParam")
+
+
+def _where(frames: list[dict]) -> tuple[str, str]:
+    py = next((f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames
+               if f.get("filename", "").endswith(".py") and "distplan" in f["filename"]), None)
+    if py is None:
+        py = next((f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames
+                   if f.get("filename", "").endswith(".py")), "?")
+    cpp = [f["name"] for f in frames if not f.get("filename", "").endswith(".py")
+           and any(h in f.get("name", "") for h in _CPP_HINTS)]
+    return py, (cpp[0][:110] if cpp else "")
+
+
+def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
+    """(peak allocated bytes over the trace, the blocks live at that point) for one device."""
+    trace = snapshot["device_traces"][device]
+    live: dict[int, dict] = {}
+    cur = peak = 0
+    peak_at = -1
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            cur += ev["size"]
+            if cur > peak:
+                peak, peak_at = cur, i
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            cur -= live.pop(ev["addr"])["size"]
+    live = {}
+    for ev in trace[:peak_at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    return peak, list(live.values())
+
+
+def summarize(path: str, top: int = 25, out=sys.stdout) -> None:
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    peak, blocks = peak_blocks(snap)
+    groups: dict[tuple, list[int]] = collections.defaultdict(list)
+    for b in blocks:
+        groups[_where(b.get("frames", []))].append(b["size"])
+    print(f"peak {peak} B ({peak / 2**20:.2f} MiB) over the trace; {len(blocks)} live blocks", file=out)
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+    for (py, cpp), sizes in rows[:top]:
+        print(f"{sum(sizes) / 2**20:9.2f} MiB  {len(sizes):4d} x  {py}  |  {cpp}", file=out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m distplan.validate.snapshot", description=__doc__.split("\n")[0])
+    ap.add_argument("snapshot")
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args(argv)
+    summarize(a.snapshot, a.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
