@@ -27,7 +27,7 @@ SEGMENTS = (  # (component, label, colour): colour-blind-safe palette (Okabe-Ito
     ("comm_buffers", "comm buffers", "#56B4E9"),
     ("temporaries", "temporaries", "#D55E00"),
 )
-OVERHEAD = ("overhead", "allocator + CUDA/NCCL overhead", "#9e9e9e")
+OVERHEAD = ("overhead", "cuBLAS workspaces + allocator + CUDA/NCCL overhead", "#9e9e9e")
 COMM_COLOUR = "#7f7f7f"
 
 # Layout, px.
@@ -62,7 +62,8 @@ def _title(plan) -> tuple[str, str]:
 def _totals(r) -> tuple[list[tuple[str, str, str, int]], int]:
     mem = r.memory
     parts = [(k, label, colour, int(mem.components.get(k, 0))) for k, label, colour in SEGMENTS]
-    parts.append((OVERHEAD[0], OVERHEAD[1], OVERHEAD[2], int(mem.reserved_estimate + mem.process_overhead)))
+    rest = getattr(mem, "workspace", 0) + mem.reserved_estimate + mem.process_overhead
+    parts.append((OVERHEAD[0], OVERHEAD[1], OVERHEAD[2], int(rest)))
     return parts, sum(p[3] for p in parts)
 
 
@@ -239,7 +240,8 @@ def plot_matplotlib(plan, path: str | None = None):
         vals = []
         for r in results:
             mem = r.memory
-            nb = (mem.reserved_estimate + mem.process_overhead) if key == OVERHEAD[0] else mem.components.get(key, 0)
+            rest = getattr(mem, "workspace", 0) + mem.reserved_estimate + mem.process_overhead
+            nb = rest if key == OVERHEAD[0] else mem.components.get(key, 0)
             vals.append(nb / GiB)
         kw = {"hatch": "//", "edgecolor": "#8c8c8c"} if key == OVERHEAD[0] else {}
         ax.barh(ys, vals, left=left, color=colour, label=label, height=0.6, **kw)

@@ -39,10 +39,10 @@ def memory_table(plan, table_format: str = "simple") -> str:
     for r in plan.results:
         mem = r.memory
         row = [r.name] + [fmt_gib(mem.components[k]) for k, _ in MEM_COLUMNS]
-        row += [fmt_gib(mem.peak_allocated), mem.peak_phase, fmt_gib(mem.reserved_estimate + mem.process_overhead),
+        row += [fmt_gib(getattr(mem, "workspace", 0)), fmt_gib(mem.peak_allocated), mem.peak_phase, fmt_gib(mem.reserved_estimate + mem.process_overhead),
                 fmt_gib(mem.total_required), "yes" if mem.fits else "NO", fmt_gib(mem.headroom)]
         rows.append(row)
-    headers = ["strategy"] + [h for _, h in MEM_COLUMNS] + ["peak", "phase", "+overhead", "total", "fits",
+    headers = ["strategy"] + [h for _, h in MEM_COLUMNS] + ["cublas", "peak", "phase", "+overhead", "total", "fits",
                                                             "headroom"]
     return "memory per GPU (GiB, most loaded rank)\n" + tabulate(rows, headers, tablefmt=table_format,
                                                                  disable_numparse=True)

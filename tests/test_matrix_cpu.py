@@ -4,8 +4,8 @@ precision (54 real probes, about 5 minutes on 2 cores) and compares each with th
 
 What must hold for every probe: it ran; its predicted peak is within 5% of the measured peak; the
 collectives (op, group size, dtype, bytes, calls) equal the prediction exactly. Each component must be
-within 10% (or 64 KiB) except in the probes listed in KNOWN_COMPONENT_GAPS, each with the reason; the
-test fails if a probe outside the list misses, and if a listed probe no longer misses (prune the list).
+within 10% (or 64 KiB) except the components listed in KNOWN_COMPONENT_GAPS, each with the reason; the
+test fails if any other component misses.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def test_components_within_10_percent_or_known(report):
         off = sorted(name for name, cell in comps.items() if not cell.get("ok", True))
         if off:
             missed[p["id"]] = ", ".join(off)
-    unexpected = {k: v for k, v in missed.items() if k not in KNOWN_COMPONENT_GAPS}
-    fixed = sorted(set(KNOWN_COMPONENT_GAPS) - set(missed))
-    assert not unexpected, f"components outside 10% in probes not listed as known gaps: {unexpected}"
-    assert not fixed, f"listed as known gaps but now within 10% (remove them from the list): {fixed}"
+    allowed = {k: set(v.split(", ")) for k, v in KNOWN_COMPONENT_GAPS.items()}
+    unexpected = {k: v for k, v in missed.items() if not set(v.split(", ")) <= allowed.get(k, set())}
+    assert not unexpected, f"components outside 10% beyond the known gaps: {unexpected}"
+    # A listed probe may also pass: which tensor the tracker's peak instant catches first can differ
+    # between runs (fsdp-grad-op/llama-tiny missed in one run of two).
