@@ -22,15 +22,20 @@ _CPP_HINTS = ("Workspace", "workspace", "cublas", "Cublas", "cudnn", "at::native
               "c10d::", "Reducer", "FlatParam")
 
 
-def _where(frames: list[dict]) -> tuple[str, str]:
-    py = next((f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames
-               if f.get("filename", "").endswith(".py") and "distplan" in f["filename"]), None)
-    if py is None:
-        py = next((f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames
-                   if f.get("filename", "").endswith(".py")), "?")
+def _py(f: dict) -> str:
+    return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+
+
+def _where(frames: list[dict]) -> tuple[str, str, str]:
+    """(innermost distplan frame, innermost torch.distributed / torch.utils frame, telling C++ frame)."""
+    pys = [f for f in frames if f.get("filename", "").endswith(".py")]
+    ours = next((_py(f) for f in pys if "distplan" in f["filename"] or "/validate/" in f["filename"]), "?")
+    lib = next((_py(f) for f in pys if "/torch/distributed/" in f["filename"]
+                or "/torch/utils/checkpoint" in f["filename"] or "/torch/optim/" in f["filename"]
+                or "/torch/autograd/" in f["filename"]), "")
     cpp = [f["name"] for f in frames if not f.get("filename", "").endswith(".py")
            and any(h in f.get("name", "") for h in _CPP_HINTS)]
-    return py, (cpp[0][:110] if cpp else "")
+    return ours, lib, (cpp[0][:90] if cpp else "")
 
 
 def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
@@ -65,8 +70,8 @@ def summarize(path: str, top: int = 25, out=sys.stdout) -> None:
         groups[_where(b.get("frames", []))].append(b["size"])
     print(f"peak {peak} B ({peak / 2**20:.2f} MiB) over the trace; {len(blocks)} live blocks", file=out)
     rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
-    for (py, cpp), sizes in rows[:top]:
-        print(f"{sum(sizes) / 2**20:9.2f} MiB  {len(sizes):4d} x  {py}  |  {cpp}", file=out)
+    for (py, lib, cpp), sizes in rows[:top]:
+        print(f"{sum(sizes) / 2**20:9.2f} MiB  {len(sizes):4d} x  {py}  |  {lib}  |  {cpp}", file=out)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,102 @@
+"""The committed GPU validation run (benchmarks/results/h100-*.jsonl: `distplan validate --matrix` on an
+H100, real allocations measured with torch.cuda.max_memory_allocated) re-predicted with the planner as
+it is now, so CI notices when a model change moves away from what the GPU measured.
+
+Goal from the validation issue: peak |error| median <= 2%, max <= 5%. One probe misses it, listed with
+the reason. A test that launches a real GPU probe runs only where CUDA is present.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from distplan.planner.api import predict_probe
+from distplan.validate.compare import compare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "h100-*.jsonl")))
+
+KNOWN_PEAK_GAPS = {
+    # -5.4%: one more unsharded bf16 block (6.0 MiB) is live at the GPU's backward peak than the walk
+    # holds (FSDP2 of torch 2.11 with full checkpointing; at 8 ranks the same block is -3.3%). Not yet
+    # located: the CPU run of torch 2.13 does not show it.
+    "zero3/gpt2-small/w64-fake/full/bf16-mixed",
+}
+
+
+def _records():
+    out = []
+    for path in FILES:
+        with open(path) as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def repredicted():
+    recs = _records()
+    if not recs:
+        pytest.skip("no committed GPU results")
+    rows = []
+    for r in recs:
+        spec = dict(r["inputs"])
+        rows.append((r, compare(predict_probe(spec), r["measurement"])))
+    return rows
+
+
+def test_results_are_real_gpu_runs(repredicted):
+    assert len(repredicted) >= 54
+    for r, _ in repredicted:
+        assert r["status"] == "ok", r["id"]
+        assert "H100" in r["device"] and r["measurement"]["memory"]["source"] == "torch.cuda.max_memory_allocated"
+        assert r["inputs"]["gpu_name"] == r["device"]  # the prediction sized the workspaces for this GPU
+
+
+def test_collectives_exact(repredicted):
+    bad = [r["id"] for r, c in repredicted if not c["collectives"]["exact"]]
+    assert not bad, bad
+
+
+def test_peak_error_median_and_max(repredicted):
+    errors = {r["id"]: abs(c["peak"]["error"]) for r, c in repredicted}
+    assert statistics.median(errors.values()) <= 0.02, statistics.median(errors.values())
+    over = {k: round(100 * e, 2) for k, e in errors.items() if e > 0.05 and k not in KNOWN_PEAK_GAPS}
+    assert not over, over
+
+
+def test_workspaces_are_most_of_what_the_tracker_misses(repredicted):
+    """max_memory_allocated minus the tracker's peak: the cuBLAS workspaces the prediction adds, plus
+    the caching allocator's rounding (blocks handed out whole), which is never negative."""
+    for r, _ in repredicted:
+        m = r["measurement"]["memory"]
+        untracked = m["peak_allocated"] - m["tracker_peak_allocated"]
+        ws = predict_probe(dict(r["inputs"]))["memory"]["workspace"]
+        assert ws - 2**20 <= untracked <= ws + 16 * 2**20, (r["id"], untracked, ws)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_live_gpu_probe(tmp_path):
+    """One real probe on this machine's GPU (NCCL, torchrun), compared with the planner."""
+    out = tmp_path / "r.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "distplan.planner", "validate", "--strategy", "ddp", "--json",
+                           "--out", str(out), "--nproc", "1"], capture_output=True, text=True, timeout=600)
+    rep = json.loads(proc.stdout)
+    probe = rep["probes"][0]
+    assert probe["status"] == "ok", probe
+    assert abs(probe["comparison"]["peak"]["error"]) <= 0.05, probe["comparison"]["peak"]
+    assert probe["comparison"]["collectives"]["exact"]
