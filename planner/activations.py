@@ -41,6 +41,7 @@ and SDPA and recomputes everything else (norms, RoPE, activations, the eager att
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .config import TrainConfig
 
@@ -160,7 +161,11 @@ def linear_weight_elems(train: TrainConfig) -> int:
     Biases are cast too but `addmm`'s backward does not save them, so they die with the autocast
     region (before backward) and are not counted here.
     """
-    m = train.model
+    return _linear_weight_elems(train.model)
+
+
+@lru_cache(maxsize=1024)
+def _linear_weight_elems(m) -> int:
     total = 0
     for unit in m.param_inventory():
         for name, shape in unit.params:

@@ -11,7 +11,7 @@ raise `ValueError` naming the argument, the value and what is accepted.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from .config import Cluster, TrainConfig
@@ -209,7 +209,16 @@ class StrategyResult:
     memory: MemoryEstimate
     collectives: list = field(default_factory=list)
     time: Any = None
-    required_inter_bytes_per_s: float | None = None
+    _required: Any = field(default=None, repr=False)
+    """A zero-argument function giving the required inter-node bandwidth (a bisection over the
+    communication model, the costliest answer here), evaluated on first use and kept."""
+
+    @property
+    def required_inter_bytes_per_s(self) -> float | None:
+        """Per-node inter-node bandwidth (bytes/s) at which this strategy's communication would hide."""
+        if callable(self._required):
+            self._required = (self._required(),)
+        return self._required[0] if isinstance(self._required, tuple) else self._required
 
     @property
     def name(self) -> str:
@@ -269,7 +278,7 @@ def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, 
         result.collectives = collective_schedule(train, cluster, st.name)
         gpu = _catalog(catalog_dirs).gpu(cluster.gpu_name)
         result.time = step_time(train, cluster, st.name, result.collectives, gpu)
-        result.required_inter_bytes_per_s = required_inter_bandwidth(train, cluster, st.name, gpu=gpu)
+        result._required = lambda: required_inter_bandwidth(train, cluster, st.name, gpu=gpu)
     return result
 
 
@@ -381,6 +390,9 @@ def predict_probe(spec: dict) -> dict:
     differ between the two (LayerNorm statistics dtype, autocast's softmax, SDPA's backend) and adds
     the cuBLAS workspaces of the spec's `gpu_name` (the probing machine's GPU) on CUDA.
     """
+    if spec.get("module"):
+        from .module_plan import predict_module_probe
+        return predict_module_probe(spec)
     model = ModelSpec(**spec["model"])
     t = spec["train"]
     train = TrainConfig(model, seq_len=t["seq_len"], micro_batch=t["micro_batch"],
@@ -407,4 +419,16 @@ def predict_probe(spec: dict) -> dict:
         for c in collective_schedule(train, cluster, spec["strategy"]):
             collectives.append({"op": c.op, "group_size": c.group_size, "dtype": c.dtype,
                                 "message_bytes": int(c.message_bytes), "calls": int(c.calls)})
-    return {"memory": out, "collectives": collectives, "step_time_s": None}
+    step = None
+    if mode == "gpu" and spec.get("gpu_name") and collective_schedule is not None:
+        # Measured only on real GPUs (the fake process group executes no collectives): predict it for
+        # the catalog GPU the device name maps to; not judged (small probes are launch-bound).
+        from .compute import step_time
+        from .hardware import catalog_name
+        cat = catalog_name(spec["gpu_name"])
+        if cat:
+            cl = replace(cluster, gpu_name=cat)
+            gpu = _catalog(()).gpu(cat)
+            step = step_time(train, cl, spec["strategy"], collective_schedule(train, cl, spec["strategy"]),
+                             gpu).step_time_s
+    return {"memory": out, "collectives": collectives, "step_time_s": step}

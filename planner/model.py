@@ -12,6 +12,7 @@ parameters; the MLP is either SwiGLU (gate, up, down) or GELU (fc, proj).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from typing import Literal
 
 MLP = Literal["swiglu", "gelu"]
@@ -96,7 +97,11 @@ class ModelSpec:
 
         Units: 'embed' (token + learned positions), 'block{i}' for each layer, 'head' (final norm
         and, when untied, the LM head). This is the order of `Decoder.named_parameters()`.
+        Cached per spec (a spec is immutable); each call returns a new list of the same groups.
         """
+        return list(_inventory(self))
+
+    def _build_inventory(self) -> tuple["ParamGroup", ...]:
         h, f, v, kv = self.hidden, self.ffn_hidden, self.vocab, self.kv_dim
         embed = [("tok_embeddings.weight", (v, h))]
         if self.position == "learned":
@@ -137,7 +142,7 @@ class ModelSpec:
         if not self.tie_embeddings:
             head.append(("output.weight", (v, h)))
         units.append(ParamGroup("head", tuple(head)))
-        return units
+        return tuple(units)
 
     def block_param_count(self) -> int:
         return self.param_inventory()[1].numel if self.layers else 0
@@ -183,3 +188,8 @@ class ParamGroup:
                 n *= d
             out.append(n)
         return out
+
+
+@lru_cache(maxsize=256)
+def _inventory(spec: ModelSpec) -> tuple:
+    return spec._build_inventory()

@@ -358,10 +358,12 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
 
 # -- communication -----------------------------------------------------------------------------
 
-def ready_order_sizes(desc: ModuleDesc) -> list[int]:
-    """Parameter numels in gradient-ready order: leaf modules reversed, params in registration order
-    (as comm.ready_order_sizes measures on the decoder)."""
-    modules: list[list[int]] = []
+def ready_order_sizes(desc: ModuleDesc, autocast: bool = False) -> list[int]:
+    """Parameter numels in gradient-ready order: leaf modules reversed; inside one, registration order,
+    except that a Linear's bias (its weight 2-D) is ready before its weight in full precision, as
+    comm.ready_order_sizes measures on the decoder (hooks on the MNIST CNN agree: convolutions give
+    weight then bias, Linears bias then weight; under autocast weight then bias for both)."""
+    modules: list[list[tuple[str, tuple]]] = []
     prev = None
     for _, ps in desc.units:
         for name, shape in ps:
@@ -369,16 +371,24 @@ def ready_order_sizes(desc: ModuleDesc) -> list[int]:
             if mod != prev:
                 modules.append([])
                 prev = mod
-            modules[-1].append(_numel(shape))
-    return [n for mod in reversed(modules) for n in mod]
+            modules[-1].append((name, tuple(shape)))
+    out: list[int] = []
+    for params in reversed(modules):
+        weight = next((s for n, s in params if n.endswith("weight")), None)
+        linear = weight is not None and len(weight) == 2 and not autocast
+        ordered = ([p for p in params if p[0].endswith(".bias")] + [p for p in params if not p[0].endswith(".bias")]
+                   if linear else params)
+        out += [_numel(s) for _, s in ordered]
+    return out
 
 
-def ddp_buckets(desc: ModuleDesc, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB) -> list[int]:
+def ddp_buckets(desc: ModuleDesc, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB,
+                autocast: bool = False) -> list[int]:
     """comm.ddp_buckets on the module's ready order (reducer.cpp compute_bucket_assignment_by_size)."""
     cap = (bucket_cap_mb if bucket_cap_mb is not None else 25) * 2**20
     first = 2**20 if bucket_cap_mb is None else cap
     out, size = [], 0
-    for n in ready_order_sizes(desc):
+    for n in ready_order_sizes(desc, autocast):
         size += n * elem_bytes
         if size >= (first if not out else cap):
             out.append(size)
@@ -408,7 +418,7 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
 
     units = [(u, tuple(s for _, s in ps)) for u, ps in desc.units]
     if st.family in ("ddp", "zero1"):
-        buckets = ddp_buckets(desc, gb)
+        buckets = ddp_buckets(desc, gb, autocast=train.precision in ("bf16-mixed", "fp16-mixed"))
         for b in buckets[:-1]:
             add("all_reduce", "world", world, gdt, b, 1, "backward", "bucket")
         add("all_reduce", "world", world, gdt, buckets[-1], 1, "backward", "last_bucket")
@@ -647,3 +657,38 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
         results.append(StrategyResult(st, mem, colls, module_time(d, train, cluster, colls, gpu)))
     return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s)
 
+
+
+def predict_module_probe(spec: dict) -> dict:
+    """The planner's prediction for a `distplan validate --module` probe (api.predict_probe's shape).
+
+    The module is profiled on fake tensors in the regime the strategy runs it in, exactly as
+    `distplan estimate --module` does, then walked by `estimate_module_memory` on the probe's world.
+    """
+    from distplan.validate.module_probe import profile_module
+
+    mod = spec["module"]
+    if mod.get("path") and mod["path"] not in __import__("sys").path:
+        __import__("sys").path.insert(0, mod["path"])
+    shape = tuple(int(d) for d in mod["input_shape"])
+    t = spec["train"]
+    st = get_strategy(spec["strategy"])
+    precision = t.get("precision", "fp32")
+    d = ModuleDesc.from_profile(profile_module(mod["factory"], shape, _regime(precision, st.family)))
+    model = ModuleModel(d.name, mod["factory"], d.param_count(), d.units, layers=len(d.units))
+    ckpt = t.get("checkpointing", "none")
+    train = ModuleTrain(model, precision=precision, optimizer=t.get("optimizer", "adamw"),
+                        optimizer_impl=t.get("optimizer_impl", "foreach"),
+                        checkpointing="none" if ckpt == "selective" else ckpt,
+                        grad_accum=int(t.get("grad_accum", 1)), input_shape=shape)
+    world = int(spec["world_size"])
+    gpn = int(spec.get("gpus_per_node") or world)
+    cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15,
+                      gpu_name=spec.get("gpu_name") or "h100-sxm", nics_per_node=gpn)
+    device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
+    mem = estimate_module_memory(d, train, cluster, st, device=device)
+    out = {k: int(mem.components[k]) for k in COMPONENTS}
+    out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
+    colls = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype, "message_bytes": int(c.message_bytes),
+              "calls": int(c.calls)} for c in module_collectives(d, train, cluster, st.name)]
+    return {"memory": out, "collectives": colls, "step_time_s": None}

@@ -72,6 +72,9 @@ def _timeout(ctx, param, value):
 @click.option("--params", default=None, help="Parameter count such as 50M (scaled Llama shape; must fit this machine).")
 @click.option("--hf-config", default=None, type=click.Path(dir_okay=False),
               help="A Hugging Face config.json to read the architecture from.")
+@click.option("--module", "module_factory", default=None, metavar="PKG.MOD:FACTORY",
+              help="Any nn.Module from a factory (as `estimate --module`); needs --input-shape.")
+@click.option("--input-shape", default=None, metavar="N,C,H,W", help="Example input shape for --module, batch first.")
 @click.option("--layers", type=int, default=None, callback=_positive_int)
 @click.option("--hidden", type=int, default=None, callback=_positive_int)
 @click.option("--heads", type=int, default=None, callback=_positive_int)
@@ -111,7 +114,7 @@ def _timeout(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON object.")
 @click.option("--probe-cmd", default=None, hidden=True, help="Replace the probe launcher (tests).")
 @click.pass_context
-def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, heads, kv_heads, ffn_hidden,
+def validate_command(ctx, strategies, model, params, hf_config, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
                      checkpointing, attention, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
@@ -129,6 +132,10 @@ def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, 
     overrides = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
                      vocab=vocab)
     user_model = any(v is not None for v in (model, params, hf_config, *overrides.values()))
+    module_spec = None
+    if module_factory is not None or input_shape is not None:
+        module_spec = _module_spec(module_factory, input_shape, matrix, user_model,
+                                   dict(model=model, params=params, hf_config=hf_config, **overrides))
     if matrix and user_model:
         given = [f"--{k.replace('_', '-')}" for k, v in dict(model=model, params=params, hf_config=hf_config,
                                                               **overrides).items() if v is not None]
@@ -156,6 +163,19 @@ def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, 
     if matrix:
         specs = mx.standard_matrix(hw, strategies, fake_world=simulate_world_size, steps=steps)
         model_label = ", ".join(mx.shapes_for(device))
+    elif module_spec is not None:
+        if precision is None:
+            precision = mx.matrix_precisions(hw)[0]
+        train = dict(seq_len=1, micro_batch=module_spec["input_shape"][0], grad_accum=grad_accum,
+                     precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+                     checkpointing=checkpointing, attention=attention)
+        specs = []
+        for s in strategies:
+            m, w = (("gpu" if device == "gpu" else "cpu"), 1) if s == "single" else (mode, world)
+            sp = mx.make_spec(s, {"name": module_spec["factory"]}, w, m, steps=steps, **train)
+            sp["module"] = module_spec
+            specs.append(sp)
+        model_label = f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}"
     else:
         spec_model = _resolve_model(model, params, hf_config, overrides, device)
         if precision is None:
@@ -228,6 +248,27 @@ def validate_command(ctx, strategies, model, params, hf_config, layers, hidden, 
 
 
 # -- model resolution and fit check -----------------------------------------------------------------
+
+def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: dict) -> dict:
+    """The probe spec's "module" object for --module/--input-shape, after checking the combination."""
+    if factory is None:
+        raise click.BadParameter(f"{input_shape!r} needs --module PKG.MOD:FACTORY", param_hint="'--input-shape'")
+    if not input_shape:
+        raise click.BadParameter(f"{factory!r} needs --input-shape, the example input's shape with the batch "
+                                 f"first, e.g. 128,1,28,28", param_hint="'--module'")
+    if matrix:
+        raise click.UsageError("--module and --matrix: --matrix runs its own model shapes; drop one")
+    if user_model:
+        flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+        raise click.UsageError(f"--module and {', '.join(flags)}: give only one model")
+    from distplan.validate.module_probe import load_factory, parse_shape
+    try:
+        shape = parse_shape(input_shape, "--input-shape")
+        load_factory(factory)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    return {"factory": factory, "input_shape": list(shape), "path": os.getcwd()}
+
 
 def _resolve_model(model, params, hf_config, overrides: dict, device: str) -> dict:
     """The spec's model dict: `distplan estimate`'s resolution, or the matrix's small Llama by default."""

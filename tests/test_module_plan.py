@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -179,3 +180,68 @@ def test_json_and_svg(tmp_path):
     root = ET.parse(svg).getroot()
     bars = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if g.get("class") == "bar"]
     assert len(bars) == len(d["strategies"])
+
+
+# -- `distplan validate --module`: the CNN's plan checked by real probes (CPU: gloo, 2 ranks) ----------
+
+MODULE_KNOWN_PEAK_GAPS = {
+    # +5.3%: the walk puts fc1's reduce-scatter (its unsharded gradient and the reduce-scatter input, both
+    # fp32) on top of nearly all saved activations; on the probe the peak comes before, at the start of
+    # backward. FSDP2 keeps every unit unsharded here (reshard_after_forward=False), which makes it show.
+    "zero2",
+}
+
+
+@pytest.fixture(scope="module")
+def cnn_validation(tmp_path_factory):
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("cnn") / "r.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "distplan.planner", "validate", "--module", CNN,
+                           "--input-shape", "32,1,28,28", "--strategy", "all", "--precision", "fp32",
+                           "--optimizer", "adam", "--json", "--out", str(out)],
+                          capture_output=True, text=True, cwd=root, timeout=900,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_cnn_validation_runs_every_strategy(cnn_validation):
+    probes = cnn_validation["probes"]
+    assert {p["inputs"]["strategy"] for p in probes} == set(NAMES)
+    assert all(p["status"] == "ok" for p in probes), [(p["id"], p["status"]) for p in probes]
+    assert all(p["inputs"]["module"]["factory"] == CNN for p in probes)
+
+
+@pytest.mark.slow
+def test_cnn_validation_collectives_exact(cnn_validation):
+    bad = [p["id"] for p in cnn_validation["probes"] if not p["comparison"]["collectives"]["exact"]]
+    assert not bad, bad
+
+
+@pytest.mark.slow
+def test_cnn_validation_peak_within_tolerance(cnn_validation):
+    errors = {p["inputs"]["strategy"]: p["comparison"]["peak"]["error"] for p in cnn_validation["probes"]}
+    bad = {k: round(100 * e, 2) for k, e in errors.items() if abs(e) > 0.05 and k not in MODULE_KNOWN_PEAK_GAPS}
+    assert not bad, bad
+    # params and optimizer state are exact from the real shapes, every strategy
+    for p in cnn_validation["probes"]:
+        for comp in ("params", "optimizer"):
+            cell = p["comparison"]["components"][comp]
+            assert cell["ok"], (p["id"], comp, cell)
+
+
+def test_validate_module_bad_input_is_one_line_exit_2():
+    from click.testing import CliRunner
+
+    from distplan.planner.cli import main
+
+    r = CliRunner().invoke(main, ["validate", "--module", "nope.nothing:make", "--input-shape", "8,1,28,28"])
+    assert r.exit_code == 2 and "--module" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["validate", "--module", CNN])
+    assert r.exit_code == 2 and "--input-shape" in r.output, r.output
+    r = CliRunner().invoke(main, ["validate", "--module", CNN, "--input-shape", "8,1,28,28", "--matrix"])
+    assert r.exit_code == 2 and "--matrix" in r.output, r.output

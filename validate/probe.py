@@ -140,7 +140,15 @@ class Probe:
         from .wrap import wrap
 
         spec, train = self.spec, dict(self.spec.get("train", {}))
-        mspec = ModelSpec(**spec["model"])
+        module = spec.get("module")  # {"factory": "pkg.mod:fn", "input_shape": [...], "path": dir} or None
+        if module:
+            from .module_probe import load_factory
+            if module.get("path") and module["path"] not in sys.path:
+                sys.path.insert(0, module["path"])  # where the user ran `distplan validate --module`
+            factory = load_factory(module["factory"])
+            shape = tuple(int(d) for d in module["input_shape"])
+        else:
+            mspec = ModelSpec(**spec["model"])
         steps = int(spec.get("steps", 3))
         if steps <= 0:
             raise ValueError(f"steps={steps}: must be a positive integer")
@@ -149,6 +157,9 @@ class Probe:
             if v <= 0:
                 raise ValueError(f"train.{k}={v}: must be a positive integer")
         ckpt = train.get("checkpointing", "none")
+        if module and ckpt == "selective":
+            self.result["unmeasured"].append("checkpointing='selective' is not defined for a module; ran as 'none'")
+            ckpt = "none"
         if ckpt not in ("none", "full", "selective"):
             self.result["unmeasured"].append(
                 f"checkpointing={ckpt!r} (the reference decoder implements only 'none' and 'full'; ran as 'none')")
@@ -163,28 +174,45 @@ class Probe:
         tracker = self.tracker = Tracker()
         with tracker:
             torch.manual_seed(int(spec.get("seed", 0)))
-            if cuda:  # built in place (no CPU copy of a large model)
+            units = None
+            if module:
+                model = factory()
+                if not isinstance(model, torch.nn.Module):
+                    raise TypeError(f"--module={module['factory']!r} returned {type(model).__name__}, "
+                                    f"not an nn.Module")
+                model = model.to(self.device)
+                units = _module_units(model, ckpt)
+            elif cuda:  # built in place (no CPU copy of a large model)
                 with torch.device(self.device):
                     model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
             else:  # (a torch.device context costs a torch._dynamo import through __torch_function__)
                 model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
             model, opt, ctx = wrap(model, spec["strategy"], train, self.world_size,
                                    int(spec.get("gpus_per_node", self.world_size)), self.device,
-                                   fake=self.mode == "fake")
+                                   fake=self.mode == "fake", units=units)
             if self.mode == "fake" and train.get("precision") == "fp16-mixed" and self.device.type == "cuda":
                 self.result["unmeasured"].append("GradScaler (fake process group: garbage gradients)")
             tracker.roles = ctx.roles
             gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + self.rank)
-            batches = [(torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device),
-                        torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device))
-                       for _ in range(accum)]
+            if module:
+                dtype = torch.bfloat16 if train.get("precision") == "bf16" else torch.float32
+                batches = [(torch.randn(shape, generator=gen).to(self.device, dtype),) for _ in range(accum)]
+            else:
+                batches = [(torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device),
+                            torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device))
+                           for _ in range(accum)]
+
+            def forward(batch):
+                if not module:
+                    return model(*batch)
+                return _module_loss(model(batch[0]))
 
             def step():
-                for i, (tokens, targets) in enumerate(batches):
+                for i, batch in enumerate(batches):
                     with ctx.sync(i == accum - 1):
                         tracker.phase = "forward"
                         with ctx.autocast():
-                            loss = model(tokens, targets) / accum
+                            loss = forward(batch) / accum
                         tracker.phase = "backward"
                         (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
                         del loss
@@ -274,6 +302,35 @@ class Probe:
             "peak_phase": phases[w[3]], "components": dict(zip(CATEGORIES, w[4:])),
             "per_rank_peak_allocated": [r[0] for r in rows], "peak_rank": worst,
         })
+
+
+def _module_units(model, checkpointing: str) -> list:
+    """The wrapping units of an arbitrary module: its direct children that own parameters (what
+    `module_probe.profile_module` groups by). With checkpointing 'full' each unit is wrapped in a
+    non-reentrant `checkpoint_wrapper` first, so the units returned are the wrappers."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+    units = [c for _, c in model.named_children() if any(True for _ in c.parameters())]
+    if checkpointing == "full":
+        chosen = set(map(id, units))
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: id(m) in chosen)
+        units = [c for _, c in model.named_children() if any(True for _ in c.parameters())]
+    return units
+
+
+def _module_loss(out):
+    """`module_probe.profile_module`'s loss: cross-entropy against class 0 for a 2-D output, else the sum."""
+    import torch
+
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if out.dim() == 2:
+        return torch.nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long,
+                                                                  device=out.device))
+    return out.sum()
 
 
 def main(argv=None) -> int:

@@ -159,7 +159,7 @@ def _fsdp2(reshard: bool):
         low = _LOW.get(train["precision"])
         if low is not None:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-        for block in model.layers:
+        for block in (train["_units"] if train.get("_units") is not None else model.layers):
             fully_shard(block, **kw)
         # The root: for zero3 FSDP2's default (reshard_after_forward=None: the root is not resharded after
         # forward, its parameters are used at once by backward); for zero2 explicitly False.
@@ -202,8 +202,13 @@ def _fsdp1(strategy: str):
             kw["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32,
                                                    buffer_dtype=low)
         kw["device_id"] = device  # explicit, so that FSDP1 accepts CPU (gloo) as the compute device
+        if train.get("_units") is not None:  # an arbitrary module: wrap exactly its units
+            chosen = set(map(id, train["_units"]))
+            policy = lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen  # noqa: E731
+        else:
+            policy = ModuleWrapPolicy({_block_class(model)})
         fsdp = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
-                    auto_wrap_policy=ModuleWrapPolicy({_block_class(model)}), use_orig_params=False, **kw)
+                    auto_wrap_policy=policy, use_orig_params=False, **kw)
         return fsdp, WrapContext("fsdp1", device, sync=_no_sync(fsdp))
     return wrap
 
@@ -222,11 +227,12 @@ WRAPPERS = {
 
 
 def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node: int, device, *,
-         fake: bool = False):
+         fake: bool = False, units: list | None = None):
     """(wrapped_model, optimizer, ctx) for one registry strategy; the model must already be on `device`.
 
     fake=True: the process group is the fake one (DDP gets an equivalent Python all-reduce hook; no
-    GradScaler, since gradients are garbage).
+    GradScaler, since gradients are garbage). `units`: the submodules FSDP wraps (default: the
+    reference decoder's blocks).
     """
     from distplan.planner.strategies import get_strategy
 
@@ -241,8 +247,8 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
         model = model.to(torch.bfloat16)
     if strategy.name == "single" and world_size != 1:
         raise ValueError(f"strategy 'single' runs on one rank, not world_size={world_size}")
-    wrapped, ctx = WRAPPERS[strategy.name](model, {**train, "precision": precision, "_fake": fake}, world_size,
-                                           gpus_per_node, device)
+    wrapped, ctx = WRAPPERS[strategy.name](model, {**train, "precision": precision, "_fake": fake, "_units": units},
+                                           world_size, gpus_per_node, device)
     ctx.params = list(wrapped.parameters())
     optimizer = make_optimizer(ctx.params, train, zero=strategy.name == "zero1")
     ctx.optimizer_state_owner = getattr(optimizer, "optim", optimizer)
