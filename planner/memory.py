@@ -170,7 +170,7 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
     root = sum(_numel(s) for _, s in root_params)
     block = sum(_numel(s) for _, s in block_params)
     total = model.param_count()
-    largest = max(_numel(s) for u in units for _, s in u.params)
+    largest = max(_numel(s) for _, s in root_params + block_params)  # every block is the same
 
     if family == "fsdp2":
         def fsdp2_shard(params):  # per-parameter dim-0 sharding, padded (FSDPParam._init_sharded_param)
@@ -207,8 +207,16 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
     return Layout(total, block, root, shard_total, sb, sr, ub, ur, largest, opt_key)
 
 
-def _all_shapes(model: ModelSpec) -> tuple:
-    return tuple(s for u in model.param_inventory() for _, s in u.params)
+def _all_state_elems(model: ModelSpec, optimizer: str) -> tuple[int, float]:
+    """optimizer_state_elems over every parameter: a sum over tensors, so the root's plus `layers` times
+    one block's (the blocks are identical)."""
+    units = model.param_inventory()
+    root = [s for u in (units[0], units[-1]) for _, s in u.params]
+    er, xr = optimizer_state_elems(optimizer, root)
+    if len(units) <= 2:
+        return er, xr
+    eb, xb = optimizer_state_elems(optimizer, [s for _, s in units[1].params])
+    return er + model.layers * eb, xr + model.layers * xb
 
 
 @lru_cache(maxsize=4096)
@@ -216,12 +224,11 @@ def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int, key: t
     """(state elements, extra bytes) held by the most loaded rank."""
     if family == "zero1" and shard > 1:
         return optimizer_state_elems(optimizer, list(key))
-    shapes = _all_shapes(model)
+    elems, extra = _all_state_elems(model, optimizer)
     if family in ("fsdp2", "fsdp1") and shard > 1:
         # Sharded flat/dim-0 shards: states are elementwise (Adam, momentum): shard elements.
-        elems, extra = optimizer_state_elems(optimizer, list(shapes))
         return -(-elems // shard), extra / shard
-    return optimizer_state_elems(optimizer, list(shapes))
+    return elems, extra
 
 
 # -- the walk ------------------------------------------------------------------------------------
