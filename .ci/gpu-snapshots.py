@@ -34,6 +34,6 @@ for pid in ids:
     print(f"\n=== {pid}: {r.get('status')} max_allocated {m.get('peak_allocated')} tracker {m.get('tracker_peak_allocated')} "
           f"components {m.get('components')} {r.get('error') or ''}", flush=True)
     if os.path.exists(snap):
-        summarize(snap, top=18)
+        summarize(snap, top=18, stacks=int(os.environ.get('STACKS', '0')))
         os.unlink(snap)
     sys.stdout.flush()

@@ -403,6 +403,18 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + rs_held + acc,
                  activations=last_acts + outside_last - freed, grads=shards + head_g - tied_buf,
                  temporaries=blk_tmp + cur_g + tied_buf)
+            # A middle block j (0 < j < L-1) is the only one that has all three at once: its own
+            # unsharded parameters, the prefetched all-gather of block j-1, and block j+1's
+            # reduce-scatter input, which FSDP2 keeps until the next reduce-scatter
+            # (`comm_ctx.reduce_scatter_state(s)`). Activations and gradient shards are linear in j, so
+            # the two middle blocks next to the ends bound it. (Measured on the H100 with 4 blocks.)
+            for j in sorted({1, L - 2}) if L >= 3 else ():
+                snap("backward", **base, comm_buffers=ur + ub + prefetch + rs_held + acc,
+                     activations=last_acts + j * (first_acts - last_acts) // (L - 1)
+                     + act.inputs + (j + 1) * act.block_cache - freed,
+                     grads=(L - 1 - j) * (lay.shard_block * gsh if sharding else lay.block * gb)
+                     + head_g - tied_buf,
+                     temporaries=blk_tmp + cur_g + tied_buf)
             if sharding:
                 # The first block's reduce-scatter: the block is resharded (post-backward) before it
                 # reduces; FSDP2's prefetched block holds its all-gather output and its copied-out

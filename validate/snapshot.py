@@ -61,10 +61,34 @@ def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
     return peak, list(live.values())
 
 
-def summarize(path: str, top: int = 25, out=sys.stdout) -> None:
+def summarize(path: str, top: int = 25, out=sys.stdout, stacks: int = 0) -> None:
+    """Print the live blocks at the peak grouped by origin; with `stacks` > 0 also the `stacks` largest
+    blocks each with its Python stack (innermost first, torch internals included)."""
     with open(path, "rb") as f:
         snap = pickle.load(f)
     peak, blocks = peak_blocks(snap)
+    if stacks:
+        trace = snap["device_traces"][0]
+        cur, best, at = 0, -1, 0
+        live: dict = {}
+        for i, ev in enumerate(trace):
+            if ev["action"] == "alloc":
+                live[ev["addr"]] = ev["size"]
+                cur += ev["size"]
+                if cur > best:
+                    best, at = cur, i
+            elif ev["action"] == "free_completed" and ev["addr"] in live:
+                cur -= live.pop(ev["addr"])
+        print("events around the peak (+alloc / -free, size, innermost Python frames):", file=out)
+        for ev in trace[max(0, at - 12):at + 4]:
+            if ev["action"] not in ("alloc", "free_completed"):
+                continue
+            frames = [_py(f) for f in ev.get("frames", []) if f.get("filename", "").endswith(".py")]
+            sign = "+" if ev["action"] == "alloc" else "-"
+            print(f"   {sign}{ev['size']:>10d}  " + " <- ".join(frames[:5]), file=out)
+        for b in sorted(blocks, key=lambda b: -b["size"])[:stacks]:
+            frames = [_py(f) for f in b.get("frames", []) if f.get("filename", "").endswith(".py")]
+            print(f"-- {b['size']} B, stream {b.get('stream')}: " + " <- ".join(frames[:14]), file=out)
     groups: dict[tuple, list[int]] = collections.defaultdict(list)
     for b in blocks:
         groups[_where(b.get("frames", []))].append(b["size"])
@@ -78,8 +102,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distplan.validate.snapshot", description=__doc__.split("\n")[0])
     ap.add_argument("snapshot")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--stacks", type=int, default=0, help="also print the N largest live blocks' stacks")
     a = ap.parse_args(argv)
-    summarize(a.snapshot, a.top)
+    summarize(a.snapshot, a.top, stacks=a.stacks)
     return 0
 
 
