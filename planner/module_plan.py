@@ -20,7 +20,9 @@ tensors (torch is imported lazily; nothing is allocated).
   unsharded from forward to the end of backward.
 - backward, segment by segment from the last: the saved activations of the segments before it and of
   itself are alive, the gradients of every unit already reached exist; the transient is the gradient
-  of the segment's output and of its input (`input_bytes` of this and the next segment).
+  of the segment's output and of its input (`input_bytes` of this and the next segment). A sharded
+  unit's reduce-scatter comes after its segment's backward: its saved tensors and its output's
+  gradient are gone by then, its unsharded gradients and the reduce-scatter input are alive.
 - temporaries: the output and its gradient around the loss; at the optimizer step the foreach
   intermediate (one tensor the size of the rank's parameters, `_multi_tensor_adam`'s exp_avg_sq_sqrt).
 - activation checkpointing `full` (per unit, non-reentrant): each segment keeps only its input; the
@@ -339,9 +341,16 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             grads = (sum(sizes[x][0] for x in done) * sg if sharding
                      else sum(sizes[x][1] for x in done) * gb)
             unsharded = root + (in_use + pre if reshard else sum(unsh[x] for x in held))
-            snap("backward", **base, comm_buffers=unsharded + g_unit + rs,
+            # During the segment's backward: its saved tensors and the gradients of its output and
+            # input are alive, its parameters' gradients arrive at the end.
+            snap("backward", **base, comm_buffers=unsharded + g_unit,
                  activations=sum(acts[:k + 1]) + recompute, grads=grads,
                  temporaries=inputs[k] + inputs[k + 1])
+            if rs:
+                # The unit's post-backward: its backward is over (its saved tensors and its output's
+                # gradient are freed); the unsharded gradients are copied into the reduce-scatter input.
+                snap("backward", **base, comm_buffers=unsharded + g_unit + rs,
+                     activations=sum(acts[:k]), grads=grads, temporaries=inputs[k])
         grads_end = shard_params * sg if sharding else total * gb
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
 
