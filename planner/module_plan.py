@@ -221,11 +221,12 @@ def _zero1_owned(shapes: list, shard: int) -> list:
 
 
 def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster,
-                           strategy: str | Strategy, device: str = "cuda") -> MemoryEstimate:
+                           strategy: str | Strategy, device: str = "cuda", backend: str = "nccl") -> MemoryEstimate:
     """Most loaded rank's memory of one strategy for a measured module (module docstring).
 
     On 'cuda' `peak_allocated` adds two cuBLAS workspaces (forward and backward threads; see
-    `memory.library_workspace_bytes`); convolutions' cuDNN workspaces are transient and not counted."""
+    `memory.library_workspace_bytes`); convolutions' cuDNN workspaces are transient and not counted.
+    `backend` 'gloo' adds the copy its reduce_scatter_tensor makes of its input (as memory.py)."""
     st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
     family = st.family
     world, shard = _shard_group(st, cluster)
@@ -328,6 +329,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         snap("forward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=out_tmp)
         snap("backward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=2 * out_tmp)
         reached = set()
+        resharded: set = set()  # FSDP2 reshards each unit in its post-backward, before reducing
         for k in range(len(segs) - 1, -1, -1):
             u = segs[k][0]
             first = u not in reached
@@ -340,7 +342,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             done = [x for x in reached if x in sizes and x != u]
             grads = (sum(sizes[x][0] for x in done) * sg if sharding
                      else sum(sizes[x][1] for x in done) * gb)
-            unsharded = root + (in_use + pre if reshard else sum(unsh[x] for x in held))
+            kept_now = sum(unsh[x] for x in held if x not in resharded)
+            unsharded = root + (in_use + pre if reshard else kept_now)
             # During the segment's backward: its saved tensors and the gradients of its output and
             # input are alive, its parameters' gradients arrive at the end.
             snap("backward", **base, comm_buffers=unsharded + g_unit,
@@ -348,9 +351,16 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                  temporaries=inputs[k] + inputs[k + 1])
             if rs:
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
-                # gradient are freed); the unsharded gradients are copied into the reduce-scatter input.
+                # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
+                # post_backward`); gloo's reduce_scatter_tensor copies its input once more. FSDP1 is
+                # measured (MNIST CNN, gloo and fake process group alike) with its flat parameter still
+                # unsharded and no extra copy at this point, and is walked so.
+                if family == "fsdp2" and u != "root":
+                    resharded.add(u)
+                    unsharded = root + (pre if reshard else sum(unsh[x] for x in held if x not in resharded))
+                split = rs if backend == "gloo" and family == "fsdp2" else 0
                 snap("backward", **base, comm_buffers=unsharded + g_unit + rs,
-                     activations=sum(acts[:k]), grads=grads, temporaries=inputs[k])
+                     activations=sum(acts[:k]), grads=grads, temporaries=inputs[k] + split)
         grads_end = shard_params * sg if sharding else total * gb
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
 
@@ -695,7 +705,8 @@ def predict_module_probe(spec: dict) -> dict:
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15,
                       gpu_name=spec.get("gpu_name") or "h100-sxm", nics_per_node=gpn)
     device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
-    mem = estimate_module_memory(d, train, cluster, st, device=device)
+    backend = {"gpu": "nccl", "cpu": "gloo", "fake": "fake"}.get(spec.get("mode"), "nccl")
+    mem = estimate_module_memory(d, train, cluster, st, device=device, backend=backend)
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
     colls = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype, "message_bytes": int(c.message_bytes),
