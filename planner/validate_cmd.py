@@ -5,7 +5,9 @@ says where probes run, the progress line, the tables and the exit code (0 all PA
 Ctrl-C). The work itself lives in `distplan.validate` (runner, matrix, results, compare), imported
 inside the command so that `distplan --help` and `distplan estimate` never import torch.
 
-Known limitations: `--matrix` uses its own model shapes (model flags are refused with it); across nodes
+`--module PKG.MOD:FACTORY --input-shape N,...` validates any nn.Module against the `--module` plan.
+
+Known limitations: `--matrix` uses its own model shapes (model flags and --module are refused with it); across nodes
 (`--nnodes`) the same command must be started on every node and only rank 0's node gets results.
 """
 
@@ -22,7 +24,7 @@ import click
 from .config import ATTENTION, CHECKPOINTING
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .strategies import NAMES, get_strategy
-from .units import fmt_bytes
+from .units import fmt_bytes, fmt_seconds
 
 MODEL_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
@@ -457,8 +459,12 @@ def render_detail(rec: dict) -> str:
                                            "counted calls", "match"], disable_numparse=True))
     st = cmp.get("step_time") or {}
     if st.get("measured") is not None or st.get("predicted") is not None:
-        out.append(f"\nstep time: predicted {st.get('predicted')}, measured {st.get('measured')} s "
-                   f"(reported, not judged)")
+        pred = (f"predicted {fmt_seconds(st['predicted'])}" if st.get("predicted") is not None
+                else "not predicted off the GPU")
+        meas = f"measured {fmt_seconds(st['measured'])}" if st.get("measured") is not None else "not measured"
+        err = f", error {_pct(st['error'])}" if st.get("error") is not None else ""
+        out.append(f"\nstep time: {pred}, {meas}{err} (reported, not judged: the time model is for "
+                   f"FLOP-bound steps; small probes are launch-bound)")
     if cmp.get("reasons"):
         out.append("\n" + "\n".join(f"  - {r}" for r in cmp["reasons"]))
     return "\n".join(out)

@@ -16,6 +16,12 @@ peak reset, `steps` measured steps (memory and collectives), then `steps` timing
 off. Rank 0 gathers every rank's peak and writes the result atomically; a rank that fails writes its
 error unless a result is already there, and exits 1 so torchrun stops the others.
 
+A spec with a "module" object ({"factory": "pkg.mod:fn", "input_shape": [...], "path": dir}) builds that
+`nn.Module` instead of the reference decoder: its parameter-owning direct children are the FSDP units
+(wrapped in a non-reentrant `checkpoint_wrapper` for checkpointing 'full'), the batch is random input of
+that shape and the loss is `module_probe`'s (cross-entropy against class 0 for a 2-D output, else the sum).
+With DISTPLAN_MEMORY_SNAPSHOT set, rank 0 on CUDA also dumps the allocator's history (validate/snapshot.py).
+
 Known limitations: one batch of random tokens is reused every step; `checkpointing='selective'` runs as
 the reference decoder implements it (see `unmeasured`); CPU offload is not wired.
 """
