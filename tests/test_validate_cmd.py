@@ -109,6 +109,25 @@ def test_compare_hand_made_numbers():
     assert c["collectives"]["rows"][0]["predicted_calls"] == 2 and c["collectives"]["rows"][0]["measured_calls"] == 3
 
 
+def test_grads_and_temporaries_missing_in_opposite_directions_pass_together():
+    """The stated exception: a weight gradient in autograd's buffer (temporary) vs already `.grad`."""
+    MiB = 2**20
+    comps = {"params": 10 * MiB, "grads": 8 * MiB, "optimizer": 20 * MiB, "activations": 40 * MiB,
+             "comm_buffers": 0, "temporaries": 6 * MiB}
+    measured = {"status": "ok", "memory": {"peak_allocated": 84 * MiB, "peak_phase": "backward",
+                                           "components": dict(comps)},
+                "collectives": [], "step_time_s": None, "unmeasured": []}
+    pred = {"memory": dict(comps, grads=10 * MiB, temporaries=4 * MiB, peak_allocated=84 * MiB,
+                           peak_phase="backward"), "collectives": [], "step_time_s": None}
+    c = compare(pred, measured, 0.05)  # grads +25%, temporaries -33%, their sum exact
+    assert c["verdict"] == "PASS", c["reasons"]
+    assert c["components"]["grads"]["judged_with"] == "grads+temporaries"
+    pred["memory"]["temporaries"] = 6 * MiB  # same direction now: grads alone is 25% over
+    pred["memory"]["peak_allocated"] = 86 * MiB
+    c = compare(pred, measured, 0.05)
+    assert c["verdict"] == "FAIL" and any(r.startswith("grads:") for r in c["reasons"])
+
+
 def test_compare_collectives_matches_by_key_and_sums_calls():
     a = [{"op": "all_gather", "group_size": 8, "dtype": "bfloat16", "message_bytes": 100, "calls": 2},
          {"op": "all_gather", "group_size": 8, "dtype": "bfloat16", "message_bytes": 100, "calls": 1}]
