@@ -38,6 +38,7 @@ all-gather buffer on GPUs; DeepSpeed figures follow its estimators and are not v
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -195,13 +196,18 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
         if family == "zero1" and shard > 1:
             # ZeroRedundancyOptimizer._partition_parameters: sorted by numel, largest first, each to
             # the rank with the smallest total so far; report the most loaded rank's shapes.
+            # A heap of (total, rank) pops the lowest rank among the least loaded, as
+            # `sizes.index(min(sizes))` does there.
             shapes = sorted((s for u in units for _, s in u.params), key=_numel, reverse=True)
-            totals = [0] * shard
+            heap = [(0, r) for r in range(shard)]
             owned = [[] for _ in range(shard)]
+            totals = [0] * shard
             for s in shapes:
-                r = totals.index(min(totals))
-                totals[r] += _numel(s)
+                t, r = heapq.heappop(heap)
+                n = _numel(s)
+                totals[r] = t + n
                 owned[r].append(s)
+                heapq.heappush(heap, (t + n, r))
             r = totals.index(max(totals))
             opt_key = tuple(owned[r])
     return Layout(total, block, root, shard_total, sb, sr, ub, ur, largest, opt_key)
