@@ -300,13 +300,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     else:
         opt_tmp = 0
 
-    snaps: list[Snapshot] = []
+    best: list = [None]  # the first snapshot with the largest total (what max() over all would pick)
 
     def snap(phase, **parts):
-        full = {k: 0 for k in COMPONENTS}
-        for k, val in parts.items():
-            full[k] += int(val)
-        snaps.append(Snapshot(phase, full))
+        total = sum(parts.values())
+        if best[0] is None or total > best[0][0]:
+            best[0] = (total, phase, parts)
 
     if offload_params:
         opt = 0
@@ -467,7 +466,11 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             grads_final = 0
         snap("optimizer", **base, grads=grads_final, temporaries=opt_tmp)
 
-    peak = max(snaps, key=lambda s: s.total)
+    _, phase, parts = best[0]
+    full = {k: 0 for k in COMPONENTS}
+    for k, val in parts.items():
+        full[k] += int(val)
+    peak = Snapshot(phase, full)
     comps = dict(peak.parts)
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
     peak_allocated = peak.total + workspace
