@@ -345,22 +345,31 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             kept_now = sum(unsh[x] for x in held if x not in resharded)
             unsharded = root + (in_use + pre if reshard else kept_now)
             # During the segment's backward: its saved tensors and the gradients of its output and
-            # input are alive, its parameters' gradients arrive at the end.
-            snap("backward", **base, comm_buffers=unsharded + g_unit,
+            # input are alive, its parameters' gradients arrive at the end (FSDP1: views of the flat
+            # parameter, so they wait in autograd's buffer: temporaries).
+            fsdp1 = family == "fsdp1"
+            snap("backward", **base, comm_buffers=unsharded + (0 if fsdp1 else g_unit),
                  activations=sum(acts[:k + 1]) + recompute, grads=grads,
-                 temporaries=inputs[k] + inputs[k + 1])
+                 temporaries=inputs[k] + inputs[k + 1] + (g_unit if fsdp1 else 0))
             if rs:
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
                 # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
-                # post_backward`); gloo's reduce_scatter_tensor copies its input once more. FSDP1 is
-                # measured (MNIST CNN, gloo and fake process group alike) with its flat parameter still
-                # unsharded and no extra copy at this point, and is walked so.
+                # post_backward`). FSDP1 is measured (MNIST CNN, gloo and fake process group alike) with
+                # its flat parameter still unsharded and no extra copy at this point, and is walked so.
                 if family == "fsdp2" and u != "root":
                     resharded.add(u)
                     unsharded = root + (pre if reshard else sum(unsh[x] for x in held if x not in resharded))
-                split = rs if backend == "gloo" and family == "fsdp2" else 0
-                snap("backward", **base, comm_buffers=unsharded + g_unit + rs,
-                     activations=sum(acts[:k]), grads=grads, temporaries=inputs[k] + split)
+                if fsdp1:
+                    # The view gradients are concatenated into flat_param.grad (both alive), which is
+                    # the reduce-scatter input unless mixed precision casts it to reduce_dtype first.
+                    snap("backward", **base, comm_buffers=unsharded + g_unit + (rs if prec.mixed else 0),
+                         activations=sum(acts[:k]), grads=grads, temporaries=inputs[k] + g_unit)
+                else:
+                    # FSDP2: its unsharded gradients and the reduce-scatter input; gloo copies that
+                    # input once more.
+                    split = rs if backend == "gloo" else 0
+                    snap("backward", **base, comm_buffers=unsharded + g_unit + rs, activations=sum(acts[:k]),
+                         grads=grads, temporaries=inputs[k] + split)
         grads_end = shard_params * sg if sharding else total * gb
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
 
