@@ -162,6 +162,14 @@ def _numel(shape) -> int:
     return n
 
 
+@lru_cache(maxsize=256)
+def _sizes_desc(model: ModelSpec) -> tuple:
+    """(numel, shape) of every parameter, largest first; equal sizes keep registration order, as
+    ZeroRedundancyOptimizer's `sorted(params, key=numel, reverse=True)` does (a stable sort)."""
+    items = [(_numel(s), s) for u in model.param_inventory() for _, s in u.params]
+    return tuple(sorted(items, key=lambda t: t[0], reverse=True))
+
+
 @lru_cache(maxsize=4096)
 def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shards_optimizer: bool) -> Layout:
     units = model.param_inventory()
@@ -198,13 +206,11 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
             # the rank with the smallest total so far; report the most loaded rank's shapes.
             # A heap of (total, rank) pops the lowest rank among the least loaded, as
             # `sizes.index(min(sizes))` does there.
-            shapes = sorted((s for u in units for _, s in u.params), key=_numel, reverse=True)
             heap = [(0, r) for r in range(shard)]
             owned = [[] for _ in range(shard)]
             totals = [0] * shard
-            for s in shapes:
+            for n, s in _sizes_desc(model):
                 t, r = heapq.heappop(heap)
-                n = _numel(s)
                 totals[r] = t + n
                 owned[r].append(s)
                 heapq.heappush(heap, (t + n, r))
