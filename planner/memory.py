@@ -64,7 +64,8 @@ CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
 """`getCUDABlasLtWorkspace()`: CUBLASLT_WORKSPACE_SIZE default 1024 KiB, per thread that runs an addmm with
 a bias through cuBLASLt (measured on torch 2.11 + H100: a separate 1 MiB block beside the cuBLAS one)."""
 _LARGE_WORKSPACE_GPUS = ("h100", "h200", "h800", "h20", "gh200", "b100", "b200", "b300", "gb200", "gb300",
-                         "rtx 50", "rtx pro 6000", "rtx-pro-6000")
+                         "blackwell", "rtx 5050", "rtx 5060", "rtx 5070", "rtx 5080", "rtx 5090")
+"""Names of compute capability 9.x-12.x parts (Hopper, Blackwell); "RTX 5000 Ada" is 8.9 and not here."""
 _GFX942_GPUS = ("mi300", "mi325", "mi350", "mi355")
 
 

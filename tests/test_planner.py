@@ -73,7 +73,8 @@ def test_cublas_workspace_by_gpu():
     from distplan.planner.memory import cublas_workspace_bytes, library_workspace_bytes
 
     assert cublas_workspace_bytes("NVIDIA H100 80GB HBM3") == cublas_workspace_bytes("h200") == 32 * 2**20
-    assert cublas_workspace_bytes("b200") == 32 * 2**20
+    assert cublas_workspace_bytes("b200") == cublas_workspace_bytes("NVIDIA GeForce RTX 5090") == 32 * 2**20
+    assert cublas_workspace_bytes("NVIDIA RTX 5000 Ada Generation") == 8519680  # Ada, compute capability 8.9
     assert cublas_workspace_bytes("a100-80gb") == cublas_workspace_bytes("NVIDIA L4") == 8519680
     assert cublas_workspace_bytes("mi300x") == 128 * 2**20 and cublas_workspace_bytes("mi250x") == 32 * 2**20
     llama = TrainConfig(ModelSpec("l", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=100))
