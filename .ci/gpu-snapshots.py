@@ -18,7 +18,7 @@ shapes = mx.shapes_for("gpu")
 for pid in ids:
     strategy, shape, w, ckpt, prec = pid.split("/")
     world = int(w[1:].split("-")[0])
-    mode = "fake" if w.endswith("-fake") else "fake" if strategy != "single" else "fake"
+    mode = "fake"  # one process on the GPU, also for `single` (world 1)
     spec = mx.make_spec(strategy, dict(shapes[shape], name=shape), world, mode, checkpointing=ckpt,
                         precision=prec, **mx.TRAIN_GPU)
     spec["device_type"] = "cuda"

@@ -247,35 +247,36 @@ def _autocast(precision: str) -> bool:
     return precision in ("bf16-mixed", "fp16-mixed")
 
 
-@lru_cache(maxsize=512)
-def ready_order_sizes(model: ModelSpec, autocast: bool = False) -> tuple[int, ...]:
-    """Parameter numels in autograd's gradient-ready order (what DDP's rebuilt buckets follow).
+def grad_ready_order(named_shapes, autocast: bool = False) -> list[int]:
+    """Parameter numels in autograd's gradient-ready order (what DDP's rebuilt buckets follow), from
+    (name, shape) pairs in registration order.
 
-    Measured on the reference decoder with `register_post_accumulate_grad_hook` (tests/test_comm.py):
-    modules in reverse registration order; a norm's weight before its bias (native_layer_norm's
-    outputs). A Linear's bias gradient is ready before its weight's in full precision
-    (addmm(bias, input, weight.t()) lists the bias edge first) but after it under autocast, where each
+    Measured with `register_post_accumulate_grad_hook` (tests/test_comm.py on the reference decoder,
+    the MNIST CNN for `--module`): modules in reverse registration order; inside a module, registration
+    order (a norm's weight before its bias: native_layer_norm's outputs; a convolution's weight before
+    its bias), except that a Linear's bias (its module's weight is 2-D) is ready before its weight in
+    full precision (addmm(bias, input, weight.t()) lists the bias edge first); under autocast each
     reaches its AccumulateGrad through its own cast node (ToCopyBackward), the weight's first.
-    Tied embeddings count once.
     """
-    modules: list[list[int]] = []
+    modules: list[list[tuple[str, tuple]]] = []
     prev = None
-    for unit in model.param_inventory():
-        for name, shape in unit.params:
-            mod = name.rsplit(".", 1)[0]
-            if mod != prev:
-                modules.append([])
-                prev = mod
-            if name.endswith(".bias") and "norm" not in mod and not autocast:
-                modules[-1].insert(0, _numel(shape))
-            else:
-                modules[-1].append(_numel(shape))
-    return tuple(n for mod in reversed(modules) for n in mod)
+    for name, shape in named_shapes:
+        mod = name.rsplit(".", 1)[0] if "." in name else ""
+        if mod != prev:
+            modules.append([])
+            prev = mod
+        modules[-1].append((name, tuple(shape)))
+    out: list[int] = []
+    for params in reversed(modules):
+        weight = next((sh for n, sh in params if n.endswith("weight")), None)
+        if weight is not None and len(weight) == 2 and not autocast:
+            params = ([p for p in params if p[0].endswith(".bias")]
+                      + [p for p in params if not p[0].endswith(".bias")])
+        out += [_numel(sh) for _, sh in params]
+    return out
 
 
-@lru_cache(maxsize=1024)
-def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB,
-                autocast: bool = False) -> tuple[int, ...]:
+def bucket_sizes(ready_sizes, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB) -> tuple[int, ...]:
     """Bucket sizes in bytes, in reduction order, of DDP's rebuilt buckets (iteration >= 2).
 
     `compute_bucket_assignment_by_size` (torch/csrc/distributed/c10d/reducer.cpp) with limits
@@ -285,7 +286,7 @@ def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = D
     cap = (bucket_cap_mb if bucket_cap_mb is not None else 25) * 1024 * 1024
     first = DDP_DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
     out, size = [], 0
-    for n in ready_order_sizes(model, autocast):
+    for n in ready_sizes:
         size += n * elem_bytes
         if size >= (first if not out else cap):
             out.append(size)
@@ -293,6 +294,19 @@ def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = D
     if size:
         out.append(size)
     return tuple(out)
+
+
+@lru_cache(maxsize=512)
+def ready_order_sizes(model: ModelSpec, autocast: bool = False) -> tuple[int, ...]:
+    """`grad_ready_order` of the reference decoder (tied embeddings count once)."""
+    return tuple(grad_ready_order(((n, s) for u in model.param_inventory() for n, s in u.params), autocast))
+
+
+@lru_cache(maxsize=1024)
+def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB,
+                autocast: bool = False) -> tuple[int, ...]:
+    """`bucket_sizes` of the reference decoder's ready order."""
+    return bucket_sizes(ready_order_sizes(model, autocast), elem_bytes, bucket_cap_mb)
 
 
 # -- dtypes ----------------------------------------------------------------------------------------

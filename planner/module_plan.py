@@ -42,10 +42,12 @@ first dimension); CPU offload and `--framework deepspeed` are not supported here
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 
 from .api import Plan, StrategyResult, resolve_cluster
-from .comm import (DDP_BUCKET_CAP_MB, Collective, _group_time, bus_factor, cluster_links)
+from .comm import (DDP_BUCKET_CAP_MB, Collective, _group_time, bucket_sizes, bus_factor, cluster_links,
+                   grad_ready_order)
 from .config import CHECKPOINTING, Cluster
 from .memory import (COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot,
                      cublas_workspace_bytes)
@@ -387,43 +389,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
 # -- communication -----------------------------------------------------------------------------
 
 def ready_order_sizes(desc: ModuleDesc, autocast: bool = False) -> list[int]:
-    """Parameter numels in gradient-ready order: leaf modules reversed; inside one, registration order,
-    except that a Linear's bias (its weight 2-D) is ready before its weight in full precision, as
-    comm.ready_order_sizes measures on the decoder (hooks on the MNIST CNN agree: convolutions give
-    weight then bias, Linears bias then weight; under autocast weight then bias for both)."""
-    modules: list[list[tuple[str, tuple]]] = []
-    prev = None
-    for _, ps in desc.units:
-        for name, shape in ps:
-            mod = name.rsplit(".", 1)[0] if "." in name else ""
-            if mod != prev:
-                modules.append([])
-                prev = mod
-            modules[-1].append((name, tuple(shape)))
-    out: list[int] = []
-    for params in reversed(modules):
-        weight = next((s for n, s in params if n.endswith("weight")), None)
-        linear = weight is not None and len(weight) == 2 and not autocast
-        ordered = ([p for p in params if p[0].endswith(".bias")] + [p for p in params if not p[0].endswith(".bias")]
-                   if linear else params)
-        out += [_numel(s) for _, s in ordered]
-    return out
+    """comm.grad_ready_order over the module's parameters."""
+    return grad_ready_order(((name, shape) for _, ps in desc.units for name, shape in ps), autocast)
 
 
 def ddp_buckets(desc: ModuleDesc, elem_bytes: int, bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB,
                 autocast: bool = False) -> list[int]:
-    """comm.ddp_buckets on the module's ready order (reducer.cpp compute_bucket_assignment_by_size)."""
-    cap = (bucket_cap_mb if bucket_cap_mb is not None else 25) * 2**20
-    first = 2**20 if bucket_cap_mb is None else cap
-    out, size = [], 0
-    for n in ready_order_sizes(desc, autocast):
-        size += n * elem_bytes
-        if size >= (first if not out else cap):
-            out.append(size)
-            size = 0
-    if size:
-        out.append(size)
-    return out
+    """comm.bucket_sizes on the module's ready order."""
+    return list(bucket_sizes(ready_order_sizes(desc, autocast), elem_bytes, bucket_cap_mb))
 
 
 def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, strategy: str) -> list[Collective]:
@@ -696,8 +669,8 @@ def predict_module_probe(spec: dict) -> dict:
     from distplan.validate.module_probe import profile_module
 
     mod = spec["module"]
-    if mod.get("path") and mod["path"] not in __import__("sys").path:
-        __import__("sys").path.insert(0, mod["path"])
+    if mod.get("path") and mod["path"] not in sys.path:
+        sys.path.insert(0, mod["path"])  # where `distplan validate --module` was run
     shape = tuple(int(d) for d in mod["input_shape"])
     t = spec["train"]
     st = get_strategy(spec["strategy"])

@@ -417,3 +417,14 @@ def test_other_node_without_result_is_remote_skip():
     m = runner.run_probe(spec, probe_cmd=FAKE, nnodes=2, rdzv_endpoint="h:1")
     assert m["status"] == "remote"
     assert compare(_exact_prediction(spec), m)["verdict"] == "SKIP"
+
+
+def test_snapshot_peak_replays_alloc_and_free():
+    """validate/snapshot.py: the peak of a trace and the blocks live there (free_completed frees)."""
+    from distplan.validate.snapshot import peak_blocks
+
+    ev = lambda action, addr, size: {"action": action, "addr": addr, "size": size, "frames": []}  # noqa: E731
+    trace = [ev("alloc", 1, 100), ev("alloc", 2, 50), ev("free_requested", 1, 100), ev("free_completed", 1, 100),
+             ev("alloc", 3, 120), ev("alloc", 4, 10), ev("free_completed", 3, 120)]
+    peak, at, blocks = peak_blocks({"device_traces": [trace]})
+    assert peak == 180 and at == 5 and sorted(b["addr"] for b in blocks) == [2, 3, 4]

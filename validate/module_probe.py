@@ -93,6 +93,19 @@ def _storage_nbytes(t) -> int:
         return int(t.numel() * t.element_size())
 
 
+def module_loss(out):
+    """(loss, kind) for a module's output: cross-entropy against class 0 when the output is 2-D (a
+    classifier), else the sum of the outputs. The probe trains with the same loss."""
+    import torch
+
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if out.dim() == 2:
+        target = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
+        return torch.nn.functional.cross_entropy(out, target), "cross_entropy"
+    return out.sum(), "sum"
+
+
 def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> dict:
     """Parameters (per top-level unit), saved-activation bytes, output bytes and forward FLOPs.
 
@@ -181,13 +194,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
                     h.remove()
                 segments.append({"unit": "loss", "activation_bytes": 0,
                                  "input_bytes": out.numel() * out.element_size()})
-                if out.dim() == 2:
-                    target = torch.zeros(out.shape[0], dtype=torch.long)
-                    loss = torch.nn.functional.cross_entropy(out, target)
-                    loss_kind = "cross_entropy"
-                else:
-                    loss = out.sum()
-                    loss_kind = "sum"
+                loss, loss_kind = module_loss(out)
         except ValueError:
             raise
         except Exception as exc:

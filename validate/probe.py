@@ -148,7 +148,7 @@ class Probe:
         spec, train = self.spec, dict(self.spec.get("train", {}))
         module = spec.get("module")  # {"factory": "pkg.mod:fn", "input_shape": [...], "path": dir} or None
         if module:
-            from .module_probe import load_factory
+            from .module_probe import load_factory, module_loss
             if module.get("path") and module["path"] not in sys.path:
                 sys.path.insert(0, module["path"])  # where the user ran `distplan validate --module`
             factory = load_factory(module["factory"])
@@ -211,7 +211,7 @@ class Probe:
             def forward(batch):
                 if not module:
                     return model(*batch)
-                return _module_loss(model(batch[0]))
+                return module_loss(model(batch[0]))[0]
 
             def step():
                 for i, batch in enumerate(batches):
@@ -325,18 +325,6 @@ def _module_units(model, checkpointing: str) -> list:
             check_fn=lambda m: id(m) in chosen)
         units = [c for _, c in model.named_children() if any(True for _ in c.parameters())]
     return units
-
-
-def _module_loss(out):
-    """`module_probe.profile_module`'s loss: cross-entropy against class 0 for a 2-D output, else the sum."""
-    import torch
-
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    if out.dim() == 2:
-        return torch.nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long,
-                                                                  device=out.device))
-    return out.sum()
 
 
 def main(argv=None) -> int:

@@ -38,8 +38,9 @@ def _where(frames: list[dict]) -> tuple[str, str, str]:
     return ours, lib, (cpp[0][:90] if cpp else "")
 
 
-def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
-    """(peak allocated bytes over the trace, the blocks live at that point) for one device."""
+def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, int, list[dict]]:
+    """(peak allocated bytes over the trace, the trace index where it is reached, the blocks live
+    there) for one device."""
     trace = snapshot["device_traces"][device]
     live: dict[int, dict] = {}
     cur = peak = 0
@@ -58,7 +59,7 @@ def peak_blocks(snapshot: dict, device: int = 0) -> tuple[int, list[dict]]:
             live[ev["addr"]] = ev
         elif ev["action"] == "free_completed":
             live.pop(ev["addr"], None)
-    return peak, list(live.values())
+    return peak, peak_at, list(live.values())
 
 
 def summarize(path: str, top: int = 25, out=sys.stdout, stacks: int = 0) -> None:
@@ -66,19 +67,9 @@ def summarize(path: str, top: int = 25, out=sys.stdout, stacks: int = 0) -> None
     blocks each with its Python stack (innermost first, torch internals included)."""
     with open(path, "rb") as f:
         snap = pickle.load(f)
-    peak, blocks = peak_blocks(snap)
+    peak, at, blocks = peak_blocks(snap)
     if stacks:
         trace = snap["device_traces"][0]
-        cur, best, at = 0, -1, 0
-        live: dict = {}
-        for i, ev in enumerate(trace):
-            if ev["action"] == "alloc":
-                live[ev["addr"]] = ev["size"]
-                cur += ev["size"]
-                if cur > best:
-                    best, at = cur, i
-            elif ev["action"] == "free_completed" and ev["addr"] in live:
-                cur -= live.pop(ev["addr"])
         print("events around the peak (+alloc / -free, size, innermost Python frames):", file=out)
         for ev in trace[max(0, at - 12):at + 4]:
             if ev["action"] not in ("alloc", "free_completed"):
