@@ -167,14 +167,14 @@ def linear_weight_elems(train: TrainConfig) -> int:
 @lru_cache(maxsize=1024)
 def _linear_weight_elems(m) -> int:
     total = 0
-    for unit in m.param_inventory():
+    for unit, times in zip(m.units(), (1, m.layers, 1)):
         for name, shape in unit.params:
             if "norm" in name or "embeddings" in name or name.endswith(".bias"):
                 continue
             n = 1
             for d in shape:
                 n *= d
-            total += n
+            total += n * times
     if m.tie_embeddings:
         total += m.vocab * m.hidden
     return total
@@ -236,7 +236,7 @@ def activations(train: TrainConfig, family: str, device: str = "cuda") -> Activa
     if regime == "autocast" and train.checkpointing != "none" and m.layers:
         # The recompute runs under autocast again: it re-casts the block's weights and biases, alive
         # in the cache while the block's backward runs.
-        blk = m.param_inventory()[1]
+        blk = m.units()[1]
         recompute += 2 * sum(n for (name, _), n in zip(blk.params, blk.sizes()) if "norm" not in name)
     cache_all = 2 * linear_weight_elems(train) if regime == "autocast" else 0
     head_cache = 2 * v * h if regime == "autocast" else 0

@@ -274,10 +274,10 @@ def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, 
     result = StrategyResult(st, mem)
     if comm:
         from .comm import collective_schedule
-        from .compute import required_inter_bandwidth, step_time
+        from .compute import _gpu, required_inter_bandwidth, step_time
         result.collectives = collective_schedule(train, cluster, st.name)
-        gpu = _catalog(catalog_dirs).gpu(cluster.gpu_name)
-        result.time = step_time(train, cluster, st.name, result.collectives, gpu)
+        gpu = _gpu(cluster.gpu_name, catalog_dirs)
+        result.time = step_time(train, cluster, st, result.collectives, gpu)
         result._required = lambda: required_inter_bandwidth(train, cluster, st.name, gpu=gpu)
     return result
 

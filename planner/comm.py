@@ -44,7 +44,7 @@ contention between concurrent collectives are not modelled. Tensor/pipeline para
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from .config import Cluster, TrainConfig
@@ -224,9 +224,9 @@ def _numel(shape) -> int:
 @lru_cache(maxsize=512)
 def _units(model: ModelSpec) -> tuple[tuple, tuple]:
     """(block params, root params): shapes of one block and of the root unit (embed + head)."""
-    inv = model.param_inventory()
-    block = tuple(s for _, s in inv[1].params) if model.layers else ()
-    root = tuple(s for _, s in inv[0].params) + tuple(s for _, s in inv[-1].params)
+    embed, blk, head = model.units()
+    block = tuple(s for _, s in blk.params)
+    root = tuple(s for _, s in embed.params) + tuple(s for _, s in head.params)
     return block, root
 
 
@@ -298,8 +298,27 @@ def bucket_sizes(ready_sizes, elem_bytes: int, bucket_cap_mb: int | None = DDP_B
 
 @lru_cache(maxsize=512)
 def ready_order_sizes(model: ModelSpec, autocast: bool = False) -> tuple[int, ...]:
-    """`grad_ready_order` of the reference decoder (tied embeddings count once)."""
-    return tuple(grad_ready_order(((n, s) for u in model.param_inventory() for n, s in u.params), autocast))
+    """`grad_ready_order` of the reference decoder (tied embeddings count once).
+
+    No module spans two units, so the order is the units' own orders, last unit first; the blocks are
+    identical, so one block's order is computed once and repeated."""
+    embed_u, block_u, head_u = model.units()
+    head = grad_ready_order(head_u.params, autocast)
+    block = grad_ready_order(block_u.params, autocast)
+    embed = grad_ready_order(embed_u.params, autocast)
+    return tuple(head + block * model.layers + embed)
+
+
+@lru_cache(maxsize=512)
+def _param_size_counts(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(numel, how many parameters have it), largest first."""
+    counts: dict[int, int] = {}
+    embed, block, head = model.units()
+    for unit, times in ((embed, 1), (head, 1), (block, model.layers)):
+        for _, shape in unit.params:
+            n = _numel(shape)
+            counts[n] = counts.get(n, 0) + times
+    return tuple(sorted(counts.items(), reverse=True))
 
 
 @lru_cache(maxsize=1024)
@@ -307,6 +326,18 @@ def ddp_buckets(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None = D
                 autocast: bool = False) -> tuple[int, ...]:
     """`bucket_sizes` of the reference decoder's ready order."""
     return bucket_sizes(ready_order_sizes(model, autocast), elem_bytes, bucket_cap_mb)
+
+
+@lru_cache(maxsize=1024)
+def _ddp_bucket_counts(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | None,
+                       autocast: bool) -> tuple[tuple[tuple[int, int], ...], int]:
+    """(((bytes, how many buckets), ...) for all but the last bucket, the last bucket's bytes): a large
+    model has tens of thousands of buckets, so the schedule counts them once per model."""
+    buckets = ddp_buckets(model, elem_bytes, bucket_cap_mb, autocast)
+    counts: dict[int, int] = {}
+    for b in buckets[:-1]:
+        counts[b] = counts.get(b, 0) + 1
+    return tuple(counts.items()), buckets[-1]
 
 
 # -- dtypes ----------------------------------------------------------------------------------------
@@ -338,23 +369,65 @@ def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str, *,
     s = get_strategy(strategy)
     key = _schedule_key(train, s.name, cluster.gpus, cluster.local_size, cluster.nodes,
                         ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
-    return list(_timed_schedule(key, cluster))
+    collectives, totals = _timed_schedule(key, cluster)
+    schedule = Schedule(collectives)
+    schedule.totals = totals
+    return schedule
+
+
+class Schedule(list):
+    """A list of `Collective`s as `collective_schedule` returns it, with `totals` (see `schedule_totals`)
+    computed once per cached schedule rather than once per evaluated configuration."""
+
+    totals: "ScheduleTotals | None" = None
+
+
+@dataclass(frozen=True)
+class ScheduleTotals:
+    time_s: float
+    """Serial sum of the collectives' times."""
+    calls: int
+    by_kind: dict
+    """(op, phase, unit) -> (time_s, calls), summed over entries."""
+
+    def time(self, op: str | None = None, phase: str | None = None, unit: str | None = None) -> float:
+        """Seconds of the entries matching every given field."""
+        return sum(t for (o, p, u), (t, _) in self.by_kind.items()
+                   if (op is None or o == op) and (phase is None or p == phase) and (unit is None or u == unit))
+
+    def per_call(self, op: str, phase: str, unit: str) -> tuple[float, int]:
+        """(time of one call, calls) of (op, phase, unit); per-call time averaged over merged entries."""
+        t, c = self.by_kind.get((op, phase, unit), (0.0, 0))
+        return (t / c if c else 0.0), c
+
+
+def schedule_totals(schedule: list[Collective]) -> ScheduleTotals:
+    """Totals of a schedule: those `collective_schedule` attached, else computed from the list."""
+    totals = getattr(schedule, "totals", None)
+    if totals is not None:
+        return totals
+    by_kind: dict[tuple, tuple[float, int]] = {}
+    time_s, calls = 0.0, 0
+    for c in schedule:
+        t, n = by_kind.get((c.op, c.phase, c.unit), (0.0, 0))
+        by_kind[c.op, c.phase, c.unit] = (t + c.time_s, n + c.calls)
+        time_s += c.time_s
+        calls += c.calls
+    return ScheduleTotals(time_s, calls, by_kind)
 
 
 @lru_cache(maxsize=8192)
-def _timed_schedule(key: tuple, cluster: Cluster) -> tuple:
-    """The schedule with times; depends on (model, precision, accum, framework, strategy, cluster) only,
-    so a sweep over sequence length and micro-batch reuses it."""
+def _timed_schedule(key: tuple, cluster: Cluster) -> tuple[tuple, ScheduleTotals]:
+    """The schedule with times and its totals; depends on (model, precision, accum, framework,
+    strategy, cluster) only, so a sweep over sequence length and micro-batch reuses it."""
     raw = _raw_schedule(*key)
-    if not raw:
-        return ()
-    links = cluster_links(cluster)
+    links = cluster_links(cluster) if raw else None
     out = []
     for (op, group, n, dtype, msg, calls, phase, unit) in raw:
         t = _group_time(op, group, n, msg, cluster, links)
         out.append(Collective(op, group, n, dtype, msg, calls, phase,
                               int(round(bus_factor(op, n) * msg * calls)), t * calls, unit))
-    return tuple(out)
+    return tuple(out), schedule_totals(out)
 
 
 def _schedule_key(train: TrainConfig, name: str, world: int, g: int, nodes: int, cap, root_explicit):
@@ -382,19 +455,13 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
             out.append((op, group, n, dtype, int(msg), int(calls), phase, unit))
 
     if s.family in ("ddp", "zero1"):
-        buckets = ddp_buckets(model, gb, cap, _autocast(precision))
-        counts: dict[int, int] = {}
-        for b in buckets[:-1]:
-            counts[b] = counts.get(b, 0) + 1
-        for b, c in counts.items():
+        counts, last = _ddp_bucket_counts(model, gb, cap, _autocast(precision))
+        for b, c in counts:
             add("all_reduce", "world", world, gdt, b, c, "backward", "bucket")
-        add("all_reduce", "world", world, gdt, buckets[-1], 1, "backward", "last_bucket")
+        add("all_reduce", "world", world, gdt, last, 1, "backward", "last_bucket")
         if s.family == "zero1":
             sdt = _stored_dtype(precision)
-            per: dict[int, int] = {}
-            for n in ready_order_sizes(model, _autocast(precision)):
-                per[n] = per.get(n, 0) + 1
-            for n, c in sorted(per.items(), reverse=True):
+            for n, c in _param_size_counts(model):
                 add("broadcast", "world", world, sdt, n * _DTYPE_BYTES[sdt], c, "optimizer", "param")
         return tuple(out)
 

@@ -31,21 +31,25 @@ overlap compute are assumed not to slow it (SM contention ignored).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
+from typing import Sequence
 
-from .comm import Collective, collective_schedule
+from .comm import Collective, collective_schedule, schedule_totals
 from .config import Cluster, TrainConfig
 from .model import ModelSpec
-from .strategies import get_strategy
+from .strategies import Strategy, get_strategy
+
+
+def _as_strategy(strategy: str | Strategy) -> Strategy:
+    return strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
 
 
 @lru_cache(maxsize=512)
 def _matmul_params(model: ModelSpec) -> tuple[int, int]:
     """(Linear weight elements of one block, of the LM head) - the weights that enter matmuls."""
-    inv = model.param_inventory()
-    block = sum(math.prod(s) for n, s in inv[1].params if n.endswith(".weight") and len(s) == 2) \
-        if model.layers else 0
+    block = sum(math.prod(s) for n, s in model.units()[1].params if n.endswith(".weight") and len(s) == 2)
     head = model.vocab * model.hidden  # logits: x @ W^T with W the head (or the tied embedding)
     return block, head
 
@@ -63,19 +67,20 @@ def _forward_flops(train: TrainConfig) -> tuple[float, float]:
     return block, head
 
 
-def model_flops(train: TrainConfig) -> float:
-    """FLOPs per rank per optimizer step WITHOUT recompute (the MFU numerator): 3 x forward x A."""
-    block, head = _forward_flops(train)
+def model_flops(train: TrainConfig, forward: tuple[float, float] | None = None) -> float:
+    """FLOPs per rank per optimizer step WITHOUT recompute (the MFU numerator): 3 x forward x A.
+    `forward`: `_forward_flops(train)` when the caller has it already."""
+    block, head = forward or _forward_flops(train)
     return 3.0 * (train.model.layers * block + head) * train.grad_accum
 
 
-def step_flops(train: TrainConfig) -> float:
+def step_flops(train: TrainConfig, forward: tuple[float, float] | None = None) -> float:
     """FLOPs per rank per optimizer step, recompute included.
 
     forward F = L x block + head; backward 2F (Narayanan Eq. 3); full checkpointing re-runs the
     blocks' forward (+ L x block); selective recomputes only non-matmul ops (~0 matmul FLOPs).
     """
-    block, head = _forward_flops(train)
+    block, head = forward or _forward_flops(train)
     recompute = train.model.layers * block if train.checkpointing == "full" else 0.0
     return (3.0 * (train.model.layers * block + head) + recompute) * train.grad_accum
 
@@ -142,8 +147,7 @@ def _optimizer_bytes(train: TrainConfig, elems: float) -> float:
     return elems * per * _OPT_PASSES.get(train.optimizer_impl, 2.0)
 
 
-def _owned_elems(train: TrainConfig, cluster: Cluster, strategy: str) -> float:
-    s = get_strategy(strategy)
+def _owned_elems(train: TrainConfig, cluster: Cluster, s: Strategy) -> float:
     P = train.model.param_count()
     if not s.shards_optimizer:
         return float(P)
@@ -151,48 +155,42 @@ def _owned_elems(train: TrainConfig, cluster: Cluster, strategy: str) -> float:
     return math.ceil(P / n)
 
 
-def _per_call(schedule, op=None, phase=None, unit=None) -> tuple[float, int]:
-    """(time of one call, calls) summed over matching entries (per-call time averaged)."""
-    t = c = 0
-    for x in schedule:
-        if (op is None or x.op == op) and (phase is None or x.phase == phase) and (unit is None or x.unit == unit):
-            t += x.time_s
-            c += x.calls
-    return (t / c if c else 0.0), c
-
-
-def exposed_comm(train: TrainConfig, strategy: str, schedule: list[Collective], compute_rate: float) -> float:
+def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Collective], compute_rate: float,
+                 forward: tuple[float, float] | None = None) -> float:
     """Seconds of communication not hidden by compute, per optimizer step (module docstring model)."""
     if not schedule:
         return 0.0
-    s = get_strategy(strategy)
+    s = _as_strategy(strategy)
+    strategy = s.name
     A, L = train.grad_accum, train.model.layers
-    block_f, head_f = _forward_flops(train)
+    block_f, head_f = forward or _forward_flops(train)
     rec = 1.0 if train.checkpointing == "full" else 0.0
     F_blk, F_head = block_f / compute_rate, head_f / compute_rate
     B_blk, B_head = (2.0 + rec) * F_blk, 2.0 * F_head
     bwd_total = L * B_blk + B_head
-    opt_comm = sum(c.time_s for c in schedule if c.phase == "optimizer")
+    sums = schedule_totals(schedule)
+    opt_comm = sums.time(phase="optimizer")
 
     if train.framework == "deepspeed" and strategy in ("zero1", "zero2", "zero3"):
         if strategy != "zero3":
-            return sum(c.time_s for c in schedule)
-        fwd = sum(c.time_s for c in schedule if c.phase == "forward")
-        bwd = sum(c.time_s for c in schedule if c.phase == "backward")
+            return sums.time_s
+        fwd = sums.time(phase="forward")
+        bwd = sums.time(phase="backward")
         return max(0.0, fwd - A * (L * F_blk + F_head)) + max(0.0, bwd - A * bwd_total) + opt_comm
 
     if s.family in ("ddp", "zero1"):
-        last = sum(c.time_s for c in schedule if c.unit == "last_bucket")
-        rest = sum(c.time_s for c in schedule if c.unit == "bucket")
+        last = sums.time(unit="last_bucket")
+        rest = sums.time(unit="bucket")
         return last + max(0.0, rest - bwd_total) + opt_comm
 
     # FSDP1 / FSDP2: per-unit walk with uniform blocks (closed form over L).
-    ag_bf, n_bf = _per_call(schedule, "all_gather", "forward", "block")
-    ag_rf, n_rf = _per_call(schedule, "all_gather", "forward", "root")
-    ag_bb, n_bb = _per_call(schedule, "all_gather", "backward", "block")
-    ag_rb, n_rb = _per_call(schedule, "all_gather", "backward", "root")
-    red_b = sum(_per_call(schedule, op, "backward", "block")[0] for op in ("reduce_scatter", "all_reduce"))
-    red_r = sum(_per_call(schedule, op, "backward", "root")[0] for op in ("reduce_scatter", "all_reduce"))
+    per_call = sums.per_call
+    ag_bf, n_bf = per_call("all_gather", "forward", "block")
+    ag_rf, n_rf = per_call("all_gather", "forward", "root")
+    ag_bb, n_bb = per_call("all_gather", "backward", "block")
+    ag_rb, n_rb = per_call("all_gather", "backward", "root")
+    red_b = per_call("reduce_scatter", "backward", "block")[0] + per_call("all_reduce", "backward", "block")[0]
+    red_r = per_call("reduce_scatter", "backward", "root")[0] + per_call("all_reduce", "backward", "root")[0]
     fwd_steps = n_rf  # micro-steps that all-gather in forward
     bwd_ag_steps = max(n_rb, n_bb // L if L else 0)
     total = 0.0
@@ -219,7 +217,7 @@ COLLECTIVE_LAUNCH_S = 20e-6
 microseconds seen in PyTorch profiler traces; not measured by the probes (they time whole steps)."""
 
 
-def copy_bytes(train: TrainConfig, strategy: str, schedule: list[Collective]) -> float:
+def copy_bytes(train: TrainConfig, strategy: str | Strategy, schedule: list[Collective]) -> float:
     """HBM bytes the implementation moves around its collectives (read + write), per optimizer step.
 
     - DDP with `gradient_as_bucket_view=False` (reducer.cpp `mark_variable_ready_dense` copies each grad
@@ -230,7 +228,7 @@ def copy_bytes(train: TrainConfig, strategy: str, schedule: list[Collective]) ->
     - FSDP1 (`_flat_param.py`, `_runtime_utils.py`): all-gathers straight into the flat parameter; under
       mixed precision the unsharded gradient is cast to `reduce_dtype` before reduce-scatter.
     """
-    fam = get_strategy(strategy).family
+    fam = _as_strategy(strategy).family
     cb = train.prec.compute_bytes if train.prec.mixed else train.prec.param_bytes
     total = 0.0
     for c in schedule:
@@ -244,35 +242,44 @@ def copy_bytes(train: TrainConfig, strategy: str, schedule: list[Collective]) ->
     return total
 
 
-def step_time(train: TrainConfig, cluster: Cluster, strategy: str, schedule: list[Collective] | None = None,
-              gpu=None) -> StepTime:
+def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
+              schedule: list[Collective] | None = None, gpu=None) -> StepTime:
     """Step time of one optimizer step on the most loaded rank.
 
     `gpu`: a catalog GPU (flops dict, matmul_efficiency, hbm_bytes_per_s); default the cluster's
     `gpu_name` from the catalog. `schedule`: default `collective_schedule(train, cluster, strategy)`.
     """
+    s = _as_strategy(strategy)
     if gpu is None:
         gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
     if schedule is None:
-        schedule = collective_schedule(train, cluster, strategy)
+        schedule = collective_schedule(train, cluster, s.name)
     peak = _peak(gpu, _compute_dtype(train))
     rate = peak * gpu.matmul_efficiency
-    compute = step_flops(train) / rate
-    comm = sum(c.time_s for c in schedule)
-    exposed = exposed_comm(train, strategy, schedule, rate)
-    opt = _optimizer_bytes(train, _owned_elems(train, cluster, strategy)) / gpu.hbm_bytes_per_s
+    forward = _forward_flops(train)
+    compute = step_flops(train, forward) / rate
+    sums = schedule_totals(schedule)
+    comm = sums.time_s
+    exposed = exposed_comm(train, s, schedule, rate, forward)
+    opt = _optimizer_bytes(train, _owned_elems(train, cluster, s)) / gpu.hbm_bytes_per_s
     # Copies around the collectives (memory bound) and the host cost of each call; added, not overlapped.
-    overhead = copy_bytes(train, strategy, schedule) / gpu.hbm_bytes_per_s
-    overhead += COLLECTIVE_LAUNCH_S * sum(c.calls for c in schedule)
+    overhead = copy_bytes(train, s, schedule) / gpu.hbm_bytes_per_s
+    overhead += COLLECTIVE_LAUNCH_S * sums.calls
     total = compute + exposed + opt + overhead
-    gpus = 1 if get_strategy(strategy).family == "single" else cluster.gpus
+    gpus = 1 if s.family == "single" else cluster.gpus
     tokens = train.tokens_per_micro_step * train.grad_accum * gpus
-    mfu = model_flops(train) / (total * peak) if total > 0 else 0.0
+    mfu = model_flops(train, forward) / (total * peak) if total > 0 else 0.0
     return StepTime(compute, comm, exposed, opt, total, tokens / total if total else 0.0, mfu, overhead)
 
 
+def _gpu(name: str, catalog_dirs: Sequence[str] = ()):
+    """The catalog's GPU `name`, cached per (name, dirs, $DISTPLAN_CATALOG): the lookup runs once per
+    evaluated strategy, so a sweep must not re-read the environment and re-resolve paths each time."""
+    return _gpu_cached(name, tuple(catalog_dirs), os.environ.get("DISTPLAN_CATALOG", ""))
+
+
 @lru_cache(maxsize=64)
-def _gpu(name: str, catalog_dirs: tuple = ()):
+def _gpu_cached(name: str, catalog_dirs: tuple, _env: str):
     from distplan.catalog.loader import load_catalog  # lazy
 
     return load_catalog(catalog_dirs).gpu(name)

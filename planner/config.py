@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .model import ModelSpec
+from .model import ModelSpec, cached_hash, state_without_hash
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
 
 CHECKPOINTING = ("none", "selective", "full")
@@ -60,10 +60,11 @@ class TrainConfig:
         if self.model.position == "learned" and self.seq_len > self.model.max_positions:
             raise ValueError(
                 f"seq_len={self.seq_len} exceeds the model's {self.model.max_positions} learned positions")
+        object.__setattr__(self, "_prec", get_precision(self.precision))
 
     @property
     def prec(self) -> Precision:
-        return get_precision(self.precision)
+        return self._prec
 
     @property
     def tokens_per_micro_step(self) -> int:
@@ -92,6 +93,9 @@ class Cluster:
     notes: tuple = field(default=())
     catalog_dirs: tuple = field(default=())
     """User catalog directories layered over ours (links and GPUs are looked up there too)."""
+
+    __hash__ = cached_hash  # keys the communication model's caches
+    __getstate__ = state_without_hash
 
     def __post_init__(self) -> None:
         _positive("gpus", self.gpus)

@@ -38,7 +38,6 @@ all-gather buffer on GPUs; DeepSpeed figures follow its estimators and are not v
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -112,6 +111,7 @@ class MemoryEstimate:
 
 # -- library workspaces ------------------------------------------------------------------------------
 
+@lru_cache(maxsize=64)
 def cublas_workspace_bytes(gpu_name: str) -> int:
     """Bytes of one cuBLAS (rocBLAS) workspace on this GPU, as PyTorch sizes it by default."""
     g = (gpu_name or "").lower()
@@ -153,7 +153,8 @@ class Layout:
     unshard_block: int  # one block as all-gathered (padded)
     unshard_root: int
     largest_param: int
-    opt_shapes_key: tuple  # shapes whose optimizer state this rank holds
+    opt_shapes_key: tuple  # shapes whose optimizer state this rank holds (ZeRO-1 with >1 rank, else ())
+    opt_owned: int  # elements of those shapes (ZeRO-1), else 0
 
 
 def _numel(shape) -> int:
@@ -164,19 +165,62 @@ def _numel(shape) -> int:
 
 
 @lru_cache(maxsize=256)
-def _sizes_desc(model: ModelSpec) -> tuple:
-    """(numel, shape) of every parameter, largest first; equal sizes keep registration order, as
-    ZeroRedundancyOptimizer's `sorted(params, key=numel, reverse=True)` does (a stable sort)."""
-    items = [(_numel(s), s) for u in model.param_inventory() for _, s in u.params]
-    return tuple(sorted(items, key=lambda t: t[0], reverse=True))
+def _size_runs(model: ModelSpec) -> tuple:
+    """Every parameter as ZeroRedundancyOptimizer orders them, `sorted(params, key=numel, reverse=True)`
+    (a stable sort: equal sizes keep registration order), grouped into runs of equal size:
+    ((numel, (shape, shape, ...)), ...). Registration order is embed, block 0..L-1, head, and the blocks
+    are identical, so a run is the embed's shapes of that size, then the block's L times, then the head's."""
+    embed, block, head = ([s for _, s in u.params] for u in model.units())
+    runs = []
+    for n in sorted({_numel(s) for s in embed + block + head}, reverse=True):
+        pick = [tuple(s for s in shapes if _numel(s) == n) for shapes in (embed, block, head)]
+        runs.append((n, pick[0] + pick[1] * model.layers + pick[2]))
+    return tuple(runs)
+
+
+def zero1_partition(runs, ranks: int) -> tuple[list[int], list[list[tuple]]]:
+    """(elements per rank, shapes per rank) of `ZeroRedundancyOptimizer._partition_parameters`.
+
+    There each parameter, largest first, goes to the rank with the smallest total so far (the lowest
+    rank among equal totals: `sizes.index(min(sizes))`). For a run of equal-size parameters that is
+    the run's first m "slots" (total_r + j * numel, r), j = 0, 1, ..., in increasing order. The ranks
+    whose totals lie within one parameter of the smallest (the band) take their slots in rounds of one
+    parameter each, always in the same (total, rank) order, until the band reaches the next rank's
+    total; so whole rounds are assigned at once with a slice, and a partition costs O(runs x ranks)
+    rather than O(parameters x log ranks) (tests compare it with the one-at-a-time loop).
+    """
+    totals = [0] * ranks
+    owned: list[list[tuple]] = [[] for _ in range(ranks)]
+    for n, shapes in runs:
+        m, pos = len(shapes), 0
+        while pos < m:
+            lo = min(totals)
+            band = sorted((t, r) for r, t in enumerate(totals) if t < lo + n)
+            k = len(band)
+            left = m - pos
+            if left < k:  # one each to the first `left` of the band: their first slots come first
+                for t, r in band[:left]:
+                    owned[r].append(shapes[pos])
+                    totals[r] = t + n
+                    pos += 1
+                break
+            rounds = left // k
+            above = [t for t in totals if t >= lo + n]
+            if above:  # a round stays ahead of the next rank while the band's top slot is below its total
+                top = band[-1][0]
+                rounds = min(rounds, -(-(min(above) - top) // n))
+            for p, (t, r) in enumerate(band):
+                owned[r].extend(shapes[pos + p: pos + rounds * k: k])
+                totals[r] = t + rounds * n
+            pos += rounds * k
+    return totals, owned
 
 
 @lru_cache(maxsize=4096)
 def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shards_optimizer: bool) -> Layout:
-    units = model.param_inventory()
-    embed, blocks, head = units[0], units[1:-1], units[-1]
+    embed, blk, head = model.units()
     root_params = embed.params + head.params
-    block_params = blocks[0].params if blocks else ()
+    block_params = blk.params
     root = sum(_numel(s) for _, s in root_params)
     block = sum(_numel(s) for _, s in block_params)
     total = model.param_count()
@@ -205,30 +249,20 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
         if family == "zero1" and shard > 1:
             # ZeroRedundancyOptimizer._partition_parameters: sorted by numel, largest first, each to
             # the rank with the smallest total so far; report the most loaded rank's shapes.
-            # A heap of (total, rank) pops the lowest rank among the least loaded, as
-            # `sizes.index(min(sizes))` does there.
-            heap = [(0, r) for r in range(shard)]
-            owned = [[] for _ in range(shard)]
-            totals = [0] * shard
-            for n, s in _sizes_desc(model):
-                t, r = heapq.heappop(heap)
-                totals[r] = t + n
-                owned[r].append(s)
-                heapq.heappush(heap, (t + n, r))
+            totals, owned = zero1_partition(_size_runs(model), shard)
             r = totals.index(max(totals))
             opt_key = tuple(owned[r])
-    return Layout(total, block, root, shard_total, sb, sr, ub, ur, largest, opt_key)
+    return Layout(total, block, root, shard_total, sb, sr, ub, ur, largest, opt_key,
+                  sum(_numel(s) for s in opt_key))
 
 
 def _all_state_elems(model: ModelSpec, optimizer: str) -> tuple[int, float]:
     """optimizer_state_elems over every parameter: a sum over tensors, so the root's plus `layers` times
     one block's (the blocks are identical)."""
-    units = model.param_inventory()
-    root = [s for u in (units[0], units[-1]) for _, s in u.params]
+    embed, block, head = model.units()
+    root = [s for u in (embed, head) for _, s in u.params]
     er, xr = optimizer_state_elems(optimizer, root)
-    if len(units) <= 2:
-        return er, xr
-    eb, xb = optimizer_state_elems(optimizer, [s for _, s in units[1].params])
+    eb, xb = optimizer_state_elems(optimizer, [s for _, s in block.params])
     return er + model.layers * eb, xr + model.layers * xb
 
 
@@ -262,7 +296,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         return estimate_deepspeed(train, cluster, st)
     family = st.family
     world = 1 if st.name == "single" else cluster.gpus
-    shard = {"world": world, "node": min(world, cluster.local_size), "none": 1}[st.shard_group]
+    group = st.shard_group
+    shard = world if group == "world" else (min(world, cluster.local_size) if group == "node" else 1)
     if family == "fsdp1" and st.name == "fsdp-no-shard":
         shard = 1
     notes_pre = []
@@ -288,13 +323,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     n_tok = train.micro_batch * train.seq_len
     v = m.vocab
     L = m.layers
-    blocks_act = act.blocks_total
-    per_block_act = (blocks_act - 0) // L if L else 0
-    base_act = act.outside + act.weight_cache
 
     # Optimizer-step intermediates (adam.py _multi_tensor_adam: exp_avg_sq_sqrt).
     step_elems = lay.shard_total if family in ("fsdp1", "fsdp2") else (
-        sum(_numel(s) for s in lay.opt_shapes_key) if family == "zero1" and shard > 1 else lay.total)
+        lay.opt_owned if family == "zero1" and shard > 1 else lay.total)
     if train.optimizer in ("adam", "adamw"):
         if train.optimizer_impl == "foreach":
             opt_tmp = step_elems * state_bytes
@@ -319,9 +351,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         opt_tmp = 0
         notes.append("parameters, gradients and optimizer state live in CPU memory (CPU offload)")
 
-    h, f = m.hidden, m.ffn_hidden
+    h = m.hidden
     regime = regime_for(train, family)
-    e = 4 if regime == "fp32" else 2  # activation / matmul-output bytes
     r = 4 if regime in ("fp32", "autocast") else 2  # residual stream bytes
     # Categories follow what the probes measure: storages made in forward and alive are activations
     # (logits included), those made in backward or the optimizer step are temporaries.
@@ -330,7 +361,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     loss_bwd_tmp = 2 * n_tok * v * 4  # nll_loss_backward's dense grad + log_softmax_backward's output
     freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok, device)
     head_elems = v * h + h * (2 if m.norm == "layernorm" else 1)  # LM head (or tied) + final norm
-    per_block_act = (act.blocks_total - 0) // L if L else 0
+    per_block_act = act.blocks_total // L
     if train.checkpointing != "none":
         # A checkpointed block is recomputed inside its backward: what it rebuilds is made in the
         # backward phase (a temporary to the probes), and the freed tensor is one of those.

@@ -1,5 +1,7 @@
 """Planner invariants (hypothesis) and exact figures."""
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -117,3 +119,29 @@ def test_zero_stages_order_model_states(train, gpus):
         return params + grads + opt
 
     assert states("zero3") <= states("zero2") <= states("zero1") <= states("ddp")
+
+
+def _partition_one_at_a_time(model: ModelSpec, ranks: int):
+    """ZeroRedundancyOptimizer._partition_parameters, transcribed: largest first (stable), each to
+    `sizes.index(min(sizes))`."""
+    params = sorted((s for u in model.param_inventory() for _, s in u.params),
+                    key=lambda s: math.prod(s), reverse=True)
+    sizes = [0] * ranks
+    owned = [[] for _ in range(ranks)]
+    for s in params:
+        r = sizes.index(min(sizes))
+        owned[r].append(s)
+        sizes[r] += math.prod(s)
+    return sizes, owned
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([64, 96, 128, 320]), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from(["swiglu", "gelu"]), st.sampled_from(["rmsnorm", "layernorm"]), st.booleans(),
+       st.booleans(), st.integers(1, 70), st.sampled_from([50, 512, 1000]))
+def test_zero1_partition_matches_one_at_a_time(layers, hidden, heads, mlp, norm, tie, bias, ranks, vocab):
+    from distplan.planner.memory import _size_runs, zero1_partition
+    kv = max(1, heads // 2)
+    m = ModelSpec("p", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn_hidden=hidden * 3,
+                  vocab=vocab, mlp=mlp, norm=norm, tie_embeddings=tie, linear_bias=bias)
+    assert zero1_partition(_size_runs(m), ranks) == _partition_one_at_a_time(m, ranks)
