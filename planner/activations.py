@@ -54,7 +54,7 @@ def regime_for(train: TrainConfig, family: str) -> str:
     return "lowp" if family in ("fsdp1", "fsdp2") else "autocast"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ActivationBreakdown:
     """Bytes of saved activations for one micro-batch on one rank."""
 

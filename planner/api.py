@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
+from .comm import collective_schedule
+from .compute import _gpu, required_inter_bandwidth, step_time
 from .config import Cluster, TrainConfig
 from .memory import COMPONENTS, MemoryEstimate, estimate_memory
 from .model import ModelSpec
@@ -273,10 +275,8 @@ def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, 
     mem = estimate_memory(train, cluster, st, device=device)
     result = StrategyResult(st, mem)
     if comm:
-        from .comm import collective_schedule
-        from .compute import _gpu, required_inter_bandwidth, step_time
         result.collectives = collective_schedule(train, cluster, st.name)
-        gpu = _gpu(cluster.gpu_name, catalog_dirs)
+        gpu = _gpu(cluster.gpu_name, tuple(catalog_dirs))
         result.time = step_time(train, cluster, st, result.collectives, gpu)
         result._required = lambda: required_inter_bandwidth(train, cluster, st.name, gpu=gpu)
     return result

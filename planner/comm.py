@@ -44,8 +44,9 @@ contention between concurrent collectives are not modelled. Tensor/pipeline para
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from .config import Cluster, TrainConfig
 from .model import ModelSpec
@@ -75,9 +76,10 @@ DS_PARAM_PERSISTENCE_THRESHOLD = 100_000
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-@dataclass(frozen=True)
-class Collective:
-    """One kind of collective of an optimizer step (identical calls merged)."""
+class Collective(NamedTuple):
+    """One kind of collective of an optimizer step (identical calls merged). Immutable: schedules are
+    cached and shared; a named tuple because a sweep builds thousands (a frozen dataclass's __init__
+    costs four times as much)."""
 
     op: str
     """'all_reduce' | 'all_gather' | 'reduce_scatter' | 'broadcast'."""
@@ -101,7 +103,7 @@ class Collective:
     'last_bucket' (the DDP bucket reduced last), 'param' (per-tensor broadcasts), 'bucket_ds'."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return self._asdict()
 
 
 # -- nccl-tests factors and the alpha-beta model ---------------------------------------------------
@@ -201,9 +203,11 @@ def cluster_links(cluster: Cluster) -> tuple[LinkModel, LinkModel]:
     return intra_m, inter_m
 
 
-def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cluster,
-                links: tuple[LinkModel, LinkModel]) -> float:
-    intra, inter = links
+@lru_cache(maxsize=16384)
+def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cluster) -> float:
+    """Seconds for one call on `group` of `cluster`; cached, since strategies of one model on one cluster
+    send many of the same messages (DDP and ZeRO-1 the same buckets, ZeRO-2 and ZeRO-3 the same units)."""
+    intra, inter = cluster_links(cluster)
     if group == "inter_node":
         return _flat_time(c_op, message_bytes, n, inter)
     if group == "intra_node":
@@ -384,21 +388,19 @@ class Schedule(list):
 
 @dataclass(frozen=True)
 class ScheduleTotals:
+    """Sums over a schedule's entries, computed once per cached schedule (`schedule_totals`)."""
+
     time_s: float
     """Serial sum of the collectives' times."""
     calls: int
-    by_kind: dict
-    """(op, phase, unit) -> (time_s, calls), summed over entries."""
-
-    def time(self, op: str | None = None, phase: str | None = None, unit: str | None = None) -> float:
-        """Seconds of the entries matching every given field."""
-        return sum(t for (o, p, u), (t, _) in self.by_kind.items()
-                   if (op is None or o == op) and (phase is None or p == phase) and (unit is None or u == unit))
-
-    def per_call(self, op: str, phase: str, unit: str) -> tuple[float, int]:
-        """(time of one call, calls) of (op, phase, unit); per-call time averaged over merged entries."""
-        t, c = self.by_kind.get((op, phase, unit), (0.0, 0))
-        return (t / c if c else 0.0), c
+    per_call: dict
+    """(op, phase, unit) -> (seconds of one call, calls); the per-call time averaged over merged entries."""
+    time_by_phase: dict
+    """phase -> seconds."""
+    time_by_unit: dict
+    """unit -> seconds."""
+    bytes_by_op_dtype: dict
+    """(op, dtype) -> message_bytes x calls, summed."""
 
 
 def schedule_totals(schedule: list[Collective]) -> ScheduleTotals:
@@ -407,27 +409,39 @@ def schedule_totals(schedule: list[Collective]) -> ScheduleTotals:
     if totals is not None:
         return totals
     by_kind: dict[tuple, tuple[float, int]] = {}
+    by_phase: dict[str, float] = {}
+    by_unit: dict[str, float] = {}
+    by_bytes: dict[tuple, int] = {}
     time_s, calls = 0.0, 0
     for c in schedule:
         t, n = by_kind.get((c.op, c.phase, c.unit), (0.0, 0))
         by_kind[c.op, c.phase, c.unit] = (t + c.time_s, n + c.calls)
+        by_phase[c.phase] = by_phase.get(c.phase, 0.0) + c.time_s
+        by_unit[c.unit] = by_unit.get(c.unit, 0.0) + c.time_s
+        by_bytes[c.op, c.dtype] = by_bytes.get((c.op, c.dtype), 0) + c.message_bytes * c.calls
         time_s += c.time_s
         calls += c.calls
-    return ScheduleTotals(time_s, calls, by_kind)
+    per_call = {k: (t / n if n else 0.0, n) for k, (t, n) in by_kind.items()}
+    return ScheduleTotals(time_s, calls, per_call, by_phase, by_unit, by_bytes)
 
 
 @lru_cache(maxsize=8192)
 def _timed_schedule(key: tuple, cluster: Cluster) -> tuple[tuple, ScheduleTotals]:
     """The schedule with times and its totals; depends on (model, precision, accum, framework,
     strategy, cluster) only, so a sweep over sequence length and micro-batch reuses it."""
-    raw = _raw_schedule(*key)
-    links = cluster_links(cluster) if raw else None
+    out = timed_collectives(_raw_schedule(*key), cluster)
+    return tuple(out), schedule_totals(out)
+
+
+def timed_collectives(raw, cluster: Cluster) -> list[Collective]:
+    """`Collective`s, with bytes sent per GPU and time, from (op, group, group_size, dtype, message_bytes,
+    calls, phase, unit) tuples."""
     out = []
     for (op, group, n, dtype, msg, calls, phase, unit) in raw:
-        t = _group_time(op, group, n, msg, cluster, links)
+        t = _group_time(op, group, n, msg, cluster)
         out.append(Collective(op, group, n, dtype, msg, calls, phase,
                               int(round(bus_factor(op, n) * msg * calls)), t * calls, unit))
-    return tuple(out), schedule_totals(out)
+    return out
 
 
 def _schedule_key(train: TrainConfig, name: str, world: int, g: int, nodes: int, cap, root_explicit):

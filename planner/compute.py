@@ -31,12 +31,10 @@ overlap compute are assumed not to slow it (SM contention ignored).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
-from typing import Sequence
 
-from .comm import Collective, collective_schedule, schedule_totals
+from .comm import _DTYPE_BYTES, Collective, collective_schedule, schedule_totals
 from .config import Cluster, TrainConfig
 from .model import ModelSpec
 from .strategies import Strategy, get_strategy
@@ -85,7 +83,7 @@ def step_flops(train: TrainConfig, forward: tuple[float, float] | None = None) -
     return (3.0 * (train.model.layers * block + head) + recompute) * train.grad_accum
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepTime:
     compute_s: float
     """Forward + backward (+ recompute) time of all micro-steps."""
@@ -169,28 +167,30 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
     B_blk, B_head = (2.0 + rec) * F_blk, 2.0 * F_head
     bwd_total = L * B_blk + B_head
     sums = schedule_totals(schedule)
-    opt_comm = sums.time(phase="optimizer")
+    by_phase = sums.time_by_phase
+    opt_comm = by_phase.get("optimizer", 0.0)
 
     if train.framework == "deepspeed" and strategy in ("zero1", "zero2", "zero3"):
         if strategy != "zero3":
             return sums.time_s
-        fwd = sums.time(phase="forward")
-        bwd = sums.time(phase="backward")
+        fwd, bwd = by_phase.get("forward", 0.0), by_phase.get("backward", 0.0)
         return max(0.0, fwd - A * (L * F_blk + F_head)) + max(0.0, bwd - A * bwd_total) + opt_comm
 
     if s.family in ("ddp", "zero1"):
-        last = sums.time(unit="last_bucket")
-        rest = sums.time(unit="bucket")
+        last = sums.time_by_unit.get("last_bucket", 0.0)
+        rest = sums.time_by_unit.get("bucket", 0.0)
         return last + max(0.0, rest - bwd_total) + opt_comm
 
     # FSDP1 / FSDP2: per-unit walk with uniform blocks (closed form over L).
-    per_call = sums.per_call
-    ag_bf, n_bf = per_call("all_gather", "forward", "block")
-    ag_rf, n_rf = per_call("all_gather", "forward", "root")
-    ag_bb, n_bb = per_call("all_gather", "backward", "block")
-    ag_rb, n_rb = per_call("all_gather", "backward", "root")
-    red_b = per_call("reduce_scatter", "backward", "block")[0] + per_call("all_reduce", "backward", "block")[0]
-    red_r = per_call("reduce_scatter", "backward", "root")[0] + per_call("all_reduce", "backward", "root")[0]
+    pc, none = sums.per_call, (0.0, 0)
+    ag_bf, n_bf = pc.get(("all_gather", "forward", "block"), none)
+    ag_rf, n_rf = pc.get(("all_gather", "forward", "root"), none)
+    ag_bb, n_bb = pc.get(("all_gather", "backward", "block"), none)
+    ag_rb, n_rb = pc.get(("all_gather", "backward", "root"), none)
+    red_b = (pc.get(("reduce_scatter", "backward", "block"), none)[0]
+             + pc.get(("all_reduce", "backward", "block"), none)[0])
+    red_r = (pc.get(("reduce_scatter", "backward", "root"), none)[0]
+             + pc.get(("all_reduce", "backward", "root"), none)[0])
     fwd_steps = n_rf  # micro-steps that all-gather in forward
     bwd_ag_steps = max(n_rb, n_bb // L if L else 0)
     total = 0.0
@@ -229,16 +229,16 @@ def copy_bytes(train: TrainConfig, strategy: str | Strategy, schedule: list[Coll
       mixed precision the unsharded gradient is cast to `reduce_dtype` before reduce-scatter.
     """
     fam = _as_strategy(strategy).family
-    cb = train.prec.compute_bytes if train.prec.mixed else train.prec.param_bytes
+    prec = train.prec
+    cb = prec.compute_bytes if prec.mixed else prec.param_bytes
     total = 0.0
-    for c in schedule:
-        if fam in ("ddp", "zero1") and c.op == "all_reduce":
-            total += 2 * 2 * c.message_bytes * c.calls
-        elif fam == "fsdp2" and c.op == "all_gather":
-            total += 2 * c.message_bytes * c.calls
-        elif fam in ("fsdp2", "fsdp1") and c.op == "reduce_scatter" and (fam == "fsdp2" or train.prec.mixed):
-            elem = {"float32": 4, "bfloat16": 2, "float16": 2}[c.dtype]
-            total += c.message_bytes * (1 + cb / elem) * c.calls
+    for (op, dtype), nbytes in schedule_totals(schedule).bytes_by_op_dtype.items():
+        if fam in ("ddp", "zero1") and op == "all_reduce":
+            total += 2 * 2 * nbytes
+        elif fam == "fsdp2" and op == "all_gather":
+            total += 2 * nbytes
+        elif fam in ("fsdp2", "fsdp1") and op == "reduce_scatter" and (fam == "fsdp2" or prec.mixed):
+            total += nbytes * (1 + cb / _DTYPE_BYTES[dtype])
     return total
 
 
@@ -272,14 +272,10 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
     return StepTime(compute, comm, exposed, opt, total, tokens / total if total else 0.0, mfu, overhead)
 
 
-def _gpu(name: str, catalog_dirs: Sequence[str] = ()):
-    """The catalog's GPU `name`, cached per (name, dirs, $DISTPLAN_CATALOG): the lookup runs once per
-    evaluated strategy, so a sweep must not re-read the environment and re-resolve paths each time."""
-    return _gpu_cached(name, tuple(catalog_dirs), os.environ.get("DISTPLAN_CATALOG", ""))
-
-
 @lru_cache(maxsize=64)
-def _gpu_cached(name: str, catalog_dirs: tuple, _env: str):
+def _gpu(name: str, catalog_dirs: tuple = ()):
+    """The catalog's GPU `name`, cached per (name, dirs) like `comm._interconnect` (looked up once per
+    evaluated strategy; call `cache_clear()` after editing catalog files in a running process)."""
     from distplan.catalog.loader import load_catalog  # lazy
 
     return load_catalog(catalog_dirs).gpu(name)

@@ -153,8 +153,7 @@ class Layout:
     unshard_block: int  # one block as all-gathered (padded)
     unshard_root: int
     largest_param: int
-    opt_shapes_key: tuple  # shapes whose optimizer state this rank holds (ZeRO-1 with >1 rank, else ())
-    opt_owned: int  # elements of those shapes (ZeRO-1), else 0
+    opt_owned: int  # ZeRO-1 with >1 rank: parameter elements whose optimizer state this rank holds; else 0
 
 
 def _numel(shape) -> int:
@@ -178,8 +177,9 @@ def _size_runs(model: ModelSpec) -> tuple:
     return tuple(runs)
 
 
-def zero1_partition(runs, ranks: int) -> tuple[list[int], list[list[tuple]]]:
-    """(elements per rank, shapes per rank) of `ZeroRedundancyOptimizer._partition_parameters`.
+def zero1_partition(runs, ranks: int, shapes: bool = True) -> tuple[list[int], list[list[tuple]] | None]:
+    """(elements per rank, shapes per rank or None when not `shapes`) of
+    `ZeroRedundancyOptimizer._partition_parameters`.
 
     There each parameter, largest first, goes to the rank with the smallest total so far (the lowest
     rank among equal totals: `sizes.index(min(sizes))`). For a run of equal-size parameters that is
@@ -190,28 +190,32 @@ def zero1_partition(runs, ranks: int) -> tuple[list[int], list[list[tuple]]]:
     rather than O(parameters x log ranks) (tests compare it with the one-at-a-time loop).
     """
     totals = [0] * ranks
-    owned: list[list[tuple]] = [[] for _ in range(ranks)]
-    for n, shapes in runs:
-        m, pos = len(shapes), 0
+    owned: list[list[tuple]] | None = [[] for _ in range(ranks)] if shapes else None
+    for n, run in runs:
+        m, pos = len(run), 0
         while pos < m:
-            lo = min(totals)
-            band = sorted((t, r) for r, t in enumerate(totals) if t < lo + n)
+            cut = min(totals) + n
+            band = sorted([(t, r) for r, t in enumerate(totals) if t < cut])
             k = len(band)
             left = m - pos
             if left < k:  # one each to the first `left` of the band: their first slots come first
                 for t, r in band[:left]:
-                    owned[r].append(shapes[pos])
+                    if owned is not None:
+                        owned[r].append(run[pos])
                     totals[r] = t + n
                     pos += 1
                 break
             rounds = left // k
-            above = [t for t in totals if t >= lo + n]
+            above = [t for t in totals if t >= cut]
             if above:  # a round stays ahead of the next rank while the band's top slot is below its total
                 top = band[-1][0]
                 rounds = min(rounds, -(-(min(above) - top) // n))
-            for p, (t, r) in enumerate(band):
-                owned[r].extend(shapes[pos + p: pos + rounds * k: k])
-                totals[r] = t + rounds * n
+            add = rounds * n
+            for t, r in band:
+                totals[r] = t + add
+            if owned is not None:
+                for p, (_, r) in enumerate(band):
+                    owned[r].extend(run[pos + p: pos + rounds * k: k])
             pos += rounds * k
     return totals, owned
 
@@ -232,7 +236,7 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
         sb, sr = fsdp2_shard(block_params), fsdp2_shard(root_params)
         shard_total = sr + model.layers * sb
         ub, ur = sb * shard, sr * shard
-        opt_key = ()
+        owned = 0
     elif family == "fsdp1":
         def fsdp1_shard(params):  # one FlatParameter, padded to a multiple of the group (_flat_param.py)
             n = sum(_numel(s) for _, s in params)
@@ -241,19 +245,23 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
         shard_total = sr + model.layers * sb
         ub = sb * shard if shards_params or shards_optimizer else sb
         ur = sr * shard if shards_params or shards_optimizer else sr
-        opt_key = ()
+        owned = 0
     else:
         sb, sr, ub, ur = block, root, block, root
         shard_total = total
-        opt_key = ()
+        owned = 0
         if family == "zero1" and shard > 1:
-            # ZeroRedundancyOptimizer._partition_parameters: sorted by numel, largest first, each to
-            # the rank with the smallest total so far; report the most loaded rank's shapes.
-            totals, owned = zero1_partition(_size_runs(model), shard)
-            r = totals.index(max(totals))
-            opt_key = tuple(owned[r])
-    return Layout(total, block, root, shard_total, sb, sr, ub, ur, largest, opt_key,
-                  sum(_numel(s) for s in opt_key))
+            # ZeroRedundancyOptimizer._partition_parameters (zero1_partition): the most loaded rank.
+            owned = max(zero1_partition(_size_runs(model), shard, shapes=False)[0])
+    return Layout(total, block, root, shard_total, sb, sr, ub, ur, largest, owned)
+
+
+@lru_cache(maxsize=256)
+def zero1_owned_shapes(model: ModelSpec, ranks: int) -> tuple:
+    """Shapes of the parameters whose optimizer state ZeroRedundancyOptimizer gives the most loaded
+    rank (the first of equally loaded ones)."""
+    totals, owned = zero1_partition(_size_runs(model), ranks)
+    return tuple(owned[totals.index(max(totals))])
 
 
 def _all_state_elems(model: ModelSpec, optimizer: str) -> tuple[int, float]:
@@ -267,10 +275,13 @@ def _all_state_elems(model: ModelSpec, optimizer: str) -> tuple[int, float]:
 
 
 @lru_cache(maxsize=4096)
-def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int, key: tuple) -> tuple[int, float]:
+def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int) -> tuple[int, float]:
     """(state elements, extra bytes) held by the most loaded rank."""
     if family == "zero1" and shard > 1:
-        return optimizer_state_elems(optimizer, list(key))
+        if optimizer == "adafactor":  # factored state: each tensor's shape matters
+            return optimizer_state_elems(optimizer, list(zero1_owned_shapes(model, shard)))
+        # Elementwise state (Adam's moments, momentum, 8-bit blocks): only the element count matters.
+        return optimizer_state_elems(optimizer, [(layout(model, family, shard, False, True).opt_owned,)])
     elems, extra = _all_state_elems(model, optimizer)
     if family in ("fsdp2", "fsdp1") and shard > 1:
         # Sharded flat/dim-0 shards: states are elementwise (Adam, momentum): shard elements.
@@ -313,7 +324,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     pb, gb = prec.param_bytes, prec.grad_bytes
     cb = prec.compute_bytes  # FSDP param_dtype / activation dtype
     state_bytes = pb  # torch.optim states: zeros_like(param)
-    opt_elems, opt_extra = _opt_state(m, train.optimizer, family, shard, lay.opt_shapes_key)
+    opt_elems, opt_extra = _opt_state(m, train.optimizer, family, shard)
     opt = opt_elems * state_bytes + int(opt_extra)
 
     offload_params = train.cpu_offload == "params" and family in ("fsdp1", "fsdp2")
@@ -339,7 +350,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     else:
         opt_tmp = 0
 
-    best: list = [None]  # the first snapshot with the largest total (what max() over all would pick)
+    # Every snapshot of a walk holds the same `base` (parameters, optimizer state; DDP's buckets), so
+    # `snap` takes only the parts that vary and the peak is the first snapshot with the largest sum.
+    best: list = [None]
 
     def snap(phase, **parts):
         total = sum(parts.values())
@@ -381,20 +394,20 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         params = lay.total * pb
         buckets = 0 if family == "single" else lay.total * gb
         base = dict(params=params, optimizer=opt, comm_buffers=buckets)
-        snap("forward", **base, activations=acts_fwd)
-        snap("backward", **base, activations=acts_bwd, temporaries=loss_bwd_tmp)
+        snap("forward", activations=acts_fwd)
+        snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
         # First block's MLP backward: the head's gradient exists, every block's activations live.
         # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
         # AccumulateGrad runs; so does a tied head's, until the embedding's half arrives.
         head_in_buf = head_elems * gb if m.tie_embeddings else 0
-        snap("backward", **base, activations=first_acts + outside_first - freed,
+        snap("backward", activations=first_acts + outside_first - freed,
              grads=head_elems * gb - head_in_buf, temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
         # Last block (block 0): every gradient but the embedding's and most of block 0's.
         emb = v * h + (m.max_positions * h if m.position == "learned" else 0)
         grads_last = (lay.total - emb - lay.block) * gb
-        snap("backward", **base, activations=last_acts + outside_last - freed, grads=grads_last,
+        snap("backward", activations=last_acts + outside_last - freed, grads=grads_last,
              temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
-        snap("optimizer", **base, grads=lay.total * gb, temporaries=opt_tmp)
+        snap("optimizer", grads=lay.total * gb, temporaries=opt_tmp)
     else:
         ud = cb if prec.mixed else pb  # dtype of unsharded parameters and of their gradients
         rb = 4 if prec.mixed else gb  # reduce_dtype
@@ -420,10 +433,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # FSDP2 without resharding keeps the last block's all-gather output until the root's
         # post-forward (measured: freed right after the loss).
         ag_tail = ub if (family == "fsdp2" and sharding and not reshard and L) else 0
-        snap("forward", **base, comm_buffers=fwd_comm + acc + ag_tail, activations=acts_fwd)
+        snap("forward", comm_buffers=fwd_comm + acc + ag_tail, activations=acts_fwd)
         prefetch = ub if reshard and L > 1 else 0  # backward prefetch of the next block's all-gather
         # At the loss: the root is unsharded; the last block's all-gather is prefetched.
-        snap("backward", **base, comm_buffers=fwd_comm + acc + (ub if reshard else 0),
+        snap("backward", comm_buffers=fwd_comm + acc + (ub if reshard else 0),
              activations=acts_bwd, temporaries=loss_bwd_tmp)
         # Gradients of the unsharded parameters. FSDP2: each parameter's .grad; the root reduces at the
         # very end, so the head's gradient stays unsharded until then. FSDP1 (use_orig_params=False):
@@ -440,10 +453,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         at_rs = prefetch if reshard else (held * ub if keep_all else max(0, held - 1) * ub)
         if family == "fsdp2":
             tied_buf = head_g if m.tie_embeddings else 0
-            snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc,
+            snap("backward", comm_buffers=ur + blocks_unsharded + acc,
                  activations=first_acts + outside_first - freed, grads=head_g - tied_buf,
                  temporaries=blk_tmp + cur_g + tied_buf)
-            snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + rs_held + acc,
+            snap("backward", comm_buffers=ur + blocks_unsharded_last + rs_held + acc,
                  activations=last_acts + outside_last - freed, grads=shards + head_g - tied_buf,
                  temporaries=blk_tmp + cur_g + tied_buf)
             # A middle block j (0 < j < L-1) is the only one that has all three at once: its own
@@ -452,7 +465,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # (`comm_ctx.reduce_scatter_state(s)`). Activations and gradient shards are linear in j, so
             # the two middle blocks next to the ends bound it. (Measured on the H100 with 4 blocks.)
             for j in sorted({1, L - 2}) if L >= 3 else ():
-                snap("backward", **base, comm_buffers=ur + ub + prefetch + rs_held + acc,
+                snap("backward", comm_buffers=ur + ub + prefetch + rs_held + acc,
                      activations=last_acts + j * (first_acts - last_acts) // (L - 1)
                      + act.inputs + (j + 1) * act.block_cache - freed,
                      grads=(L - 1 - j) * (lay.shard_block * gsh if sharding else lay.block * gb)
@@ -463,22 +476,22 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # reduces; FSDP2's prefetched block holds its all-gather output and its copied-out
                 # parameters; gloo's reduce_scatter_tensor also splits its input (one more copy).
                 split = lay.unshard_block * rb if backend == "gloo" else 0
-                snap("backward", **base, comm_buffers=ur + 2 * at_rs + lay.unshard_block * rb + acc,
+                snap("backward", comm_buffers=ur + 2 * at_rs + lay.unshard_block * rb + acc,
                      activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
                      grads=head_g - tied_buf, temporaries=n_tok * h * r + split + tied_buf)
             if sharding:  # the root's reduce-scatter: unsharded grads + its input in reduce_dtype
-                snap("backward", **base, comm_buffers=ur + lay.unshard_root * rb,
+                snap("backward", comm_buffers=ur + lay.unshard_root * rb,
                      grads=L * lay.shard_block * gsh + lay.unshard_root * ud)
         else:
-            snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc,
+            snap("backward", comm_buffers=ur + blocks_unsharded + acc,
                  activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
             # End of the first block's backward: its view gradients and their concatenation (which is
             # the reduce-scatter's input, a comm buffer, unless mixed precision casts it first).
             flat = lay.unshard_block * ud
-            snap("backward", **base, comm_buffers=ur + blocks_unsharded + acc + (0 if prec.mixed else flat),
+            snap("backward", comm_buffers=ur + blocks_unsharded + acc + (0 if prec.mixed else flat),
                  activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
                  temporaries=n_tok * h * r + head_g + flat + (flat if prec.mixed else 0))
-            snap("backward", **base, comm_buffers=ur + blocks_unsharded_last + acc,
+            snap("backward", comm_buffers=ur + blocks_unsharded_last + acc,
                  activations=last_acts + outside_last - freed, grads=shards,
                  temporaries=blk_tmp + head_g + cur_g)
             if sharding:
@@ -489,7 +502,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 cast = lay.unshard_block * rb if prec.mixed else 0
                 out_shard = lay.shard_block * rb
                 split = lay.unshard_block * rb if backend == "gloo" else 0
-                snap("backward", **base,
+                snap("backward",
                      comm_buffers=ur + at_rs + cast + acc + (0 if prec.mixed else flat)
                      + (out_shard if backend == "gloo" else 0),
                      grads=0 if backend == "gloo" else out_shard,
@@ -497,26 +510,24 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                      temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
             # The root at the end: its view gradients, their concatenation, then the reduce_dtype cast.
             root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if prec.mixed else 0)
-            snap("backward", **base, comm_buffers=ur, grads=L * lay.shard_block * gsh if sharding
+            snap("backward", comm_buffers=ur, grads=L * lay.shard_block * gsh if sharding
                  else L * lay.block * gb, temporaries=root_tmp)
         grads_final = lay.shard_total * gsh if sharding else lay.total * gb
         if offload_params:
             grads_final = 0
-        snap("optimizer", **base, grads=grads_final, temporaries=opt_tmp)
+        snap("optimizer", grads=grads_final, temporaries=opt_tmp)
 
     _, phase, parts = best[0]
-    full = {k: 0 for k in COMPONENTS}
-    for k, val in parts.items():
-        full[k] += int(val)
-    peak = Snapshot(phase, full)
-    comps = dict(peak.parts)
+    comps = dict.fromkeys(COMPONENTS, 0)
+    for k, val in (*base.items(), *parts.items()):
+        comps[k] += int(val)
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
-    peak_allocated = peak.total + workspace
+    peak_allocated = sum(comps.values()) + workspace
     reserved = int(0.10 * peak_allocated)  # caching-allocator fragmentation (references.md §3)
     groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
     total = peak_allocated + reserved + overhead
-    return MemoryEstimate(st.name, comps, peak_allocated, peak.phase, reserved, overhead,
+    return MemoryEstimate(st.name, comps, peak_allocated, phase, reserved, overhead,
                           cluster.gpu_memory_bytes, total <= cluster.gpu_memory_bytes, notes, workspace)
 
 

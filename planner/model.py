@@ -178,6 +178,13 @@ class ModelSpec:
 
     def param_count(self) -> int:
         """Exact parameter count (tied weights counted once), as `sum(p.numel())` in torch."""
+        n = self.__dict__.get("_param_count")
+        if n is None:
+            n = self._count_params()
+            object.__setattr__(self, "_param_count", n)
+        return n
+
+    def _count_params(self) -> int:
         h, f, v, kv = self.hidden, self.ffn_hidden, self.vocab, self.kv_dim
         n_norm = h * (2 if self.norm == "layernorm" else 1)
         qkvb = self.linear_bias or self.qkv_bias

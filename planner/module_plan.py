@@ -46,8 +46,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .api import Plan, StrategyResult, resolve_cluster
-from .comm import (DDP_BUCKET_CAP_MB, Collective, _group_time, bucket_sizes, bus_factor, cluster_links,
-                   grad_ready_order)
+from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
 from .config import CHECKPOINTING, Cluster
 from .memory import (COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot,
                      cublas_workspace_bytes)
@@ -452,13 +451,8 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
             if st.name == "hsdp":
                 add("all_reduce", "inter_node", max(1, world // shard_n), gdt, flat // shard_n * gb, 1,
                     "backward", kind)
-    links = cluster_links(cluster)
-    out = []
-    for (op, group, n, dtype, msg, phase, unit), calls in raw.items():
-        t = _group_time(op, group, n, msg, cluster, links)
-        out.append(Collective(op, group, n, dtype, msg, calls, phase,
-                              int(round(bus_factor(op, n) * msg * calls)), t * calls, unit))
-    return out
+    return timed_collectives([(op, group, n, dtype, msg, calls, phase, unit)
+                              for (op, group, n, dtype, msg, phase, unit), calls in raw.items()], cluster)
 
 
 def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collectives: list,

@@ -145,3 +145,13 @@ def test_zero1_partition_matches_one_at_a_time(layers, hidden, heads, mlp, norm,
     m = ModelSpec("p", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn_hidden=hidden * 3,
                   vocab=vocab, mlp=mlp, norm=norm, tie_embeddings=tie, linear_bias=bias)
     assert zero1_partition(_size_runs(m), ranks) == _partition_one_at_a_time(m, ranks)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "sgd-momentum", "adamw-8bit"])
+def test_zero1_optimizer_state_is_the_most_loaded_ranks(optimizer):
+    """ZeRO-1's optimizer state is optimizer_state_elems over the shapes the most loaded rank owns."""
+    from distplan.planner.memory import _opt_state
+    from distplan.planner.precision import optimizer_state_elems
+    m = ModelSpec("z", layers=5, hidden=256, heads=4, kv_heads=2, ffn_hidden=688, vocab=1000)
+    sizes, owned = _partition_one_at_a_time(m, 6)
+    assert _opt_state(m, optimizer, "zero1", 6) == optimizer_state_elems(optimizer, owned[sizes.index(max(sizes))])
