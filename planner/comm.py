@@ -408,21 +408,23 @@ def schedule_totals(schedule: list[Collective]) -> ScheduleTotals:
     totals = getattr(schedule, "totals", None)
     if totals is not None:
         return totals
-    by_kind: dict[tuple, tuple[float, int]] = {}
+    by_kind: dict[tuple, list] = {}
     by_phase: dict[str, float] = {}
     by_unit: dict[str, float] = {}
     by_bytes: dict[tuple, int] = {}
-    time_s, calls = 0.0, 0
-    for c in schedule:
-        t, n = by_kind.get((c.op, c.phase, c.unit), (0.0, 0))
-        by_kind[c.op, c.phase, c.unit] = (t + c.time_s, n + c.calls)
-        by_phase[c.phase] = by_phase.get(c.phase, 0.0) + c.time_s
-        by_unit[c.unit] = by_unit.get(c.unit, 0.0) + c.time_s
-        by_bytes[c.op, c.dtype] = by_bytes.get((c.op, c.dtype), 0) + c.message_bytes * c.calls
-        time_s += c.time_s
-        calls += c.calls
+    for op, _, _, dtype, msg, calls, phase, _, t, unit in schedule:  # Collective fields, in order
+        acc = by_kind.get((op, phase, unit))
+        if acc is None:
+            by_kind[op, phase, unit] = [t, calls]
+        else:
+            acc[0] += t
+            acc[1] += calls
+        by_phase[phase] = by_phase.get(phase, 0.0) + t
+        by_unit[unit] = by_unit.get(unit, 0.0) + t
+        by_bytes[op, dtype] = by_bytes.get((op, dtype), 0) + msg * calls
     per_call = {k: (t / n if n else 0.0, n) for k, (t, n) in by_kind.items()}
-    return ScheduleTotals(time_s, calls, per_call, by_phase, by_unit, by_bytes)
+    return ScheduleTotals(sum(c.time_s for c in schedule), sum(c.calls for c in schedule), per_call,
+                          by_phase, by_unit, by_bytes)
 
 
 @lru_cache(maxsize=8192)

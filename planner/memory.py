@@ -38,6 +38,7 @@ all-gather buffer on GPUs; DeepSpeed figures follow its estimators and are not v
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -189,34 +190,32 @@ def zero1_partition(runs, ranks: int, shapes: bool = True) -> tuple[list[int], l
     total; so whole rounds are assigned at once with a slice, and a partition costs O(runs x ranks)
     rather than O(parameters x log ranks) (tests compare it with the one-at-a-time loop).
     """
-    totals = [0] * ranks
+    order = [(0, r) for r in range(ranks)]  # (total, rank), ascending: the order slots are taken in
     owned: list[list[tuple]] | None = [[] for _ in range(ranks)] if shapes else None
     for n, run in runs:
         m, pos = len(run), 0
         while pos < m:
-            cut = min(totals) + n
-            band = sorted([(t, r) for r, t in enumerate(totals) if t < cut])
-            k = len(band)
+            k = bisect_left(order, (order[0][0] + n, -1))  # the band: totals below the smallest + n
+            band, rest = order[:k], order[k:]
             left = m - pos
             if left < k:  # one each to the first `left` of the band: their first slots come first
-                for t, r in band[:left]:
-                    if owned is not None:
-                        owned[r].append(run[pos])
-                    totals[r] = t + n
-                    pos += 1
+                if owned is not None:
+                    for j, (_, r) in enumerate(band[:left]):
+                        owned[r].append(run[pos + j])
+                order = sorted([(t + n, r) for t, r in band[:left]] + band[left:] + rest)
                 break
             rounds = left // k
-            above = [t for t in totals if t >= cut]
-            if above:  # a round stays ahead of the next rank while the band's top slot is below its total
-                top = band[-1][0]
-                rounds = min(rounds, -(-(min(above) - top) // n))
-            add = rounds * n
-            for t, r in band:
-                totals[r] = t + add
+            if rest:  # a round stays ahead of the next rank while the band's top slot is below its total
+                rounds = min(rounds, -(-(rest[0][0] - band[-1][0]) // n))
             if owned is not None:
                 for p, (_, r) in enumerate(band):
                     owned[r].extend(run[pos + p: pos + rounds * k: k])
+            add = rounds * n
+            order = sorted([(t + add, r) for t, r in band] + rest)  # two sorted runs: a linear merge
             pos += rounds * k
+    totals = [0] * ranks
+    for t, r in order:
+        totals[r] = t
     return totals, owned
 
 
@@ -352,12 +351,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
 
     # Every snapshot of a walk holds the same `base` (parameters, optimizer state; DDP's buckets), so
     # `snap` takes only the parts that vary and the peak is the first snapshot with the largest sum.
-    best: list = [None]
+    best: list = [-1, "", None]  # total, phase, parts
 
-    def snap(phase, **parts):
-        total = sum(parts.values())
-        if best[0] is None or total > best[0][0]:
-            best[0] = (total, phase, parts)
+    def snap(phase, activations=0, comm_buffers=0, grads=0, temporaries=0):
+        total = activations + comm_buffers + grads + temporaries
+        if total > best[0]:
+            best[:] = total, phase, (activations, comm_buffers, grads, temporaries)
 
     if offload_params:
         opt = 0
@@ -517,9 +516,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             grads_final = 0
         snap("optimizer", grads=grads_final, temporaries=opt_tmp)
 
-    _, phase, parts = best[0]
+    _, phase, (a, c, g, t) = best
     comps = dict.fromkeys(COMPONENTS, 0)
-    for k, val in (*base.items(), *parts.items()):
+    for k, val in (*base.items(), ("activations", a), ("comm_buffers", c), ("grads", g), ("temporaries", t)):
         comps[k] += int(val)
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
     peak_allocated = sum(comps.values()) + workspace
