@@ -54,7 +54,7 @@ def regime_for(train: TrainConfig, family: str) -> str:
     return "lowp" if family in ("fsdp1", "fsdp2") else "autocast"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ActivationBreakdown:
     """Bytes of saved activations for one micro-batch on one rank."""
 
@@ -204,8 +204,16 @@ def _selective_block_saved(train: TrainConfig, regime: str) -> int:
 
 
 def activations(train: TrainConfig, family: str, device: str = "cuda") -> ActivationBreakdown:
+    """Saved activations of one micro-batch on one rank, for a strategy family on 'cuda' or 'cpu'.
+
+    Cached per (training config, numeric regime, device): the families that share a regime share the
+    figures, so a plan's eight strategies compute them twice, and a sweep over GPU counts once."""
+    return _activations(train, regime_for(train, family), device)
+
+
+@lru_cache(maxsize=4096)
+def _activations(train: TrainConfig, regime: str, device: str) -> ActivationBreakdown:
     m = train.model
-    regime = regime_for(train, family)
     n = train.micro_batch * train.seq_len
     h, v = m.hidden, m.vocab
     e = 4 if regime == "fp32" else 2

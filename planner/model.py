@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
+from operator import attrgetter
 from typing import Literal
 
 def cached_hash(self) -> int:
@@ -228,7 +229,13 @@ class ParamGroup:
 
 def astuple_shallow(obj) -> tuple:
     """A dataclass's field values, not recursing into them (unlike `dataclasses.astuple`)."""
-    return tuple(getattr(obj, f.name) for f in fields(obj))
+    getter = _FIELD_GETTERS.get(type(obj))
+    if getter is None:
+        getter = _FIELD_GETTERS[type(obj)] = attrgetter(*(f.name for f in fields(obj)))
+    return getter(obj)
+
+
+_FIELD_GETTERS: dict = {}
 
 
 @lru_cache(maxsize=256)
