@@ -3,7 +3,9 @@
 1. Cold `distplan estimate --params 7B --gpus 8 --gpu-mem 80` vs `python -c "import click, yaml, tabulate"`
    (target <= 2x): the CLI's own start-up cost over its unavoidable imports.
 2. One config through the API, all strategies, memory + communication + time (target <= 1 ms).
-3. 10,000 configs x one strategy each, memory + communication + time (target <= 1 s).
+3. 10,000 configs x one strategy each, memory + communication + time (target <= 1 s), three times
+   from cold caches (`clear_caches()`): 100 model shapes x 5 cluster sizes, so most schedules and
+   layouts are computed, not looked up.
 
 Run: python benchmarks/bench_planner.py
 """
@@ -32,7 +34,7 @@ def main() -> None:
                 "--gpu-mem", "80"])
     print(f"cold estimate: {est * 1e3:.0f} ms vs imports {base * 1e3:.0f} ms = {est / base:.2f}x (target <= 2x)")
 
-    from distplan.planner.api import evaluate, plan
+    from distplan.planner.api import clear_caches, evaluate, plan
     from distplan.planner.config import Cluster, TrainConfig
     from distplan.planner.model import ModelSpec
     from distplan.planner.strategies import NAMES
@@ -59,11 +61,16 @@ def main() -> None:
     clusters = {g: Cluster(gpus=g, gpu_name=cluster.gpu_name, gpu_memory_bytes=cluster.gpu_memory_bytes,
                            intra_link=cluster.intra_link, inter_link=cluster.inter_link) for g in gpus}
     strategies = NAMES[1:]
-    t0 = time.perf_counter()
-    for i, (L, h, s, b, g) in enumerate(configs):
-        evaluate(TrainConfig(models[L, h], seq_len=s, micro_batch=b), clusters[g], strategies[i % len(strategies)])
-    total = time.perf_counter() - t0
-    print(f"10,000 configs, memory+comm+time: {total:.3f} s (target <= 1 s)")
+    runs = []
+    for _ in range(3):  # each from cold caches; this VM-class box varies +-30% between runs
+        clear_caches(catalog=False)  # the YAML stays parsed: its load is the cold-start figure's
+        t0 = time.perf_counter()
+        for i, (L, h, s, b, g) in enumerate(configs):
+            evaluate(TrainConfig(models[L, h], seq_len=s, micro_batch=b), clusters[g],
+                     strategies[i % len(strategies)])
+        runs.append(time.perf_counter() - t0)
+    print(f"10,000 configs, memory+comm+time, cold caches: best {min(runs):.3f} s, median "
+          f"{statistics.median(runs):.3f} s of 3 (target <= 1 s)")
 
 
 if __name__ == "__main__":

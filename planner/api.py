@@ -27,6 +27,21 @@ DEFAULT_GPU = "h100-sxm"
 _OVERRIDE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
 
 
+def clear_caches(catalog: bool = True) -> None:
+    """Forget every cached lookup and figure (links, GPUs, layouts, schedules, activations, and with
+    `catalog` the parsed catalog files): after editing catalog YAML in a running process, or to time
+    the planner from cold."""
+    from distplan.catalog.loader import clear_cache
+
+    from . import activations, comm, compute, memory, model
+    if catalog:
+        clear_cache()
+    for mod in (activations, comm, compute, memory, model):
+        for obj in vars(mod).values():
+            if callable(getattr(obj, "cache_clear", None)):
+                obj.cache_clear()
+
+
 def _catalog(catalog_dirs: Sequence[str] = ()):
     from distplan.catalog.loader import load_catalog
     return load_catalog(tuple(catalog_dirs))
