@@ -155,3 +155,23 @@ def test_zero1_optimizer_state_is_the_most_loaded_ranks(optimizer):
     m = ModelSpec("z", layers=5, hidden=256, heads=4, kv_heads=2, ffn_hidden=688, vocab=1000)
     sizes, owned = _partition_one_at_a_time(m, 6)
     assert _opt_state(m, optimizer, "zero1", 6) == optimizer_state_elems(optimizer, owned[sizes.index(max(sizes))])
+
+
+def test_clear_caches_picks_up_an_edited_catalog(tmp_path):
+    """Figures are cached per GPU name; after a user edits their catalog file in the same process,
+    clear_caches() makes the next plan use the new figures."""
+    from pathlib import Path
+
+    from distplan.planner import clear_caches, plan
+    src = (Path(__file__).parents[1] / "catalog" / "gpus" / "h100-sxm.yaml").read_text()
+    mine = src.replace("name: h100-sxm", "name: my-gpu").replace(
+        "aliases: [h100, h100-sxm5, h100-80gb, h100-sxm-80gb]", "aliases: []")
+    (tmp_path / "gpus").mkdir()
+    path = tmp_path / "gpus" / "my-gpu.yaml"
+    path.write_text(mine)
+    kw = dict(gpus=8, gpu="my-gpu", strategies=["ddp"], catalog_dirs=[str(tmp_path)])
+    before = plan("llama-3-8b", **kw)["ddp"].time.compute_s
+    path.write_text(mine.replace("bf16_tflops: 989", "bf16_tflops: 494.5"))
+    assert plan("llama-3-8b", **kw)["ddp"].time.compute_s == before  # cached
+    clear_caches()
+    assert plan("llama-3-8b", **kw)["ddp"].time.compute_s == pytest.approx(2 * before)
