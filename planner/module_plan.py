@@ -331,6 +331,9 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         snap("backward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=2 * out_tmp)
         reached = set()
         resharded: set = set()  # FSDP2 reshards each unit in its post-backward, before reducing
+        # FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward replaces it
+        # (`comm_ctx.reduce_scatter_state`), as the decoder walk's `rs_held`.
+        rs_held = 0
         for k in range(len(segs) - 1, -1, -1):
             u = segs[k][0]
             first = u not in reached
@@ -338,8 +341,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             in_use = unsh.get(u, 0) if u != "root" else 0
             prev = next((x for x in reversed(order[:order.index(u)])), None) if u in order else None
             pre = unsh.get(prev, 0) if reshard and prev else 0
+            fsdp1 = family == "fsdp1"
             g_unit = sizes[u][1] * udt if u in sizes and first else 0
-            rs = sizes[u][1] * red if u in sizes and first and sharding else 0
+            # The unit's reduction input: FSDP1 NO_SHARD all-reduces its flat gradient where the sharded
+            # strategies reduce-scatter it (`_reduce_grad_no_shard`), at the same instant.
+            rs = sizes[u][1] * red if u in sizes and first and (sharding or fsdp1) else 0
             done = [x for x in reached if x in sizes and x != u]
             grads = (sum(sizes[x][0] for x in done) * sg if sharding
                      else sum(sizes[x][1] for x in done) * gb)
@@ -348,8 +354,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # During the segment's backward: its saved tensors and the gradients of its output and
             # input are alive, its parameters' gradients arrive at the end (FSDP1: views of the flat
             # parameter, so they wait in autograd's buffer: temporaries).
-            fsdp1 = family == "fsdp1"
-            snap("backward", **base, comm_buffers=unsharded + (0 if fsdp1 else g_unit),
+            snap("backward", **base, comm_buffers=unsharded + (0 if fsdp1 else g_unit) + rs_held,
                  activations=sum(acts[:k + 1]) + recompute, grads=grads,
                  temporaries=inputs[k] + inputs[k + 1] + (g_unit if fsdp1 else 0))
             if rs:
@@ -362,7 +367,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     unsharded = root + (pre if reshard else sum(unsh[x] for x in held if x not in resharded))
                 if fsdp1:
                     # The view gradients are concatenated into flat_param.grad (both alive), which is
-                    # the reduce-scatter input unless mixed precision casts it to reduce_dtype first.
+                    # the reduce-scatter (NO_SHARD: all-reduce) input unless mixed precision casts it
+                    # to reduce_dtype first.
                     snap("backward", **base, comm_buffers=unsharded + g_unit + (rs if prec.mixed else 0),
                          activations=sum(acts[:k]), grads=grads, temporaries=inputs[k] + g_unit)
                 else:
@@ -371,6 +377,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     split = rs if backend == "gloo" else 0
                     snap("backward", **base, comm_buffers=unsharded + g_unit + rs, activations=sum(acts[:k]),
                          grads=grads, temporaries=inputs[k] + split)
+                    rs_held = rs
         grads_end = shard_params * sg if sharding else total * gb
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
 

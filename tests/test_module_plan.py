@@ -228,6 +228,17 @@ def test_cnn_validation_peak_within_tolerance(cnn_validation):
             assert cell["ok"], (p["id"], comp, cell)
 
 
+@pytest.mark.slow
+def test_cnn_validation_verdicts(cnn_validation):
+    """Every strategy passes the whole rule (peak, every component, collectives) except FSDP2's zero2
+    and zero3, a stated gap: the walk keeps two activation gradients alive per segment, while a
+    conv -> ReLU -> pool block's backward holds about three (measured temporaries 2.9 MB against the
+    walk's 1.3 MB), so its peak is a later instant than the walk's and grads / comm buffers /
+    temporaries split differently there (their peaks are within tolerance: the test above)."""
+    verdicts = {p["inputs"]["strategy"]: p["verdict"] for p in cnn_validation["probes"]}
+    assert {k for k, v in verdicts.items() if v != "PASS"} <= {"zero2", "zero3"}, verdicts
+
+
 def test_validate_module_bad_input_is_one_line_exit_2():
     from click.testing import CliRunner
 
