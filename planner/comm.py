@@ -381,7 +381,8 @@ def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str, *,
 
 class Schedule(list):
     """A list of `Collective`s as `collective_schedule` returns it, with `totals` (see `schedule_totals`)
-    computed once per cached schedule rather than once per evaluated configuration."""
+    computed once per cached schedule rather than once per evaluated configuration. The totals describe
+    the list as returned: to edit a schedule, copy it into a plain list first."""
 
     totals: "ScheduleTotals | None" = None
 
