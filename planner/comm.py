@@ -413,6 +413,7 @@ def schedule_totals(schedule: list[Collective]) -> ScheduleTotals:
     by_phase: dict[str, float] = {}
     by_unit: dict[str, float] = {}
     by_bytes: dict[tuple, int] = {}
+    time_s, n_calls = 0.0, 0
     for op, _, _, dtype, msg, calls, phase, _, t, unit in schedule:  # Collective fields, in order
         acc = by_kind.get((op, phase, unit))
         if acc is None:
@@ -423,9 +424,10 @@ def schedule_totals(schedule: list[Collective]) -> ScheduleTotals:
         by_phase[phase] = by_phase.get(phase, 0.0) + t
         by_unit[unit] = by_unit.get(unit, 0.0) + t
         by_bytes[op, dtype] = by_bytes.get((op, dtype), 0) + msg * calls
+        time_s += t
+        n_calls += calls
     per_call = {k: (t / n if n else 0.0, n) for k, (t, n) in by_kind.items()}
-    return ScheduleTotals(sum(c.time_s for c in schedule), sum(c.calls for c in schedule), per_call,
-                          by_phase, by_unit, by_bytes)
+    return ScheduleTotals(time_s, n_calls, per_call, by_phase, by_unit, by_bytes)
 
 
 @lru_cache(maxsize=8192)
