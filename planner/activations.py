@@ -161,23 +161,8 @@ def linear_weight_elems(train: TrainConfig) -> int:
     Biases are cast too but `addmm`'s backward does not save them, so they die with the autocast
     region (before backward) and are not counted here.
     """
-    return _linear_weight_elems(train.model)
-
-
-@lru_cache(maxsize=1024)
-def _linear_weight_elems(m) -> int:
-    total = 0
-    for unit, times in zip(m.units(), (1, m.layers, 1)):
-        for name, shape in unit.params:
-            if "norm" in name or "embeddings" in name or name.endswith(".bias"):
-                continue
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * times
-    if m.tie_embeddings:
-        total += m.vocab * m.hidden
-    return total
+    block, head = train.model.linear_weights()
+    return train.model.layers * block + head
 
 
 def block_saved(train: TrainConfig, regime: str, device: str = "cuda") -> int:

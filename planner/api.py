@@ -19,8 +19,8 @@ from .compute import _gpu, required_inter_bandwidth, step_time
 from .config import Cluster, TrainConfig
 from .memory import COMPONENTS, MemoryEstimate, estimate_memory
 from .model import ModelSpec
-from .strategies import NAMES, REGISTRY, Strategy, get_strategy
-from .units import GiB, fmt_count, parse_count, parse_memory
+from .strategies import NAMES, Strategy, get_strategy
+from .units import fmt_count, parse_count, parse_memory
 
 DEFAULT_GPU = "h100-sxm"
 
@@ -286,7 +286,7 @@ class StrategyResult:
 
 def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, comm: bool = True,
              device: str = "cuda", catalog_dirs: Sequence[str] = ()) -> StrategyResult:
-    st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
+    st = get_strategy(strategy)
     mem = estimate_memory(train, cluster, st, device=device)
     result = StrategyResult(st, mem)
     if comm:
@@ -425,25 +425,18 @@ def predict_probe(spec: dict) -> dict:
                           gpu_name=spec.get("gpu_name"))
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
-    collectives = []
-    try:
-        from .comm import collective_schedule
-    except ImportError:  # pragma: no cover - comm model not present
-        collective_schedule = None
-    if collective_schedule is not None:
-        for c in collective_schedule(train, cluster, spec["strategy"]):
-            collectives.append({"op": c.op, "group_size": c.group_size, "dtype": c.dtype,
-                                "message_bytes": int(c.message_bytes), "calls": int(c.calls)})
+    collectives = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype,
+                    "message_bytes": int(c.message_bytes), "calls": int(c.calls)}
+                   for c in collective_schedule(train, cluster, spec["strategy"])]
     step = None
-    if mode == "gpu" and spec.get("gpu_name") and collective_schedule is not None:
+    if mode == "gpu" and spec.get("gpu_name"):
         # Measured only on real GPUs (the fake process group executes no collectives): predict it for
         # the catalog GPU the device name maps to; not judged (small probes are launch-bound).
-        from .compute import step_time
         from .hardware import catalog_name
         cat = catalog_name(spec["gpu_name"])
         if cat:
             cl = replace(cluster, gpu_name=cat)
-            gpu = _catalog(()).gpu(cat)
+            gpu = _gpu(cat)
             step = step_time(train, cl, spec["strategy"], collective_schedule(train, cl, spec["strategy"]),
                              gpu).step_time_s
     return {"memory": out, "collectives": collectives, "step_time_s": step}

@@ -59,11 +59,15 @@ def _title(plan) -> tuple[str, str]:
     return model, cluster
 
 
+def _overhead_bytes(mem) -> int:
+    """The grey segment: cuBLAS workspaces, allocator reserve and process overhead."""
+    return int(mem.workspace + mem.reserved_estimate + mem.process_overhead)
+
+
 def _totals(r) -> tuple[list[tuple[str, str, str, int]], int]:
     mem = r.memory
     parts = [(k, label, colour, int(mem.components.get(k, 0))) for k, label, colour in SEGMENTS]
-    rest = getattr(mem, "workspace", 0) + mem.reserved_estimate + mem.process_overhead
-    parts.append((OVERHEAD[0], OVERHEAD[1], OVERHEAD[2], int(rest)))
+    parts.append((OVERHEAD[0], OVERHEAD[1], OVERHEAD[2], _overhead_bytes(mem)))
     return parts, sum(p[3] for p in parts)
 
 
@@ -240,8 +244,7 @@ def plot_matplotlib(plan, path: str | None = None):
         vals = []
         for r in results:
             mem = r.memory
-            rest = getattr(mem, "workspace", 0) + mem.reserved_estimate + mem.process_overhead
-            nb = rest if key == OVERHEAD[0] else mem.components.get(key, 0)
+            nb = _overhead_bytes(mem) if key == OVERHEAD[0] else mem.components.get(key, 0)
             vals.append(nb / GiB)
         kw = {"hatch": "//", "edgecolor": "#8c8c8c"} if key == OVERHEAD[0] else {}
         ax.barh(ys, vals, left=left, color=colour, label=label, height=0.6, **kw)

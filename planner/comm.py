@@ -43,6 +43,8 @@ contention between concurrent collectives are not modelled. Tensor/pipeline para
 
 from __future__ import annotations
 
+from math import prod
+
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -218,12 +220,6 @@ def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cl
 
 # -- unit sizes (cached per model) -----------------------------------------------------------------
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
 
 @lru_cache(maxsize=512)
 def _units(model: ModelSpec) -> tuple[tuple, tuple]:
@@ -237,12 +233,12 @@ def _units(model: ModelSpec) -> tuple[tuple, tuple]:
 @lru_cache(maxsize=2048)
 def _fsdp2_numel(shapes: tuple, ws: int) -> int:
     """FSDP2 all-gather output / reduce-scatter input elements: each param padded on dim 0 to ws."""
-    return sum(-(-s[0] // ws) * ws * _numel(s[1:]) for s in shapes)
+    return sum(-(-s[0] // ws) * ws * prod(s[1:]) for s in shapes)
 
 
 def _fsdp1_numel(shapes: tuple, ws: int) -> int:
     """FSDP1 FlatParameter (use_orig_params=False): flat numel padded to a multiple of ws."""
-    n = sum(_numel(s) for s in shapes)
+    n = sum(prod(s) for s in shapes)
     return -(-n // ws) * ws
 
 
@@ -276,7 +272,7 @@ def grad_ready_order(named_shapes, autocast: bool = False) -> list[int]:
         if weight is not None and len(weight) == 2 and not autocast:
             params = ([p for p in params if p[0].endswith(".bias")]
                       + [p for p in params if not p[0].endswith(".bias")])
-        out += [_numel(sh) for _, sh in params]
+        out += [prod(sh) for _, sh in params]
     return out
 
 
@@ -320,7 +316,7 @@ def _param_size_counts(model: ModelSpec) -> tuple[tuple[int, int], ...]:
     embed, block, head = model.units()
     for unit, times in ((embed, 1), (head, 1), (block, model.layers)):
         for _, shape in unit.params:
-            n = _numel(shape)
+            n = prod(shape)
             counts[n] = counts.get(n, 0) + times
     return tuple(sorted(counts.items(), reverse=True))
 
@@ -500,7 +496,7 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
 
     if s.family == "fsdp1":
         if name == "fsdp-no-shard":
-            nb, nr = sum(map(_numel, block)), sum(map(_numel, root))
+            nb, nr = sum(map(prod, block)), sum(map(prod, root))
             add("all_reduce", "world", world, gdt, nb * gb, L, "backward", "block")
             add("all_reduce", "world", world, gdt, nr * gb, 1, "backward", "root")
             return tuple(out)
@@ -567,9 +563,9 @@ def _deepspeed(model: ModelSpec, precision: str, A: int, stage: int, world: int)
             mods.setdefault(name.rsplit(".", 1)[0], []).append(shape)
     ag: dict[int, int] = {}
     for shapes in mods.values():
-        part = [s for s in shapes if _numel(s) >= DS_PARAM_PERSISTENCE_THRESHOLD]
+        part = [s for s in shapes if prod(s) >= DS_PARAM_PERSISTENCE_THRESHOLD]
         if part:
-            n = sum(-(-_numel(s) // ws) * ws for s in part)
+            n = sum(-(-prod(s) // ws) * ws for s in part)
             ag[n] = ag.get(n, 0) + 1
     for n, c in ag.items():
         out.append(("all_gather", "world", ws, dt, n * eb, c * A, "forward", "module"))

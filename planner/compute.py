@@ -36,27 +36,15 @@ from functools import lru_cache
 
 from .comm import _DTYPE_BYTES, Collective, collective_schedule, schedule_totals
 from .config import Cluster, TrainConfig
-from .model import ModelSpec
+
 from .strategies import Strategy, get_strategy
-
-
-def _as_strategy(strategy: str | Strategy) -> Strategy:
-    return strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
-
-
-@lru_cache(maxsize=512)
-def _matmul_params(model: ModelSpec) -> tuple[int, int]:
-    """(Linear weight elements of one block, of the LM head) - the weights that enter matmuls."""
-    block = sum(math.prod(s) for n, s in model.units()[1].params if n.endswith(".weight") and len(s) == 2)
-    head = model.vocab * model.hidden  # logits: x @ W^T with W the head (or the tied embedding)
-    return block, head
 
 
 def _forward_flops(train: TrainConfig) -> tuple[float, float]:
     """(block FLOPs of ONE block, head FLOPs) for one micro-step forward on one rank."""
     m = train.model
     b, s, h = train.micro_batch, train.seq_len, m.hidden
-    block_w, head_w = _matmul_params(m)
+    block_w, head_w = m.linear_weights()  # logits: x @ W^T with W the head or the tied embedding
     tokens = b * s
     # Narayanan et al. 2021 Eq. 3: 4*b*s^2*h per layer (QK^T and AV); halved for causal SDPA.
     attn = 4.0 * b * s * s * h * (0.5 if train.attention == "sdpa" else 1.0)
@@ -158,7 +146,7 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
     """Seconds of communication not hidden by compute, per optimizer step (module docstring model)."""
     if not schedule:
         return 0.0
-    s = _as_strategy(strategy)
+    s = get_strategy(strategy)
     strategy = s.name
     A, L = train.grad_accum, train.model.layers
     block_f, head_f = forward or _forward_flops(train)
@@ -228,7 +216,7 @@ def copy_bytes(train: TrainConfig, strategy: str | Strategy, schedule: list[Coll
     - FSDP1 (`_flat_param.py`, `_runtime_utils.py`): all-gathers straight into the flat parameter; under
       mixed precision the unsharded gradient is cast to `reduce_dtype` before reduce-scatter.
     """
-    fam = _as_strategy(strategy).family
+    fam = get_strategy(strategy).family
     prec = train.prec
     cb = prec.compute_bytes if prec.mixed else prec.param_bytes
     total = 0.0
@@ -249,7 +237,7 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
     `gpu`: a catalog GPU (flops dict, matmul_efficiency, hbm_bytes_per_s); default the cluster's
     `gpu_name` from the catalog. `schedule`: default `collective_schedule(train, cluster, strategy)`.
     """
-    s = _as_strategy(strategy)
+    s = get_strategy(strategy)
     if gpu is None:
         gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
     if schedule is None:
@@ -275,7 +263,7 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
 @lru_cache(maxsize=64)
 def _gpu(name: str, catalog_dirs: tuple = ()):
     """The catalog's GPU `name`, cached per (name, dirs) like `comm._interconnect` (looked up once per
-    evaluated strategy; call `cache_clear()` after editing catalog files in a running process)."""
+    evaluated strategy; `api.clear_caches()` after editing catalog files in a running process)."""
     from distplan.catalog.loader import load_catalog  # lazy
 
     return load_catalog(catalog_dirs).gpu(name)

@@ -108,17 +108,14 @@ class Cluster:
         if self.gpu_memory_bytes <= 0:
             raise ValueError(f"gpu_memory_bytes={self.gpu_memory_bytes}: must be positive")
         _positive("nics_per_node", self.nics_per_node)
-        # Derived once: every strategy's memory walk and schedule reads them.
-        object.__setattr__(self, "_nodes", max(1, self.gpus // self.gpus_per_node))
-        object.__setattr__(self, "_local_size", min(self.gpus, self.gpus_per_node))
 
     @property
     def nodes(self) -> int:
-        return self._nodes
+        return max(1, self.gpus // self.gpus_per_node)
 
     @property
     def local_size(self) -> int:
-        return self._local_size
+        return min(self.gpus, self.gpus_per_node)
 
     def to_dict(self) -> dict:
         d = asdict(self)

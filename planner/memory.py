@@ -38,6 +38,8 @@ all-gather buffer on GPUs; DeepSpeed figures follow its estimators and are not v
 
 from __future__ import annotations
 
+from math import prod
+
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -157,12 +159,6 @@ class Layout:
     opt_owned: int  # ZeRO-1 with >1 rank: parameter elements whose optimizer state this rank holds; else 0
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
 
 @lru_cache(maxsize=256)
 def _size_runs(model: ModelSpec) -> tuple:
@@ -172,8 +168,8 @@ def _size_runs(model: ModelSpec) -> tuple:
     are identical, so a run is the embed's shapes of that size, then the block's L times, then the head's."""
     embed, block, head = ([s for _, s in u.params] for u in model.units())
     runs = []
-    for n in sorted({_numel(s) for s in embed + block + head}, reverse=True):
-        pick = [tuple(s for s in shapes if _numel(s) == n) for shapes in (embed, block, head)]
+    for n in sorted({prod(s) for s in embed + block + head}, reverse=True):
+        pick = [tuple(s for s in shapes if prod(s) == n) for shapes in (embed, block, head)]
         runs.append((n, pick[0] + pick[1] * model.layers + pick[2]))
     return tuple(runs)
 
@@ -224,21 +220,21 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
     embed, blk, head = model.units()
     root_params = embed.params + head.params
     block_params = blk.params
-    root = sum(_numel(s) for _, s in root_params)
-    block = sum(_numel(s) for _, s in block_params)
+    root = sum(prod(s) for _, s in root_params)
+    block = sum(prod(s) for _, s in block_params)
     total = model.param_count()
-    largest = max(_numel(s) for _, s in root_params + block_params)  # every block is the same
+    largest = max(prod(s) for _, s in root_params + block_params)  # every block is the same
 
     if family == "fsdp2":
         def fsdp2_shard(params):  # per-parameter dim-0 sharding, padded (FSDPParam._init_sharded_param)
-            return sum(-(-s[0] // shard) * _numel(s[1:]) for _, s in params)
+            return sum(-(-s[0] // shard) * prod(s[1:]) for _, s in params)
         sb, sr = fsdp2_shard(block_params), fsdp2_shard(root_params)
         shard_total = sr + model.layers * sb
         ub, ur = sb * shard, sr * shard
         owned = 0
     elif family == "fsdp1":
         def fsdp1_shard(params):  # one FlatParameter, padded to a multiple of the group (_flat_param.py)
-            n = sum(_numel(s) for _, s in params)
+            n = sum(prod(s) for _, s in params)
             return -(-n // shard) if shards_params or shards_optimizer else n
         sb, sr = fsdp1_shard(block_params), fsdp1_shard(root_params)
         shard_total = sr + model.layers * sb
@@ -300,7 +296,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     NCCL and the fake process group do not. The CPU validation path runs on gloo. On 'cuda',
     `peak_allocated` adds the cuBLAS workspaces of `gpu_name` (default: the cluster's GPU).
     """
-    st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
+    st = get_strategy(strategy)
     if train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3"):
         from .deepspeed import estimate_deepspeed
         return estimate_deepspeed(train, cluster, st)

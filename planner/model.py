@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
+from math import prod
 from operator import attrgetter
 from typing import Literal
 
@@ -174,6 +175,11 @@ class ModelSpec:
                   for i in range(self.layers)]
         return (embed, *blocks, head)
 
+    def linear_weights(self) -> tuple[int, int]:
+        """(Linear weight elements of one block, of the LM head): the weights that enter matmuls (and
+        that autocast casts). The head is vocab x hidden whether it is its own or the tied embedding."""
+        return _linear_weights(self)
+
     def block_param_count(self) -> int:
         return self.units()[1].numel
 
@@ -209,22 +215,10 @@ class ParamGroup:
 
     @property
     def numel(self) -> int:
-        total = 0
-        for _, shape in self.params:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(prod(shape) for _, shape in self.params)
 
     def sizes(self) -> list[int]:
-        out = []
-        for _, shape in self.params:
-            n = 1
-            for d in shape:
-                n *= d
-            out.append(n)
-        return out
+        return [prod(shape) for _, shape in self.params]
 
 
 def astuple_shallow(obj) -> tuple:
@@ -246,3 +240,9 @@ def _inventory(spec: ModelSpec) -> tuple:
 @lru_cache(maxsize=1024)
 def _units(spec: ModelSpec) -> tuple:
     return spec._build_units()
+
+
+@lru_cache(maxsize=1024)
+def _linear_weights(spec: ModelSpec) -> tuple[int, int]:
+    block = sum(prod(s) for n, s in spec.units()[1].params if n.endswith(".weight") and len(s) == 2)
+    return block, spec.vocab * spec.hidden

@@ -42,6 +42,9 @@ first dimension); CPU offload and `--framework deepspeed` are not supported here
 
 from __future__ import annotations
 
+from itertools import groupby
+from math import prod
+
 import sys
 from dataclasses import dataclass, field, replace
 
@@ -49,17 +52,11 @@ from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
 from .config import CHECKPOINTING, Cluster
 from .memory import (COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot,
-                     cublas_workspace_bytes)
+                     cublas_workspace_bytes, zero1_partition)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
 from .strategies import NAMES, Strategy, get_strategy
 from .units import fmt_count
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # -- the measured description ------------------------------------------------------------------
@@ -87,7 +84,7 @@ class ModuleDesc:
         return sum(s[1] for s in self.segments)
 
     def param_count(self) -> int:
-        return sum(_numel(s) for _, ps in self.units for _, s in ps)
+        return sum(prod(s) for _, ps in self.units for _, s in ps)
 
     def unit_shapes(self, unit: str) -> tuple:
         for u, ps in self.units:
@@ -198,26 +195,24 @@ def _unit_sizes(desc: ModuleDesc, family: str, shard: int, sharding: bool) -> di
     for u, ps in desc.units:
         shapes = [s for _, s in ps]
         if family == "fsdp2" and sharding:  # FSDPParam: dim-0 shards, padded
-            sh = sum(-(-s[0] // shard) * _numel(s[1:]) if s else -(-1 // shard) for s in shapes)
+            sh = sum(-(-s[0] // shard) * prod(s[1:]) if s else -(-1 // shard) for s in shapes)
             out[u] = (sh, sh * shard)
         elif sharding:  # FSDP1 FlatParameter padded to a multiple of the group
-            n = sum(_numel(s) for s in shapes)
+            n = sum(prod(s) for s in shapes)
             sh = -(-n // shard)
             out[u] = (sh, sh * shard)
         else:
-            n = sum(_numel(s) for s in shapes)
+            n = sum(prod(s) for s in shapes)
             out[u] = (n, n)
     return out
 
 
 def _zero1_owned(shapes: list, shard: int) -> list:
-    """ZeroRedundancyOptimizer._partition_parameters: largest first to the least loaded rank."""
-    totals = [0] * shard
-    owned: list[list] = [[] for _ in range(shard)]
-    for s in sorted(shapes, key=_numel, reverse=True):
-        r = totals.index(min(totals))
-        totals[r] += _numel(s)
-        owned[r].append(s)
+    """ZeroRedundancyOptimizer._partition_parameters (`memory.zero1_partition`): the shapes of the most
+    loaded rank."""
+    ordered = sorted(shapes, key=prod, reverse=True)  # stable: equal sizes keep registration order
+    runs = [(n, tuple(group)) for n, group in groupby(ordered, key=prod)]
+    totals, owned = zero1_partition(runs, shard)
     return owned[totals.index(max(totals))]
 
 
@@ -228,7 +223,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     On 'cuda' `peak_allocated` adds two cuBLAS workspaces (forward and backward threads; see
     `memory.library_workspace_bytes`); convolutions' cuDNN workspaces are transient and not counted.
     `backend` 'gloo' adds the copy its reduce_scatter_tensor makes of its input (as memory.py)."""
-    st = strategy if isinstance(strategy, Strategy) else get_strategy(strategy)
+    st = get_strategy(strategy)
     family = st.family
     world, shard = _shard_group(st, cluster)
     prec = train.prec
@@ -236,7 +231,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     notes: list[str] = []
     shapes = desc.all_shapes()
     total = desc.param_count()
-    largest = max((_numel(s) for s in shapes), default=0)
+    largest = max((prod(s) for s in shapes), default=0)
     fsdp = family in ("fsdp1", "fsdp2")
     sharding = fsdp and shard > 1 and st.shards_params
     sizes = _unit_sizes(desc, family, shard, sharding) if fsdp else {}
@@ -245,7 +240,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     if family == "zero1" and shard > 1:
         owned = _zero1_owned(shapes, shard)
         elems, extra = optimizer_state_elems(train.optimizer, owned)
-        step_elems = sum(_numel(s) for s in owned)
+        step_elems = sum(prod(s) for s in owned)
     elif sharding:
         # The most loaded rank's shards: FSDP2 keeps each parameter's dim-0 chunk (rank 0 has
         # ceil(d0/shard) rows), FSDP1 one flat 1-D shard per unit; states are zeros_like(shard).
@@ -291,7 +286,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
 
     all_acts = sum(acts) + loss_act
     if family in ("single", "ddp", "zero1"):
-        unit_grad = {u: sum(_numel(s) for _, s in ps) * gb for u, ps in desc.units}
+        unit_grad = {u: sum(prod(s) for _, s in ps) * gb for u, ps in desc.units}
         base = dict(params=total * pb + buffers, optimizer=opt,
                     comm_buffers=0 if family == "single" else total * gb)
         snap("forward", **base, activations=all_acts, temporaries=out_tmp)
@@ -435,7 +430,7 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
                 add("broadcast", "world", world, sdt, n * nbytes[sdt], 1, "optimizer", "param")
     elif st.family == "fsdp2":
         for u, shapes in units:
-            n = sum(-(-s[0] // world) * world * _numel(s[1:]) if s else world for s in shapes)
+            n = sum(-(-s[0] // world) * world * prod(s[1:]) if s else world for s in shapes)
             kind = "root" if u == "root" else "unit"
             add("all_gather", "world", world, pdt, n * pb, A, "forward", kind)
             if st.reshard_after_forward:
@@ -444,7 +439,7 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
     else:  # fsdp1
         shard_n, group = (min(world, g), "intra_node") if st.name == "hsdp" else (world, "world")
         for u, shapes in units:
-            n = sum(_numel(s) for s in shapes)
+            n = sum(prod(s) for s in shapes)
             kind = "root" if u == "root" else "unit"
             if st.name == "fsdp-no-shard":
                 add("all_reduce", "world", world, gdt, n * gb, 1, "backward", kind)
@@ -503,7 +498,7 @@ class ModulePlan(Plan):
     def header_lines(self) -> list[str]:
         t, c, d = self.train, self.cluster, self.desc
         n = d.param_count()
-        units = ", ".join(f"{u} {fmt_count(sum(_numel(s) for _, s in ps))}" for u, ps in d.units)
+        units = ", ".join(f"{u} {fmt_count(sum(prod(s) for _, s in ps))}" for u, ps in d.units)
         return [
             f"model: {d.name}: {n:,} params ({fmt_count(n)}); wrapping units: {units}",
             f"training: input {'x'.join(map(str, t.input_shape))} per GPU x accum {t.grad_accum}, "

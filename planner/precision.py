@@ -16,6 +16,8 @@ param's dtype, created lazily at the first step.
 
 from __future__ import annotations
 
+from math import prod
+
 from dataclasses import dataclass
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
@@ -63,7 +65,7 @@ def optimizer_state_elems(optimizer: str, shapes: list[tuple]) -> tuple[int, flo
     adamw-8bit (bitsandbytes, not PyTorch-native): 2 one-byte states + one fp32 absmax per 2048-element
     block, reported as extra bytes. The per-parameter `step` counters are scalars and ignored.
     """
-    n = sum(_numel(s) for s in shapes)
+    n = sum(prod(s) for s in shapes)
     if optimizer in ("adam", "adamw"):
         return 2 * n, 0.0
     if optimizer == "sgd":
@@ -74,17 +76,12 @@ def optimizer_state_elems(optimizer: str, shapes: list[tuple]) -> tuple[int, flo
         elems = 0
         for s in shapes:
             if len(s) >= 2:
-                elems += _numel(s[:-1]) + _numel(s[:-2] + s[-1:])
+                elems += prod(s[:-1]) + prod(s[:-2] + s[-1:])
             else:
-                elems += _numel(s)
+                elems += prod(s)
         return elems, 0.0
     if optimizer == "adamw-8bit":
         return 0, 2.0 * n + 2 * 4.0 * n / 2048
     raise ValueError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

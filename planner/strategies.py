@@ -64,7 +64,10 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in (
 NAMES = tuple(REGISTRY)
 
 
-def get_strategy(name: str) -> Strategy:
+def get_strategy(name: str | Strategy) -> Strategy:
+    """The registry's strategy by name (a Strategy is returned as it is)."""
+    if isinstance(name, Strategy):
+        return name
     key = name.strip().lower()
     if key not in REGISTRY:
         raise ValueError(f"unknown strategy {name!r}; accepted: {', '.join(NAMES)}")
