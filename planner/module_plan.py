@@ -19,8 +19,10 @@ tensors (torch is imported lazily; nothing is allocated).
   gradient and the reduce-scatter input (fp32 under mixed precision) coexist; the root unit stays
   unsharded from forward to the end of backward.
 - backward, segment by segment from the last: the saved activations of the segments before it and of
-  itself are alive, the gradients of every unit already reached exist; the transient is the gradient
-  of the segment's output and of its input (`input_bytes` of this and the next segment). A sharded
+  itself are alive, the gradients of every unit already reached exist; the transient is what the
+  profile measured the segment's backward to hold at its peak on fake tensors (the gradients of its
+  output, of its input and of what lies between: a conv -> ReLU -> pool segment holds the pool's and
+  the ReLU's input gradients at once). A sharded
   unit's reduce-scatter comes after its segment's backward: its saved tensors and its output's
   gradient are gone by then, its unsharded gradients and the reduce-scatter input are alive.
 - temporaries: the output and its gradient around the loss; at the optimizer step the foreach
@@ -42,6 +44,7 @@ first dimension); CPU offload and `--framework deepspeed` are not supported here
 
 from __future__ import annotations
 
+import json
 from itertools import groupby
 from math import prod
 
@@ -51,8 +54,8 @@ from dataclasses import dataclass, field, replace
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
 from .config import CHECKPOINTING, Cluster
-from .memory import (COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot,
-                     cublas_workspace_bytes, zero1_partition)
+from .memory import (COMPONENTS, CUBLASLT_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate,
+                     Snapshot, cublas_workspace_bytes, zero1_partition)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
 from .strategies import NAMES, Strategy, get_strategy
 from .units import fmt_count
@@ -70,7 +73,11 @@ class ModuleDesc:
     units: tuple
     """((unit, ((param name, shape), ...)), ...) in registration order; 'root' = the root's own."""
     segments: tuple
-    """((unit, saved activation bytes, input bytes), ...) in forward order, 'loss' last."""
+    """((unit, saved activation bytes, input bytes, backward), ...) in forward order, 'loss' last.
+    backward: (transient, grads, saved) bytes at the segment's backward peak, measured on fake tensors
+    (`module_probe._BackwardTracker`): activation gradients alive, its parameters' gradients made so far,
+    its saved tensors not yet freed; None when the profile predates that measurement (the walk then
+    takes the gradients of input and output, all of its parameters' gradients and saved tensors)."""
     output_bytes: int
     buffers_bytes: int
     forward_flops: int
@@ -78,6 +85,14 @@ class ModuleDesc:
     """The input shape's first dimension: samples per GPU per micro-step."""
     loss: str = "sum"
     """'cross_entropy' (2-D output) or 'sum' (module_probe's rule)."""
+    kernels: tuple = ()
+    """((segment index in `segments`, phase, key, at), ...): the convolutions, whose cuDNN workspaces
+    are measured on a GPU (`validate/kernel_workspace.py`); `at` = (transient, grads, saved) when a
+    backward convolution runs (as `segments`' backward), None in forward."""
+    linear_bias: bool = False
+    """An addmm (a Linear with a bias) runs in forward: cuBLASLt's workspace on CUDA."""
+    kernel_args: tuple = ()
+    """((key, JSON of the call's arguments), ...): what `validate.kernel_workspace.measure` runs."""
 
     @property
     def activation_bytes(self) -> int:
@@ -98,17 +113,27 @@ class ModuleDesc:
     @classmethod
     def from_profile(cls, prof: dict) -> "ModuleDesc":
         units = tuple((u["name"], tuple((n, tuple(s)) for n, s in u["params"])) for u in prof["units"])
-        segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"])) for s in prof["segments"])
+        segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]),
+                      None if s.get("backward_bytes") is None else
+                      (int(s["backward_bytes"]), int(s["backward_grad_bytes"]), int(s["backward_saved_bytes"])))
+                     for s in prof["segments"])
+        kernels = tuple((i, k["phase"], k["key"], None if k["at"] is None else tuple(int(v) for v in k["at"]))
+                        for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
                    int(prof["buffers_bytes"]), int(prof["forward_flops"]), int(prof["input_shape"][0]),
-                   prof.get("loss", "sum"))
+                   prof.get("loss", "sum"), kernels, bool(prof.get("linear_bias", False)),
+                   tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
+                                 for s in prof["segments"] for k in s.get("kernels", ())})))
 
     def scaled(self, batch: int) -> "ModuleDesc":
         """The same module at another batch: activations, inputs, output, FLOPs scale linearly."""
         k = batch / self.batch
-        segs = tuple((u, int(a * k), int(i * k)) for u, a, i in self.segments)
+        segs = tuple((u, int(a * k), int(i * k), None if b is None else (int(b[0] * k), b[1], int(b[2] * k)))
+                     for u, a, i, b in self.segments)
+        # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
-                       forward_flops=int(self.forward_flops * k), batch=batch)
+                       forward_flops=int(self.forward_flops * k), batch=batch,
+                       kernels=() if batch != self.batch else self.kernels)
 
 
 @dataclass(frozen=True)
@@ -217,11 +242,15 @@ def _zero1_owned(shapes: list, shard: int) -> list:
 
 
 def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster,
-                           strategy: str | Strategy, device: str = "cuda", backend: str = "nccl") -> MemoryEstimate:
+                           strategy: str | Strategy, device: str = "cuda", backend: str = "nccl",
+                           workspaces: dict | None = None) -> MemoryEstimate:
     """Most loaded rank's memory of one strategy for a measured module (module docstring).
 
-    On 'cuda' `peak_allocated` adds two cuBLAS workspaces (forward and backward threads; see
-    `memory.library_workspace_bytes`); convolutions' cuDNN workspaces are transient and not counted.
+    On 'cuda' `peak_allocated` adds two cuBLAS workspaces (forward and backward threads) and cuBLASLt's
+    when a Linear has a bias (`memory.library_workspace_bytes`'s rule), and each convolution's cuDNN
+    workspace from `workspaces` ({kernel key: bytes}, measured by `validate.kernel_workspace`) at the
+    instant its call runs: the components are those of the tensors' peak, `peak_allocated` is the
+    highest of tensors plus the workspace of the moment, and `workspace` what it adds to the components.
     `backend` 'gloo' adds the copy its reduce_scatter_tensor makes of its input (as memory.py)."""
     st = get_strategy(strategy)
     family = st.family
@@ -273,31 +302,63 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     elif train.checkpointing == "selective":
         notes.append("selective checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
+    # Segment k's backward at its peak (measured; else input and output gradients, all of its saved
+    # tensors and, None, all of its unit's gradients): transient bytes, its own gradients, its saved
+    # tensors. With full checkpointing its saved tensors are the recomputed ones (`recompute`).
+    bwd_tmp, bwd_grads, bwd_saved = [], [], []
+    for k, s in enumerate(segs):
+        b = s[3] if s[3] is not None else (inputs[k] + inputs[k + 1], None, s[1])
+        bwd_tmp.append(b[0])
+        bwd_grads.append(b[1])
+        bwd_saved.append(acts[k] if train.checkpointing == "full" else b[2])
     out_tmp = desc.output_bytes
     buffers = desc.buffers_bytes
 
     snaps: list[Snapshot] = []
+    extra: list[int] = []  # cuDNN workspace taken at each snapshot's instant
+    ws = workspaces if device == "cuda" and workspaces else {}
+    fwd_ws = [0] * len(segs)
+    bwd_kernels: dict = {}  # segment -> [(workspace, (transient, grads, saved))]
+    for i, phase, key, at in desc.kernels:
+        if i < len(segs) and key in ws:
+            if phase == "forward":
+                fwd_ws[i] = max(fwd_ws[i], ws[key])
+            else:
+                bwd_kernels.setdefault(i, []).append((ws[key], at))
 
-    def snap(phase, **parts):
+    def snap(phase, workspace=0, **parts):
         full = {k: 0 for k in COMPONENTS}
         for k, v in parts.items():
             full[k] += int(v)
         snaps.append(Snapshot(phase, full))
+        extra.append(int(workspace))
+
+    def instants(k: int):
+        """Segment k's backward: its measured peak (no workspace), then each convolution's instant
+        with its workspace, as ((transient, own grads, saved), workspace)."""
+        yield (bwd_tmp[k], bwd_grads[k], bwd_saved[k]), 0
+        for w, at in bwd_kernels.get(k, ()):
+            yield (at[0], at[1], acts[k] if train.checkpointing == "full" else at[2]), w
 
     all_acts = sum(acts) + loss_act
     if family in ("single", "ddp", "zero1"):
         unit_grad = {u: sum(prod(s) for _, s in ps) * gb for u, ps in desc.units}
         base = dict(params=total * pb + buffers, optimizer=opt,
                     comm_buffers=0 if family == "single" else total * gb)
+        for k in range(len(segs)):
+            if fwd_ws[k]:  # a forward convolution's instant: at most the segment's end
+                snap("forward", fwd_ws[k], **base, activations=sum(acts[:k + 1]), temporaries=inputs[k + 1])
         snap("forward", **base, activations=all_acts, temporaries=out_tmp)
         snap("backward", **base, activations=all_acts, temporaries=2 * out_tmp)
         reached: set = set()
         for k in range(len(segs) - 1, -1, -1):
             u = segs[k][0]
+            own = unit_grad.get(u, 0) if u not in reached else 0
             reached.add(u)
-            grads = sum(unit_grad.get(x, 0) for x in reached)
-            snap("backward", **base, activations=sum(acts[:k + 1]) + recompute, grads=grads,
-                 temporaries=inputs[k] + inputs[k + 1])
+            done = sum(unit_grad.get(x, 0) for x in reached if x != u)
+            for (tmp, g, saved), w in instants(k):
+                snap("backward", w, **base, activations=sum(acts[:k]) + saved + recompute,
+                     grads=done + (own if g is None else min(own, g)), temporaries=tmp)
         snap("optimizer", **base, grads=total * gb, temporaries=opt_tmp)
     else:
         udt = cb if prec.mixed else pb  # param_dtype of the unsharded unit
@@ -312,14 +373,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         root = unsh.get("root", 0)
         order = [s[0] for s in segs if s[0] in sizes and s[0] != "root"]
         held: list = []  # units unsharded and kept to backward (no reshard)
-        for k, (u, _, _) in enumerate(segs):
+        for k, (u, *_) in enumerate(segs):
             cur = unsh.get(u, 0) if u != "root" else 0
             if u in sizes and u != "root" and not reshard and u not in held:
                 held.append(u)
             nxt = next((x for x in order[order.index(u) + 1:]), None) if u in order else None
             pre = unsh.get(nxt, 0) if reshard and nxt else 0
             kept = sum(unsh[x] for x in held)
-            snap("forward", **base, comm_buffers=root + (cur + pre if reshard else kept),
+            snap("forward", fwd_ws[k], **base, comm_buffers=root + (cur + pre if reshard else kept),
                  activations=sum(acts[:k + 1]), temporaries=inputs[k + 1])
         kept_fwd = root + sum(unsh[x] for x in held)
         snap("forward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=out_tmp)
@@ -346,12 +407,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                      else sum(sizes[x][1] for x in done) * gb)
             kept_now = sum(unsh[x] for x in held if x not in resharded)
             unsharded = root + (in_use + pre if reshard else kept_now)
-            # During the segment's backward: its saved tensors and the gradients of its output and
-            # input are alive, its parameters' gradients arrive at the end (FSDP1: views of the flat
-            # parameter, so they wait in autograd's buffer: temporaries).
-            snap("backward", **base, comm_buffers=unsharded + (0 if fsdp1 else g_unit) + rs_held,
-                 activations=sum(acts[:k + 1]) + recompute, grads=grads,
-                 temporaries=inputs[k] + inputs[k + 1] + (g_unit if fsdp1 else 0))
+            # During the segment's backward, at its measured peak: its saved tensors not yet freed,
+            # the activation gradients alive, its parameters' gradients made so far (FSDP1: views of
+            # the flat parameter, so they wait in autograd's buffer: temporaries).
+            for (tmp, g, saved), w in instants(k):
+                g_now = g_unit if g is None else min(g_unit, g)
+                snap("backward", w, **base, comm_buffers=unsharded + (0 if fsdp1 else g_now) + rs_held,
+                     activations=sum(acts[:k]) + saved + recompute, grads=grads,
+                     temporaries=tmp + (g_now if fsdp1 else 0))
             if rs:
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
                 # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
@@ -377,8 +440,12 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
 
     peak = max(snaps, key=lambda s: s.total)
-    workspace = 2 * cublas_workspace_bytes(cluster.gpu_name) if device == "cuda" else 0
-    peak_allocated = peak.total + workspace
+    library = 0
+    if device == "cuda":
+        library = 2 * cublas_workspace_bytes(cluster.gpu_name) + (
+            CUBLASLT_WORKSPACE_BYTES * (2 if train.checkpointing == "full" else 1) if desc.linear_bias else 0)
+    peak_allocated = max(s.total + e for s, e in zip(snaps, extra)) + library
+    workspace = peak_allocated - peak.total
     reserved = int(0.10 * peak_allocated)  # as memory.estimate_memory
     groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
@@ -494,6 +561,8 @@ class ModulePlan(Plan):
     descs: dict = field(default_factory=dict)
     """ModuleDesc per strategy family regime (mixed precision measures fp32+autocast and 16-bit)."""
     profile_s: float = 0.0
+    workspaces: dict = field(default_factory=dict)
+    """cuDNN workspace per convolution call, measured on the local GPU ({} without one)."""
 
     def header_lines(self) -> list[str]:
         t, c, d = self.train, self.cluster, self.desc
@@ -546,7 +615,7 @@ def module_recommend(plan: ModulePlan):
     def fits(name: str, batch: int) -> bool:
         st = get_strategy(name)
         desc = plan.descs[_regime(plan.train.precision, st.family)].scaled(batch)
-        return estimate_module_memory(desc, plan.train, plan.cluster, st).fits
+        return estimate_module_memory(desc, plan.train, plan.cluster, st, workspaces=plan.workspaces).fits
 
     if not ok:
         names = [r.name for r in results]
@@ -643,17 +712,52 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     notes.append("activations measured with saved_tensors_hooks on fake tensors; loss: "
                  + ("cross-entropy (2-D output)" if desc.loss == "cross_entropy" else "sum of the outputs"))
 
+    workspaces, local = kernel_workspaces(descs.values())
+    if any(d.kernel_args for d in descs.values()):
+        if workspaces:
+            notes.append(f"cuDNN convolution workspaces measured on this machine's {local}: up to "
+                         f"{max(workspaces.values()) / 2**20:.1f} MiB (they depend on the GPU and cuDNN version)")
+        else:
+            notes.append("cuDNN convolution workspaces not counted: they depend on the kernel cuDNN picks on the "
+                         "GPU; plan on a machine with the GPU to measure them (tens of MiB for a small CNN)")
+
     from distplan.catalog.loader import load_catalog
     gpu = load_catalog(tuple(kw.get("catalog_dirs") or ())).gpu(cluster.gpu_name)
     results = []
     for n in names:
         st = get_strategy(n)
         d = descs[_regime(precision, st.family)]
-        mem = estimate_module_memory(d, train, cluster, st)
+        mem = estimate_module_memory(d, train, cluster, st, workspaces=workspaces)
         colls = module_collectives(d, train, cluster, n)
         results.append(StrategyResult(st, mem, colls, module_time(d, train, cluster, colls, gpu)))
-    return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s)
+    return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s,
+                      workspaces=workspaces)
 
+
+
+def kernel_workspaces(descs) -> tuple[dict, str | None]:
+    """cuDNN workspaces of every convolution in `descs` (ModuleDescs), measured on the local GPU
+    (`validate.kernel_workspace`): ({key: bytes}, the GPU's name), or ({}, None) without one."""
+    from distplan.validate import kernel_workspace
+    name = kernel_workspace.available()
+    calls = {key: args for d in descs for key, args in d.kernel_args}
+    if not calls or name is None:
+        return {}, name
+    return kernel_workspace.measure([{"key": k, "args": json.loads(a)} for k, a in calls.items()]), name
+
+
+def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
+    """For `distplan validate --module` on a GPU: the cuDNN workspaces of the module's convolutions in
+    every regime the strategies run it in, measured here once ({key: bytes}); stored in the probes'
+    inputs so the prediction can be repeated without the GPU."""
+    from distplan.validate.module_probe import profile_module
+
+    if module.get("path") and module["path"] not in sys.path:
+        sys.path.insert(0, module["path"])
+    shape = tuple(int(d) for d in module["input_shape"])
+    regimes = {_regime(precision, get_strategy(s).family) for s in strategies}
+    descs = [ModuleDesc.from_profile(profile_module(module["factory"], shape, r)) for r in sorted(regimes)]
+    return kernel_workspaces(descs)[0]
 
 
 def predict_module_probe(spec: dict) -> dict:
@@ -672,6 +776,7 @@ def predict_module_probe(spec: dict) -> dict:
     st = get_strategy(spec["strategy"])
     precision = t.get("precision", "fp32")
     d = ModuleDesc.from_profile(profile_module(mod["factory"], shape, _regime(precision, st.family)))
+    workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
     model = ModuleModel(d.name, mod["factory"], d.param_count(), d.units, layers=len(d.units))
     ckpt = t.get("checkpointing", "none")
     train = ModuleTrain(model, precision=precision, optimizer=t.get("optimizer", "adamw"),
@@ -684,7 +789,7 @@ def predict_module_probe(spec: dict) -> dict:
                       gpu_name=spec.get("gpu_name") or "h100-sxm", nics_per_node=gpn)
     device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
     backend = {"gpu": "nccl", "cpu": "gloo", "fake": "fake"}.get(spec.get("mode"), "nccl")
-    mem = estimate_module_memory(d, train, cluster, st, device=device, backend=backend)
+    mem = estimate_module_memory(d, train, cluster, st, device=device, backend=backend, workspaces=workspaces)
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
     colls = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype, "message_bytes": int(c.message_bytes),

@@ -206,6 +206,10 @@ def validate_command(ctx, strategies, model, params, hf_config, module_factory, 
         s["device_type"] = "cuda" if hw.get("gpus") else "cpu"
         if hw.get("gpus") and hw.get("gpu_names"):
             s["gpu_name"] = hw["gpu_names"][0]  # sizes the cuBLAS workspaces in the prediction
+    if module_spec is not None and hw.get("gpus"):
+        # cuDNN's convolution workspaces, measured here once per call (validate/kernel_workspace.py).
+        from .module_plan import probe_kernel_workspaces
+        module_spec["kernel_workspaces"] = probe_kernel_workspaces(module_spec, precision, strategies)
     modes = list(dict.fromkeys((s["mode"], s["world_size"]) for s in specs))
     header = ["distplan validate: " + f"{len(specs)} probe{'s' if len(specs) != 1 else ''}, model {model_label}"]
     header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]

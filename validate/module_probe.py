@@ -106,6 +106,153 @@ def module_loss(out):
     return out.sum(), "sum"
 
 
+class _BackwardTracker:
+    """What one backward holds, per forward segment, measured on fake tensors.
+
+    A dispatch mode sees every op of the backward; each new output storage is kept as a weak reference
+    (`StorageWeakRef`), so after every op the bytes autograd still references are known, as the
+    allocator would see them. The segment an op belongs to: backward runs the segments in reverse, and a
+    gradient hook on each segment's input (`mark_input`) fires when that segment's backward is done.
+    Storages still alive when the backward ends are the parameters' gradients. After each op, three
+    figures of the current segment: `transient` (the other storages the backward created and still
+    holds: gradients of activations), `grads` (this segment's parameter gradients created so far) and
+    `saved` (this segment's saved tensors not yet freed). Per segment the instant where their sum is
+    highest is kept: the planner's walk adds the segments before (their saved tensors, the gradients
+    already reduced) and the strategy's own buffers to it."""
+
+    def __init__(self, torch):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        self._torch, self._ref = torch, StorageWeakRef
+        self.live: dict = {}  # storage key -> (weak ref, bytes, unique id)
+        self.born: dict = {}  # unique id -> segment it was created in
+        self.saved: dict = {}  # segment -> [(weak ref, bytes)] of the storages it saved for backward
+        self.timeline: list = []  # (segment, [(unique id, bytes) alive], saved bytes of it alive)
+        self.segment = None  # None: the loss (the last segment) until its input's hook fires
+        self.survivors: set = set()
+        self._uid = 0
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._after(tree_leaves(out), tree_leaves((args, kwargs)))
+                if func is torch.ops.aten.convolution_backward.default:
+                    tracker._kernel(conv_args(args, "backward"))
+                return out
+
+        self._mode = _Mode()
+        self.kernels: dict = {}  # segment -> [{"phase", "args", "at"}]: convolutions (cuDNN workspaces)
+        self.linear_bias = False  # an addmm in forward: cuBLASLt's workspace on CUDA
+        self.forward_segment = lambda: 0
+
+        class _Forward(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.convolution.default:
+                    tracker.kernels.setdefault(tracker.forward_segment(), []).append(
+                        {"phase": "forward", "args": conv_args(args, "forward"), "at": None})
+                elif func is torch.ops.aten.addmm.default:
+                    tracker.linear_bias = True
+                return func(*args, **(kwargs or {}))
+
+        self.forward_mode = _Forward()
+
+    def mark_input(self, args, index: int) -> None:
+        def done(_grad, index=index):
+            self.segment = index - 1
+        for a in args:
+            if isinstance(a, self._torch.Tensor) and a.requires_grad:
+                a.register_hook(done)
+
+    def mark_saved(self, storage, nbytes: int, index: int) -> None:
+        self.saved.setdefault(index, []).append((self._ref(storage), nbytes))
+
+    def _after(self, outs, ins) -> None:
+        Tensor = self._torch.Tensor
+        # Drop what autograd has freed first: a freed storage's address (the key) can come back.
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        # Views, detach (how saved tensors come back) and in-place ops return an input's storage:
+        # nothing new is allocated.
+        aliased = {t.untyped_storage()._cdata for t in ins if isinstance(t, Tensor)}
+        seg = self.segment if self.segment is not None else self._last
+        for t in outs:
+            if isinstance(t, Tensor):
+                st = t.untyped_storage()
+                k = st._cdata
+                if k not in self.live and k not in aliased:
+                    self._uid += 1
+                    self.live[k] = (self._ref(st), int(st.nbytes()), self._uid)
+                    self.born[self._uid] = seg
+        saved = sum(n for ref, n in self.saved.get(seg, ()) if not ref.expired())
+        self.timeline.append((seg, [(v[2], v[1]) for v in self.live.values()], saved))
+
+    def _kernel(self, args: dict) -> None:
+        """A backward convolution: where it runs and what is alive then (its outputs included; cuDNN
+        takes its workspace while they exist)."""
+        seg, alive, saved = self.timeline[-1]
+        self.kernels.setdefault(seg, []).append({"phase": "backward", "args": args, "at": (alive, saved)})
+
+    def run(self, loss, n_segments: int) -> None:
+        self._last = n_segments - 1
+        with self._mode:
+            loss.backward()
+        self.survivors = {v[2] for v in self.live.values() if not v[0].expired()}
+
+    def _split(self, seg, alive, saved) -> tuple:
+        trans = sum(n for uid, n in alive if uid not in self.survivors)
+        grads = sum(n for uid, n in alive if uid in self.survivors and self.born[uid] == seg)
+        return trans, grads, saved
+
+    def segment_peaks(self) -> dict:
+        """{segment index: (transient, grads, saved) at the instant of its backward where their sum
+        is highest}."""
+        peaks: dict = {}
+        for seg, alive, saved in self.timeline:
+            t = self._split(seg, alive, saved)
+            if seg not in peaks or sum(t) > sum(peaks[seg]):
+                peaks[seg] = t
+        return peaks
+
+    def segment_kernels(self, seg: int) -> list:
+        """The segment's convolutions: {"phase", "key", "args", "at": (transient, grads, saved) or None}."""
+        out = []
+        for k in self.kernels.get(seg, ()):
+            at = None if k["at"] is None else list(self._split(seg, *k["at"]))
+            out.append({"phase": k["phase"], "key": conv_key(k["args"]), "args": k["args"], "at": at})
+        return out
+
+
+def conv_args(args, phase: str) -> dict:
+    """The arguments of aten.convolution (forward) or aten.convolution_backward that pick cuDNN's
+    kernel, as plain data: enough to run the same call on a GPU (`validate/kernel_workspace.py`)."""
+    if phase == "forward":
+        x, w, b, stride, padding, dilation, transposed, out_pad, groups = args[:9]
+        mask = None
+    else:
+        _g, x, w, b, stride, padding, dilation, transposed, out_pad, groups, mask = args[:11]
+        b = b is not None
+        mask = [bool(m) for m in mask]
+    return {"phase": phase, "input": list(x.shape), "weight": list(w.shape), "bias": bool(b is not None
+            if phase == "forward" else b), "stride": list(stride), "padding": list(padding),
+            "dilation": list(dilation), "transposed": bool(transposed), "output_padding": list(out_pad),
+            "groups": int(groups), "dtype": str(x.dtype).replace("torch.", ""), "output_mask": mask}
+
+
+def _ints(v) -> str:
+    return ",".join(map(str, v))
+
+
+def conv_key(args: dict) -> str:
+    """One line naming a convolution call: the key of its measured workspace."""
+    a = args
+    return (f"conv {a['phase']} x={'x'.join(map(str, a['input']))} w={'x'.join(map(str, a['weight']))} "
+            f"s={_ints(a['stride'])} p={_ints(a['padding'])} d={_ints(a['dilation'])} g={a['groups']}"
+            f"{' T' + _ints(a['output_padding']) if a['transposed'] else ''} {a['dtype']}"
+            + (f" mask={''.join('1' if m else '0' for m in a['output_mask'])}" if a["output_mask"] else ""))
+
+
 def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> dict:
     """Parameters (per top-level unit), saved-activation bytes, output bytes and forward FLOPs.
 
@@ -166,10 +313,14 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         segments: list[dict] = [{"unit": "root", "activation_bytes": 0,
                                  "input_bytes": x.numel() * x.element_size()}]
 
+        bwd = _BackwardTracker(torch)
+        bwd.forward_segment = lambda: len(segments) - 1
+
         def pre_hook(name):
             def hook(_mod, args):
                 inp = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
                 segments.append({"unit": name, "activation_bytes": 0, "input_bytes": int(inp)})
+                bwd.mark_input(args, len(segments) - 1)
             return hook
 
         handles = [child.register_forward_pre_hook(pre_hook(name)) for name, child in model.named_children()]
@@ -179,10 +330,11 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
             if k not in param_keys and k not in saved:
                 saved[k] = _storage_nbytes(t)
                 segments[-1]["activation_bytes"] += saved[k]
+                bwd.mark_saved(t.untyped_storage(), saved[k], len(segments) - 1)
             return t
 
         try:
-            with FlopCounterMode(display=False) as flops, \
+            with FlopCounterMode(display=False) as flops, bwd.forward_mode, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=tdtype, enabled=autocast):
                 out = model(x)
@@ -194,7 +346,12 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
                     h.remove()
                 segments.append({"unit": "loss", "activation_bytes": 0,
                                  "input_bytes": out.numel() * out.element_size()})
+                bwd.mark_input((out,), len(segments) - 1)
                 loss, loss_kind = module_loss(out)
+            # The backward on the same fake tensors: the peak of the bytes it creates and frees within
+            # each segment (activation gradients; parameters' gradients, which outlive it, excluded).
+            if loss.requires_grad:
+                bwd.run(loss, len(segments))
         except ValueError:
             raise
         except Exception as exc:
@@ -203,6 +360,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         out_bytes = out.numel() * out.element_size()
         out_shape = list(out.shape)
         fwd_flops = int(flops.get_total_flops())
+        peaks = bwd.segment_peaks()
         del loss
     return {
         "factory": factory_path,
@@ -216,9 +374,12 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         "activation_bytes": int(sum(saved.values())),
         "output_bytes": int(out_bytes),
         "output_shape": out_shape,
-        "segments": [seg for i, seg in enumerate(segments) if i == 0 or seg["activation_bytes"]
-                     or seg["unit"] in units or seg["unit"] == "loss"],
+        "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
+                                          peaks.get(i, (0, 0, 0)))), kernels=bwd.segment_kernels(i))
+                     for i, seg in enumerate(segments)
+                     if i == 0 or seg["activation_bytes"] or seg["unit"] in units or seg["unit"] == "loss"],
         "loss": loss_kind,
+        "linear_bias": bwd.linear_bias,
         "forward_flops": fwd_flops,
         "profile_s": time.perf_counter() - t0,
     }
