@@ -73,7 +73,9 @@ class ModuleDesc:
     units: tuple
     """((unit, ((param name, shape), ...)), ...) in registration order; 'root' = the root's own."""
     segments: tuple
-    """((unit, saved activation bytes, input bytes, backward), ...) in forward order, 'loss' last.
+    """((unit, saved activation bytes, input bytes, backward, forward), ...) in forward order, 'loss' last.
+    forward: the highest bytes alive during the segment's forward of what the forward created, less the
+    earlier segments' saved tensors (its own saved tensors so far, its input and intermediates), or None.
     backward: (transient, grads, saved) bytes at the segment's backward peak, measured on fake tensors
     (`module_probe._BackwardTracker`): activation gradients alive, its parameters' gradients made so far,
     its saved tensors not yet freed; None when the profile predates that measurement (the walk then
@@ -91,6 +93,10 @@ class ModuleDesc:
     backward convolution runs (as `segments`' backward), None in forward."""
     linear_bias: bool = False
     """An addmm (a Linear with a bias) runs in forward: cuBLASLt's workspace on CUDA."""
+    buffers: tuple = ()
+    """((dtype, (bytes of each buffer, ...)), ...) in registration order: what DDP broadcasts."""
+    batch_bytes: int = 0
+    """The input batch: alive through the whole step, a temporary (not saved by autograd)."""
     kernel_args: tuple = ()
     """((key, JSON of the call's arguments), ...): what `validate.kernel_workspace.measure` runs."""
 
@@ -115,24 +121,29 @@ class ModuleDesc:
         units = tuple((u["name"], tuple((n, tuple(s)) for n, s in u["params"])) for u in prof["units"])
         segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]),
                       None if s.get("backward_bytes") is None else
-                      (int(s["backward_bytes"]), int(s["backward_grad_bytes"]), int(s["backward_saved_bytes"])))
+                      (int(s["backward_bytes"]), int(s["backward_grad_bytes"]), int(s["backward_saved_bytes"])),
+                      None if s.get("forward_bytes") is None else int(s["forward_bytes"]))
                      for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], None if k["at"] is None else tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
                    int(prof["buffers_bytes"]), int(prof["forward_flops"]), int(prof["input_shape"][0]),
-                   prof.get("loss", "sum"), kernels, bool(prof.get("linear_bias", False)),
-                   tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
-                                 for s in prof["segments"] for k in s.get("kernels", ())})))
+                   prof.get("loss", "sum"), kernels=kernels, linear_bias=bool(prof.get("linear_bias", False)),
+                   batch_bytes=int(prof.get("batch_bytes", 0)),
+                   buffers=tuple((d, tuple(int(n) for n in sizes)) for d, sizes in prof.get("buffers", ())),
+                   kernel_args=tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
+                                             for s in prof["segments"] for k in s.get("kernels", ())})))
 
     def scaled(self, batch: int) -> "ModuleDesc":
         """The same module at another batch: activations, inputs, output, FLOPs scale linearly."""
         k = batch / self.batch
-        segs = tuple((u, int(a * k), int(i * k), None if b is None else (int(b[0] * k), b[1], int(b[2] * k)))
-                     for u, a, i, b in self.segments)
+        segs = tuple((u, int(a * k), int(i * k), None if b is None else (int(b[0] * k), b[1], int(b[2] * k)),
+                      None if f is None else int(f * k))
+                     for u, a, i, b, f in self.segments)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
                        forward_flops=int(self.forward_flops * k), batch=batch,
+                       batch_bytes=int(self.batch_bytes * k),
                        kernels=() if batch != self.batch else self.kernels)
 
 
@@ -330,6 +341,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         full = {k: 0 for k in COMPONENTS}
         for k, v in parts.items():
             full[k] += int(v)
+        full["temporaries"] += desc.batch_bytes  # the input batch, alive through the step
         snaps.append(Snapshot(phase, full))
         extra.append(int(workspace))
 
@@ -341,13 +353,27 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             yield (at[0], at[1], acts[k] if train.checkpointing == "full" else at[2]), w
 
     all_acts = sum(acts) + loss_act
+    # Segment k's forward at its measured peak: the earlier segments' saved tensors plus what its own
+    # forward holds (saved so far, its input, intermediates: a block's two branches before their sum);
+    # the probes' tracker counts all of it as activations. Unmeasured or checkpointed: its saved tensors
+    # and its output.
+    measured_fwd = train.checkpointing != "full" and all(s[4] is not None for s in desc.segments)
+    if measured_fwd:
+        fwd_act = [sum(acts[:k]) + s[4] for k, s in enumerate(segs)]
+        fwd_tmp = [0] * len(segs)
+        loss_fwd = [sum(acts) + s[4] for s in desc.segments if s[0] == "loss"]
+    else:
+        fwd_act = [sum(acts[:k + 1]) for k in range(len(segs))]
+        fwd_tmp = inputs[1:]
+        loss_fwd = []
     if family in ("single", "ddp", "zero1"):
         unit_grad = {u: sum(prod(s) for _, s in ps) * gb for u, ps in desc.units}
         base = dict(params=total * pb + buffers, optimizer=opt,
                     comm_buffers=0 if family == "single" else total * gb)
-        for k in range(len(segs)):
-            if fwd_ws[k]:  # a forward convolution's instant: at most the segment's end
-                snap("forward", fwd_ws[k], **base, activations=sum(acts[:k + 1]), temporaries=inputs[k + 1])
+        for k in range(len(segs)):  # a forward convolution's workspace: at most at the segment's peak
+            snap("forward", fwd_ws[k], **base, activations=fwd_act[k], temporaries=fwd_tmp[k])
+        for a in loss_fwd:
+            snap("forward", **base, activations=a)
         snap("forward", **base, activations=all_acts, temporaries=out_tmp)
         snap("backward", **base, activations=all_acts, temporaries=2 * out_tmp)
         reached: set = set()
@@ -380,10 +406,18 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             nxt = next((x for x in order[order.index(u) + 1:]), None) if u in order else None
             pre = unsh.get(nxt, 0) if reshard and nxt else 0
             kept = sum(unsh[x] for x in held)
-            snap("forward", fwd_ws[k], **base, comm_buffers=root + (cur + pre if reshard else kept),
-                 activations=sum(acts[:k + 1]), temporaries=inputs[k + 1])
+            # FSDP2 copies the unit's all-gather output out into its parameters and keeps that output
+            # until the next unit's all-gather (`FSDPParamGroup._all_gather_result`; measured on the
+            # CIFAR ResNet: only the current unit's is alive), the last one until the root's
+            # post-forward (as the decoder walk's `ag_tail`).
+            ag = cur if family == "fsdp2" and sharding else 0
+            snap("forward", fwd_ws[k], **base, comm_buffers=root + (cur + pre if reshard else kept) + ag,
+                 activations=fwd_act[k], temporaries=fwd_tmp[k])
         kept_fwd = root + sum(unsh[x] for x in held)
-        snap("forward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=out_tmp)
+        ag_tail = unsh.get(order[-1], 0) if family == "fsdp2" and sharding and not reshard and order else 0
+        for a in loss_fwd:
+            snap("forward", **base, comm_buffers=kept_fwd + ag_tail, activations=a)
+        snap("forward", **base, comm_buffers=kept_fwd + ag_tail, activations=all_acts, temporaries=out_tmp)
         snap("backward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=2 * out_tmp)
         reached = set()
         resharded: set = set()  # FSDP2 reshards each unit in its post-backward, before reducing
@@ -454,6 +488,10 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                           cluster.gpu_memory_bytes, tot <= cluster.gpu_memory_bytes, notes, workspace)
 
 
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+"""`DistributedDataParallel.broadcast_bucket_size` (torch/nn/parallel/distributed.py)."""
+
+
 # -- communication -----------------------------------------------------------------------------
 
 def ready_order_sizes(desc: ModuleDesc, autocast: bool = False) -> list[int]:
@@ -491,6 +529,18 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
         for b in buckets[:-1]:
             add("all_reduce", "world", world, gdt, b, 1, "backward", "bucket")
         add("all_reduce", "world", world, gdt, buckets[-1], 1, "backward", "last_bucket")
+        # DDP broadcasts the module's buffers (BatchNorm statistics) from rank 0 before a forward that
+        # follows a synchronised backward (`_check_sync_bufs_pre_fwd`, `require_forward_param_sync`):
+        # once per optimizer step, no_sync micro-steps included. `_broadcast_coalesced` packs them per
+        # dtype into buckets of `broadcast_bucket_size` (250 MiB), a bucket closing once it reaches it.
+        for dtype, sizes in desc.buffers:
+            bucket = 0
+            for n in sizes:
+                bucket += n
+                if bucket >= DDP_BROADCAST_BUCKET_BYTES:
+                    add("broadcast", "world", world, dtype, bucket, 1, "forward", "buffers")
+                    bucket = 0
+            add("broadcast", "world", world, dtype, bucket, 1, "forward", "buffers")
         if st.family == "zero1":
             sdt = "bfloat16" if train.precision == "bf16" else "float32"
             for n in ready_order_sizes(desc):

@@ -148,6 +148,10 @@ class _BackwardTracker:
         self.linear_bias = False  # an addmm in forward: cuBLASLt's workspace on CUDA
         self.forward_segment = lambda: 0
 
+        self.fwd_live: dict = {}  # storage key -> (weak ref, bytes): what the forward created
+        self.fwd_peak: dict = {}  # segment -> highest bytes alive of what the forward created
+        self.not_activations: set = set()  # parameters and the input batch
+
         class _Forward(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func is torch.ops.aten.convolution.default:
@@ -155,9 +159,27 @@ class _BackwardTracker:
                         {"phase": "forward", "args": conv_args(args, "forward"), "at": None})
                 elif func is torch.ops.aten.addmm.default:
                     tracker.linear_bias = True
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                tracker._forward_after(tree_leaves(out), tree_leaves((args, kwargs)))
+                return out
 
         self.forward_mode = _Forward()
+
+    def _forward_after(self, outs, ins) -> None:
+        """After each forward op: the bytes alive of every storage the forward created (saved or not:
+        the probes' tracker counts them all as activations while the forward runs)."""
+        Tensor = self._torch.Tensor
+        self.fwd_live = {k: v for k, v in self.fwd_live.items() if not v[0].expired()}
+        aliased = {t.untyped_storage()._cdata for t in ins if isinstance(t, Tensor)}
+        for t in outs:
+            if isinstance(t, Tensor):
+                st = t.untyped_storage()
+                k = st._cdata
+                if k not in self.fwd_live and k not in aliased and k not in self.not_activations:
+                    self.fwd_live[k] = (self._ref(st), int(st.nbytes()))
+        seg = self.forward_segment()
+        alive = sum(v[1] for v in self.fwd_live.values())
+        self.fwd_peak[seg] = max(self.fwd_peak.get(seg, 0), alive)
 
     def mark_input(self, args, index: int) -> None:
         def done(_grad, index=index):
@@ -303,6 +325,10 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
             u["params"].append([name, list(p.shape)])
             u["numel"] += p.numel()
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        buffer_dtypes: dict = {}  # DDP broadcasts buffers per dtype (module_plan.module_collectives)
+        for b in model.buffers():
+            key = str(b.dtype).replace("torch.", "")
+            buffer_dtypes[key] = buffer_dtypes.get(key, []) + [int(b.numel() * b.element_size())]
         n_params = sum(u["numel"] for u in units.values())
         pbytes = next(iter(model.parameters())).element_size() if n_params else 4
 
@@ -325,9 +351,15 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
 
         handles = [child.register_forward_pre_hook(pre_hook(name)) for name, child in model.named_children()]
 
+        # The input batch is not an activation: it exists before the forward and after it (the probes'
+        # tracker and the planner count it as a temporary, `batch_bytes`); nor are buffers (BatchNorm
+        # saves its running statistics for backward; the planner counts them with the parameters).
+        not_activations = param_keys | {_storage_key(x)} | {_storage_key(b) for b in model.buffers()}
+        bwd.not_activations = not_activations
+
         def pack(t):
             k = _storage_key(t)
-            if k not in param_keys and k not in saved:
+            if k not in not_activations and k not in saved:
                 saved[k] = _storage_nbytes(t)
                 segments[-1]["activation_bytes"] += saved[k]
                 bwd.mark_saved(t.untyped_storage(), saved[k], len(segments) - 1)
@@ -371,11 +403,15 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         "param_bytes_dtype": int(pbytes),
         "units": list(units.values()),
         "buffers_bytes": int(buffers),
+        "buffers": [[d, sizes] for d, sizes in buffer_dtypes.items()],
         "activation_bytes": int(sum(saved.values())),
+        "batch_bytes": int(x.numel() * x.element_size()),
         "output_bytes": int(out_bytes),
         "output_shape": out_shape,
         "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
-                                          peaks.get(i, (0, 0, 0)))), kernels=bwd.segment_kernels(i))
+                                          peaks.get(i, (0, 0, 0)))), kernels=bwd.segment_kernels(i),
+                          forward_bytes=max(0, bwd.fwd_peak.get(i, 0)
+                                            - sum(x["activation_bytes"] for x in segments[:i])))
                      for i, seg in enumerate(segments)
                      if i == 0 or seg["activation_bytes"] or seg["unit"] in units or seg["unit"] == "loss"],
         "loss": loss_kind,
