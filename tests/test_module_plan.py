@@ -20,6 +20,7 @@ from distplan.validate.module_probe import profile_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CNN = "examples.mnist_cnn:make_model"
+RESNET = "examples.cifar_resnet:make_model"
 CNN_PARAMS = (32 * 1 * 9 + 32) + (64 * 32 * 9 + 64) + (128 * 64 * 9 + 128) + (1152 * 256 + 256) + (256 * 10 + 10)
 
 
@@ -46,27 +47,31 @@ def test_cnn_param_count_is_exact():
     assert [u["name"] for u in prof["units"]] == ["conv1", "conv2", "conv3", "fc1", "fc2"]
 
 
-@pytest.mark.parametrize("batch", [1, 16])
-def test_saved_activations_match_a_real_forward(batch):
-    """The fake-tensor measurement equals what autograd saves on a real CPU forward (exact)."""
-    model = _real_cnn()
-    pkeys = {p.untyped_storage()._cdata for p in model.parameters()}
+@pytest.mark.parametrize("factory, shape", [(CNN, (1, 1, 28, 28)), (CNN, (16, 1, 28, 28)),
+                                            (RESNET, (4, 3, 32, 32))])
+def test_saved_activations_match_a_real_forward(factory, shape):
+    """The fake-tensor measurement equals what autograd saves on a real CPU forward (exact), the input
+    batch (a temporary) and the parameters and buffers (BatchNorm saves its running statistics) apart."""
+    from distplan.validate.module_probe import load_factory
+    model = load_factory(factory)()
+    x = torch.randn(shape)
+    skip = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), x]}
     saved: dict = {}
 
     def pack(t):
         k = t.untyped_storage()._cdata
-        if k not in pkeys:
+        if k not in skip:
             saved[k] = t.untyped_storage().nbytes()
         return t
 
-    x = torch.randn(batch, 1, 28, 28)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x)
-        torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.long))
-    prof = profile_module(CNN, (batch, 1, 28, 28), "float32")
+        torch.nn.functional.cross_entropy(out, torch.zeros(shape[0], dtype=torch.long))
+    prof = profile_module(factory, shape, "float32")
     print(f"measured {sum(saved.values())}, profiled {prof['activation_bytes']}")
     assert prof["activation_bytes"] == sum(saved.values())
-    assert prof["output_bytes"] == batch * 10 * 4
+    assert prof["batch_bytes"] == x.numel() * 4
+    assert prof["output_bytes"] == shape[0] * 10 * 4
     assert prof["loss"] == "cross_entropy"
     assert sum(s["activation_bytes"] for s in prof["segments"]) == prof["activation_bytes"]
 
