@@ -89,8 +89,9 @@ class ModuleDesc:
     """'cross_entropy' (2-D output) or 'sum' (module_probe's rule)."""
     kernels: tuple = ()
     """((segment index in `segments`, phase, key, at), ...): the convolutions, whose cuDNN workspaces
-    are measured on a GPU (`validate/kernel_workspace.py`); `at` = (transient, grads, saved) when a
-    backward convolution runs (as `segments`' backward), None in forward."""
+    are measured on a GPU (`validate/kernel_workspace.py`); `at`: what is alive when the call runs,
+    (transient, grads, saved) in backward (as `segments`' backward), (forward bytes,) in forward (as
+    `segments`' forward)."""
     linear_bias: bool = False
     """An addmm (a Linear with a bias) runs in forward: cuBLASLt's workspace on CUDA."""
     buffers: tuple = ()
@@ -124,7 +125,7 @@ class ModuleDesc:
                       (int(s["backward_bytes"]), int(s["backward_grad_bytes"]), int(s["backward_saved_bytes"])),
                       None if s.get("forward_bytes") is None else int(s["forward_bytes"]))
                      for s in prof["segments"])
-        kernels = tuple((i, k["phase"], k["key"], None if k["at"] is None else tuple(int(v) for v in k["at"]))
+        kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
                    int(prof["buffers_bytes"]), int(prof["forward_flops"]), int(prof["input_shape"][0]),
@@ -328,14 +329,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     snaps: list[Snapshot] = []
     extra: list[int] = []  # cuDNN workspace taken at each snapshot's instant
     ws = workspaces if device == "cuda" and workspaces else {}
-    fwd_ws = [0] * len(segs)
+    fwd_kernels: dict = {}  # segment -> [(workspace, (forward bytes,))]
     bwd_kernels: dict = {}  # segment -> [(workspace, (transient, grads, saved))]
     for i, phase, key, at in desc.kernels:
         if i < len(segs) and key in ws:
-            if phase == "forward":
-                fwd_ws[i] = max(fwd_ws[i], ws[key])
-            else:
-                bwd_kernels.setdefault(i, []).append((ws[key], at))
+            (fwd_kernels if phase == "forward" else bwd_kernels).setdefault(i, []).append((ws[key], at))
 
     def snap(phase, workspace=0, **parts):
         full = {k: 0 for k in COMPONENTS}
@@ -366,12 +364,20 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         fwd_act = [sum(acts[:k + 1]) for k in range(len(segs))]
         fwd_tmp = inputs[1:]
         loss_fwd = []
+
+    def fwd_instants(k: int):
+        """Segment k's forward: its peak (no workspace), then each convolution's instant with its
+        workspace, as (activations, temporaries, workspace); unmeasured, the peak bounds them."""
+        yield fwd_act[k], fwd_tmp[k], 0
+        for w, at in fwd_kernels.get(k, ()):
+            yield (sum(acts[:k]) + at[0], 0, w) if measured_fwd else (fwd_act[k], fwd_tmp[k], w)
     if family in ("single", "ddp", "zero1"):
         unit_grad = {u: sum(prod(s) for _, s in ps) * gb for u, ps in desc.units}
         base = dict(params=total * pb + buffers, optimizer=opt,
                     comm_buffers=0 if family == "single" else total * gb)
-        for k in range(len(segs)):  # a forward convolution's workspace: at most at the segment's peak
-            snap("forward", fwd_ws[k], **base, activations=fwd_act[k], temporaries=fwd_tmp[k])
+        for k in range(len(segs)):
+            for a, t, w in fwd_instants(k):
+                snap("forward", w, **base, activations=a, temporaries=t)
         for a in loss_fwd:
             snap("forward", **base, activations=a)
         snap("forward", **base, activations=all_acts, temporaries=out_tmp)
@@ -411,8 +417,9 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # CIFAR ResNet: only the current unit's is alive), the last one until the root's
             # post-forward (as the decoder walk's `ag_tail`).
             ag = cur if family == "fsdp2" and sharding else 0
-            snap("forward", fwd_ws[k], **base, comm_buffers=root + (cur + pre if reshard else kept) + ag,
-                 activations=fwd_act[k], temporaries=fwd_tmp[k])
+            for a, t, w in fwd_instants(k):
+                snap("forward", w, **base, comm_buffers=root + (cur + pre if reshard else kept) + ag,
+                     activations=a, temporaries=t)
         kept_fwd = root + sum(unsh[x] for x in held)
         ag_tail = unsh.get(order[-1], 0) if family == "fsdp2" and sharding and not reshard and order else 0
         for a in loss_fwd:

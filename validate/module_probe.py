@@ -154,13 +154,13 @@ class _BackwardTracker:
 
         class _Forward(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten.convolution.default:
-                    tracker.kernels.setdefault(tracker.forward_segment(), []).append(
-                        {"phase": "forward", "args": conv_args(args, "forward"), "at": None})
-                elif func is torch.ops.aten.addmm.default:
+                if func is torch.ops.aten.addmm.default:
                     tracker.linear_bias = True
                 out = func(*args, **(kwargs or {}))
-                tracker._forward_after(tree_leaves(out), tree_leaves((args, kwargs)))
+                alive = tracker._forward_after(tree_leaves(out), tree_leaves((args, kwargs)))
+                if func is torch.ops.aten.convolution.default:  # with its output alive, as cuDNN runs
+                    tracker.kernels.setdefault(tracker.forward_segment(), []).append(
+                        {"phase": "forward", "args": conv_args(args, "forward"), "at": alive})
                 return out
 
         self.forward_mode = _Forward()
@@ -180,6 +180,7 @@ class _BackwardTracker:
         seg = self.forward_segment()
         alive = sum(v[1] for v in self.fwd_live.values())
         self.fwd_peak[seg] = max(self.fwd_peak.get(seg, 0), alive)
+        return alive
 
     def mark_input(self, args, index: int) -> None:
         def done(_grad, index=index):
@@ -237,11 +238,16 @@ class _BackwardTracker:
                 peaks[seg] = t
         return peaks
 
-    def segment_kernels(self, seg: int) -> list:
-        """The segment's convolutions: {"phase", "key", "args", "at": (transient, grads, saved) or None}."""
+    def segment_kernels(self, seg: int, saved_before: int) -> list:
+        """The segment's convolutions: {"phase", "key", "args", "at"}: in backward (transient, grads,
+        saved) as `segment_peaks`; in forward [bytes alive of what the forward created, less the
+        earlier segments' saved tensors (`saved_before`)], as the segments' `forward_bytes`."""
         out = []
         for k in self.kernels.get(seg, ()):
-            at = None if k["at"] is None else list(self._split(seg, *k["at"]))
+            if k["phase"] == "forward":
+                at = [max(0, k["at"] - saved_before)]
+            else:
+                at = list(self._split(seg, *k["at"]))
             out.append({"phase": k["phase"], "key": conv_key(k["args"]), "args": k["args"], "at": at})
         return out
 
@@ -409,7 +415,8 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         "output_bytes": int(out_bytes),
         "output_shape": out_shape,
         "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
-                                          peaks.get(i, (0, 0, 0)))), kernels=bwd.segment_kernels(i),
+                                          peaks.get(i, (0, 0, 0)))),
+                          kernels=bwd.segment_kernels(i, sum(x["activation_bytes"] for x in segments[:i])),
                           forward_bytes=max(0, bwd.fwd_peak.get(i, 0)
                                             - sum(x["activation_bytes"] for x in segments[:i])))
                      for i, seg in enumerate(segments)
