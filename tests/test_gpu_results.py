@@ -22,9 +22,8 @@ from distplan.validate.compare import compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(f for f in glob.glob(os.path.join(ROOT, "benchmarks", "results", "h100-*.jsonl"))
-               if "mnist-cnn" not in f)
-CNN_FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "h100-*-mnist-cnn.jsonl")))
-
+               if "modules" not in f)
+MODULE_FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "h100-*-modules.jsonl")))
 
 
 def _records(files=None):
@@ -77,29 +76,64 @@ def test_workspaces_are_most_of_what_the_tracker_misses(repredicted):
         assert ws - 2**20 <= untracked <= ws + 16 * 2**20, (r["id"], untracked, ws)
 
 
-def test_cnn_on_gpu_tensors_match_and_collectives_exact():
-    """`validate --module` of the MNIST CNN on the H100: the planned tensors (peak less the cuBLAS
-    workspaces) match the tracker's peak within 5% and the collectives exactly. The peak itself is
-    18-20% under `max_memory_allocated`: the convolution backward's cuDNN workspace (~24 MiB) is not
-    modelled (README, Validation)."""
-    recs = _records(CNN_FILES)
+@pytest.fixture(scope="module")
+def modules_repredicted():
+    recs = _records(MODULE_FILES)
     if not recs:
-        pytest.skip("no committed CNN GPU results")
-    # zero2 -5.4%, zero3 -5.3% at batch 128 (every strategy is 2.6% under here; on the CPU at batch 32
-    # the same walk is within 0.7% on the fake process group). In backward the walk keeps two gradients
-    # per segment (of its input and of its output); a segment with functional ReLU and max-pool inside
-    # keeps more at once, and with FSDP2's small sharded state that decides the peak.
-    known = {"zero2", "zero3"}
-    for r in recs:
-        p = predict_probe(dict(r["inputs"]))
-        c = compare(p, r["measurement"])
-        assert c["collectives"]["exact"], r["id"]
-        tensors = p["memory"]["peak_allocated"] - p["memory"]["workspace"]
-        tracked = r["measurement"]["memory"]["tracker_peak_allocated"]
-        if r["inputs"]["strategy"] in known:  # the stated gap: under, not over
-            assert tensors < tracked or abs(tensors - tracked) <= 0.05 * tracked, (r["id"], tensors, tracked)
+        pytest.skip("no committed --module GPU results")
+    return [(r, None if r["status"] != "ok" else compare(predict_probe(dict(r["inputs"])), r["measurement"]))
+            for r in recs]
+
+
+def _bn_under_fsdp_mixed(r) -> bool:
+    """BatchNorm under FSDP with bf16 mixed precision, the stated gap: FSDP1 wraps BatchNorm modules
+    apart in fp32 (`MixedPrecision._module_classes_to_ignore`), which the plan does not model; FSDP2
+    fails inside PyTorch (`Expected running_mean to have type BFloat16`)."""
+    return ("cifar_resnet" in r["inputs"]["module"]["factory"] and r["inputs"]["train"]["precision"] != "fp32"
+            and r["inputs"]["strategy"] in ("zero2", "zero3", "fsdp", "fsdp-grad-op", "hsdp", "fsdp-no-shard"))
+
+
+def test_modules_on_gpu_peaks_within_2_percent(modules_repredicted):
+    """`validate --module` on the H100 (MNIST CNN, CIFAR ResNet; batch 32 and 128; fp32 and bf16-mixed):
+    the plan's peak, with the cuDNN workspaces measured on that GPU added at the instant each
+    convolution runs, against `torch.cuda.max_memory_allocated`: every probe within 2% (measured
+    max 1.75%), collectives exact. Without the workspaces these peaks were 4-20% under."""
+    assert len(modules_repredicted) >= 54
+    checked = 0
+    for r, c in modules_repredicted:
+        assert "H100" in r["device"] and r["inputs"]["module"].get("kernel_workspaces"), r["id"]
+        if _bn_under_fsdp_mixed(r):
             continue
-        assert abs(tensors - tracked) <= 0.05 * tracked, (r["id"], tensors, tracked)
+        assert r["status"] == "ok", r["id"]
+        assert abs(c["peak"]["error"]) <= 0.02, (r["id"], c["peak"]["error"])
+        assert c["collectives"]["exact"], r["id"]
+        checked += 1
+    assert checked >= 48
+
+
+def test_modules_on_gpu_tensors_match_the_tracker(modules_repredicted):
+    """The planned tensors (peak less workspaces) against the tracker's peak: within 3% everywhere,
+    within 0.2% for fp32 except FSDP1's grad-op at batch 128 (+2.7%: its unsharded units' lifetime on
+    the GPU's streams)."""
+    for r, c in modules_repredicted:
+        if _bn_under_fsdp_mixed(r):
+            continue
+        p = predict_probe(dict(r["inputs"]))["memory"]
+        tensors = p["peak_allocated"] - p["workspace"]
+        tracked = r["measurement"]["memory"]["tracker_peak_allocated"]
+        assert abs(tensors - tracked) <= 0.03 * tracked, (r["id"], tensors, tracked)
+
+
+def test_modules_stated_gap_is_what_it_says(modules_repredicted):
+    """BatchNorm + FSDP + bf16: FSDP2 probes fail in PyTorch itself; FSDP1 probes issue collectives
+    the plan does not (BatchNorm units apart). If PyTorch or the plan changes, this test says so."""
+    gap = [(r, c) for r, c in modules_repredicted if _bn_under_fsdp_mixed(r)]
+    assert gap
+    for r, c in gap:
+        if r["inputs"]["strategy"] in ("zero2", "zero3"):
+            assert r["status"] == "error" and "running_mean" in r["measurement"]["error"], r["id"]
+        else:
+            assert r["status"] == "ok" and not c["collectives"]["exact"], r["id"]
 
 
 def _cuda() -> bool:
