@@ -18,27 +18,38 @@ tensors (torch is imported lazily; nothing is allocated).
   (in the compute dtype under mixed precision), the next one prefetched when resharding; its unsharded
   gradient and the reduce-scatter input (fp32 under mixed precision) coexist; the root unit stays
   unsharded from forward to the end of backward.
-- backward, segment by segment from the last: the saved activations of the segments before it and of
-  itself are alive, the gradients of every unit already reached exist; the transient is what the
-  profile measured the segment's backward to hold at its peak on fake tensors (the gradients of its
-  output, of its input and of what lies between: a conv -> ReLU -> pool segment holds the pool's and
-  the ReLU's input gradients at once). A sharded
-  unit's reduce-scatter comes after its segment's backward: its saved tensors and its output's
+- forward, segment by segment: the earlier segments' saved tensors plus what the profile measured the
+  segment's forward to hold at its peak (its saved tensors so far, its input, intermediates such as a
+  residual block's two branches before their sum). FSDP2 keeps the current unit's all-gather output
+  beside its copied-out parameters (`FSDPParamGroup.wait_for_unshard`).
+- backward, segment by segment from the last, at the instant the profile measured as the segment's
+  peak on fake tensors: the earlier segments' saved tensors, its own not yet freed, the gradients of
+  every unit already reached, its own parameters' gradients made so far, and the activation gradients
+  alive (a conv -> ReLU -> pool segment holds the pool's and the ReLU's input gradients at once). A
+  sharded unit's reduce-scatter comes after its segment's backward: its saved tensors and its output's
   gradient are gone by then, its unsharded gradients and the reduce-scatter input are alive.
-- temporaries: the output and its gradient around the loss; at the optimizer step the foreach
-  intermediate (one tensor the size of the rank's parameters, `_multi_tensor_adam`'s exp_avg_sq_sqrt).
+- temporaries: the input batch throughout (what the probes' tracker calls it too); the output and its
+  gradient around the loss; at the optimizer step the foreach intermediate (one tensor the size of the
+  rank's parameters, `_multi_tensor_adam`'s exp_avg_sq_sqrt).
+- CUDA: two cuBLAS workspaces, cuBLASLt's when a Linear has a bias, and each convolution's cuDNN
+  workspace at the instant it runs (forward or backward, with what the profile saw alive then). The
+  cuDNN sizes come from the kernel cuDNN picks, so they are measured on the local GPU
+  (`validate/kernel_workspace.py`); planned without a GPU, they are left out and a note says so.
 - activation checkpointing `full` (per unit, non-reentrant): each segment keeps only its input; the
   largest segment's saved tensors come back during its recomputation. `selective` is not defined for an
   arbitrary module: treated as `none`, with a note.
 
-Collectives follow `comm.py`'s schedules with the units' real sizes; the step time is FLOPs (forward x 3,
+Collectives follow `comm.py`'s schedules with the units' real sizes, plus DDP's broadcast of the
+module's buffers (BatchNorm statistics) once per step; the step time is FLOPs (forward x 3,
 x 4 with full checkpointing) over the GPU's achievable FLOP/s plus the communication that backward or
 forward compute cannot hide. For `--module` a "token" in `tokens_per_s` is one sample (one row of
 the batch dimension).
 
 Known limitations: activations and outputs scale linearly with the batch (used for the largest batch
-that fits); kernels' workspaces (cuDNN) and the CUDA launch overhead that dominates small models' step
-time are not modelled; `--micro-batch` and `--seq-len` are ignored (the batch is the input shape's
+that fits; cuDNN workspaces are only known at the measured batch); the CUDA launch overhead that
+dominates small models' step time is not modelled; BatchNorm under FSDP with 16-bit mixed precision is
+not modelled (FSDP1 wraps BatchNorm modules apart in fp32, `MixedPrecision._module_classes_to_ignore`;
+FSDP2 fails in PyTorch); `--micro-batch` and `--seq-len` are ignored (the batch is the input shape's
 first dimension); CPU offload and `--framework deepspeed` are not supported here.
 """
 
@@ -746,11 +757,13 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
 
     descs: dict[str, ModuleDesc] = {}
     profile_s = 0.0
+    batchnorm = False
     for n in names:
         regime = _regime(precision, get_strategy(n).family)
         if regime not in descs:
             prof = profile_module(factory, shape, regime)
             descs[regime] = ModuleDesc.from_profile(prof)
+            batchnorm = prof.get("batchnorm", False)
             profile_s += prof["profile_s"]
     desc = next(iter(descs.values()))
     model = ModuleModel(desc.name, factory, desc.param_count(), desc.units, layers=len(desc.units))
@@ -766,6 +779,9 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     if any(kw.get(k) is not None for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                                            "tie_embeddings")):
         notes.append("architecture overrides (--layers, --hidden, ...) do not apply to --module; ignored")
+    if batchnorm and precision != "fp32" and any(get_strategy(n).family in ("fsdp1", "fsdp2") for n in names):
+        notes.append(f"BatchNorm under FSDP with {precision} is not modelled: FSDP1 wraps BatchNorm modules apart "
+                     f"in fp32 (more units, fp32 activations there); FSDP2 fails in PyTorch (running_mean dtype)")
     notes.append("activations measured with saved_tensors_hooks on fake tensors; loss: "
                  + ("cross-entropy (2-D output)" if desc.loss == "cross_entropy" else "sum of the outputs"))
 

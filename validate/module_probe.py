@@ -8,14 +8,20 @@ weights touched), and runs one forward pass plus the loss on a fake input of tha
 - parameters: every tensor of `named_parameters()` (shared weights once), with its shape, grouped by
   the top-level child that owns it. Those children are the wrapping units FSDP would get from an
   auto-wrap policy on the module's direct children; parameters owned by the root itself form `root`.
-  Buffers (BatchNorm statistics) are counted apart.
+  Buffers (BatchNorm statistics) are counted apart, with their dtypes (DDP broadcasts them).
 - activations: the bytes autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`),
-  counted once per storage (views of one tensor share it), excluding the parameters' own storages.
+  counted once per storage (views of one tensor share it), excluding the parameters', the buffers' and
+  the input batch's own storages (the batch is `batch_bytes`, a temporary).
   Casts of parameters (autocast's weight cache, a 16-bit copy) are not parameters and are counted.
 - loss: cross-entropy against class 0 when the output is 2-D (N, C) (a classifier), else the sum of
   all outputs. What the loss saves (log_softmax's output) is part of the activations; the output's
   bytes are returned apart (`output_bytes`) because the planner counts them as a temporary.
 - FLOPs of the forward pass (`torch.utils.flop_counter.FlopCounterMode`; matmuls and convolutions).
+- per segment, what its forward and its backward hold at their peaks (`forward_bytes`;
+  `backward_bytes`, `backward_grad_bytes`, `backward_saved_bytes`): the backward runs too, on the same
+  fake tensors, and a dispatch mode follows every storage created (`_BackwardTracker`).
+- per segment, its convolutions (`kernels`): the call's arguments and what is alive when it runs, for
+  the cuDNN workspace measured on a GPU (`validate/kernel_workspace.py`); `linear_bias`: an addmm ran.
 
 `dtype`: "float32"; "bfloat16"/"float16" cast the module and the input (pure 16-bit, and the 16-bit
 compute of FSDP mixed precision); "autocast-bfloat16"/"autocast-float16" keep fp32 parameters and run
@@ -23,8 +29,9 @@ the forward under CPU `torch.autocast` (the DDP mixed-precision recipe). CPU aut
 close to, not identical with, CUDA's (CUDA runs softmax/log_softmax in fp32 too) -- a known limitation.
 
 Known limitations: one forward of one input tensor (models that take several inputs, dicts or integer
-token ids need a small wrapper factory); data-dependent control flow sees fake values; kernels' own
-workspaces (cuDNN) are not saved tensors and are not counted.
+token ids need a small wrapper factory); data-dependent control flow sees fake values; the segment a
+backward op belongs to is found by gradient hooks on the segments' inputs, so a segment whose input
+needs no gradient (the first) takes the ops after the last hook.
 """
 
 from __future__ import annotations
@@ -423,6 +430,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
                      if i == 0 or seg["activation_bytes"] or seg["unit"] in units or seg["unit"] == "loss"],
         "loss": loss_kind,
         "linear_bias": bwd.linear_bias,
+        "batchnorm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         "forward_flops": fwd_flops,
         "profile_s": time.perf_counter() - t0,
     }
