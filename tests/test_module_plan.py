@@ -282,3 +282,72 @@ def test_validate_module_bad_input_is_one_line_exit_2():
     assert r.exit_code == 2 and "--input-shape" in r.output, r.output
     r = CliRunner().invoke(main, ["validate", "--module", CNN, "--input-shape", "8,1,28,28", "--matrix"])
     assert r.exit_code == 2 and "--matrix" in r.output, r.output
+
+
+def test_backward_segment_figures_are_bounded_and_see_the_relu():
+    """The fake-tensor backward tracker's per-segment figures are what the CNN's backward must hold: the
+    ReLU inside conv1's segment makes it hold two activation gradients of the conv's output size at once
+    (the end-to-end check against real backwards is the validation tests: peaks within 0.1%)."""
+    prof = profile_module(CNN, (4, 1, 28, 28), "float32")
+    by = {s["unit"]: s for s in prof["segments"]}
+    conv_out = 4 * 32 * 28 * 28 * 4
+    # conv1's segment: the gradient arriving from the pool and the ReLU's input gradient, both 28x28x32
+    assert by["conv1"]["backward_bytes"] >= 2 * conv_out
+    # no segment's backward holds more than every activation gradient of the model at once
+    total_grads = sum(s["input_bytes"] for s in prof["segments"]) + prof["output_bytes"]
+    assert all(0 <= s["backward_bytes"] <= total_grads + 64 for s in prof["segments"])
+    # the parameters' gradients made within a segment are at most its unit's parameters
+    numel = {u["name"]: u["numel"] for u in prof["units"]}
+    for s in prof["segments"]:
+        assert s["backward_grad_bytes"] <= 4 * numel.get(s["unit"], 0)
+        assert s["backward_saved_bytes"] <= s["activation_bytes"]
+
+
+def test_convolutions_recorded_and_workspaces_need_a_gpu():
+    prof = profile_module(CNN, (4, 1, 28, 28), "float32")
+    keys = [k["key"] for s in prof["segments"] for k in s["kernels"]]
+    assert len(keys) == 6 and len(set(keys)) == 6  # 3 convolutions, forward and backward
+    assert any("mask=011" in k for k in keys)  # conv1's input needs no gradient
+    assert prof["linear_bias"] is True
+    from distplan.validate import kernel_workspace
+    if kernel_workspace.available() is None:
+        desc = ModuleDesc.from_profile(prof)
+        from distplan.planner.module_plan import kernel_workspaces
+        assert kernel_workspaces([desc]) == ({}, None)
+
+
+def test_a_workspace_raises_the_peak_at_its_instant_only():
+    """A cuDNN workspace adds to peak_allocated at the instant its convolution runs: never more than
+    its size, never to the components (they stay those of the tensors' peak)."""
+    from distplan.planner.config import Cluster
+    from distplan.planner.module_plan import ModuleModel, ModuleTrain
+    prof = profile_module(CNN, (16, 1, 28, 28), "float32")
+    desc = ModuleDesc.from_profile(prof)
+    train = ModuleTrain(ModuleModel(desc.name, CNN, desc.param_count(), desc.units), precision="fp32",
+                        optimizer="adam", input_shape=(16, 1, 28, 28))
+    cluster = Cluster(gpus=8, gpus_per_node=8)
+    keys = [k for _, _, k, _ in desc.kernels]
+    for st in ("ddp", "zero3", "fsdp"):
+        base = estimate_module_memory(desc, train, cluster, st)
+        for key in keys:
+            m = estimate_module_memory(desc, train, cluster, st, workspaces={key: 2**20})
+            assert m.components == base.components
+            assert base.peak_allocated <= m.peak_allocated <= base.peak_allocated + 2**20
+        huge = estimate_module_memory(desc, train, cluster, st, workspaces={k: 2**30 for k in keys})
+        assert huge.peak_allocated > 2**30  # a workspace larger than everything decides the peak
+        cpu = estimate_module_memory(desc, train, cluster, st, device="cpu", workspaces={k: 2**30 for k in keys})
+        assert cpu.workspace == 0
+
+
+def test_ddp_broadcasts_batchnorm_buffers_once_per_step():
+    from distplan.planner.config import Cluster
+    from distplan.planner.module_plan import ModuleModel, ModuleTrain, module_collectives
+    prof = profile_module(RESNET, (4, 3, 32, 32), "float32")
+    desc = ModuleDesc.from_profile(prof)
+    for accum in (1, 4):
+        train = ModuleTrain(ModuleModel(desc.name, RESNET, desc.param_count(), desc.units), precision="fp32",
+                            optimizer="sgd-momentum", input_shape=(4, 3, 32, 32), grad_accum=accum)
+        bc = [c for c in module_collectives(desc, train, Cluster(gpus=8, gpus_per_node=8), "ddp") if c.op == "broadcast"]
+        assert {(c.dtype, c.message_bytes, c.calls) for c in bc} == {("float32", 2688, 1), ("int64", 72, 1)}
+        assert not [c for c in module_collectives(desc, train, Cluster(gpus=8, gpus_per_node=8), "fsdp")
+                    if c.op == "broadcast"]
