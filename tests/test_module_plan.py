@@ -193,14 +193,18 @@ def test_json_and_svg(tmp_path):
 
 @pytest.fixture(scope="module")
 def cnn_validation(tmp_path_factory):
+    return _validate_on_cpu(CNN, "32,1,28,28", "adam", tmp_path_factory.mktemp("cnn") / "r.jsonl")
+
+
+def _validate_on_cpu(factory: str, shape: str, optimizer: str, out) -> dict:
+    """`distplan validate --module ... --strategy all --json` on the CPU (gloo, 2 ranks): its report."""
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("cnn") / "r.jsonl"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "distplan.planner", "validate", "--module", CNN,
-                           "--input-shape", "32,1,28,28", "--strategy", "all", "--precision", "fp32",
-                           "--optimizer", "adam", "--json", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "distplan.planner", "validate", "--module", factory,
+                           "--input-shape", shape, "--strategy", "all", "--precision", "fp32",
+                           "--optimizer", optimizer, "--json", "--out", str(out)],
                           capture_output=True, text=True, cwd=root, timeout=900,
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
@@ -253,18 +257,7 @@ def test_resnet_validation_every_strategy_passes(tmp_path):
     """The CIFAR ResNet (BatchNorm buffers, residual blocks, strided 1x1 projections): every strategy
     passes the whole rule on gloo with 2 ranks -- peak within 0.1%, every component, collectives exact
     (DDP's per-step broadcast of the BatchNorm buffers included)."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "r.jsonl"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "distplan.planner", "validate", "--module", RESNET,
-                           "--input-shape", "8,3,32,32", "--strategy", "all", "--precision", "fp32",
-                           "--optimizer", "sgd-momentum", "--json", "--out", str(out)],
-                          capture_output=True, text=True, cwd=root, timeout=900,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode in (0, 1), proc.stderr[-2000:]
-    probes = json.loads(proc.stdout)["probes"]
+    probes = _validate_on_cpu(RESNET, "8,3,32,32", "sgd-momentum", tmp_path / "r.jsonl")["probes"]
     assert {p["inputs"]["strategy"] for p in probes} == set(NAMES)
     bad = {p["inputs"]["strategy"]: p["verdict"] for p in probes if p["verdict"] != "PASS"}
     assert not bad, bad
