@@ -65,8 +65,8 @@ from dataclasses import dataclass, field, replace
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
 from .config import CHECKPOINTING, Cluster
-from .memory import (COMPONENTS, CUBLASLT_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate,
-                     Snapshot, cublas_workspace_bytes, zero1_partition)
+from .memory import (COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot,
+                     library_workspace_bytes, zero1_partition)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
 from .strategies import NAMES, Strategy, get_strategy
 from .units import fmt_count
@@ -492,10 +492,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
 
     peak = max(snaps, key=lambda s: s.total)
-    library = 0
-    if device == "cuda":
-        library = 2 * cublas_workspace_bytes(cluster.gpu_name) + (
-            CUBLASLT_WORKSPACE_BYTES * (2 if train.checkpointing == "full" else 1) if desc.linear_bias else 0)
+    library = library_workspace_bytes(train, cluster.gpu_name, desc.linear_bias) if device == "cuda" else 0
     peak_allocated = max(s.total + e for s, e in zip(snaps, extra)) + library
     workspace = peak_allocated - peak.total
     reserved = int(0.10 * peak_allocated)  # as memory.estimate_memory
@@ -549,8 +546,9 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
         add("all_reduce", "world", world, gdt, buckets[-1], 1, "backward", "last_bucket")
         # DDP broadcasts the module's buffers (BatchNorm statistics) from rank 0 before a forward that
         # follows a synchronised backward (`_check_sync_bufs_pre_fwd`, `require_forward_param_sync`):
-        # once per optimizer step, no_sync micro-steps included. `_broadcast_coalesced` packs them per
-        # dtype into buckets of `broadcast_bucket_size` (250 MiB), a bucket closing once it reaches it.
+        # once per optimizer step, however many no_sync micro-steps it has. `_broadcast_coalesced` sends
+        # one message per dtype (measured, CPU and H100); past `broadcast_bucket_size` (250 MiB) of
+        # buffers the split is assumed to close a bucket once it reaches that size (not measured).
         for dtype, sizes in desc.buffers:
             bucket = 0
             for n in sizes:
