@@ -88,7 +88,7 @@ class ModuleDesc:
     forward: the highest bytes alive during the segment's forward of what the forward created, less the
     earlier segments' saved tensors (its own saved tensors so far, its input and intermediates), or None.
     backward: (transient, grads, saved) bytes at the segment's backward peak, measured on fake tensors
-    (`module_probe._BackwardTracker`): activation gradients alive, its parameters' gradients made so far,
+    (`module_probe._SegmentTracker`): activation gradients alive, its parameters' gradients made so far,
     its saved tensors not yet freed; None when the profile predates that measurement (the walk then
     takes the gradients of input and output, all of its parameters' gradients and saved tensors)."""
     output_bytes: int

@@ -19,7 +19,7 @@ weights touched), and runs one forward pass plus the loss on a fake input of tha
 - FLOPs of the forward pass (`torch.utils.flop_counter.FlopCounterMode`; matmuls and convolutions).
 - per segment, what its forward and its backward hold at their peaks (`forward_bytes`;
   `backward_bytes`, `backward_grad_bytes`, `backward_saved_bytes`): the backward runs too, on the same
-  fake tensors, and a dispatch mode follows every storage created (`_BackwardTracker`).
+  fake tensors, and a dispatch mode follows every storage created (`_SegmentTracker`).
 - per segment, its convolutions (`kernels`): the call's arguments and what is alive when it runs, for
   the cuDNN workspace measured on a GPU (`validate/kernel_workspace.py`); `linear_bias`: an addmm ran.
 
@@ -113,8 +113,12 @@ def module_loss(out):
     return out.sum(), "sum"
 
 
-class _BackwardTracker:
-    """What one backward holds, per forward segment, measured on fake tensors.
+class _SegmentTracker:
+    """What the forward and the backward hold, per segment, measured on fake tensors.
+
+    Forward (`forward_mode`): after each op, the bytes alive of every storage the forward created, the
+    highest per segment (`fwd_peak`); the convolutions' arguments and that figure when each runs; whether
+    an addmm ran. Backward, below.
 
     A dispatch mode sees every op of the backward; each new output storage is kept as a weak reference
     (`StorageWeakRef`), so after every op the bytes autograd still references are known, as the
@@ -172,18 +176,27 @@ class _BackwardTracker:
 
         self.forward_mode = _Forward()
 
-    def _forward_after(self, outs, ins) -> None:
-        """After each forward op: the bytes alive of every storage the forward created (saved or not:
-        the probes' tracker counts them all as activations while the forward runs)."""
+    def _created(self, outs, ins, live: dict):
+        """(key, storage) of each output storage an op allocated: not one of its inputs' (views, detach
+        -- how saved tensors come back -- and in-place ops return an input's storage) and not already
+        alive. `live` is pruned of freed storages first: a freed storage's address (the key) comes back."""
         Tensor = self._torch.Tensor
-        self.fwd_live = {k: v for k, v in self.fwd_live.items() if not v[0].expired()}
+        for k in [k for k, v in live.items() if v[0].expired()]:
+            del live[k]
         aliased = {t.untyped_storage()._cdata for t in ins if isinstance(t, Tensor)}
         for t in outs:
             if isinstance(t, Tensor):
                 st = t.untyped_storage()
                 k = st._cdata
-                if k not in self.fwd_live and k not in aliased and k not in self.not_activations:
-                    self.fwd_live[k] = (self._ref(st), int(st.nbytes()))
+                if k not in live and k not in aliased:
+                    yield k, st
+
+    def _forward_after(self, outs, ins) -> int:
+        """After each forward op: the bytes alive of every storage the forward created (saved or not:
+        the probes' tracker counts them all as activations while the forward runs)."""
+        for k, st in self._created(outs, ins, self.fwd_live):
+            if k not in self.not_activations:
+                self.fwd_live[k] = (self._ref(st), int(st.nbytes()))
         seg = self.forward_segment()
         alive = sum(v[1] for v in self.fwd_live.values())
         self.fwd_peak[seg] = max(self.fwd_peak.get(seg, 0), alive)
@@ -200,21 +213,11 @@ class _BackwardTracker:
         self.saved.setdefault(index, []).append((self._ref(storage), nbytes))
 
     def _after(self, outs, ins) -> None:
-        Tensor = self._torch.Tensor
-        # Drop what autograd has freed first: a freed storage's address (the key) can come back.
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        # Views, detach (how saved tensors come back) and in-place ops return an input's storage:
-        # nothing new is allocated.
-        aliased = {t.untyped_storage()._cdata for t in ins if isinstance(t, Tensor)}
         seg = self.segment if self.segment is not None else self._last
-        for t in outs:
-            if isinstance(t, Tensor):
-                st = t.untyped_storage()
-                k = st._cdata
-                if k not in self.live and k not in aliased:
-                    self._uid += 1
-                    self.live[k] = (self._ref(st), int(st.nbytes()), self._uid)
-                    self.born[self._uid] = seg
+        for k, st in self._created(outs, ins, self.live):
+            self._uid += 1
+            self.live[k] = (self._ref(st), int(st.nbytes()), self._uid)
+            self.born[self._uid] = seg
         saved = sum(n for ref, n in self.saved.get(seg, ()) if not ref.expired())
         self.timeline.append((seg, [(v[2], v[1]) for v in self.live.values()], saved))
 
@@ -352,7 +355,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         segments: list[dict] = [{"unit": "root", "activation_bytes": 0,
                                  "input_bytes": x.numel() * x.element_size()}]
 
-        bwd = _BackwardTracker(torch)
+        bwd = _SegmentTracker(torch)
         bwd.forward_segment = lambda: len(segments) - 1
 
         def pre_hook(name):
