@@ -86,11 +86,10 @@ class ModuleDesc:
     segments: tuple
     """((unit, saved activation bytes, input bytes, backward, forward), ...) in forward order, 'loss' last.
     forward: the highest bytes alive during the segment's forward of what the forward created, less the
-    earlier segments' saved tensors (its own saved tensors so far, its input and intermediates), or None.
+    earlier segments' saved tensors (its own saved tensors so far, its input and intermediates).
     backward: (transient, grads, saved) bytes at the segment's backward peak, measured on fake tensors
     (`module_probe._SegmentTracker`): activation gradients alive, its parameters' gradients made so far,
-    its saved tensors not yet freed; None when the profile predates that measurement (the walk then
-    takes the gradients of input and output, all of its parameters' gradients and saved tensors)."""
+    its saved tensors not yet freed."""
     output_bytes: int
     buffers_bytes: int
     forward_flops: int
@@ -132,9 +131,8 @@ class ModuleDesc:
     def from_profile(cls, prof: dict) -> "ModuleDesc":
         units = tuple((u["name"], tuple((n, tuple(s)) for n, s in u["params"])) for u in prof["units"])
         segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]),
-                      None if s.get("backward_bytes") is None else
                       (int(s["backward_bytes"]), int(s["backward_grad_bytes"]), int(s["backward_saved_bytes"])),
-                      None if s.get("forward_bytes") is None else int(s["forward_bytes"]))
+                      int(s["forward_bytes"]))
                      for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
@@ -149,8 +147,7 @@ class ModuleDesc:
     def scaled(self, batch: int) -> "ModuleDesc":
         """The same module at another batch: activations, inputs, output, FLOPs scale linearly."""
         k = batch / self.batch
-        segs = tuple((u, int(a * k), int(i * k), None if b is None else (int(b[0] * k), b[1], int(b[2] * k)),
-                      None if f is None else int(f * k))
+        segs = tuple((u, int(a * k), int(i * k), (int(b[0] * k), b[1], int(b[2] * k)), int(f * k))
                      for u, a, i, b, f in self.segments)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
@@ -325,15 +322,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     elif train.checkpointing == "selective":
         notes.append("selective checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
-    # Segment k's backward at its peak (measured; else input and output gradients, all of its saved
-    # tensors and, None, all of its unit's gradients): transient bytes, its own gradients, its saved
-    # tensors. With full checkpointing its saved tensors are the recomputed ones (`recompute`).
-    bwd_tmp, bwd_grads, bwd_saved = [], [], []
-    for k, s in enumerate(segs):
-        b = s[3] if s[3] is not None else (inputs[k] + inputs[k + 1], None, s[1])
-        bwd_tmp.append(b[0])
-        bwd_grads.append(b[1])
-        bwd_saved.append(acts[k] if train.checkpointing == "full" else b[2])
+    # Segment k's backward at its measured peak: transient bytes, its own gradients, its saved tensors.
+    # With full checkpointing its saved tensors are the recomputed ones (`recompute`).
+    bwd_tmp = [s[3][0] for s in segs]
+    bwd_grads = [s[3][1] for s in segs]
+    bwd_saved = [acts[k] if train.checkpointing == "full" else s[3][2] for k, s in enumerate(segs)]
     out_tmp = desc.output_bytes
     buffers = desc.buffers_bytes
 
@@ -364,9 +357,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     all_acts = sum(acts) + loss_act
     # Segment k's forward at its measured peak: the earlier segments' saved tensors plus what its own
     # forward holds (saved so far, its input, intermediates: a block's two branches before their sum);
-    # the probes' tracker counts all of it as activations. Unmeasured or checkpointed: its saved tensors
-    # and its output.
-    measured_fwd = train.checkpointing != "full" and all(s[4] is not None for s in desc.segments)
+    # the probes' tracker counts all of it as activations. Checkpointed: its input and its output.
+    measured_fwd = train.checkpointing != "full"
     if measured_fwd:
         fwd_act = [sum(acts[:k]) + s[4] for k, s in enumerate(segs)]
         fwd_tmp = [0] * len(segs)
@@ -401,7 +393,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             done = sum(unit_grad.get(x, 0) for x in reached if x != u)
             for (tmp, g, saved), w in instants(k):
                 snap("backward", w, **base, activations=sum(acts[:k]) + saved + recompute,
-                     grads=done + (own if g is None else min(own, g)), temporaries=tmp)
+                     grads=done + min(own, g), temporaries=tmp)
         snap("optimizer", **base, grads=total * gb, temporaries=opt_tmp)
     else:
         udt = cb if prec.mixed else pb  # param_dtype of the unsharded unit
@@ -463,7 +455,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # the activation gradients alive, its parameters' gradients made so far (FSDP1: views of
             # the flat parameter, so they wait in autograd's buffer: temporaries).
             for (tmp, g, saved), w in instants(k):
-                g_now = g_unit if g is None else min(g_unit, g)
+                g_now = min(g_unit, g)
                 snap("backward", w, **base, comm_buffers=unsharded + (0 if fsdp1 else g_now) + rs_held,
                      activations=sum(acts[:k]) + saved + recompute, grads=grads,
                      temporaries=tmp + (g_now if fsdp1 else 0))
