@@ -290,8 +290,8 @@ def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, 
     mem = estimate_memory(train, cluster, st, device=device)
     result = StrategyResult(st, mem)
     if comm:
-        result.collectives = collective_schedule(train, cluster, st.name)
-        gpu = _gpu(cluster.gpu_name, tuple(catalog_dirs))
+        result.collectives = collective_schedule(train, cluster, st)
+        gpu = _gpu(cluster.gpu_name, tuple(catalog_dirs) if catalog_dirs else ())
         result.time = step_time(train, cluster, st, result.collectives, gpu)
         result._required = lambda: required_inter_bandwidth(train, cluster, st.name, gpu=gpu)
     return result

@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 from .config import Cluster, TrainConfig
 from .model import ModelSpec
-from .strategies import get_strategy
+from .strategies import Strategy, get_strategy
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -222,12 +222,13 @@ def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cl
 
 
 @lru_cache(maxsize=512)
-def _units(model: ModelSpec) -> tuple[tuple, tuple]:
-    """(block params, root params): shapes of one block and of the root unit (embed + head)."""
+def _units(model: ModelSpec) -> tuple[tuple, tuple, int, int]:
+    """(block params, root params, block elements, root elements): shapes of one block and of the root
+    unit (embed + head), and their element counts."""
     embed, blk, head = model.units()
     block = tuple(s for _, s in blk.params)
     root = tuple(s for _, s in embed.params) + tuple(s for _, s in head.params)
-    return block, root
+    return block, root, sum(map(prod, block)), sum(map(prod, root))
 
 
 @lru_cache(maxsize=2048)
@@ -236,9 +237,8 @@ def _fsdp2_numel(shapes: tuple, ws: int) -> int:
     return sum(-(-s[0] // ws) * ws * prod(s[1:]) for s in shapes)
 
 
-def _fsdp1_numel(shapes: tuple, ws: int) -> int:
-    """FSDP1 FlatParameter (use_orig_params=False): flat numel padded to a multiple of ws."""
-    n = sum(prod(s) for s in shapes)
+def _fsdp1_numel(n: int, ws: int) -> int:
+    """FSDP1 FlatParameter (use_orig_params=False): the unit's `n` elements padded to a multiple of ws."""
     return -(-n // ws) * ws
 
 
@@ -342,9 +342,12 @@ def _ddp_bucket_counts(model: ModelSpec, elem_bytes: int, bucket_cap_mb: int | N
 
 # -- dtypes ----------------------------------------------------------------------------------------
 
+_PARAM_DTYPES = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}
+
+
 def _param_dtype(precision: str) -> str:
     """Dtype of all-gathered params: param_dtype of the MixedPrecision policy, else the param dtype."""
-    return {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}[precision]
+    return _PARAM_DTYPES[precision]
 
 
 def _grad_dtype(precision: str) -> str:
@@ -358,12 +361,12 @@ def _stored_dtype(precision: str) -> str:
 
 # -- schedules -------------------------------------------------------------------------------------
 
-def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str, *,
+def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *,
                         ddp_bucket_cap_mb: int | None = DDP_BUCKET_CAP_MB,
                         fsdp2_root_reshard_explicit: bool = FSDP2_ROOT_RESHARD_EXPLICIT) -> list[Collective]:
     """The collectives of one optimizer step on the most loaded rank (all ranks issue the same ones).
 
-    `strategy` is a registry name. Steady state (the second and later steps). Identical calls are
+    `strategy` is a registry name (or its `Strategy`). Steady state (the second and later steps). Identical calls are
     merged; `calls` counts all grad_accum micro-steps. Times use the cluster's links (catalog, cached).
     """
     s = get_strategy(strategy)
@@ -460,7 +463,7 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
     if framework == "deepspeed" and name in ("zero1", "zero2", "zero3"):
         return tuple(_deepspeed(model, precision, A, int(name[-1]), world))
     L = model.layers
-    block, root = _units(model)
+    block, root, block_n, root_n = _units(model)
     pdt, gdt = _param_dtype(precision), _grad_dtype(precision)
     pb, gb = _DTYPE_BYTES[pdt], _DTYPE_BYTES[gdt]
     out: list[tuple] = []
@@ -496,15 +499,14 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
 
     if s.family == "fsdp1":
         if name == "fsdp-no-shard":
-            nb, nr = sum(map(prod, block)), sum(map(prod, root))
-            add("all_reduce", "world", world, gdt, nb * gb, L, "backward", "block")
-            add("all_reduce", "world", world, gdt, nr * gb, 1, "backward", "root")
+            add("all_reduce", "world", world, gdt, block_n * gb, L, "backward", "block")
+            add("all_reduce", "world", world, gdt, root_n * gb, 1, "backward", "root")
             return tuple(out)
         if name == "hsdp":
             shard_n, group = min(world, g), "intra_node"
         else:
             shard_n, group = world, "world"
-        blk, rt = _fsdp1_numel(block, shard_n), _fsdp1_numel(root, shard_n)
+        blk, rt = _fsdp1_numel(block_n, shard_n), _fsdp1_numel(root_n, shard_n)
         fwd_calls = 1 if name == "fsdp-grad-op" else A  # SHARD_GRAD_OP keeps params under no_sync
         add("all_gather", group, shard_n, pdt, blk * pb, L * fwd_calls, "forward", "block")
         add("all_gather", group, shard_n, pdt, rt * pb, fwd_calls, "forward", "root")

@@ -100,9 +100,12 @@ class StepTime:
         return d
 
 
+_COMPUTE_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
+
+
 def _compute_dtype(train: TrainConfig) -> str:
     """Key of GPU.flops for the matmul dtype: fp32 (PyTorch's default allow_tf32=False), bf16, fp16."""
-    return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}[train.precision]
+    return _COMPUTE_DTYPES[train.precision]
 
 
 def _peak(gpu, dtype: str) -> float:

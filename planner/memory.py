@@ -186,57 +186,65 @@ def zero1_partition(runs, ranks: int, shapes: bool = True) -> tuple[list[int], l
     total; so whole rounds are assigned at once with a slice, and a partition costs O(runs x ranks)
     rather than O(parameters x log ranks) (tests compare it with the one-at-a-time loop).
     """
-    order = [(0, r) for r in range(ranks)]  # (total, rank), ascending: the order slots are taken in
-    owned: list[list[tuple]] | None = [[] for _ in range(ranks)] if shapes else None
+    # Each rank as one int, total * ranks + rank: ascending order is the (total, rank) order slots are
+    # taken in, and ints sort and compare much faster than (total, rank) tuples.
+    R = ranks
+    order = list(range(R))
+    owned: list[list[tuple]] | None = [[] for _ in range(R)] if shapes else None
     for n, run in runs:
-        m, pos = len(run), 0
+        m, pos, step = len(run), 0, n * R
         while pos < m:
-            k = bisect_left(order, (order[0][0] + n, -1))  # the band: totals below the smallest + n
+            k = bisect_left(order, (order[0] // R + n) * R)  # the band: totals below the smallest + n
             band, rest = order[:k], order[k:]
             left = m - pos
             if left < k:  # one each to the first `left` of the band: their first slots come first
                 if owned is not None:
-                    for j, (_, r) in enumerate(band[:left]):
-                        owned[r].append(run[pos + j])
-                order = sorted([(t + n, r) for t, r in band[:left]] + band[left:] + rest)
+                    for j, key in enumerate(band[:left]):
+                        owned[key % R].append(run[pos + j])
+                order = sorted([key + step for key in band[:left]] + band[left:] + rest)
                 break
             rounds = left // k
             if rest:  # a round stays ahead of the next rank while the band's top slot is below its total
-                rounds = min(rounds, -(-(rest[0][0] - band[-1][0]) // n))
+                rounds = min(rounds, -(-(rest[0] // R - band[-1] // R) // n))
             if owned is not None:
-                for p, (_, r) in enumerate(band):
-                    owned[r].extend(run[pos + p: pos + rounds * k: k])
-            add = rounds * n
-            order = sorted([(t + add, r) for t, r in band] + rest)  # two sorted runs: a linear merge
+                for p, key in enumerate(band):
+                    owned[key % R].extend(run[pos + p: pos + rounds * k: k])
+            add = rounds * step
+            order = sorted([key + add for key in band] + rest)  # two sorted runs: a linear merge
             pos += rounds * k
-    totals = [0] * ranks
-    for t, r in order:
-        totals[r] = t
+    totals = [0] * R
+    for key in order:
+        totals[key % R] = key // R
     return totals, owned
+
+
+@lru_cache(maxsize=1024)
+def _unit_sizes(model: ModelSpec) -> tuple[tuple, tuple, int, int, int]:
+    """(root shapes, block shapes, root elements, block elements, largest parameter's elements): what
+    every layout of a model starts from, computed once per model rather than once per layout."""
+    embed, blk, head = model.units()
+    root_shapes = tuple(s for _, s in embed.params + head.params)
+    block_shapes = tuple(s for _, s in blk.params)
+    sizes = [prod(s) for s in root_shapes + block_shapes]  # every block is the same
+    return root_shapes, block_shapes, sum(sizes[:len(root_shapes)]), sum(sizes[len(root_shapes):]), max(sizes)
 
 
 @lru_cache(maxsize=4096)
 def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shards_optimizer: bool) -> Layout:
-    embed, blk, head = model.units()
-    root_params = embed.params + head.params
-    block_params = blk.params
-    root = sum(prod(s) for _, s in root_params)
-    block = sum(prod(s) for _, s in block_params)
+    root_shapes, block_shapes, root, block, largest = _unit_sizes(model)
     total = model.param_count()
-    largest = max(prod(s) for _, s in root_params + block_params)  # every block is the same
 
     if family == "fsdp2":
-        def fsdp2_shard(params):  # per-parameter dim-0 sharding, padded (FSDPParam._init_sharded_param)
-            return sum(-(-s[0] // shard) * prod(s[1:]) for _, s in params)
-        sb, sr = fsdp2_shard(block_params), fsdp2_shard(root_params)
+        def fsdp2_shard(shapes):  # per-parameter dim-0 sharding, padded (FSDPParam._init_sharded_param)
+            return sum(-(-s[0] // shard) * prod(s[1:]) for s in shapes)
+        sb, sr = fsdp2_shard(block_shapes), fsdp2_shard(root_shapes)
         shard_total = sr + model.layers * sb
         ub, ur = sb * shard, sr * shard
         owned = 0
     elif family == "fsdp1":
-        def fsdp1_shard(params):  # one FlatParameter, padded to a multiple of the group (_flat_param.py)
-            n = sum(prod(s) for _, s in params)
+        def fsdp1_shard(n):  # one FlatParameter, padded to a multiple of the group (_flat_param.py)
             return -(-n // shard) if shards_params or shards_optimizer else n
-        sb, sr = fsdp1_shard(block_params), fsdp1_shard(root_params)
+        sb, sr = fsdp1_shard(block), fsdp1_shard(root)
         shard_total = sr + model.layers * sb
         ub = sb * shard if shards_params or shards_optimizer else sb
         ur = sr * shard if shards_params or shards_optimizer else sr
@@ -259,6 +267,7 @@ def zero1_owned_shapes(model: ModelSpec, ranks: int) -> tuple:
     return tuple(owned[totals.index(max(totals))])
 
 
+@lru_cache(maxsize=1024)
 def _all_state_elems(model: ModelSpec, optimizer: str) -> tuple[int, float]:
     """optimizer_state_elems over every parameter: a sum over tensors, so the root's plus `layers` times
     one block's (the blocks are identical)."""
@@ -345,7 +354,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     else:
         opt_tmp = 0
 
-    # Every snapshot of a walk holds the same `base` (parameters, optimizer state; DDP's buckets), so
+    # Every snapshot of a walk holds the same base (parameters, optimizer state; DDP's buckets), so
     # `snap` takes only the parts that vary and the peak is the first snapshot with the largest sum.
     best: list = [-1, "", None]  # total, phase, parts
 
@@ -388,7 +397,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     if family in ("single", "ddp", "zero1"):
         params = lay.total * pb
         buckets = 0 if family == "single" else lay.total * gb
-        base = dict(params=params, optimizer=opt, comm_buffers=buckets)
+        base_comm = buckets
         snap("forward", activations=acts_fwd)
         snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
         # First block's MLP backward: the head's gradient exists, every block's activations live.
@@ -411,7 +420,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         sharding = shard > 1 and st.shards_params
         reshard = st.reshard_after_forward and sharding
         ub, ur = lay.unshard_block * ud, lay.unshard_root * ud
-        base = dict(params=params, optimizer=opt)
+        base_comm = 0
         if not sharding:  # fsdp-no-shard: full flat params; mixed precision adds 16-bit copies
             ub = lay.unshard_block * cb if prec.mixed else 0
             ur = lay.unshard_root * cb if prec.mixed else 0
@@ -513,9 +522,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         snap("optimizer", grads=grads_final, temporaries=opt_tmp)
 
     _, phase, (a, c, g, t) = best
-    comps = dict.fromkeys(COMPONENTS, 0)
-    for k, val in (*base.items(), ("activations", a), ("comm_buffers", c), ("grads", g), ("temporaries", t)):
-        comps[k] += int(val)
+    comps = {"params": int(params), "grads": int(g), "optimizer": int(opt), "activations": int(a),
+             "comm_buffers": int(base_comm + c), "temporaries": int(t)}  # COMPONENTS' order
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
     peak_allocated = sum(comps.values()) + workspace
     reserved = int(0.10 * peak_allocated)  # caching-allocator fragmentation (references.md §3)

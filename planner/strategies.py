@@ -66,6 +66,11 @@ NAMES = tuple(REGISTRY)
 
 def get_strategy(name: str | Strategy) -> Strategy:
     """The registry's strategy by name (a Strategy is returned as it is)."""
+    if name.__class__ is Strategy:
+        return name
+    st = REGISTRY.get(name)  # the common case: an exact registry name
+    if st is not None:
+        return st
     if isinstance(name, Strategy):
         return name
     key = name.strip().lower()
