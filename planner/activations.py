@@ -193,11 +193,12 @@ def activations(train: TrainConfig, family: str, device: str = "cuda") -> Activa
 
     Cached per (training config, numeric regime, device): the families that share a regime share the
     figures, so a plan's eight strategies compute them twice, and a sweep over GPU counts once."""
-    return _activations(train, regime_for(train, family), device)
+    return activations_in(train, regime_for(train, family), device)
 
 
 @lru_cache(maxsize=4096)
-def _activations(train: TrainConfig, regime: str, device: str) -> ActivationBreakdown:
+def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBreakdown:
+    """`activations` for a numeric regime (`regime_for`) rather than a strategy family."""
     m = train.model
     n = train.micro_batch * train.seq_len
     h, v = m.hidden, m.vocab

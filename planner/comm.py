@@ -205,10 +205,16 @@ def cluster_links(cluster: Cluster) -> tuple[LinkModel, LinkModel]:
     return intra_m, inter_m
 
 
-@lru_cache(maxsize=16384)
+@lru_cache(maxsize=1024)
+def _group_times(cluster: Cluster) -> dict:
+    """{(op, group, group_size, message_bytes): seconds} of `cluster`, filled by `timed_collectives`:
+    strategies of one model on one cluster send many of the same messages (DDP and ZeRO-1 the same
+    buckets, ZeRO-2 and ZeRO-3 the same units). One cache per cluster, so a lookup hashes no cluster."""
+    return {}
+
+
 def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cluster) -> float:
-    """Seconds for one call on `group` of `cluster`; cached, since strategies of one model on one cluster
-    send many of the same messages (DDP and ZeRO-1 the same buckets, ZeRO-2 and ZeRO-3 the same units)."""
+    """Seconds for one call on `group` of `cluster`."""
     intra, inter = cluster_links(cluster)
     if group == "inter_node":
         return _flat_time(c_op, message_bytes, n, inter)
@@ -441,10 +447,13 @@ def timed_collectives(raw, cluster: Cluster) -> list[Collective]:
     """`Collective`s, with bytes sent per GPU and time, from (op, group, group_size, dtype, message_bytes,
     calls, phase, unit) tuples."""
     out = []
+    times = _group_times(cluster)
     for (op, group, n, dtype, msg, calls, phase, unit) in raw:
-        t = _group_time(op, group, n, msg, cluster)
+        t = times.get((op, group, n, msg))
+        if t is None:
+            t = times[op, group, n, msg] = _group_time(op, group, n, msg, cluster)
         out.append(Collective(op, group, n, dtype, msg, calls, phase,
-                              int(round(bus_factor(op, n) * msg * calls)), t * calls, unit))
+                              round(bus_factor(op, n) * msg * calls), t * calls, unit))
     return out
 
 

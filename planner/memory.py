@@ -44,7 +44,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .activations import ActivationBreakdown, activations, regime_for, sdpa_math
+from .activations import ActivationBreakdown, activations_in, regime_for, sdpa_math
 from .config import Cluster, TrainConfig
 from .model import ModelSpec
 from .precision import optimizer_state_elems
@@ -322,7 +322,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     prec = train.prec
     m = train.model
     lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
-    act: ActivationBreakdown = activations(train, family, device)
+    regime = regime_for(train, family)
+    act: ActivationBreakdown = activations_in(train, regime, device)
     notes: list[str] = list(notes_pre)
 
     pb, gb = prec.param_bytes, prec.grad_bytes
@@ -369,7 +370,6 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         notes.append("parameters, gradients and optimizer state live in CPU memory (CPU offload)")
 
     h = m.hidden
-    regime = regime_for(train, family)
     r = 4 if regime in ("fp32", "autocast") else 2  # residual stream bytes
     # Categories follow what the probes measure: storages made in forward and alive are activations
     # (logits included), those made in backward or the optimizer step are temporaries.
@@ -468,7 +468,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # reduce-scatter input, which FSDP2 keeps until the next reduce-scatter
             # (`comm_ctx.reduce_scatter_state(s)`). Activations and gradient shards are linear in j, so
             # the two middle blocks next to the ends bound it. (Measured on the H100 with 4 blocks.)
-            for j in sorted({1, L - 2}) if L >= 3 else ():
+            for j in ((1, L - 2) if L > 3 else (1,)) if L >= 3 else ():
                 snap("backward", comm_buffers=ur + ub + prefetch + rs_held + acc,
                      activations=last_acts + j * (first_acts - last_acts) // (L - 1)
                      + act.inputs + (j + 1) * act.block_cache - freed,
