@@ -6,6 +6,9 @@
 3. 10,000 configs x one strategy each, memory + communication + time (target <= 1 s), three times
    from cold caches (`clear_caches()`): 100 model shapes x 5 cluster sizes, so most schedules and
    layouts are computed, not looked up.
+4. Figures with no target of their own, printed so a slowdown shows: the catalog's cold load from YAML
+   (a part of 1.), and `distplan estimate --module` for the MNIST CNN (issue: "under a few seconds";
+   needs torch; profiled on fake tensors).
 
 Run: python benchmarks/bench_planner.py
 """
@@ -71,6 +74,18 @@ def main() -> None:
         runs.append(time.perf_counter() - t0)
     print(f"10,000 configs, memory+comm+time, cold caches: best {min(runs):.3f} s, median "
           f"{statistics.median(runs):.3f} s of 3 (target <= 1 s)")
+
+    from distplan.catalog.loader import clear_cache, load_catalog
+    loads = []
+    for _ in range(5):
+        clear_cache()
+        t0 = time.perf_counter()
+        load_catalog()
+        loads.append(time.perf_counter() - t0)
+    print(f"catalog load from YAML: {statistics.median(loads) * 1e3:.1f} ms (median of 5)")
+    module = cold([sys.executable, "-m", "distplan.planner", "estimate", "--module", "examples.mnist_cnn:make_model",
+                   "--input-shape", "128,1,28,28", "--gpus", "8", "--gpu", "h100-sxm"], runs=3)
+    print(f"estimate --module (MNIST CNN, batch 128): {module:.2f} s, {module / base:.1f}x the imports")
 
 
 if __name__ == "__main__":

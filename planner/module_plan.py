@@ -22,12 +22,16 @@ tensors (torch is imported lazily; nothing is allocated).
   segment's forward to hold at its peak (its saved tensors so far, its input, intermediates such as a
   residual block's two branches before their sum). FSDP2 keeps the current unit's all-gather output
   beside its copied-out parameters (`FSDPParamGroup.wait_for_unshard`).
-- backward, segment by segment from the last, at the instant the profile measured as the segment's
-  peak on fake tensors: the earlier segments' saved tensors, its own not yet freed, the gradients of
+- backward, segment by segment from the last, at the instants the profile measured as the segment's
+  peaks on fake tensors, before and after the gradient of its unit's output is ready (where FSDP's
+  pre-backward hook runs): the earlier segments' saved tensors, its own not yet freed, the gradients of
   every unit already reached, its own parameters' gradients made so far, and the activation gradients
-  alive (a conv -> ReLU -> pool segment holds the pool's and the ReLU's input gradients at once). A
-  sharded unit's reduce-scatter comes after its segment's backward: its saved tensors and its output's
-  gradient are gone by then, its unsharded gradients and the reduce-scatter input are alive.
+  alive (a conv -> ReLU -> pool segment holds the pool's and the ReLU's input gradients at once). FSDP2
+  with resharding: before the hook the unit's parameters are still the all-gather output the unit after
+  it prefetched; the hook copies them out and prefetches the unit before. A sharded unit's
+  reduce-scatter comes after its segment's backward: its saved tensors and its output's gradient are
+  gone by then. FSDP2 (`foreach_reduce`): the unsharded gradients and the reduce-scatter input, then,
+  the gradients freed, the input, the output and (gloo) the collective's copy of the input.
 - temporaries: the input batch throughout (what the probes' tracker calls it too); the output and its
   gradient around the loss; at the optimizer step the foreach intermediate (one tensor the size of the
   rank's parameters, `_multi_tensor_adam`'s exp_avg_sq_sqrt).
@@ -89,7 +93,9 @@ class ModuleDesc:
     earlier segments' saved tensors (its own saved tensors so far, its input and intermediates).
     backward: (transient, grads, saved) bytes at the segment's backward peak, measured on fake tensors
     (`module_probe._SegmentTracker`): activation gradients alive, its parameters' gradients made so far,
-    its saved tensors not yet freed."""
+    its saved tensors not yet freed. split: (before, after), the same figures at the highest instant
+    before and after the gradient of the segment's unit output is ready (where FSDP's pre-backward hook
+    runs); the backward peak is one of the two."""
     output_bytes: int
     buffers_bytes: int
     forward_flops: int
@@ -130,10 +136,17 @@ class ModuleDesc:
     @classmethod
     def from_profile(cls, prof: dict) -> "ModuleDesc":
         units = tuple((u["name"], tuple((n, tuple(s)) for n, s in u["params"])) for u in prof["units"])
-        segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]),
-                      (int(s["backward_bytes"]), int(s["backward_grad_bytes"]), int(s["backward_saved_bytes"])),
-                      int(s["forward_bytes"]))
-                     for s in prof["segments"])
+        def split(s, peak):
+            if "backward_split" not in s:  # no hook instants recorded: the whole backward after the hook
+                return (0, 0, 0), peak
+            return tuple(tuple(int(v) for v in part) for part in s["backward_split"])
+
+        segs = []
+        for s in prof["segments"]:
+            peak = (int(s["backward_bytes"]), int(s["backward_grad_bytes"]), int(s["backward_saved_bytes"]))
+            segs.append((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]), peak,
+                         int(s["forward_bytes"]), split(s, peak)))
+        segs = tuple(segs)
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
@@ -147,8 +160,11 @@ class ModuleDesc:
     def scaled(self, batch: int) -> "ModuleDesc":
         """The same module at another batch: activations, inputs, output, FLOPs scale linearly."""
         k = batch / self.batch
-        segs = tuple((u, int(a * k), int(i * k), (int(b[0] * k), b[1], int(b[2] * k)), int(f * k))
-                     for u, a, i, b, f in self.segments)
+        def bwd(b):
+            return int(b[0] * k), b[1], int(b[2] * k)
+
+        segs = tuple((u, int(a * k), int(i * k), bwd(b), int(f * k), tuple(bwd(x) for x in sp))
+                     for u, a, i, b, f, sp in self.segments)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
                        forward_flops=int(self.forward_flops * k), batch=batch,
@@ -322,11 +338,6 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     elif train.checkpointing == "selective":
         notes.append("selective checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
-    # Segment k's backward at its measured peak: transient bytes, its own gradients, its saved tensors.
-    # With full checkpointing its saved tensors are the recomputed ones (`recompute`).
-    bwd_tmp = [s[3][0] for s in segs]
-    bwd_grads = [s[3][1] for s in segs]
-    bwd_saved = [acts[k] if train.checkpointing == "full" else s[3][2] for k, s in enumerate(segs)]
     out_tmp = desc.output_bytes
     buffers = desc.buffers_bytes
 
@@ -348,11 +359,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         extra.append(int(workspace))
 
     def instants(k: int):
-        """Segment k's backward: its measured peak (no workspace), then each convolution's instant
-        with its workspace, as ((transient, own grads, saved), workspace)."""
-        yield (bwd_tmp[k], bwd_grads[k], bwd_saved[k]), 0
+        """Segment k's backward: its measured peaks before and after its unit's output gradient is
+        ready (no workspace), then each convolution's instant with its workspace (after), as
+        ((transient, own grads, saved), workspace, before). With full checkpointing its saved tensors
+        are the recomputed ones (`recompute`)."""
+        for before, (tmp, g, saved) in zip((True, False), segs[k][5]):
+            yield (tmp, g, acts[k] if train.checkpointing == "full" else saved), 0, before
         for w, at in bwd_kernels.get(k, ()):
-            yield (at[0], at[1], acts[k] if train.checkpointing == "full" else at[2]), w
+            yield (at[0], at[1], acts[k] if train.checkpointing == "full" else at[2]), w, False
 
     all_acts = sum(acts) + loss_act
     # Segment k's forward at its measured peak: the earlier segments' saved tensors plus what its own
@@ -391,7 +405,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             own = unit_grad.get(u, 0) if u not in reached else 0
             reached.add(u)
             done = sum(unit_grad.get(x, 0) for x in reached if x != u)
-            for (tmp, g, saved), w in instants(k):
+            for (tmp, g, saved), w, _ in instants(k):
                 snap("backward", w, **base, activations=sum(acts[:k]) + saved + recompute,
                      grads=done + min(own, g), temporaries=tmp)
         snap("optimizer", **base, grads=total * gb, temporaries=opt_tmp)
@@ -451,14 +465,26 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                      else sum(sizes[x][1] for x in done) * gb)
             kept_now = sum(unsh[x] for x in held if x not in resharded)
             unsharded = root + (in_use + pre if reshard else kept_now)
-            # During the segment's backward, at its measured peak: its saved tensors not yet freed,
-            # the activation gradients alive, its parameters' gradients made so far (FSDP1: views of
-            # the flat parameter, so they wait in autograd's buffer: temporaries).
-            for (tmp, g, saved), w in instants(k):
-                g_now = min(g_unit, g)
-                snap("backward", w, **base, comm_buffers=unsharded + (0 if fsdp1 else g_now) + rs_held,
+            unsharded_before = unsharded
+            if family == "fsdp2" and reshard:
+                # FSDP2's pre-backward hook (on the unit's outputs) copies the unit's all-gather output
+                # out into its parameters, frees it and prefetches the unit before; until it runs (the
+                # segment's ops after the unit's forward, ReLU, pooling, and segments without
+                # parameters) the next unit's prefetched all-gather output is what is alive. The first
+                # unit of the backward is all-gathered in its own hook, not prefetched.
+                nxt = u if u in order else next((s[0] for s in reversed(segs[:k]) if s[0] in order), None)
+                unsharded_before = root + (unsh[nxt] if nxt and nxt != order[-1] else 0)
+                if u not in order:
+                    unsharded = unsharded_before
+            # During the segment's backward, at its measured peaks: its saved tensors not yet freed,
+            # the activation gradients alive, its parameters' gradients made so far (temporaries, as
+            # the probes' tracker sees them: FSDP1's are views of the flat parameter waiting in
+            # autograd's buffer, FSDP2's the unsharded parameters' .grad, read by no collective).
+            for (tmp, g, saved), w, before in instants(k):
+                comm = unsharded_before if before else unsharded
+                snap("backward", w, **base, comm_buffers=comm + rs_held,
                      activations=sum(acts[:k]) + saved + recompute, grads=grads,
-                     temporaries=tmp + (g_now if fsdp1 else 0))
+                     temporaries=tmp + min(g_unit, g))
             if rs:
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
                 # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
@@ -474,11 +500,15 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     snap("backward", **base, comm_buffers=unsharded + g_unit + (rs if prec.mixed else 0),
                          activations=sum(acts[:k]), grads=grads, temporaries=inputs[k] + g_unit)
                 else:
-                    # FSDP2: its unsharded gradients and the reduce-scatter input; gloo copies that
-                    # input once more.
+                    # FSDP2 `foreach_reduce` (_fsdp_collectives.py): the unsharded gradients are copied
+                    # into the reduce-scatter input and freed only then (`unsharded_grads.clear()`);
+                    # next the output (one shard of the input) is allocated and the collective runs,
+                    # gloo's reduce-scatter copying its input once more.
+                    snap("backward", **base, comm_buffers=unsharded + rs, activations=sum(acts[:k]),
+                         grads=grads, temporaries=inputs[k] + g_unit)
                     split = rs if backend == "gloo" else 0
-                    snap("backward", **base, comm_buffers=unsharded + g_unit + rs, activations=sum(acts[:k]),
-                         grads=grads, temporaries=inputs[k] + split)
+                    snap("backward", **base, comm_buffers=unsharded + rs + sizes[u][0] * red,
+                         activations=sum(acts[:k]), grads=grads, temporaries=inputs[k] + split)
                     rs_held = rs
         grads_end = shard_params * sg if sharding else total * gb
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)

@@ -3,7 +3,6 @@ the file and key in a one-line message, user directories layer over the built-in
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -50,16 +49,14 @@ def test_required_entries_present():
         assert set(names.split()) <= set(cat.names(kind)), kind
 
 
-def test_loads_fast():
+def test_catalog_is_parsed_once():
+    """The parsed catalog is cached per directory list (its cold load time is in
+    benchmarks/bench_planner.py, not timed here)."""
     clear_cache()
-    load_catalog()  # warm imports (yaml) and the OS file cache
+    first = load_catalog()
+    assert load_catalog() is first
     clear_cache()
-    t0 = time.perf_counter()
-    load_catalog()
-    assert time.perf_counter() - t0 < 0.030 * 3  # budget 30 ms; 3x slack for loaded CI machines
-    t0 = time.perf_counter()
-    load_catalog()
-    assert time.perf_counter() - t0 < 0.001  # cached
+    assert load_catalog() is not first
 
 
 def test_h100_bf16_is_dense():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -77,13 +76,10 @@ def test_saved_activations_match_a_real_forward(factory, shape):
 
 
 def test_cnn_plan_through_the_cli_prints_every_strategy():
-    t0 = time.perf_counter()
     res = CliRunner().invoke(main, ["estimate", "--module", CNN, "--input-shape", "128,1,28,28", "--gpus", "8",
                                     "--gpu", "h100-sxm", "--precision", "fp32", "--optimizer", "adam"])
-    elapsed = time.perf_counter() - t0
     assert res.exit_code == 0, res.output
     print(res.output)
-    assert elapsed < 20, f"--module took {elapsed:.1f} s"
     lines = res.output.splitlines()
     for name in NAMES:
         if name == "single":
@@ -239,17 +235,15 @@ def test_cnn_validation_peak_within_tolerance(cnn_validation):
 
 @pytest.mark.slow
 def test_cnn_validation_verdicts(cnn_validation):
-    """Every strategy passes the whole rule (peak, every component, collectives) except FSDP2's zero2
-    and zero3, a stated gap: the measured peak is at fc1's all-gather, where the tracker holds conv3's
-    all-gather output beside fc1's and fc1's full-size parameters (FSDP2 frees conv3's in fc1's
-    `wait_for_unshard` before copying out; how they coexist is not established), so the components split
-    differently (the peaks: the test above; at batch 128 on the H100 they pass)."""
+    """Every strategy passes the whole rule (peak, every component, collectives), peaks within 0.2%:
+    the segments are measured on fake tensors, FSDP2's pre-backward hook and its reduce-scatter's
+    copy-in, output and gloo copy are walked in PyTorch's order, and the probe settles gloo's buffers
+    when a collective's wait returns (`Tracker.settle_waits`; before, zero2/zero3 measured 14.66 or
+    15.77 MiB from run to run)."""
     verdicts = {p["inputs"]["strategy"]: p["verdict"] for p in cnn_validation["probes"]}
-    assert {k for k, v in verdicts.items() if v != "PASS"} <= {"zero2", "zero3"}, verdicts
-    # every other strategy's components are exact to the byte's rounding (segments measured on fake tensors)
+    assert all(v == "PASS" for v in verdicts.values()), verdicts
     for p in cnn_validation["probes"]:
-        if p["inputs"]["strategy"] not in ("zero2", "zero3"):
-            assert abs(p["comparison"]["peak"]["error"]) <= 0.002, (p["id"], p["comparison"]["peak"])
+        assert abs(p["comparison"]["peak"]["error"]) <= 0.002, (p["id"], p["comparison"]["peak"])
 
 
 @pytest.mark.slow
@@ -294,6 +288,16 @@ def test_backward_segment_figures_are_bounded_and_see_the_relu():
     for s in prof["segments"]:
         assert s["backward_grad_bytes"] <= 4 * numel.get(s["unit"], 0)
         assert s["backward_saved_bytes"] <= s["activation_bytes"]
+        # the peak is the higher of the peaks before and after the unit's output gradient is ready
+        before, after = s["backward_split"]
+        peak = [s["backward_bytes"], s["backward_grad_bytes"], s["backward_saved_bytes"]]
+        assert peak in (before, after) and sum(peak) == max(sum(before), sum(after)), s
+    # conv1's peak is the ReLU's backward, before the conv's own (FSDP's pre-backward hook not yet run):
+    # no parameter gradient yet; after the hook, conv1's weight and bias gradients appear
+    before, after = by["conv1"]["backward_split"]
+    assert before[1] == 0 and before == [by["conv1"][k] for k in ("backward_bytes", "backward_grad_bytes",
+                                                                   "backward_saved_bytes")]
+    assert after[1] == 4 * numel["conv1"]
 
 
 def test_convolutions_recorded_and_workspaces_need_a_gpu():

@@ -140,8 +140,9 @@ class _SegmentTracker:
         self.live: dict = {}  # storage key -> (weak ref, bytes, unique id)
         self.born: dict = {}  # unique id -> segment it was created in
         self.saved: dict = {}  # segment -> [(weak ref, bytes)] of the storages it saved for backward
-        self.timeline: list = []  # (segment, [(unique id, bytes) alive], saved bytes of it alive)
+        self.timeline: list = []  # (segment, [(unique id, bytes) alive], saved bytes of it alive, started)
         self.segment = None  # None: the loss (the last segment) until its input's hook fires
+        self.started: set = set()  # segments whose unit's output gradient is ready (`mark_output`)
         self.survivors: set = set()
         self._uid = 0
         tracker = self
@@ -209,6 +210,17 @@ class _SegmentTracker:
             if isinstance(a, self._torch.Tensor) and a.requires_grad:
                 a.register_hook(done)
 
+    def mark_output(self, outs, index: int) -> None:
+        """A gradient hook on the outputs of segment `index`'s unit: it fires when their gradient is
+        ready, where FSDP's pre-backward hook (registered on the same outputs) unshards the unit and
+        prefetches the next; the segment's ops before it (functional ops after the unit's forward:
+        ReLU, pooling) run without them."""
+        def started(_grad, index=index):
+            self.started.add(index)
+        for a in outs:
+            if isinstance(a, self._torch.Tensor) and a.requires_grad:
+                a.register_hook(started)
+
     def mark_saved(self, storage, nbytes: int, index: int) -> None:
         self.saved.setdefault(index, []).append((self._ref(storage), nbytes))
 
@@ -219,12 +231,12 @@ class _SegmentTracker:
             self.live[k] = (self._ref(st), int(st.nbytes()), self._uid)
             self.born[self._uid] = seg
         saved = sum(n for ref, n in self.saved.get(seg, ()) if not ref.expired())
-        self.timeline.append((seg, [(v[2], v[1]) for v in self.live.values()], saved))
+        self.timeline.append((seg, [(v[2], v[1]) for v in self.live.values()], saved, seg in self.started))
 
     def _kernel(self, args: dict) -> None:
         """A backward convolution: where it runs and what is alive then (its outputs included; cuDNN
         takes its workspace while they exist)."""
-        seg, alive, saved = self.timeline[-1]
+        seg, alive, saved, _ = self.timeline[-1]
         self.kernels.setdefault(seg, []).append({"phase": "backward", "args": args, "at": (alive, saved)})
 
     def run(self, loss, n_segments: int) -> None:
@@ -238,11 +250,14 @@ class _SegmentTracker:
         grads = sum(n for uid, n in alive if uid in self.survivors and self.born[uid] == seg)
         return trans, grads, saved
 
-    def segment_peaks(self) -> dict:
+    def segment_peaks(self, started: bool | None = None) -> dict:
         """{segment index: (transient, grads, saved) at the instant of its backward where their sum
-        is highest}."""
+        is highest}; with `started` only among the instants after (True) or before (False) the
+        segment's unit output gradient is ready (`mark_output`)."""
         peaks: dict = {}
-        for seg, alive, saved in self.timeline:
+        for seg, alive, saved, s in self.timeline:
+            if started is not None and s != started:
+                continue
             t = self._split(seg, alive, saved)
             if seg not in peaks or sum(t) > sum(peaks[seg]):
                 peaks[seg] = t
@@ -302,6 +317,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import FlopCounterMode
 
     if dtype not in _DTYPES:
@@ -365,7 +381,11 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
                 bwd.mark_input(args, len(segments) - 1)
             return hook
 
+        def post_hook(_mod, _args, out):
+            bwd.mark_output(tree_leaves(out), len(segments) - 1)
+
         handles = [child.register_forward_pre_hook(pre_hook(name)) for name, child in model.named_children()]
+        handles += [child.register_forward_hook(post_hook) for _, child in model.named_children()]
 
         # The input batch is not an activation: it exists before the forward and after it (the probes'
         # tracker and the planner count it as a temporary, `batch_bytes`); nor are buffers (BatchNorm
@@ -409,6 +429,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         out_shape = list(out.shape)
         fwd_flops = int(flops.get_total_flops())
         peaks = bwd.segment_peaks()
+        split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
         del loss
     return {
         "factory": factory_path,
@@ -426,6 +447,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         "output_shape": out_shape,
         "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
                                           peaks.get(i, (0, 0, 0)))),
+                          backward_split=[list(p.get(i, (0, 0, 0))) for p in split],
                           kernels=bwd.segment_kernels(i, sum(x["activation_bytes"] for x in segments[:i])),
                           forward_bytes=max(0, bwd.fwd_peak.get(i, 0)
                                             - sum(x["activation_bytes"] for x in segments[:i])))

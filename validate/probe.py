@@ -177,7 +177,7 @@ class Probe:
                 # every allocation from here on, with its Python and C++ stack (validate/snapshot.py)
                 torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="all", stacks="all")
 
-        tracker = self.tracker = Tracker()
+        tracker = self.tracker = Tracker(settle_waits=self.mode == "cpu")  # gloo: see Tracker
         with tracker:
             torch.manual_seed(int(spec.get("seed", 0)))
             units = None
