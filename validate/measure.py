@@ -187,7 +187,7 @@ class Tracker(TorchDispatchMode):
         roles = self.roles()
         by_role = dict.fromkeys(CATEGORIES, 0)
         rest = []
-        for key, (n, phase, seq, _, op) in self.live.items():
+        for key, (n, phase, seq, _, op) in list(self.live.items()):  # gloo threads free storages too
             if not n:
                 continue
             role = roles.get(key)
@@ -264,7 +264,7 @@ class Tracker(TorchDispatchMode):
     def _settle(self, start: int) -> None:
         """Sleep until the storages first seen after sequence number `start` are freed, at most
         `SETTLE_S` (see `settle_waits`)."""
-        made = [key for key, rec in self.live.items() if rec[2] > start]
+        made = [key for key, rec in list(self.live.items()) if rec[2] > start]  # gloo threads free
         deadline = time.perf_counter() + SETTLE_S
         while any(key in self.live for key in made) and time.perf_counter() < deadline:
             time.sleep(1e-4)
