@@ -379,9 +379,7 @@ def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str | St
     key = _schedule_key(train, s.name, cluster.gpus, cluster.local_size, cluster.nodes,
                         ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
     collectives, totals = _timed_schedule(key, cluster)
-    schedule = Schedule(collectives)
-    schedule.totals = totals
-    return schedule
+    return Schedule(collectives, totals)
 
 
 class Schedule(list):
@@ -389,7 +387,11 @@ class Schedule(list):
     computed once per cached schedule rather than once per evaluated configuration. The totals describe
     the list as returned: to edit a schedule, copy it into a plain list first."""
 
-    totals: "ScheduleTotals | None" = None
+    __slots__ = ("totals",)  # one is made per evaluated configuration: no instance dict
+
+    def __init__(self, collectives=(), totals: "ScheduleTotals | None" = None):
+        super().__init__(collectives)
+        self.totals = totals
 
 
 @dataclass(frozen=True)

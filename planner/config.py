@@ -47,20 +47,22 @@ class TrainConfig:
     """pytorch (native implementations, validated) or deepspeed (DeepSpeed ZeRO's buffers)."""
 
     def __post_init__(self) -> None:
-        if not (self.precision in PRECISIONS and self.optimizer in OPTIMIZERS
+        if not (type(self.seq_len) is int and self.seq_len > 0 and type(self.micro_batch) is int
+                and self.micro_batch > 0 and type(self.grad_accum) is int and self.grad_accum > 0
+                and self.precision in PRECISIONS and self.optimizer in OPTIMIZERS
                 and self.optimizer_impl in OPTIMIZER_IMPLS and self.checkpointing in CHECKPOINTING
                 and self.attention in ATTENTION and self.cpu_offload in OFFLOAD
                 and self.framework in FRAMEWORKS):  # one test for the common case; below names the culprit
-            self._check_choices()
-        _positive("seq_len", self.seq_len)
-        _positive("micro_batch", self.micro_batch)
-        _positive("grad_accum", self.grad_accum)
+            self._check_fields()
         if self.model.position == "learned" and self.seq_len > self.model.max_positions:
             raise ValueError(
                 f"seq_len={self.seq_len} exceeds the model's {self.model.max_positions} learned positions")
         object.__setattr__(self, "_prec", get_precision(self.precision))
 
-    def _check_choices(self) -> None:
+    def _check_fields(self) -> None:
+        _positive("seq_len", self.seq_len)
+        _positive("micro_batch", self.micro_batch)
+        _positive("grad_accum", self.grad_accum)
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)

@@ -81,7 +81,7 @@ class Snapshot:
         return sum(self.parts.values())
 
 
-@dataclass
+@dataclass(slots=True)
 class MemoryEstimate:
     """Per-rank memory of one strategy: the components at the peak, and what surrounds them."""
 
