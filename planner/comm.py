@@ -51,7 +51,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from .config import Cluster, TrainConfig
-from .model import ModelSpec
+from .model import ModelSpec, unit_sizes
 from .strategies import Strategy, get_strategy
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -225,16 +225,6 @@ def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cl
 
 
 # -- unit sizes (cached per model) -----------------------------------------------------------------
-
-
-@lru_cache(maxsize=512)
-def _units(model: ModelSpec) -> tuple[tuple, tuple, int, int]:
-    """(block params, root params, block elements, root elements): shapes of one block and of the root
-    unit (embed + head), and their element counts."""
-    embed, blk, head = model.units()
-    block = tuple(s for _, s in blk.params)
-    root = tuple(s for _, s in embed.params) + tuple(s for _, s in head.params)
-    return block, root, sum(map(prod, block)), sum(map(prod, root))
 
 
 @lru_cache(maxsize=2048)
@@ -474,7 +464,7 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
     if framework == "deepspeed" and name in ("zero1", "zero2", "zero3"):
         return tuple(_deepspeed(model, precision, A, int(name[-1]), world))
     L = model.layers
-    block, root, block_n, root_n = _units(model)
+    root, block, root_n, block_n, _ = unit_sizes(model)
     pdt, gdt = _param_dtype(precision), _grad_dtype(precision)
     pb, gb = _DTYPE_BYTES[pdt], _DTYPE_BYTES[gdt]
     out: list[tuple] = []

@@ -46,7 +46,7 @@ from functools import lru_cache
 
 from .activations import ActivationBreakdown, activations_in, regime_for, sdpa_math
 from .config import Cluster, TrainConfig
-from .model import ModelSpec
+from .model import ModelSpec, unit_sizes
 from .precision import optimizer_state_elems
 from .strategies import Strategy, get_strategy
 
@@ -218,20 +218,9 @@ def zero1_partition(runs, ranks: int, shapes: bool = True) -> tuple[list[int], l
     return totals, owned
 
 
-@lru_cache(maxsize=1024)
-def _unit_sizes(model: ModelSpec) -> tuple[tuple, tuple, int, int, int]:
-    """(root shapes, block shapes, root elements, block elements, largest parameter's elements): what
-    every layout of a model starts from, computed once per model rather than once per layout."""
-    embed, blk, head = model.units()
-    root_shapes = tuple(s for _, s in embed.params + head.params)
-    block_shapes = tuple(s for _, s in blk.params)
-    sizes = [prod(s) for s in root_shapes + block_shapes]  # every block is the same
-    return root_shapes, block_shapes, sum(sizes[:len(root_shapes)]), sum(sizes[len(root_shapes):]), max(sizes)
-
-
 @lru_cache(maxsize=4096)
 def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shards_optimizer: bool) -> Layout:
-    root_shapes, block_shapes, root, block, largest = _unit_sizes(model)
+    root_shapes, block_shapes, root, block, largest = unit_sizes(model)
     total = model.param_count()
 
     if family == "fsdp2":
@@ -468,7 +457,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # reduce-scatter input, which FSDP2 keeps until the next reduce-scatter
             # (`comm_ctx.reduce_scatter_state(s)`). Activations and gradient shards are linear in j, so
             # the two middle blocks next to the ends bound it. (Measured on the H100 with 4 blocks.)
-            for j in ((1, L - 2) if L > 3 else (1,)) if L >= 3 else ():
+            for j in sorted({1, L - 2}) if L >= 3 else ():
                 snap("backward", comm_buffers=ur + ub + prefetch + rs_held + acc,
                      activations=last_acts + j * (first_acts - last_acts) // (L - 1)
                      + act.inputs + (j + 1) * act.block_cache - freed,

@@ -243,6 +243,18 @@ def _units(spec: ModelSpec) -> tuple:
 
 
 @lru_cache(maxsize=1024)
+def unit_sizes(spec: ModelSpec) -> tuple[tuple, tuple, int, int, int]:
+    """(root shapes, block shapes, root elements, block elements, largest parameter's elements): the
+    root unit is embed + head in registration order, every block is block 0. Computed once per spec for
+    the memory layouts and the collective schedules."""
+    embed, blk, head = spec.units()
+    root_shapes = tuple(s for _, s in embed.params + head.params)
+    block_shapes = tuple(s for _, s in blk.params)
+    sizes = [prod(s) for s in root_shapes + block_shapes]
+    return root_shapes, block_shapes, sum(sizes[:len(root_shapes)]), sum(sizes[len(root_shapes):]), max(sizes)
+
+
+@lru_cache(maxsize=1024)
 def _linear_weights(spec: ModelSpec) -> tuple[int, int]:
     block = sum(prod(s) for n, s in spec.units()[1].params if n.endswith(".weight") and len(s) == 2)
     return block, spec.vocab * spec.hidden

@@ -91,11 +91,10 @@ class ModuleDesc:
     """((unit, saved activation bytes, input bytes, backward, forward), ...) in forward order, 'loss' last.
     forward: the highest bytes alive during the segment's forward of what the forward created, less the
     earlier segments' saved tensors (its own saved tensors so far, its input and intermediates).
-    backward: (transient, grads, saved) bytes at the segment's backward peak, measured on fake tensors
-    (`module_probe._SegmentTracker`): activation gradients alive, its parameters' gradients made so far,
-    its saved tensors not yet freed. split: (before, after), the same figures at the highest instant
-    before and after the gradient of the segment's unit output is ready (where FSDP's pre-backward hook
-    runs); the backward peak is one of the two."""
+    backward: (before, after), each (transient, grads, saved) bytes at the segment's highest backward
+    instant before and after the gradient of its unit's output is ready (where FSDP's pre-backward hook
+    runs), measured on fake tensors (`module_probe._SegmentTracker`): activation gradients alive, its
+    parameters' gradients made so far, its saved tensors not yet freed."""
     output_bytes: int
     buffers_bytes: int
     forward_flops: int
@@ -136,17 +135,15 @@ class ModuleDesc:
     @classmethod
     def from_profile(cls, prof: dict) -> "ModuleDesc":
         units = tuple((u["name"], tuple((n, tuple(s)) for n, s in u["params"])) for u in prof["units"])
-        def split(s, peak):
-            if "backward_split" not in s:  # no hook instants recorded: the whole backward after the hook
-                return (0, 0, 0), peak
-            return tuple(tuple(int(v) for v in part) for part in s["backward_split"])
+        def backward(s):
+            if "backward_split" in s:
+                return tuple(tuple(int(v) for v in part) for part in s["backward_split"])
+            # no hook instants recorded: the segment's peak, as if after the hook
+            return (0, 0, 0), tuple(int(s[k]) for k in ("backward_bytes", "backward_grad_bytes",
+                                                          "backward_saved_bytes"))
 
-        segs = []
-        for s in prof["segments"]:
-            peak = (int(s["backward_bytes"]), int(s["backward_grad_bytes"]), int(s["backward_saved_bytes"]))
-            segs.append((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]), peak,
-                         int(s["forward_bytes"]), split(s, peak)))
-        segs = tuple(segs)
+        segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]), backward(s),
+                      int(s["forward_bytes"])) for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
@@ -163,8 +160,8 @@ class ModuleDesc:
         def bwd(b):
             return int(b[0] * k), b[1], int(b[2] * k)
 
-        segs = tuple((u, int(a * k), int(i * k), bwd(b), int(f * k), tuple(bwd(x) for x in sp))
-                     for u, a, i, b, f, sp in self.segments)
+        segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k))
+                     for u, a, i, b, f in self.segments)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
                        forward_flops=int(self.forward_flops * k), batch=batch,
@@ -363,7 +360,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         ready (no workspace), then each convolution's instant with its workspace (after), as
         ((transient, own grads, saved), workspace, before). With full checkpointing its saved tensors
         are the recomputed ones (`recompute`)."""
-        for before, (tmp, g, saved) in zip((True, False), segs[k][5]):
+        for before, (tmp, g, saved) in zip((True, False), segs[k][3]):
             yield (tmp, g, acts[k] if train.checkpointing == "full" else saved), 0, before
         for w, at in bwd_kernels.get(k, ()):
             yield (at[0], at[1], acts[k] if train.checkpointing == "full" else at[2]), w, False
