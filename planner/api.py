@@ -393,7 +393,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
     results = [evaluate(train, cluster, get_strategy(n), comm=comm, catalog_dirs=catalog_dirs) for n in names]
     if tokens is not None and not tokens > 0:
         raise ValueError(f"tokens={tokens!r}: must be positive")
-    return Plan(train, cluster, results, notes + cnotes, tokens)
+    front = ("front end: analytic (decoder formulas"
+             + ("; --front-end trace runs the transformers model itself on fake tensors)" if hf_config else ")"))
+    return Plan(train, cluster, results, notes + cnotes + [front], tokens)
 
 
 # -- validation ---------------------------------------------------------------------------------

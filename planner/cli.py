@@ -45,6 +45,10 @@ def model_options(fn):
         click.option("--params", metavar="COUNT", help="Parameter count: 7B, 125M, 1.3e9, 350_000_000. "
                      "Assumes a Llama-style decoder scaled from the nearest catalog model."),
         click.option("--hf-config", metavar="PATH", help="A Hugging Face config.json (llama, mistral, qwen2, gpt2, phi3)."),
+        click.option("--front-end", "front_end", type=click.Choice(FRONT_ENDS), default="auto", show_default=True,
+                     help="How --hf-config is planned: 'trace' runs the transformers model on fake tensors "
+                          "(needs torch and transformers: pip install 'distplan[hf]'), 'analytic' uses the "
+                          "decoder formulas (pure Python, fast); 'auto' traces when both are installed."),
         click.option("--layers", type=int, help="Override: decoder blocks."),
         click.option("--hidden", type=int, help="Override: model width."),
         click.option("--heads", type=int, help="Override: attention heads."),
@@ -109,13 +113,30 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name}={value}: must be a positive integer")
 
 
+FRONT_ENDS = ("auto", "analytic", "trace")
+
+
+def use_trace(kw: dict) -> bool:
+    """Whether --hf-config is planned by the trace (`--front-end`; 'auto': when torch and transformers
+    are installed, found without importing them)."""
+    fe = kw.get("front_end") or "auto"
+    if not kw.get("hf_config") or fe == "analytic":
+        return False
+    import importlib.util
+    have = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+    if fe == "trace" and not have:
+        raise ValueError("--front-end=trace: needs torch and transformers (pip install 'distplan[hf]'); "
+                         "or use --front-end analytic")
+    return have
+
+
 def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
     from .api import plan
     for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum",
                  "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
         if kw.get(flag) is not None and kw[flag] < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={kw[flag]}: must be a positive integer")
-    if kw.get("module"):
+    if kw.get("module") or use_trace(kw):
         from .module_plan import module_spec_plan
         return module_spec_plan(kw, strategies)
     overrides = {k: kw.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",

@@ -115,6 +115,9 @@ class ModuleDesc:
     """The input batch: alive through the whole step, a temporary (not saved by autograd)."""
     kernel_args: tuple = ()
     """((key, JSON of the call's arguments), ...): what `validate.kernel_workspace.measure` runs."""
+    grad_ready: tuple = ()
+    """Parameter numels in the order their gradients became ready in the traced backward (hooks on
+    AccumulateGrad): the order DDP rebuilds its buckets in. Empty: derived from the names."""
 
     @property
     def activation_bytes(self) -> int:
@@ -150,6 +153,7 @@ class ModuleDesc:
                    int(prof["buffers_bytes"]), int(prof["forward_flops"]), int(prof["input_shape"][0]),
                    prof.get("loss", "sum"), kernels=kernels, linear_bias=bool(prof.get("linear_bias", False)),
                    batch_bytes=int(prof.get("batch_bytes", 0)),
+                   grad_ready=tuple(int(n) for _, n in prof.get("grad_ready", ())),
                    buffers=tuple((d, tuple(int(n) for n in sizes)) for d, sizes in prof.get("buffers", ())),
                    kernel_args=tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
                                              for s in prof["segments"] for k in s.get("kernels", ())})))
@@ -189,6 +193,11 @@ class ModuleTrain:
     @property
     def micro_batch(self) -> int:
         return self.input_shape[0]
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """A traced language model's sequence length (tokens/s counts tokens); 1 for a --module."""
+        return self.seq_len if isinstance(self.seq_len, int) else 1
 
     @property
     def prec(self):
@@ -365,6 +374,17 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         for w, at in bwd_kernels.get(k, ()):
             yield (at[0], at[1], acts[k] if train.checkpointing == "full" else at[2]), w, False
 
+    # Gradients of the root's parameters made in another unit's segment: the root's own ops that run
+    # after that unit (a decoder's final norm and LM head, after its last block) join its segment,
+    # ahead of the unit's output gradient (the "before" instant). They stay alive until the root
+    # reduces at the very end of backward (FSDP: the root's post-backward; DDP: .grad).
+    root_g = [s[3][0][1] if s[0] != "root" else 0 for s in segs]
+
+    def root_grads(k: int, before: bool, g: int) -> int:
+        """Bytes of root gradients alive at segment k's instant: those of the segments after it, plus
+        this segment's so far (at its before-hook instant, `g` itself)."""
+        return sum(root_g[k + 1:]) + (g if before else root_g[k])
+
     all_acts = sum(acts) + loss_act
     # Segment k's forward at its measured peak: the earlier segments' saved tensors plus what its own
     # forward holds (saved so far, its input, intermediates: a block's two branches before their sum);
@@ -402,9 +422,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             own = unit_grad.get(u, 0) if u not in reached else 0
             reached.add(u)
             done = sum(unit_grad.get(x, 0) for x in reached if x != u)
-            for (tmp, g, saved), w, _ in instants(k):
+            for (tmp, g, saved), w, before in instants(k):
+                rg = root_grads(k, before, g)
+                mine = 0 if before and u != "root" else min(max(0, own - (rg if u == "root" else 0)), g)
                 snap("backward", w, **base, activations=sum(acts[:k]) + saved + recompute,
-                     grads=done + min(own, g), temporaries=tmp)
+                     grads=done + mine + (rg if u != "root" else min(rg, own)), temporaries=tmp)
         snap("optimizer", **base, grads=total * gb, temporaries=opt_tmp)
     else:
         udt = cb if prec.mixed else pb  # param_dtype of the unsharded unit
@@ -479,9 +501,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # autograd's buffer, FSDP2's the unsharded parameters' .grad, read by no collective).
             for (tmp, g, saved), w, before in instants(k):
                 comm = unsharded_before if before else unsharded
+                rg = root_grads(k, before, g)
+                if u == "root":  # its own gradients so far include those made in other segments
+                    mine = min(g_unit, max(g, rg))
+                else:
+                    mine = (0 if before else min(g_unit, g)) + rg
                 snap("backward", w, **base, comm_buffers=comm + rs_held,
                      activations=sum(acts[:k]) + saved + recompute, grads=grads,
-                     temporaries=tmp + min(g_unit, g))
+                     temporaries=tmp + mine)
             if rs:
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
                 # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
@@ -510,6 +537,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         grads_end = shard_params * sg if sharding else total * gb
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
 
+    if _TRACE_SNAPSHOTS is not None:  # debugging: every instant the walk looked at
+        _TRACE_SNAPSHOTS[:] = snaps
     peak = max(snaps, key=lambda s: s.total)
     library = library_workspace_bytes(train, cluster.gpu_name, desc.linear_bias) if device == "cuda" else 0
     peak_allocated = max(s.total + e for s, e in zip(snaps, extra)) + library
@@ -522,6 +551,9 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                           cluster.gpu_memory_bytes, tot <= cluster.gpu_memory_bytes, notes, workspace)
 
 
+_TRACE_SNAPSHOTS: list | None = None
+"""Set to a list to receive every Snapshot of the next `estimate_module_memory` walk (debugging)."""
+
 DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 """`DistributedDataParallel.broadcast_bucket_size` (torch/nn/parallel/distributed.py)."""
 
@@ -529,7 +561,9 @@ DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 # -- communication -----------------------------------------------------------------------------
 
 def ready_order_sizes(desc: ModuleDesc, autocast: bool = False) -> list[int]:
-    """comm.grad_ready_order over the module's parameters."""
+    """The traced gradient-ready order, else comm.grad_ready_order over the module's parameters."""
+    if desc.grad_ready:
+        return list(desc.grad_ready)
     return grad_ready_order(((name, shape) for _, ps in desc.units for name, shape in ps), autocast)
 
 
@@ -585,7 +619,9 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
             n = sum(-(-s[0] // world) * world * prod(s[1:]) if s else world for s in shapes)
             kind = "root" if u == "root" else "unit"
             add("all_gather", "world", world, pdt, n * pb, A, "forward", kind)
-            if st.reshard_after_forward:
+            # The root is not resharded after forward (`FSDPState._lazy_init`: fully_shard's default
+            # reshard_after_forward=None leaves the root's post_forward_mesh_info None).
+            if st.reshard_after_forward and u != "root":
                 add("all_gather", "world", world, pdt, n * pb, A, "backward", kind)
             add("reduce_scatter", "world", world, gdt, n * gb, 1, "backward", kind)
     else:  # fsdp1
@@ -629,7 +665,7 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
     opt = sum(c.time_s for c in collectives if c.phase == "optimizer")
     exposed = max(0.0, fwd - compute / mult) + max(0.0, bwd - compute * (mult - 1) / mult) + bwd_tail + opt
     step = compute + exposed
-    samples = desc.batch * train.grad_accum * cluster.gpus
+    samples = desc.batch * train.grad_accum * cluster.gpus * train.tokens_per_sample
     peak = gpu.peak_flops(dtype) if dtype in getattr(gpu, "flops", {}) else flops_s
     return ModuleTime(compute, sum(c.time_s for c in collectives), exposed, step,
                       samples / step if step > 0 else 0.0,
@@ -655,7 +691,8 @@ class ModulePlan(Plan):
         units = ", ".join(f"{u} {fmt_count(sum(prod(s) for _, s in ps))}" for u, ps in d.units)
         return [
             f"model: {d.name}: {n:,} params ({fmt_count(n)}); wrapping units: {units}",
-            f"training: input {'x'.join(map(str, t.input_shape))} per GPU x accum {t.grad_accum}, "
+            f"training: input {'x'.join(map(str, t.input_shape))} per GPU"
+            f"{' (sequences x tokens)' if t.tokens_per_sample > 1 else ''} x accum {t.grad_accum}, "
             f"{t.precision}, {t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}; "
             f"measured on fake tensors in {self.profile_s:.2f} s",
             f"cluster: {c.gpus} x {c.gpu_name} ({c.gpu_memory_bytes / 2**30:.2f} GiB) in {c.nodes} node(s) of "
@@ -718,7 +755,9 @@ def module_recommend(plan: ModulePlan):
         best = min([r for r in ok if r.step_time_s <= fastest * (1 + TIE_FRACTION)], key=lambda r: _rank(r.name))
     else:
         best = min(ok, key=lambda r: _rank(r.name))
-    reasons = [x.replace("tokens/s", "samples/s") for x in _reasons(plan, best, ok, timed)]
+    reasons = _reasons(plan, best, ok, timed)
+    if plan.train.tokens_per_sample == 1:
+        reasons = [x.replace("tokens/s", "samples/s") for x in reasons]
     lo, hi = plan.desc.batch, plan.desc.batch * 2
     while hi <= 2**20 and fits(best.name, hi):
         lo, hi = hi, hi * 2
@@ -729,20 +768,22 @@ def module_recommend(plan: ModulePlan):
 
 
 def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
-    """Plan `kw["module"]` (PKG.MOD:FACTORY) at `kw["input_shape"]` for every strategy (or `strategies`).
+    """Plan a traced workload for every strategy (or `strategies`): `kw["module"]` (PKG.MOD:FACTORY) at
+    `kw["input_shape"]`, or `kw["hf_config"]` (a Hugging Face causal LM) at `micro_batch` x `seq_len`.
 
     `kw` holds the `estimate` command's options (see cli.build_plan). Raises ValueError naming the flag.
     """
+    hf = bool(kw.get("hf_config")) and not kw.get("module")
     factory = kw.get("module")
     shape_text = kw.get("input_shape")
-    if not shape_text:
+    if not hf and not shape_text:
         raise ValueError(f"--module={factory!r} needs --input-shape, the example input's shape with the batch "
                          f"first, e.g. --input-shape 128,1,28,28")
-    for flag in ("model", "params", "hf_config"):
+    for flag in (("model", "params") if hf else ("model", "params", "hf_config")):
         if kw.get(flag):
-            raise ValueError(f"--{flag.replace('_', '-')} and --module: give only one model")
+            raise ValueError(f"--{flag.replace('_', '-')} and --{'hf-config' if hf else 'module'}: give only one model")
     if kw.get("framework", "pytorch") != "pytorch":
-        raise ValueError(f"--framework={kw['framework']!r}: --module plans the PyTorch-native strategies only")
+        raise ValueError(f"--framework={kw['framework']!r}: the trace plans the PyTorch-native strategies only")
     try:
         import warnings
         with warnings.catch_warnings():  # torch warns at import when numpy is absent; not our user's concern
@@ -750,8 +791,17 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
             import torch  # noqa: F401
     except ImportError:
         raise ValueError("--module needs torch: pip install 'distplan[validate]'") from None
-    from distplan.validate.module_probe import parse_shape, profile_module
-    shape = parse_shape(shape_text, "--input-shape")
+    from distplan.validate.module_probe import parse_shape, profile_workload
+    from distplan.validate.workload import FactoryWorkload, HFWorkload, hf_path
+    if hf:
+        from .hf_config import read_hf_config
+        read_hf_config(kw["hf_config"])  # the same one-line errors as the analytic front end
+        work = HFWorkload(hf_path(kw["hf_config"]), kw.get("micro_batch") or 1, kw.get("seq_len") or 2048,
+                          kw.get("layers"))
+        shape = work.input_shape
+    else:
+        shape = parse_shape(shape_text, "--input-shape")
+        work = FactoryWorkload(factory, shape)
     precision = kw.get("precision") or "bf16-mixed"
     for flag, value, accepted in (("--precision", precision, PRECISIONS),
                                   ("--optimizer", kw.get("optimizer") or "adamw", OPTIMIZERS),
@@ -778,29 +828,36 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     for n in names:
         regime = _regime(precision, get_strategy(n).family)
         if regime not in descs:
-            prof = profile_module(factory, shape, regime)
+            prof = profile_workload(work, regime)
             descs[regime] = ModuleDesc.from_profile(prof)
             batchnorm = prof.get("batchnorm", False)
             profile_s += prof["profile_s"]
     desc = next(iter(descs.values()))
-    model = ModuleModel(desc.name, factory, desc.param_count(), desc.units, layers=len(desc.units))
+    model = ModuleModel(desc.name, work.label, desc.param_count(), desc.units, layers=len(desc.units))
     train = ModuleTrain(model, precision=precision, optimizer=kw.get("optimizer") or "adamw",
                         optimizer_impl=kw.get("optimizer_impl") or "foreach",
                         checkpointing=kw.get("activation_checkpointing") or "none",
-                        grad_accum=kw.get("grad_accum") or 1, input_shape=shape)
+                        grad_accum=kw.get("grad_accum") or 1, input_shape=shape,
+                        seq_len=shape[1] if hf else "-")
     notes = list(notes)
-    if kw.get("micro_batch") not in (None, 1) or kw.get("seq_len") not in (None, 2048):
+    flag = "--hf-config (trace)" if hf else "--module"
+    if not hf and (kw.get("micro_batch") not in (None, 1) or kw.get("seq_len") not in (None, 2048)):
         notes.append("--micro-batch and --seq-len are ignored with --module: the batch is --input-shape's first dim")
     if kw.get("cpu_offload") not in (None, "none"):
-        notes.append(f"--cpu-offload={kw['cpu_offload']} is not modelled for --module; planned without offload")
-    if any(kw.get(k) is not None for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
-                                           "tie_embeddings")):
-        notes.append("architecture overrides (--layers, --hidden, ...) do not apply to --module; ignored")
+        notes.append(f"--cpu-offload={kw['cpu_offload']} is not modelled for {flag}; planned without offload")
+    ignored = ("hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "tie_embeddings") + (() if hf else ("layers",))
+    if any(kw.get(k) is not None for k in ignored):
+        notes.append(f"architecture overrides ({', '.join('--' + k.replace('_', '-') for k in ignored)}) do not "
+                     f"apply to {flag}; ignored" + (" (--layers does)" if hf else ""))
+    if hf and kw.get("attention") not in (None, "sdpa"):
+        notes.append(f"--attention={kw['attention']}: the trace builds the model with attn_implementation='sdpa'")
     if batchnorm and precision != "fp32" and any(get_strategy(n).family in ("fsdp1", "fsdp2") for n in names):
         notes.append(f"BatchNorm under FSDP with {precision} is not modelled: FSDP1 wraps BatchNorm modules apart "
                      f"in fp32 (more units, fp32 activations there); FSDP2 fails in PyTorch (running_mean dtype)")
-    notes.append("activations measured with saved_tensors_hooks on fake tensors; loss: "
-                 + ("cross-entropy (2-D output)" if desc.loss == "cross_entropy" else "sum of the outputs"))
+    loss_text = {"cross_entropy": "cross-entropy (2-D output)", "sum": "sum of the outputs",
+                 "hf-causal-lm": "transformers' causal-LM loss (labels = input ids)"}.get(desc.loss, desc.loss)
+    notes.append(f"front end: trace (the model run on fake tensors, activations from saved_tensors_hooks); "
+                 f"loss: {loss_text}")
 
     workspaces, local = kernel_workspaces(descs.values())
     if any(d.kernel_args for d in descs.values()):
@@ -840,13 +897,14 @@ def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
     """For `distplan validate --module` on a GPU: the cuDNN workspaces of the module's convolutions in
     every regime the strategies run it in, measured here once ({key: bytes}); stored in the probes'
     inputs so the prediction can be repeated without the GPU."""
-    from distplan.validate.module_probe import profile_module
+    from distplan.validate.module_probe import profile_workload
+    from distplan.validate.workload import from_spec
 
     if module.get("path") and module["path"] not in sys.path:
         sys.path.insert(0, module["path"])
-    shape = tuple(int(d) for d in module["input_shape"])
+    work = from_spec(module)
     regimes = {_regime(precision, get_strategy(s).family) for s in strategies}
-    descs = [ModuleDesc.from_profile(profile_module(module["factory"], shape, r)) for r in sorted(regimes)]
+    descs = [ModuleDesc.from_profile(profile_workload(work, r)) for r in sorted(regimes)]
     return kernel_workspaces(descs)[0]
 
 
@@ -856,23 +914,26 @@ def predict_module_probe(spec: dict) -> dict:
     The module is profiled on fake tensors in the regime the strategy runs it in, exactly as
     `distplan estimate --module` does, then walked by `estimate_module_memory` on the probe's world.
     """
-    from distplan.validate.module_probe import profile_module
+    from distplan.validate.module_probe import profile_workload
+    from distplan.validate.workload import from_spec
 
     mod = spec["module"]
     if mod.get("path") and mod["path"] not in sys.path:
         sys.path.insert(0, mod["path"])  # where `distplan validate --module` was run
-    shape = tuple(int(d) for d in mod["input_shape"])
+    work = from_spec(mod)
+    shape = work.input_shape
     t = spec["train"]
     st = get_strategy(spec["strategy"])
     precision = t.get("precision", "fp32")
-    d = ModuleDesc.from_profile(profile_module(mod["factory"], shape, _regime(precision, st.family)))
+    d = ModuleDesc.from_profile(profile_workload(work, _regime(precision, st.family)))
     workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
-    model = ModuleModel(d.name, mod["factory"], d.param_count(), d.units, layers=len(d.units))
+    model = ModuleModel(d.name, work.label, d.param_count(), d.units, layers=len(d.units))
     ckpt = t.get("checkpointing", "none")
     train = ModuleTrain(model, precision=precision, optimizer=t.get("optimizer", "adamw"),
                         optimizer_impl=t.get("optimizer_impl", "foreach"),
                         checkpointing="none" if ckpt == "selective" else ckpt,
-                        grad_accum=int(t.get("grad_accum", 1)), input_shape=shape)
+                        grad_accum=int(t.get("grad_accum", 1)), input_shape=shape,
+                        seq_len=shape[1] if work.kind == "hf" else "-")
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15,

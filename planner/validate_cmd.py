@@ -74,6 +74,10 @@ def _timeout(ctx, param, value):
 @click.option("--params", default=None, help="Parameter count such as 50M (scaled Llama shape; must fit this machine).")
 @click.option("--hf-config", default=None, type=click.Path(dir_okay=False),
               help="A Hugging Face config.json to read the architecture from.")
+@click.option("--front-end", "front_end", type=click.Choice(("auto", "analytic", "trace")), default="auto",
+              show_default=True, help="--hf-config: 'trace' probes the transformers model itself against the "
+              "trace's plan (needs transformers); 'analytic' probes the reference decoder of that shape; "
+              "'auto' traces when transformers is installed.")
 @click.option("--module", "module_factory", default=None, metavar="PKG.MOD:FACTORY",
               help="Any nn.Module from a factory (as `estimate --module`); needs --input-shape.")
 @click.option("--input-shape", default=None, metavar="N,C,H,W", help="Example input shape for --module, batch first.")
@@ -116,7 +120,7 @@ def _timeout(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON object.")
 @click.option("--probe-cmd", default=None, hidden=True, help="Replace the probe launcher (tests).")
 @click.pass_context
-def validate_command(ctx, strategies, model, params, hf_config, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
+def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
                      checkpointing, attention, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
@@ -138,6 +142,15 @@ def validate_command(ctx, strategies, model, params, hf_config, module_factory, 
     if module_factory is not None or input_shape is not None:
         module_spec = _module_spec(module_factory, input_shape, matrix, user_model,
                                    dict(model=model, params=params, hf_config=hf_config, **overrides))
+    if hf_config is not None and module_spec is None:
+        from .cli import use_trace
+        try:
+            trace = use_trace({"hf_config": hf_config, "front_end": front_end})
+        except ValueError as e:
+            raise click.BadParameter(str(e).split(": ", 1)[1], param_hint="'--front-end'")
+        if trace and not matrix:
+            module_spec = _hf_spec(hf_config, layers, micro_batch, seq_len,
+                                   {k: v for k, v in overrides.items() if k != "layers"}, model, params)
     if matrix and user_model:
         given = [f"--{k.replace('_', '-')}" for k, v in dict(model=model, params=params, hf_config=hf_config,
                                                               **overrides).items() if v is not None]
@@ -168,16 +181,24 @@ def validate_command(ctx, strategies, model, params, hf_config, module_factory, 
     elif module_spec is not None:
         if precision is None:
             precision = mx.matrix_precisions(hw)[0]
-        train = dict(seq_len=1, micro_batch=module_spec["input_shape"][0], grad_accum=grad_accum,
+        hf = "hf_config" in module_spec
+        if hf and not module_spec["seq_len"]:
+            module_spec["seq_len"] = (mx.TRAIN_GPU if device == "gpu" else mx.TRAIN_CPU)["seq_len"]
+        train = dict(seq_len=module_spec["seq_len"] if hf else 1,
+                     micro_batch=module_spec["micro_batch"] if hf else module_spec["input_shape"][0],
+                     grad_accum=grad_accum,
                      precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                      checkpointing=checkpointing, attention=attention)
         specs = []
         for s in strategies:
             m, w = (("gpu" if device == "gpu" else "cpu"), 1) if s == "single" else (mode, world)
-            sp = mx.make_spec(s, {"name": module_spec["factory"]}, w, m, steps=steps, **train)
+            label = f"hf:{module_spec['hf_config']}" if hf else module_spec["factory"]
+            sp = mx.make_spec(s, {"name": label}, w, m, steps=steps, **train)
             sp["module"] = module_spec
             specs.append(sp)
-        model_label = f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}"
+        model_label = (f"{hf_config} (transformers, {module_spec['layers'] or 'all'} layers) at "
+                       f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
+                       f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
     else:
         spec_model = _resolve_model(model, params, hf_config, overrides, device)
         if precision is None:
@@ -274,6 +295,24 @@ def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: di
     except ValueError as e:
         raise click.UsageError(str(e))
     return {"factory": factory, "input_shape": list(shape), "path": os.getcwd()}
+
+
+def _hf_spec(hf_config, layers, micro_batch, seq_len, other_overrides: dict, model, params) -> dict:
+    """The probe spec's "module" object for --hf-config with the trace front end: the transformers model
+    itself (validate/workload.py), at --layers depth when given."""
+    if model is not None or params is not None:
+        raise click.UsageError("--hf-config and --model/--params: give only one model")
+    given = [f"--{k.replace('_', '-')}" for k, v in other_overrides.items() if v is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} with --hf-config and the trace front end: only --layers "
+                               f"applies (edit the config.json, or use --front-end analytic)")
+    from distplan.validate.workload import hf_path
+    from .hf_config import read_hf_config
+    try:
+        read_hf_config(hf_config)
+    except ValueError as e:
+        raise click.BadParameter(str(e).split(": ", 1)[-1], param_hint="'--hf-config'")
+    return {"hf_config": hf_path(hf_config), "micro_batch": micro_batch, "seq_len": seq_len, "layers": layers}
 
 
 def _resolve_model(model, params, hf_config, overrides: dict, device: str) -> dict:

@@ -307,7 +307,24 @@ def conv_key(args: dict) -> str:
 
 
 def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> dict:
-    """Parameters (per top-level unit), saved-activation bytes, output bytes and forward FLOPs.
+    """`profile_workload` of `factory_path` (PKG.MOD:FACTORY) on one input of `input_shape`."""
+    from .workload import FactoryWorkload
+
+    load_factory(factory_path)  # a bad path is a ValueError naming --module
+    return profile_workload(FactoryWorkload(factory_path, parse_shape(input_shape)), dtype)
+
+
+def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "float32",
+               layers: int | None = None) -> dict:
+    """`profile_workload` of a Hugging Face causal LM's config.json at micro_batch x seq_len tokens."""
+    from .workload import HFWorkload
+
+    return profile_workload(HFWorkload(hf_config, micro_batch, seq_len, layers), dtype)
+
+
+def profile_workload(work, dtype: str = "float32") -> dict:
+    """Parameters (per wrapping unit), saved-activation bytes, output bytes and forward FLOPs of a
+    workload (`validate.workload`: a factory's module, or a Hugging Face causal LM).
 
     Returns a dict in base units: {"factory", "module_class", "input_shape", "dtype", "params": int,
     "param_bytes_dtype": int, "units": [{"name", "params": [[name, shape], ...], "numel"}],
@@ -322,28 +339,39 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: accepted values are {', '.join(_DTYPES)}")
-    shape = parse_shape(input_shape)
-    factory = load_factory(factory_path)
+    factory_path = work.label
+    shape = tuple(work.input_shape)
     t0 = time.perf_counter()
     autocast = dtype.startswith("autocast-")
     tdtype = getattr(torch, dtype.split("-")[-1])
+    flag = "--hf-config" if work.kind == "hf" else "--module"
     with FakeTensorMode(allow_non_fake_inputs=True):
         try:
-            model = factory()
+            model = work.build()
+        except ValueError:
+            raise
         except Exception as exc:
-            raise ValueError(f"--module={factory_path!r}: the factory raised "
-                             f"{type(exc).__name__}: {exc}") from None
+            raise ValueError(f"{flag}={factory_path!r}: "
+                             + ("building the model" if work.kind == "hf" else "the factory") + " raised "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
         if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"--module={factory_path!r}: the factory returned {type(model).__name__}, "
+            raise ValueError(f"{flag}={factory_path!r}: the factory returned {type(model).__name__}, "
                              f"not an nn.Module")
         if not autocast and tdtype != torch.float32:
             # Module.to() swaps tensors, which fake tensors refuse; assigning .data casts in place.
-            for t in list(model.parameters()) + list(model.buffers()):
+            # FSDP's mixed precision casts parameters only; a module's own `.to(dtype)` casts buffers too.
+            casts = list(model.parameters()) + ([] if work.kind == "hf" else list(model.buffers()))
+            for t in casts:
                 if t.is_floating_point():
                     t.data = t.data.to(tdtype)
         model.train()
+        unit_modules = work.units(model)
+        owner = {}
+        for uname, um in unit_modules:
+            for p in um.parameters():
+                owner.setdefault(id(p), uname)
 
-        # Parameters, once each (tied weights), grouped by the top-level child that owns them.
+        # Parameters, once each (tied weights), grouped by the unit that owns them.
         seen: set = set()
         units: dict[str, dict] = {}
         param_keys = set()
@@ -352,7 +380,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
                 continue
             seen.add(id(p))
             param_keys.add(_storage_key(p))
-            unit = name.split(".", 1)[0] if "." in name else "root"
+            unit = owner.get(id(p), "root")
             u = units.setdefault(unit, {"name": unit, "params": [], "numel": 0})
             u["params"].append([name, list(p.shape)])
             u["numel"] += p.numel()
@@ -364,12 +392,13 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         n_params = sum(u["numel"] for u in units.values())
         pbytes = next(iter(model.parameters())).element_size() if n_params else 4
 
-        x = torch.empty(shape, dtype=torch.float32 if autocast else tdtype)
+        inputs = work.inputs(torch, torch.float32 if autocast else tdtype)
+        batch_bytes = sum(t.numel() * t.element_size() for t in inputs)
         saved: dict = {}
-        # Segments of the forward in execution order: each top-level child's call starts one; what
-        # the root computes between children (functional relu, flatten) joins the segment before it.
-        segments: list[dict] = [{"unit": "root", "activation_bytes": 0,
-                                 "input_bytes": x.numel() * x.element_size()}]
+        # Segments of the forward in execution order: each unit's call starts one; what the root
+        # computes between units (functional relu, flatten; a decoder's final norm and head) joins the
+        # segment before it.
+        segments: list[dict] = [{"unit": "root", "activation_bytes": 0, "input_bytes": int(batch_bytes)}]
 
         bwd = _SegmentTracker(torch)
         bwd.forward_segment = lambda: len(segments) - 1
@@ -384,13 +413,13 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         def post_hook(_mod, _args, out):
             bwd.mark_output(tree_leaves(out), len(segments) - 1)
 
-        handles = [child.register_forward_pre_hook(pre_hook(name)) for name, child in model.named_children()]
-        handles += [child.register_forward_hook(post_hook) for _, child in model.named_children()]
+        handles = [m.register_forward_pre_hook(pre_hook(name)) for name, m in unit_modules]
+        handles += [m.register_forward_hook(post_hook) for _, m in unit_modules]
 
         # The input batch is not an activation: it exists before the forward and after it (the probes'
         # tracker and the planner count it as a temporary, `batch_bytes`); nor are buffers (BatchNorm
         # saves its running statistics for backward; the planner counts them with the parameters).
-        not_activations = param_keys | {_storage_key(x)} | {_storage_key(b) for b in model.buffers()}
+        not_activations = param_keys | {_storage_key(x) for x in inputs} | {_storage_key(b) for b in model.buffers()}
         bwd.not_activations = not_activations
 
         def pack(t):
@@ -405,9 +434,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
             with FlopCounterMode(display=False) as flops, bwd.forward_mode, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=tdtype, enabled=autocast):
-                out = model(x)
-                if isinstance(out, (tuple, list)):
-                    out = out[0]
+                loss, loss_kind, out = work.loss(model, inputs)
                 if not isinstance(out, torch.Tensor):
                     raise TypeError(f"the forward returned {type(out).__name__}; profile needs a tensor output")
                 for h in handles:
@@ -415,24 +442,37 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
                 segments.append({"unit": "loss", "activation_bytes": 0,
                                  "input_bytes": out.numel() * out.element_size()})
                 bwd.mark_input((out,), len(segments) - 1)
-                loss, loss_kind = module_loss(out)
             # The backward on the same fake tensors: the peak of the bytes it creates and frees within
             # each segment (activation gradients; parameters' gradients, which outlive it, excluded).
+            # The order the parameters' gradients become ready in is recorded too: DDP rebuilds its
+            # buckets in that order after the first iteration (`Reducer::rebuild_buckets`).
+            ready: list = []
+            hooks = []
+            seen_ready: set = set()
+            for name, p in model.named_parameters():
+                if p.requires_grad and id(p) not in seen_ready:
+                    seen_ready.add(id(p))
+                    hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda t, name=name: ready.append([name, int(t.numel())])))
             if loss.requires_grad:
                 bwd.run(loss, len(segments))
+            for h in hooks:
+                h.remove()
         except ValueError:
             raise
         except Exception as exc:
-            raise ValueError(f"--input-shape={','.join(map(str, shape))}: the forward of {factory_path} "
+            what = "--input-shape=" + ",".join(map(str, shape)) if work.kind != "hf" else f"--hf-config={factory_path!r}"
+            raise ValueError(f"{what}: the forward of {factory_path} "
                              f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
         out_bytes = out.numel() * out.element_size()
         out_shape = list(out.shape)
         fwd_flops = int(flops.get_total_flops())
         peaks = bwd.segment_peaks()
         split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
-        del loss
+        del loss, out
     return {
         "factory": factory_path,
+        "workload": work.to_spec(),
         "module_class": type(model).__name__,
         "input_shape": list(shape),
         "dtype": dtype,
@@ -442,7 +482,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
         "buffers_bytes": int(buffers),
         "buffers": [[d, sizes] for d, sizes in buffer_dtypes.items()],
         "activation_bytes": int(sum(saved.values())),
-        "batch_bytes": int(x.numel() * x.element_size()),
+        "batch_bytes": int(batch_bytes),
         "output_bytes": int(out_bytes),
         "output_shape": out_shape,
         "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
@@ -454,6 +494,7 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
                      for i, seg in enumerate(segments)
                      if i == 0 or seg["activation_bytes"] or seg["unit"] in units or seg["unit"] == "loss"],
         "loss": loss_kind,
+        "grad_ready": ready,
         "linear_bias": bwd.linear_bias,
         "batchnorm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         "forward_flops": fwd_flops,

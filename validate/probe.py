@@ -16,10 +16,12 @@ peak reset, `steps` measured steps (memory and collectives), then `steps` timing
 off. Rank 0 gathers every rank's peak and writes the result atomically; a rank that fails writes its
 error unless a result is already there, and exits 1 so torchrun stops the others.
 
-A spec with a "module" object ({"factory": "pkg.mod:fn", "input_shape": [...], "path": dir}) builds that
-`nn.Module` instead of the reference decoder: its parameter-owning direct children are the FSDP units
-(wrapped in a non-reentrant `checkpoint_wrapper` for checkpointing 'full'), the batch is random input of
-that shape and the loss is `module_probe`'s (cross-entropy against class 0 for a 2-D output, else the sum).
+A spec with a "module" object builds that workload (`workload.py`) instead of the reference decoder:
+`{"factory": "pkg.mod:fn", "input_shape": [...], "path": dir}` (any `nn.Module`: its parameter-owning
+direct children are the FSDP units, wrapped in a non-reentrant `checkpoint_wrapper` for checkpointing
+'full'; random input of that shape; cross-entropy against class 0 for a 2-D output, else the sum) or
+`{"hf_config": path, "micro_batch": B, "seq_len": T, "layers": L}` (a Hugging Face causal LM: its decoder
+layers are the units, transformers' own checkpointing for 'full', random token ids, its own loss).
 With DISTPLAN_MEMORY_SNAPSHOT set, rank 0 on CUDA also dumps the allocator's history (validate/snapshot.py).
 
 Known limitations: one batch of random tokens is reused every step; `checkpointing='selective'` runs as
@@ -148,11 +150,10 @@ class Probe:
         spec, train = self.spec, dict(self.spec.get("train", {}))
         module = spec.get("module")  # {"factory": "pkg.mod:fn", "input_shape": [...], "path": dir} or None
         if module:
-            from .module_probe import load_factory, module_loss
+            from .workload import from_spec
             if module.get("path") and module["path"] not in sys.path:
                 sys.path.insert(0, module["path"])  # where the user ran `distplan validate --module`
-            factory = load_factory(module["factory"])
-            shape = tuple(int(d) for d in module["input_shape"])
+            work = from_spec(module)
         else:
             mspec = ModelSpec(**spec["model"])
         steps = int(spec.get("steps", 3))
@@ -182,12 +183,16 @@ class Probe:
             torch.manual_seed(int(spec.get("seed", 0)))
             units = None
             if module:
-                model = factory()
+                model = work.build()
                 if not isinstance(model, torch.nn.Module):
-                    raise TypeError(f"--module={module['factory']!r} returned {type(model).__name__}, "
+                    raise TypeError(f"--module={work.label!r} returned {type(model).__name__}, "
                                     f"not an nn.Module")
                 model = model.to(self.device)
-                units = _module_units(model, ckpt)
+                extra = {"vocab": work.vocab(model)} if work.kind == "hf" else {}
+                units = work.units(model)
+                if ckpt == "full":
+                    units = work.enable_checkpointing(model, units)
+                units = [m for _, m in units]
             elif cuda:  # built in place (no CPU copy of a large model)
                 with torch.device(self.device):
                     model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
@@ -202,7 +207,7 @@ class Probe:
             gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + self.rank)
             if module:
                 dtype = torch.bfloat16 if train.get("precision") == "bf16" else torch.float32
-                batches = [(torch.randn(shape, generator=gen).to(self.device, dtype),) for _ in range(accum)]
+                batches = [work.inputs(torch, dtype, gen, self.device, **extra) for _ in range(accum)]
             else:
                 batches = [(torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device),
                             torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device))
@@ -211,7 +216,7 @@ class Probe:
             def forward(batch):
                 if not module:
                     return model(*batch)
-                return module_loss(model(batch[0]))[0]
+                return work.loss(model, batch)[0]
 
             def step():
                 for i, batch in enumerate(batches):
@@ -308,23 +313,6 @@ class Probe:
             "peak_phase": phases[w[3]], "components": dict(zip(CATEGORIES, w[4:])),
             "per_rank_peak_allocated": [r[0] for r in rows], "peak_rank": worst,
         })
-
-
-def _module_units(model, checkpointing: str) -> list:
-    """The wrapping units of an arbitrary module: its direct children that own parameters (what
-    `module_probe.profile_module` groups by). With checkpointing 'full' each unit is wrapped in a
-    non-reentrant `checkpoint_wrapper` first, so the units returned are the wrappers."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-
-    units = [c for _, c in model.named_children() if any(True for _ in c.parameters())]
-    if checkpointing == "full":
-        chosen = set(map(id, units))
-        apply_activation_checkpointing(
-            model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda m: id(m) in chosen)
-        units = [c for _, c in model.named_children() if any(True for _ in c.parameters())]
-    return units
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,217 @@
+"""What a traced model is: how to build it, its wrapping units, its input batch and its loss.
+
+The trace (`module_probe.profile_workload`) and the probes (`probe.py`) run the same workload, so the
+plan and the measurement see the same code. Two kinds, both described by a small JSON-able dict (the
+"module" object of a probe spec):
+
+- `{"factory": "pkg.mod:fn", "input_shape": [N, ...], "path": dir}`: any `nn.Module` from a factory
+  (`--module`). Units: the direct children that own parameters (an FSDP auto-wrap policy on direct
+  children). Input: one random float tensor of that shape. Loss: cross-entropy against class 0 for a
+  2-D output, else the sum of the outputs.
+- `{"hf_config": path, "micro_batch": B, "seq_len": T, "layers": L or null}`: a Hugging Face causal LM
+  (`--hf-config`) built from its `config.json` with `AutoModelForCausalLM.from_config(config,
+  attn_implementation="sdpa")` -- the model users train, no weights. Units: the decoder layers (the
+  `nn.ModuleList` of `num_hidden_layers` blocks: `model.layers`, `transformer.h`), as torchtitan and
+  the FSDP recipes of transformers/accelerate wrap them; embeddings, final norm and head stay with the
+  root. Input: B x T random token ids. Loss: what transformers computes when it is given labels
+  (`model(input_ids=ids, labels=ids).loss`: `loss_utils.ForCausalLMLoss`, logits upcast to fp32, shifted
+  labels); the model's output object is dropped right away, as a training loop that keeps only
+  `.loss` does. Full activation checkpointing is transformers' own
+  (`activation_checkpointing_enable`, non-reentrant `torch.utils.checkpoint` per decoder layer).
+
+Torch and transformers are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+HF_LAYER_KEYS = ("num_hidden_layers", "n_layer")
+"""config.json keys of the decoder depth (Llama-family, GPT-2)."""
+
+
+class FactoryWorkload:
+    """Any nn.Module from `pkg.mod:factory`, one float input of `input_shape`."""
+
+    kind = "module"
+
+    def __init__(self, factory: str, input_shape, path: str | None = None):
+        self.factory, self.input_shape, self.path = factory, tuple(int(d) for d in input_shape), path
+
+    @property
+    def label(self) -> str:
+        return self.factory
+
+    @property
+    def batch(self) -> int:
+        return self.input_shape[0]
+
+    def build(self):
+        from .module_probe import load_factory
+        if self.path and self.path not in sys.path:
+            sys.path.insert(0, self.path)
+        return load_factory(self.factory)()
+
+    def units(self, model) -> list:
+        return [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
+
+    def inputs(self, torch, dtype, generator=None, device=None) -> tuple:
+        if generator is None:
+            return (torch.empty(self.input_shape, dtype=dtype, device=device),)
+        return (torch.randn(self.input_shape, generator=generator).to(device, dtype),)
+
+    def loss(self, model, inputs):
+        """(loss, kind, output): the output is what the caller holds until the loss is computed."""
+        from .module_probe import module_loss
+        out = model(inputs[0])
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        loss, kind = module_loss(out)
+        return loss, kind, out
+
+    def enable_checkpointing(self, model, units: list) -> list:
+        """Non-reentrant `checkpoint_wrapper` around each unit; returns the units (now the wrappers)."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        chosen = set(id(m) for _, m in units)
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: id(m) in chosen)
+        return self.units(model)
+
+    def to_spec(self) -> dict:
+        return {"factory": self.factory, "input_shape": list(self.input_shape), "path": self.path}
+
+
+def read_hf_json(path) -> dict:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+class HFWorkload:
+    """A Hugging Face causal LM from its config.json (module docstring)."""
+
+    kind = "hf"
+
+    def __init__(self, hf_config: str, micro_batch: int, seq_len: int, layers: int | None = None):
+        self.hf_config = str(hf_config)
+        self.micro_batch, self.seq_len = int(micro_batch), int(seq_len)
+        self.layers = int(layers) if layers else None
+        self.input_shape = (self.micro_batch, self.seq_len)
+
+    @property
+    def label(self) -> str:
+        return f"hf:{self.hf_config}" + (f" ({self.layers} layers)" if self.layers else "")
+
+    @property
+    def batch(self) -> int:
+        return self.micro_batch
+
+    def config(self):
+        from transformers import AutoConfig
+        raw = read_hf_json(self.hf_config)
+        if self.layers:
+            for k in HF_LAYER_KEYS:
+                if k in raw:
+                    raw[k] = self.layers
+        model_type = raw.pop("model_type")
+        raw.pop("architectures", None)
+        raw.pop("torch_dtype", None)
+        raw.pop("dtype", None)
+        cfg = AutoConfig.for_model(model_type, **raw)
+        cfg.use_cache = False  # training: no KV cache
+        return cfg
+
+    def build(self):
+        import warnings
+
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # dtype float32: the parameters training keeps (mixed precision casts copies, not them)
+            return AutoModelForCausalLM.from_config(self.config(), attn_implementation="sdpa",
+                                                    dtype=_torch().float32)
+
+    def units(self, model) -> list:
+        return [(name, m) for name, m in _decoder_layers(model)]
+
+    def vocab(self, model) -> int:
+        return int(model.get_output_embeddings().weight.shape[0])
+
+    def inputs(self, torch, dtype, generator=None, device=None, vocab: int = 2) -> tuple:
+        if generator is None:
+            return (torch.zeros(self.input_shape, dtype=torch.long, device=device),)
+        return (torch.randint(0, vocab, self.input_shape, generator=generator).to(device),)
+
+    def loss(self, model, inputs):
+        out = model(input_ids=inputs[0], labels=inputs[0], use_cache=False)
+        loss = out.loss
+        del out  # logits and the rest go now, as in a loop that keeps only .loss
+        return loss, "hf-causal-lm", loss
+
+    def enable_checkpointing(self, model, units: list) -> list:
+        """transformers' own: `activation_checkpointing_enable` (older: `gradient_checkpointing_enable`),
+        non-reentrant, every decoder layer."""
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:  # transformers < 5
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return units
+
+    def to_spec(self) -> dict:
+        return {"hf_config": self.hf_config, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+                "layers": self.layers}
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _decoder_layers(model) -> list:
+    """(qualified name, module) of the decoder blocks: the longest nn.ModuleList whose length is the
+    config's depth (`model.layers` in Llama/Mistral/Qwen2/Phi-3/Gemma, `transformer.h` in GPT-2)."""
+    import torch
+    depth = getattr(model.config, "num_hidden_layers", None)
+    best = None
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) and (depth is None or len(m) == depth):
+            if best is None or len(m) > len(best[1]):
+                best = (name, m)
+    if best is None:
+        raise ValueError(f"--hf-config: found no list of {depth} decoder layers in {type(model).__name__}")
+    name, layers = best
+    return [(f"{name}.{i}", m) for i, m in enumerate(layers)]
+
+
+def from_spec(spec: dict):
+    """The workload of a probe spec's "module" object."""
+    if spec.get("hf_config"):
+        return HFWorkload(spec["hf_config"], spec.get("micro_batch", 1), spec.get("seq_len", 64), spec.get("layers"))
+    return FactoryWorkload(spec["factory"], spec["input_shape"], spec.get("path"))
+
+
+def transformers_available() -> bool:
+    """True when torch and transformers import (the trace front end for --hf-config)."""
+    try:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def hf_path(path) -> str:
+    """An absolute path for the spec (the probes may run elsewhere)."""
+    return os.path.abspath(os.path.expanduser(str(path)))
