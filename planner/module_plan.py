@@ -424,7 +424,10 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             done = sum(unit_grad.get(x, 0) for x in reached if x != u)
             for (tmp, g, saved), w, before in instants(k):
                 rg = root_grads(k, before, g)
-                mine = 0 if before and u != "root" else min(max(0, own - (rg if u == "root" else 0)), g)
+                if u == "root":
+                    mine = min(max(0, own - rg), g)
+                else:  # after the hook, g also counts the root's gradients made before it
+                    mine = 0 if before else min(own, max(0, g - root_g[k]))
                 snap("backward", w, **base, activations=sum(acts[:k]) + saved + recompute,
                      grads=done + mine + (rg if u != "root" else min(rg, own)), temporaries=tmp)
         snap("optimizer", **base, grads=total * gb, temporaries=opt_tmp)
@@ -504,11 +507,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 rg = root_grads(k, before, g)
                 if u == "root":  # its own gradients so far include those made in other segments
                     mine = min(g_unit, max(g, rg))
-                else:
-                    mine = (0 if before else min(g_unit, g)) + rg
+                else:  # after the hook, g also counts the root's gradients made before it
+                    mine = (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg
+                # FSDP2's unsharded parameters' .grad count as grads (the probes' tracker reads them
+                # through FSDPParam._unsharded_param); FSDP1's view gradients wait in autograd's buffer.
+                own_grads = mine if family == "fsdp2" else 0
                 snap("backward", w, **base, comm_buffers=comm + rs_held,
-                     activations=sum(acts[:k]) + saved + recompute, grads=grads,
-                     temporaries=tmp + mine)
+                     activations=sum(acts[:k]) + saved + recompute, grads=grads + own_grads,
+                     temporaries=tmp + mine - own_grads)
             if rs:
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
                 # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
@@ -688,7 +694,7 @@ class ModulePlan(Plan):
     def header_lines(self) -> list[str]:
         t, c, d = self.train, self.cluster, self.desc
         n = d.param_count()
-        units = ", ".join(f"{u} {fmt_count(sum(prod(s) for _, s in ps))}" for u, ps in d.units)
+        units = ", ".join(_unit_runs(d.units))
         return [
             f"model: {d.name}: {n:,} params ({fmt_count(n)}); wrapping units: {units}",
             f"training: input {'x'.join(map(str, t.input_shape))} per GPU"
@@ -715,6 +721,22 @@ class ModulePlan(Plan):
                               for regime, x in self.descs.items()}}
         return {"inputs": inputs, "strategies": [r.to_dict() for r in self.results],
                 "recommendation": rec.to_dict()}
+
+
+def _unit_runs(units) -> list[str]:
+    """'root 1.05B', '32 x model.layers.N 218M': consecutive units that differ only in their index,
+    with equal sizes, as one entry."""
+    import re
+    out: list = []
+    for u, ps in units:
+        n = sum(prod(s) for _, s in ps)
+        stem = re.sub(r"\.\d+$", ".N", u)
+        if out and out[-1][0] == stem and out[-1][1] == n and stem != u:
+            out[-1][2] += 1
+        else:
+            out.append([stem if stem != u else u, n, 1])
+    return [f"{c} x {stem} {fmt_count(n)}" if c > 1 else f"{stem if c > 1 else stem} {fmt_count(n)}"
+            for stem, n, c in out]
 
 
 def _regime(precision: str, family: str) -> str:
@@ -791,11 +813,10 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
             import torch  # noqa: F401
     except ImportError:
         raise ValueError("--module needs torch: pip install 'distplan[validate]'") from None
-    from distplan.validate.module_probe import parse_shape, profile_workload
+    from distplan.validate.module_probe import parse_shape, profile
     from distplan.validate.workload import FactoryWorkload, HFWorkload, hf_path
     if hf:
-        from .hf_config import read_hf_config
-        read_hf_config(kw["hf_config"])  # the same one-line errors as the analytic front end
+        check_hf_config(kw["hf_config"])
         work = HFWorkload(hf_path(kw["hf_config"]), kw.get("micro_batch") or 1, kw.get("seq_len") or 2048,
                           kw.get("layers"))
         shape = work.input_shape
@@ -828,7 +849,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     for n in names:
         regime = _regime(precision, get_strategy(n).family)
         if regime not in descs:
-            prof = profile_workload(work, regime)
+            prof = profile(work, regime)
             descs[regime] = ModuleDesc.from_profile(prof)
             batchnorm = prof.get("batchnorm", False)
             profile_s += prof["profile_s"]
@@ -882,6 +903,17 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
 
 
 
+def check_hf_config(path) -> None:
+    """The analytic front end's one-line errors for a config.json it cannot read; a model_type it does
+    not describe (gemma2, ...) is left to the trace, which takes any causal LM transformers knows."""
+    from .hf_config import read_hf_config
+    try:
+        read_hf_config(path)
+    except ValueError as exc:
+        if "is not supported" not in str(exc):
+            raise
+
+
 def kernel_workspaces(descs) -> tuple[dict, str | None]:
     """cuDNN workspaces of every convolution in `descs` (ModuleDescs), measured on the local GPU
     (`validate.kernel_workspace`): ({key: bytes}, the GPU's name), or ({}, None) without one."""
@@ -897,14 +929,14 @@ def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
     """For `distplan validate --module` on a GPU: the cuDNN workspaces of the module's convolutions in
     every regime the strategies run it in, measured here once ({key: bytes}); stored in the probes'
     inputs so the prediction can be repeated without the GPU."""
-    from distplan.validate.module_probe import profile_workload
+    from distplan.validate.module_probe import profile
     from distplan.validate.workload import from_spec
 
     if module.get("path") and module["path"] not in sys.path:
         sys.path.insert(0, module["path"])
     work = from_spec(module)
     regimes = {_regime(precision, get_strategy(s).family) for s in strategies}
-    descs = [ModuleDesc.from_profile(profile_workload(work, r)) for r in sorted(regimes)]
+    descs = [ModuleDesc.from_profile(profile(work, r)) for r in sorted(regimes)]
     return kernel_workspaces(descs)[0]
 
 
@@ -914,7 +946,7 @@ def predict_module_probe(spec: dict) -> dict:
     The module is profiled on fake tensors in the regime the strategy runs it in, exactly as
     `distplan estimate --module` does, then walked by `estimate_module_memory` on the probe's world.
     """
-    from distplan.validate.module_probe import profile_workload
+    from distplan.validate.module_probe import profile
     from distplan.validate.workload import from_spec
 
     mod = spec["module"]
@@ -925,7 +957,7 @@ def predict_module_probe(spec: dict) -> dict:
     t = spec["train"]
     st = get_strategy(spec["strategy"])
     precision = t.get("precision", "fp32")
-    d = ModuleDesc.from_profile(profile_workload(work, _regime(precision, st.family)))
+    d = ModuleDesc.from_profile(profile(work, _regime(precision, st.family)))
     workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
     model = ModuleModel(d.name, work.label, d.param_count(), d.units, layers=len(d.units))
     ckpt = t.get("checkpointing", "none")

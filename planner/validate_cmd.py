@@ -307,9 +307,9 @@ def _hf_spec(hf_config, layers, micro_batch, seq_len, other_overrides: dict, mod
         raise click.UsageError(f"{', '.join(given)} with --hf-config and the trace front end: only --layers "
                                f"applies (edit the config.json, or use --front-end analytic)")
     from distplan.validate.workload import hf_path
-    from .hf_config import read_hf_config
+    from .module_plan import check_hf_config
     try:
-        read_hf_config(hf_config)
+        check_hf_config(hf_config)
     except ValueError as e:
         raise click.BadParameter(str(e).split(": ", 1)[-1], param_hint="'--hf-config'")
     return {"hf_config": hf_path(hf_config), "micro_batch": micro_batch, "seq_len": seq_len, "layers": layers}

@@ -319,10 +319,111 @@ def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "flo
     """`profile_workload` of a Hugging Face causal LM's config.json at micro_batch x seq_len tokens."""
     from .workload import HFWorkload
 
-    return profile_workload(HFWorkload(hf_config, micro_batch, seq_len, layers), dtype)
+    work = HFWorkload(hf_config, micro_batch, seq_len, layers)
+    depth = work.depth()
+    if depth <= TRACE_LAYERS:
+        return profile_workload(work, dtype)
+    shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS)
+    return expand_layers(profile_workload(shallow, dtype), depth, work)
 
 
-def profile_workload(work, dtype: str = "float32") -> dict:
+def profile(work, dtype: str = "float32") -> dict:
+    """The profile of a workload: a Hugging Face model through `profile_hf` (traced at TRACE_LAYERS
+    layers and expanded), anything else through `profile_workload`."""
+    if work.kind == "hf":
+        return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers)
+    return profile_workload(work, dtype)
+
+
+TRACE_LAYERS = 4
+"""Decoder layers traced for a deeper Hugging Face model: the first (it saves the rotary tables the
+others share), two middle layers (every middle layer saves what the first of them saves, byte for
+byte; the second shows what each layer adds to what the forward holds without saving it: autocast's
+cached casts of biases) and the last (the final norm, LM head and loss join its segment);
+`expand_layers` repeats the middle one."""
+
+
+def expand_layers(prof: dict, depth: int, work) -> dict:
+    """A TRACE_LAYERS-deep profile as the `depth`-deep model's: the middle layer's unit, segment,
+    gradient-ready entries and FLOPs repeated (depth - 2) times, names renumbered. Equal to tracing
+    every layer (tests/test_hf_trace.py compares both), at a fraction of the time."""
+    import copy
+    import re
+
+    units = prof["units"]
+    layer_units = [u for u in units if u["name"] != "root"]
+    if len(layer_units) != TRACE_LAYERS or any(s.get("kernels") for s in prof["segments"]):
+        return prof
+    prefix = layer_units[0]["name"].rsplit(".", 1)[0]  # "model.layers"
+    pat = re.compile(re.escape(prefix) + r"\.(\d+)(?=\.|$)")
+
+    def renamed(text: str, old: int, new: int) -> str:
+        return pat.sub(lambda m: f"{prefix}.{new}" if int(m.group(1)) == old else m.group(0), text)
+
+    def layer_of(text: str):
+        m = pat.search(text)
+        return int(m.group(1)) if m else None
+
+    last = depth - 1
+    # traced layer -> the layers it stands for; traced layer 2 only measures the per-layer growth
+    mapping = {0: [0], 1: list(range(1, last)), 2: [], 3: [last]}
+    fwd = {layer_of(sg["unit"]): sg["forward_bytes"] for sg in prof["segments"]
+           if sg["unit"] not in ("root", "loss")}
+    grow = fwd[2] - fwd[1]  # autocast's cache of bias casts: one more layer's each layer
+
+    def shifted(sgm: dict, j: int, i: int) -> dict:
+        extra = (i - 1) * grow if j == 1 else ((depth - TRACE_LAYERS) * grow if j == 3 else 0)
+        return {**sgm, "unit": renamed(sgm["unit"], j, i), "forward_bytes": sgm["forward_bytes"] + extra}
+
+    out = copy.deepcopy(prof)
+    new_units = []
+    for u in units:
+        j = layer_of(u["name"]) if u["name"] != "root" else None
+        if j is None:
+            new_units.append(u)
+            continue
+        for i in mapping[j]:
+            new_units.append({**u, "name": renamed(u["name"], j, i),
+                              "params": [[renamed(n, j, i), sh] for n, sh in u["params"]]})
+    out["units"] = new_units
+    segs = []
+    for sgm in prof["segments"]:
+        j = layer_of(sgm["unit"]) if sgm["unit"] not in ("root", "loss") else None
+        if j is None:
+            segs.append(sgm)
+        else:
+            segs.extend(shifted(sgm, j, i) for i in mapping[j])
+    out["segments"] = segs
+    ready, run = [], []
+
+    def flush():
+        if run:
+            j = layer_of(run[0][0])
+            for i in sorted(mapping[j], reverse=True):  # backward reaches deeper layers first
+                ready.extend([renamed(n, j, i), k] for n, k in run)
+            run.clear()
+    for n, k in prof.get("grad_ready", ()):
+        j = layer_of(n)
+        if j is None:
+            flush()
+            ready.append([n, k])
+        else:
+            if run and layer_of(run[0][0]) != j:
+                flush()
+            run.append([n, k])
+    flush()
+    out["grad_ready"] = ready
+    extra = depth - TRACE_LAYERS
+    out["params"] = prof["params"] + extra * layer_units[1]["numel"]
+    out["activation_bytes"] = sum(s["activation_bytes"] for s in segs)
+    out["forward_flops"] = prof["forward_flops"] + extra * prof.get("layer_flops", 0)
+    out["workload"] = work.to_spec()
+    out["factory"] = work.label
+    out["traced_layers"] = TRACE_LAYERS
+    return out
+
+
+def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
     """Parameters (per wrapping unit), saved-activation bytes, output bytes and forward FLOPs of a
     workload (`validate.workload`: a factory's module, or a Hugging Face causal LM).
 
@@ -345,7 +446,8 @@ def profile_workload(work, dtype: str = "float32") -> dict:
     autocast = dtype.startswith("autocast-")
     tdtype = getattr(torch, dtype.split("-")[-1])
     flag = "--hf-config" if work.kind == "hf" else "--module"
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    import contextlib
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         try:
             model = work.build()
         except ValueError:
@@ -431,7 +533,7 @@ def profile_workload(work, dtype: str = "float32") -> dict:
             return t
 
         try:
-            with FlopCounterMode(display=False) as flops, bwd.forward_mode, \
+            with work.trace_context(), FlopCounterMode(display=False) as flops, bwd.forward_mode, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=tdtype, enabled=autocast):
                 loss, loss_kind, out = work.loss(model, inputs)
@@ -467,6 +569,9 @@ def profile_workload(work, dtype: str = "float32") -> dict:
         out_bytes = out.numel() * out.element_size()
         out_shape = list(out.shape)
         fwd_flops = int(flops.get_total_flops())
+        per_module = flops.get_flop_counts()
+        cls = type(model).__name__
+        unit_flops = {name: int(sum(per_module.get(f"{cls}.{name}", {}).values())) for name, _ in unit_modules}
         peaks = bwd.segment_peaks()
         split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
         del loss, out
@@ -498,5 +603,6 @@ def profile_workload(work, dtype: str = "float32") -> dict:
         "linear_bias": bwd.linear_bias,
         "batchnorm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         "forward_flops": fwd_flops,
+        "layer_flops": unit_flops.get(unit_modules[1][0], 0) if len(unit_modules) > 2 else 0,
         "profile_s": time.perf_counter() - t0,
     }

@@ -82,6 +82,10 @@ class FactoryWorkload:
             check_fn=lambda m: id(m) in chosen)
         return self.units(model)
 
+    def trace_context(self):
+        import contextlib
+        return contextlib.nullcontext()
+
     def to_spec(self) -> dict:
         return {"factory": self.factory, "input_shape": list(self.input_shape), "path": self.path}
 
@@ -112,6 +116,13 @@ class HFWorkload:
     def batch(self) -> int:
         return self.micro_batch
 
+    def depth(self) -> int:
+        """Decoder layers of the model as configured (with --layers applied)."""
+        if self.layers:
+            return self.layers
+        raw = read_hf_json(self.hf_config)
+        return int(next((raw[k] for k in HF_LAYER_KEYS if k in raw), 0))
+
     def config(self):
         from transformers import AutoConfig
         raw = read_hf_json(self.hf_config)
@@ -135,9 +146,18 @@ class HFWorkload:
         hf_logging.set_verbosity_error()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            # dtype float32: the parameters training keeps (mixed precision casts copies, not them)
-            return AutoModelForCausalLM.from_config(self.config(), attn_implementation="sdpa",
-                                                    dtype=_torch().float32)
+            # dtype float32: the parameters training keeps (mixed precision casts copies, not them).
+            # SDPA where the architecture has it (what users get by default), else eager (Gemma-2's
+            # logit soft-capping), as transformers itself falls back.
+            cfg = self.config()
+            try:
+                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=_torch().float32)
+            except ValueError as exc:
+                if "scaled_dot_product_attention" not in str(exc):
+                    raise
+                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=_torch().float32)
+            self.attn_implementation = model.config._attn_implementation
+            return model
 
     def units(self, model) -> list:
         return [(name, m) for name, m in _decoder_layers(model)]
@@ -165,6 +185,44 @@ class HFWorkload:
         else:  # transformers < 5
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return units
+
+    def trace_context(self):
+        """While tracing on fake tensors: transformers treats a fake tensor as a graph being traced
+        (`utils.import_utils.is_tracing`), and `masking_utils._ignore_causal_mask_sdpa` then keeps
+        the materialized causal mask that a real run skips for SDPA's `is_causal` (it cannot read the
+        fake `cache_position` offset). The trace must see what the real run does: inside it, that
+        function answers as it does for a real batch of our kind (no padding mask, no cache: query and
+        key lengths equal, offset 0) and defers to the original otherwise; likewise
+        `find_packed_sequence_indices` (one sequence per row: no packing). tests/test_hf_trace.py
+        compares fake and real runs."""
+        import contextlib
+
+        from transformers import masking_utils
+        orig = masking_utils._ignore_causal_mask_sdpa
+
+        def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None, *a, **k):
+            if padding_mask is None and q_length == kv_length and (
+                    local_attention_size is None or kv_length < local_attention_size):
+                return True
+            return orig(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size, *a, **k)
+
+        orig_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+
+        def packed(position_ids):  # our batches are one sequence per row: positions 0..T-1
+            return None
+
+        @contextlib.contextmanager
+        def ctx():
+            masking_utils._ignore_causal_mask_sdpa = ignore
+            if orig_packed is not None:
+                masking_utils.find_packed_sequence_indices = packed
+            try:
+                yield
+            finally:
+                masking_utils._ignore_causal_mask_sdpa = orig
+                if orig_packed is not None:
+                    masking_utils.find_packed_sequence_indices = orig_packed
+        return ctx()
 
     def to_spec(self) -> dict:
         return {"hf_config": self.hf_config, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
