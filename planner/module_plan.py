@@ -88,7 +88,10 @@ class ModuleDesc:
     units: tuple
     """((unit, ((param name, shape), ...)), ...) in registration order; 'root' = the root's own."""
     segments: tuple
-    """((unit, saved activation bytes, input bytes, backward, forward), ...) in forward order, 'loss' last.
+    """((unit, saved activation bytes, input bytes, backward, forward, outside, end), ...) in forward
+    order, 'loss' last. outside: the saved bytes of the root's ops that ran after the unit's own call;
+    end: the transient bytes alive at the segment's last backward op (the input's gradient, and what
+    waits in autograd's buffers: a tied head's gradient).
     forward: the highest bytes alive during the segment's forward of what the forward created, less the
     earlier segments' saved tensors (its own saved tensors so far, its input and intermediates).
     backward: (before, after), each (transient, grads, saved) bytes at the segment's highest backward
@@ -146,7 +149,9 @@ class ModuleDesc:
                                                           "backward_saved_bytes"))
 
         segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]), backward(s),
-                      int(s["forward_bytes"])) for s in prof["segments"])
+                      int(s["forward_bytes"]), int(s["activation_bytes"]) - int(s.get("unit_bytes", 0)),
+                      int(s.get("backward_end", s["input_bytes"])))
+                     for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
@@ -164,8 +169,8 @@ class ModuleDesc:
         def bwd(b):
             return int(b[0] * k), b[1], int(b[2] * k)
 
-        segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k))
-                     for u, a, i, b, f in self.segments)
+        segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k), int(o * k), int(e * k))
+                     for u, a, i, b, f, o, e in self.segments)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
                        forward_flops=int(self.forward_flops * k), batch=batch,
@@ -339,11 +344,15 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     acts = [s[1] for s in segs]
     recompute = 0
     if train.checkpointing == "full":
-        acts = [s[2] for s in segs]  # each unit keeps its input; the rest is recomputed in backward
-        recompute = max((s[1] for s in segs), default=0)
+        # Each checkpointed unit keeps its input; what the root's own ops after it saved (a decoder's
+        # final norm, LM head and loss) stays; the unit's own saved tensors are recomputed in its
+        # backward. A segment without a unit (the root's first ops: embedding) is not checkpointed.
+        acts = [s[2] + s[5] if s[0] != "root" else s[1] for s in segs]
+        recompute = max((s[1] - s[5] for s in segs if s[0] != "root"), default=0)
     elif train.checkpointing == "selective":
         notes.append("selective checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
+    ends = [s[6] for s in segs]  # transient bytes at each segment's backward end (measured)
     out_tmp = desc.output_bytes
     buffers = desc.buffers_bytes
 
@@ -523,22 +532,28 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 if family == "fsdp2" and u != "root":
                     resharded.add(u)
                     unsharded = root + (pre if reshard else sum(unsh[x] for x in held if x not in resharded))
+                # The root's gradients made so far wait for the root's own reduction at the end.
+                rg = root_grads(k, False, 0) if u != "root" else 0
                 if fsdp1:
                     # The view gradients are concatenated into flat_param.grad (both alive), which is
                     # the reduce-scatter (NO_SHARD: all-reduce) input unless mixed precision casts it
                     # to reduce_dtype first.
                     snap("backward", **base, comm_buffers=unsharded + g_unit + (rs if prec.mixed else 0),
-                         activations=sum(acts[:k]), grads=grads, temporaries=inputs[k] + g_unit)
+                         activations=sum(acts[:k]), grads=grads, temporaries=ends[k] + g_unit + rg)
+                    if sharding and u != "root":
+                        # freed by `_post_backward_reshard` (`_should_free_in_backward`: FULL_SHARD and
+                        # SHARD_GRAD_OP alike when gradients sync): later units no longer hold it
+                        resharded.add(u)
                 else:
                     # FSDP2 `foreach_reduce` (_fsdp_collectives.py): the unsharded gradients are copied
                     # into the reduce-scatter input and freed only then (`unsharded_grads.clear()`);
                     # next the output (one shard of the input) is allocated and the collective runs,
                     # gloo's reduce-scatter copying its input once more.
                     snap("backward", **base, comm_buffers=unsharded + rs, activations=sum(acts[:k]),
-                         grads=grads, temporaries=inputs[k] + g_unit)
+                         grads=grads + rg, temporaries=ends[k] + g_unit)
                     split = rs if backend == "gloo" else 0
                     snap("backward", **base, comm_buffers=unsharded + rs + sizes[u][0] * red,
-                         activations=sum(acts[:k]), grads=grads, temporaries=inputs[k] + split)
+                         activations=sum(acts[:k]), grads=grads + rg, temporaries=ends[k] + split)
                     rs_held = rs
         grads_end = shard_params * sg if sharding else total * gb
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)

@@ -263,6 +263,15 @@ class _SegmentTracker:
                 peaks[seg] = t
         return peaks
 
+    def segment_ends(self) -> dict:
+        """{segment index: transient bytes alive at its last backward op}: the gradient it passes on,
+        plus whatever waits in autograd's buffers (a tied LM head's gradient until the embedding's
+        half arrives)."""
+        ends: dict = {}
+        for seg, alive, saved, _ in self.timeline:
+            ends[seg] = self._split(seg, alive, saved)[0]
+        return ends
+
     def segment_kernels(self, seg: int, saved_before: int) -> list:
         """The segment's convolutions: {"phase", "key", "args", "at"}: in backward (transient, grads,
         saved) as `segment_peaks`; in forward [bytes alive of what the forward created, less the
@@ -514,9 +523,13 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
 
         def post_hook(_mod, _args, out):
             bwd.mark_output(tree_leaves(out), len(segments) - 1)
+            # what the unit's own call saved; the rest of the segment's saved bytes are the root's ops
+            # after it (kept under a unit's activation checkpointing)
+            segments[-1]["unit_bytes"] = segments[-1]["activation_bytes"]
 
-        handles = [m.register_forward_pre_hook(pre_hook(name)) for name, m in unit_modules]
-        handles += [m.register_forward_hook(post_hook) for _, m in unit_modules]
+        seg_modules = work.segment_modules(model)
+        handles = [m.register_forward_pre_hook(pre_hook(name)) for name, m in seg_modules]
+        handles += [m.register_forward_hook(post_hook) for _, m in seg_modules]
 
         # The input batch is not an activation: it exists before the forward and after it (the probes'
         # tracker and the planner count it as a temporary, `batch_bytes`); nor are buffers (BatchNorm
@@ -574,6 +587,7 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
         unit_flops = {name: int(sum(per_module.get(f"{cls}.{name}", {}).values())) for name, _ in unit_modules}
         peaks = bwd.segment_peaks()
         split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
+        ends = bwd.segment_ends()
         del loss, out
     return {
         "factory": factory_path,
@@ -593,6 +607,7 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
         "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
                                           peaks.get(i, (0, 0, 0)))),
                           backward_split=[list(p.get(i, (0, 0, 0))) for p in split],
+                          backward_end=int(ends.get(i, 0)),
                           kernels=bwd.segment_kernels(i, sum(x["activation_bytes"] for x in segments[:i])),
                           forward_bytes=max(0, bwd.fwd_peak.get(i, 0)
                                             - sum(x["activation_bytes"] for x in segments[:i])))

@@ -58,6 +58,11 @@ class FactoryWorkload:
     def units(self, model) -> list:
         return [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
 
+    def segment_modules(self, model) -> list:
+        """Where the trace starts a segment: every direct child (a parameter-free child's call, a
+        pooling or an activation module, is a segment of its own)."""
+        return list(model.named_children())
+
     def inputs(self, torch, dtype, generator=None, device=None) -> tuple:
         if generator is None:
             return (torch.empty(self.input_shape, dtype=dtype, device=device),)
@@ -146,21 +151,25 @@ class HFWorkload:
         hf_logging.set_verbosity_error()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            # dtype float32: the parameters training keeps (mixed precision casts copies, not them).
+            # float32 parameters (the config's torch_dtype is dropped): what training keeps; mixed
+            # precision casts copies, not them.
             # SDPA where the architecture has it (what users get by default), else eager (Gemma-2's
             # logit soft-capping), as transformers itself falls back.
             cfg = self.config()
             try:
-                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=_torch().float32)
+                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
             except ValueError as exc:
                 if "scaled_dot_product_attention" not in str(exc):
                     raise
-                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=_torch().float32)
+                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
             self.attn_implementation = model.config._attn_implementation
             return model
 
     def units(self, model) -> list:
         return [(name, m) for name, m in _decoder_layers(model)]
+
+    def segment_modules(self, model) -> list:
+        return self.units(model)
 
     def vocab(self, model) -> int:
         return int(model.get_output_embeddings().weight.shape[0])
@@ -196,9 +205,11 @@ class HFWorkload:
         `find_packed_sequence_indices` (one sequence per row: no packing). tests/test_hf_trace.py
         compares fake and real runs."""
         import contextlib
-
-        from transformers import masking_utils
-        orig = masking_utils._ignore_causal_mask_sdpa
+        try:
+            from transformers import masking_utils
+            orig = masking_utils._ignore_causal_mask_sdpa
+        except (ImportError, AttributeError):  # transformers < 4.53 builds its masks elsewhere
+            return contextlib.nullcontext()
 
         def ignore(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None, *a, **k):
             if padding_mask is None and q_length == kv_length and (
@@ -227,11 +238,6 @@ class HFWorkload:
     def to_spec(self) -> dict:
         return {"hf_config": self.hf_config, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
                 "layers": self.layers}
-
-
-def _torch():
-    import torch
-    return torch
 
 
 def _decoder_layers(model) -> list:

@@ -1,0 +1,105 @@
+"""The trace front end on Hugging Face causal LMs (`--hf-config` with transformers installed).
+
+- the trace on fake tensors equals the same profile on real tensors, byte for byte (every segment's
+  saved, forward and backward figures, the gradient-ready order, FLOPs), for each model type;
+- a deep model traced at 4 layers and expanded equals tracing every layer;
+- `estimate --hf-config` states its front end; the trace takes model types the formulas do not;
+- CPU validation (gloo, 2 ranks) of the real transformers models at 8 layers under every strategy:
+  peaks within 5%, collectives exact (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from distplan.planner.strategies import NAMES  # noqa: E402
+from distplan.validate.module_probe import TRACE_LAYERS, profile_hf, profile_workload  # noqa: E402
+from distplan.validate.workload import HFWorkload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HF = ROOT / "examples" / "hf"
+TYPES = ("llama", "qwen2", "gpt2", "mistral", "phi3", "gemma2")
+
+
+def _same(a: dict, b: dict, skip=("profile_s",)) -> list:
+    return [k for k in set(a) | set(b) if k not in skip and a.get(k) != b.get(k)]
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("dtype", ["float32", "autocast-bfloat16"])
+def test_fake_trace_equals_real_run(model_type, dtype):
+    """What the planner reads off fake tensors is what the same model does on real ones."""
+    w = HFWorkload(str(HF / f"{model_type}-8l.json"), 2, 32, layers=2)
+    fake, real = profile_workload(w, dtype), profile_workload(w, dtype, fake=False)
+    assert _same(fake, real) == []
+    assert fake["activation_bytes"] > 0 and fake["grad_ready"]
+
+
+@pytest.mark.parametrize("model_type,dtype", [("llama", "float32"), ("gpt2", "autocast-bfloat16"),
+                                              ("qwen2", "bfloat16")])
+def test_expanded_trace_equals_full_trace(model_type, dtype):
+    path = str(HF / f"{model_type}-8l.json")
+    expanded = profile_hf(path, 2, 32, dtype)
+    assert expanded["traced_layers"] == TRACE_LAYERS
+    full = profile_workload(HFWorkload(path, 2, 32), dtype)
+    assert _same(expanded, full, skip=("profile_s", "traced_layers", "layer_flops")) == []
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from distplan.planner.cli import main
+    return CliRunner().invoke(main, list(args))
+
+
+def test_estimate_states_front_end():
+    base = ["estimate", "--hf-config", str(HF / "llama-8l.json"), "--gpus", "2", "--gpu-mem", "80",
+            "--seq-len", "64", "--micro-batch", "2", "--json"]
+    t = _cli(*base, "--front-end", "trace")
+    a = _cli(*base, "--front-end", "analytic")
+    assert t.exit_code == 0 and a.exit_code == 0, (t.output[-500:], a.output[-500:])
+    tn, an = json.loads(t.output)["inputs"]["notes"], json.loads(a.output)["inputs"]["notes"]
+    assert any(n.startswith("front end: trace") for n in tn)
+    assert any(n.startswith("front end: analytic") for n in an)
+
+
+def test_trace_takes_model_types_the_formulas_do_not():
+    r = _cli("estimate", "--hf-config", str(HF / "gemma2-8l.json"), "--gpus", "2", "--gpu-mem", "80",
+             "--seq-len", "64", "--front-end", "trace", "--strategy", "zero3")
+    assert r.exit_code == 0, r.output[-800:]
+    assert "Gemma2ForCausalLM" in r.output and "8 x model.layers.N" in r.output
+    r = _cli("estimate", "--hf-config", str(HF / "gemma2-8l.json"), "--gpus", "2", "--front-end", "analytic")
+    assert r.exit_code == 2 and "model_type 'gemma2'" in r.output and "Traceback" not in r.output
+
+
+def _validate_hf(name: str, out, *extra) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "distplan.planner", "validate", "--hf-config",
+                           str(HF / f"{name}-8l.json"), "--strategy", "all", "--precision", "fp32",
+                           "--json", "--out", str(out), *extra],
+                          capture_output=True, text=True, cwd=ROOT, timeout=1500,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_hf_models_validate_on_cpu(name, tmp_path):
+    """The CPU matrix's HF rows: the transformers model itself, 8 layers, every strategy, gloo."""
+    probes = _validate_hf(name, tmp_path / "r.jsonl")["probes"]
+    assert {p["inputs"]["strategy"] for p in probes} == set(NAMES)
+    assert all(p["status"] == "ok" for p in probes), [(p["id"], p.get("measurement", {}).get("error"))
+                                                      for p in probes]
+    errors = {p["inputs"]["strategy"]: p["comparison"]["peak"]["error"] for p in probes}
+    assert all(abs(e) <= 0.05 for e in errors.values()), errors
+    inexact = [p["id"] for p in probes if not p["comparison"]["collectives"]["exact"]]
+    assert not inexact, inexact
