@@ -497,7 +497,10 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             kept_now = sum(unsh[x] for x in held if x not in resharded)
             unsharded = root + (in_use + pre if reshard else kept_now)
             unsharded_before = unsharded
-            if family == "fsdp2" and reshard:
+            if reshard:
+                # FSDP1's pre-backward hook (`_runtime_utils._pre_backward_hook`) unshards the unit and
+                # prefetches the one before (BACKWARD_PRE); until it runs only what the unit after it
+                # prefetched is there.
                 # FSDP2's pre-backward hook (on the unit's outputs) copies the unit's all-gather output
                 # out into its parameters, frees it and prefetches the unit before; until it runs (the
                 # segment's ops after the unit's forward, ReLU, pooling, and segments without
