@@ -342,13 +342,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     segs = [s for s in desc.segments if s[0] != "loss"]
     loss_act = sum(s[1] for s in desc.segments if s[0] == "loss")
     acts = [s[1] for s in segs]
-    recompute = 0
     if train.checkpointing == "full":
         # Each checkpointed unit keeps its input; what the root's own ops after it saved (a decoder's
         # final norm, LM head and loss) stays; the unit's own saved tensors are recomputed in its
         # backward. A segment without a unit (the root's first ops: embedding) is not checkpointed.
         acts = [s[2] + s[5] if s[0] != "root" else s[1] for s in segs]
-        recompute = max((s[1] - s[5] for s in segs if s[0] != "root"), default=0)
     elif train.checkpointing == "selective":
         notes.append("selective checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
@@ -376,12 +374,25 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     def instants(k: int):
         """Segment k's backward: its measured peaks before and after its unit's output gradient is
         ready (no workspace), then each convolution's instant with its workspace (after), as
-        ((transient, own grads, saved), workspace, before). With full checkpointing its saved tensors
-        are the recomputed ones (`recompute`)."""
+        ((transient, own grads, saved), workspace, before). With full checkpointing the unit's saved
+        tensors are the recomputed ones, made after the hook (temporaries)."""
         for before, (tmp, g, saved) in zip((True, False), segs[k][3]):
-            yield (tmp, g, acts[k] if train.checkpointing == "full" else saved), 0, before
+            if train.checkpointing == "full" and segs[k][0] != "root":
+                # Its input, and before the hook what the root's ops after the unit still hold; the
+                # unit's own saved tensors exist only once the recomputation (after the hook) made
+                # them again, in the backward phase: temporaries to the probes, as many still alive
+                # as the traced run had at that instant.
+                unit_saved = segs[k][1] - segs[k][5]
+                if before:
+                    saved = segs[k][2] + max(0, saved - unit_saved)
+                else:
+                    tmp, saved = tmp + min(saved, unit_saved), segs[k][2]
+            yield (tmp, g, saved), 0, before
         for w, at in bwd_kernels.get(k, ()):
-            yield (at[0], at[1], acts[k] if train.checkpointing == "full" else at[2]), w, False
+            if train.checkpointing == "full":
+                yield (at[0] + at[2], at[1], acts[k]), w, False
+            else:
+                yield (at[0], at[1], at[2]), w, False
 
     # Gradients of the root's parameters made in another unit's segment: the root's own ops that run
     # after that unit (a decoder's final norm and LM head, after its last block) join its segment,
@@ -437,7 +448,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     mine = min(max(0, own - rg), g)
                 else:  # after the hook, g also counts the root's gradients made before it
                     mine = 0 if before else min(own, max(0, g - root_g[k]))
-                snap("backward", w, **base, activations=sum(acts[:k]) + saved + recompute,
+                snap("backward", w, **base, activations=sum(acts[:k]) + saved,
                      grads=done + mine + (rg if u != "root" else min(rg, own)), temporaries=tmp)
         snap("optimizer", **base, grads=total * gb, temporaries=opt_tmp)
     else:
@@ -525,7 +536,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 # through FSDPParam._unsharded_param); FSDP1's view gradients wait in autograd's buffer.
                 own_grads = mine if family == "fsdp2" else 0
                 snap("backward", w, **base, comm_buffers=comm + rs_held,
-                     activations=sum(acts[:k]) + saved + recompute, grads=grads + own_grads,
+                     activations=sum(acts[:k]) + saved, grads=grads + own_grads,
                      temporaries=tmp + mine - own_grads)
             if rs:
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
@@ -535,6 +546,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 if family == "fsdp2" and u != "root":
                     resharded.add(u)
                     unsharded = root + (pre if reshard else sum(unsh[x] for x in held if x not in resharded))
+                elif family == "fsdp2":  # the root too: its post-backward reshards before it reduces
+                    unsharded = 0
                 # The root's gradients made so far wait for the root's own reduction at the end.
                 rg = root_grads(k, False, 0) if u != "root" else 0
                 if fsdp1:
