@@ -426,6 +426,19 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # FSDP2 without resharding keeps the last block's all-gather output until the root's
         # post-forward (measured: freed right after the loss).
         ag_tail = ub if (family == "fsdp2" and sharding and not reshard and L) else 0
+        if family == "fsdp2" and sharding and L:
+            # A block's pre-forward copy-out (FSDPParamGroup.wait_for_unshard in FORWARD): the previous
+            # group's all-gather output, kept in `comm_ctx.all_gather_state` for implicit prefetching,
+            # is dropped from comm_ctx first, but the walrus local `prev_all_gather_state` holds it until
+            # the method returns, so it is alive through `foreach_all_gather_copy_out` of this block:
+            # that previous flat output, this block's flat output and its copied-out parameters at once,
+            # over the blocks forward keeps unsharded (none when resharding after forward). Block 0's
+            # previous group is the root; for j >= 1 everything is linear in j, so block L-1 bounds it.
+            kept_block = act.per_block if train.checkpointing == "none" else act.blocks_total // L
+            for j in sorted({0, L - 1}):
+                prev_flat = ur if j == 0 else ub
+                snap("forward", comm_buffers=ur + (0 if reshard else j * ub) + prev_flat + 2 * ub + acc,
+                     activations=act.inputs + act.blocks_total - (L - j) * kept_block)
         snap("forward", comm_buffers=fwd_comm + acc + ag_tail, activations=acts_fwd)
         prefetch = ub if reshard and L > 1 else 0  # backward prefetch of the next block's all-gather
         # At the loss: the root is unsharded; the last block's all-gather is prefetched.
@@ -444,6 +457,13 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         rs_held = lay.unshard_block * rb if (sharding and family == "fsdp2" and L > 1) else 0
         blocks_unsharded_last = (held * ub if keep_all else ub)
         at_rs = prefetch if reshard else (held * ub if keep_all else max(0, held - 1) * ub)
+
+        def unsharded_during(j: int) -> int:
+            """FSDP2: bytes of unsharded blocks while block j's backward runs (blocks run L-1 .. 0).
+            Resharding after forward: block j and the prefetched block j-1 (`_backward_prefetch`).
+            Not resharding: blocks 0..j, which forward left unsharded; FSDPParamGroup.post_backward
+            reshards each block once its backward is done (`reshard_after_backward`)."""
+            return ub + (prefetch if j > 0 else 0) if reshard else (j + 1) * ub
         if family == "fsdp2":
             tied_buf = head_g if m.tie_embeddings else 0
             snap("backward", comm_buffers=ur + blocks_unsharded + acc,
@@ -452,26 +472,44 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             snap("backward", comm_buffers=ur + blocks_unsharded_last + rs_held + acc,
                  activations=last_acts + outside_last - freed, grads=shards + head_g - tied_buf,
                  temporaries=blk_tmp + cur_g + tied_buf)
-            # A middle block j (0 < j < L-1) is the only one that has all three at once: its own
+            # A middle block j (0 < j < L-1) is the only one that has all three at once: its
             # unsharded parameters, the prefetched all-gather of block j-1, and block j+1's
             # reduce-scatter input, which FSDP2 keeps until the next reduce-scatter
-            # (`comm_ctx.reduce_scatter_state(s)`). Activations and gradient shards are linear in j, so
-            # the two middle blocks next to the ends bound it. (Measured on the H100 with 4 blocks.)
+            # (`comm_ctx.reduce_scatter_state(s)`). Without resharding, blocks 0..j are all still
+            # unsharded (`unsharded_during`). Activations, gradient shards and unsharded blocks are
+            # linear in j, so the two middle blocks next to the ends bound it. (Measured on the H100
+            # with 4 blocks.)
             for j in sorted({1, L - 2}) if L >= 3 else ():
-                snap("backward", comm_buffers=ur + ub + prefetch + rs_held + acc,
+                snap("backward", comm_buffers=ur + unsharded_during(j) + rs_held + acc,
                      activations=last_acts + j * (first_acts - last_acts) // (L - 1)
                      + act.inputs + (j + 1) * act.block_cache - freed,
                      grads=(L - 1 - j) * (lay.shard_block * gsh if sharding else lay.block * gb)
                      + head_g - tied_buf,
                      temporaries=blk_tmp + cur_g + tied_buf)
             if sharding:
-                # The first block's reduce-scatter: the block is resharded (post-backward) before it
-                # reduces; FSDP2's prefetched block holds its all-gather output and its copied-out
-                # parameters; gloo's reduce_scatter_tensor also splits its input (one more copy).
+                # The first block's reduce-scatter (`FSDPParamGroup.post_backward`, _fsdp_param_group.py):
+                # - the block itself is resharded (`reshard` -> `_to_sharded` ->
+                #   `FSDPParam.free_unsharded_param`) before `foreach_reduce` runs: not counted;
+                # - reshard_after_forward=True: block L-2's backward prefetch (`_backward_prefetch` ->
+                #   `unshard`) holds its flat all-gather output; its parameters are copied out only in
+                #   its own `pre_backward` -> `wait_for_unshard`;
+                # - reshard_after_forward=False: blocks 0..L-2 are still unsharded from forward, once
+                #   each (their per-parameter `all_gather_outputs`; forward freed each flat all-gather
+                #   output at the next block's `wait_for_unshard`), and `_backward_prefetch` ->
+                #   `unshard` is a no-op on an unsharded group (`if self.is_unsharded: return`);
+                # - `foreach_reduce` (_fsdp_collectives.py) allocates the reduce-scatter input (reduce
+                #   dtype) and, before the collective, its output `reduce_output` (one shard); the
+                #   unsharded gradients are freed after the copy-in (`unsharded_grads.clear()`) except
+                #   the last parameter's, which its `for i, (fsdp_param, unsharded_grad) in ...` loop
+                #   variable keeps until it returns (measured: the block's w_down gradient);
+                # - gloo's reduce_scatter_tensor also splits its input (one more input-sized copy).
                 split = lay.unshard_block * rb if backend == "gloo" else 0
-                snap("backward", comm_buffers=ur + 2 * at_rs + lay.unshard_block * rb + acc,
+                held_at_rs = prefetch if reshard else max(0, held - 1) * ub
+                rs_out = lay.shard_block * rb
+                last_g = prod(unit_sizes(m)[1][-1]) * ud
+                snap("backward", comm_buffers=ur + held_at_rs + lay.unshard_block * rb + rs_out + acc,
                      activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
-                     grads=head_g - tied_buf, temporaries=n_tok * h * r + split + tied_buf)
+                     grads=head_g - tied_buf, temporaries=n_tok * h * r + split + last_g + tied_buf)
             if sharding:  # the root's reduce-scatter: unsharded grads + its input in reduce_dtype
                 snap("backward", comm_buffers=ur + lay.unshard_root * rb,
                      grads=L * lay.shard_block * gsh + lay.unshard_root * ud)
