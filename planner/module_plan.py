@@ -971,13 +971,26 @@ def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
     return kernel_workspaces(descs)[0]
 
 
+_TRACES: dict = {}
+
+
+def _traced(work, regime: str) -> ModuleDesc:
+    """The workload's ModuleDesc in a regime, traced once per process (a validation run predicts many
+    probes of one model)."""
+    from distplan.validate.module_probe import profile
+
+    key = (json.dumps(work.to_spec(), sort_keys=True), regime)
+    if key not in _TRACES:
+        _TRACES[key] = ModuleDesc.from_profile(profile(work, regime))
+    return _TRACES[key]
+
+
 def predict_module_probe(spec: dict) -> dict:
     """The planner's prediction for a `distplan validate --module` probe (api.predict_probe's shape).
 
     The module is profiled on fake tensors in the regime the strategy runs it in, exactly as
     `distplan estimate --module` does, then walked by `estimate_module_memory` on the probe's world.
     """
-    from distplan.validate.module_probe import profile
     from distplan.validate.workload import from_spec
 
     mod = spec["module"]
@@ -988,7 +1001,7 @@ def predict_module_probe(spec: dict) -> dict:
     t = spec["train"]
     st = get_strategy(spec["strategy"])
     precision = t.get("precision", "fp32")
-    d = ModuleDesc.from_profile(profile(work, _regime(precision, st.family)))
+    d = _traced(work, _regime(precision, st.family))
     workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
     model = ModuleModel(d.name, work.label, d.param_count(), d.units, layers=len(d.units))
     ckpt = t.get("checkpointing", "none")

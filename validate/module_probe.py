@@ -268,8 +268,16 @@ class _SegmentTracker:
         plus whatever waits in autograd's buffers (a tied LM head's gradient until the embedding's
         half arrives)."""
         ends: dict = {}
+        prev = None
         for seg, alive, saved, _ in self.timeline:
-            ends[seg] = self._split(seg, alive, saved)[0]
+            if prev is not None and seg != prev and prev not in ends:
+                # the next segment's first op: what is still alive of the earlier ones (a storage
+                # the last op of `prev` replaced is gone by now, as when FSDP's post-backward runs)
+                ends[prev] = sum(n for uid, n in alive if uid not in self.survivors and self.born[uid] != seg)
+            prev = seg
+        for seg, alive, saved, _ in self.timeline:  # the last segment: its last op
+            if seg not in ends:
+                ends[seg] = self._split(seg, alive, saved)[0] if seg == prev else ends.get(seg, 0)
         return ends
 
     def segment_kernels(self, seg: int, saved_before: int) -> list:
