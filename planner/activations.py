@@ -32,6 +32,39 @@ bytes of the compute dtype; r = 4 (fp32 residual) or 2):
 Outside the blocks: token ids and targets (int64), the embedding output when it feeds the first norm,
 final norm, the LM head's input, and `log_softmax`'s fp32 output n*V*4 for the loss.
 
+Transformers' models (`ModelSpec.hf_model_type` set, `read_hf_config(path, implementation=True)`):
+the same ops except where the modeling code differs, each term citing the file it follows
+(transformers 5.x, torch 2.1x; tests/test_analytic_vs_trace.py checks every term against the trace of
+the real model, `validate.module_probe.profile_hf`, byte for byte on CPU):
+- RoPE: the cos/sin tables are made once per forward by `<Type>RotaryEmbedding` and cast to the hidden
+  states' dtype there (fp32 under fp32 and autocast, 16-bit in lowp), shared by every layer.
+- Fused projections (`ModelSpec.fused_qkv`, `fused_gate_up`: Phi-3 qkv_proj/gate_up_proj, GPT-2
+  c_attn): one Linear reads the norm's output (under autocast one 16-bit cast, not three), and v is a
+  view of the qkv output, so SDPA keeps that whole buffer alive.
+- SDPA (`integrations/sdpa_attention.py`): no mask and `enable_gqa` (K/V at kv_heads) unless the mask is
+  materialized (`masking_utils.sdpa_mask`: a sliding window no longer than the sequence), then K/V are
+  repeated to all heads (`repeat_kv`) and SDPA keeps a float copy of the mask (b*s*s in q's dtype) per
+  layer. Phi-3's `apply_rotary_pos_emb` concatenates, so q is (B, nh, S, hd)-contiguous, the kernel's
+  output follows that layout and `.transpose(1, 2).contiguous()` copies it (e*h per token).
+- Dropout (`at::dropout`, aten/src/ATen/native/Dropout.cpp): only where p > 0. On CUDA the fused
+  `native_dropout` saves a bool mask (1 byte per element); elsewhere `_dropout_impl` saves the scaled
+  noise in the input's dtype. Attention dropout on CPU sends SDPA to its math composite
+  (`_scaled_dot_product_attention_math`, attention.cpp), which upcasts 16-bit inputs to fp32 there:
+  scaled q, k and a copy of v (fp32), the probabilities, the dropout noise and the dropped
+  probabilities (fp32), and the output's contiguous copy (input dtype). GPT-2 drops the embedding sum
+  (embd_pdrop), both residual branches (resid_pdrop) and the probabilities (attn_pdrop); Phi-3 the
+  residual branches (resid_pdrop); Llama, Mistral and Qwen2 only the probabilities (attention_dropout).
+- GPT-2's `NewGELUActivation` (activation "gelu_new", `activations.py`):
+  `0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x**3)))` saves x (pow), tanh's output, 0.5*x and 1+tanh (the
+  last mul), and the proj saves the product: 5*e*f per token, where one `F.gelu` saves 2*e*f.
+- Loss (`loss/loss_utils.py` ForCausalLMLoss): logits `.float()`, labels padded and shifted into a new
+  int64 tensor: the same bytes as the reference decoder's targets and fp32 log_softmax, except with one
+  sequence per micro-batch, where the shifted slice is contiguous and the padded (s+1) labels are kept.
+Not followed for transformers' models: `attention="eager"` (the reference decoder's eager terms are
+used), op-level selective checkpointing (its saved set is the reference decoder's), the philox state
+CUDA's flash kernel keeps with dropout (16 bytes), and the bool mask a full-checkpointed layer keeps as
+an input when a sliding window materializes it (s*s bytes).
+
 Checkpointing: `full` (`torch.utils.checkpoint`, non-reentrant, per block) keeps each block's input
 and recomputes the block inside backward; `selective` is op-level selective checkpointing
 (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that saves the outputs of `mm`/`addmm`
@@ -105,8 +138,76 @@ def _norm_saved(train: TrainConfig, regime: str, n: int, consumers: int, device:
     return n * (body + out)
 
 
+def _dropout_elem(device: str, elem: int) -> int:
+    """Bytes per element a dropout keeps: CUDA's fused `native_dropout` a bool mask, CPU's
+    `_dropout_impl` the scaled noise in the input's dtype (aten/src/ATen/native/Dropout.cpp,
+    `is_fused_kernel_acceptable`)."""
+    return 1 if device == "cuda" else elem
+
+
+def _hf_mask(train: TrainConfig) -> bool:
+    """transformers materializes the causal mask (`masking_utils._ignore_causal_mask_sdpa` returns
+    False) when a sliding window is not longer than the sequence; otherwise SDPA gets `is_causal`."""
+    w = train.model.sliding_window
+    return bool(w) and train.seq_len >= w
+
+
+def _hf_sdpa_backend(train: TrainConfig, regime: str, device: str) -> str:
+    """'math', 'efficient' or 'flash' (CPU: flash unless dropout) for a transformers model's SDPA call."""
+    m = train.model
+    mask = _hf_mask(train)
+    gqa = not mask and m.head_dim <= 256 and m.kv_heads < m.heads  # sdpa_attention.use_gqa_in_sdpa
+    if device != "cuda":
+        # measured (torch 2.13, CPU): dropout_p > 0 runs the math composite, not the CPU flash kernel
+        return "math" if m.attn_dropout > 0 else "flash"
+    if regime == "fp32":
+        return "math" if gqa else "efficient"  # as `sdpa_math`: no fp32 flash, no GQA in efficient
+    return "efficient" if mask else "flash"  # flash takes no attn_mask
+
+
+def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
+    """SDPA attention of a transformers model (`integrations/sdpa_attention.py` sdpa_attention_forward),
+    from the q/k/v projections' outputs to o_proj's input; the module docstring lists the terms."""
+    m = train.model
+    h, a, kv = m.hidden, m.heads, m.kv_dim
+    e = 4 if regime == "fp32" else 2
+    b, s = train.micro_batch, train.seq_len
+    probs = b * a * s * s
+    mask = _hf_mask(train)
+    backend = _hf_sdpa_backend(train, regime, device)
+    if backend == "math":
+        # `_scaled_dot_product_attention_math`: 16-bit inputs upcast on CPU; q, k scaled (k repeated
+        # for GQA), v contiguous (repeated), softmax output; dropout noise and the dropped
+        # probabilities; then the (B, nh, S, hd) output's `.transpose(1, 2).contiguous()` for o_proj.
+        c = 4 if device != "cuda" else e
+        # v reaches bmm through a reshape to (B*nh, S, hd): a view for one sequence without upcast or
+        # repeat, which then keeps a fused projection's whole output; else a copy.
+        v_view = train.micro_batch == 1 and m.kv_heads == m.heads and c == e and m.fused_qkv
+        v = n * e * (h + 2 * kv) if v_view else n * h * c
+        saved = n * 2 * h * c + v + probs * c + n * h * e
+        if m.attn_dropout > 0:
+            saved += probs * (_dropout_elem(device, c) + c)
+        return saved
+    repeated = mask and kv < h  # `repeat_kv`: new K/V tensors at all heads
+    kv_s = h if repeated else kv
+    if m.fused_qkv and not repeated:
+        # v (and, without RoPE, q and k) are views of the fused projection's output: its storage stays.
+        qk = n * e * (h + kv) if m.position == "rope" else 0
+        saved = qk + n * e * (h + 2 * kv)
+    else:
+        saved = n * e * (h + 2 * kv_s)
+    saved += n * (e * h + 4 * a)  # output and logsumexp
+    if mask:
+        saved += b * s * s * e  # the bool mask converted to q's dtype, saved by the kernel
+    if m.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient"):
+        saved += n * e * h  # output in q's (B, nh, S, hd) layout: the contiguous copy for o_proj
+    return saved
+
+
 def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
     m = train.model
+    if m.hf_model_type and train.attention == "sdpa":
+        return _hf_attention_saved(train, regime, n, device)
     h, a, kv = m.hidden, m.heads, m.kv_dim
     e = 4 if regime == "fp32" else 2
     b, s = train.micro_batch, train.seq_len
@@ -136,20 +237,39 @@ def sdpa_math(train: TrainConfig, regime: str, device: str) -> bool:
     (torch 2.11): the qwen-small matrix shape in fp32 saves the (B, nh, S, S) probabilities.
     """
     m = train.model
+    if m.hf_model_type and train.attention == "sdpa":
+        return _hf_sdpa_backend(train, regime, device) == "math"
     return train.attention == "sdpa" and device == "cuda" and regime == "fp32" and m.kv_heads < m.heads
 
 
 def _mlp_saved(train: TrainConfig, regime: str, n: int) -> int:
     e = 4 if regime == "fp32" else 2
-    f = train.model.ffn_hidden
-    return n * e * f * (4 if train.model.mlp == "swiglu" else 2)
+    m = train.model
+    f = m.ffn_hidden
+    if m.mlp == "swiglu":
+        return n * e * f * 4  # gate, up (one gate_up buffer when fused), silu(gate), product
+    # NewGELUActivation: x, tanh(...), 0.5*x, 1+tanh(...), product; F.gelu: x and its output
+    return n * e * f * (5 if m.activation == "gelu_new" else 2)
+
+
+def _resid_dropout_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
+    """Dropout on the attention and MLP outputs (GPT-2 `resid_dropout` and `GPT2MLP.dropout`, Phi-3
+    `resid_attn_dropout`/`resid_mlp_dropout`): two masks of n*h in the Linear outputs' dtype."""
+    if train.model.resid_dropout <= 0:
+        return 0
+    e = 4 if regime == "fp32" else 2
+    return 2 * n * train.model.hidden * _dropout_elem(device, e)
 
 
 def _rope_tables(train: TrainConfig, regime: str) -> tuple[int, int]:
     """(shared fp32 bytes, per-block 16-bit copy bytes) of the cos/sin tables."""
-    if train.model.position != "rope":
+    m = train.model
+    if m.position != "rope":
         return 0, 0
-    table = train.seq_len * train.model.head_dim
+    table = train.seq_len * (m.rotary_dim or m.head_dim)
+    if m.hf_model_type:
+        # <Type>RotaryEmbedding.forward: `cos.to(dtype=x.dtype)` once per forward, x the embeddings
+        return 2 * table * (2 if regime == "lowp" else 4), 0
     if regime == "fp32":
         return 2 * table * 4, 0
     return 0, 2 * table * 2
@@ -168,11 +288,13 @@ def linear_weight_elems(train: TrainConfig) -> int:
 def block_saved(train: TrainConfig, regime: str, device: str = "cuda") -> int:
     """Bytes one block saves for backward with no checkpointing (RoPE tables excluded)."""
     n = train.micro_batch * train.seq_len
-    mlp_consumers = 2 if train.model.mlp == "swiglu" else 1
+    m = train.model
+    mlp_consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
+    attn_consumers = 1 if m.fused_qkv else 3
     _, rope_per_block = _rope_tables(train, regime)
-    return (_norm_saved(train, regime, n, 3, device) + _attention_saved(train, regime, n, device)
+    return (_norm_saved(train, regime, n, attn_consumers, device) + _attention_saved(train, regime, n, device)
             + _norm_saved(train, regime, n, mlp_consumers, device) + _mlp_saved(train, regime, n)
-            + rope_per_block)
+            + _resid_dropout_saved(train, regime, n, device) + rope_per_block)
 
 
 def _selective_block_saved(train: TrainConfig, regime: str) -> int:
@@ -221,7 +343,14 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
         recompute = per_block - _selective_block_saved(train, regime)
 
     # Token ids (embedding backward) and targets (nll_loss), int64; positions for learned embeddings.
-    outside = 2 * n * 8 + (train.seq_len * 8 if m.position == "learned" else 0)
+    # transformers' ForCausalLMLoss (loss/loss_utils.py) pads the labels to s+1 and takes
+    # `labels[..., 1:].contiguous()`: a copy, except for one sequence, where the slice is contiguous
+    # already and nll_loss keeps the padded tensor.
+    targets = 8 * (train.seq_len + 1) if m.hf_model_type and train.micro_batch == 1 else 8 * n
+    inputs = n * 8 + targets + (train.seq_len * 8 if m.position == "learned" else 0)
+    outside = inputs
+    if m.embed_dropout > 0:
+        outside += n * h * _dropout_elem(device, res)  # GPT2Model.drop on the embedding sum
     # Final norm and the LM head's input (the norm's output, or autocast's 16-bit cast of it).
     outside += _norm_saved(train, regime, n, 1, device)
     # `x = tok_embeddings(tokens)`: fp32 when the embedding is fp32, saved by the first RMSNorm only
@@ -237,6 +366,5 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     weight_cache = cache_all if train.checkpointing == "none" else head_cache
     block_cache = (weight_cache - head_cache) // m.layers if m.layers else 0
     logits_transient = n * v * e + (0 if e == 4 else n * v * 4)
-    inputs = 2 * n * 8 + (train.seq_len * 8 if m.position == "learned" else 0)
     return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache, cache_all,
                                recompute, logits_transient, inputs, block_cache)

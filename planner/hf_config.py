@@ -12,9 +12,20 @@ Biases: Qwen2 has q/k/v biases only (transformers `Qwen2Attention`); Llama's opt
 `attention_bias` + `mlp_bias` map to `linear_bias` only when both are true. Phi-3's fused qkv_proj and
 gate_up_proj have the same parameter count as separate projections.
 
+`read_hf_config(path, implementation=True)` adds the fields by which transformers' forward pass saves
+other activations than the reference decoder (`planner.activations` follows the model type's modeling
+code then): `hf_model_type`, `activation` (GPT-2 `activation_function`: gelu_new is
+`NewGELUActivation`, gelu/gelu_pytorch_tanh one native op), the dropout probabilities (GPT-2
+attn_pdrop/resid_pdrop/embd_pdrop, default 0.1; Phi-3 attention_dropout/resid_pdrop, its embd_pdrop
+unused by `Phi3Model`; Llama/Mistral/Qwen2 attention_dropout, default 0), `sliding_window` (Mistral,
+default 4096; Phi-3; Qwen2 when use_sliding_window covers every layer) and `rotary_dim` (Phi-3's
+partial_rotary_factor). Without it the keys are the architecture only (what the catalog's entries hold).
+
 Known limitations: an explicit `head_dim` that differs from hidden_size / num_attention_heads, a
 non-gated activation in a Llama-family config, and Llama `attention_bias` without `mlp_bias` (or the
-reverse) are rejected, because ModelSpec cannot describe them exactly.
+reverse) are rejected, because ModelSpec cannot describe them exactly. With implementation=True also
+a GPT-2 activation_function other than gelu_new/gelu/gelu_pytorch_tanh and a Qwen2 sliding window on
+some layers only.
 """
 
 from __future__ import annotations
@@ -35,12 +46,14 @@ def _fail(msg: str) -> ValueError:
     return ValueError(f"--hf-config: {msg}")
 
 
-def read_hf_config(path: str | Path) -> dict[str, Any]:
+def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, Any]:
     """ModelSpec keyword arguments from a Hugging Face config.json (a file, or a folder holding one).
 
     Returns name, layers, hidden, heads, kv_heads, ffn_hidden, vocab, max_positions, mlp, norm,
-    position, tie_embeddings, linear_bias, qkv_bias, source. Raises ValueError with a one-line message
-    for a missing file, invalid JSON, an unsupported model_type, or a missing or invalid key.
+    position, tie_embeddings, linear_bias, qkv_bias, source; with `implementation` also hf_model_type,
+    activation, attn_dropout, resid_dropout, embed_dropout, sliding_window, rotary_dim (module
+    docstring). Raises ValueError with a one-line message for a missing file, invalid JSON, an
+    unsupported model_type, or a missing or invalid key.
     """
     p = Path(path).expanduser()
     shown = str(path)
@@ -120,9 +133,78 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
             tie_embeddings=get_bool("tie_word_embeddings", False),
             linear_bias=linear_bias, qkv_bias=qkv_bias,
         )
+    if implementation:
+        out.update(_implementation(cfg, model_type, out, p, get_int, get_bool))
     if out["hidden"] % out["heads"]:
         raise _fail(f"'{p}': {out['heads']} heads do not divide hidden size {out['hidden']}")
     if out["heads"] % out["kv_heads"]:
         raise _fail(f"'{p}': {out['kv_heads']} key/value heads do not divide {out['heads']} heads")
     return {"name": f"hf:{path}", **out,
             "source": f"{p} (Hugging Face config.json, model_type {model_type})"}
+
+
+_GPT2_ACTS = {"gelu_new": "gelu_new", "gelu": "", "gelu_pytorch_tanh": ""}
+"""GPT-2 activation_function -> ModelSpec.activation: transformers' `ACT2FN` maps gelu_new to
+`NewGELUActivation` (activations.py; the tanh formula in Python ops), gelu to `GELUActivation`
+(`F.gelu`) and gelu_pytorch_tanh to `F.gelu(approximate="tanh")`: one op that saves its input."""
+
+
+def _implementation(cfg: dict, model_type: str, arch: dict, p: Path, get_int, get_bool) -> dict[str, Any]:
+    """The ModelSpec fields that say how transformers' `model_type` forward differs from the reference
+    decoder (the defaults of every config class as in transformers' configuration_<type>.py)."""
+
+    def prob(key: str, default: float) -> float:
+        v = cfg.get(key, default)
+        if v is None:
+            v = default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise _fail(f"'{p}' key '{key}' is {v!r}; accepted: a probability in [0, 1)")
+        return float(v)
+
+    out: dict[str, Any] = {"hf_model_type": model_type, "activation": "", "attn_dropout": 0.0,
+                           "resid_dropout": 0.0, "embed_dropout": 0.0, "sliding_window": 0,
+                           "rotary_dim": 0}
+    if model_type == "gpt2":
+        act = cfg.get("activation_function", "gelu_new")  # GPT2Config default
+        if act not in _GPT2_ACTS:
+            raise _fail(f"'{p}' key 'activation_function' is {act!r}; accepted for gpt2: "
+                        f"{', '.join(_GPT2_ACTS)}")
+        # GPT2Attention.attn_dropout (SDPA's dropout_p), .resid_dropout, GPT2MLP.dropout, GPT2Model.drop
+        out.update(activation=_GPT2_ACTS[act], attn_dropout=prob("attn_pdrop", 0.1),
+                   resid_dropout=prob("resid_pdrop", 0.1), embed_dropout=prob("embd_pdrop", 0.1))
+        return out
+    out["attn_dropout"] = prob("attention_dropout", 0.0)
+    if model_type == "phi3":
+        # Phi3DecoderLayer.resid_attn_dropout/resid_mlp_dropout; Phi3Model has no embedding dropout.
+        out["resid_dropout"] = prob("resid_pdrop", 0.0)
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise _fail(f"'{p}' key 'partial_rotary_factor' is {factor!r}; accepted: a number in (0, 1]")
+        head_dim = arch["hidden"] // arch["heads"]
+        dim = int(head_dim * factor)  # Phi3RotaryEmbedding: int(head_dim * partial_rotary_factor)
+        out["rotary_dim"] = 0 if dim == head_dim else dim
+        out["sliding_window"] = get_int("sliding_window", 0)  # Phi3Config default None
+    elif model_type == "mistral":
+        # MistralConfig: sliding_window defaults to 4096; null means full attention
+        out["sliding_window"] = 4096 if "sliding_window" not in cfg else get_int("sliding_window", 0)
+    elif model_type == "qwen2":
+        # Qwen2Config.__post_init__: sliding_window only with use_sliding_window, then on the layers
+        # from max_window_layers (default 28) on, unless layer_types names each layer's kind.
+        window = 4096 if "sliding_window" not in cfg else get_int("sliding_window", 0)
+        if get_bool("use_sliding_window", False) and window:
+            types = cfg.get("layer_types")
+            if types is None:
+                first = cfg.get("max_window_layers", 28)
+                if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+                    raise _fail(f"'{p}' key 'max_window_layers' is {first!r}; accepted: an integer >= 0")
+                types = ["sliding_attention" if i >= first else "full_attention" for i in range(arch["layers"])]
+            if not isinstance(types, list):
+                raise _fail(f"'{p}' key 'layer_types' is {types!r}; accepted: a list of layer kinds")
+            kinds = set(types)
+            if kinds == {"sliding_attention"}:
+                out["sliding_window"] = window
+            elif kinds != {"full_attention"}:
+                raise _fail(f"'{p}' has a sliding window on some layers only (layer_types / "
+                            f"max_window_layers); the planner needs every layer alike")
+    return out

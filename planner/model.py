@@ -7,6 +7,12 @@ and a test asserts the same count and shapes as the torch module, so the two can
 
 Known limitations: dense decoders only (no MoE, no cross-attention); rotary embeddings have no
 parameters; the MLP is either SwiGLU (gate, up, down) or GELU (fc, proj).
+
+Whose forward pass the activation formulas follow: the reference decoder (`hf_model_type` empty, the
+default, as every catalog entry) or transformers' modeling code of one model type (`hf_model_type`,
+with the config's activation variant, dropout probabilities and sliding window; set by
+`read_hf_config(path, implementation=True)`). These fields change saved activations only, never the
+parameter inventory.
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ def state_without_hash(self) -> dict:
 
 MLP = Literal["swiglu", "gelu"]
 NORM = Literal["rmsnorm", "layernorm"]
+HF_MODEL_TYPES = ("", "gpt2", "llama", "mistral", "phi3", "qwen2")
+"""`hf_model_type` values: "" is the reference decoder (`distplan.validate.model.Decoder`)."""
+ACTIVATIONS = ("", "gelu_new")
+"""`activation` values: "" the MLP's one native op (SiLU, or GELU: erf or tanh, `F.gelu` saves only its
+input); "gelu_new" transformers' `NewGELUActivation`, the tanh formula written out in Python ops."""
 POSITION = Literal["rope", "learned"]
 
 
@@ -74,6 +85,22 @@ class ModelSpec:
     """Only q, k, v projections have a bias (Qwen2)."""
     source: str = ""
     """Where the figures come from."""
+    hf_model_type: str = ""
+    """"" (the reference decoder) or the transformers model_type whose modeling code the activation
+    formulas follow (llama, mistral, qwen2, phi3, gpt2)."""
+    activation: str = ""
+    """"" (one native op) or "gelu_new" (GPT-2's `NewGELUActivation`, five n x f tensors saved)."""
+    attn_dropout: float = 0.0
+    """Dropout on the attention probabilities in training (GPT-2 attn_pdrop; attention_dropout)."""
+    resid_dropout: float = 0.0
+    """Dropout on each block's attention and MLP outputs (GPT-2/Phi-3 resid_pdrop)."""
+    embed_dropout: float = 0.0
+    """Dropout on the embedding output (GPT-2 embd_pdrop)."""
+    sliding_window: int = 0
+    """Sliding-window attention span, 0 for none (Mistral's sliding_window): from seq_len >= window on,
+    transformers materializes the attention mask."""
+    rotary_dim: int = 0
+    """Rotated dimensions per head, 0 for all of head_dim (Phi-3's partial_rotary_factor < 1)."""
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_positions"):
@@ -94,6 +121,25 @@ class ModelSpec:
             raise ValueError(f"norm={self.norm!r}: accepted values are 'rmsnorm', 'layernorm'")
         if self.position not in ("rope", "learned"):
             raise ValueError(f"position={self.position!r}: accepted values are 'rope', 'learned'")
+        if self.hf_model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"hf_model_type={self.hf_model_type!r}: accepted values are "
+                             f"{', '.join(map(repr, HF_MODEL_TYPES))}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r}: accepted values are "
+                             f"{', '.join(map(repr, ACTIVATIONS))}")
+        if self.activation == "gelu_new" and self.mlp != "gelu":
+            raise ValueError("activation='gelu_new' needs mlp='gelu'")
+        for field in ("attn_dropout", "resid_dropout", "embed_dropout"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{field}={value!r}: must be a probability in [0, 1)")
+        for field in ("sliding_window", "rotary_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field}={value!r}: must be a non-negative integer (0: none)")
+        if self.rotary_dim > self.hidden // self.heads or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim={self.rotary_dim}: must be even and at most head_dim "
+                             f"{self.hidden // self.heads}")
 
     __hash__ = cached_hash  # keys the planner's caches
     __getstate__ = state_without_hash
@@ -105,6 +151,17 @@ class ModelSpec:
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def fused_qkv(self) -> bool:
+        """One projection makes q, k and v (transformers' Phi-3 `qkv_proj`, GPT-2 `c_attn`): one Linear
+        reads the norm's output, and q, k, v are views of its output."""
+        return self.hf_model_type in ("phi3", "gpt2")
+
+    @property
+    def fused_gate_up(self) -> bool:
+        """One projection makes gate and up (transformers' Phi-3 `gate_up_proj`)."""
+        return self.hf_model_type == "phi3"
 
     def with_overrides(self, **changes) -> "ModelSpec":
         changes = {k: v for k, v in changes.items() if v is not None}

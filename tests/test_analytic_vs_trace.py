@@ -1,0 +1,127 @@
+"""The analytic activation formulas (`planner.activations`, a `ModelSpec` from
+`read_hf_config(path, implementation=True)`) against the trace of the real transformers model
+(`validate.module_probe.profile_hf`, saved_tensors_hooks on fake tensors, CPU): per decoder layer and
+outside the layers, byte for byte, for every model type the analytic front end reads, in fp32, pure
+bf16 and CPU autocast, at two (micro_batch, seq_len) points; plus the config variants that take other
+code paths (sliding-window mask, attention dropout with GQA, no dropout, fused qkv with GQA and partial
+rotary).
+
+Compared quantities (both exclude parameters):
+- per layer: the trace's middle layer segment; analytic `per_block + block_cache` (under autocast the
+  layer's 16-bit weight casts, which the trace counts as saved tensors of that layer).
+- outside: the trace's total minus layers x that layer, plus the input ids (the trace leaves the batch
+  out, `batch_bytes`; the planner counts the ids the embedding's backward keeps) minus the 4-byte
+  `total_weight` scalar of nll_loss (not in the formulas; tests/test_activations.py adds it too);
+  analytic `total - layers x per layer` (embedding, shared RoPE tables, final norm, head input, loss).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from distplan.planner.activations import activations_in  # noqa: E402
+from distplan.planner.config import TrainConfig  # noqa: E402
+from distplan.planner.hf_config import read_hf_config  # noqa: E402
+from distplan.planner.model import ModelSpec  # noqa: E402
+from distplan.validate.module_probe import profile_hf  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
+MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gpt2")
+DTYPES = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "lowp"), "autocast-bfloat16": ("bf16-mixed", "autocast")}
+POINTS = ((2, 64), (1, 128))
+
+
+def _compare(path, micro_batch: int, seq_len: int, dtype: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((trace, analytic) per layer, (trace, analytic) outside the layers)."""
+    spec = ModelSpec(**read_hf_config(path, implementation=True))
+    precision, regime = DTYPES[dtype]
+    train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, precision=precision)
+    act = activations_in(train, regime, "cpu")
+    p = profile_hf(str(path), micro_batch, seq_len, dtype)
+    layers = [s for s in p["segments"] if s["unit"] not in ("root", "loss")]
+    assert len(layers) == spec.layers
+    mid = layers[len(layers) // 2]["activation_bytes"]
+    outside = p["activation_bytes"] - spec.layers * mid + micro_batch * seq_len * 8 - 4
+    block = act.per_block + act.block_cache
+    return (mid, block), (outside, act.total - spec.layers * block)
+
+
+@pytest.mark.parametrize("point", POINTS, ids=lambda p: f"b{p[0]}s{p[1]}")
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_analytic_equals_trace(model_type, dtype, point):
+    (t_blk, a_blk), (t_out, a_out) = _compare(EXAMPLES / f"{model_type}-8l.json", *point, dtype)
+    print(f"{model_type}/{dtype}/{point}: layer {t_blk} vs {a_blk}, outside {t_out} vs {a_out}")
+    assert a_blk == t_blk
+    assert a_out == t_out
+
+
+VARIANTS = {
+    # seq_len >= sliding_window: transformers materializes the mask, repeats K/V, SDPA keeps a float mask
+    "mistral-window": ("mistral", dict(sliding_window=64), "bfloat16"),
+    # attention dropout sends CPU SDPA to its math composite (fp32 upcast), GQA repeated inside it
+    "llama-attn-dropout": ("llama", dict(attention_dropout=0.1), "bfloat16"),
+    # no dropout at all, one-op GELU: GPT-2 on the flash kernel with q/k/v views of c_attn's output
+    "gpt2-no-dropout": ("gpt2", dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, activation_function="gelu"),
+                        "autocast-bfloat16"),
+    # fused qkv with GQA, half the head rotated, residual dropout
+    "phi3-gqa-partial": ("phi3", dict(num_key_value_heads=2, partial_rotary_factor=0.5, resid_pdrop=0.1), "float32"),
+    # Qwen2 with a sliding window on every layer and attention dropout
+    "qwen2-window-dropout": ("qwen2", dict(use_sliding_window=True, max_window_layers=0, sliding_window=64,
+                                           attention_dropout=0.1), "float32"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants(tmp_path, variant):
+    base, changes, dtype = VARIANTS[variant]
+    cfg = json.loads((EXAMPLES / f"{base}-8l.json").read_text()) | changes
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    (t_blk, a_blk), (t_out, a_out) = _compare(path, 2, 64, dtype)
+    assert a_blk == t_blk
+    assert a_out == t_out
+
+
+def test_reference_fields_by_default():
+    """Without `implementation` the keys are the architecture only (the catalog's), and the new
+    ModelSpec fields default to the reference decoder."""
+    kw = read_hf_config(EXAMPLES / "gpt2-8l.json")
+    assert "hf_model_type" not in kw
+    spec = ModelSpec(**kw)
+    assert (spec.hf_model_type, spec.activation, spec.attn_dropout, spec.resid_dropout, spec.embed_dropout,
+            spec.sliding_window, spec.rotary_dim) == ("", "", 0.0, 0.0, 0.0, 0, 0)
+
+
+def test_implementation_fields_of_published_configs():
+    data = Path(__file__).parent / "data" / "hf"
+    got = {stem: read_hf_config(data / f"{stem}.json", implementation=True)
+           for stem in ("gpt2", "llama-3-8b", "mistral-7b", "qwen2.5-7b", "phi-3-mini")}
+    assert {k: got["gpt2"][k] for k in ("hf_model_type", "activation", "attn_dropout", "resid_dropout",
+                                        "embed_dropout")} == dict(hf_model_type="gpt2", activation="gelu_new",
+                                                                  attn_dropout=0.1, resid_dropout=0.1,
+                                                                  embed_dropout=0.1)
+    assert got["mistral-7b"]["sliding_window"] == 4096  # Mistral-7B-v0.1: the mask from 4096 tokens on
+    assert got["qwen2.5-7b"]["sliding_window"] == 0  # use_sliding_window false
+    assert got["llama-3-8b"]["attn_dropout"] == 0.0 and got["phi-3-mini"]["rotary_dim"] == 0
+    for kw in got.values():
+        ModelSpec(**kw)  # every field valid
+
+
+def test_unsupported_implementation_configs(tmp_path):
+    cfg = json.loads((EXAMPLES / "gpt2-8l.json").read_text()) | {"activation_function": "relu"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    read_hf_config(tmp_path)  # the architecture alone does not need it
+    with pytest.raises(ValueError, match="activation_function"):
+        read_hf_config(tmp_path, implementation=True)
+    cfg = json.loads((EXAMPLES / "qwen2-8l.json").read_text()) | {"use_sliding_window": True, "max_window_layers": 4,
+                                                                  "sliding_window": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="some layers only"):
+        read_hf_config(tmp_path, implementation=True)
