@@ -99,8 +99,12 @@ def scaled_llama(target: int, catalog_dirs: Sequence[str] = ()) -> tuple[ModelSp
 
 def resolve_model(model: str | ModelSpec | None = None, params: str | int | float | None = None,
                   hf_config: str | None = None, overrides: dict | None = None,
-                  catalog_dirs: Sequence[str] = ()) -> tuple[ModelSpec, list[str]]:
-    """One ModelSpec from a catalog name, a parameter count or a Hugging Face config.json, plus notes."""
+                  catalog_dirs: Sequence[str] = (), implementation: bool = True) -> tuple[ModelSpec, list[str]]:
+    """One ModelSpec from a catalog name, a parameter count or a Hugging Face config.json, plus notes.
+
+    `implementation`: a config.json describes the transformers model (its activation variant, dropout,
+    sliding window, fused projections: `hf_config.read_hf_config`); False keeps only its shape, for the
+    reference decoder that `distplan validate --front-end analytic` runs."""
     notes: list[str] = []
     given = [x for x in (model, params, hf_config) if x is not None]
     if len(given) > 1:
@@ -116,7 +120,7 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         spec = ModelSpec(**entry.spec_kwargs())
     elif hf_config is not None:
         from .hf_config import read_hf_config
-        kwargs = read_hf_config(hf_config)
+        kwargs = read_hf_config(hf_config, implementation=implementation)
         try:
             spec = ModelSpec(**kwargs)
         except ValueError as exc:

@@ -847,7 +847,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     from distplan.validate.module_probe import parse_shape, profile
     from distplan.validate.workload import FactoryWorkload, HFWorkload, hf_path
     if hf:
-        check_hf_config(kw["hf_config"])
+        check_hf_config(kw["hf_config"], kw.get("seq_len") or 2048)
         work = HFWorkload(hf_path(kw["hf_config"]), kw.get("micro_batch") or 1, kw.get("seq_len") or 2048,
                           kw.get("layers"))
         shape = work.input_shape
@@ -934,15 +934,20 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
 
 
 
-def check_hf_config(path) -> None:
+def check_hf_config(path, seq_len: int | None = None) -> None:
     """The analytic front end's one-line errors for a config.json it cannot read; a model_type it does
-    not describe (gemma2, ...) is left to the trace, which takes any causal LM transformers knows."""
+    not describe (gemma2, ...) is left to the trace, which takes any causal LM transformers knows. A
+    sequence longer than learned position embeddings (GPT-2's n_positions) fails in a real run; the
+    fake tensors would not notice, so it is refused here."""
     from .hf_config import read_hf_config
     try:
-        read_hf_config(path)
+        spec = read_hf_config(path)
     except ValueError as exc:
         if "is not supported" not in str(exc):
             raise
+        return
+    if seq_len and spec.get("position") == "learned" and seq_len > spec["max_positions"]:
+        raise ValueError(f"--seq-len={seq_len}: exceeds the model's {spec['max_positions']} learned positions")
 
 
 def kernel_workspaces(descs) -> tuple[dict, str | None]:

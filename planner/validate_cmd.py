@@ -309,9 +309,10 @@ def _hf_spec(hf_config, layers, micro_batch, seq_len, other_overrides: dict, mod
     from distplan.validate.workload import hf_path
     from .module_plan import check_hf_config
     try:
-        check_hf_config(hf_config)
+        check_hf_config(hf_config, seq_len)
     except ValueError as e:
-        raise click.BadParameter(str(e).split(": ", 1)[-1], param_hint="'--hf-config'")
+        flag = "--seq-len" if str(e).startswith("--seq-len") else "--hf-config"
+        raise click.BadParameter(str(e).split(": ", 1)[-1], param_hint=f"'{flag}'")
     return {"hf_config": hf_path(hf_config), "micro_batch": micro_batch, "seq_len": seq_len, "layers": layers}
 
 
@@ -336,7 +337,7 @@ def _resolve_model(model, params, hf_config, overrides: dict, device: str) -> di
         raise click.UsageError("--model/--params/--hf-config need distplan.planner.api.resolve_model, "
                                "which this installation lacks; give --layers/--hidden/... instead")
     try:
-        spec = resolve(model=model, params=params, hf_config=hf_config, overrides=given)
+        spec = resolve(model=model, params=params, hf_config=hf_config, overrides=given, implementation=False)
     except ValueError as e:
         raise click.UsageError(str(e))
     if isinstance(spec, tuple):  # (ModelSpec, notes)

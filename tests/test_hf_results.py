@@ -15,6 +15,7 @@ import statistics
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # re-traces every model in every regime (about a minute on 2 cores)
 
 from distplan.planner.api import predict_probe  # noqa: E402
 from distplan.validate.compare import compare  # noqa: E402
