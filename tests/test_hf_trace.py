@@ -103,3 +103,11 @@ def test_hf_models_validate_on_cpu(name, tmp_path):
     assert all(abs(e) <= 0.05 for e in errors.values()), errors
     inexact = [p["id"] for p in probes if not p["comparison"]["collectives"]["exact"]]
     assert not inexact, inexact
+
+
+def test_unknown_model_type_is_one_line(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text('{"model_type": "no_such_model", "hidden_size": 8}')
+    r = _cli("estimate", "--hf-config", str(p), "--front-end", "trace", "--gpus", "2")
+    assert r.exit_code == 2 and "no_such_model" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1 and len(r.output) < 300, r.output

@@ -467,8 +467,8 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         try:
             model = work.build()
-        except ValueError:
-            raise
+        except ValueError as exc:
+            raise ValueError(str(exc).splitlines()[0][:300]) from None
         except Exception as exc:
             raise ValueError(f"{flag}={factory_path!r}: "
                              + ("building the model" if work.kind == "hf" else "the factory") + " raised "

@@ -135,11 +135,16 @@ class HFWorkload:
             for k in HF_LAYER_KEYS:
                 if k in raw:
                     raw[k] = self.layers
-        model_type = raw.pop("model_type")
+        model_type = raw.pop("model_type", None)
         raw.pop("architectures", None)
         raw.pop("torch_dtype", None)
         raw.pop("dtype", None)
-        cfg = AutoConfig.for_model(model_type, **raw)
+        try:
+            cfg = AutoConfig.for_model(model_type, **raw)
+        except (ValueError, KeyError):
+            import transformers
+            raise ValueError(f"--hf-config={self.hf_config!r}: model_type {model_type!r} is not one transformers "
+                             f"{transformers.__version__} knows") from None
         cfg.use_cache = False  # training: no KV cache
         return cfg
 
