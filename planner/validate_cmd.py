@@ -196,6 +196,9 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             sp = mx.make_spec(s, {"name": label}, w, m, steps=steps, **train)
             sp["module"] = module_spec
             specs.append(sp)
+        if hf:
+            _check_fits(specs, hw, nnodes, hint="shorten it with --layers 2 and a smaller --seq-len",
+                        hf_config=hf_config)
         model_label = (f"{hf_config} (transformers, {module_spec['layers'] or 'all'} layers) at "
                        f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
                        f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
@@ -355,7 +358,7 @@ def _checked_model(d: dict) -> dict:
         raise click.UsageError(str(e))
 
 
-def _check_fits(specs: list[dict], hw: dict, nnodes: int, **flags) -> None:
+def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = None, **flags) -> None:
     """A user-given model must fit this machine: predicted peak per rank x local ranks <= half the free
     RAM (CPU ranks, fake rank 0) or <= the GPU's memory (GPU ranks)."""
     flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), "the model")
@@ -380,8 +383,8 @@ def _check_fits(specs: list[dict], hw: dict, nnodes: int, **flags) -> None:
         if cap and peak * local > cap:
             raise click.UsageError(
                 f"{flag}: probe {spec['id']} needs about {fmt_bytes(peak)} per rank, more than {where}; "
-                f"validate a smaller model (e.g. --params 20M, or --layers/--hidden) and let "
-                f"`distplan estimate` extrapolate")
+                + (hint or "validate a smaller model (e.g. --params 20M, or --layers/--hidden)")
+                + " and let `distplan estimate` extrapolate")
 
 
 def _param_count(model: dict) -> int:
