@@ -1,12 +1,15 @@
-"""Plan any `nn.Module` (`distplan estimate --module pkg.mod:factory --input-shape 128,1,28,28`).
+"""The trace front end: plan a model from one step run on fake tensors (`--module pkg.mod:factory
+--input-shape 128,1,28,28`, and `--hf-config PATH` with transformers installed).
 
-The transformer planner (`memory.py`, `comm.py`) describes a decoder by formula. An arbitrary module has
-no formula, so this module plans from a measured description instead (`ModuleDesc`): the parameter
-shapes grouped into wrapping units (the module's top-level children, as an FSDP auto-wrap policy on
-direct children gives them; parameters owned by the root form the `root` unit), and the forward as
-segments in execution order, each with the bytes autograd saves and the bytes of its input. Both come
-from `distplan.validate.module_probe.profile_module`, which runs the factory and one forward on fake
-tensors (torch is imported lazily; nothing is allocated).
+The analytic planner (`memory.py`, `comm.py`) describes a decoder by formula. Here the description is
+measured instead (`ModuleDesc`): the parameter shapes grouped into wrapping units (a module's direct
+children that own parameters, as an FSDP auto-wrap policy on direct children gives them; a Hugging Face
+causal LM's decoder layers; parameters of no unit form the `root` unit), and the forward as segments in
+execution order, each with the bytes autograd saves and the bytes of its input, what its forward and
+backward hold instant by instant, and the order gradients become ready. They come from
+`distplan.validate.module_probe.profile` (`validate/workload.py` says how each kind of model is built,
+fed and trained), which runs one training step on fake tensors (torch is imported lazily; nothing is
+allocated); a deep transformers model is traced at a few layers and its middle layer repeated.
 
 `estimate_module_memory` then walks the same phases as `memory.estimate_memory`, per family:
 
@@ -39,9 +42,11 @@ tensors (torch is imported lazily; nothing is allocated).
   workspace at the instant it runs (forward or backward, with what the profile saw alive then). The
   cuDNN sizes come from the kernel cuDNN picks, so they are measured on the local GPU
   (`validate/kernel_workspace.py`); planned without a GPU, they are left out and a note says so.
-- activation checkpointing `full` (per unit, non-reentrant): each segment keeps only its input; the
-  largest segment's saved tensors come back during its recomputation. `selective` is not defined for an
-  arbitrary module: treated as `none`, with a note.
+- activation checkpointing `full` (per unit, non-reentrant; transformers' own for an HF model): each
+  unit keeps its input, and the root's ops after it (a decoder's final norm, head and loss) keep what
+  they save; a unit's own saved tensors come back in its backward, after its hook, as temporaries (made
+  in the backward phase), as many as the traced run held at that instant. `selective` is not defined for
+  an arbitrary module: treated as `none`, with a note.
 
 Collectives follow `comm.py`'s schedules with the units' real sizes, plus DDP's broadcast of the
 module's buffers (BatchNorm statistics) once per step; the step time is FLOPs (forward x 3,
