@@ -7,7 +7,22 @@ from dataclasses import asdict, dataclass, field
 from .model import ModelSpec, cached_hash, state_without_hash
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
 
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full", "every-2", "every-3", "every-4")
+"""Activation checkpointing modes. none; full: every block (non-reentrant `torch.utils.checkpoint`),
+keeping its input; every-K: every K-th block from the first (transformers' `every_n_layers`), the others
+keep all they save; selective: an op-level policy that saves the outputs of every matmul and of SDPA and
+recomputes the rest (the reference decoder's; not torchtitan's, which recomputes every other matmul)."""
+ANALYTIC_CHECKPOINTING = ("none", "selective", "full")
+"""The modes the analytic front end models (every-K needs the trace: --hf-config or --module)."""
+
+
+def checkpoint_every(mode: str) -> int:
+    """Blocks per checkpointed block: 1 for full, K for every-K, 0 for none (and selective)."""
+    if mode == "full":
+        return 1
+    if mode.startswith("every-"):
+        return int(mode.split("-", 1)[1])
+    return 0
 ATTENTION = ("sdpa", "eager")
 OFFLOAD = ("none", "optimizer", "params")
 FRAMEWORKS = ("pytorch", "deepspeed")
@@ -40,7 +55,8 @@ class TrainConfig:
     optimizer_impl: str = "foreach"
     """foreach (PyTorch's default on CUDA), fused, for-loop."""
     checkpointing: str = "none"
-    """Activation checkpointing: none, selective (save matmul/SDPA outputs), full (per block)."""
+    """Activation checkpointing (CHECKPOINTING): none, selective (save matmul/SDPA outputs), full (per
+    block); every-K only with the trace front end."""
     attention: str = "sdpa"
     cpu_offload: str = "none"
     framework: str = "pytorch"

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field, replace
 
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
-from .config import CHECKPOINTING, Cluster
+from .config import CHECKPOINTING, Cluster, checkpoint_every
 from .memory import (COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot,
                      library_workspace_bytes, zero1_partition)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
@@ -347,11 +347,15 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     segs = [s for s in desc.segments if s[0] != "loss"]
     loss_act = sum(s[1] for s in desc.segments if s[0] == "loss")
     acts = [s[1] for s in segs]
-    if train.checkpointing == "full":
-        # Each checkpointed unit keeps its input; what the root's own ops after it saved (a decoder's
-        # final norm, LM head and loss) stays; the unit's own saved tensors are recomputed in its
-        # backward. A segment without a unit (the root's first ops: embedding) is not checkpointed.
-        acts = [s[2] + s[5] if s[0] != "root" else s[1] for s in segs]
+    every = checkpoint_every(train.checkpointing)
+    unit_index = {u: i for i, u in enumerate(dict.fromkeys(s[0] for s in segs if s[0] != "root"))}
+    ckpt = [bool(every) and s[0] in unit_index and unit_index[s[0]] % every == 0 for s in segs]
+    if every:
+        # Each checkpointed unit (every one for full, every K-th from the first for every-K: transformers'
+        # `every_n_layers`) keeps its input; what the root's own ops after it saved (a decoder's final
+        # norm, LM head and loss) stays; the unit's own saved tensors are recomputed in its backward.
+        # A segment without a unit (the root's first ops: embedding) is not checkpointed.
+        acts = [s[2] + s[5] if c else s[1] for s, c in zip(segs, ckpt)]
     elif train.checkpointing == "selective":
         notes.append("selective checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
@@ -382,7 +386,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         ((transient, own grads, saved), workspace, before). With full checkpointing the unit's saved
         tensors are the recomputed ones, made after the hook (temporaries)."""
         for before, (tmp, g, saved) in zip((True, False), segs[k][3]):
-            if train.checkpointing == "full" and segs[k][0] != "root":
+            if ckpt[k]:
                 # Its input, and before the hook what the root's ops after the unit still hold; the
                 # unit's own saved tensors exist only once the recomputation (after the hook) made
                 # them again, in the backward phase: temporaries to the probes, as many still alive
@@ -394,7 +398,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     tmp, saved = tmp + min(saved, unit_saved), segs[k][2]
             yield (tmp, g, saved), 0, before
         for w, at in bwd_kernels.get(k, ()):
-            if train.checkpointing == "full":
+            if ckpt[k]:
                 yield (at[0] + at[2], at[1], acts[k]), w, False
             else:
                 yield (at[0], at[1], at[2]), w, False
@@ -414,22 +418,16 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     # Segment k's forward at its measured peak: the earlier segments' saved tensors plus what its own
     # forward holds (saved so far, its input, intermediates: a block's two branches before their sum);
     # the probes' tracker counts all of it as activations. Checkpointed: its input and its output.
-    measured_fwd = train.checkpointing != "full"
-    if measured_fwd:
-        fwd_act = [sum(acts[:k]) + s[4] for k, s in enumerate(segs)]
-        fwd_tmp = [0] * len(segs)
-        loss_fwd = [sum(acts) + s[4] for s in desc.segments if s[0] == "loss"]
-    else:
-        fwd_act = [sum(acts[:k + 1]) for k in range(len(segs))]
-        fwd_tmp = inputs[1:]
-        loss_fwd = []
+    fwd_act = [sum(acts[:k + 1]) if c else sum(acts[:k]) + s[4] for k, (s, c) in enumerate(zip(segs, ckpt))]
+    fwd_tmp = [inputs[k + 1] if c else 0 for k, c in enumerate(ckpt)]
+    loss_fwd = [] if every else [sum(acts) + s[4] for s in desc.segments if s[0] == "loss"]
 
     def fwd_instants(k: int):
         """Segment k's forward: its peak (no workspace), then each convolution's instant with its
         workspace, as (activations, temporaries, workspace); unmeasured, the peak bounds them."""
         yield fwd_act[k], fwd_tmp[k], 0
         for w, at in fwd_kernels.get(k, ()):
-            yield (sum(acts[:k]) + at[0], 0, w) if measured_fwd else (fwd_act[k], fwd_tmp[k], w)
+            yield (fwd_act[k], fwd_tmp[k], w) if ckpt[k] else (sum(acts[:k]) + at[0], 0, w)
     if family in ("single", "ddp", "zero1"):
         unit_grad = {u: sum(prod(s) for _, s in ps) * gb for u, ps in desc.units}
         base = dict(params=total * pb + buffers, optimizer=opt,
@@ -689,7 +687,7 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
 
 def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collectives: list,
                 gpu) -> ModuleTime:
-    """Forward FLOPs x 3 (x 4 with full checkpointing) at the GPU's achievable FLOP/s; communication in
+    """Forward FLOPs x 3 (x 4 with full checkpointing, x 3 + 1/K for every-K) at the GPU's achievable FLOP/s; communication in
     forward/backward hides behind that phase's compute (1/3 and 2/3 of it), except the last bucket
     or unit of backward and the optimizer-phase broadcasts, which nothing follows."""
     dtype = "fp32" if train.precision == "fp32" else ("fp16" if train.precision == "fp16-mixed" else "bf16")
@@ -697,7 +695,10 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
         flops_s = gpu.achievable_flops(dtype)
     except Exception:
         flops_s = gpu.achievable_flops("bf16")
-    mult = 4 if train.checkpointing == "full" else 3
+    every = checkpoint_every(train.checkpointing)
+    n_units = len(desc.units) - any(u == "root" for u, _ in desc.units)
+    share = (len(range(0, n_units, every)) / n_units) if every and n_units else 0.0
+    mult = 3 + share  # a checkpointed unit runs its forward again in backward
     train_flops = mult * desc.forward_flops * train.grad_accum
     compute = train_flops / flops_s
     fwd = sum(c.time_s for c in collectives if c.phase == "forward")

@@ -111,3 +111,18 @@ def test_unknown_model_type_is_one_line(tmp_path):
     r = _cli("estimate", "--hf-config", str(p), "--front-end", "trace", "--gpus", "2")
     assert r.exit_code == 2 and "no_such_model" in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1 and len(r.output) < 300, r.output
+
+
+def test_every_k_checkpointing_lies_between_none_and_full():
+    """every-2 checkpoints half the layers: its activations sit between none's and full's, and the
+    analytic front end refuses it (it assumes identical blocks) with a one-line error."""
+    peaks = {}
+    for mode in ("none", "every-2", "full"):
+        r = _cli("estimate", "--hf-config", str(HF / "llama-8l.json"), "--front-end", "trace", "--gpus", "2",
+                 "--gpu-mem", "80", "--seq-len", "256", "--micro-batch", "4", "--strategy", "zero3",
+                 "--activation-checkpointing", mode, "--json")
+        assert r.exit_code == 0, r.output[-500:]
+        peaks[mode] = json.loads(r.output)["strategies"][0]["memory"]["peak_allocated"]
+    assert peaks["full"] < peaks["every-2"] < peaks["none"], peaks
+    r = _cli("estimate", "--params", "7B", "--activation-checkpointing", "every-2")
+    assert r.exit_code == 2 and "every-2" in r.output and "trace" in r.output and "Traceback" not in r.output

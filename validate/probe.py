@@ -167,7 +167,11 @@ class Probe:
         if module and ckpt == "selective":
             self.result["unmeasured"].append("checkpointing='selective' is not defined for a module; ran as 'none'")
             ckpt = "none"
-        if ckpt not in ("none", "full", "selective"):
+        every = int(ckpt.split("-", 1)[1]) if ckpt.startswith("every-") else (1 if ckpt == "full" else 0)
+        if module is None and every > 1:
+            raise ValueError(f"checkpointing={ckpt!r}: the reference decoder implements none, full and "
+                             f"selective; every-K runs with --hf-config or --module")
+        if ckpt not in ("none", "full", "selective") and not (module and every):
             self.result["unmeasured"].append(
                 f"checkpointing={ckpt!r} (the reference decoder implements only 'none' and 'full'; ran as 'none')")
         cuda = self.device.type == "cuda"
@@ -190,8 +194,8 @@ class Probe:
                 model = model.to(self.device)
                 extra = {"vocab": work.vocab(model)} if work.kind == "hf" else {}
                 units = work.units(model)
-                if ckpt == "full":
-                    units = work.enable_checkpointing(model, units)
+                if every:
+                    units = work.enable_checkpointing(model, units, every)
                 units = [m for _, m in units]
             elif cuda:  # built in place (no CPU copy of a large model)
                 with torch.device(self.device):

@@ -77,11 +77,12 @@ class FactoryWorkload:
         loss, kind = module_loss(out)
         return loss, kind, out
 
-    def enable_checkpointing(self, model, units: list) -> list:
-        """Non-reentrant `checkpoint_wrapper` around each unit; returns the units (now the wrappers)."""
+    def enable_checkpointing(self, model, units: list, every: int = 1) -> list:
+        """Non-reentrant `checkpoint_wrapper` around every `every`-th unit from the first; returns the
+        units (the wrappers where wrapped)."""
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-        chosen = set(id(m) for _, m in units)
+        chosen = set(id(m) for _, m in units[::every])
         apply_activation_checkpointing(
             model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
             check_fn=lambda m: id(m) in chosen)
@@ -190,14 +191,16 @@ class HFWorkload:
         del out  # logits and the rest go now, as in a loop that keeps only .loss
         return loss, "hf-causal-lm", loss
 
-    def enable_checkpointing(self, model, units: list) -> list:
+    def enable_checkpointing(self, model, units: list, every: int = 1) -> list:
         """transformers' own: `activation_checkpointing_enable` (older: `gradient_checkpointing_enable`),
-        non-reentrant, every decoder layer."""
+        non-reentrant, every `every`-th decoder layer from the first (`every_n_layers`)."""
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:  # transformers < 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
+        elif every == 1:  # transformers < 5
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            raise ValueError("--activation-checkpointing every-K needs transformers >= 5 (every_n_layers)")
         return units
 
     def trace_context(self):
