@@ -27,6 +27,7 @@ KNOWN_GAPS = {
     # gloo's reduce-scatter of the root (embedding + head) at the very end holds more copies than the walk
     # knows; with checkpointing nothing else is larger, so the peak is there (-2.8%)
     "zero3/hf:examples/hf/llama-8l.json/w2/full/fp32",
+    "zero3/hf:examples/hf/llama-8l.json/w2/every-2/fp32",  # the same instant (-1.5%)
     # FSDP1 SHARD_GRAD_OP under bf16 mixed precision with a tied head: the peak instant's temporaries
     # (-1.96% peak)
     "fsdp-grad-op/hf:examples/hf/qwen2-8l.json/w2/none/bf16-mixed",
@@ -52,7 +53,7 @@ def repredicted():
 
 
 def test_results_are_real_runs_of_every_model_type(repredicted):
-    assert len(repredicted) >= 80
+    assert len(repredicted) >= 90
     types = {r["inputs"]["module"]["hf_config"].split("/")[-1].split("-")[0] for r, _ in repredicted}
     assert types >= {"llama", "qwen2", "gpt2", "mistral", "phi3", "gemma2"}
     for r, _ in repredicted:
