@@ -44,7 +44,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .activations import ActivationBreakdown, activations_in, regime_for, sdpa_math
+from .activations import ActivationBreakdown, _norm_saved, activations_in, regime_for, sdpa_math
 from .config import Cluster, TrainConfig
 from .model import ModelSpec, unit_sizes
 from .precision import optimizer_state_elems
@@ -487,29 +487,92 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                      + head_g - tied_buf,
                      temporaries=blk_tmp + cur_g + tied_buf)
             if sharding:
-                # The first block's reduce-scatter (`FSDPParamGroup.post_backward`, _fsdp_param_group.py):
-                # - the block itself is resharded (`reshard` -> `_to_sharded` ->
-                #   `FSDPParam.free_unsharded_param`) before `foreach_reduce` runs: not counted;
-                # - reshard_after_forward=True: block L-2's backward prefetch (`_backward_prefetch` ->
-                #   `unshard`) holds its flat all-gather output; its parameters are copied out only in
-                #   its own `pre_backward` -> `wait_for_unshard`;
-                # - reshard_after_forward=False: blocks 0..L-2 are still unsharded from forward, once
-                #   each (their per-parameter `all_gather_outputs`; forward freed each flat all-gather
-                #   output at the next block's `wait_for_unshard`), and `_backward_prefetch` ->
-                #   `unshard` is a no-op on an unsharded group (`if self.is_unsharded: return`);
-                # - `foreach_reduce` (_fsdp_collectives.py) allocates the reduce-scatter input (reduce
-                #   dtype) and, before the collective, its output `reduce_output` (one shard); the
-                #   unsharded gradients are freed after the copy-in (`unsharded_grads.clear()`) except
-                #   the last parameter's, which its `for i, (fsdp_param, unsharded_grad) in ...` loop
-                #   variable keeps until it returns (measured: the block's w_down gradient);
-                # - gloo's reduce_scatter_tensor also splits its input (one more input-sized copy).
+                # Each block's own backward, from FSDP2's hooks (_fsdp_param_group.py), per block j (run
+                # L-1 .. 0). Gradient shards of the blocks after j are alive (`foreach_reduce`'s
+                # `reduce_output`, viewed as the sharded parameters' .grad); so are the saved
+                # activations of blocks 0..j-1, and block j+1's reduce-scatter input, which
+                # `comm_ctx.reduce_scatter_states` keeps until block j's `post_backward` pops it.
+                block_elems = lay.block
+                shard_g = lay.shard_block * gsh
+                kept_block = act.per_block if train.checkpointing == "none" else act.blocks_total // L
+                ckpt = train.checkpointing != "none"
+                e = 4 if regime == "fp32" else 2
+
+                def below(j: int) -> int:
+                    """Activations saved by blocks 0..j-1 (each block's by itself under checkpointing;
+                    the RoPE tables with them), and the batch's inputs."""
+                    return act.inputs + act.blocks_total - (L - j) * kept_block + j * act.block_cache
+
+                def rs_prev(j: int) -> int:
+                    return rs_held if j < L - 1 else 0
+
+                def shards_after(j: int) -> int:
+                    return (L - 1 - j) * shard_g + head_g - tied_buf
+
+                # Activations, gradient shards and unsharded blocks are linear in j between the steps
+                # at j = 0 (nothing prefetched) and j = L-1 (no reduce-scatter input kept): those, and
+                # the blocks next to them, bound every block.
+                ends = sorted({j for j in (0, 1, L - 2, L - 1) if 0 <= j < L})
+                # 1. `pre_backward` -> `wait_for_unshard` (resharding after forward): the all-gather
+                #    output (prefetched by block j+1's `_backward_prefetch`, by the root's for the last
+                #    block) and the parameters `foreach_all_gather_copy_out` copies it into, both alive
+                #    until `_all_gather_result = None`; block j's activations and the gradient entering
+                #    it. Block j-1 is prefetched only after this. Without resharding the group is still
+                #    unsharded from forward and both calls return at once.
+                if reshard:
+                    for j in ends:
+                        snap("backward", comm_buffers=ur + 2 * ub + rs_prev(j) + acc,
+                             activations=below(j + 1), grads=shards_after(j),
+                             temporaries=n_tok * h * r + tied_buf)
+                # 2. The block's last weight gradient: autograd accumulates each unsharded parameter's
+                #    gradient into its .grad (AccumulateGrad), which FSDP2 collects only in the
+                #    block's `post_backward` (`unsharded_grads.append(fsdp_param.unsharded_grad_data)`),
+                #    so when the first Linear's backward runs (backward reaches it last) the block's
+                #    other gradients are all alive, its parameters unsharded, block j-1 prefetched.
+                #    `unit_sizes` lists the block's parameters in registration order: the norm before
+                #    the first Linear has its gradient still to come, the Linear's (and its bias's) is
+                #    in autograd's buffer. Still saved: that norm's tensors (recomputed, so temporaries,
+                #    under checkpointing). Transient: the residual stream's gradient, the gradient of the
+                #    norm's output summed over the other projections, the first Linear's output
+                #    gradient (made contiguous for its `view`'s backward) and its input gradient.
+                shapes = unit_sizes(m)[1]
+                first = next((i for i, s in enumerate(shapes) if len(s) == 2), len(shapes) - 1)
+                last = first + 1 if (first + 1 < len(shapes) and len(shapes[first + 1]) == 1
+                                     and shapes[first + 1][0] == shapes[first][0]) else first
+                in_buffer = sum(prod(s) for s in shapes[first:last + 1])
+                pending = in_buffer + sum(prod(s) for s in shapes[:first])
+                norm_kept = _first_norm_saved(train, regime, n_tok, device)
+                for j in ends:
+                    snap("backward", comm_buffers=ur + unsharded_during(j) + rs_prev(j) + acc,
+                         activations=below(j) + (0 if ckpt else norm_kept),
+                         grads=shards_after(j) + (block_elems - pending) * ud,
+                         temporaries=n_tok * h * (r + 3 * e) + in_buffer * ud + (norm_kept if ckpt else 0)
+                         + tied_buf)
+                # 3. `post_backward`: the gradients are collected, the block resharded (`reshard` ->
+                #    `FSDPParam.free_unsharded_param`), block j+1's reduce-scatter input dropped from
+                #    `reduce_scatter_states` (at most `reduce_scatter_max_input_buffers` = 1 kept), then
+                #    `foreach_reduce` (_fsdp_collectives.py) allocates the reduce-scatter input
+                #    (reduce dtype) and `foreach_reduce_scatter_copy_in` fills it while every unsharded
+                #    gradient is alive. Still unsharded: with resharding the prefetched block j-1 (its
+                #    all-gather output; its parameters are copied out only in its own
+                #    `wait_for_unshard`); without, blocks 0..j-1 from forward (`_backward_prefetch` ->
+                #    `unshard` is a no-op on an unsharded group: `if self.is_unsharded: return`).
+                # 4. After the copy-in, `unsharded_grads.clear()` frees the gradients except the last
+                #    parameter's, which the `for i, (fsdp_param, unsharded_grad) in ...` loop variable
+                #    keeps until it returns (measured: the block's w_down gradient); then the output
+                #    `reduce_output` (one shard) is allocated before the collective; gloo's
+                #    reduce_scatter_tensor also splits its input (one more input-sized copy).
                 split = lay.unshard_block * rb if backend == "gloo" else 0
-                held_at_rs = prefetch if reshard else max(0, held - 1) * ub
+                rs_in = lay.unshard_block * rb
                 rs_out = lay.shard_block * rb
-                last_g = prod(unit_sizes(m)[1][-1]) * ud
-                snap("backward", comm_buffers=ur + held_at_rs + lay.unshard_block * rb + rs_out + acc,
-                     activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
-                     grads=head_g - tied_buf, temporaries=n_tok * h * r + split + last_g + tied_buf)
+                last_g = prod(shapes[-1]) * ud
+                for j in ends:
+                    held_at_rs = (prefetch if j > 0 else 0) if reshard else j * ub
+                    snap("backward", comm_buffers=ur + held_at_rs + rs_in + acc, activations=below(j),
+                         grads=shards_after(j) + block_elems * ud, temporaries=n_tok * h * r + tied_buf)
+                    snap("backward", comm_buffers=ur + held_at_rs + rs_in + rs_out + acc,
+                         activations=below(j), grads=shards_after(j),
+                         temporaries=n_tok * h * r + split + last_g + tied_buf)
             if sharding:  # the root's reduce-scatter: unsharded grads + its input in reduce_dtype
                 snap("backward", comm_buffers=ur + lay.unshard_root * rb,
                      grads=L * lay.shard_block * gsh + lay.unshard_root * ud)
@@ -584,3 +647,10 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         if att[1] > mlp[1]:
             return att
     return mlp
+
+
+def _first_norm_saved(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> int:
+    """Bytes the block's first norm (before attention) still keeps for backward while the first Linear's
+    backward runs: its input, statistics and output (`activations._norm_saved`; the output's consumers
+    matter only under autocast, which FSDP does not run)."""
+    return _norm_saved(train, regime, n, 3, device)
