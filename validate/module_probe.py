@@ -36,6 +36,7 @@ needs no gradient (the first) takes the ops after the last hook.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -264,9 +265,9 @@ class _SegmentTracker:
         return peaks
 
     def segment_ends(self) -> dict:
-        """{segment index: transient bytes alive at its last backward op}: the gradient it passes on,
-        plus whatever waits in autograd's buffers (a tied LM head's gradient until the embedding's
-        half arrives)."""
+        """{segment index: transient bytes alive when its backward is over}, read at the next segment's
+        first op: the gradient it passes on, plus whatever waits in autograd's buffers (a tied LM head's
+        gradient until the embedding's half arrives)."""
         ends: dict = {}
         prev = None
         for seg, alive, saved, _ in self.timeline:
@@ -275,9 +276,10 @@ class _SegmentTracker:
                 # the last op of `prev` replaced is gone by now, as when FSDP's post-backward runs)
                 ends[prev] = sum(n for uid, n in alive if uid not in self.survivors and self.born[uid] != seg)
             prev = seg
-        for seg, alive, saved, _ in self.timeline:  # the last segment: its last op
-            if seg not in ends:
-                ends[seg] = self._split(seg, alive, saved)[0] if seg == prev else ends.get(seg, 0)
+        if self.timeline and prev not in ends:
+            # the last segment (the root's first ops) has no next one: what is alive at its first op
+            _, alive, saved, _ = next(e for e in self.timeline if e[0] == prev)
+            ends[prev] = self._split(prev, alive, saved)[0]
         return ends
 
     def segment_kernels(self, seg: int, saved_before: int) -> list:
@@ -463,7 +465,6 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
     autocast = dtype.startswith("autocast-")
     tdtype = getattr(torch, dtype.split("-")[-1])
     flag = "--hf-config" if work.kind == "hf" else "--module"
-    import contextlib
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         try:
             model = work.build()

@@ -141,6 +141,7 @@ class Probe:
     def run(self) -> None:
         import torch
 
+        from distplan.planner.config import checkpoint_every
         from distplan.planner.model import ModelSpec
 
         from .measure import StepTimer, Tracker
@@ -167,7 +168,7 @@ class Probe:
         if module and ckpt == "selective":
             self.result["unmeasured"].append("checkpointing='selective' is not defined for a module; ran as 'none'")
             ckpt = "none"
-        every = int(ckpt.split("-", 1)[1]) if ckpt.startswith("every-") else (1 if ckpt == "full" else 0)
+        every = checkpoint_every(ckpt)
         if module is None and every > 1:
             raise ValueError(f"checkpointing={ckpt!r}: the reference decoder implements none, full and "
                              f"selective; every-K runs with --hf-config or --module")

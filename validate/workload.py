@@ -172,7 +172,7 @@ class HFWorkload:
             return model
 
     def units(self, model) -> list:
-        return [(name, m) for name, m in _decoder_layers(model)]
+        return _decoder_layers(model)
 
     def segment_modules(self, model) -> list:
         return self.units(model)
