@@ -7,7 +7,7 @@ fits mark, and a second panel with the bytes each GPU sends per optimizer step. 
 Plan-like object with `.results` (StrategyResult), `.cluster` and `.recommendation`; a plan with
 `header_lines()` (the `--module` plan) gives its own title.
 
-Pure Python: `plot_matplotlib` imports matplotlib inside the function (style guide practice 8).
+Pure Python: `plot_matplotlib` imports matplotlib inside the function, so importing the planner never needs it.
 Known limitations: when every bar is under a third of the GPU memory the scale follows the bars and the
 memory line sits at the right edge, labelled with its value ("off scale").
 """

@@ -148,7 +148,9 @@ class LinkModel:
 
 
 def _flat_time(op: str, message_bytes: float, n: int, link: LinkModel) -> float:
-    """One flat ring collective: alpha(n) + factor(op, n) * S / (busbw * eff(S)) (references.md §4)."""
+    """One flat ring collective: alpha(n) + factor(op, n) * S / (busbw * eff(S))
+    (busbw factors: nccl-tests doc/PERFORMANCE.md; latency x steps + bytes / bandwidth as in NCCL's
+    src/graph/tuning.cc)."""
     if n <= 1 or message_bytes <= 0:
         return 0.0
     bw = link.busbw_bytes_per_s * link.efficiency(message_bytes)
@@ -164,9 +166,9 @@ def collective_time(op: str, message_bytes: float, group_size: int, link: LinkMo
 
         T = alpha_intra(g) + f(op, g) * S / B_intra  +  alpha_inter(k) + f(op, k) * (S / g) / B_inter_gpu
 
-    references.md §4 ("Hierarchical all-reduce across k nodes of g GPUs: 2(g-1)/g * S / B_nvlink inside
-    plus 2(k-1)/k * (S/g) / B_nic_per_gpu across"), summed (full serialisation, the upper end of the
-    range §4 gives): each GPU carries 1/g of the message over its share of the node's NICs, and that
+    (a two-level ring: 2(g-1)/g * S / B_nvlink inside the node plus 2(k-1)/k * (S/g) / B_nic_per_gpu
+    across nodes, the bus factors of nccl-tests doc/PERFORMANCE.md), summed (full serialisation, the
+    pessimistic end; the phases can overlap): each GPU carries 1/g of the message over its share of the node's NICs, and that
     inter-node step bounds a ring that crosses nodes. `inter_link.busbw_bytes_per_s` is per GPU
     (node NIC bandwidth / g). Broadcast is modelled as a pipelined ring (factor 1) on the same terms.
     """

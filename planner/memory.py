@@ -53,7 +53,7 @@ from .strategies import Strategy, get_strategy
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
 DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25)
 DDP_FIRST_BUCKET_BYTES = 1 * 2**20  # dist._DEFAULT_FIRST_BUCKET_BYTES
-CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS handles (references.md §3: 0.3-2 GiB)
+CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS handles (quoted 0.3-2 GiB; HF docs, "Model training anatomy": 1.3 GB on a V100)
 NCCL_COMM_BYTES = 250 * 2**20  # per communicator group, buffers (NCCL_BUFFSIZE 4 MiB x channels)
 # cuBLAS workspace per (handle, stream), from `parseChosenWorkspaceSize` in
 # aten/src/ATen/cuda/CublasHandlePool.cpp: ":4096:8" (32 MiB) on compute capability 9.x-12.x (Hopper,
@@ -616,7 +616,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
              "comm_buffers": int(base_comm + c), "temporaries": int(t)}  # COMPONENTS' order
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
     peak_allocated = sum(comps.values()) + workspace
-    reserved = int(0.10 * peak_allocated)  # caching-allocator fragmentation (references.md §3)
+    reserved = int(0.10 * peak_allocated)  # caching-allocator fragmentation: a margin, not a model (pytorch#137151: reserved ~2x allocated)
     groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
     total = peak_allocated + reserved + overhead

@@ -4,7 +4,7 @@ Rule: among strategies that fit with headroom (at least `HEADROOM_FRACTION` of G
 the allocator and process overhead), the one with the lowest step time; a simpler strategy wins when
 it is within `TIE_FRACTION` of the fastest. Without a time model, the simplest that fits. When nothing
 fits, the smallest change that would: a smaller micro-batch, activation checkpointing, CPU offload, or
-more GPUs. DeepSpeed autotuning (references.md §8) follows the same "simplest stage that fits and is not
+more GPUs. DeepSpeed autotuning (deepspeed/autotuning/autotuner.py: ZeRO stages tried in order) follows the same "simplest stage that fits and is not
 slower" idea, measured instead of modelled.
 """
 

@@ -1,6 +1,6 @@
 """Parse and format sizes: parameter counts (`7B`, `1.3e9`, `125M`), memory (`80`, `80GB`, `81920MiB`).
 
-Conventions (style guide §2): bytes inside; GiB = 2**30 prints as GiB; GB = 10**9. A bare memory
+Conventions: bytes inside; GiB = 2**30 prints as GiB; GB = 10**9. A bare memory
 number is GiB (how GPU memory is usually quoted on the command line: `--gpu-mem 80`).
 """
 

@@ -8,7 +8,7 @@ tensors, peak from the storage tracker), `fake` (one process, rank 0 of `world_s
 process group: real allocations, collectives issued and counted but not executed, so data is garbage and
 step time is not measured).
 
-Protocol (design.md, "Validation protocol"): the tracker starts before the model exists (baseline:
+Protocol: the tracker starts before the model exists (baseline:
 what the allocator holds then, on GPU; 0 for the tracker by construction); model built with a fixed
 seed, wrapped (`wrap.py`), two warm-up steps (optimizer state, FSDP lazy init, DDP's bucket rebuild in the second forward,
 cuBLAS workspace),
