@@ -32,6 +32,7 @@ workspaces, gloo/NCCL internal buffers, cuBLAS workspace) are invisible; on GPU 
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 
@@ -101,30 +102,97 @@ def storage_key(t) -> int | None:
 
 
 SETTLE_S = 0.005
-"""How long a gloo `Work.wait()` may be extended for gloo's worker thread to let go of the work's
-buffers (see `Tracker.settle_waits`)."""
+"""Without /proc (not Linux): how long a gloo `Work.wait()` is extended for gloo's worker thread to let
+go of the work's buffers (see `Tracker.settle_waits`)."""
+QUIESCE_POLL_S = 5e-5
+"""How often `quiesce_gloo_workers` looks at gloo's worker threads (the GIL is released in between)."""
+QUIESCE_LIMIT_S = 0.5
+"""Give up waiting for gloo's worker threads after this long (counted in `Tracker.quiesce_timeouts`)."""
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+"""The name ProcessGroupGloo gives its worker threads (/proc/self/task/TID/comm)."""
+
+
+def _gloo_worker_tids() -> list[str] | None:
+    """Thread ids of this process's gloo worker threads; None where /proc is not there."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    out = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == GLOO_WORKER_THREAD:
+                    out.append(tid)
+        except OSError:
+            pass
+    return out
+
+
+def _thread_states(tids: list[str]) -> list:
+    """(scheduler state, voluntary + involuntary context switches) per thread; None for a gone thread."""
+    out = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/self/task/{tid}/status") as f:
+                switches = sum(int(ln.split()[1]) for ln in f if "ctxt_switches" in ln)
+            out.append((state, switches))
+        except (OSError, ValueError, IndexError):
+            out.append(None)
+    return out
+
+
+def quiesce_gloo_workers(limit_s: float = QUIESCE_LIMIT_S) -> bool:
+    """Sleep (the GIL released) until every gloo worker thread of this process is blocked and stays
+    blocked, context switches unchanged, across one poll: then none is running or waiting for the GIL,
+    so none still holds a finished collective's buffers (see `Tracker.settle_waits`). True when they
+    settled, False after `limit_s`. Without /proc: a plain `SETTLE_S` sleep, True."""
+    tids = _gloo_worker_tids()
+    if tids is None:
+        time.sleep(SETTLE_S)
+        return True
+    if not tids:
+        return True
+    deadline = time.perf_counter() + limit_s
+    prev = None
+    while True:
+        time.sleep(QUIESCE_POLL_S)
+        cur = _thread_states(tids)
+        if cur == prev and all(x is not None and x[0] in "SD" for x in cur):
+            return True
+        if time.perf_counter() > deadline:
+            return False
+        prev = cur
 
 
 class Tracker(TorchDispatchMode):
     """Live storages with a classified peak, and a collective counter. See the module docstring.
 
-    `settle_waits` (the probe sets it on gloo): gloo copies a collective's tensors into buffers its Work
-    owns; `Work.wait()` on the calling thread copies the results out of them (the tracker sees those
-    ops), and both the caller and gloo's worker thread hold the Work. When the worker thread is the
-    last to let go, it frees the buffers after the caller has resumed, and must take the GIL to do so
-    (the tracker's weak references give each storage a Python object): how long the buffers outlive
-    the collective then depends on the OS scheduler (measured on the MNIST CNN under FSDP2, gloo, 2
-    ranks: the reduce-scatter's input copy alive through the next unit's backward in some runs and not
-    in others, peaks 14.66 vs 15.77 MiB). With `settle_waits`, during the measured steps
-    `Work.wait()` sleeps (releasing the GIL) until the storages made during it are freed, or
-    `SETTLE_S` if the caller still holds them, by which time the worker thread has let go: the
-    buffers then die on the caller's side when it drops the Work, and a probe measures the same peak
-    every run (6 of 6 repeated runs of the CNN under zero2, zero3, fsdp and hsdp: identical peaks).
+    `settle_waits` (the probe sets it on gloo): gloo runs a collective on its worker threads
+    (`pt_gloo_runloop`), and the worker holds the Work, with the collective's input and output
+    tensors, until a moment after the caller's `Work.wait()` has returned. When the caller drops its
+    own references first (FSDP2 drops the all-gather output right after the copy-out), the worker
+    thread is the last owner and frees the buffers; that needs the GIL (the tracker's weak references
+    give each storage a Python object), which the caller's thread holds while it runs on, up to the
+    interpreter's 5 ms switch interval. How long a buffer outlives its collective then depended on the
+    OS scheduler: zero3 on llama-tiny, gloo, 2 ranks, measured 8,518,500 B in some runs and 8,716,132 B
+    in others (block 1's 721 KiB all-gather output alive through block 1's whole backward, up to block
+    0's all-gather), and the MNIST CNN under FSDP2 14.66 vs 15.77 MiB. With `settle_waits`, every
+    `Work.wait()` (warm-up and measured steps) returns only after `quiesce_gloo_workers()`: the caller
+    sleeps, GIL released, until every gloo worker thread is blocked and stays blocked across a poll
+    (context switches unchanged), so none is still running or waiting for the GIL with a finished
+    collective's tensors; the buffers then die on the caller's side where the program drops them, and
+    a probe measures the same peak every run (zero3 CPU probe: one measured peak in 10 of 10 runs,
+    tests/test_faults.py). A wait that does not settle within `QUIESCE_LIMIT_S` is counted in
+    `quiesce_timeouts` (the probe reports it).
     """
 
     def __init__(self, settle_waits: bool = False):
         super().__init__()
         self.settle_waits = settle_waits
+        self.quiesce_timeouts = 0
         self._orig_wait = None
         self.phase = "setup"
         self.op = "?"  # the op whose outputs are being recorded (kept per storage, for diagnosis)
@@ -243,10 +311,8 @@ class Tracker(TorchDispatchMode):
             orig_wait = self._orig_wait = Work.wait
 
             def wait(work, *args, **kwargs):
-                start = tracker._seq
                 out = orig_wait(work, *args, **kwargs)
-                if tracker.counting:
-                    tracker._settle(start)
+                tracker._settle()
                 return out
 
             Work.wait = wait
@@ -261,13 +327,10 @@ class Tracker(TorchDispatchMode):
             self._orig_wait = None
         return super().__exit__(*args)
 
-    def _settle(self, start: int) -> None:
-        """Sleep until the storages first seen after sequence number `start` are freed, at most
-        `SETTLE_S` (see `settle_waits`)."""
-        made = [key for key, rec in list(self.live.items()) if rec[2] > start]  # gloo threads free
-        deadline = time.perf_counter() + SETTLE_S
-        while any(key in self.live for key in made) and time.perf_counter() < deadline:
-            time.sleep(1e-4)
+    def _settle(self) -> None:
+        """After a gloo `Work.wait()`: let gloo's worker threads let go of the work (see `settle_waits`)."""
+        if not quiesce_gloo_workers():
+            self.quiesce_timeouts += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

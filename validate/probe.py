@@ -283,6 +283,8 @@ class Probe:
             "source": "torch.cuda.max_memory_allocated" if cuda else "storage tracker",
             "tracker_peak_allocated": t.peak_bytes,
         }
+        if t.quiesce_timeouts:  # gloo waits whose worker threads did not settle (validate/measure.py)
+            mem["gloo_settle_timeouts"] = t.quiesce_timeouts
         if cuda:
             mem["peak_allocated"] = torch.cuda.max_memory_allocated(self.device) - self.baseline
             mem["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
