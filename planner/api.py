@@ -53,6 +53,29 @@ def _catalog(catalog_dirs: Sequence[str] = ()):
 
 # -- model --------------------------------------------------------------------------------------
 
+NEAREST_MODEL_MATCH = 0.10
+"""`--params N` plans a catalog model itself when one is within 10% of N (7B -> mistral-7b, 70B ->
+llama-3-70b): a model that exists rather than a scaled one that does not."""
+
+
+def nearest_model(target: int, catalog_dirs: Sequence[str] = ()) -> tuple[ModelSpec, str] | None:
+    """The Llama-style (SwiGLU, RoPE) catalog model closest to `target` parameters, if within
+    NEAREST_MODEL_MATCH of it, with a one-line note naming it."""
+    best, best_d = None, math.inf
+    for e in _catalog(catalog_dirs).entries("models"):
+        if e.arch.get("mlp") != "swiglu" or e.arch.get("position") != "rope":
+            continue
+        spec = ModelSpec(**e.spec_kwargs())
+        d = abs(spec.param_count() - target) / target
+        if d < best_d:
+            best, best_d = spec, d
+    if best is None or best_d > NEAREST_MODEL_MATCH:
+        return None
+    return best, (f"--params {fmt_count(target)}: planned the nearest real model, {best.name} "
+                  f"({fmt_count(best.param_count())} params, {best.layers} layers, hidden {best.hidden}); "
+                  f"--model NAME or --hf-config PATH for another")
+
+
 def scaled_llama(target: int, catalog_dirs: Sequence[str] = ()) -> tuple[ModelSpec, str]:
     """A Llama-style decoder of about `target` parameters, scaled from the nearest catalog model.
 
@@ -92,7 +115,8 @@ def scaled_llama(target: int, catalog_dirs: Sequence[str] = ()) -> tuple[ModelSp
                      heads=heads, kv_heads=kv_heads, ffn_hidden=ffn, vocab=best.vocab,
                      max_positions=best.max_positions, tie_embeddings=best.tie_embeddings,
                      source=f"scaled from catalog model {best.name}")
-    note = (f"assumed a Llama-style decoder scaled from {best.name}: {layers} layers, hidden {hidden}, "
+    note = (f"no catalog model within {100 * NEAREST_MODEL_MATCH:.0f}% of {fmt_count(target)} params: "
+            f"assumed a Llama-style decoder scaled from {best.name}: {layers} layers, hidden {hidden}, "
             f"{heads} heads ({kv_heads} KV), FFN {ffn}, vocab {best.vocab} = {spec.param_count():,} params")
     return spec, note
 
@@ -129,7 +153,7 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         target = parse_count(params if params is not None else "7B", "--params")
         if params is None:
             notes.append("no model given: assuming 7B parameters")
-        spec, note = scaled_llama(target, catalog_dirs)
+        spec, note = nearest_model(target, catalog_dirs) or scaled_llama(target, catalog_dirs)
         notes.append(note)
     changes = {k: v for k, v in (overrides or {}).items() if v is not None and k in _OVERRIDE_FIELDS}
     if changes.get("kv_heads") is None and changes.get("heads") is not None and spec.kv_heads == spec.heads:
@@ -179,6 +203,15 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
         gpu_name = gpu or (node_e.gpu if node_e else None)
         if gpu_name is None and local is not None:
             gpu_name = local.catalog_gpu
+        if gpu_name is None and mem_bytes is not None:  # --gpu-mem alone: the catalog GPU of that size
+            from .hardware import gpu_for_memory
+            gpu_name, matched = gpu_for_memory(cat, mem_bytes, DEFAULT_GPU)
+            e = cat.gpu(gpu_name)
+            notes.append(f"--gpu-mem {mem_bytes / 2**30:.4g} GiB: " + (
+                f"assumed {e.name} (the catalog GPU with that memory: its FLOP/s and {e.scale_up_link}); "
+                f"--gpu NAME for another" if matched else
+                f"no catalog GPU has that memory: planned {e.name}'s FLOP/s and {e.scale_up_link} with it; "
+                f"--gpu NAME to choose"))
         gpu_e = cat.gpu(gpu_name or DEFAULT_GPU)
     except CatalogError as exc:
         flag = "--node" if node and "node" in str(exc) else "--gpu"
@@ -204,6 +237,10 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
             link = cat.interconnect(name)
         except CatalogError as exc:
             raise ValueError(f"{flag}={name!r}: {exc}") from None
+        if flag == "--intra" and link.tier != "intra_node":
+            raise ValueError(f"--intra={name!r} is an inter-node link ({link.kind}); accepted: "
+                             + ", ".join(n for n in cat.names("interconnects")
+                                         if cat.interconnect(n).tier == "intra_node"))
         if flag == "--inter" and link.tier != "inter_node":
             raise ValueError(f"--inter={name!r} is an intra-node link ({link.kind}); accepted: "
                              + ", ".join(n for n in cat.names("interconnects")
@@ -212,7 +249,12 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
             intra_name = link.name
         else:
             inter_name = link.name
-    nics = nics_per_node or (node_e.nics_per_node if node_e else gpus_per_node)
+    nics = nics_per_node or (node_e.nics_per_node if node_e else None)
+    if nics is None:
+        from .hardware import default_nics
+        nics, why = default_nics(cat, inter_name, gpu_e.name, min(gpus_per_node, gpus))
+        if gpus > gpus_per_node and not inter_gbps:
+            notes.append(f"inter-node: {nics} x {inter_name} per node ({why}); --nics-per-node to change")
     try:
         cluster = Cluster(gpus=gpus, gpus_per_node=min(gpus_per_node, gpus), gpu_memory_bytes=mem_bytes,
                           gpu_name=gpu_e.name, intra_link=intra_name, inter_link=inter_name,

@@ -227,7 +227,7 @@ def plot_matplotlib(plan, path: str | None = None):
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("plan.plot() needs matplotlib: pip install matplotlib "
+        raise ImportError("plan.plot() needs matplotlib: pip install 'distplan[plot]' "
                           "(or use plan.svg(), which needs nothing)") from None
     results = list(plan.results)
     comm = [_comm_bytes(r) for r in results]
@@ -266,3 +266,65 @@ def plot_matplotlib(plan, path: str | None = None):
     if path:
         fig.savefig(path)
     return fig
+
+
+CHART_FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
+"""`--plot` by extension: SVG from `plan_svg` (no dependency); PNG and PDF through matplotlib."""
+
+
+def check_chart_path(path: str, flag: str = "--plot") -> str:
+    """The chart format for `path`, or ValueError naming the flag, the value and what is accepted:
+    checked before any planning, so a bad path costs nothing."""
+    import os
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{flag}={path!r}: give a file name ending in {', '.join(CHART_FORMATS)}")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in CHART_FORMATS:
+        raise ValueError(f"{flag}={path!r}: unknown chart format {ext or '(no extension)'}; "
+                         f"accepted: {', '.join(CHART_FORMATS)}")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}={path!r}: is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag}={path!r}: folder {parent} does not exist")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag}={path!r}: not writable")
+    import tempfile
+    try:  # the folder must take a new file (os.access says yes for root, and for /proc)
+        with tempfile.NamedTemporaryFile(prefix=".distplan-chart-", dir=parent):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag}={path!r}: cannot write in {parent} ({exc.strerror or exc})") from None
+    fmt = CHART_FORMATS[ext]
+    if fmt != "svg":
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError(f"{flag}={path!r}: {fmt.upper()} needs matplotlib (pip install 'distplan[plot]'); "
+                             f"or write .svg, which needs nothing")
+    return fmt
+
+
+def write_chart(plan, path: str, flag: str = "--plot") -> None:
+    """Write the chart to `path` (format by extension) atomically: a temporary file in the same
+    folder, renamed over `path` only once complete, so a failed write (full disk) leaves the old file."""
+    import os
+    import tempfile
+    fmt = check_chart_path(path, flag)
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".distplan-chart-", suffix=os.path.splitext(path)[1], dir=parent)
+        if fmt == "svg":
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(plan_svg(plan))
+                fh.flush()
+                os.fsync(fh.fileno())
+        else:
+            os.close(fd)
+            plot_matplotlib(plan).savefig(tmp, format=fmt)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ValueError(f"{flag}={path!r}: could not write the chart ({exc.strerror or exc})") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

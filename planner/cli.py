@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 
 import click
@@ -108,6 +109,30 @@ def output_options(fn):
     return fn
 
 
+def _finite(obj):
+    """The JSON contract has no Infinity/NaN (not JSON): a non-finite number is null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dump_json(obj) -> str:
+    return json.dumps(_finite(obj), indent=2, allow_nan=False)
+
+
+def _show_value(v) -> str:
+    """A catalog figure as written: floats without binary noise (3e-05, not 2.9999999999999997e-05)."""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, list):
+        return "; ".join(_show_value(x) for x in v) if v else "-"
+    return str(v)
+
+
 def _check_positive(name: str, value) -> None:
     if value is not None and value < 1:
         raise ValueError(f"{name}={value}: must be a positive integer")
@@ -169,8 +194,9 @@ def main():
 @cluster_options
 @click.option("--strategy", "strategies", multiple=True, metavar="NAME",
               help=f"Limit to these strategies (repeatable): {', '.join(NAMES)}.")
-@click.option("--tokens", type=str, help="Total training tokens (e.g. 2T) for time to train.")
-@click.option("--plot", "plot_path", metavar="FILE.svg", help="Write the memory chart as SVG.")
+@click.option("--tokens", type=str, help="Total training tokens (e.g. 2T): adds the time to train.")
+@click.option("--plot", "plot_path", metavar="FILE", help="Write the memory chart: FILE.svg (no dependency), "
+              "FILE.png or FILE.pdf (matplotlib: pip install 'distplan[plot]').")
 @click.option("--module", metavar="PKG.MOD:FACTORY", help="Any nn.Module from a factory (needs torch).")
 @click.option("--input-shape", metavar="N,C,H,W", help="Example input shape for --module.")
 @output_options
@@ -179,14 +205,16 @@ def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
     """Per-GPU memory (and communication, step time) of every strategy; which fits; which to use."""
     from .report import render_estimate
     from .units import parse_count
-    kw["tokens"] = parse_count(tokens, "--tokens") if tokens else None
+    kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
+    if plot_path is not None:
+        from .chart import check_chart_path
+        check_chart_path(plot_path)
     p = build_plan(kw, strategies)
-    if plot_path:
-        from .report import plan_svg
-        with open(plot_path, "w", encoding="utf-8") as fh:
-            fh.write(plan_svg(p))
+    if plot_path is not None:
+        from .chart import write_chart
+        write_chart(p, plot_path)
     if as_json:
-        click.echo(json.dumps(p.to_dict(), indent=2))
+        click.echo(dump_json(p.to_dict()))
     else:
         click.echo(render_estimate(p, table_format))
         if plot_path:
@@ -198,16 +226,17 @@ def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
 @training_options
 @cluster_options
 @click.option("--strategy", "strategies", multiple=True, metavar="NAME", help="Consider only these.")
+@click.option("--tokens", type=str, help="Total training tokens (e.g. 2T): adds the time to train.")
 @output_options
 @_fail_on_value_error
-def recommend(strategies, as_json, table_format, **kw):
+def recommend(strategies, tokens, as_json, table_format, **kw):
     """The strategy that fits with headroom and is fastest, the largest micro-batch, and why."""
     from .recommend import render_recommendation
-    kw["tokens"] = None
+    from .units import parse_count
+    kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
     p = build_plan(kw, strategies)
     if as_json:
-        out = p.to_dict()
-        click.echo(json.dumps(out, indent=2))
+        click.echo(dump_json(p.to_dict()))
     else:
         click.echo(render_recommendation(p, table_format))
 
@@ -228,7 +257,7 @@ def sweep(strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len, as_json, tab
     kw["tokens"] = None
     rows = run_sweep(kw, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(dump_json(rows))
     else:
         click.echo(render_sweep(rows, table_format))
 
@@ -264,9 +293,7 @@ def catalog_show(name, catalog_dirs):
     for k, v in d.items():
         if k == "path":
             continue
-        if isinstance(v, list):
-            v = "; ".join(str(x) for x in v) if v else "-"
-        click.echo(f"  {k}: {v}")
+        click.echo(f"  {k}: {_show_value(v)}")
 
 
 def _register_validate() -> None:

@@ -88,3 +88,46 @@ def detect_local_gpus() -> tuple[LocalGPUs | None, str]:
             pynvml.nvmlShutdown()
         except Exception:  # noqa: BLE001
             pass
+
+
+# -- what a flag implies about the rest of the hardware ------------------------------------------
+
+GPU_MEMORY_MATCH = 0.08
+"""`--gpu-mem X` names a catalog GPU when X is within 8% of its memory: the marketed size against
+what the device reports (an "80GB" H100 shows 79.6 GiB, a "24GB" L4 22.5 GiB, a "48GB" L40S 45 GiB)."""
+
+_GPU_PREFERENCE = ("h100-sxm", "h200", "b200", "a100-80gb", "a100-40gb", "l40s", "l4", "a10", "t4",
+                   "v100-32gb", "v100-16gb", "mi300x", "mi250x")
+
+
+def gpu_for_memory(cat, memory_bytes: int, default: str) -> tuple[str, bool]:
+    """(catalog GPU, matched) for `--gpu-mem` given without `--gpu`: the default GPU when its memory
+    matches, else the closest catalog GPU within GPU_MEMORY_MATCH (ties: the more common part), else
+    (default, False): the default's FLOP/s and links with the given memory."""
+    def off(e) -> float:
+        return abs(e.memory_bytes - memory_bytes) / memory_bytes
+    if off(cat.gpu(default)) <= GPU_MEMORY_MATCH:
+        return cat.gpu(default).name, True
+    rank = {n: i for i, n in enumerate(_GPU_PREFERENCE)}
+    near = [e for e in cat.entries("gpus") if off(e) <= GPU_MEMORY_MATCH]
+    if not near:
+        return cat.gpu(default).name, False
+    best = min(near, key=lambda e: (round(off(e), 2), rank.get(e.name, len(rank)), e.name))
+    return best.name, True
+
+
+def default_nics(cat, inter_link: str, gpu_name: str, gpus_per_node: int) -> tuple[int, str]:
+    """(NICs per node, why) when `--inter` is given without `--node`/`--nics-per-node`: what clusters
+    built on that link have. A catalog node on the same link (and GPU, when one matches) gives its NIC
+    count; otherwise RDMA fabrics (InfiniBand, RoCE, EFA) get one NIC per GPU, the rail-optimised
+    design GPUDirect RDMA clusters use (NVIDIA DGX H100/A100 reference architectures: one ConnectX HCA
+    per GPU), and TCP sockets one NIC per node (a commodity server's single uplink)."""
+    nodes = [n for n in cat.entries("nodes") if n.inter_link == inter_link]
+    if nodes:
+        node = next((n for n in nodes if n.gpu == gpu_name), nodes[0])
+        nics = max(1, round(node.nics_per_node * gpus_per_node / node.gpus_per_node))
+        return nics, f"as catalog node {node.name}"
+    link = cat.interconnect(inter_link)
+    if link.kind == "tcp":
+        return 1, "TCP clusters: one uplink per node"
+    return gpus_per_node, "RDMA clusters: one NIC per GPU"

@@ -29,22 +29,30 @@ class Recommendation:
     max_micro_batch: int | None = None
     change: str | None = None
     """When nothing fits: the smallest change that makes something fit."""
+    changed_plan: object = field(default=None, repr=False, compare=False)
+    """The plan under `change` (its rows are what is recommended); not part of the JSON."""
+    pick_reason: str | None = None
+    """Why this strategy among those that fit, in words (the first of `reasons` without the change)."""
 
     @property
     def summary(self) -> str:
         if self.strategy is None:
             return "nothing fits; " + (self.change or "")
+        mb = f"; largest micro-batch that fits: {self.max_micro_batch}" if self.max_micro_batch else ""
+        why = self.pick_reason or (self.reasons[0] if self.reasons else "")
         if self.change:
-            return f"nothing fits as given; with {self.change}: {self.strategy}"
-        mb = f" (largest micro-batch that fits: {self.max_micro_batch})" if self.max_micro_batch else ""
-        return f"{self.strategy}{mb}: " + (self.reasons[0] if self.reasons else "")
+            return f"nothing fits as given; with {self.change}: {self.strategy}, {why}{mb}"
+        return f"{self.strategy}, {why}{mb}"
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, "reasons": list(self.reasons),
                 "max_micro_batch": self.max_micro_batch, "change": self.change}
 
 
-def _rank(name: str) -> int:
+def _rank(name: str, nodes: int | None = None) -> int:
+    """Simplicity order; on one node HSDP is FSDP plus a replica group of one, so it comes last."""
+    if name == "hsdp" and nodes == 1:
+        return len(SIMPLICITY)
     return SIMPLICITY.index(name) if name in SIMPLICITY else len(SIMPLICITY)
 
 
@@ -116,17 +124,18 @@ def recommend(plan, _depth: int = 0) -> Recommendation:
         rec = recommend(changed, _depth=1)
         rec.reasons = [first] + [f"with that change: {r}" for r in rec.reasons]
         rec.change = words
+        rec.changed_plan = changed
         return rec
     timed = all(r.step_time_s for r in ok)
     if timed:
         fastest = min(r.step_time_s for r in ok)
         near = [r for r in ok if r.step_time_s <= fastest * (1 + TIE_FRACTION)]
-        best = min(near, key=lambda r: _rank(r.name))
+        best = min(near, key=lambda r: _rank(r.name, plan.cluster.nodes))
     else:
-        best = min(ok, key=lambda r: _rank(r.name))
+        best = min(ok, key=lambda r: _rank(r.name, plan.cluster.nodes))
     reasons = _reasons(plan, best, ok, timed)
     mb = max_micro_batch(plan.train, plan.cluster, best.name)
-    return Recommendation(best.name, reasons, mb or None)
+    return Recommendation(best.name, reasons, mb or None, pick_reason=reasons[0])
 
 
 def _reasons(plan, best, ok, timed) -> list[str]:
@@ -135,10 +144,14 @@ def _reasons(plan, best, ok, timed) -> list[str]:
     out = []
     mem = best.memory
     if timed:
-        out.append(f"fits with {fmt_gib(mem.headroom)} GiB free of {gpu_gib} GiB and has the lowest step time "
-                   f"({fmt_seconds(best.step_time_s)}, {best.time.tokens_per_s:,.0f} tokens/s, "
-                   f"MFU {100 * best.time.mfu:.0f}%)"
-                   + (" among those within 5% it is the simplest" if len(ok) > 1 else ""))
+        fastest = min(ok, key=lambda r: r.step_time_s)
+        speed = (f"step {fmt_seconds(best.step_time_s)} ({best.time.tokens_per_s:,.0f} tokens/s, "
+                 f"MFU {100 * best.time.mfu:.0f}%), {fmt_gib(mem.headroom)} GiB free of {gpu_gib} GiB")
+        if fastest is best or fastest.step_time_s == best.step_time_s:
+            out.append(f"the fastest that fits: {speed}")
+        else:
+            out.append(f"the simplest of those within {100 * TIE_FRACTION:.0f}% of the fastest "
+                       f"({fastest.name}, {fmt_seconds(fastest.step_time_s)}): {speed}")
     else:
         out.append(f"the simplest strategy that fits: peak {fmt_gib(mem.peak_allocated)} GiB + "
                    f"{fmt_gib(mem.reserved_estimate + mem.process_overhead)} GiB overhead = "
@@ -148,19 +161,16 @@ def _reasons(plan, best, ok, timed) -> list[str]:
         out.append("does not fit: " + ", ".join(
             f"{r.name} ({fmt_gib(r.memory.total_required)} GiB)" for r in sorted(too_big, key=lambda r: _rank(r.name))))
     ddp = by.get("ddp")
-    if timed and ddp is not None and ddp.comm_bytes_per_gpu:
-        for name in ("zero3", "fsdp"):
-            r = by.get(name)
-            if r is not None and r.comm_bytes_per_gpu:
-                ratio = r.comm_bytes_per_gpu / ddp.comm_bytes_per_gpu
-                extra = r.time.exposed_comm_s - ddp.time.exposed_comm_s
-                link = plan.cluster.inter_link if plan.cluster.nodes > 1 else plan.cluster.intra_link
-                out.append(f"{name} moves {ratio:.2f}x DDP's bytes ({fmt_bytes(r.comm_bytes_per_gpu)} per GPU "
-                           f"per step); over {link} that {'adds' if extra >= 0 else 'saves'} "
-                           f"{fmt_seconds(abs(extra))} of exposed communication a step")
-                break
+    sharded = best.name in ("zero3", "fsdp", "hsdp")
+    if timed and sharded and ddp is not None and ddp.comm_bytes_per_gpu and best.comm_bytes_per_gpu:
+        ratio = best.comm_bytes_per_gpu / ddp.comm_bytes_per_gpu
+        extra = best.time.exposed_comm_s - ddp.time.exposed_comm_s
+        link = plan.cluster.inter_link if plan.cluster.nodes > 1 else plan.cluster.intra_link
+        out.append(f"{best.name} moves {ratio:.2f}x DDP's bytes ({fmt_bytes(best.comm_bytes_per_gpu)} per GPU "
+                   f"per step); over {link} that {'adds' if extra >= 0 else 'saves'} "
+                   f"{fmt_seconds(abs(extra))} of exposed communication a step")
     hs = by.get("hsdp")
-    if timed and hs is not None and plan.cluster.nodes > 1:
+    if timed and sharded and hs is not None and plan.cluster.nodes > 1:
         z3 = by.get("zero3") or by.get("fsdp")
         if z3 is not None and z3.step_time_s:
             out.append(f"hsdp keeps all-gathers and reduce-scatters inside the node and sends only a gradient "
@@ -175,7 +185,61 @@ def _reasons(plan, best, ok, timed) -> list[str]:
             out.append(f"{best.name}'s communication would hide behind compute at "
                        f"{req * 8 / 1e9:,.0f} Gbit/s per node between nodes (now "
                        f"{_inter_gbps(plan.cluster):,.0f} Gbit/s)")
+    if timed:
+        out += _comm_bound(plan, best)
     return out
+
+
+COMM_BOUND_FRACTION = 1.0
+"""A step is communication-bound when its exposed communication exceeds its compute (the step more
+than doubles what the GPUs' arithmetic alone would take)."""
+
+
+def _comm_bound(plan, best) -> list[str]:
+    """When the pick's step is mostly waiting on the network: say so, with the step time each usual
+    remedy gives on this model (HSDP, a NIC per GPU, RDMA instead of TCP sockets, fewer nodes)."""
+    t = best.time
+    if t is None or t.exposed_comm_s <= COMM_BOUND_FRACTION * t.compute_s:
+        return []
+    from .api import _catalog, evaluate
+    cl, train = plan.cluster, plan.train
+    options = []
+
+    def step_of(train_, cluster_, name):
+        r = evaluate(train_, cluster_, name, catalog_dirs=cl.catalog_dirs)
+        return r if r.fits and r.time is not None else None
+
+    by = {r.name: r for r in plan.results}
+    hs = by.get("hsdp")
+    if cl.nodes > 1 and best.name != "hsdp" and hs is not None and hs.fits and hs.step_time_s < best.step_time_s:
+        options.append(f"hsdp: {fmt_seconds(hs.step_time_s)}")
+    if cl.nodes > 1 and cl.nics_per_node < cl.gpus_per_node and not cl.inter_bytes_per_s:
+        r = step_of(train, replace(cl, nics_per_node=cl.gpus_per_node), best.name)
+        if r is not None:
+            options.append(f"--nics-per-node {cl.gpus_per_node}: {fmt_seconds(r.step_time_s)}")
+    if cl.nodes > 1 and cl.inter_link.endswith("-tcp") and not cl.inter_bytes_per_s:
+        rdma = cl.inter_link[:-len("-tcp")] + "-roce"
+        if rdma in _catalog(cl.catalog_dirs).names("interconnects"):
+            r = step_of(train, replace(cl, inter_link=rdma), best.name)
+            if r is not None:
+                options.append(f"--inter {rdma} (RDMA): {fmt_seconds(r.step_time_s)}")
+    nodes = cl.nodes // 2
+    while nodes >= 1 and cl.nodes > 1:
+        c = replace(cl, gpus=nodes * cl.gpus_per_node)
+        r = step_of(train, c, best.name)
+        if r is None:
+            break
+        if r.time.mfu > t.mfu * 1.5:
+            options.append(f"--gpus {c.gpus} ({nodes} node{'s' if nodes > 1 else ''}): MFU "
+                           f"{100 * r.time.mfu:.0f}%, {r.time.tokens_per_s / c.gpus:,.0f} tokens/s per GPU "
+                           f"vs {t.tokens_per_s / cl.gpus:,.0f} now")
+            break
+        nodes //= 2
+    line = (f"communication-bound: {fmt_seconds(t.exposed_comm_s)} of the {fmt_seconds(t.step_time_s)} step is "
+            f"communication that compute does not hide (MFU {100 * t.mfu:.0f}%)")
+    if options:
+        line += "; step time with " + "; ".join(options)
+    return [line]
 
 
 def _inter_gbps(cluster) -> float:
@@ -193,13 +257,17 @@ def render_recommendation(plan, table_format: str = "simple") -> str:
     if ct:
         lines += ["", ct]
     lines.append("")
+    from .report import wrap
     if rec.strategy is None:
         lines.append("recommendation: nothing fits")
-        lines.append(f"  - {rec.reasons[0]}")
+        lines.append(wrap(f"  - {rec.reasons[0]}"))
     else:
+        from .report import recommended_rows
+        lines[-1:] = recommended_rows(plan, table_format) + [""]
         mb = f", largest micro-batch that fits: {rec.max_micro_batch}" if rec.max_micro_batch else ""
         change = f" with {rec.change}" if rec.change else ""
-        lines.append(f"recommendation: {rec.strategy} ({get_strategy(rec.strategy).implementation}){change}{mb}")
+        lines.append(wrap(f"recommendation: {rec.strategy} ({get_strategy(rec.strategy).implementation})"
+                          f"{change}{mb}"))
         for reason in rec.reasons:
-            lines.append(f"  - {reason}")
+            lines.append(wrap(f"  - {reason}"))
     return "\n".join(lines)

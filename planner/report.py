@@ -1,10 +1,19 @@
 """Text output of a plan: the strategy table (tabulate), notes, the recommendation line.
 
+Output fits the terminal: `terminal_width()` is $COLUMNS, else the terminal's width when stdout is one,
+else unlimited (a file or a pipe gets the whole table on one line per row). A table wider than that
+is split into column groups, each repeating the strategy column; prose lines wrap with a hanging
+indent. `--format tsv` is never split (it is for machines).
+
 The SVG chart and the notebook HTML live in `chart.py`; this module re-exports them so callers have
 one place to ask for any rendering.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+import textwrap
 
 from tabulate import tabulate
 
@@ -14,9 +23,56 @@ MEM_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
                ("activations", "acts"), ("comm_buffers", "buffers"), ("temporaries", "temps"))
 
 
+def terminal_width() -> int | None:
+    """Columns to fit: $COLUMNS, else the terminal's width when stdout is a terminal, else None."""
+    env = os.environ.get("COLUMNS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return max(40, int(env))
+    try:
+        if sys.stdout.isatty():
+            return max(40, os.get_terminal_size(sys.stdout.fileno()).columns)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def wrap(line: str, width: int | None = None, indent: str = "    ") -> str:
+    """One prose line wrapped to `width` (default: the terminal's) with a hanging indent."""
+    width = terminal_width() if width is None else width
+    if not width or len(line) <= width:
+        return line
+    lead = line[:len(line) - len(line.lstrip())]
+    return textwrap.fill(line, width=width, subsequent_indent=lead + indent, break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def fit_table(title: str, headers: list, rows: list, table_format: str = "simple",
+              width: int | None = None) -> str:
+    """`title` and a tabulate table; split into column groups (each keeping the first column) when
+    wider than `width` (default: the terminal's)."""
+    width = terminal_width() if width is None else width
+    full = tabulate(rows, headers, tablefmt=table_format, disable_numparse=True)
+    if not width or table_format == "tsv" or max(map(len, full.splitlines()), default=0) <= width:
+        return f"{wrap(title, width)}\n{full}"
+
+    def render(cols):
+        return tabulate([[r[0]] + [r[c] for c in cols] for r in rows], [headers[0]] + [headers[c] for c in cols],
+                        tablefmt=table_format, disable_numparse=True)
+
+    groups, cur = [], []
+    for c in range(1, len(headers)):
+        if cur and max(map(len, render(cur + [c]).splitlines())) > width:
+            groups.append(cur)
+            cur = []
+        cur.append(c)
+    groups.append(cur)
+    parts = [render(g) for g in groups]
+    return wrap(f"{title} ({len(parts)} parts to fit {width} columns)", width) + "\n" + "\n\n".join(parts)
+
+
 def header(plan) -> str:
     if hasattr(plan, "header_lines"):  # a --module plan describes its own model
-        return "\n".join(plan.header_lines())
+        return "\n".join(wrap(x) for x in plan.header_lines())
     t, c, m = plan.train, plan.cluster, plan.train.model
     lines = [
         f"model: {m.name}: {m.param_count():,} params ({fmt_count(m.param_count())}), {m.layers} layers, "
@@ -26,45 +82,70 @@ def header(plan) -> str:
         + (f", offload {t.cpu_offload}" if t.cpu_offload != "none" else "")
         + (f", framework {t.framework}" if t.framework != "pytorch" else ""),
         f"cluster: {c.gpus} x {c.gpu_name} ({fmt_gib(c.gpu_memory_bytes)} GiB) in {c.nodes} node(s) of "
-        f"{c.gpus_per_node}; intra {c.intra_link}, inter {c.inter_link} x {c.nics_per_node}"
+        f"{c.gpus_per_node}; intra {c.intra_link}, inter {c.inter_link} x {c.nics_per_node} per node"
         + (f" ({c.inter_bytes_per_s * 8 / 1e9:g} Gbit/s per node)" if c.inter_bytes_per_s else ""),
     ]
     for n in plan.notes:
         lines.append(f"note: {n}")
-    return "\n".join(lines)
+    return "\n".join(wrap(x) for x in lines)
 
 
-def memory_table(plan, table_format: str = "simple") -> str:
+def _rate_unit(plan) -> str:
+    """'tokens/s' for language models; 'samples/s' for a --module whose input is not token sequences."""
+    return "samples/s" if getattr(plan.train, "tokens_per_sample", None) == 1 else "tokens/s"
+
+
+def memory_table(plan, table_format: str = "simple", results=None, title: str | None = None) -> str:
     rows = []
-    for r in plan.results:
+    for r in plan.results if results is None else results:
         mem = r.memory
         row = [r.name] + [fmt_gib(mem.components[k]) for k, _ in MEM_COLUMNS]
-        row += [fmt_gib(getattr(mem, "workspace", 0)), fmt_gib(mem.peak_allocated), mem.peak_phase, fmt_gib(mem.reserved_estimate + mem.process_overhead),
-                fmt_gib(mem.total_required), "yes" if mem.fits else "NO", fmt_gib(mem.headroom)]
+        row += [fmt_gib(getattr(mem, "workspace", 0)), fmt_gib(mem.peak_allocated), mem.peak_phase,
+                fmt_gib(mem.reserved_estimate + mem.process_overhead), fmt_gib(mem.total_required),
+                "yes" if mem.fits else "NO", fmt_gib(mem.headroom)]
         rows.append(row)
-    headers = ["strategy"] + [h for _, h in MEM_COLUMNS] + ["cublas", "peak", "phase", "+overhead", "total", "fits",
-                                                            "headroom"]
-    return "memory per GPU (GiB, most loaded rank)\n" + tabulate(rows, headers, tablefmt=table_format,
-                                                                 disable_numparse=True)
+    headers = ["strategy"] + [h for _, h in MEM_COLUMNS] + ["cublas", "peak", "phase", "+overhead", "total",
+                                                            "fits", "headroom"]
+    return fit_table(title or "memory per GPU (GiB, most loaded rank)", headers, rows, table_format)
 
 
-def comm_table(plan, table_format: str = "simple") -> str:
+def comm_table(plan, table_format: str = "simple", results=None, title: str | None = None) -> str:
     rows = []
-    for r in plan.results:
+    tokens = getattr(plan, "tokens", None)
+    for r in plan.results if results is None else results:
         if r.time is None:
             continue
         t = r.time
         req = r.required_inter_bytes_per_s
-        rows.append([r.name, fmt_bytes(r.comm_bytes_per_gpu), fmt_seconds(r.comm_time_s),
-                     fmt_seconds(t.exposed_comm_s), fmt_seconds(t.compute_s), fmt_seconds(t.step_time_s),
-                     f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.0f}%",
-                     "-" if req is None else ("unreachable" if req == float("inf") else f"{req * 8 / 1e9:,.0f} Gb/s")])
+        row = [r.name, fmt_bytes(r.comm_bytes_per_gpu), fmt_seconds(r.comm_time_s),
+               fmt_seconds(t.exposed_comm_s), fmt_seconds(t.compute_s), fmt_seconds(t.step_time_s),
+               f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.0f}%"]
+        if tokens:
+            row.append(fmt_seconds(tokens / t.tokens_per_s) if t.tokens_per_s else "-")
+        row.append("-" if req is None else ("unreachable" if req == float("inf") else f"{req * 8 / 1e9:,.0f} Gb/s"))
+        rows.append(row)
     if not rows:
         return ""
-    headers = ["strategy", "sent/GPU/step", "comm", "exposed", "compute", "step", "tokens/s", "MFU",
-               "inter-node BW to hide comm"]
-    return "communication and time per optimizer step\n" + tabulate(rows, headers, tablefmt=table_format,
-                                                                    disable_numparse=True)
+    headers = ["strategy", "sent/GPU/step", "comm", "exposed", "compute", "step", _rate_unit(plan), "MFU"]
+    if tokens:
+        headers.append(f"time for {fmt_count(tokens)} tokens")
+    headers.append("inter-node BW to hide comm")
+    return fit_table(title or "communication and time per optimizer step", headers, rows, table_format)
+
+
+def recommended_rows(plan, table_format: str = "simple") -> list[str]:
+    """When the recommendation changes the configuration: the recommended strategy's rows under the
+    change (the tables above show the configuration as given)."""
+    rec = plan.recommendation
+    changed = getattr(rec, "changed_plan", None)
+    if changed is None or rec.strategy is None:
+        return []
+    row = [r for r in changed.results if r.name == rec.strategy]
+    out = ["", memory_table(changed, table_format, row, f"with {rec.change}: memory per GPU (GiB)")]
+    ct = comm_table(changed, table_format, row, f"with {rec.change}: communication and time per step")
+    if ct:
+        out += ["", ct]
+    return out
 
 
 def render_estimate(plan, table_format: str = "simple") -> str:
@@ -74,9 +155,10 @@ def render_estimate(plan, table_format: str = "simple") -> str:
         parts += ["", ct]
     notes = sorted({n for r in plan.results for n in r.memory.notes})
     for n in notes:
-        parts.append(f"note: {n}")
+        parts.append(wrap(f"note: {n}"))
     rec = plan.recommendation
-    parts += ["", f"recommendation: {rec.summary}"]
+    parts += recommended_rows(plan, table_format)
+    parts += ["", wrap(f"recommendation: {rec.summary}")]
     return "\n".join(parts)
 
 

@@ -101,7 +101,7 @@ def test_small_model_off_scale_line():
 def test_plot_without_matplotlib_raises_helpful_error(p7, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"plan.plot\(\) needs matplotlib: pip install matplotlib "
+    with pytest.raises(ImportError, match=r"plan.plot\(\) needs matplotlib: pip install 'distplan\[plot\]' "
                                           r"\(or use plan.svg\(\), which needs nothing\)"):
         p7.plot()
 

@@ -25,7 +25,7 @@ def test_estimate_7b_prints_every_strategy():
         if name != "single":
             assert f"\n{name} " in r.output
     assert "recommendation:" in r.output
-    assert "assumed a Llama-style decoder" in r.output
+    assert "planned the nearest real model, mistral-7b" in r.output
 
 
 def test_estimate_70b_on_h100_json_contract():

@@ -1,0 +1,228 @@
+"""What a new user reads: output that fits the terminal, a recommendation in plain words, honest
+hardware assumptions, charts written safely. Through the CLI as typed (CliRunner)."""
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from distplan.planner.api import plan
+from distplan.planner.cli import main
+
+
+def run(*args, columns=None):
+    env = {"COLUMNS": str(columns)} if columns else {"COLUMNS": ""}
+    return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+
+
+def widest(text: str) -> int:
+    return max(len(line) for line in text.splitlines())
+
+
+@pytest.mark.parametrize("cmd", [
+    ["estimate", "--params", "7B", "--gpus", "8", "--gpu-mem", "80"],
+    ["recommend", "--params", "70B", "--gpus", "64", "--inter", "eth-100g-tcp", "--nics-per-node", "1"],
+    ["estimate", "--params", "13B", "--gpus", "16", "--tokens", "2T"],
+])
+def test_output_fits_80_columns(cmd):
+    wide = run(*cmd)
+    narrow = run(*cmd, columns=80)
+    assert wide.exit_code == narrow.exit_code == 0, narrow.output
+    assert widest(wide.output) > 100  # the tables as one line per row when no width is asked for
+    assert widest(narrow.output) <= 80
+    # nothing is lost by splitting: every strategy row and every figure of the wide table is there
+    for token in ("fsdp-grad-op", "headroom", "MFU", "recommendation:"):
+        assert token in narrow.output
+
+
+def test_tsv_is_never_split():
+    r = run("estimate", "--params", "7B", "--gpus", "8", "--format", "tsv", columns=60)
+    rows = [line for line in r.output.splitlines() if line.split("\t")[0].strip() == "zero3"]
+    assert [len(x.split("\t")) for x in rows] == [14, 9]  # memory row, comm row: whole
+
+
+def test_recommendation_sentence_reads():
+    r = run("estimate", "--params", "7B", "--gpus", "8", "--gpu-mem", "80")
+    line = next(x for x in r.output.splitlines() if x.startswith("recommendation:"))
+    assert "among those within 5% it is the simplest" not in line
+    assert line.startswith("recommendation: fsdp-grad-op, the fastest that fits: step ")
+    assert line.rstrip().endswith("largest micro-batch that fits: 3")
+
+
+def test_simpler_pick_names_the_fastest():
+    p = plan(params="7B", gpus=8, gpu_mem=40)
+    rec = p.recommendation
+    fastest = min((r for r in p.results if r.fits), key=lambda r: r.step_time_s)
+    if rec.strategy == fastest.name:
+        assert rec.reasons[0].startswith("the fastest that fits")
+    else:
+        assert f"within 5% of the fastest ({fastest.name}" in rec.reasons[0]
+
+
+def test_no_hsdp_pick_on_one_node():
+    """On one node HSDP is FSDP with a replica group of one: never the 'simpler' pick."""
+    for gpu_mem in (40, 80):
+        assert plan(params="7B", gpus=8, gpu_mem=gpu_mem).recommendation.strategy != "hsdp"
+
+
+def test_zero3_bullet_only_when_zero3_is_the_pick():
+    r = run("recommend", "--params", "7B", "--gpus", "8", "--gpu-mem", "80")
+    assert "recommendation: fsdp-grad-op" in r.output
+    assert "zero3 moves" not in r.output and "fsdp moves" not in r.output
+    assert "hsdp keeps" not in r.output
+
+
+def test_changed_configuration_rows_are_printed():
+    r = run("recommend", "--params", "70B", "--gpus", "64", "--inter", "eth-100g-tcp", "--nics-per-node", "1")
+    out = r.output
+    assert "smallest change: --activation-checkpointing selective" in out
+    head, tail = out.split("with --activation-checkpointing selective (recomputes norms and activations): memory")
+    # the row under the change differs from the row as given (activations recomputed)
+    given = next(x for x in head.splitlines() if x.startswith("zero3 "))
+    changed = next(x for x in tail.splitlines() if x.startswith("zero3 "))
+    assert given.split()[4] != changed.split()[4]  # acts column
+    assert "NO" in given and "yes" in changed
+
+
+def test_communication_bound_pick_says_so_and_offers_changes():
+    r = run("recommend", "--params", "70B", "--gpus", "64", "--inter", "eth-100g-tcp", "--nics-per-node", "1")
+    line = next(x for x in r.output.splitlines() if "communication-bound" in x)
+    assert "MFU 1%" in line
+    assert "--nics-per-node 8:" in line and "--inter eth-100g-roce (RDMA):" in line
+    ok = run("recommend", "--params", "7B", "--gpus", "8")
+    assert "communication-bound" not in ok.output
+
+
+def test_default_nics_follow_the_link():
+    p = plan(params="70B", gpus=64, inter="eth-100g-tcp")
+    assert p.cluster.nics_per_node == 1
+    assert any("1 x eth-100g-tcp per node" in n and "generic-ethernet" in n for n in p.notes)
+    assert plan(params="70B", gpus=64, inter="ib-ndr").cluster.nics_per_node == 8
+    assert plan(params="70B", gpus=64, inter="eth-400g-roce").cluster.nics_per_node == 8
+    assert plan(params="70B", gpus=64, inter="eth-25g-tcp").cluster.nics_per_node == 1
+    assert plan(params="70B", gpus=64, node="aws-p4d").cluster.nics_per_node == 4
+    assert plan(params="70B", gpus=64, inter="eth-100g-tcp", nics_per_node=2).cluster.nics_per_node == 2
+
+
+@pytest.mark.parametrize("mem, gpu", [(40, "a100-40gb"), (80, "h100-sxm"), (141, "h200"), (48, "l40s"),
+                                      (24, "l4"), (16, "v100-16gb"), (32, "v100-32gb")])
+def test_gpu_mem_names_the_catalog_gpu(mem, gpu):
+    p = plan(params="7B", gpus=8, gpu_mem=mem)
+    assert p.cluster.gpu_name == gpu
+    assert any(f"assumed {gpu}" in n for n in p.notes)
+
+
+def test_gpu_mem_without_a_catalog_match_says_so():
+    p = plan(params="7B", gpus=8, gpu_mem=100)
+    assert p.cluster.gpu_name == "h100-sxm"
+    assert any("no catalog GPU has that memory" in n for n in p.notes)
+    assert plan(params="7B", gpus=8, gpu="a100-80gb", gpu_mem=40).cluster.gpu_name == "a100-80gb"
+
+
+def test_intra_must_be_an_intra_node_link():
+    r = CliRunner().invoke(main, ["estimate", "--params", "7B", "--intra", "ib-ndr"])
+    assert r.exit_code == 2
+    assert r.output.strip().splitlines() == [r.output.strip()]
+    assert "--intra='ib-ndr' is an inter-node link" in r.output and "nvlink4" in r.output
+
+
+@pytest.mark.parametrize("params, name", [("7B", "mistral-7b"), ("8B", "llama-3-8b"), ("70B", "llama-3-70b"),
+                                          ("13B", "llama-2-13b"), ("405B", "llama-3-405b")])
+def test_params_plans_the_nearest_real_model(params, name):
+    p = plan(params=params, gpus=8)
+    assert p.train.model.name == name
+    assert any(f"nearest real model, {name}" in n for n in p.notes)
+
+
+def test_params_between_models_is_scaled_and_said():
+    p = plan(params="30B", gpus=8)
+    assert p.train.model.name.startswith("~30B (scaled from")
+    assert abs(p.train.model.param_count() / 30e9 - 1) < 0.03
+    assert any("no catalog model within 10%" in n for n in p.notes)
+
+
+def test_tokens_show_time_to_train_everywhere():
+    for cmd in ("estimate", "recommend"):
+        r = run(cmd, "--params", "7B", "--gpus", "8", "--tokens", "2T")
+        assert r.exit_code == 0, r.output
+        assert "time for 2T tokens" in r.output
+        row = [x for x in r.output.splitlines() if x.startswith("ddp ")][1]  # the time table's row
+        assert " d " in row + " "  # days, from 2e12 / tokens per second
+    d = json.loads(run("recommend", "--params", "7B", "--gpus", "8", "--tokens", "2T", "--json").output)
+    s = d["strategies"][0]
+    assert s["time_to_train_s"] == pytest.approx(2e12 / s["tokens_per_s"])
+
+
+def test_json_has_no_infinity():
+    r = run("estimate", "--params", "70B", "--gpus", "64", "--inter", "eth-100g-tcp", "--nics-per-node", "1", "--json")
+    assert "Infinity" not in r.output and "NaN" not in r.output
+    json.loads(r.output)
+
+
+def test_catalog_show_prints_figures_without_float_noise():
+    r = run("catalog", "show", "eth-100g-tcp")
+    assert "latency_s: 3e-05" in r.output
+    assert "9999999" not in r.output
+
+
+def test_catalog_notes_are_whole_sentences():
+    r = run("catalog", "show", "h100-sxm")
+    notes = next(x for x in r.output.splitlines() if x.strip().startswith("notes:"))
+    assert "bf16.e." not in notes and notes.count("(") == notes.count(")")
+
+
+@pytest.mark.parametrize("path, words", [
+    ("/nonexistent-folder/x.svg", "does not exist"),
+    ("/proc/x.svg", "cannot write"),
+    ("x.jpg", "accepted: .svg, .png, .pdf"),
+    ("", "give a file name"),
+])
+def test_plot_bad_path_is_one_line_before_planning(path, words):
+    r = CliRunner().invoke(main, ["estimate", "--params", "7B", "--plot", path])
+    assert r.exit_code == 2, r.output
+    assert len(r.output.strip().splitlines()) == 1 and words in r.output
+    assert "Traceback" not in r.output
+
+
+def test_plot_directory_is_refused(tmp_path):
+    r = CliRunner().invoke(main, ["estimate", "--params", "7B", "--plot", str(tmp_path)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1
+
+
+def test_plot_format_follows_extension(tmp_path):
+    pytest.importorskip("matplotlib")
+    for ext, magic in ((".svg", b"<svg"), (".png", b"\x89PNG"), (".pdf", b"%PDF")):
+        path = tmp_path / f"chart{ext}"
+        r = run("estimate", "--params", "7B", "--gpus", "8", "--plot", str(path))
+        assert r.exit_code == 0, r.output
+        assert magic in path.read_bytes()[:200]
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".distplan-chart-")]
+
+
+def test_plot_failure_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "chart.svg"
+    path.write_text("old chart")
+    import distplan.planner.chart as chart
+
+    def broken(_plan):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(chart, "plan_svg", broken)
+    r = CliRunner().invoke(main, ["estimate", "--params", "7B", "--gpus", "8", "--plot", str(path)])
+    assert r.exit_code == 2 and "No space left on device" in r.output
+    assert path.read_text() == "old chart"
+    assert os.listdir(tmp_path) == ["chart.svg"]
+
+
+def test_readme_plot_example_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = plan(params="7B", gpus=8, gpu_mem=80)
+    fig = p.plot(str(tmp_path / "m.png"))
+    assert fig is not None and (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_module_plan_counts_samples():
+    pytest.importorskip("torch")
+    r = run("estimate", "--module", "examples.mnist_cnn:make_model", "--input-shape", "64,1,28,28", "--gpus", "8")
+    assert r.exit_code == 0, r.output
+    assert "samples/s" in r.output and "tokens/s" not in r.output
