@@ -45,6 +45,21 @@ class CatalogError(ValueError):
     """A catalog file or lookup is invalid; the message is one line naming the file and key."""
 
 
+def _short(value, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters: an error never prints a whole (hostile) value."""
+    if isinstance(value, str) and len(value) > 4 * limit:
+        value = value[: 4 * limit]
+    if isinstance(value, (list, tuple, dict, set)) and len(value) > limit:
+        return f"<a {type(value).__name__} of {len(value):,} items>"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"<an integer of about {int(value.bit_length() * 0.30103):,} digits>"
+    try:
+        r = repr(value)
+    except Exception:  # a nested value too deep or too large to print
+        r = f"<a {type(value).__name__}>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
 # -- units ----------------------------------------------------------------------------------------
 
 # suffix -> (dimension, factor to base units). Checked longest first, so `_gb_per_s` wins over `_gb`.
@@ -107,7 +122,7 @@ class GPU:
             return self.flops[dtype]
         except KeyError:
             raise CatalogError(
-                f"gpu '{self.name}' has no {dtype!r} throughput; known: {', '.join(sorted(self.flops))}"
+                f"gpu '{self.name}' has no {_short(dtype)} throughput; known: {', '.join(sorted(self.flops))}"
             ) from None
 
     def achievable_flops(self, dtype: str) -> float:
@@ -294,17 +309,73 @@ _SCHEMA: dict[str, _Kind] = {
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 
+# Plausible ranges, in base units: a figure outside is a typo or hostile, and would make the planner's
+# arithmetic overflow (1.0e+300 GB) or its plans meaningless. (upper bound, why)
+_DIM_MAX: dict[str, tuple[float, str]] = {
+    "bytes": (2.0**50, "1 PiB"),
+    "bytes_per_s": (1e15, "1 PB/s, over 100 times HBM3e's 8 TB/s"),
+    "flops": (1e18, "1 EFLOP/s, over 200 times a B200's dense FP8 peak"),
+    "seconds": (1.0, "1 s; collective latencies are microseconds"),
+    "count": (2.0**40, "2^40"),
+    "fraction": (1.0, "1"),
+}
+_KEY_MAX: dict[tuple[str, str], tuple[float, str]] = {
+    ("gpus", "memory"): (4.0 * 2**40, "4 TiB, over ten times the largest GPU memory built, 288 GB"),
+    ("gpus", "nvlink_links"): (1024, "1,024; GPUs have up to 18"),
+    ("models", "params_published"): (1e14, "10^14, 60 times the largest published model, Switch-C's 1.6T"),
+}
+_PLANNER_LIMITS = {("nodes", "gpus_per_node"): "gpus_per_node", ("nodes", "nics_per_node"): "nics_per_node",
+                   **{("models", k): k for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden",
+                                                 "vocab", "max_positions")}}
+"""Keys bounded like the planner's flags (distplan.planner.units.LIMITS)."""
+
+
+def _upper(kind: str, base: str, dim: str) -> tuple[float, str]:
+    """(largest accepted value in base units, why) of one numeric key."""
+    if (kind, base) in _PLANNER_LIMITS:
+        from distplan.planner.units import LIMITS  # lazy: pure Python, no catalog import back
+        _, hi, why = LIMITS[_PLANNER_LIMITS[kind, base]]
+        return float(hi), f"{hi:,}, {why}"
+    return _KEY_MAX.get((kind, base)) or _DIM_MAX[dim]
+
 
 # -- parsing one file -----------------------------------------------------------------------------
 
+MAX_FILE_BYTES = 2**20
+"""A catalog file is a few KB; a larger one is refused before it is read (1 MiB)."""
+MAX_YAML_DEPTH = 4
+"""Catalog files are a mapping of scalars and lists of strings (depth 2); deeper nesting is refused."""
+
+
+class _Refused(Exception):
+    """A YAML construct the catalog does not accept (anchors, aliases, deep nesting)."""
+
+
 def _yaml_load(text: str):
+    """The YAML document, refusing anchors and aliases (`&a` / `*a`: a few hundred bytes of them expand
+    to gigabytes, the "billion laughs") and nesting deeper than MAX_YAML_DEPTH, before anything is
+    built: the events pass costs time linear in the file, which is capped at MAX_FILE_BYTES."""
     import yaml  # lazy: the planner imports nothing from here until a lookup is needed
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    depth = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _Refused("uses a YAML anchor or alias (&name / *name); accepted: plain YAML, "
+                           "each value written out")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise _Refused(f"nests deeper than {MAX_YAML_DEPTH} levels; accepted: a mapping of "
+                               f"key: value, values numbers, strings or lists of strings")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
     return yaml.load(text, Loader=loader)
 
 
 def _err(path: Path, key: str | None, msg: str) -> CatalogError:
+    if key and len(key) > 60:
+        key = key[:57] + "..."
     where = f"{path}: key '{key}'" if key else f"{path}"
     return CatalogError(f"{where}: {msg}")
 
@@ -313,14 +384,28 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
     """Validate one YAML file; return its fields in base units (not yet cross-checked)."""
     stem = path.stem
     if not _NAME_RE.match(stem):
-        raise _err(path, None, f"file name {stem!r} is not a catalog name; "
+        raise _err(path, None, f"file name {_short(stem)} is not a catalog name; "
                    "accepted: lowercase letters, digits, '-' and '.', e.g. 'h100-sxm.yaml'")
     try:
-        data = _yaml_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            raise _Refused(f"is over {MAX_FILE_BYTES // 2**20} MiB; accepted: a catalog file (a few KB)")
+        data = _yaml_load(raw.decode("utf-8"))
+    except _Refused as e:
+        raise _err(path, None, str(e)) from None
     except OSError as e:
         raise _err(path, None, f"cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise _err(path, None, f"is not UTF-8 text (byte {e.start}); accepted: a UTF-8 YAML file") from None
+    except RecursionError:
+        raise _err(path, None, "nests too deeply; accepted: a mapping of key: value") from None
     except Exception as e:  # yaml.YAMLError; keep it to one line
+        if isinstance(e, ValueError) and "integer string conversion" in str(e):  # int() of 4,300+ digits
+            raise _err(path, None, "holds an integer of over 4,300 digits; accepted: catalog figures "
+                                   "(a few digits each)") from None
         msg = " ".join(str(e).split())
+        msg = msg if len(msg) <= 200 else msg[:197] + "..."
         raise _err(path, None, f"invalid YAML ({msg})") from None
     if not isinstance(data, dict):
         raise _err(path, None, "must be a YAML mapping of key: value")
@@ -343,7 +428,7 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
             if base in seen_base:
                 raise _err(path, key, f"duplicates '{seen_base[base]}'; give {base} once, in one unit")
             seen_base[base] = key
-            out[base] = _convert(path, key, value, suffix)
+            out[base] = _convert(path, key, value, suffix, _upper(kind, base, UNIT_SUFFIXES[suffix][0]))
         elif key in known_other:
             out[key] = value
         else:
@@ -380,7 +465,7 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
 
     name = data.get("name")
     if name is not None and (not isinstance(name, str) or name.lower() != stem):
-        raise _err(path, "name", f"{name!r} differs from the file name; accepted: {stem!r} (or omit name)")
+        raise _err(path, "name", f"{_short(name)} differs from the file name; accepted: {_short(stem)} (or omit name)")
 
     for key, required in schema.text.items():
         if key == "name":
@@ -399,12 +484,12 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
             continue
         v = out[key]
         if not isinstance(v, str) or v.strip().lower() not in choices:
-            raise _err(path, key, f"{v!r} is not accepted; accepted: {', '.join(choices)}")
+            raise _err(path, key, f"{_short(v)} is not accepted; accepted: {', '.join(choices)}")
         out[key] = v.strip().lower()
     for key in schema.bools:
         v = out.get(key, False)
         if not isinstance(v, bool):
-            raise _err(path, key, f"{v!r} is not a boolean; accepted: true, false")
+            raise _err(path, key, f"{_short(v)} is not a boolean; accepted: true, false")
         out[key] = v
     for base, (dim, required) in schema.numeric.items():
         if required and base not in out:
@@ -414,29 +499,39 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
     return out
 
 
-def _convert(path: Path, key: str, value: Any, suffix: str) -> float | int:
+def _convert(path: Path, key: str, value: Any, suffix: str,
+             upper: tuple[float, str] | None = None) -> float | int:
+    """`value` of `key` in base units; `upper` (largest base-unit value, why) bounds it."""
     dim, factor = UNIT_SUFFIXES[suffix]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         hint = " (YAML reads 1e9 as text: write 1.0e+9, and no quotes)" if isinstance(value, str) else ""
-        raise _err(path, key, f"{value!r} is not a number{hint}")
-    if not math.isfinite(value):
-        raise _err(path, key, f"{value!r} is not finite")
+        raise _err(path, key, f"{_short(value)} is not a number{hint}")
+    if isinstance(value, int) and abs(value) >= 1e300 or isinstance(value, float) and not math.isfinite(value):
+        raise _err(path, key, f"{_short(value)} is not finite")
+    hi, why = upper or _DIM_MAX[dim]
+    if dim != "fraction" and value * factor > hi:  # a fraction's own check says (0, 1]
+        top = hi / factor
+        shown = f"{int(top):,}" if dim == "count" or top == int(top) and top < 1e15 else f"{top:.4g}"
+        raise _err(path, key, f"{_short(value)} is implausibly large; accepted: at most {shown} ({why})")
     if dim == "count":
         if not isinstance(value, int) or value <= 0:
-            raise _err(path, key, f"{value!r} is not a positive integer")
+            raise _err(path, key, f"{_short(value)} is not a positive integer")
         return value
     if dim == "fraction":
         if not 0 < value <= 1:
-            raise _err(path, key, f"{value!r} is outside (0, 1]; accepted: 0 < x <= 1")
+            raise _err(path, key, f"{_short(value)} is outside (0, 1]; accepted: 0 < x <= 1")
         return float(value)
     if dim == "seconds":
         if value < 0:
-            raise _err(path, key, f"{value!r} is negative; accepted: >= 0")
+            raise _err(path, key, f"{_short(value)} is negative; accepted: >= 0")
         return value * factor
     if value <= 0:
-        raise _err(path, key, f"{value!r} must be > 0; accepted: a positive number")
+        raise _err(path, key, f"{_short(value)} must be > 0; accepted: a positive number")
     if dim == "bytes":
-        return int(round(value * factor))
+        nbytes = int(round(value * factor))
+        if nbytes < 1:
+            raise _err(path, key, f"{_short(value)} is less than one byte; accepted: a positive size")
+        return nbytes
     return value * factor
 
 
@@ -495,7 +590,7 @@ class Catalog:
                     a = alias.lower()
                     if a in idx and idx[a] != name:
                         raise CatalogError(
-                            f"{e.path}: key 'aliases': {alias!r} is already the name or an alias of "
+                            f"{e.path}: key 'aliases': {_short(alias)} is already the name or an alias of "
                             f"{_SINGULAR[kind]} '{idx[a]}'; accepted: an unused name")
                     idx[a] = name
             self._index[kind] = idx
@@ -513,7 +608,7 @@ class Catalog:
         k = kind.lower()
         k = {v: key for key, v in _SINGULAR.items()}.get(k, k)
         if k not in KINDS:
-            raise CatalogError(f"unknown catalog kind {kind!r}; known: {', '.join(KINDS)}")
+            raise CatalogError(f"unknown catalog kind {_short(kind)}; known: {', '.join(KINDS)}")
         return k
 
     def _get(self, kind: str, name: str) -> Any:
@@ -521,7 +616,7 @@ class Catalog:
         real = self._index[kind].get(key)
         if real is None:
             raise CatalogError(
-                f"unknown {_SINGULAR[kind]} {name!r}; known: {', '.join(self.names(kind))}")
+                f"unknown {_SINGULAR[kind]} {_short(name)}; known: {', '.join(self.names(kind))}")
         return self._entries[kind][real]
 
     def gpu(self, name: str) -> GPU:
@@ -544,10 +639,10 @@ class Catalog:
             k, real = hits[0]
             return self._entries[k][real]
         if hits:
-            raise CatalogError(f"{name!r} is ambiguous: " + ", ".join(
+            raise CatalogError(f"{_short(name)} is ambiguous: " + ", ".join(
                 f"{_SINGULAR[k]} '{n}'" for k, n in hits) + "; use the kind-specific lookup")
         known = sorted(n for k in KINDS for n in self._entries[k])
-        raise CatalogError(f"unknown catalog entry {name!r}; known: {', '.join(known)}")
+        raise CatalogError(f"unknown catalog entry {_short(name)}; known: {', '.join(known)}")
 
     def kind_of(self, entry: Any) -> str:
         """'gpus', 'interconnects', 'nodes' or 'models' for an entry object."""
@@ -574,9 +669,9 @@ def _cross_check(entries: dict[str, dict[str, Any]]) -> None:
         real = index.get(value.lower())
         if real is None:
             pool = sorted(links if what == "interconnect" else entries["gpus"])
-            raise CatalogError(f"{path}: key '{key}': unknown {what} {value!r}; known: {', '.join(pool)}")
+            raise CatalogError(f"{path}: key '{key}': unknown {what} {_short(value)}; known: {', '.join(pool)}")
         if tier and links[real].tier != tier:
-            raise CatalogError(f"{path}: key '{key}': interconnect {real!r} has tier "
+            raise CatalogError(f"{path}: key '{key}': interconnect {_short(real)} has tier "
                                f"{links[real].tier}; accepted: an interconnect with tier {tier}")
 
     for g in entries["gpus"].values():
@@ -617,13 +712,20 @@ def load_catalog(extra_dirs: Sequence[str | Path] = ()) -> Catalog:
     A later directory's file replaces an earlier one with the same stem (same kind). Each directory
     may hold any of the sub-folders gpus/, interconnects/, nodes/, models/. Cached per tuple of dirs.
     """
-    if isinstance(extra_dirs, (str, Path)):
+    if isinstance(extra_dirs, (str, os.PathLike)):
         extra_dirs = [extra_dirs]
+    if not isinstance(extra_dirs, (list, tuple)) or not all(isinstance(d, (str, os.PathLike)) for d in extra_dirs):
+        raise CatalogError(f"catalog directories {_short(extra_dirs)}: accepted: a directory (str or path) "
+                           f"or a list of them")
     resolved: list[Path] = [BUILTIN_DIR]
     for raw, origin in [(p, ENV_VAR) for p in _env_dirs()] + [(p, "extra_dirs") for p in extra_dirs]:
-        p = Path(raw).expanduser().resolve()
-        if not p.is_dir():
-            raise CatalogError(f"catalog directory '{raw}' (from {origin}) not found; accepted: a directory "
+        try:
+            p = Path(raw).expanduser().resolve()
+            found = p.is_dir()
+        except (OSError, ValueError, RuntimeError):  # a name the file system cannot hold, a link loop
+            found = False
+        if not found:
+            raise CatalogError(f"catalog directory {_short(str(raw), 200)} (from {origin}) not found; accepted: a directory "
                                f"with any of {', '.join(k + '/' for k in KINDS)}")
         resolved.append(p)
     key = tuple(resolved)

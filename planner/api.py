@@ -20,7 +20,8 @@ from .config import ANALYTIC_CHECKPOINTING, CHECKPOINTING, Cluster, TrainConfig
 from .memory import COMPONENTS, MemoryEstimate, estimate_memory
 from .model import ModelSpec
 from .strategies import NAMES, Strategy, get_strategy
-from .units import fmt_count, parse_count, parse_memory
+from .units import (INTER_GBPS_RANGE, LIMITS, check_count, check_float, fmt_count, parse_count, parse_memory,
+                    short_repr)
 
 DEFAULT_GPU = "h100-sxm"
 
@@ -46,9 +47,37 @@ def clear_caches(catalog: bool = True) -> None:
         traced._TRACES.clear()
 
 
+def catalog_dirs_tuple(catalog_dirs) -> tuple[str, ...]:
+    """`catalog_dirs` as a tuple of str: one directory (a str or path) or a list/tuple of them; a
+    one-line ValueError for anything else (a str is one directory, not its letters)."""
+    import os
+    if catalog_dirs is None:
+        return ()
+    if isinstance(catalog_dirs, (str, os.PathLike)):
+        catalog_dirs = (catalog_dirs,)
+    if not isinstance(catalog_dirs, (list, tuple)) or not all(
+            isinstance(d, (str, os.PathLike)) for d in catalog_dirs):
+        raise ValueError(f"catalog_dirs={short_repr(catalog_dirs)}: accepted: a directory (str or path) "
+                         f"or a list of them")
+    return tuple(str(d) for d in catalog_dirs)
+
+
 def _catalog(catalog_dirs: Sequence[str] = ()):
     from distplan.catalog.loader import load_catalog
-    return load_catalog(tuple(catalog_dirs))
+    return load_catalog(catalog_dirs_tuple(catalog_dirs))
+
+
+_SPEC_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_positions")
+
+
+def check_spec_bounds(spec: ModelSpec, where: str) -> None:
+    """Every architecture size of `spec` within `units.LIMITS` (a catalog entry, a ModelSpec given to
+    the API, a scaled --params model); a one-line ValueError naming `where`, the field and the bound."""
+    for name in _SPEC_FIELDS:
+        value = getattr(spec, name)
+        lo, hi, why = LIMITS[name]
+        if not lo <= value <= hi:
+            raise ValueError(f"{where}: {name}={short_repr(value)}: accepted: {lo:,} to {hi:,} ({why})")
 
 
 # -- model --------------------------------------------------------------------------------------
@@ -130,11 +159,15 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
     sliding window, fused projections: `hf_config.read_hf_config`); False keeps only its shape, for the
     reference decoder that `distplan validate --front-end analytic` runs."""
     notes: list[str] = []
+    catalog_dirs = catalog_dirs_tuple(catalog_dirs)
     given = [x for x in (model, params, hf_config) if x is not None]
     if len(given) > 1:
         raise ValueError("model, params and hf_config: give only one of them")
+    if model is not None and not isinstance(model, (str, ModelSpec)):
+        raise ValueError(f"--model={short_repr(model)}: accepted: a catalog model name or a ModelSpec")
     if isinstance(model, ModelSpec):
         spec = model
+        check_spec_bounds(spec, "model")
     elif model is not None:
         from distplan.catalog.loader import CatalogError
         try:
@@ -142,6 +175,7 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         except CatalogError as exc:
             raise ValueError(f"--model={model!r}: {exc}") from None
         spec = ModelSpec(**entry.spec_kwargs())
+        check_spec_bounds(spec, f"--model={short_repr(model)} ({entry.path})")
     elif hf_config is not None:
         from .hf_config import read_hf_config
         kwargs = read_hf_config(hf_config, implementation=implementation)
@@ -151,11 +185,20 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
             raise ValueError(f"--hf-config={hf_config!r}: {exc}") from None
     else:
         target = parse_count(params if params is not None else "7B", "--params")
+        if target > LIMITS["params"][1]:
+            raise ValueError(f"--params={short_repr(params)}: accepted: 1 to 10^14 parameters "
+                             f"({LIMITS['params'][2]})")
         if params is None:
             notes.append("no model given: assuming 7B parameters")
         spec, note = nearest_model(target, catalog_dirs) or scaled_llama(target, catalog_dirs)
         notes.append(note)
     changes = {k: v for k, v in (overrides or {}).items() if v is not None and k in _OVERRIDE_FIELDS}
+    for k, v in changes.items():
+        if k == "tie_embeddings":
+            if not isinstance(v, bool):
+                raise ValueError(f"tie_embeddings={short_repr(v)}: accepted: True or False")
+        else:
+            changes[k] = check_count(k, v)
     if changes.get("kv_heads") is None and changes.get("heads") is not None and spec.kv_heads == spec.heads:
         changes["kv_heads"] = changes["heads"]
     if changes:
@@ -164,6 +207,7 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         except ValueError as exc:
             raise ValueError(f"model overrides: {exc}") from None
         notes.append("overrides: " + ", ".join(f"{k}={v}" for k, v in changes.items()))
+    check_spec_bounds(spec, "model")
     return spec, notes
 
 
@@ -180,16 +224,18 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
     (`hardware.detect_local_gpus`); no driver or no GPU leaves the catalog default with a notice.
     """
     from distplan.catalog.loader import CatalogError
+    catalog_dirs = catalog_dirs_tuple(catalog_dirs)
     cat = _catalog(catalog_dirs)
     notes: list[str] = []
-    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
-        raise ValueError(f"--gpus={gpus!r}: must be a positive integer")
-    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or gpus_per_node < 1):
-        raise ValueError(f"--gpus-per-node={gpus_per_node!r}: must be a positive integer")
-    if nics_per_node is not None and (not isinstance(nics_per_node, int) or nics_per_node < 1):
-        raise ValueError(f"--nics-per-node={nics_per_node!r}: must be a positive integer")
-    if inter_gbps is not None and not inter_gbps > 0:
-        raise ValueError(f"--inter-gbps={inter_gbps!r}: must be a positive bandwidth in Gbit/s")
+    gpus = check_count("gpus", gpus) if gpus is not None else None
+    gpus_per_node = check_count("gpus_per_node", gpus_per_node) if gpus_per_node is not None else None
+    nics_per_node = check_count("nics_per_node", nics_per_node) if nics_per_node is not None else None
+    if inter_gbps is not None:
+        inter_gbps = check_float("inter_gbps", inter_gbps, *INTER_GBPS_RANGE, "Gbit/s per node",
+                                 "100 Mbit Ethernet to over ten times a node of 8 x 800 Gbit/s NICs")
+    for flag, name in (("--gpu", gpu), ("--node", node), ("--intra", intra), ("--inter", inter)):
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"{flag}={short_repr(name)}: accepted: a catalog name (distplan catalog list)")
     mem_bytes = parse_memory(gpu_mem, "--gpu-mem") if gpu_mem is not None else None
 
     local = None
@@ -260,7 +306,7 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
                           gpu_name=gpu_e.name, intra_link=intra_name, inter_link=inter_name,
                           nics_per_node=nics,
                           inter_bytes_per_s=inter_gbps * 1e9 / 8 if inter_gbps else None,
-                          notes=tuple(notes), catalog_dirs=tuple(str(d) for d in catalog_dirs))
+                          notes=tuple(notes), catalog_dirs=catalog_dirs)
     except ValueError as exc:
         raise ValueError(f"cluster: {exc}") from None
     return cluster, notes
@@ -425,6 +471,18 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         tokens: total training tokens, for the time-to-train figure.
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
     """
+    catalog_dirs = catalog_dirs_tuple(catalog_dirs)
+    seq_len, micro_batch, grad_accum = (check_count(k, v) for k, v in (
+        ("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum)))
+    if isinstance(strategies, str):
+        strategies = [strategies]
+    if strategies is not None and not isinstance(strategies, (list, tuple, set, frozenset)):
+        raise ValueError(f"strategies={short_repr(strategies)}: accepted: a list of names from "
+                         f"{', '.join(NAMES)}")
+    if tokens is not None:
+        if isinstance(tokens, str):
+            tokens = parse_count(tokens, "--tokens")
+        check_float("tokens", tokens, 1, 1e16, "tokens", "a positive count")
     unknown = set(overrides) - set(_OVERRIDE_FIELDS)
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}; model overrides accepted: "

@@ -88,7 +88,9 @@ def cluster_options(fn):
         click.option("--gpus", type=int, help="Total GPUs (ranks). Default: the local GPUs, else 8."),
         click.option("--gpus-per-node", type=int, help="Default: the node's, else min(8, gpus)."),
         click.option("--gpu", metavar="NAME", help="A catalog GPU (distplan catalog list gpus)."),
-        click.option("--gpu-mem", metavar="SIZE", help="GPU memory: 80 (GiB), 80GiB, 80GB, 81920MiB."),
+        click.option("--gpu-mem", metavar="SIZE", help="GPU memory, 1 GiB to 4 TiB: a bare number is GiB (80); "
+                     "units without 'i' are powers of 10, with 'i' powers of 2, B optional: 80GB = 80G = "
+                     "80e9 bytes (74.5 GiB), 80GiB = 80Gi, 81920MiB."),
         click.option("--node", metavar="NAME", help="A catalog node type (dgx-h100, aws-p5, ...)."),
         click.option("--intra", metavar="LINK", help="Intra-node link (nvlink4, pcie5, ...)."),
         click.option("--inter", metavar="LINK", help="Inter-node link (ib-ndr, eth-100g-tcp, ...)."),
@@ -157,10 +159,14 @@ def use_trace(kw: dict) -> bool:
 
 def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
     from .api import plan
+    from .units import check_count
     for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum",
                  "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
-        if kw.get(flag) is not None and kw[flag] < 1:
-            raise ValueError(f"--{flag.replace('_', '-')}={kw[flag]}: must be a positive integer")
+        if kw.get(flag) is not None:  # each bounded to what exists (units.LIMITS), before any work
+            check_count(flag, kw[flag])
+    if kw.get("hf_config") is not None:  # its sizes too, before the trace imports torch
+        from .hf_config import load_hf_config
+        load_hf_config(kw["hf_config"])
     if kw.get("module") or use_trace(kw):
         from .module_plan import module_spec_plan
         return module_spec_plan(kw, strategies)

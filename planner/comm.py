@@ -550,11 +550,8 @@ def _deepspeed(model: ModelSpec, precision: str, A: int, stage: int, world: int)
     if stage in (1, 2):
         nb = max(1, -(-P // DS_REDUCE_BUCKET_SIZE))
         rounds = A if stage == 2 else 1
-        base, rem = divmod(P, nb)
-        sizes = {}
-        for i in range(nb):
-            sz = base + (1 if i < rem else 0)
-            sizes[sz] = sizes.get(sz, 0) + 1
+        base, rem = divmod(P, nb)  # rem buckets of base + 1 elements, then nb - rem of base
+        sizes = {sz: c for sz, c in ((base + 1, rem), (base, nb - rem)) if c}
         for sz, c in sizes.items():
             out.append(("all_reduce", "world", ws, dt, sz * eb, c * rounds, "backward", "bucket_ds"))
         part = -(-P // ws)

@@ -188,18 +188,22 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
     # forward of a micro-step that all-gathers: root AG, block 0 AG exposed; block i hides AG(i+1)
     fwd_exp = ag_rf + ag_bf + max(0, L - 1) * max(0.0, ag_bf - F_blk)
     total += fwd_steps * fwd_exp
-    for k in range(A):
-        last = k == A - 1
-        ag = ag_bb if k < bwd_ag_steps else 0.0
-        agr = ag_rb if k < bwd_ag_steps else 0.0
-        red, redr = (red_b, red_r) if last else (0.0, 0.0)
+
+    def bwd_exposed(ag: float, agr: float, red: float, redr: float) -> float:
+        """One micro-step's backward: its all-gathers (ag, agr) and, on the last, the reductions."""
         if ag == 0.0 and red == 0.0 and agr == 0.0:
-            continue
+            return 0.0
         # root AG (if resharded) is needed before the head backward: exposed
         exp = agr + max(0.0, ag - B_head)
         exp += max(0, L - 1) * max(0.0, ag + red - B_blk)
         exp += red + redr  # last block's and the root's reductions
-        total += exp
+        return exp
+
+    # Micro-steps k < bwd_ag_steps all-gather in backward, the last (k = A - 1) reduces: a closed form
+    # over the A micro-steps (the work does not grow with --grad-accum).
+    total += min(bwd_ag_steps, A - 1) * bwd_exposed(ag_bb, ag_rb, 0.0, 0.0)
+    gathers_last = A - 1 < bwd_ag_steps
+    total += bwd_exposed(ag_bb if gathers_last else 0.0, ag_rb if gathers_last else 0.0, red_b, red_r)
     return total + opt_comm
 
 

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from .model import ModelSpec, cached_hash, state_without_hash
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
+from .units import LIMITS, check_count, short_repr
 
 CHECKPOINTING = ("none", "selective", "full", "every-2", "every-3", "every-4")
 """Activation checkpointing modes. none; full: every block (non-reentrant `torch.utils.checkpoint`),
@@ -29,13 +30,18 @@ FRAMEWORKS = ("pytorch", "deepspeed")
 
 
 def _choice(name: str, value: str, accepted: tuple) -> None:
-    if value not in accepted:
-        raise ValueError(f"{name}={value!r}: accepted values are {', '.join(accepted)}")
+    if not isinstance(value, str) or value not in accepted:
+        raise ValueError(f"{name}={short_repr(value)}: accepted values are {', '.join(accepted)}")
 
 
 def _positive(name: str, value) -> None:
+    """A positive int within `units.LIMITS[name]` (one-line ValueError naming the bound and why)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
+        raise ValueError(f"{name}={short_repr(value)}: must be a positive integer")
+    check_count(name, value)
+
+
+_MAX_SEQ, _MAX_MB, _MAX_ACCUM = (LIMITS[k][1] for k in ("seq_len", "micro_batch", "grad_accum"))
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,9 @@ class TrainConfig:
     """pytorch (native implementations, validated) or deepspeed (DeepSpeed ZeRO's buffers)."""
 
     def __post_init__(self) -> None:
-        if not (type(self.seq_len) is int and self.seq_len > 0 and type(self.micro_batch) is int
-                and self.micro_batch > 0 and type(self.grad_accum) is int and self.grad_accum > 0
+        if not (type(self.seq_len) is int and 0 < self.seq_len <= _MAX_SEQ and type(self.micro_batch) is int
+                and 0 < self.micro_batch <= _MAX_MB and type(self.grad_accum) is int
+                and 0 < self.grad_accum <= _MAX_ACCUM
                 and self.precision in PRECISIONS and self.optimizer in OPTIMIZERS
                 and self.optimizer_impl in OPTIMIZER_IMPLS and self.checkpointing in CHECKPOINTING
                 and self.attention in ATTENTION and self.cpu_offload in OFFLOAD
@@ -130,9 +137,13 @@ class Cluster:
         if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
             raise ValueError(
                 f"gpus={self.gpus} is not a multiple of gpus_per_node={self.gpus_per_node}")
-        if self.gpu_memory_bytes <= 0:
-            raise ValueError(f"gpu_memory_bytes={self.gpu_memory_bytes}: must be positive")
+        m = self.gpu_memory_bytes
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 1e300 or m != m:
+            raise ValueError(f"gpu_memory_bytes={short_repr(m)}: must be a positive, finite number of bytes")
         _positive("nics_per_node", self.nics_per_node)
+        b = self.inter_bytes_per_s
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1e300 or b != b):
+            raise ValueError(f"inter_bytes_per_s={short_repr(b)}: must be a positive, finite bandwidth")
 
     @property
     def nodes(self) -> int:

@@ -31,10 +31,13 @@ some layers only.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_hf_config", "SUPPORTED_MODEL_TYPES"]
+from .units import LIMITS, short_repr
+
+__all__ = ["read_hf_config", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi3", "qwen2")
 """The `model_type` values read_hf_config understands."""
@@ -46,6 +49,72 @@ def _fail(msg: str) -> ValueError:
     return ValueError(f"--hf-config: {msg}")
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+"""A config.json is a few KB (the largest, with label maps or per-layer lists, a few hundred KB): a
+larger file is refused before it is read."""
+
+_SIZE_KEYS = {
+    "num_hidden_layers": "layers", "n_layer": "layers", "hidden_size": "hidden", "n_embd": "hidden",
+    "num_attention_heads": "heads", "n_head": "heads", "num_key_value_heads": "kv_heads",
+    "intermediate_size": "ffn_hidden", "n_inner": "ffn_hidden", "vocab_size": "vocab",
+    "max_position_embeddings": "max_positions", "n_positions": "max_positions",
+}
+"""config.json size keys -> the planner bound (`units.LIMITS`) they are checked against."""
+
+
+def _bound_text(limit: str) -> str:
+    lo, hi, why = LIMITS[limit]
+    return f"a positive integer up to {hi:,} ({why})"
+
+
+def _short_path(path) -> str:
+    text = str(path)
+    return text if len(text) <= 200 else text[:97] + "..." + text[-100:]
+
+
+def load_hf_config(path: str | Path) -> tuple[dict, Path]:
+    """(the JSON object of a config.json, its path as messages name it), checked to be a readable JSON
+    object of at most MAX_CONFIG_BYTES whose size keys (num_hidden_layers, hidden_size, ... of any
+    model_type) are within `units.LIMITS`; else a one-line ValueError naming --hf-config. Work and
+    memory are bounded by the file-size cap whatever the file holds."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip() or "\0" in str(path):
+        raise ValueError(f"--hf-config={short_repr(path)}: accepted: the path of a config.json, or of a "
+                         f"folder holding one")
+    try:
+        p = Path(path).expanduser()
+        shown = _short_path(path)
+        if p.is_dir():
+            p = p / "config.json"
+            shown = _short_path(p)
+        is_file = p.is_file()
+    except (OSError, ValueError) as e:  # a name too long for the file system, ...
+        raise _fail(f"cannot read '{_short_path(path)}': {type(e).__name__}") from None
+    if not is_file:
+        raise _fail(f"file '{shown}' not found")
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise _fail(f"'{shown}' is over {MAX_CONFIG_BYTES // 2**20} MiB; accepted: a Hugging Face "
+                        f"config.json (a few KB)")
+        cfg = json.loads(raw.decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise _fail(f"'{shown}' is not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise _fail(f"'{shown}' nests too deeply to be a config.json; accepted: a JSON object of "
+                    f"settings") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _fail(f"cannot read '{shown}': {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(cfg, dict):
+        raise _fail(f"'{shown}' must hold a JSON object, not {type(cfg).__name__}")
+    p = Path(_short_path(p))  # messages name the file, a hostile path cut to 200 characters
+    for key, limit in _SIZE_KEYS.items():  # before the model_type: a traced model_type is bounded too
+        v = cfg.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and not 0 < v <= LIMITS[limit][1]:
+            raise _fail(f"'{p}' key '{key}' is {short_repr(v)}; accepted: {_bound_text(limit)}")
+    return cfg, p
+
+
 def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, Any]:
     """ModelSpec keyword arguments from a Hugging Face config.json (a file, or a folder holding one).
 
@@ -55,25 +124,10 @@ def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, 
     docstring). Raises ValueError with a one-line message for a missing file, invalid JSON, an
     unsupported model_type, or a missing or invalid key.
     """
-    p = Path(path).expanduser()
-    shown = str(path)
-    if p.is_dir():
-        p = p / "config.json"
-        shown = str(p)
-    if not p.is_file():
-        raise _fail(f"file '{shown}' not found")
-    try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise _fail(f"'{p}' is not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise _fail(f"cannot read '{p}': {e}") from None
-    if not isinstance(cfg, dict):
-        raise _fail(f"'{p}' must hold a JSON object, not {type(cfg).__name__}")
-
+    cfg, p = load_hf_config(path)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _fail(f"model_type {model_type!r} in '{p}' is not supported; accepted: "
+        raise _fail(f"model_type {short_repr(model_type)} in '{p}' is not supported; accepted: "
                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
     def get_int(key: str, default: Any = ...) -> int:
@@ -82,8 +136,10 @@ def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, 
                 raise _fail(f"'{p}' (model_type {model_type}) lacks key '{key}'")
             return default
         v = cfg[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise _fail(f"'{p}' key '{key}' is {v!r}; accepted: a positive integer")
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or (
+                key in _SIZE_KEYS and v > LIMITS[_SIZE_KEYS[key]][1]):
+            accepted = _bound_text(_SIZE_KEYS[key]) if key in _SIZE_KEYS else "a positive integer"
+            raise _fail(f"'{p}' key '{key}' is {short_repr(v)}; accepted: {accepted}")
         return v
 
     def get_bool(key: str, default: bool) -> bool:
@@ -91,7 +147,7 @@ def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, 
         if v is None:
             return default
         if not isinstance(v, bool):
-            raise _fail(f"'{p}' key '{key}' is {v!r}; accepted: true or false")
+            raise _fail(f"'{p}' key '{key}' is {short_repr(v)}; accepted: true or false")
         return v
 
     if model_type == "gpt2":
@@ -109,11 +165,11 @@ def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, 
         heads = get_int("num_attention_heads")
         act = cfg.get("hidden_act", "silu")
         if act not in _GATED_ACTS:
-            raise _fail(f"'{p}' key 'hidden_act' is {act!r}; accepted for {model_type}: "
+            raise _fail(f"'{p}' key 'hidden_act' is {short_repr(act)}; accepted for {model_type}: "
                         f"{', '.join(_GATED_ACTS)} (a gated SwiGLU MLP)")
         head_dim = cfg.get("head_dim")
         if head_dim is not None and hidden % heads == 0 and head_dim != hidden // heads:
-            raise _fail(f"'{p}' key 'head_dim' is {head_dim!r} but hidden_size/num_attention_heads is "
+            raise _fail(f"'{p}' key 'head_dim' is {short_repr(head_dim)} but hidden_size/num_attention_heads is "
                         f"{hidden // heads}; the planner needs head_dim = hidden/heads")
         linear_bias = qkv_bias = False
         if model_type == "qwen2":
@@ -158,7 +214,7 @@ def _implementation(cfg: dict, model_type: str, arch: dict, p: Path, get_int, ge
         if v is None:
             v = default
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-            raise _fail(f"'{p}' key '{key}' is {v!r}; accepted: a probability in [0, 1)")
+            raise _fail(f"'{p}' key '{key}' is {short_repr(v)}; accepted: a probability in [0, 1)")
         return float(v)
 
     out: dict[str, Any] = {"hf_model_type": model_type, "activation": "", "attn_dropout": 0.0,
@@ -166,8 +222,8 @@ def _implementation(cfg: dict, model_type: str, arch: dict, p: Path, get_int, ge
                            "rotary_dim": 0}
     if model_type == "gpt2":
         act = cfg.get("activation_function", "gelu_new")  # GPT2Config default
-        if act not in _GPT2_ACTS:
-            raise _fail(f"'{p}' key 'activation_function' is {act!r}; accepted for gpt2: "
+        if not isinstance(act, str) or act not in _GPT2_ACTS:
+            raise _fail(f"'{p}' key 'activation_function' is {short_repr(act)}; accepted for gpt2: "
                         f"{', '.join(_GPT2_ACTS)}")
         # GPT2Attention.attn_dropout (SDPA's dropout_p), .resid_dropout, GPT2MLP.dropout, GPT2Model.drop
         out.update(activation=_GPT2_ACTS[act], attn_dropout=prob("attn_pdrop", 0.1),
@@ -180,7 +236,7 @@ def _implementation(cfg: dict, model_type: str, arch: dict, p: Path, get_int, ge
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise _fail(f"'{p}' key 'partial_rotary_factor' is {factor!r}; accepted: a number in (0, 1]")
+            raise _fail(f"'{p}' key 'partial_rotary_factor' is {short_repr(factor)}; accepted: a number in (0, 1]")
         head_dim = arch["hidden"] // arch["heads"]
         dim = int(head_dim * factor)  # Phi3RotaryEmbedding: int(head_dim * partial_rotary_factor)
         out["rotary_dim"] = 0 if dim == head_dim else dim
@@ -197,10 +253,13 @@ def _implementation(cfg: dict, model_type: str, arch: dict, p: Path, get_int, ge
             if types is None:
                 first = cfg.get("max_window_layers", 28)
                 if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-                    raise _fail(f"'{p}' key 'max_window_layers' is {first!r}; accepted: an integer >= 0")
+                    raise _fail(f"'{p}' key 'max_window_layers' is {short_repr(first)}; accepted: an integer >= 0")
                 types = ["sliding_attention" if i >= first else "full_attention" for i in range(arch["layers"])]
             if not isinstance(types, list):
-                raise _fail(f"'{p}' key 'layer_types' is {types!r}; accepted: a list of layer kinds")
+                raise _fail(f"'{p}' key 'layer_types' is {short_repr(types)}; accepted: a list of layer kinds")
+            if not all(isinstance(t, str) for t in types):
+                raise _fail(f"'{p}' key 'layer_types' holds {short_repr([t for t in types if not isinstance(t, str)][0])}; "
+                            f"accepted: layer kinds such as 'full_attention'")
             kinds = set(types)
             if kinds == {"sliding_attention"}:
                 out["sliding_window"] = window

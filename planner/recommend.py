@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from .config import Cluster, TrainConfig
 from .memory import estimate_memory
 from .strategies import get_strategy
-from .units import fmt_bytes, fmt_gib, fmt_seconds
+from .units import LIMITS, fmt_bytes, fmt_gib, fmt_seconds
 
 HEADROOM_FRACTION = 0.05
 TIE_FRACTION = 0.05
@@ -82,10 +82,26 @@ def _smallest_change(plan):
     names = [r.name for r in plan.results]
     sharded = [n for n in ("zero3", "fsdp", "hsdp") if n in names] or ["zero3"]
     if train.micro_batch > 1:
-        for b in range(train.micro_batch - 1, 0, -1):
-            t = replace(train, micro_batch=b, grad_accum=train.grad_accum * -(-train.micro_batch // b))
-            if any(estimate_memory(t, cluster, n).fits for n in names):
-                return (f"--micro-batch {b} --grad-accum {t.grad_accum} (same global batch)", t, cluster)
+        # The largest smaller micro-batch with which a strategy fits: memory grows with the micro-batch
+        # (and every candidate accumulates, grad_accum > 1), so fitting is monotone and a bisection
+        # over [1, micro_batch - 1] finds what a downward scan would, in log2(micro_batch) steps.
+        # The smallest candidate keeps grad_accum within units.LIMITS (1 unless that is enormous).
+        def smaller(b: int):
+            return replace(train, micro_batch=b, grad_accum=train.grad_accum * -(-train.micro_batch // b))
+
+        def fits(b: int) -> bool:
+            t = smaller(b)
+            return any(estimate_memory(t, cluster, n).fits for n in names)
+
+        k = LIMITS["grad_accum"][1] // train.grad_accum  # the largest ceil(micro_batch / b) allowed
+        b_min = -(-train.micro_batch // k) if k >= 2 else train.micro_batch
+        if b_min < train.micro_batch and fits(b_min):
+            lo, hi = b_min, train.micro_batch  # fits(lo); hi: not tried or does not fit
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            t = smaller(lo)
+            return (f"--micro-batch {lo} --grad-accum {t.grad_accum} (same global batch)", t, cluster)
     if train.checkpointing != "full":
         for mode in ("selective", "full"):
             if train.checkpointing == "selective" and mode == "selective":
@@ -102,6 +118,8 @@ def _smallest_change(plan):
     t = replace(train, checkpointing="full") if train.checkpointing != "full" else train
     for _ in range(12):
         gpus *= 2
+        if gpus > LIMITS["gpus"][1]:  # no cluster that large exists (units.LIMITS)
+            break
         c = replace(cluster, gpus=gpus, gpus_per_node=min(cluster.gpus_per_node, gpus))
         if any(estimate_memory(t, c, n).fits for n in sharded):
             ck = " with --activation-checkpointing full" if t is not train else ""

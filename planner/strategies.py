@@ -68,12 +68,13 @@ def get_strategy(name: str | Strategy) -> Strategy:
     """The registry's strategy by name (a Strategy is returned as it is)."""
     if name.__class__ is Strategy:
         return name
-    st = REGISTRY.get(name)  # the common case: an exact registry name
+    st = REGISTRY.get(name) if isinstance(name, str) else None  # the common case: an exact registry name
     if st is not None:
         return st
     if isinstance(name, Strategy):
         return name
-    key = name.strip().lower()
+    key = name.strip().lower() if isinstance(name, str) else None
     if key not in REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; accepted: {', '.join(NAMES)}")
+        from .units import short_repr
+        raise ValueError(f"unknown strategy {short_repr(name)}; accepted: {', '.join(NAMES)}")
     return REGISTRY[key]

@@ -4,18 +4,36 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from .units import fmt_gib, fmt_seconds
+from .units import LIMITS, fmt_gib, fmt_seconds, short_repr
+
+MAX_SWEEP_VALUES = 32
+"""Values per sweep: one plan each (every strategy evaluated), so a list is bounded; 32 covers every
+power of two up to the largest cluster accepted (2^20 GPUs) and more."""
 
 
 def _parse_list(flag: str, text: str | None) -> list[int]:
     if not text:
         return []
+    key = {"--sweep-gpus": "gpus", "--sweep-micro-batch": "micro_batch", "--sweep-seq-len": "seq_len"}[flag]
+    lo, hi, why = LIMITS[key]
+    example = (f"accepted: a comma-separated list of at most {MAX_SWEEP_VALUES} integers from {lo:,} to "
+               f"{hi:,}, e.g. 8,16,32")
+    if not isinstance(text, str) or len(text) > 32 * MAX_SWEEP_VALUES:
+        raise ValueError(f"{flag}={short_repr(text)}: {example}")
+    parts = text.split(",")
+    if len(parts) > MAX_SWEEP_VALUES:
+        raise ValueError(f"{flag}={short_repr(text)}: {len(parts)} values; accepted: at most {MAX_SWEEP_VALUES} "
+                         f"(one plan each)")
     out = []
-    for part in text.split(","):
+    for part in parts:
         part = part.strip()
-        if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"{flag}={text!r}: expected a comma-separated list of positive integers, e.g. 8,16,32")
-        out.append(int(part))
+        if not (part.isascii() and part.isdigit()):
+            raise ValueError(f"{flag}={short_repr(text)}: {example}")
+        n = int(part) if len(part) <= 12 else hi + 1  # int() of a hostile digit string costs its length
+        if not lo <= n <= hi:
+            raise ValueError(f"{flag}={short_repr(text)}: {short_repr(part, 20)} is out of range; accepted: "
+                             f"integers from {lo:,} to {hi:,} ({why})")
+        out.append(n)
     return out
 
 

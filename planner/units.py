@@ -1,11 +1,21 @@
 """Parse and format sizes: parameter counts (`7B`, `1.3e9`, `125M`), memory (`80`, `80GB`, `81920MiB`).
 
-Conventions: bytes inside; GiB = 2**30 prints as GiB; GB = 10**9. A bare memory
-number is GiB (how GPU memory is usually quoted on the command line: `--gpu-mem 80`).
+Conventions: bytes inside; GiB = 2**30 prints as GiB. Memory units follow ONE rule, the SI/IEC one:
+a prefix without `i` is decimal, with `i` binary, and the trailing `B` is optional:
+`k`/`kB` = 10^3, `M`/`MB` = 10^6, `G`/`GB` = 10^9, `T`/`TB` = 10^12 bytes; `Ki`/`KiB` = 2^10,
+`Mi`/`MiB` = 2^20, `Gi`/`GiB` = 2^30, `Ti`/`TiB` = 2^40 bytes; `B` = bytes. So `80GB` and `80G` are
+both 80 x 10^9 bytes (74.5 GiB). A bare number is GiB (how GPU memory is usually quoted on the command
+line: `--gpu-mem 80`), case-insensitive units.
+
+Bounds: every planner input is bounded to what exists (`LIMITS`, `GPU_MEMORY_RANGE`,
+`INTER_GBPS_RANGE`), so that hostile values give a one-line error naming the flag, the value and the
+accepted range instead of hours of work, and every number is finite.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 
 GiB = 2**30
@@ -15,43 +25,122 @@ _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10*
 _COUNT_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.I)
 
 _MEM_UNITS = {
-    "": GiB, "gib": GiB, "gb": 10**9, "mib": MiB, "mb": 10**6, "tib": 2**40, "tb": 10**12,
-    "kib": 2**10, "kb": 10**3, "b": 1, "g": GiB, "m": MiB, "t": 2**40,
+    "": GiB, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "ki": 2**10, "kib": 2**10, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": 2**40, "tib": 2**40,
 }
 _MEM_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
+_MEM_EXAMPLES = "80 (GiB), 80GiB, 80GB (10^9 bytes, as 80G), 81920MiB"
+
+GPU_MEMORY_RANGE = (GiB, 4 * 2**40)
+"""Accepted GPU memory, bytes: 1 GiB (below any training GPU's) to 4 TiB (over ten times the largest
+GPU memory built, 288 GB: B300, MI355X). Outside it a plan is meaningless: everything (or nothing) fits."""
+
+INTER_GBPS_RANGE = (0.1, 100_000.0)
+"""Accepted --inter-gbps, Gbit/s per node: 100 Mbit Ethernet to 100 Tbit/s (over ten times a node of
+8 x 800 Gbit/s NICs, the fastest built)."""
+
+LIMITS: dict[str, tuple[int, int, str]] = {
+    "gpus": (1, 2**20, "five times the largest GPU cluster built, about 200,000 GPUs"),
+    "gpus_per_node": (1, 1024, "above the largest NVLink domain announced, NVL576's 576 GPUs"),
+    "nics_per_node": (1, 2048, "two per GPU of the largest node accepted; nodes carry 1 to 16"),
+    "seq_len": (1, 2**24, "above the longest context trained, Llama 4 Scout's 10M tokens"),
+    "micro_batch": (1, 2**20, "16 times the largest global batches published, 65,536 examples"),
+    "grad_accum": (1, 2**20, "16 times the largest global batches published, 65,536 examples"),
+    "layers": (1, 4096, "four times the deepest Transformer trained, DeepNet's 1,000 layers"),
+    "hidden": (1, 2**17, "six times the widest published model, MT-NLG 530B's 20,480"),
+    "heads": (1, 2**17, "at most one per hidden unit"),
+    "kv_heads": (1, 2**17, "at most one per hidden unit"),
+    "ffn_hidden": (1, 2**19, "four times the largest hidden size accepted"),
+    "vocab": (1, 2**24, "64 times the largest vocabularies, Gemma 3's 262,144"),
+    "max_positions": (1, 2**24, "above the longest context trained, Llama 4 Scout's 10M tokens"),
+    "params": (1, 10**14, "60 times the largest published model, Switch-C's 1.6T"),
+}
+"""Planner inputs (argument name -> (lowest, highest, why the highest)): every size is bounded by what
+exists, with a margin; the planner's work is bounded with them."""
+
+
+def short_repr(value, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters (an error message never prints a whole hostile value)."""
+    if isinstance(value, str) and len(value) > 4 * limit:
+        value = value[: 4 * limit]  # repr of a huge string costs its size: cut it first
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"<an integer of about {int(value.bit_length() * 0.30103):,} digits>"
+    try:
+        r = repr(value)
+    except Exception:  # a hostile __repr__
+        r = f"<{type(value).__name__}>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _flag(name: str) -> str:
+    return name if name.startswith("-") else "--" + name.replace("_", "-")
+
+
+def check_count(name: str, value, limit: str | None = None) -> int:
+    """`value` as an int within LIMITS[limit or name] (a bool, float or text is refused); else a
+    one-line ValueError: `--flag=VALUE: accepted: an integer from LO to HI (why)`. `name` is the
+    argument or flag name (`gpus` -> --gpus)."""
+    key = limit or name.lstrip("-").replace("-", "_")
+    lo, hi, why = LIMITS[key]
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)  # int, numpy integers; not 8.0
+    except TypeError:
+        n = None
+    if n is None or not lo <= n <= hi:
+        raise ValueError(f"{_flag(name)}={short_repr(value)}: accepted: an integer from {lo:,} to {hi:,} ({why})")
+    return int(n)
+
+
+def check_float(name: str, value, lo: float, hi: float, unit: str, why: str) -> float:
+    """A finite number in [lo, hi]; else a one-line ValueError naming the flag and the range."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and (abs(value) < 1e300 if isinstance(value, int) else math.isfinite(value)) and lo <= value <= hi)
+    if not ok:
+        raise ValueError(f"{_flag(name)}={short_repr(value)}: accepted: a number of {unit} from {lo:g} to "
+                         f"{hi:,g} ({why})")
+    return float(value)
 
 
 def parse_count(text: str | int | float, flag: str = "--params") -> int:
     """`7B`, `7b`, `1.3e9`, `125M`, `1.5T`, `350_000_000`, `7000000000` -> an integer count."""
-    if isinstance(text, bool):
-        raise ValueError(f"{flag}={text!r}: expected a count such as 7B, 125M, 1.3e9 or 350_000_000")
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"{flag}={short_repr(text)}: expected a count such as 7B, 125M, 1.3e9 or 350_000_000")
     if isinstance(text, (int, float)):
-        value = float(text)
+        value = float(text) if abs(text) < 1e300 else math.inf  # a huge int would overflow float()
     else:
-        m = _COUNT_RE.match(str(text))
+        m = _COUNT_RE.match(text) if len(text) <= 100 else None
         if not m:
             raise ValueError(
-                f"{flag}={text!r}: expected a count such as 7B, 125M, 1.5T, 1.3e9 or 350_000_000")
+                f"{flag}={short_repr(text)}: expected a count such as 7B, 125M, 1.5T, 1.3e9 or 350_000_000")
         value = float(m.group(1).replace("_", "")) * _COUNT_SUFFIX[m.group(2).lower()]
     if not value >= 1 or value != value or value > 1e16:
-        raise ValueError(f"{flag}={text!r}: must be a positive count of at least 1")
+        raise ValueError(f"{flag}={short_repr(text)}: must be a positive count from 1 to 1e16")
     return int(round(value))
 
 
-def parse_memory(text: str | int | float, flag: str = "--gpu-mem") -> int:
-    """`80` (GiB), `80GiB`, `80GB` (10^9), `81920MiB` -> bytes."""
+def parse_memory(text: str | int | float, flag: str = "--gpu-mem",
+                 bounds: tuple[float, float] | None = GPU_MEMORY_RANGE) -> int:
+    """`80` (GiB), `80GiB`, `80Gi`, `80GB` = `80G` (10^9), `81920MiB` -> bytes (module docstring's rule),
+    within `bounds` (bytes; default GPU_MEMORY_RANGE, None for any positive size)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
+        value, unit = (float(text) if abs(text) < 1e300 else math.inf), ""
     else:
-        m = _MEM_RE.match(str(text))
+        m = _MEM_RE.match(text) if isinstance(text, str) and len(text) <= 100 else None
         if not m or m.group(2).lower() not in _MEM_UNITS:
-            raise ValueError(
-                f"{flag}={text!r}: expected a positive size such as 80 (GiB), 80GiB, 80GB or 81920MiB")
+            raise ValueError(f"{flag}={short_repr(text)}: expected a size such as {_MEM_EXAMPLES}; "
+                             f"units: B, kB, MB, GB, TB (or k, M, G, T: powers of 10), KiB, MiB, GiB, TiB "
+                             f"(or Ki, Mi, Gi, Ti: powers of 2)")
         value, unit = float(m.group(1)), m.group(2).lower()
     nbytes = value * _MEM_UNITS[unit]
-    if not nbytes > 0:
-        raise ValueError(
-            f"{flag}={text!r}: expected a positive size such as 80 (GiB), 80GiB, 80GB or 81920MiB")
+    if not math.isfinite(nbytes):
+        raise ValueError(f"{flag}={short_repr(text)}: expected a finite size such as {_MEM_EXAMPLES}")
+    if bounds is not None and not bounds[0] <= nbytes <= bounds[1]:
+        raise ValueError(f"{flag}={short_repr(text)} is {fmt_bytes(nbytes)}: accepted: {fmt_bytes(bounds[0])} "
+                         f"(less than any training GPU has) to {fmt_bytes(bounds[1])} (over ten times the "
+                         f"largest GPU memory built, 288 GB)")
+    if int(nbytes) < 1:
+        raise ValueError(f"{flag}={short_repr(text)}: expected a size of at least 1 byte, such as {_MEM_EXAMPLES}")
     return int(nbytes)
 
 
