@@ -35,6 +35,8 @@ RAM_FRACTION = 0.5
 def _strategies(ctx, param, values):
     out = []
     for v in values or ():
+        if not str(v).replace(",", "").strip():
+            raise click.BadParameter(f"{v!r} names no strategy; accepted: all, {', '.join(NAMES)}")
         for part in str(v).split(","):
             part = part.strip()
             if not part:
@@ -55,6 +57,41 @@ def _positive_int(ctx, param, value):
     return value
 
 
+def _fake_world(ctx, param, value):
+    from distplan.validate.runner import MAX_FAKE_WORLD  # no torch: runner imports it lazily
+
+    value = _positive_int(ctx, param, value)
+    if value is not None and value > MAX_FAKE_WORLD:
+        raise click.BadParameter(f"{value} is more than {MAX_FAKE_WORLD}: rank 0 of the fake process group holds "
+                                 f"per-rank buffers for every rank in one process; accepted: 1..{MAX_FAKE_WORLD}")
+    return value
+
+
+class _OneLineErrors(click.Command):
+    """Every usage error of `validate` is one line `Error: ...` with exit code 2, no usage banner
+    (`cli.UserError`), whether raised while parsing the options or in the command."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            raise _one_line(e) from None
+
+
+def _one_line(e: click.UsageError) -> click.UsageError:
+    from .cli import UserError  # here: cli imports this module while it registers the command
+
+    if isinstance(e, UserError):
+        return e
+    return UserError(" ".join(e.format_message().split("\n")))
+
+
 def _tolerance(ctx, param, value):
     if not (0 < value < 100):
         raise click.BadParameter(f"{value:g} is not a percentage in (0, 100), e.g. 5 for 5%")
@@ -67,7 +104,7 @@ def _timeout(ctx, param, value):
     return value
 
 
-@click.command("validate")
+@click.command("validate", cls=_OneLineErrors)
 @click.option("--strategy", "strategies", multiple=True, callback=_strategies, metavar="NAME",
               help=f"Strategy to probe (repeatable, comma-separated, or 'all'; default all): {', '.join(NAMES)}.")
 @click.option("--model", default=None, help="Catalog model name (must fit this machine).")
@@ -99,8 +136,10 @@ def _timeout(ctx, param, value):
 @click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True)
 @click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "
               "x checkpointing x precision) instead of one probe per strategy.")
-@click.option("--simulate-world-size", type=int, default=None, callback=_positive_int, metavar="N",
-              help="Run as rank 0 of N ranks on the fake process group (collectives counted, not executed).")
+@click.option("--simulate-world-size", type=int, default=None, callback=_fake_world, metavar="N",
+              help="Run as rank 0 of N ranks (at most 4096) on the fake process group (collectives counted, "
+                   "not executed). The default where this machine has fewer than 2 GPUs (or --nproc 1): "
+                   "rank 0 of 8.")
 @click.option("--nproc", type=int, default=None, callback=_positive_int,
               help="Processes per node (default: the GPUs here, or 2 gloo ranks on CPU).")
 @click.option("--nnodes", type=int, default=1, show_default=True, callback=_positive_int)
@@ -126,15 +165,23 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
 
-    Where probes run: GPUs here -> torchrun + NCCL, one rank per GPU; --simulate-world-size N -> one
-    process as rank 0 of N on the fake process group; no GPU -> CPU, gloo, 2 processes. Every probe is
-    appended to --out the moment it ends.
+    Where probes run: 2 GPUs or more here -> torchrun + NCCL, one rank per GPU; --simulate-world-size N
+    -> one process as rank 0 of N on the fake process group (also the default, N=8, with one GPU or
+    --nproc 1: a world of 1 validates no distributed strategy); no GPU -> CPU, gloo, 2 processes.
+    Every probe is appended to --out the moment it ends. SIGTERM or Ctrl-C kill the running probes and
+    remove their temp folders; the records already written stay.
     """
     from distplan.validate import matrix as mx
     from distplan.validate import runner
     from distplan.validate.compare import rule_text
-    from distplan.validate.results import ResultsFile
+    from distplan.validate.results import ResultsFile, check_results_path
 
+    from .cli import UserError
+
+    try:
+        check_results_path(out_path)  # before anything runs: a probe's result must have somewhere to go
+    except ValueError as e:
+        raise UserError(str(e))
     overrides = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
                      vocab=vocab)
     user_model = any(v is not None for v in (model, params, hf_config, *overrides.values()))
@@ -171,10 +218,11 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
     if jobs is None:
         jobs = 1 if device == "gpu" else max(1, min(8, int(hw.get("cpu_count") or os.cpu_count() or 1)))
     try:
-        mode, world = runner.choose_mode(hw, simulate_world_size, nproc, nnodes)
+        mode, world, mode_note = runner.choose_mode(hw, simulate_world_size, nproc, nnodes, explain=True)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="'--nproc'")
+        raise UserError(str(e))
 
+    model_about = None
     if matrix:
         specs = mx.standard_matrix(hw, strategies, fake_world=simulate_world_size, steps=steps)
         model_label = ", ".join(mx.shapes_for(device))
@@ -227,6 +275,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                 m, w = mode, world
             specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, **train))
         model_label = spec_model["name"]
+        model_about = describe_model(spec_model, default=not user_model)
         if user_model:
             _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
 
@@ -239,7 +288,15 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         from .module_plan import probe_kernel_workspaces
         module_spec["kernel_workspaces"] = probe_kernel_workspaces(module_spec, precision, strategies)
     modes = list(dict.fromkeys((s["mode"], s["world_size"]) for s in specs))
+    if not probe_cmd and nnodes == 1 and any(s["mode"] in ("cpu", "gpu") for s in specs):
+        why = runner.check_loopback()  # milliseconds; a torchrun probe without it waits for its timeout
+        if why:
+            raise click.ClickException(why)
     header = ["distplan validate: " + f"{len(specs)} probe{'s' if len(specs) != 1 else ''}, model {model_label}"]
+    if model_about:
+        header.append(f"  {model_about}")
+    if mode_note and any(s["mode"] == "fake" for s in specs):
+        header.append(f"  {mode_note}")
     header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]
     header.append(f"  {rule_text(tol)}")
     header.append(f"  results -> {out_path}" + (" (resume)" if resume else ""))
@@ -247,17 +304,21 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
 
     progress = _Progress(len(specs), err)
     results = ResultsFile(out_path)
+    restore = runner.handle_termination()
     try:
         records = runner.run_validation(
             specs, out_path, tolerance=tol, timeout_s=timeout_s,
             probe_cmd=shlex.split(probe_cmd) if probe_cmd else None, nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint, resume=resume, jobs=jobs, on_event=progress.event, results=results,
             device_memory_bytes=min(hw.get("gpu_memory_bytes") or [0]) or None)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, runner.Terminated) as e:
         progress.clear()
-        click.echo(f"interrupted: {results.appended} probe{'s' if results.appended != 1 else ''} saved to "
+        what = "terminated" if isinstance(e, runner.Terminated) else "interrupted"
+        click.echo(f"{what}: {results.appended} probe{'s' if results.appended != 1 else ''} saved to "
                    f"{out_path}; run again with --resume to continue", file=err)
-        ctx.exit(130)
+        ctx.exit(128 + e.signum if isinstance(e, runner.Terminated) else 130)
+    finally:
+        restore()
     progress.clear()
 
     failed = [r for r in records if r.get("verdict") not in ("PASS", "SKIP")]
@@ -270,11 +331,17 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         click.echo(json.dumps(report, indent=2, default=str))
     else:
         click.echo(render_table(records))
-        if len(records) == 1:
-            click.echo(render_detail(records[0]))
+        why = render_why(records)
+        if why:
+            click.echo(why)
+        detail = render_detail(records[0]) if len(records) == 1 else ""
+        if detail:
+            click.echo(detail)
         if matrix or len(records) > 1:
             click.echo(render_summary(records))
         skipped = sum(r.get("verdict") == "SKIP" for r in records)
+        if failed:
+            click.echo("\n" + FAIL_MEANS.format(tol=tol, ctol=2 * tol))
         click.echo(f"{len(records) - len(failed) - skipped}/{len(records)} PASS"
                    + (f"; {skipped} SKIP (rank 0 on another node)" if skipped else "")
                    + (f"; {len(failed)} FAIL" if failed else "") + f"; records in {out_path}")
@@ -295,12 +362,14 @@ def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: di
     if user_model:
         flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
         raise click.UsageError(f"--module and {', '.join(flags)}: give only one model")
-    from distplan.validate.module_probe import load_factory, parse_shape
+    from distplan.validate.module_probe import check_factory, parse_shape
     try:
         shape = parse_shape(input_shape, "--input-shape")
-        load_factory(factory)
+        # as `estimate --module` does, before any probe: the factory builds, the model runs on fake
+        # tensors; a factory that raises or calls sys.exit() is one line, exit 2
+        check_factory(factory, shape, os.getcwd())
     except ValueError as e:
-        raise click.UsageError(str(e))
+        raise click.UsageError(str(e).splitlines()[0])
     return {"factory": factory, "input_shape": list(shape), "path": os.getcwd()}
 
 
@@ -456,7 +525,7 @@ def _row(rec: dict) -> list:
     pred_peak = peak.get("predicted", ((rec.get("prediction") or {}).get("memory") or {}).get("peak_allocated"))
     meas_peak = peak.get("measured", ((rec.get("measurement") or {}).get("memory") or {}).get("peak_allocated"))
     worst = cmp.get("worst_component")
-    worst_s = f"{worst} {_pct(cmp.get('worst_component_error'))}" if worst else "-"
+    worst_s = _worst_cell(cmp) if worst else "-"
     coll = cmp.get("collectives")
     coll_s = "-" if not coll or coll.get("exact") is None else ("exact" if coll["exact"] else "DIFF")
     status = rec.get("status")
@@ -465,19 +534,79 @@ def _row(rec: dict) -> list:
     else:
         meas_s = _b(meas_peak) if status == "ok" else status
     world = f"{spec.get('world_size')}" + (" fake" if spec.get("mode") == "fake" else "")
-    reason = "" if rec.get("verdict") == "PASS" else "; ".join(cmp.get("reasons") or [])[:70]
     return [spec.get("strategy"), (spec.get("model") or {}).get("name"), world,
             (spec.get("train") or {}).get("checkpointing"), (spec.get("train") or {}).get("precision"),
             _b(pred_peak), meas_s, _pct(peak.get("error")), worst_s, coll_s,
-            rec.get("verdict") + (" (resumed)" if rec.get("resumed") else ""), reason]
+            rec.get("verdict") + (" (resumed)" if rec.get("resumed") else "")]
+
+
+def _worst_cell(cmp: dict) -> str:
+    """`grads -40.7% (-176.00 KiB; with temporaries within 10%)`: the component whose ratio is worst,
+    and, when that ratio is beyond the component tolerance, the bytes and the rule that judged it."""
+    from distplan.validate.compare import ABS_FLOOR_BYTES
+
+    name = cmp.get("worst_component")
+    cell = (cmp.get("components") or {}).get(name) or {}
+    err, diff = cell.get("error"), cell.get("abs_error_bytes")
+    out = f"{name} {_pct(err)}"
+    ctol = cmp.get("component_tolerance") or 0.1
+    floor = cmp.get("abs_floor_bytes") or ABS_FLOOR_BYTES
+    floor_s = f"{floor // 1024} KiB" if floor % 1024 == 0 else fmt_bytes(floor)
+    if diff is None or (err is not None and abs(err) <= ctol):
+        return out
+    signed = ("-" if diff < 0 else "+") + fmt_bytes(abs(diff))
+    if cell.get("judged_with"):
+        other = [c for c in cell["judged_with"].split("+") if c != name]
+        return f"{out} ({signed}; with {', '.join(other)} within {ctol:.0%})"
+    if abs(diff) <= floor:
+        return f"{out} ({signed}, under the {floor_s} floor)"
+    return f"{out} ({signed}, beyond {ctol:.0%} and the {floor_s} floor)"
 
 
 def render_table(records: list[dict]) -> str:
     from tabulate import tabulate
 
     headers = ["strategy", "model", "world", "ckpt", "precision", "pred peak", "meas peak", "error",
-               "worst component", "collectives", "verdict", "why"]
+               "worst component", "collectives", "verdict"]
     return tabulate([_row(r) for r in records], headers=headers, disable_numparse=True)
+
+
+def render_why(records: list[dict]) -> str:
+    """Below the table, in full: why each probe that did not PASS got its verdict."""
+    lines = []
+    for r in records:
+        if r.get("verdict") == "PASS":
+            continue
+        reasons = (r.get("comparison") or {}).get("reasons") or ["no reason recorded"]
+        lines.append(f"{r.get('verdict')} {r.get('id')}:")
+        lines += [f"  - {x}" for x in reasons]
+    return ("\nwhy\n" + "\n".join(lines)) if lines else ""
+
+
+FAIL_MEANS = ("FAIL means the planner's prediction and this machine's measurement disagree beyond the rule "
+              "(peak off by more than {tol:.0%}, a component by more than {ctol:.0%} and the 64 KiB floor, or "
+              "collective calls that differ), or the probe did not finish (crashed, timed out, raised, "
+              "out of memory where the prediction said it fits); the reasons are listed under 'why'.")
+
+
+def describe_model(m: dict, default: bool = False) -> str | None:
+    """One line saying what a reference-decoder model is: layers, width, heads, vocabulary, parameters."""
+    try:
+        n = _param_count(m)
+    except Exception:  # noqa: BLE001 - a description, never an error
+        return None
+    kv = f" ({m['kv_heads']} KV)" if m.get("kv_heads") and m.get("kv_heads") != m.get("heads") else ""
+    what = "the default probe model: " if default else ""
+    return (f"{m.get('name')}: {what}a Llama-style decoder, {m.get('layers')} layers, hidden {m.get('hidden')}, "
+            f"{m.get('heads')} heads{kv}, FFN {m.get('ffn_hidden')}, vocab {m.get('vocab')}, "
+            f"{_count(n)} parameters")
+
+
+def _count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
 
 
 def render_detail(rec: dict) -> str:
@@ -516,7 +645,7 @@ def render_detail(rec: dict) -> str:
         err = f", error {_pct(st['error'])}" if st.get("error") is not None else ""
         out.append(f"\nstep time: {pred}, {meas}{err} (reported, not judged: the time model is for "
                    f"FLOP-bound steps; small probes are launch-bound)")
-    if cmp.get("reasons"):
+    if cmp.get("reasons") and rec.get("verdict") == "PASS":  # notes; a FAIL's reasons are under 'why'
         out.append("\n" + "\n".join(f"  - {r}" for r in cmp["reasons"]))
     return "\n".join(out)
 

@@ -158,9 +158,11 @@ def test_fake_mode_launches_probe_module_and_torchrun_for_ranks():
     s = _spec(mode="cpu", world=2)
     argv = runner.probe_argv(s, "s.json", "r.json")
     assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert "--standalone" in argv and "--nproc-per-node=2" in argv
+    # one node: a rendezvous that never leaves the machine (no --standalone: it names this host)
+    assert "--standalone" not in argv and "--nproc-per-node=2" in argv
+    assert "--rdzv-endpoint=127.0.0.1:0" in argv and "--local-addr=127.0.0.1" in argv
     argv = runner.probe_argv(s, "s.json", "r.json", nnodes=2, rdzv_endpoint="h:29500")
-    assert "--standalone" not in argv and "--nproc-per-node=1" in argv and "h:29500" in argv
+    assert "--nproc-per-node=1" in argv and "h:29500" in argv and "--local-addr=127.0.0.1" not in argv
     assert runner.probe_argv(s, "s.json", "r.json", probe_cmd=FAKE) == FAKE + ["--spec", "s.json", "--out", "r.json"]
 
 
@@ -335,6 +337,7 @@ def test_cli_bad_input_exit_2_one_line(cli, args, flag):
     assert "Traceback" not in r.output
     errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
     assert len(errors) == 1 and flag in errors[0], r.output
+    assert r.output.strip() == errors[0], r.output  # one line: no usage banner
     if args[0] == "--strategy":
         assert "'nope'" in errors[0] and "fsdp" in errors[0] and "all" in errors[0]
 

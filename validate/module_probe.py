@@ -57,7 +57,11 @@ def load_factory(factory_path: str):
         sys.path.insert(0, cwd)
     try:
         mod = importlib.import_module(mod_name)
-    except Exception as exc:  # ImportError, SyntaxError, anything the module raises on import
+    except KeyboardInterrupt:
+        raise
+    except SystemExit as exc:  # user code ending the process: a one-line error, not a silent exit 0
+        raise ValueError(f"--module={factory_path!r}: importing {mod_name!r} called sys.exit({exc.code!r})") from None
+    except BaseException as exc:  # ImportError, SyntaxError, anything the module raises on import
         raise ValueError(f"--module={factory_path!r}: cannot import {mod_name!r} "
                          f"({type(exc).__name__}: {exc}); run from the directory that contains it") from None
     factory = mod
@@ -442,7 +446,47 @@ def expand_layers(prof: dict, depth: int, work) -> dict:
     return out
 
 
+def user_code_error(flag: str, label: str, what: str, exc: BaseException) -> ValueError:
+    """The one-line error for user code (a factory, a module's forward) that raised or ended the
+    process: `sys.exit()` there must not end distplan silently."""
+    if isinstance(exc, SystemExit):
+        return ValueError(f"{flag}={label!r}: {what} called sys.exit({exc.code!r})")
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return ValueError(f"{flag}={label!r}: {what} raised {type(exc).__name__}: {text}"[:400])
+
+
+def check_factory(factory_path: str, input_shape, path: str | None = None) -> None:
+    """Before any probe runs, what `distplan estimate --module` does: import the factory, build the
+    model and run one forward and backward on fake tensors (no memory, no weights touched). ValueError
+    (one line, naming --module) when the factory or the model raises or calls sys.exit(), returns no
+    nn.Module, or has no parameters."""
+    from .workload import FactoryWorkload
+
+    load_factory(factory_path)
+    profile_workload(FactoryWorkload(factory_path, parse_shape(input_shape), path), "float32")
+
+
+def _check_model(torch, model, flag: str, label: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{flag}={label!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"{flag}={label!r}: the model has no parameters: nothing to train, shard or "
+                         f"synchronise")
+
+
 def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
+    """`_profile_workload`, with user code that ends the process (`sys.exit`) or raises a
+    BaseException turned into a one-line ValueError naming the flag (KeyboardInterrupt passes)."""
+    try:
+        return _profile_workload(work, dtype, fake)
+    except (KeyboardInterrupt, Exception):
+        raise
+    except BaseException as exc:  # SystemExit, GeneratorExit, a user's BaseException subclass
+        flag = "--hf-config" if work.kind == "hf" else "--module"
+        raise user_code_error(flag, work.label, "the model", exc) from None
+
+
+def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
     """Parameters (per wrapping unit), saved-activation bytes, output bytes and forward FLOPs of a
     workload (`validate.workload`: a factory's module, or a Hugging Face causal LM).
 
@@ -470,13 +514,12 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
             model = work.build()
         except ValueError as exc:
             raise ValueError(str(exc).splitlines()[0][:300]) from None
-        except Exception as exc:
-            raise ValueError(f"{flag}={factory_path!r}: "
-                             + ("building the model" if work.kind == "hf" else "the factory") + " raised "
-                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"{flag}={factory_path!r}: the factory returned {type(model).__name__}, "
-                             f"not an nn.Module")
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - user code; SystemExit too
+            raise user_code_error(flag, factory_path, "building the model" if work.kind == "hf" else "the factory",
+                                  exc) from None
+        _check_model(torch, model, flag, factory_path)
         if not autocast and tdtype != torch.float32:
             # Module.to() swaps tensors, which fake tensors refuse; assigning .data casts in place.
             # FSDP's mixed precision casts parameters only; a module's own `.to(dtype)` casts buffers too.

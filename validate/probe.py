@@ -75,6 +75,47 @@ def write_json(path: str, obj: dict, clobber: bool = True) -> bool:
             os.unlink(tmp)
 
 
+RENDEZVOUS_CONNECT_S = 20.0
+"""How long a torchrun worker tries to reach the rendezvous store (MASTER_ADDR:MASTER_PORT) before it
+fails with one line; without it, init_process_group retries for the whole probe timeout."""
+
+
+def check_rendezvous(limit_s: float = RENDEZVOUS_CONNECT_S) -> None:
+    """Fail fast, in one line, when this worker cannot open a TCP connection to the store torchrun
+    started (MASTER_ADDR:MASTER_PORT): no network, a down loopback, a firewall."""
+    import socket
+    import time
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2.0):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"rendezvous: cannot connect to {host}:{port} within {limit_s:g} s "
+                                      f"({e.strerror or e})") from None
+            time.sleep(0.2)
+
+
+def _die_with_launcher() -> None:
+    """A probe started by `distplan validate` (DISTPLAN_PROBE_DIR set) dies when its launcher does:
+    torchelastic starts workers in sessions of their own, out of reach of the runner's process group
+    kill (validate/guard.py)."""
+    if not os.environ.get("DISTPLAN_PROBE_DIR"):
+        return
+    from .guard import set_pdeathsig
+
+    import signal
+
+    parent = os.getppid()
+    if set_pdeathsig(signal.SIGKILL) and (os.getppid() != parent or parent == 1):
+        os._exit(1)  # the launcher died before prctl took effect
+
+
 class Probe:
     def __init__(self, spec: dict):
         self.spec = spec
@@ -125,9 +166,11 @@ class Probe:
                     raise RuntimeError("mode='gpu' but torch.cuda.is_available() is False; use mode 'cpu'")
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(self.device)
+                check_rendezvous()
                 dist.init_process_group("nccl", device_id=self.device, timeout=timeout)
             else:
                 self.device = torch.device("cpu")
+                check_rendezvous()
                 dist.init_process_group("gloo", timeout=timeout)
             self.result["measured_ranks"] = list(range(self.world_size))
         self.result["backend"] = dist.get_backend()
@@ -327,6 +370,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", required=True, help="probe spec JSON file")
     ap.add_argument("--out", required=True, help="result JSON file (written by rank 0, atomically)")
     args = ap.parse_args(argv)
+    _die_with_launcher()
     if os.environ.get("RANK", "0") == "0" and os.path.exists(args.out):
         os.unlink(args.out)  # a stale result would shadow this run's error (errors never clobber)
     try:

@@ -4,7 +4,9 @@ A record is `{"id", "inputs" (the probe spec), "prediction", "measurement", "com
 "status", "device", "torch_version", "date"}`. Each append is one `write` of one complete line, then
 flush + fsync, with SIGINT deferred until the line is on disk, so a crash, an OOM or Ctrl-C never loses
 the probes before it. Reading tolerates a truncated last line (a process killed mid-write); opening for
-append first cuts such a partial line so the next record starts on a fresh line.
+append first cuts such a partial line so the next record starts on a fresh line. A file that is not
+ours (any line not a JSON record with an id and a status) is refused before anything runs and never
+modified (`check_results_path`).
 
 Known limitations: one writer at a time (no file locking); a record whose id repeats is kept, and
 `latest()` returns the newest per id.
@@ -63,41 +65,131 @@ def _same_inputs(a, b) -> bool:
     return json.loads(json.dumps(a, sort_keys=True)) == json.loads(json.dumps(b, sort_keys=True))
 
 
+DEFERRED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
 @contextmanager
-def _sigint_deferred():
-    """Hold a Ctrl-C until the block ends, then raise it (main thread only; elsewhere a no-op)."""
+def deferred_signals(signals=DEFERRED_SIGNALS):
+    """Hold Ctrl-C (and SIGTERM, SIGHUP) until the block ends, then deliver the first one to its previous
+    handler (SIGINT with the default handler: KeyboardInterrupt). Main thread only; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received = []
-    previous = signal.getsignal(signal.SIGINT)
+    received: list[int] = []
+    previous = {}
     try:
-        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+        for sig in signals:
+            previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, lambda signum, frame: received.append(signum))
     except (ValueError, OSError):
+        for sig, h in previous.items():
+            signal.signal(sig, h)
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, h in previous.items():
+            signal.signal(sig, h)
         if received:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            else:
+            sig = received[0]
+            h = previous.get(sig)
+            if callable(h):
+                h(sig, None)
+            elif sig == signal.SIGINT and h is not signal.SIG_IGN:
                 raise KeyboardInterrupt
+            elif h == signal.SIG_DFL:
+                os.kill(os.getpid(), sig)
+
+
+_sigint_deferred = deferred_signals
+
+
+class NotResultsFile(ValueError):
+    """--out names a file that is not a distplan validate results file: it is left untouched."""
+
+
+def check_results_path(path: str) -> None:
+    """Raise ValueError (one line) unless `path` can be a results file: not empty, not a directory, in
+    a directory that exists (or can be made) and can be written, and, if it exists, a JSON-lines file of
+    records with an "id" and a "status" (a last line cut mid-write is allowed: `ResultsFile` cuts it).
+    Reads, never writes."""
+    if not path or not str(path).strip():
+        raise ValueError("--out: empty path; give a file name such as distplan-results.jsonl")
+    if os.path.isdir(path):
+        raise ValueError(f"--out={path}: is a directory; give a file name inside it")
+    d = os.path.dirname(os.path.abspath(path))
+    probe = d
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(f"--out={path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--out={path}: cannot write in {probe}")
+    if os.path.exists(path):
+        if not os.path.isfile(path):
+            raise ValueError(f"--out={path}: not a regular file")
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise ValueError(f"--out={path}: cannot read and write it")
+        why = _not_ours(path)
+        if why:
+            raise NotResultsFile(f"--out={path}: not a distplan validate results file ({why}); left untouched, "
+                                 f"give another --out")
+
+
+def _is_record(obj) -> bool:
+    return isinstance(obj, dict) and "id" in obj and "status" in obj
+
+
+def _cut_record(tail: bytes) -> bool:
+    """A last line that can be one of our records cut mid-write: every record starts `{"id": `."""
+    t = tail.strip()
+    head = b'{"id": '
+    return t.startswith(head) or (bool(t) and head.startswith(t))
+
+
+def _not_ours(path: str) -> str | None:
+    """Why the existing file at `path` is not one of our results files, or None if it is."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data:
+        return None
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ok = _is_record(json.loads(line))
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"line {i} is not a JSON record with an id and a status"
+    if tail.strip():
+        try:
+            ok = _is_record(json.loads(tail))
+        except ValueError:  # a record cut mid-write starts as every record does
+            ok = _cut_record(tail)
+        if not ok:
+            return f"line {len(lines) + 1} is not a JSON record with an id and a status"
+    return None
 
 
 class ResultsFile:
     """Append-only JSON-lines writer."""
 
     def __init__(self, path: str):
+        check_results_path(path)
         self.path = path
         self.appended = 0
         self.repaired_bytes = _cut_partial_line(path)
 
     def append(self, record: dict) -> None:
         line = (json.dumps(record, sort_keys=False, default=_json_default) + "\n").encode()
-        with _sigint_deferred():
+        with deferred_signals():
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 view = memoryview(line)
@@ -111,7 +203,9 @@ class ResultsFile:
 
 
 def _cut_partial_line(path: str) -> int:
-    """Truncate a trailing line that has no newline (a record cut mid-write). Returns bytes removed."""
+    """Repair the end of a results file (`check_results_path` has accepted it): a last line without its
+    newline that is a complete record gets the newline; one cut mid-write is removed. Returns bytes
+    removed."""
     if not os.path.exists(path):
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
@@ -134,10 +228,24 @@ def _cut_partial_line(path: str) -> int:
             if i >= 0:
                 keep = pos + i + 1
                 break
-        f.truncate(keep)
+        f.seek(keep)
+        tail = f.read()
+        try:
+            complete = _is_record(json.loads(tail))
+        except ValueError:
+            complete = False
+        if complete:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+            removed = 0
+        else:
+            if not _cut_record(tail):  # not ours: never cut (check_results_path)
+                raise NotResultsFile(f"{path}: its last line is not a record cut mid-write; left untouched")
+            f.truncate(keep)
+            removed = size - keep
         f.flush()
         os.fsync(f.fileno())
-        return size - keep
+        return removed
 
 
 def _json_default(obj):

@@ -6,12 +6,17 @@ Owns the process side of `distplan validate`:
   never initialises CUDA; `choose_mode()` turns that into where probes run: GPUs -> `gpu` (NCCL, one rank
   per GPU); `--simulate-world-size N` -> `fake` (one process, rank 0 of N on the fake process group);
   no GPU -> `cpu` (gloo, 2 processes).
-- `ProbeRun` / `run_probe()` launch one probe in its own session (`start_new_session=True`):
-  `python -m torch.distributed.run --standalone --nproc-per-node=W -m distplan.validate.probe --spec S
-  --out R` (cpu/gpu; `--nnodes N --rdzv-endpoint E --rdzv-backend c10d` across nodes) or
-  `python -m distplan.validate.probe ...` (fake). A timeout or Ctrl-C kills the whole process group
-  (SIGTERM, then SIGKILL after a grace period). The probe's own result says ok / oom / error; without a
-  result file the run is `crashed` (reason: the last meaningful stderr line) or `timeout`.
+- `ProbeRun` / `run_probe()` launch one probe under a guard (`python -m distplan.validate.guard`, in a
+  session of its own) that kills the probe if distplan dies, even by SIGKILL, and removes its temp
+  folder: `python -m torch.distributed.run --nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0
+  --local-addr=127.0.0.1 --nproc-per-node=W -m distplan.validate.probe --spec S --out R` (cpu/gpu: a
+  rendezvous that never leaves the machine, so no network is needed; `--nnodes N --rdzv-endpoint E
+  --rdzv-backend c10d` across nodes) or `python -m distplan.validate.probe ...` (fake). TMPDIR points
+  inside the probe's temp folder (torchelastic's `torchelastic_*` goes with it). A timeout, an error,
+  Ctrl-C or SIGTERM kill the whole probe: the guard's group, its descendants, and the torchrun workers
+  (sessions of their own) found by the temp folder on their command lines (SIGTERM, then SIGKILL after
+  a grace period). The probe's own result says ok / oom / error; without a result file the run is
+  `crashed` (reason: a failed rendezvous in one line, else the last meaningful stderr line) or `timeout`.
 - `run_validation()` runs a list of specs (fake probes several at a time, torchrun probes alone), asks
   the planner for each prediction (`distplan.planner.api.predict_probe`), compares, and appends one record
   per probe to the JSON-lines file the moment it ends.
@@ -37,6 +42,9 @@ from .compare import DEFAULT_TOLERANCE, compare
 from .results import ResultsFile, done, read_records
 
 PROBE_MODULE = "distplan.validate.probe"
+GUARD_MODULE = "distplan.validate.guard"
+PROBE_DIR_ENV = "DISTPLAN_PROBE_DIR"
+"""Set for a probe's processes: its temp folder (the probe's workers watch for their launcher's end)."""
 DEFAULT_TIMEOUT_S = 300.0
 KILL_GRACE_S = 3.0
 DEFAULT_CPU_RANKS = 2
@@ -94,19 +102,46 @@ def available_ram_bytes() -> int | None:
         return None
 
 
+DEFAULT_FAKE_WORLD = 8
+"""The world a probe simulates on the fake process group when this machine has too few GPUs (or, on
+CPU, ranks) for a distributed strategy: one node of 8 GPUs, the usual server."""
+MAX_FAKE_WORLD = 4096
+"""Largest `--simulate-world-size`: the fake process group's rank 0 holds per-rank state for every rank
+in one process (FSDP's all-gather output is world x the shard, DDP/ZeRO size buckets and partitions
+by world), so beyond a few thousand ranks the probe measures the bookkeeping, not the strategy; 4096
+ranks is 512 nodes of 8 GPUs."""
+
+
 def choose_mode(hw: dict, simulate_world_size: int | None = None, nproc: int | None = None,
-                nnodes: int = 1) -> tuple[str, int]:
-    """(mode, world_size) for a run on this machine; see the module docstring."""
+                nnodes: int = 1, explain: bool = False):
+    """(mode, world_size) for a run on this machine; see the module docstring. With `explain`, a third
+    item: None, or the one line that says why probes run on the fake process group although nobody
+    asked (fewer than 2 ranks here: one GPU, or `--nproc 1`; a world of 1 validates no distributed
+    strategy, so rank 0 of `DEFAULT_FAKE_WORLD` on the fake process group instead)."""
+    note = None
     if simulate_world_size:
-        return "fake", int(simulate_world_size)
-    gpus = int(hw.get("gpus") or 0)
-    if gpus:
-        per_node = nproc or gpus
-        if per_node > gpus:
-            raise ValueError(f"--nproc={per_node}: this machine has {gpus} GPU(s); accepted: 1..{gpus}, "
-                             f"or --simulate-world-size for more ranks")
-        return "gpu", per_node * nnodes
-    return "cpu", (nproc or DEFAULT_CPU_RANKS) * nnodes
+        if simulate_world_size > MAX_FAKE_WORLD:
+            raise ValueError(f"--simulate-world-size={simulate_world_size}: at most {MAX_FAKE_WORLD} (rank 0 of "
+                             f"the fake process group keeps per-rank buffers for every rank in one process)")
+        mode, world = "fake", int(simulate_world_size)
+    else:
+        gpus = int(hw.get("gpus") or 0)
+        if gpus:
+            per_node = nproc or gpus
+            if per_node > gpus:
+                raise ValueError(f"--nproc={per_node}: this machine has {gpus} GPU(s); accepted: 1..{gpus}, "
+                                 f"or --simulate-world-size for more ranks")
+            mode, world = "gpu", per_node * nnodes
+        else:
+            mode, world = "cpu", (nproc or DEFAULT_CPU_RANKS) * nnodes
+        if world < 2:
+            have = (f"{gpus} GPU here" if gpus and not nproc else f"--nproc {nproc}" if nproc
+                    else "1 rank here")
+            note = (f"{have}, and a distributed strategy needs 2 ranks or more: probing rank 0 of "
+                    f"{DEFAULT_FAKE_WORLD} on the fake process group (as --simulate-world-size "
+                    f"{DEFAULT_FAKE_WORLD}; give that flag for another world)")
+            mode, world = "fake", DEFAULT_FAKE_WORLD
+    return (mode, world, note) if explain else (mode, world)
 
 
 def describe_mode(mode: str, world_size: int, hw: dict) -> str:
@@ -144,10 +179,47 @@ def probe_argv(spec: dict, spec_path: str, out_path: str, probe_cmd: list[str] |
                 "--rdzv-id", "distplan-" + str(abs(hash(spec.get("id"))) % 10**8)]
         per_node = world // nnodes
     else:
-        rdzv = ["--standalone"]
+        rdzv = local_rendezvous()
         per_node = world
     return ([sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={per_node}",
              "-m", PROBE_MODULE] + tail)
+
+
+LOOPBACK = "127.0.0.1"
+RDZV_READ_TIMEOUT_S = 20
+"""Seconds a single-node rendezvous store operation may take before torchrun gives up (default 60)."""
+RDZV_JOIN_TIMEOUT_S = 60
+"""Seconds torchrun's single-node rendezvous may take (default 600)."""
+
+
+def local_rendezvous() -> list[str]:
+    """torchrun options for a one-node run that never leaves this machine: the c10d rendezvous store on
+    127.0.0.1 (a free port, chosen by the store), this node's address 127.0.0.1 (so the workers'
+    MASTER_ADDR is not this host's name, which needs a working resolver), shortened timeouts. Works
+    with no network at all as long as the loopback interface is up (`check_loopback`)."""
+    return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:0",
+            f"--rdzv-id=distplan-{os.getpid()}-{time.monotonic_ns() % 10**9}",
+            f"--rdzv-conf=is_host=1,read_timeout={RDZV_READ_TIMEOUT_S},join_timeout={RDZV_JOIN_TIMEOUT_S}",
+            f"--local-addr={LOOPBACK}"]
+
+
+def check_loopback(timeout_s: float = 2.0) -> str | None:
+    """None when a TCP connection to 127.0.0.1 works here (what a one-node torchrun probe needs), else
+    the one-line reason. Takes milliseconds."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+            srv.bind((LOOPBACK, 0))
+            srv.listen(1)
+            port = srv.getsockname()[1]
+            with socket.create_connection((LOOPBACK, port), timeout=timeout_s):
+                pass
+    except OSError as e:
+        why = e.strerror or str(e)
+        return (f"rendezvous on {LOOPBACK} impossible: {why} (is the loopback interface down? "
+                f"torchrun probes need it; --simulate-world-size N runs without it)")
+    return None
 
 
 _ERROR_RE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
@@ -164,37 +236,112 @@ def _last_error_line(text: str) -> str:
     return lines[-1][:500] if lines else ""
 
 
+_LIVE: set = set()
+"""ProbeRuns started by this process and not yet finished: `abandon_all()` (atexit, SIGTERM) ends them."""
+
+
+class Terminated(BaseException):
+    """Raised in the main thread by the SIGTERM/SIGHUP handler of `handle_termination()`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def abandon_all() -> None:
+    """Kill every live probe of this process and remove its temp folder (atexit; after SIGTERM)."""
+    for run in list(_LIVE):
+        try:
+            run.abandon()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+_ATEXIT = []
+
+
+def handle_termination():
+    """Until the returned `restore()` is called, SIGTERM and SIGHUP raise `Terminated` in the main
+    thread (so the session's cleanup runs: probes killed, temp folders removed, records kept); live
+    probes are abandoned at exit in any case. A SIGKILL cannot be caught: each probe's guard
+    (validate/guard.py) cleans up after it."""
+    import atexit
+    import threading
+
+    if not _ATEXIT:
+        atexit.register(abandon_all)
+        _ATEXIT.append(True)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        def raise_terminated(signum, frame):
+            raise Terminated(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                previous[sig] = signal.signal(sig, raise_terminated)
+            except (ValueError, OSError):
+                pass
+
+    def restore():
+        for sig, h in previous.items():
+            try:
+                signal.signal(sig, h)
+            except (ValueError, OSError):
+                pass
+    return restore
+
+
 class ProbeRun:
-    """One launched probe. `poll()` returns its measurement dict once it has ended, else None."""
+    """One launched probe. `poll()` returns its measurement dict once it has ended, else None.
+
+    The probe runs under a guard (`python -m distplan.validate.guard`, in a new session) that kills it
+    when this process dies, even by SIGKILL, and then removes its temp folder; the probe's processes get
+    TMPDIR inside that folder (torchelastic's `torchelastic_*` folder goes with it) and the folder's
+    path on their command lines (`--spec`), by which `kill()` finds torchrun workers that left the
+    session."""
 
     def __init__(self, spec: dict, probe_cmd: list[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  nnodes: int = 1, rdzv_endpoint: str | None = None, env: dict | None = None):
+        from .guard import remove_dir
+
         self.spec = spec
         self.timeout_s = timeout_s
         self.nnodes = nnodes
+        self.result: dict | None = None
+        self.proc = None
         self.dir = tempfile.mkdtemp(prefix="distplan-probe-")
-        self.spec_path = os.path.join(self.dir, "spec.json")
-        self.out_path = os.path.join(self.dir, "result.json")
-        with open(self.spec_path, "w") as f:
-            json.dump(spec, f)
-        self.argv = probe_argv(spec, self.spec_path, self.out_path, probe_cmd, nnodes, rdzv_endpoint)
-        full_env = dict(os.environ)
-        full_env.setdefault("OMP_NUM_THREADS", "1")
-        full_env["PYTHONUNBUFFERED"] = "1"
-        full_env.update(env or {})
-        self._stdout = open(os.path.join(self.dir, "stdout.log"), "wb")
-        self._stderr = open(os.path.join(self.dir, "stderr.log"), "wb")
-        self.t0 = time.monotonic()
         try:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._stdout,
+            self.spec_path = os.path.join(self.dir, "spec.json")
+            self.out_path = os.path.join(self.dir, "result.json")
+            with open(self.spec_path, "w") as f:
+                json.dump(spec, f)
+            self.argv = probe_argv(spec, self.spec_path, self.out_path, probe_cmd, nnodes, rdzv_endpoint)
+            tmp = os.path.join(self.dir, "tmp")
+            os.mkdir(tmp)
+            full_env = dict(os.environ)
+            full_env.setdefault("OMP_NUM_THREADS", "1")
+            full_env["PYTHONUNBUFFERED"] = "1"
+            full_env["TMPDIR"] = tmp  # torchelastic's torchelastic_* folder, the probe's temp files
+            full_env[PROBE_DIR_ENV] = self.dir
+            if spec.get("mode") == "cpu" and nnodes == 1 and os.path.isdir("/sys/class/net/lo"):
+                full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one node: gloo on the loopback
+            full_env.update(env or {})
+            self._stdout = open(os.path.join(self.dir, "stdout.log"), "wb")
+            self._stderr = open(os.path.join(self.dir, "stderr.log"), "wb")
+            guard = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), self.dir, "--"]
+            self.t0 = time.monotonic()
+            self.proc = subprocess.Popen(guard + self.argv, stdin=subprocess.DEVNULL, stdout=self._stdout,
                                          stderr=self._stderr, env=full_env, start_new_session=True)
-        except OSError:
-            self._stdout.close()
-            self._stderr.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
+        except BaseException:
+            for f in (getattr(self, "_stdout", None), getattr(self, "_stderr", None)):
+                if f is not None:
+                    f.close()
+            if self.proc is not None:
+                self.kill()
+            remove_dir(self.dir)
             raise
         self.pgid = self.proc.pid  # a new session's leader: its pid is the group id
-        self.result: dict | None = None
+        _LIVE.add(self)
 
     @property
     def elapsed_s(self) -> float:
@@ -210,7 +357,7 @@ class ProbeRun:
                 self.result = self._finish(rc=self.proc.returncode, timed_out=True)
                 return self.result
             return None
-        self.kill()  # reap stragglers left in the group (torchrun workers, probe children)
+        self.kill()  # reap stragglers (torchrun workers in sessions of their own, probe children)
         self.result = self._finish(rc=rc, timed_out=False)
         return self.result
 
@@ -222,27 +369,29 @@ class ProbeRun:
             time.sleep(interval_s)
 
     def kill(self) -> None:
-        """SIGTERM the whole process group, SIGKILL whatever is left after the grace period."""
-        if not _group_alive(self.pgid):
-            self._reap()
+        """SIGTERM the guard, its process group, every descendant and every process whose command line
+        names this probe's folder; SIGKILL whatever is left after the grace period (validate/guard.py)."""
+        from .guard import kill_tree, probe_processes
+
+        if self.proc.poll() is not None and not probe_processes(None, self.dir, self.pgid):
             return
-        _signal_group(self.pgid, signal.SIGTERM)
-        deadline = time.monotonic() + KILL_GRACE_S
-        while time.monotonic() < deadline:
-            self._reap()
-            if not _group_alive(self.pgid):
-                break
-            time.sleep(0.05)
-        else:
-            _signal_group(self.pgid, signal.SIGKILL)
+        kill_tree(self.proc.pid, self.dir, self.pgid, KILL_GRACE_S, reap=self._reap)
         self._reap(block=True)
 
     def abandon(self) -> None:
-        """Kill the probe and remove its scratch directory without reading a result (Ctrl-C)."""
-        self.kill()
-        for f in (self._stdout, self._stderr):
-            f.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Kill the probe and remove its scratch directory without reading a result (Ctrl-C, SIGTERM).
+        Signals that arrive meanwhile (a second Ctrl-C) wait until the folder is gone."""
+        from .guard import remove_dir
+        from .results import deferred_signals
+
+        with deferred_signals():
+            try:
+                self.kill()
+            finally:
+                for f in (self._stdout, self._stderr):
+                    f.close()
+                remove_dir(self.dir)
+                _LIVE.discard(self)
 
     def _reap(self, block: bool = False) -> None:
         try:
@@ -251,6 +400,8 @@ class ProbeRun:
             pass
 
     def _finish(self, rc: int | None, timed_out: bool) -> dict:
+        from .guard import remove_dir
+
         wall = self.elapsed_s
         for f in (self._stdout, self._stderr):
             f.close()
@@ -273,7 +424,7 @@ class ProbeRun:
             elif rc == 0:
                 reason = "exited 0 without writing a result"
             else:
-                reason = _last_error_line(stderr) or f"exit code {rc}"
+                reason = _rendezvous_failure(stderr) or _last_error_line(stderr) or f"exit code {rc}"
                 if rc is not None and rc < 0:
                     reason = f"killed by signal {-rc}" + (f": {reason}" if reason else "")
             result = {"id": self.spec.get("id"), "status": status, "error": reason,
@@ -283,39 +434,28 @@ class ProbeRun:
         result["wall_s"] = round(wall, 3)
         if result["status"] not in ("ok", "remote"):
             result["stderr_tail"] = stderr[-2000:]
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            remove_dir(self.dir)
+        finally:
+            _LIVE.discard(self)
         return result
 
 
-def _group_alive(pgid: int) -> bool:
-    """True while any non-zombie process is left in the group."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # killpg succeeds on zombies too; look for a live member where /proc exists.
-    if not os.path.isdir("/proc"):
-        return True
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+_RDZV_HOST = (re.compile(r"failed to connect/validate to host (\S+?) - timed out"),
+              re.compile(r"The client socket has failed to connect to any network address of \(([^)]*)\)"))
+_RDZV_ERROR = re.compile(r"\b(RendezvousTimeoutError|RendezvousConnectionError|DistNetworkError)\b.*")
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _rendezvous_failure(stderr: str) -> str | None:
+    """One line for a probe whose processes never met (torchrun's C++ stack otherwise ends the log)."""
+    for pat in _RDZV_HOST:
+        m = pat.search(stderr or "")
+        if m:
+            return f"rendezvous failed: cannot connect to {m.group(1)} (see stderr_tail)"
+    m = _RDZV_ERROR.search(stderr or "")
+    if m:
+        return f"rendezvous failed: {m.group(0)[:200]}"
+    return None
 
 
 def _read_tail(path: str, nbytes: int = 20000) -> str:
