@@ -573,9 +573,17 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                     snap("backward", comm_buffers=ur + held_at_rs + rs_in + rs_out + acc,
                          activations=below(j), grads=shards_after(j),
                          temporaries=n_tok * h * r + split + last_g + tied_buf)
-            if sharding:  # the root's reduce-scatter: unsharded grads + its input in reduce_dtype
-                snap("backward", comm_buffers=ur + lay.unshard_root * rb,
-                     grads=L * lay.shard_block * gsh + lay.unshard_root * ud)
+            if sharding:
+                # The root's post_backward, last: it reshards first (the root too: FSDP2 keeps it
+                # unsharded from forward to backward only, `_auto_reshard_after_forward`), then
+                # `foreach_reduce` copies its unsharded gradients (collected from .grad, so no longer
+                # counted as gradients) into the reduce-scatter input, frees them and allocates the
+                # output shard; gloo's reduce_scatter_tensor splits the input once more.
+                rs_root = lay.unshard_root * rb
+                snap("backward", comm_buffers=acc + rs_root, grads=L * lay.shard_block * gsh,
+                     temporaries=lay.unshard_root * ud)
+                snap("backward", comm_buffers=acc + rs_root + lay.shard_root * rb, grads=L * lay.shard_block * gsh,
+                     temporaries=rs_root if backend == "gloo" else 0)
         else:
             snap("backward", comm_buffers=ur + blocks_unsharded + acc,
                  activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
@@ -602,10 +610,21 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                      grads=0 if backend == "gloo" else out_shard,
                      activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
                      temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
-            # The root at the end: its view gradients, their concatenation, then the reduce_dtype cast.
-            root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if prec.mixed else 0)
-            snap("backward", comm_buffers=ur, grads=L * lay.shard_block * gsh if sharding
-                 else L * lay.block * gb, temporaries=root_tmp)
+            if sharding:
+                # The root at the end (its post-backward runs last): its view gradients and their
+                # concatenation (flat_param.grad) next to the unsharded flat parameter; then
+                # `_post_backward_hook` reshards it (`_should_free_in_backward`), casts the gradient to
+                # reduce_dtype under mixed precision (the 16-bit one alive to the hook's end) and
+                # `_reduce_grad` reduce-scatters into a new shard.
+                g_root = lay.unshard_root * ud
+                shards_done = L * lay.shard_block * gsh
+                snap("backward", comm_buffers=ur + g_root + acc, grads=shards_done, temporaries=g_root)
+                snap("backward", comm_buffers=lay.unshard_root * rb + acc,
+                     grads=shards_done + lay.shard_root * rb, temporaries=g_root if prec.mixed else 0)
+            else:
+                # The root at the end: its view gradients, their concatenation, then the cast.
+                root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if prec.mixed else 0)
+                snap("backward", comm_buffers=ur, grads=L * lay.block * gb, temporaries=root_tmp)
         grads_final = lay.shard_total * gsh if sharding else lay.total * gb
         if offload_params:
             grads_final = 0

@@ -467,6 +467,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         root = unsh.get("root", 0)
         order = [s[0] for s in segs if s[0] in sizes and s[0] != "root"]
         held: list = []  # units unsharded and kept to backward (no reshard)
+        copied: set = set()  # FSDP2 units past their pre-forward copy-out
         for k, (u, *_) in enumerate(segs):
             cur = unsh.get(u, 0) if u != "root" else 0
             if u in sizes and u != "root" and not reshard and u not in held:
@@ -479,6 +480,15 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # CIFAR ResNet: only the current unit's is alive), the last one until the root's
             # post-forward (as the decoder walk's `ag_tail`).
             ag = cur if family == "fsdp2" and sharding else 0
+            if ag and u not in copied:
+                # The unit's pre-forward copy-out (`FSDPParamGroup.wait_for_unshard`): the previous
+                # group's all-gather output (the root's, for the first unit), dropped from
+                # `comm_ctx.all_gather_state` but held by the local `prev_all_gather_state` until the
+                # method returns, next to this unit's output and its copied-out parameters.
+                prev = order[order.index(u) - 1] if order.index(u) > 0 else "root"
+                snap("forward", **base, comm_buffers=root + (cur if reshard else kept) + ag + unsh.get(prev, 0),
+                     activations=sum(acts[:k]) + inputs[k])
+                copied.add(u)
             for a, t, w in fwd_instants(k):
                 snap("forward", w, **base, comm_buffers=root + (cur + pre if reshard else kept) + ag,
                      activations=a, temporaries=t)
@@ -553,7 +563,23 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     unsharded = 0
                 # The root's gradients made so far wait for the root's own reduction at the end.
                 rg = root_grads(k, False, 0) if u != "root" else 0
-                if fsdp1:
+                if fsdp1 and u == "root" and sharding:
+                    # The root's post-backward runs after every other unit's (the end of backward):
+                    # `_post_backward_hook` reshards first (`_post_backward_reshard`; the root too
+                    # frees its unsharded flat parameter, `_should_free_in_backward`), casts
+                    # flat_param.grad to reduce_dtype under mixed precision (the 16-bit gradient
+                    # stays alive as `autograd_computed_grad` to the hook's end) and `_reduce_grad`
+                    # reduce-scatters into a new shard. Before it, at the root's last AccumulateGrad,
+                    # the view gradients and their concatenation (flat_param.grad) are both alive next
+                    # to the unsharded flat parameter. Measured (fake process group of 8, untied 65K
+                    # vocabulary: the root dominates): fp32 peaks at the concatenation, bf16-mixed at
+                    # the reduce (16-bit gradient + fp32 input + fp32 shard).
+                    snap("backward", **base, comm_buffers=unsharded + g_unit, activations=sum(acts[:k]),
+                         grads=grads, temporaries=ends[k] + g_unit)
+                    out = sizes[u][0] * red
+                    snap("backward", **base, comm_buffers=unsharded - root + rs, activations=sum(acts[:k]),
+                         grads=grads + out, temporaries=ends[k] + (g_unit if prec.mixed else 0))
+                elif fsdp1:
                     # The view gradients are concatenated into flat_param.grad (both alive), which is
                     # the reduce-scatter (NO_SHARD: all-reduce) input unless mixed precision casts it
                     # to reduce_dtype first.
