@@ -319,6 +319,10 @@ _DIM_MAX: dict[str, tuple[float, str]] = {
     "count": (2.0**40, "2^40"),
     "fraction": (1.0, "1"),
 }
+_DIM_MIN: dict[str, tuple[float, str]] = {
+    "bytes_per_s": (1e6, "1 MB/s, below any GPU link or NIC"),
+    "flops": (1e9, "1 GFLOP/s, below any accelerator"),
+}
 _KEY_MAX: dict[tuple[str, str], tuple[float, str]] = {
     ("gpus", "memory"): (4.0 * 2**40, "4 TiB, over ten times the largest GPU memory built, 288 GB"),
     ("gpus", "nvlink_links"): (1024, "1,024; GPUs have up to 18"),
@@ -464,7 +468,7 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
     out["aliases"] = tuple(a.strip() for a in aliases)
 
     name = data.get("name")
-    if name is not None and (not isinstance(name, str) or name.lower() != stem):
+    if "name" in data and (not isinstance(name, str) or name.lower() != stem):  # `name:` alone is null
         raise _err(path, "name", f"{_short(name)} differs from the file name; accepted: {_short(stem)} (or omit name)")
 
     for key, required in schema.text.items():
@@ -527,6 +531,10 @@ def _convert(path: Path, key: str, value: Any, suffix: str,
         return value * factor
     if value <= 0:
         raise _err(path, key, f"{_short(value)} must be > 0; accepted: a positive number")
+    low = _DIM_MIN.get(dim)
+    if low is not None and value * factor < low[0]:
+        raise _err(path, key, f"{_short(value)} is implausibly small; accepted: at least {low[0] / factor:.4g} "
+                              f"({low[1]})")
     if dim == "bytes":
         nbytes = int(round(value * factor))
         if nbytes < 1:
