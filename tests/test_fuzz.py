@@ -173,6 +173,35 @@ def test_cli_fuzz_seeds(args):
     _check(args)
 
 
+# -- Hugging Face config.json ----------------------------------------------------------------------
+
+HF_KEYS = ["model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+           "intermediate_size", "vocab_size", "max_position_embeddings", "hidden_act", "head_dim",
+           "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
+           "layer_types", "max_window_layers", "attention_dropout", "partial_rotary_factor", "rope_scaling",
+           "n_layer", "n_embd", "n_head", "n_inner", "n_positions", "activation_function", "resid_pdrop"]
+
+
+@st.composite
+def hf_configs(draw) -> dict:
+    cfg = json.loads(HF_LLAMA.read_text())
+    cfg["model_type"] = draw(st.sampled_from(["llama", "mistral", "qwen2", "phi3", "gpt2", "gemma2", None]))
+    if cfg["model_type"] == "gpt2":
+        cfg.update(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
+    for key in draw(st.lists(st.sampled_from(HF_KEYS), min_size=1, max_size=3, unique=True)):
+        cfg[key] = draw(st.one_of(VALUE_JSON, st.integers(-(10**20), 10**20)))
+    return cfg
+
+
+@FUZZ
+@given(hf_configs(), st.sampled_from(["estimate", "recommend"]))
+def test_hf_config_fuzz(cfg, command):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps(cfg, allow_nan=True))
+        _check([command, "--hf-config", str(path), "--front-end", "analytic", "--gpus", "8", "--json"])
+
+
 # -- catalog overlays -----------------------------------------------------------------------------
 
 BASES = {"gpus": "h100-sxm", "interconnects": "ib-ndr", "nodes": "dgx-h100", "models": "llama-3-8b"}
@@ -185,6 +214,11 @@ LEAF = st.one_of(
 VALUE = st.recursive(LEAF, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                    st.dictionaries(st.text(max_size=5), inner, max_size=3)),
                      max_leaves=12)
+VALUE_JSON = st.recursive(
+    st.one_of(st.integers(-(10**30), 10**30), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+              st.booleans(), st.none(), st.sampled_from([0, -1, 10**400, 2**63, 1e300, 0.5, "silu", "gelu_new"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=10)
 FRAGMENTS = st.sampled_from([
     "a: &a [1, 2, 3]\nb: *a\n", "<<: *x\n", "x: !!python/object:os.system 'ls'\n", "x: !!binary aGVsbG8=\n",
     "x: 2001-12-14\n", "- 1\n", "x: [[[[[[[[1]]]]]]]]\n", "? [a, b]\n: c\n", "x: {a: 1, a: 2}\n", "\t\n",
