@@ -563,7 +563,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     unsharded = 0
                 # The root's gradients made so far wait for the root's own reduction at the end.
                 rg = root_grads(k, False, 0) if u != "root" else 0
-                if fsdp1 and u == "root" and sharding:
+                if fsdp1 and u == "root":
                     # The root's post-backward runs after every other unit's (the end of backward):
                     # `_post_backward_hook` reshards first (`_post_backward_reshard`; the root too
                     # frees its unsharded flat parameter, `_should_free_in_backward`), casts
@@ -573,10 +573,12 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     # the view gradients and their concatenation (flat_param.grad) are both alive next
                     # to the unsharded flat parameter. Measured (fake process group of 8, untied 65K
                     # vocabulary: the root dominates): fp32 peaks at the concatenation, bf16-mixed at
-                    # the reduce (16-bit gradient + fp32 input + fp32 shard).
+                    # the reduce (16-bit gradient + fp32 input + fp32 shard). NO_SHARD keeps its flat
+                    # parameter but frees the 16-bit copy mixed precision made (`post_reshard` ->
+                    # `_free_low_precision_sharded_param`) and all-reduces the cast gradient in place.
                     snap("backward", **base, comm_buffers=unsharded + g_unit, activations=sum(acts[:k]),
                          grads=grads, temporaries=ends[k] + g_unit)
-                    out = sizes[u][0] * red
+                    out = sizes[u][0] * red if sharding else 0
                     snap("backward", **base, comm_buffers=unsharded - root + rs, activations=sum(acts[:k]),
                          grads=grads + out, temporaries=ends[k] + (g_unit if prec.mixed else 0))
                 elif fsdp1:
