@@ -173,7 +173,7 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         try:
             entry = _catalog(catalog_dirs).model(str(model))
         except CatalogError as exc:
-            raise ValueError(f"--model={model!r}: {exc}") from None
+            raise ValueError(f"--model={short_repr(model)}: {exc}") from None
         spec = ModelSpec(**entry.spec_kwargs())
         check_spec_bounds(spec, f"--model={short_repr(model)} ({entry.path})")
     elif hf_config is not None:
@@ -182,7 +182,7 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         try:
             spec = ModelSpec(**kwargs)
         except ValueError as exc:
-            raise ValueError(f"--hf-config={hf_config!r}: {exc}") from None
+            raise ValueError(f"--hf-config={short_repr(hf_config)}: {exc}") from None
     else:
         target = parse_count(params if params is not None else "7B", "--params")
         if target > LIMITS["params"][1]:
@@ -253,11 +253,13 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
             from .hardware import gpu_for_memory
             gpu_name, matched = gpu_for_memory(cat, mem_bytes, DEFAULT_GPU)
             e = cat.gpu(gpu_name)
-            notes.append(f"--gpu-mem {mem_bytes / 2**30:.4g} GiB: " + (
+            notes.append(f"--gpu-mem {gpu_mem} = {mem_bytes / 2**30:.4g} GiB: " + (
                 f"assumed {e.name} (the catalog GPU with that memory: its FLOP/s and {e.scale_up_link}); "
                 f"--gpu NAME for another" if matched else
                 f"no catalog GPU has that memory: planned {e.name}'s FLOP/s and {e.scale_up_link} with it; "
                 f"--gpu NAME to choose"))
+        elif mem_bytes is not None:
+            notes.append(f"--gpu-mem {gpu_mem} = {mem_bytes / 2**30:.4g} GiB of {gpu_name}")
         gpu_e = cat.gpu(gpu_name or DEFAULT_GPU)
     except CatalogError as exc:
         flag = "--node" if node and "node" in str(exc) else "--gpu"
@@ -282,13 +284,13 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
         try:
             link = cat.interconnect(name)
         except CatalogError as exc:
-            raise ValueError(f"{flag}={name!r}: {exc}") from None
+            raise ValueError(f"{flag}={short_repr(name)}: {exc}") from None
         if flag == "--intra" and link.tier != "intra_node":
-            raise ValueError(f"--intra={name!r} is an inter-node link ({link.kind}); accepted: "
+            raise ValueError(f"--intra={short_repr(name)} is an inter-node link ({link.kind}); accepted: "
                              + ", ".join(n for n in cat.names("interconnects")
                                          if cat.interconnect(n).tier == "intra_node"))
         if flag == "--inter" and link.tier != "inter_node":
-            raise ValueError(f"--inter={name!r} is an intra-node link ({link.kind}); accepted: "
+            raise ValueError(f"--inter={short_repr(name)} is an intra-node link ({link.kind}); accepted: "
                              + ", ".join(n for n in cat.names("interconnects")
                                          if cat.interconnect(n).tier == "inter_node"))
         if flag == "--intra":
@@ -407,7 +409,7 @@ class Plan:
         for r in self.results:
             if r.name == name:
                 return r
-        raise KeyError(f"{name!r} was not evaluated; evaluated: {', '.join(r.name for r in self.results)}")
+        raise KeyError(f"{short_repr(name)} was not evaluated; evaluated: {', '.join(r.name for r in self.results)}")
 
     @property
     def recommendation(self):
@@ -488,7 +490,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}; model overrides accepted: "
                          + ", ".join(_OVERRIDE_FIELDS))
     if activation_checkpointing not in ANALYTIC_CHECKPOINTING and activation_checkpointing in CHECKPOINTING:
-        raise ValueError(f"--activation-checkpointing={activation_checkpointing!r}: the analytic front end models "
+        raise ValueError(f"--activation-checkpointing={short_repr(activation_checkpointing)}: the analytic front end models "
                          f"{', '.join(ANALYTIC_CHECKPOINTING)}; checkpointing every K-th block needs the trace "
                          f"(--hf-config with transformers installed, or --module)")
     spec, notes = resolve_model(model if not isinstance(model, ModelSpec) else model, params, hf_config,
@@ -504,7 +506,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         names = ["single"]
     results = [evaluate(train, cluster, get_strategy(n), comm=comm, catalog_dirs=catalog_dirs) for n in names]
     if tokens is not None and not tokens > 0:
-        raise ValueError(f"tokens={tokens!r}: must be positive")
+        raise ValueError(f"tokens={short_repr(tokens)}: must be positive")
     front = ("front end: analytic (decoder formulas"
              + ("; --front-end trace runs the transformers model itself on fake tensors)" if hf_config else ")"))
     return Plan(train, cluster, results, notes + cnotes + [front], tokens)

@@ -226,3 +226,12 @@ def test_module_plan_counts_samples():
     r = run("estimate", "--module", "examples.mnist_cnn:make_model", "--input-shape", "64,1,28,28", "--gpus", "8")
     assert r.exit_code == 0, r.output
     assert "samples/s" in r.output and "tokens/s" not in r.output
+
+
+@pytest.mark.parametrize("given, gib", [("80GB", "74.51"), ("80G", "74.51"), ("80", "80"), ("80GiB", "80"),
+                                        ("81920MiB", "80")])
+def test_gpu_mem_interpretation_is_printed(given, gib):
+    for extra in ([], ["--gpu", "a100-80gb"]):
+        r = run("estimate", "--params", "7B", "--gpus", "8", "--gpu-mem", given, *extra)
+        assert r.exit_code == 0, r.output
+        assert f"--gpu-mem {given} = {gib} GiB" in r.output
