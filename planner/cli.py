@@ -159,11 +159,14 @@ def use_trace(kw: dict) -> bool:
 
 def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
     from .api import plan
-    from .units import check_count
+    from .units import check_count, short_repr
     for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum",
                  "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
         if kw.get(flag) is not None:  # each bounded to what exists (units.LIMITS), before any work
             check_count(flag, kw[flag])
+    for s in strategies:  # a name is echoed cut to 60 characters, on the trace path too
+        if s not in NAMES:
+            raise ValueError(f"--strategy={short_repr(s)}: accepted: {', '.join(NAMES)}")
     if kw.get("hf_config") is not None:  # its sizes too, before the trace imports torch
         from .hf_config import load_hf_config
         load_hf_config(kw["hf_config"])

@@ -120,7 +120,7 @@ def bus_factor(op: str, n: int) -> float:
         return (n - 1) / n
     if op == "broadcast":
         return 1.0
-    raise ValueError(f"op={op!r}: accepted values are {', '.join(OPS)}")
+    raise ValueError(f"op={str(op)[:40]!r}: accepted values are {', '.join(OPS)}")
 
 
 def latency_steps(op: str, n: int) -> int:
