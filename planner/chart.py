@@ -272,34 +272,40 @@ CHART_FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
 """`--plot` by extension: SVG from `plan_svg` (no dependency); PNG and PDF through matplotlib."""
 
 
+def _shown(value) -> str:
+    """A value as an error shows it: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check_chart_path(path: str, flag: str = "--plot") -> str:
     """The chart format for `path`, or ValueError naming the flag, the value and what is accepted:
     checked before any planning, so a bad path costs nothing."""
     import os
     if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{flag}={path!r}: give a file name ending in {', '.join(CHART_FORMATS)}")
+        raise ValueError(f"{flag}={_shown(path)}: give a file name ending in {', '.join(CHART_FORMATS)}")
     ext = os.path.splitext(path)[1].lower()
     if ext not in CHART_FORMATS:
-        raise ValueError(f"{flag}={path!r}: unknown chart format {ext or '(no extension)'}; "
+        raise ValueError(f"{flag}={_shown(path)}: unknown chart format {ext or '(no extension)'}; "
                          f"accepted: {', '.join(CHART_FORMATS)}")
     if os.path.isdir(path):
-        raise ValueError(f"{flag}={path!r}: is a directory; give a file name")
+        raise ValueError(f"{flag}={_shown(path)}: is a directory; give a file name")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ValueError(f"{flag}={path!r}: folder {parent} does not exist")
+        raise ValueError(f"{flag}={_shown(path)}: its folder does not exist")
     if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ValueError(f"{flag}={path!r}: not writable")
+        raise ValueError(f"{flag}={_shown(path)}: not writable")
     import tempfile
     try:  # the folder must take a new file (os.access says yes for root, and for /proc)
         with tempfile.NamedTemporaryFile(prefix=".distplan-chart-", dir=parent):
             pass
     except OSError as exc:
-        raise ValueError(f"{flag}={path!r}: cannot write in {parent} ({exc.strerror or exc})") from None
+        raise ValueError(f"{flag}={_shown(path)}: cannot write in its folder ({exc.strerror or exc})") from None
     fmt = CHART_FORMATS[ext]
     if fmt != "svg":
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:
-            raise ValueError(f"{flag}={path!r}: {fmt.upper()} needs matplotlib (pip install 'distplan[plot]'); "
+            raise ValueError(f"{flag}={_shown(path)}: {fmt.upper()} needs matplotlib (pip install 'distplan[plot]'); "
                              f"or write .svg, which needs nothing")
     return fmt
 
@@ -324,7 +330,7 @@ def write_chart(plan, path: str, flag: str = "--plot") -> None:
             plot_matplotlib(plan).savefig(tmp, format=fmt)
         os.replace(tmp, path)
     except OSError as exc:
-        raise ValueError(f"{flag}={path!r}: could not write the chart ({exc.strerror or exc})") from None
+        raise ValueError(f"{flag}={_shown(path)}: could not write the chart ({exc.strerror or exc})") from None
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

@@ -190,7 +190,28 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class OneLineErrors(click.Group):
+    """click's own usage errors (a value that is not an integer, an unknown option, a missing
+    argument) as one `Error: ...` line with exit code 2, like ours: no usage banner."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            click.echo(f"Error: {exc.format_message().splitlines()[0]}", err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="distplan")
 def main():
     """distplan: per-GPU memory, communication, step time and strategy for distributed PyTorch

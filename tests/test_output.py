@@ -235,3 +235,13 @@ def test_gpu_mem_interpretation_is_printed(given, gib):
         r = run("estimate", "--params", "7B", "--gpus", "8", "--gpu-mem", given, *extra)
         assert r.exit_code == 0, r.output
         assert f"--gpu-mem {given} = {gib} GiB" in r.output
+
+
+@pytest.mark.parametrize("args", [["estimate", "--micro-batch", "1e9"], ["estimate", "--nope"], ["catalog", "show"],
+                                  ["estimate", "--plot", "/nonexistent/" + "x" * 5000 + ".svg"]])
+def test_click_usage_errors_are_one_line(args):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and len(lines[0]) < 200, r.output
+    assert "Usage:" not in r.output
