@@ -244,7 +244,13 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
         owned = 0
         if family == "zero1" and shard > 1:
             # ZeroRedundancyOptimizer._partition_parameters (zero1_partition): the most loaded rank.
-            owned = max(zero1_partition(_size_runs(model), shard, shapes=False)[0])
+            runs = _size_runs(model)
+            if shard >= sum(len(run) for _, run in runs):
+                # as many ranks as parameters: each parameter lands on an empty rank (independent of
+                # the rank count, which may be 2**20)
+                owned = max(n for n, _ in runs)
+            else:
+                owned = max(zero1_partition(runs, shard, shapes=False)[0])
     return Layout(total, block, root, shard_total, sb, sr, ub, ur, largest, owned)
 
 

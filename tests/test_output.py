@@ -245,3 +245,20 @@ def test_click_usage_errors_are_one_line(args):
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and len(lines[0]) < 200, r.output
     assert "Usage:" not in r.output
+
+
+def test_zero1_partition_with_more_ranks_than_parameters_is_the_largest_parameter():
+    """The shortcut `layout` takes when ranks >= parameters equals ZeroRedundancyOptimizer's greedy
+    partition (zero1_partition) at and just past that count, and costs nothing at 2**20 ranks."""
+    import time
+    from distplan.planner.api import resolve_model
+    from distplan.planner.memory import _size_runs, layout, zero1_partition
+    spec, _ = resolve_model(params="7B")
+    runs = _size_runs(spec)
+    count = sum(len(run) for _, run in runs)
+    for ranks in (count, count + 1, 2 * count):
+        greedy = max(zero1_partition(runs, ranks, shapes=False)[0])
+        assert layout(spec, "zero1", ranks, False, True).owned == greedy == max(n for n, _ in runs)
+    start = time.process_time()
+    layout(spec, "zero1", 2**20, False, True)
+    assert time.process_time() - start < 0.5
