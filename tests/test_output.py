@@ -258,7 +258,7 @@ def test_zero1_partition_with_more_ranks_than_parameters_is_the_largest_paramete
     count = sum(len(run) for _, run in runs)
     for ranks in (count, count + 1, 2 * count):
         greedy = max(zero1_partition(runs, ranks, shapes=False)[0])
-        assert layout(spec, "zero1", ranks, False, True).owned == greedy == max(n for n, _ in runs)
+        assert layout(spec, "zero1", ranks, False, True).opt_owned == greedy == max(n for n, _ in runs)
     start = time.process_time()
     layout(spec, "zero1", 2**20, False, True)
     assert time.process_time() - start < 0.5
