@@ -20,17 +20,10 @@ import pytest
 
 from distplan.validate import matrix as mx
 from distplan.validate import runner
+from distplan.validate.guard import _cmdline
 
 _SCRIPT = os.path.join(os.path.dirname(sys.executable), "distplan")
 DISTPLAN = [_SCRIPT] if os.path.exists(_SCRIPT) else [sys.executable, "-m", "distplan.planner.cli"]
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _state(pid: str) -> str:
