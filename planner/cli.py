@@ -279,12 +279,14 @@ def recommend(strategies, tokens, as_json, table_format, **kw):
 @click.option("--sweep-gpus", "sweep_gpus", metavar="LIST", help="GPU counts, e.g. 8,16,32,64.")
 @click.option("--sweep-micro-batch", metavar="LIST", help="Micro-batch sizes, e.g. 1,2,4,8.")
 @click.option("--sweep-seq-len", metavar="LIST", help="Sequence lengths, e.g. 2048,4096,8192.")
+@click.option("--tokens", type=str, help="Total training tokens (e.g. 2T): adds the time to train.")
 @output_options
 @_fail_on_value_error
-def sweep(strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len, as_json, table_format, **kw):
+def sweep(strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len, tokens, as_json, table_format, **kw):
     """A table over GPU counts, micro-batch sizes or sequence lengths, for one or all strategies."""
     from .sweep import render_sweep, run_sweep
-    kw["tokens"] = None
+    from .units import parse_count
+    kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
     rows = run_sweep(kw, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len)
     if as_json:
         click.echo(dump_json(rows))

@@ -63,6 +63,9 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
                          "step_time_s": r.step_time_s,
                          "tokens_per_s": r.time.tokens_per_s if r.time is not None else None,
                          "recommended": r.name == rec})
+            if kw.get("tokens"):
+                tps = rows[-1]["tokens_per_s"]
+                rows[-1]["time_to_train_s"] = kw["tokens"] / tps if tps else None
     return rows
 
 
@@ -73,6 +76,10 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
     table = [[r[key], r["strategy"] + (" *" if r["recommended"] else ""), fmt_gib(r["peak_allocated"]),
               fmt_gib(r["total_required"]), "yes" if r["fits"] else "NO",
               fmt_seconds(r["step_time_s"]) if r["step_time_s"] else "-",
-              f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"] for r in rows]
+              f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"]
+             + ([fmt_seconds(r["time_to_train_s"]) if r["time_to_train_s"] else "-"] if "time_to_train_s" in r else [])
+             for r in rows]
     headers = [key, "strategy", "peak GiB", "total GiB", "fits", "step", "tokens/s"]
+    if "time_to_train_s" in rows[0]:
+        headers.append("time to train")
     return tabulate(table, headers, tablefmt=table_format, disable_numparse=True) + "\n* recommended"

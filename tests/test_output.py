@@ -149,6 +149,10 @@ def test_tokens_show_time_to_train_everywhere():
         assert "time for 2T tokens" in r.output
         row = [x for x in r.output.splitlines() if x.startswith("ddp ")][1]  # the time table's row
         assert " d " in row + " "  # days, from 2e12 / tokens per second
+    r = run("sweep", "--params", "7B", "--sweep-gpus", "8,16", "--tokens", "2T")
+    assert r.exit_code == 0 and "time to train" in r.output, r.output
+    rows = json.loads(run("sweep", "--params", "7B", "--sweep-gpus", "8,16", "--tokens", "2T", "--json").output)
+    assert all(x["time_to_train_s"] == pytest.approx(2e12 / x["tokens_per_s"]) for x in rows if x["tokens_per_s"])
     d = json.loads(run("recommend", "--params", "7B", "--gpus", "8", "--tokens", "2T", "--json").output)
     s = d["strategies"][0]
     assert s["time_to_train_s"] == pytest.approx(2e12 / s["tokens_per_s"])
