@@ -73,6 +73,7 @@ UNIT_SUFFIXES: dict[str, tuple[str, float]] = {
     "_mib": ("bytes", float(2**20)),           # MiB = 2^20 bytes
     "_gb": ("bytes", 1e9),                     # GB = 1e9 bytes
     "_us": ("seconds", 1e-6),                  # microseconds
+    "_gflop": ("flop", 1e9),                   # 1e9 floating-point operations (a GEMM's 2*m*n*k)
 }
 _SUFFIXES_LONGEST_FIRST = sorted(UNIT_SUFFIXES, key=len, reverse=True)
 _ACCEPTED_UNITS = ", ".join(sorted(UNIT_SUFFIXES))
@@ -115,6 +116,21 @@ class GPU:
     """Assumptions and caveats."""
     path: str = ""
     """The file this entry was read from."""
+    # -- the per-kernel time model (planner/kernels.py); `distplan calibrate` measures each on a device --
+    matmul_half_efficiency_flop: float = 20e9
+    """GEMM size 2*m*n*k (FLOP) at which a GEMM runs at half the large-GEMM rate: rate(F) =
+    peak x matmul_efficiency x F / (F + this). Small GEMMs lose to tile and wave quantization."""
+    hbm_efficiency: float = 0.85
+    """Achievable bandwidth of a large memory-bound kernel (copy, elementwise) / hbm_bytes_per_s."""
+    attention_efficiency: float = 0.55
+    """Flash-attention forward FLOP/s (causal FLOPs counted) / dense peak of the compute dtype."""
+    attention_backward_efficiency: float = 0.45
+    """Flash-attention backward FLOP/s / dense peak (the backward does 2.5x the forward's matmuls)."""
+    kernel_overhead_s: float = 4e-6
+    """GPU time a kernel costs beyond its work (launch gap, ramp-up and tail), seconds."""
+    host_op_s: float = 12e-6
+    """CPU time of one eager PyTorch op (dispatch + launch): the step cannot run faster than its ops can
+    be issued."""
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype`; CatalogError naming the dtypes this GPU has."""
@@ -265,6 +281,12 @@ _SCHEMA: dict[str, _Kind] = {
             "bf16": ("flops", False),
             "matmul_efficiency": ("fraction", True),
             "nvlink_links": ("count", False),
+            "matmul_half_efficiency": ("flop", False),
+            "hbm_efficiency": ("fraction", False),
+            "attention_efficiency": ("fraction", False),
+            "attention_backward_efficiency": ("fraction", False),
+            "kernel_overhead": ("seconds", False),
+            "host_op": ("seconds", False),
         },
         text={**_COMMON_TEXT, "vendor": True, "scale_up_link": True},
         enums={"vendor": (("nvidia", "amd", "intel", "other"), True)},
@@ -545,6 +567,13 @@ def _convert(path: Path, key: str, value: Any, suffix: str,
 
 # -- building entries -----------------------------------------------------------------------------
 
+_GPU_KERNEL_KEYS = {"matmul_half_efficiency": "matmul_half_efficiency_flop", "hbm_efficiency": "hbm_efficiency",
+                    "attention_efficiency": "attention_efficiency",
+                    "attention_backward_efficiency": "attention_backward_efficiency",
+                    "kernel_overhead": "kernel_overhead_s", "host_op": "host_op_s"}
+"""Optional GPU keys of the per-kernel time model -> GPU fields (defaults on the dataclass)."""
+
+
 def _build(kind: str, f: dict[str, Any]) -> Any:
     common = dict(name=f["name"], aliases=f["aliases"], source=f["source"],
                   notes=f.get("notes", ""), path=f["path"])
@@ -556,6 +585,7 @@ def _build(kind: str, f: dict[str, Any]) -> Any:
         return GPU(vendor=f["vendor"], memory_bytes=f["memory"], hbm_bytes_per_s=f["hbm_bandwidth"],
                    flops=flops, matmul_efficiency=f["matmul_efficiency"],
                    scale_up_link=f["scale_up_link"].lower(), nvlink_links=f.get("nvlink_links"),
+                   **{field_: f[key] for key, field_ in _GPU_KERNEL_KEYS.items() if key in f},
                    **common)
     if kind == "interconnects":
         return Interconnect(kind=f["kind"], tier=f["tier"], line_rate_bytes_per_s=f["line_rate"],
