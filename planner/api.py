@@ -457,7 +457,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          inter_gbps: float | None = None, seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1,
          precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
          activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
-         framework: str = "pytorch", strategies: Iterable[str] | None = None, tokens: float | None = None,
+         framework: str = "pytorch", compile: bool = False, strategies: Iterable[str] | None = None,
+         tokens: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
          **overrides) -> Plan:
     """Plan a training run: every strategy's per-GPU memory, communication and step time.
@@ -469,6 +470,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             (catalog names; `gpu_mem` as 80, "80GB" or "80GiB").
         seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
             activation_checkpointing, attention, cpu_offload, framework: one training step.
+        compile: the blocks run under torch.compile (step time only: fused pointwise kernels).
         strategies: names from the registry (default: all).
         tokens: total training tokens, for the time-to-train figure.
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
@@ -500,7 +502,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,
-                        cpu_offload=cpu_offload, framework=framework)
+                        cpu_offload=cpu_offload, framework=framework, compile=compile)
     names = list(strategies) if strategies else [n for n in NAMES if n != "single" or cluster.gpus == 1]
     if cluster.gpus == 1 and not strategies:
         names = ["single"]

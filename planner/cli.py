@@ -77,6 +77,9 @@ def training_options(fn):
                      help="Where the strategy supports it (FSDP: params)."),
         click.option("--framework", type=click.Choice(FRAMEWORKS), default="pytorch", show_default=True,
                      help="deepspeed models DeepSpeed's ZeRO-1/2/3 buffers (not validated)."),
+        click.option("--compile", "compile_", is_flag=True, default=False,
+                     help="The blocks run under torch.compile: fused pointwise kernels in the step time "
+                          "(memory is modelled for eager)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -185,7 +188,8 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], grad_accum=kw["grad_accum"],
                 precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
                 activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
-                cpu_offload=kw["cpu_offload"], framework=kw["framework"], strategies=list(strategies) or None,
+                cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
+                strategies=list(strategies) or None,
                 tokens=kw.get("tokens"), comm=comm, detect_local=detect_local,
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)
 

@@ -21,11 +21,14 @@ Overlap model (per optimizer step; exposure = max(0, comm - compute it can hide 
   Reduce-scatters exist only on the last micro-step.
 - DeepSpeed: stage 1/2 (overlap_comm=False by default) expose everything; stage 3 overlaps per phase
   (exposed = max(0, comm - compute) per phase).
-Optimizer step: memory bound, bytes touched / HBM bandwidth.
+Optimizer step: memory bound, bytes touched / (HBM x hbm_efficiency).
 
-Known limitations: compute is FLOPs / (peak x matmul_efficiency), one efficiency for every op
-(norms, softmax, rotary are not timed); no kernel-launch or data-loader overhead; collectives that
-overlap compute are assumed not to slow it (SM contention ignored).
+Compute is the per-kernel model of `kernels.py` (GEMMs by shape, attention by kernel, memory-bound ops
+by bytes, launches, the host's floor); the overlap model above hides communication behind its per-block
+forward and backward times.
+
+Known limitations: collectives that overlap compute are assumed not to slow it (SM contention
+ignored); no data-loader overhead.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from .comm import _DTYPE_BYTES, Collective, collective_schedule, schedule_totals
+from .activations import regime_for
 from .config import Cluster, TrainConfig
+from .kernels import KernelTimes, kernel_times
 
 from .strategies import Strategy, get_strategy
 
@@ -115,25 +120,37 @@ def _peak(gpu, dtype: str) -> float:
     return flops.get("fp32") or max(flops.values())  # no bf16 (V100, T4): emulated at best fp32 speed
 
 
-_OPT_PASSES = {"fused": 1.0, "foreach": 2.0, "for-loop": 2.0}
-"""Passes over the state per step: fused kernels read/write once; foreach/for-loop launch several
-elementwise kernels that each re-read their operands (an assumption, ~2x the minimum traffic)."""
-
-
 def _optimizer_bytes(train: TrainConfig, elems: float) -> float:
-    """Bytes the optimizer step touches for `elems` owned parameters (read + write)."""
+    """HBM bytes (read + write) the optimizer step moves for `elems` owned parameters.
+
+    Counted pass by pass from torch/optim/adam.py `_multi_tensor_adam` (foreach; `_single_tensor_adam`
+    runs the same ops per tensor) with p = param, g = grad, s = state element bytes:
+    `_foreach_mul_(params, 1 - lr*wd)` (adamw: 2p), `_foreach_lerp_(exp_avgs, grads)` (2s + g),
+    `_foreach_mul_(exp_avg_sqs, beta2)` (2s), `_foreach_addcmul_(exp_avg_sqs, grads, grads)` (2s + g),
+    `_foreach_sqrt` (2s), `_foreach_div_` (2s), `_foreach_add_(eps)` (2s),
+    `_foreach_addcdiv_(params, exp_avgs, denom)` (2p + 2s): 4p + 14s + 2g for AdamW (Adam with its
+    default weight_decay=0: 2p + 14s + 2g). The fused kernel (`torch._fused_adamw_`) reads p, g and both
+    states once and writes p and both states: 2p + g + 4s. SGD with momentum (`_multi_tensor_sgd`):
+    `_foreach_mul_(bufs)`, `_foreach_add_(bufs, grads)`, `_foreach_add_(params, bufs)`: 2p + 5s + g;
+    plain SGD 2p + g. bitsandbytes' 8-bit AdamW is one fused kernel over 1-byte states."""
     p = train.prec
     pb, gb = p.param_bytes, p.grad_bytes
-    opt = train.optimizer
+    sb = pb
+    opt, impl = train.optimizer, train.optimizer_impl
     if opt in ("adam", "adamw"):
-        per = 2 * pb + gb + 2 * 2 * pb  # param r/w, grad r, exp_avg and exp_avg_sq r/w
+        if impl == "fused":
+            per = 2 * pb + gb + 4 * sb
+        else:
+            per = (4 if opt == "adamw" else 2) * pb + 14 * sb + 2 * gb
     elif opt == "adamw-8bit":
         per = 2 * pb + gb + 2 * 2 * 1
     elif opt == "sgd-momentum":
-        per = 2 * pb + gb + 2 * pb
-    else:  # sgd, adafactor (factored state is small)
+        per = 2 * pb + gb + 2 * sb if impl == "fused" else 2 * pb + 5 * sb + gb
+    elif opt == "sgd":
         per = 2 * pb + gb
-    return elems * per * _OPT_PASSES.get(train.optimizer_impl, 2.0)
+    else:  # adafactor: factored second moment (small), a few passes over params and grads
+        per = 3 * (2 * pb + gb)
+    return elems * per
 
 
 def _owned_elems(train: TrainConfig, cluster: Cluster, s: Strategy) -> float:
@@ -144,18 +161,25 @@ def _owned_elems(train: TrainConfig, cluster: Cluster, s: Strategy) -> float:
     return math.ceil(P / n)
 
 
-def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Collective], compute_rate: float,
-                 forward: tuple[float, float] | None = None) -> float:
-    """Seconds of communication not hidden by compute, per optimizer step (module docstring model)."""
+def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Collective],
+                 compute: float | KernelTimes, forward: tuple[float, float] | None = None) -> float:
+    """Seconds of communication not hidden by compute, per optimizer step (module docstring model).
+
+    `compute`: the per-kernel times of one micro-step (`kernels.kernel_times`), or a FLOP/s rate at
+    which every FLOP runs (block backward = 2x forward, + 1x with full recompute)."""
     if not schedule:
         return 0.0
     s = get_strategy(strategy)
     strategy = s.name
     A, L = train.grad_accum, train.model.layers
-    block_f, head_f = forward or _forward_flops(train)
-    rec = 1.0 if train.checkpointing == "full" else 0.0
-    F_blk, F_head = block_f / compute_rate, head_f / compute_rate
-    B_blk, B_head = (2.0 + rec) * F_blk, 2.0 * F_head
+    if isinstance(compute, KernelTimes):
+        F_blk, F_head = compute.block_forward_s, compute.head_forward_s
+        B_blk, B_head = compute.block_backward_s, compute.head_backward_s
+    else:
+        block_f, head_f = forward or _forward_flops(train)
+        rec = 1.0 if train.checkpointing == "full" else 0.0
+        F_blk, F_head = block_f / compute, head_f / compute
+        B_blk, B_head = (2.0 + rec) * F_blk, 2.0 * F_head
     bwd_total = L * B_blk + B_head
     sums = schedule_totals(schedule)
     by_phase = sums.time_by_phase
@@ -250,15 +274,16 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
     if schedule is None:
         schedule = collective_schedule(train, cluster, s.name)
     peak = _peak(gpu, _compute_dtype(train))
-    rate = peak * gpu.matmul_efficiency
     forward = _forward_flops(train)
-    compute = step_flops(train, forward) / rate
+    kt = kernel_times(train, gpu, regime_for(train, s.family))
+    compute = train.grad_accum * kt.micro_step_s(train.model.layers) + kt.per_step_s
     sums = schedule_totals(schedule)
     comm = sums.time_s
-    exposed = exposed_comm(train, s, schedule, rate, forward)
-    opt = _optimizer_bytes(train, _owned_elems(train, cluster, s)) / gpu.hbm_bytes_per_s
+    exposed = exposed_comm(train, s, schedule, kt, forward)
+    bw = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
+    opt = _optimizer_bytes(train, _owned_elems(train, cluster, s)) / bw
     # Copies around the collectives (memory bound) and the host cost of each call; added, not overlapped.
-    overhead = copy_bytes(train, s, schedule) / gpu.hbm_bytes_per_s
+    overhead = copy_bytes(train, s, schedule) / bw
     overhead += COLLECTIVE_LAUNCH_S * sums.calls
     total = compute + exposed + opt + overhead
     gpus = 1 if s.family == "single" else cluster.gpus
@@ -290,13 +315,13 @@ def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str
         return None
     if gpu is None:
         gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
-    rate = _peak(gpu, _compute_dtype(train)) * gpu.matmul_efficiency
-    compute = step_flops(train) / rate
+    kt = kernel_times(train, gpu, regime_for(train, s.family))
+    compute = train.grad_accum * kt.micro_step_s(train.model.layers) + kt.per_step_s
     target = target_fraction * compute
 
     def exposed(bw: float) -> float:
         cl = replace(cluster, inter_bytes_per_s=bw)
-        return exposed_comm(train, strategy, collective_schedule(train, cl, strategy), rate)
+        return exposed_comm(train, strategy, collective_schedule(train, cl, strategy), kt)
 
     if exposed(hi) > target:
         return math.inf

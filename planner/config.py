@@ -67,6 +67,9 @@ class TrainConfig:
     cpu_offload: str = "none"
     framework: str = "pytorch"
     """pytorch (native implementations, validated) or deepspeed (DeepSpeed ZeRO's buffers)."""
+    compile: bool = False
+    """The blocks run under torch.compile (Inductor fuses their pointwise ops): changes the step time's
+    memory-bound work and kernel count only; memory is modelled for eager execution."""
 
     def __post_init__(self) -> None:
         if not (type(self.seq_len) is int and 0 < self.seq_len <= _MAX_SEQ and type(self.micro_batch) is int
@@ -75,7 +78,7 @@ class TrainConfig:
                 and self.precision in PRECISIONS and self.optimizer in OPTIMIZERS
                 and self.optimizer_impl in OPTIMIZER_IMPLS and self.checkpointing in CHECKPOINTING
                 and self.attention in ATTENTION and self.cpu_offload in OFFLOAD
-                and self.framework in FRAMEWORKS):  # one test for the common case; below names the culprit
+                and self.framework in FRAMEWORKS and type(self.compile) is bool):  # one test for the common case; below names the culprit
             self._check_fields()
         if self.model.position == "learned" and self.seq_len > self.model.max_positions:
             raise ValueError(
@@ -93,6 +96,8 @@ class TrainConfig:
         _choice("attention", self.attention, ATTENTION)
         _choice("cpu_offload", self.cpu_offload, OFFLOAD)
         _choice("framework", self.framework, FRAMEWORKS)
+        if type(self.compile) is not bool:
+            raise ValueError(f"compile={short_repr(self.compile)}: accepted: True or False")
 
     @property
     def prec(self) -> Precision:

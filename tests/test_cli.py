@@ -98,12 +98,16 @@ def test_module_entry_point():
     assert json.loads(out)["strategies"]
 
 
-def test_recommend_small_model_two_gpus_is_ddp():
-    # At micro-batch 8 compute dominates; the sharded strategies are within 5% and the simpler DDP wins.
-    # (At micro-batch 1 the model prefers zero2: its sharded optimizer step halves a 3.5 ms AdamW pass.)
+def test_recommend_small_model_two_gpus_is_replicated():
+    # At micro-batch 8 compute dominates: every strategy is within 10% and the pick is a replicated one,
+    # the simplest within 5% of the fastest. DDP itself is ~7% slower than FSDP with MixedPrecision:
+    # autocast keeps an fp32 residual stream and casts every Linear input and weight (kernels.py), and
+    # its unsharded AdamW pass is twice zero2's.
     r = run("recommend", "--params", "125M", "--gpus", "2", "--gpu", "a100-80gb", "--micro-batch", "8", "--json")
     d = json.loads(r.output)
-    assert d["recommendation"]["strategy"] == "ddp", d["recommendation"]
+    assert d["recommendation"]["strategy"] in ("ddp", "fsdp-no-shard"), d["recommendation"]
+    steps = [s["step_time_s"] for s in d["strategies"]]
+    assert max(steps) < 1.10 * min(steps)
 
 
 def test_recommend_70b_on_64_h100_is_sharded():

@@ -174,4 +174,5 @@ def test_clear_caches_picks_up_an_edited_catalog(tmp_path):
     path.write_text(mine.replace("bf16_tflops: 989", "bf16_tflops: 494.5"))
     assert plan("llama-3-8b", **kw)["ddp"].time.compute_s == before  # cached
     clear_caches()
-    assert plan("llama-3-8b", **kw)["ddp"].time.compute_s == pytest.approx(2 * before)
+    # GEMMs and attention (most of the step) take twice as long; memory-bound work does not
+    assert 1.4 * before < plan("llama-3-8b", **kw)["ddp"].time.compute_s < 2 * before

@@ -1,0 +1,218 @@
+"""Per-kernel time of one training step on one GPU: the compute side of the step-time model.
+
+Owns `KernelTimes` and `kernel_times(train, gpu, regime)`. `compute.step_time` adds communication,
+overlap and the optimizer's collectives on top.
+
+Every op of a decoder block is timed by what bounds it:
+
+- **GEMMs** (the Linear layers, the LM head) by FLOPs at their shapes: a GEMM of F = 2*m*n*k FLOPs runs at
+  peak x matmul_efficiency x F / (F + G), G = `gpu.matmul_half_efficiency_flop` (small GEMMs lose to tile
+  and wave quantization: a fixed G / (16-bit peak x efficiency) per GEMM, whatever its dtype); backward is two GEMMs of the same size (input gradient and weight gradient).
+- **Attention** by kernel: SDPA's flash / memory-efficient kernel at `gpu.attention_efficiency` of the
+  dense peak forward and `attention_backward_efficiency` backward, causal FLOPs halved (the kernels
+  skip masked tiles); backward does 2.5x the forward's matmul FLOPs (Dao 2023, FlashAttention-2, sec. 3.1:
+  five matmuls backward vs two forward). Eager attention: QK^T and AV as GEMMs plus the fp32 softmax,
+  mask and casts over b x heads x s^2 elements, memory bound.
+- **Memory-bound ops** (norms, rotary, activations, residual adds, autocast's casts, cross-entropy over the
+  vocabulary, the embedding's gradient, the optimizer) by bytes read + written / (HBM x hbm_efficiency).
+  Eager bytes follow the ops transformers' modeling code (and the reference decoder) run: LlamaRMSNorm
+  upcasts to fp32 and runs pow, mean, rsqrt, mul, downcast and the weight mul as separate kernels;
+  `rotate_half` is a neg and a cat before two muls and an add; the loss upcasts the logits to fp32
+  (`transformers.loss.loss_utils.ForCausalLMLoss`). Backward of an elementwise op reads its saved
+  inputs and the output gradient and writes the input gradient: twice the forward's bytes. Under
+  `torch.compile` (`compile=True`) Inductor fuses each chain of pointwise ops into one kernel that reads its
+  inputs and writes its outputs once; GEMMs, attention and the loss (outside the compiled blocks, as
+  torchtitan compiles per block) are unchanged.
+- **Launches**: every kernel costs `gpu.kernel_overhead_s` of GPU time beyond its work, and the step
+  cannot be faster than the host issues its ops (`gpu.host_op_s` per eager op; the CPU-bound floor of
+  small models).
+
+Kernel and op counts per block are those of transformers' Llama (forward ~45 kernels eager, ~12
+compiled; backward about twice), an assumption stated here, not traced.
+
+Known limitations: no SM contention between NCCL kernels and compute; grouped-query attention's
+`repeat_kv` copies are not counted (transformers skips them when SDPA has `enable_gqa`); dropout masks
+are counted as one extra elementwise pass; fp32 GEMMs use the same efficiency as 16-bit ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from .config import TrainConfig
+
+_EAGER_FWD_KERNELS, _COMPILED_FWD_KERNELS = 45, 12
+"""Kernels per block forward: transformers' LlamaDecoderLayer issues ~45 (7 GEMMs, SDPA, 2 x 7 for the
+norms, ~10 for rotary, the casts and adds); compiled, the 7 GEMMs, attention and ~4 fused pointwise
+kernels. Backward issues about twice as many."""
+_HOST_OPS_PER_KERNEL = 1.3
+"""Eager ops (views, transposes, reshapes included) per kernel launched: host cost of ops that launch nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTimes:
+    """Seconds on one GPU for one micro-step (per block and for the parts outside the blocks)."""
+
+    block_forward_s: float
+    """One block's forward."""
+    block_backward_s: float
+    """One block's backward, its recompute included (full: the whole forward; selective: the pointwise ops)."""
+    head_forward_s: float
+    """Embedding, final norm, LM head and loss forward."""
+    head_backward_s: float
+    """Their backward (the loss's, the head's two GEMMs, the embedding's gradient)."""
+    per_step_s: float
+    """Once per optimizer step: autocast's weight-gradient casts, the optimizer step."""
+    host_s: float
+    """Host time to issue one micro-step's ops: the step takes at least this long per micro-step."""
+    matmul_s: float
+    """Of one micro-step: GEMM time (blocks and head, forward, backward, recompute)."""
+    attention_s: float
+    """Of one micro-step: attention kernels."""
+    memory_bound_s: float
+    """Of one micro-step: norms, rotary, activations, adds, casts, loss, embedding gradient."""
+    launch_s: float
+    """Of one micro-step: kernel overheads."""
+
+    def micro_step_s(self, layers: int) -> float:
+        """GPU time of one micro-step's forward and backward, or the host's if that is longer."""
+        gpu = layers * (self.block_forward_s + self.block_backward_s) + self.head_forward_s + self.head_backward_s
+        return max(gpu, self.host_s)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gemm(flops: float, rate: float, fixed: float) -> float:
+    """Seconds of one GEMM of `flops` = 2*m*n*k at large-GEMM `rate`, plus the `fixed` time a GEMM of any
+    size loses to tile and wave quantization (G / tensor-core rate: in 16-bit, (F + G) / rate)."""
+    return flops / rate + fixed
+
+
+def kernel_times(train: TrainConfig, gpu, regime: str) -> KernelTimes:
+    """Per-kernel times of one micro-step of `train` on `gpu` (a catalog GPU) under `regime`
+    (activations.regime_for: 'fp32', 'autocast' (fp32 params, 16-bit matmuls), 'lowp' (16-bit params))."""
+    return _kernel_times(train, regime, _gpu_key(gpu))
+
+
+def _gpu_key(gpu) -> tuple:
+    return (tuple(sorted(gpu.flops.items())), gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop,
+            gpu.hbm_bytes_per_s, gpu.hbm_efficiency, gpu.attention_efficiency,
+            gpu.attention_backward_efficiency, gpu.kernel_overhead_s, gpu.host_op_s)
+
+
+_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
+
+
+@lru_cache(maxsize=512)
+def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
+    (flops, eff, half, hbm, hbm_eff, att_eff, att_bwd_eff, k_over, host_op) = key
+    flops = dict(flops)
+    dtype = _DTYPE[train.precision]
+    peak = flops.get(dtype) or flops.get("fp32") or max(flops.values())
+    rate = peak * eff
+    # the half-efficiency size G is a tensor-core figure: a fixed time G / (16-bit peak x eff) per GEMM
+    half = half / (max(flops.get("bf16", 0.0), flops.get("fp16", 0.0), peak) * eff)
+    bw = hbm * hbm_eff
+    m = train.model
+    b, s, h, f, V = train.micro_batch, train.seq_len, m.hidden, m.ffn_hidden, m.vocab
+    n = b * s
+    d = h // m.heads
+    kv = m.kv_heads * d
+    c = 4 if regime == "fp32" else 2            # matmul outputs, attention
+    r = 4 if regime in ("fp32", "autocast") else 2  # residual stream (fp32 under autocast: fp32 + bf16 -> fp32)
+    compiled = train.compile
+
+    # -- GEMMs of one block: (m, k, n) per Linear, forward; backward = 2 GEMMs of the same FLOPs
+    shapes = [(n, h, h), (n, h, kv), (n, h, kv), (n, h, h)]
+    shapes += [(n, h, f), (n, h, f), (n, f, h)] if m.mlp == "swiglu" else [(n, h, f), (n, f, h)]
+    gemm_fwd = sum(_gemm(2.0 * a * k * o, rate, half) for a, k, o in shapes)
+    gemms = len(shapes)
+
+    # -- attention
+    attn_flops = 4.0 * b * s * s * h  # QK^T and AV (Narayanan et al. 2021, Eq. 3)
+    if train.attention == "sdpa":
+        attn_flops *= 0.5  # causal: the flash / memory-efficient kernels skip masked tiles
+        attn_fwd = attn_flops / (peak * att_eff)
+        attn_bwd = 2.5 * attn_flops / (peak * att_bwd_eff)
+        attn_mem_fwd = 0.0
+        attn_kernels = 1
+    else:
+        scores = b * m.heads * s * s
+        attn_fwd = _gemm(attn_flops, rate, half)
+        attn_bwd = 2.0 * attn_fwd
+        # scores (c) -> + mask -> fp32 softmax -> downcast: ~ write c, r/w 4+4 (mask add), r 4 w 4, r 4 w c
+        attn_mem_fwd = scores * (c + 8 + 8 + 4 + c)
+        attn_kernels = 6
+
+    # -- memory-bound bytes of one block forward
+    def norm_bytes(elems: int) -> float:
+        if compiled or m.norm == "layernorm":
+            return elems * 2.0 * r  # one fused kernel (or ATen's native layer_norm): read x, write y
+        upcast = 0 if r == 4 else r + 4
+        downcast = 0 if r == 4 else 4 + r
+        return elems * (upcast + 8 + 4 + 8 + downcast + 2 * r)  # to fp32, pow, mean, mul, to, weight mul
+
+    nh = n * h
+    mem = 2 * norm_bytes(nh)
+    if m.position == "rope":
+        rot = n * (h + kv) * (m.rotary_dim / d if m.rotary_dim else 1.0)
+        mem += rot * (2 * c if compiled else 10 * c)  # neg, cat, 2 mul, add on q and k (rotate_half)
+    mem += nh * 2 * c  # attention output transpose(1, 2).contiguous()
+    mem += 2 * nh * (2 * r + c)  # two residual adds: read residual and branch, write residual
+    nf = n * f
+    if m.mlp == "swiglu":
+        mem += nf * (3 * c if compiled else 5 * c)  # silu(gate) * up
+    elif m.activation == "gelu_new" and not compiled:
+        mem += nf * 16 * c  # NewGELUActivation: pow, mul, add, mul, tanh, add, mul, mul
+    else:
+        mem += nf * 2 * c
+    if regime == "autocast":
+        # autocast casts each Linear's fp32 input (the norm outputs: q, k, v and gate, up / fc)
+        mem += nh * (3 + (2 if m.mlp == "swiglu" else 1)) * 6
+    drop = (m.resid_dropout > 0) * 2 * nh + (m.attn_dropout > 0 and train.attention != "sdpa") * b * m.heads * s * s
+    mem += drop * (3 * c + 1)  # mask generation, mul
+    mem += attn_mem_fwd
+
+    fwd_kernels = (_COMPILED_FWD_KERNELS if compiled else _EAGER_FWD_KERNELS) - 1 + attn_kernels
+    mem_fwd = mem / bw
+    block_fwd = gemm_fwd + attn_fwd + mem_fwd + fwd_kernels * k_over
+    block_bwd = 2 * gemm_fwd + attn_bwd + 2 * mem_fwd + 2 * fwd_kernels * k_over
+    recompute_mem = 0.0
+    if train.checkpointing == "full" or train.checkpointing.startswith("every-"):
+        per = 1.0 if train.checkpointing == "full" else 1.0 / int(train.checkpointing.split("-")[1])
+        block_bwd += per * block_fwd
+        recompute_mem = per * mem_fwd
+        recompute_gemm = per * gemm_fwd
+        recompute_attn = per * attn_fwd
+    elif train.checkpointing == "selective":
+        block_bwd += mem_fwd + (fwd_kernels - gemms - attn_kernels) * k_over  # pointwise ops only
+        recompute_mem, recompute_gemm, recompute_attn = mem_fwd, 0.0, 0.0
+    else:
+        recompute_gemm = recompute_attn = 0.0
+
+    # -- outside the blocks: embedding, final norm, head, loss
+    head_gemm = _gemm(2.0 * n * h * V, rate, half)
+    logits = n * V
+    up = 0 if c == 4 else c + 4  # logits.float() and its backward
+    head_mem_fwd = norm_bytes(nh) + nh * (c + r) + logits * (up + 8)  # norm, embedding gather, cast + log_softmax
+    grad_b = train.prec.grad_bytes
+    head_mem_bwd = (2 * norm_bytes(nh) + logits * (4 + 12 + up)  # nll grad fill, log_softmax bwd, cast bwd
+                    + V * h * grad_b + nh * r)                 # embedding grad: zero fill + index add
+    head_kernels = 20
+    head_fwd = head_gemm + head_mem_fwd / bw + head_kernels * k_over
+    head_bwd = 2 * head_gemm + head_mem_bwd / bw + 2 * head_kernels * k_over
+
+    # -- once per optimizer step: autocast's cast of each weight gradient to fp32 (bf16 grad -> fp32 .grad)
+    per_step = 0.0
+    if regime == "autocast":
+        per_step += m.param_count() * 6 / bw
+
+    L = m.layers
+    host = (L * 3 * fwd_kernels + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
+    matmul = L * (3 * gemm_fwd + recompute_gemm) + 3 * head_gemm
+    attention = L * (attn_fwd + attn_bwd + recompute_attn)
+    memory = (L * (3 * mem_fwd + recompute_mem) + (head_mem_fwd + head_mem_bwd) / bw)
+    launch = (L * 3 * fwd_kernels + 3 * head_kernels) * k_over
+    return KernelTimes(block_fwd, block_bwd, head_fwd, head_bwd, per_step, host, matmul, attention, memory, launch)
