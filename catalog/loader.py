@@ -122,9 +122,9 @@ class GPU:
     peak x matmul_efficiency x F / (F + this). Small GEMMs lose to tile and wave quantization."""
     hbm_efficiency: float = 0.85
     """Achievable bandwidth of a large memory-bound kernel (copy, elementwise) / hbm_bytes_per_s."""
-    attention_efficiency: float = 0.55
+    attention_efficiency: float = 0.35
     """Flash-attention forward FLOP/s (causal FLOPs counted) / dense peak of the compute dtype."""
-    attention_backward_efficiency: float = 0.45
+    attention_backward_efficiency: float = 0.30
     """Flash-attention backward FLOP/s / dense peak (the backward does 2.5x the forward's matmuls)."""
     kernel_overhead_s: float = 4e-6
     """GPU time a kernel costs beyond its work (launch gap, ramp-up and tail), seconds."""
@@ -175,6 +175,17 @@ class Interconnect:
     """Assumptions and caveats."""
     path: str = ""
     """The file this entry was read from."""
+    nvls_busbw_bytes_per_s: float = 0.0
+    """8-GPU all-reduce bus bandwidth with NVLS (NVLink SHARP, in-switch reduction), nccl-tests `busbw`,
+    bytes/s; 0: the switch has no NVLS (NCCL's NVLS algorithm needs NVLink4+ NVSwitch multicast)."""
+    nvls_latency_s: float = 0.0
+    """Fixed latency of an NVLS all-reduce beyond the launch overhead, seconds (NCCL src/graph/tuning.cc
+    hwLatencies NVLINK NVLS Simple: 25 us)."""
+    simple_protocol_only: bool = False
+    """NCCL runs only its Simple protocol over this link, no LL/LL128 (EFA: no in-order byte delivery)."""
+    scale_out_loss: float = 0.0
+    """Relative loss of inter-node bus bandwidth per doubling of the node count beyond 2 (congestion,
+    adaptive routing): efficiency(k) = busbw_efficiency x (1 - this) ** log2(k / 2)."""
 
     @property
     def busbw_bytes_per_s(self) -> float:
@@ -297,12 +308,16 @@ _SCHEMA: dict[str, _Kind] = {
             "busbw_efficiency": ("fraction", True),
             "latency": ("seconds", True),
             "half_efficiency_size": ("bytes", True),
+            "nvls_busbw": ("bytes_per_s", False),
+            "nvls_latency": ("seconds", False),
+            "scale_out_loss": ("fraction", False),
         },
         text=dict(_COMMON_TEXT),
         enums={
             "kind": (("nvlink", "pcie", "infiniband", "roce", "tcp", "xgmi"), True),
             "tier": (("intra_node", "inter_node"), True),
         },
+        bools=("simple_protocol_only",),
     ),
     "nodes": _Kind(
         numeric={"gpus_per_node": ("count", True), "nics_per_node": ("count", True)},
@@ -590,7 +605,11 @@ def _build(kind: str, f: dict[str, Any]) -> Any:
     if kind == "interconnects":
         return Interconnect(kind=f["kind"], tier=f["tier"], line_rate_bytes_per_s=f["line_rate"],
                             busbw_efficiency=f["busbw_efficiency"], latency_s=f["latency"],
-                            half_efficiency_bytes=float(f["half_efficiency_size"]), **common)
+                            half_efficiency_bytes=float(f["half_efficiency_size"]),
+                            nvls_busbw_bytes_per_s=f.get("nvls_busbw", 0.0),
+                            nvls_latency_s=f.get("nvls_latency", 0.0),
+                            simple_protocol_only=f.get("simple_protocol_only", False),
+                            scale_out_loss=f.get("scale_out_loss", 0.0), **common)
     if kind == "nodes":
         return Node(gpu=f["gpu"].lower(), gpus_per_node=f["gpus_per_node"],
                     intra_link=f["intra_link"].lower(), inter_link=f["inter_link"].lower(),
