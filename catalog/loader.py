@@ -183,6 +183,8 @@ class Interconnect:
     hwLatencies NVLINK NVLS Simple: 25 us)."""
     simple_protocol_only: bool = False
     """NCCL runs only its Simple protocol over this link, no LL/LL128 (EFA: no in-order byte delivery)."""
+    ring_only: bool = False
+    """The platform's tuner plugin keeps inter-node collectives on NCCL's ring (AWS's ofi tuner on EFA)."""
     scale_out_loss: float = 0.0
     """Relative loss of inter-node bus bandwidth per doubling of the node count beyond 2 (congestion,
     adaptive routing): efficiency(k) = busbw_efficiency x (1 - this) ** log2(k / 2)."""
@@ -317,7 +319,7 @@ _SCHEMA: dict[str, _Kind] = {
             "kind": (("nvlink", "pcie", "infiniband", "roce", "tcp", "xgmi"), True),
             "tier": (("intra_node", "inter_node"), True),
         },
-        bools=("simple_protocol_only",),
+        bools=("simple_protocol_only", "ring_only"),
     ),
     "nodes": _Kind(
         numeric={"gpus_per_node": ("count", True), "nics_per_node": ("count", True)},
@@ -608,7 +610,7 @@ def _build(kind: str, f: dict[str, Any]) -> Any:
                             half_efficiency_bytes=float(f["half_efficiency_size"]),
                             nvls_busbw_bytes_per_s=f.get("nvls_busbw", 0.0),
                             nvls_latency_s=f.get("nvls_latency", 0.0),
-                            simple_protocol_only=f.get("simple_protocol_only", False),
+                            simple_protocol_only=f.get("simple_protocol_only", False), ring_only=f.get("ring_only", False),
                             scale_out_loss=f.get("scale_out_loss", 0.0), **common)
     if kind == "nodes":
         return Node(gpu=f["gpu"].lower(), gpus_per_node=f["gpus_per_node"],

@@ -42,33 +42,58 @@ def test_nccl_tests_factors():
 
 
 def test_flat_ring_time_by_hand():
+    # NCCL's ring (src/graph/tuning.cc): ONE latency term, LAUNCH_S + base + steps x per-step latency,
+    # plus f(op, n) x S / busbw; at 1 GiB the Simple protocol wins (LL runs at half the bandwidth)
     S = 1 << 30
     t = collective_time("all_reduce", S, 8, NVL)
-    hand = 2 * 7 * 3.4e-6 + 2 * 7 / 8 * S / 370e9
+    hand = comm.LAUNCH_S + 8.4e-6 + 2 * 7 * 3.4e-6 + 2 * 7 / 8 * S / 370e9
     assert t == pytest.approx(hand, rel=1e-12)
     t = collective_time("all_gather", S, 8, NVL)
-    assert t == pytest.approx(7 * 3.4e-6 + 7 / 8 * S / 370e9, rel=1e-12)
+    assert t == pytest.approx(comm.LAUNCH_S + 8.4e-6 + 7 * 3.4e-6 + 7 / 8 * S / 370e9, rel=1e-12)
+    # a small message takes the LL protocol: per-step latency 0.6/3.4 of Simple's, base 6.6 us; the
+    # latency is counted once (no size-dependent efficiency on top)
+    small = collective_time("all_reduce", 4096, 8, NVL)
+    assert small == pytest.approx(comm.LAUNCH_S + 6.6e-6 + 14 * 0.6e-6 + 1.75 * 4096 / (0.5 * 370e9))
+    assert 38e-6 <= small <= 53e-6  # published 8-GPU floors (tests/test_nccl_published.py)
 
 
 def test_hierarchical_time_by_hand():
-    # 4 nodes x 8 GPUs; IB per GPU = 8 NICs x 47 GB/s / 8 GPUs
+    # 4 nodes x 8 GPUs; IB per GPU = 8 NICs x 47 GB/s / 8 GPUs. Across nodes NCCL's ring uses every NIC
+    # of a node at once, its hops pipelined: busbw = min(NVLink busbw, the node's NIC busbw); the
+    # phases are NOT summed. Latency: 56 NVLink steps + 6 network steps, x 1.4 (tuning.cc plateau)
     S = 1 << 30
     t = collective_time("all_reduce", S, 32, NVL, gpus_per_node=8, inter_link=IB)
-    intra = 2 * 7 * 3.4e-6 + 2 * 7 / 8 * S / 370e9
-    inter = 2 * 3 * 9.6e-6 + 2 * 3 / 4 * (S / 8) / 47e9
-    assert t == pytest.approx(intra + inter, rel=1e-12)
-    # the inter-node part is what a cross-node ring is bound by: slower NICs, slower collective
-    slow = LinkModel(12e9 / 8, 9.6e-6)
+    ring = (comm.LAUNCH_S + 1.4 * (8.4e-6 + 56 * 3.4e-6 + 6 * 9.6e-6)
+            + 2 * 31 / 32 * S / min(370e9, 8 * 47e9))
+    assert t == pytest.approx(ring, rel=1e-12)
+    assert comm.nccl_algorithm("all_reduce", S, 32, NVL, gpus_per_node=8, inter_link=IB) == "ring"
+    # slower NICs, slower collective
+    slow = LinkModel(12e9 / 8, 9.6e-6, hw="net")
     assert collective_time("all_reduce", S, 32, NVL, gpus_per_node=8, inter_link=slow) > t
     # a group inside one node never touches the NICs
     assert collective_time("all_reduce", S, 8, NVL, gpus_per_node=8, inter_link=slow) == \
         collective_time("all_reduce", S, 8, NVL)
+    # on 2 nodes the tree sends S (not 2S) per node over the network: 0.92 x min(NVLink / 2, node NICs)
+    two = collective_time("all_reduce", S, 16, NVL, gpus_per_node=8, inter_link=slow)
+    assert comm.nccl_algorithm("all_reduce", S, 16, NVL, gpus_per_node=8, inter_link=slow) == "tree"
+    assert two == pytest.approx(comm.LAUNCH_S + 8.4e-6 + 2 * (7 * 3.4e-6 + 9.6e-6)
+                                + S / (0.92 * min(185e9, 12e9)), rel=1e-12)
 
 
-def test_size_dependent_efficiency():
+def test_nvls_on_nvswitch_nodes():
+    # NVLS all-reduce: S / (8-GPU busbw / 1.75) from 5 GPUs; all-gather stays on the ring
+    nvs = LinkModel(370e9, 3.4e-6, nvls_busbw_bytes_per_s=480e9, nvls_latency_s=25e-6)
+    S = 1 << 30
+    assert collective_time("all_reduce", S, 8, nvs) == pytest.approx(comm.LAUNCH_S + 25e-6 + S / (480e9 / 1.75))
+    assert collective_time("all_reduce", S, 4, nvs) == collective_time("all_reduce", S, 4, NVL)
+    assert collective_time("all_gather", S, 8, nvs) == collective_time("all_gather", S, 8, NVL)
+
+
+def test_half_efficiency_no_longer_counts_latency_twice():
+    # the old eff(S) = S / (S + S_half) added n x latency x busbw a second time; it is display-only now
     link = LinkModel(100e9, 0.0, half_efficiency_bytes=1e6)
-    # at S = S_half the achieved bandwidth is half: time doubles relative to the ideal
-    assert collective_time("all_gather", 1e6, 2, link) == pytest.approx(2 * 0.5 * 1e6 / 100e9)
+    assert link.efficiency(1e6) == 0.5
+    assert collective_time("all_gather", 1e6, 2, link) == collective_time("all_gather", 1e6, 2, LinkModel(100e9, 0.0))
 
 
 # -- schedules -------------------------------------------------------------------------------------
