@@ -174,7 +174,7 @@ def _h100_result(**over):
     r = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "cuda": "12.8",
          "hip": None, "nccl": "2.27.3", "nccl_algo": None, "date": "2026-01-02", "memory_bytes": 85e9,
          "device_count": 8, "quick": False, "seconds": 100.0, "catalog_gpu": "h100-sxm",
-         "peak_bf16_flops": 989e12, "hbm_bytes_per_s": 3.35e12, "gpu_keys": keys, "measurements": meas,
+         "peak_flops": 989e12, "dtype": "bf16", "hbm_bytes_per_s": 3.35e12, "gpu_keys": keys, "measurements": meas,
          "notes": notes, "interconnect": "nvlink4",
          "interconnect_keys": {"busbw_efficiency_fraction": 0.8, "latency_us": 1.7, "half_efficiency_size_mib": 6.5},
          "collectives": {"world": 8, "fits": {}, "raw": {"default": {"all_reduce": {
@@ -218,7 +218,7 @@ def test_overlay_round_trips_through_load_catalog(tmp_path):
 
 @needs_gflop_loader
 def test_overlay_peak_flag_replaces_catalog_peak(tmp_path):
-    r = _h100_result(peak_bf16_flops=700e12)
+    r = _h100_result(peak_flops=700e12)
     cal.write_overlay(tmp_path, r)
     clear_cache()
     assert load_catalog([tmp_path]).gpu("h100-sxm").flops["bf16"] == 700e12
@@ -227,7 +227,7 @@ def test_overlay_peak_flag_replaces_catalog_peak(tmp_path):
 @needs_gflop_loader
 def test_overlay_new_gpu_entry(tmp_path):
     r = _h100_result(device_name="NVIDIA RTX 6000 Ada Generation", catalog_gpu=None, interconnect=None,
-                     interconnect_keys=None, memory_bytes=48 * 2**30, hbm_bytes_per_s=960e9, peak_bf16_flops=364e12)
+                     interconnect_keys=None, memory_bytes=48 * 2**30, hbm_bytes_per_s=960e9, peak_flops=364e12)
     (p,) = cal.write_overlay(tmp_path, r)
     assert Path(p).name == "nvidia-rtx-6000-ada-generation.yaml"
     clear_cache()
@@ -236,13 +236,24 @@ def test_overlay_new_gpu_entry(tmp_path):
     assert g.vendor == "nvidia" and g.matmul_efficiency == r["gpu_keys"]["matmul_efficiency_fraction"]
 
 
+@needs_gflop_loader
+def test_overlay_fp16_gpu_writes_its_fp16_peak(tmp_path):
+    """A GPU without bf16 (V100) is measured in fp16 against its fp16 peak; --peak-tflops replaces that."""
+    r = _h100_result(device_name="Tesla V100-SXM2-16GB", catalog_gpu="v100-16gb", dtype="fp16",
+                     peak_flops=100e12, interconnect=None, interconnect_keys=None)
+    cal.write_overlay(tmp_path, r)
+    clear_cache()
+    g = load_catalog([tmp_path]).gpu("v100-16gb")
+    assert g.flops["fp16"] == 100e12 and "bf16" not in g.flops
+
+
 def test_overlay_refusals(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(cal.CalibrationError, match="--out"):
         cal.write_overlay(f, _h100_result())
     with pytest.raises(cal.CalibrationError, match="--peak-tflops"):
-        cal.write_overlay(tmp_path / "o", _h100_result(catalog_gpu=None, peak_bf16_flops=None))
+        cal.write_overlay(tmp_path / "o", _h100_result(catalog_gpu=None, peak_flops=None))
 
 
 def test_overlay_yaml_has_no_anchors_and_only_unit_keys(tmp_path):
@@ -348,6 +359,86 @@ def test_text_progress_lines():
     p(3, 3, "done")
     lines = s.getvalue().splitlines()
     assert len(lines) == 3 and lines[-1].startswith("calibrate [" + "#" * 24 + "] 100%")
+
+
+def _fake_gpu_machine(monkeypatch, world=8, algos_fail=()):
+    """calibrate('cuda') on this CPU: a fake 8x H100 node whose measurements follow known parameters."""
+    info = {"device": "cuda", "torch": "2.13.0", "cuda": "12.8", "hip": None, "date": "2026-01-02",
+            "device_name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85_045_000_000, "device_count": world,
+            "uuid": "", "nccl": "2.27.3", "nccl_algo": None}
+    meas = _synthetic_meas()
+    calls = []
+    busbw, lat, half = 0.8 * 450e9, 1.5e-6, 4 * MIB
+
+    def collectives(device, n, sizes, ops=cal.COLLECTIVE_OPS, algo=None, timeout_s=300.0):
+        calls.append((algo, tuple(ops)))
+        if algo in algos_fail:
+            raise RuntimeError(f"NCCL_ALGO={algo}: no algorithm")
+        out = {}
+        for op in ops:
+            f, steps = bus_factor(op, n), latency_steps(op, n)
+            out[op] = {"error": None, "sizes": [
+                [s, steps * lat + f * s / 30e9 if s <= cal.SMALL_MAX_BYTES else steps * lat + f * (s + half) / busbw]
+                for s in sizes]}
+        return out
+
+    monkeypatch.setattr(cal, "check_device", lambda device: None)
+    monkeypatch.setattr(cal, "_device_info", lambda device: dict(info))
+    monkeypatch.setattr(cal, "_dtype_name", lambda device: "bf16")
+    monkeypatch.setattr(cal, "measure_launch", lambda *a, step=None, **k: step("launch") or meas["launch"])
+    monkeypatch.setattr(cal, "measure_matmul", lambda *a, step=None, **k: step("matmul") or meas["matmul"])
+    monkeypatch.setattr(cal, "measure_bandwidth", lambda *a, step=None, **k: step("bw") or meas["bandwidth"])
+    monkeypatch.setattr(cal, "measure_attention", lambda *a, step=None, **k: step("attn") or meas["attention"])
+    monkeypatch.setattr(cal, "measure_collectives", collectives)
+    return calls, (busbw, lat, half)
+
+
+@needs_gflop_loader
+def test_gpu_orchestration_on_a_fake_node(monkeypatch, tmp_path):
+    """The GPU-only glue (identification, peaks from the catalog, collectives per algorithm, the link fit,
+    both overlay files) with the measurements replaced by known parameters."""
+    calls, (busbw, lat, half) = _fake_gpu_machine(monkeypatch, algos_fail=("Tree",))
+    seen = []
+    r = cal.calibrate("cuda", quick=False, progress=lambda d, t, label: seen.append((d, t, label)))
+    assert r["catalog_gpu"] == "h100-sxm" and r["peak_flops"] == 989e12 and r["interconnect"] == "nvlink4"
+    assert calls == [(None, cal.COLLECTIVE_OPS), ("Ring", ("all_reduce",)), ("Tree", ("all_reduce",))]
+    assert any("NCCL_ALGO=Tree" in n for n in r["notes"])
+    assert set(r["collectives"]["fits"]) == {"default/all_reduce", "default/all_gather", "default/reduce_scatter",
+                                             "Ring/all_reduce"}
+    assert r["gpu_keys"]["matmul_efficiency_fraction"] == 0.75
+    assert r["interconnect_keys"] == {"busbw_efficiency_fraction": 0.8, "latency_us": pytest.approx(
+        lat * 1e6 + bus_factor("all_reduce", 8) * 8 / 30e9 / 14 * 1e6, rel=1e-3),
+        "half_efficiency_size_mib": pytest.approx(4.0, rel=0.01)}
+    assert seen[-1][0] == seen[-1][1] and [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+    written = cal.write_overlay(tmp_path, r)
+    clear_cache()
+    cat = load_catalog([tmp_path])
+    link = cat.interconnect("nvlink4")
+    assert link.busbw_efficiency == 0.8 and link.half_efficiency_bytes == pytest.approx(4 * MIB, rel=0.01)
+    assert len(written) == 2 and cat.gpu("h100").matmul_efficiency == 0.75
+    text = cal.render(r, written, str(tmp_path))
+    assert "interconnect nvlink4:" in text and "Ring/all_reduce on 8" in text and "(catalog: 0.803)" in text
+
+
+@needs_gflop_loader
+def test_cli_on_a_fake_gpu_node(monkeypatch, tmp_path):
+    _fake_gpu_machine(monkeypatch, world=2)
+    r = CliRunner().invoke(main, ["calibrate", "--quick", "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["catalog_gpu"] == "h100-sxm" and d["collectives"]["world"] == 2
+    assert sorted(Path(p).name for p in d["overlay"]["files"]) == ["h100-sxm.yaml", "nvlink4.yaml"]
+
+
+def test_unknown_gpu_needs_peak_before_measuring(monkeypatch):
+    _fake_gpu_machine(monkeypatch)
+    monkeypatch.setattr(cal, "_device_info", lambda device: {
+        "device": "cuda", "device_name": "NVIDIA GeForce RTX 4090", "memory_bytes": 24 * 2**30, "device_count": 1,
+        "nccl_algo": None, "uuid": ""})
+    monkeypatch.setattr(cal, "measure_launch", lambda *a, **k: pytest.fail("measured before the check"))
+    r = run("calibrate")
+    assert r.exit_code == 2 and "--peak-tflops" in r.output and "RTX 4090" in r.output
+    assert len(r.output.strip().splitlines()) == 1
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------

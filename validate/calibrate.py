@@ -368,8 +368,20 @@ class _Clock:
 
 
 def _dtype(device: str):
+    """bf16 on a GPU that has it (fp16 on one without, e.g. V100, T4), fp32 on the CPU."""
     import torch
-    return torch.bfloat16 if device == "cuda" else torch.float32
+    if device != "cuda":
+        return torch.float32
+    try:
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # older torch: no including_emulation
+        bf16 = torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if bf16 else torch.float16
+
+
+def _dtype_name(device: str) -> str:
+    import torch
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[_dtype(device)]
 
 
 def measure_matmul(device: str, shapes: Sequence[tuple[int, int, int]], target_s: float = 0.02,
@@ -462,6 +474,7 @@ def measure_launch(device: str, ops: int = 256, trials: int = 5,
         loop()
         per = min(_timeit(loop) for _ in range(trials)) / ops
         return {"kernel_overhead_s": per, "host_op_s": per}
+    (x * 1.0001).sum().item()  # the kernels loaded, the allocator warm
     cycles, gpu_best, host_best = 1_000_000, math.inf, math.inf
     for _ in range(trials + 8):
         s0, s1, s2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -663,8 +676,9 @@ def calibrate(device: str = "cuda", quick: bool = False, peak_tflops: float | No
     if entry is None and peak is None and device == "cuda":
         raise CalibrationError(f"--peak-tflops: GPU {info['device_name'][:60]!r} is not in the catalog; give its "
                                f"dense bf16 peak, e.g. --peak-tflops 989 (known: {', '.join(cat.names('gpus'))})")
+    dtype = _dtype_name(device)
     if peak is None and entry is not None:
-        peak = entry.flops.get("bf16") or max(entry.flops.values())
+        peak = entry.flops.get(dtype) or entry.flops.get("bf16") or max(entry.flops.values())
     hbm = entry.hbm_bytes_per_s if entry is not None else (
         _nvml_peak_bandwidth(info.get("uuid", "")) if device == "cuda" else None)
     sw = dict(SWEEPS[(device, bool(quick))], **(sweep or {}))
@@ -732,9 +746,10 @@ def calibrate(device: str = "cuda", quick: bool = False, peak_tflops: float | No
     result = {
         **info,
         "quick": bool(quick),
+        "dtype": dtype,
         "seconds": time.perf_counter() - t_start,
         "catalog_gpu": entry.name if entry is not None else None,
-        "peak_bf16_flops": peak,
+        "peak_flops": peak,
         "hbm_bytes_per_s": hbm,
         "gpu_keys": keys,
         "interconnect": link.name if (link is not None and link_keys) else None,
@@ -817,10 +832,11 @@ def write_overlay(out_dir: str | os.PathLike, result: dict, catalog_dirs: Sequen
     if out.exists() and not out.is_dir():
         raise CalibrationError(f"--out={str(out_dir)[:60]!r} is a file; accepted: a directory (created if missing)")
     keys = dict(result["gpu_keys"])
-    if result.get("peak_bf16_flops") is None:
+    if result.get("peak_flops") is None:
         raise CalibrationError("--peak-tflops: needed to write an overlay for a device not in the catalog")
     cat = load_catalog(tuple(catalog_dirs))
     is_cpu = result["device"] == "cpu"
+    peak_dtype = "fp16" if result.get("dtype") == "fp16" else "bf16"  # the CPU's pseudo-GPU: bf16
     quick = " (--quick)" if result.get("quick") else ""
     mm = result["measurements"]["matmul_fit"]
     note = (f"Calibrated: {mm['points']} GEMM shapes fit to rel. rms {100 * mm['rel_rms']:.1f}%{quick}"
@@ -831,9 +847,9 @@ def write_overlay(out_dir: str | os.PathLike, result: dict, catalog_dirs: Sequen
         entry = cat.gpu(result["catalog_gpu"])
         data = _read_yaml(entry.path)
         name = entry.name
-        peak_given = result["peak_bf16_flops"]
-        if abs(peak_given - (entry.flops.get("bf16") or 0)) > 1e-6 * peak_given:
-            keys["bf16_tflops"] = _sig(peak_given / 1e12, 6)
+        peak_given = result["peak_flops"]
+        if abs(peak_given - (entry.flops.get(peak_dtype) or 0)) > 1e-6 * peak_given:
+            keys[f"{peak_dtype}_tflops"] = _sig(peak_given / 1e12, 6)
     else:
         name = catalog_slug(result["device_name"], prefix="cpu" if is_cpu and
                             not result["device_name"].lower().startswith("cpu") else "")
@@ -844,9 +860,9 @@ def write_overlay(out_dir: str | os.PathLike, result: dict, catalog_dirs: Sequen
         hbm = result.get("hbm_bytes_per_s") or max(result["measurements"]["bandwidth"].values())
         data = {"name": name, "vendor": vendor, "memory_mib": max(1, result["memory_bytes"] // MIB),
                 "hbm_bandwidth_gb_per_s": _sig(hbm / 1e9, 6),
-                "bf16_tflops": _sig(result["peak_bf16_flops"] / 1e12, 6), "scale_up_link": "pcie4",
+                f"{peak_dtype}_tflops": _sig(result["peak_flops"] / 1e12, 6), "scale_up_link": "pcie4",
                 "source": [f"memory: {'the machine RAM' if is_cpu else 'torch.cuda.get_device_properties'}; "
-                           f"bf16_tflops: --peak-tflops; hbm_bandwidth: "
+                           f"{peak_dtype}_tflops: --peak-tflops; hbm_bandwidth: "
                            + ("NVML max memory clock x 2 x bus width" if result.get("hbm_bytes_per_s")
                               else "the measured bandwidth (so hbm_efficiency_fraction is 1)")
                            + "; scale_up_link: pcie4, an assumption"]}
@@ -854,7 +870,7 @@ def write_overlay(out_dir: str | os.PathLike, result: dict, catalog_dirs: Sequen
             data["aliases"] = [result["device_name"]]
         if cat.names("gpus").count(name) or any(name == a.lower() for g in cat.entries("gpus") for a in g.aliases):
             raise CalibrationError(f"--out: the new entry name {name!r} is already a catalog GPU")
-    src = _source_line(result, [k for k in keys if k != "bf16_tflops"])
+    src = _source_line(result, [k for k in keys if not k.endswith("_tflops")])
     gpu_yaml = _replace(data, keys, src, note)
     gpu_yaml.pop("name", None)
     gpu_yaml = {"name": name, **gpu_yaml}
