@@ -415,6 +415,7 @@ def test_gpu_orchestration_on_a_fake_node(monkeypatch, tmp_path):
     cat = load_catalog([tmp_path])
     link = cat.interconnect("nvlink4")
     assert link.busbw_efficiency == 0.8 and link.half_efficiency_bytes == pytest.approx(4 * MIB, rel=0.01)
+    assert any("8 GPUs, all_reduce, NCCL_ALGO=Ring" in s and cal.MEASURED_TAG in s for s in link.source)
     assert len(written) == 2 and cat.gpu("h100").matmul_efficiency == 0.75
     text = cal.render(r, written, str(tmp_path))
     assert "interconnect nvlink4:" in text and "Ring/all_reduce on 8" in text and "(catalog: 0.803)" in text

@@ -24,7 +24,9 @@ Model choices: a GEMM of F FLOPs takes (F + G) / (peak x eff) after the per-kern
 least squares, relative errors, over the sweep: G = `matmul_half_efficiency_gflop`). A collective of S bytes
 takes steps x latency + factor x (S + S_half) / busbw (planner/comm.py): busbw and the intercept come from a
 fit to sizes >= 1 MiB, the per-step latency from the fastest small message (<= 64 KiB) / steps, and S_half
-from what the intercept leaves; the split of the intercept cannot be identified with one group size.
+from what the intercept leaves; the split of the intercept cannot be identified with one group size. The
+link keys come from all-reduce with NCCL_ALGO=Ring (the catalog's figure is the ring's); NCCL's default
+(NVLS on NVSwitch nodes), Tree (full run) and the other ops are measured and reported in --json.
 
 Known limitations: peaks come from the catalog (or `--peak-tflops`), so efficiencies are only as right as
 those; the intra-node link is the GPU entry's `scale_up_link` (a PCIe card with an NVLink bridge is
@@ -71,7 +73,7 @@ SWEEPS: dict[tuple[str, bool], dict[str, Any]] = {
         matmul=[(m, n, n) for m in (512, 2048, 8192) for n in (1024, 4096, 16384)] + [(4096, 4096, 16384)],
         attention=[(8, 32, 2048, 128), (2, 32, 8192, 128)],
         bandwidth_bytes=2**28, launch_ops=256, target_s=0.01,
-        collective_sizes=[8, 8192] + [4**p * MIB for p in range(0, 5)], algorithms=(None,)),
+        collective_sizes=[8, 8192] + [4**p * MIB for p in range(0, 5)], algorithms=(None, "Ring")),
     ("cpu", False): dict(
         matmul=[(m, n, k) for m in (64, 128, 256, 512) for n in (256, 512, 1024) for k in (256, 512, 1024)],
         attention=[(1, 4, 256, 64), (1, 4, 512, 64), (1, 4, 1024, 64)],
@@ -735,8 +737,12 @@ def calibrate(device: str = "cuda", quick: bool = False, peak_tflops: float | No
                     "large_message_intercept_us": f.intercept_s * 1e6,
                     "rel_rms": f.rel_rms,
                     "busbw_by_size_gb_per_s": [[s, bus_factor(op, world) * s / t / 1e9] for s, t in r["sizes"]]}
-        main = link_fits.get("default/all_reduce")
+        # the catalog's busbw is the ring's (NVLS, in-switch reduction, goes above the line rate)
+        main = link_fits.get("Ring/all_reduce") or link_fits.get("default/all_reduce")
         if main is not None and link is not None:
+            if "Ring/all_reduce" not in link_fits:
+                notes.append("the link keys come from NCCL's default algorithm for all_reduce (the ring was not "
+                             "measured: NCCL_ALGO is set)")
             eff = main["busbw_gb_per_s"] * 1e9 / link.line_rate_bytes_per_s
             if eff > 1:
                 notes.append(f"all_reduce busbw {main['busbw_gb_per_s']:.4g} GB/s is above {link.name}'s line rate "
@@ -883,13 +889,16 @@ def write_overlay(out_dir: str | os.PathLike, result: dict, catalog_dirs: Sequen
         if result.get("interconnect_keys") and result.get("interconnect"):
             link = cat.interconnect(result["interconnect"])
             c = result["collectives"]
-            extra = (f", NCCL {result.get('nccl')}, {c['world']} GPUs, all_reduce"
-                     + (f", NCCL_ALGO={result['nccl_algo']}" if result.get("nccl_algo") else ""))
+            ring = "Ring" in c["raw"]
+            algo = "NCCL_ALGO=Ring" if ring else (f"NCCL_ALGO={result['nccl_algo']}" if result.get("nccl_algo")
+                                                  else "NCCL's default algorithm")
+            largest = max(x for x, _ in c["raw"]["Ring" if ring else "default"]["all_reduce"]["sizes"])
             ldata = _replace(_read_yaml(link.path), result["interconnect_keys"],
-                             _source_line(result, list(result["interconnect_keys"]), extra),
-                             f"Calibrated: all_reduce on {c['world']} GPUs, sizes up to "
-                             f"{max(s for s in (x for x, _ in c['raw']['default']['all_reduce']['sizes'])) / MIB:.0f} "
-                             f"MiB; small-message latency per ring step, the rest of the intercept as S_half.")
+                             _source_line(result, list(result["interconnect_keys"]),
+                                          f", NCCL {result.get('nccl')}, {c['world']} GPUs, all_reduce, {algo}"),
+                             f"Calibrated: all_reduce ({algo}) on {c['world']} GPUs, sizes up to "
+                             f"{largest / MIB:.0f} MiB; small-message latency per ring step, the rest of the "
+                             f"intercept as S_half.")
             (out / "interconnects").mkdir(parents=True, exist_ok=True)
             lp = out / "interconnects" / f"{link.name}.yaml"
             lp.write_text(_dump_yaml({"name": link.name, **{k: v for k, v in ldata.items() if k != "name"}}),
