@@ -354,6 +354,7 @@ _DIM_MAX: dict[str, tuple[float, str]] = {
     "bytes": (2.0**50, "1 PiB"),
     "bytes_per_s": (1e15, "1 PB/s, over 100 times HBM3e's 8 TB/s"),
     "flops": (1e18, "1 EFLOP/s, over 200 times a B200's dense FP8 peak"),
+    "flop": (1e15, "10^15 FLOP, a GEMM of 2 x 80k^3; a half-efficiency size is ~10^10"),
     "seconds": (1.0, "1 s; collective latencies are microseconds"),
     "count": (2.0**40, "2^40"),
     "fraction": (1.0, "1"),
