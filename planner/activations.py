@@ -297,16 +297,45 @@ def block_saved(train: TrainConfig, regime: str, device: str = "cuda") -> int:
             + _resid_dropout_saved(train, regime, n, device) + rope_per_block)
 
 
+def block_linears(model) -> list[tuple[int, int, bool]]:
+    """The Linears of one block in forward order: (in, out, bias) -> `aten.mm`, or `addmm` with a bias."""
+    h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    qb = model.linear_bias or model.qkv_bias
+    lin = ([(h, h + 2 * kv, qb)] if model.fused_qkv else [(h, h, qb), (h, kv, qb), (h, kv, qb)])
+    lin.append((h, h, model.linear_bias))
+    if model.mlp == "swiglu":
+        lin += [(h, 2 * f, model.linear_bias)] if model.fused_gate_up else [(h, f, model.linear_bias)] * 2
+    else:
+        lin.append((h, f, model.linear_bias))
+    lin.append((f, h, model.linear_bias))
+    return lin
+
+
+def saved_linears(train: TrainConfig) -> list[bool]:
+    """Which Linear outputs of a block (`block_linears` order) op-level checkpointing saves: all under
+    `selective`; under `selective-op` (torchtitan) only `aten.mm` ones (no bias) at odd positions of the
+    block's mm count, the 2nd, 4th, ... mm being recomputed."""
+    lin = block_linears(train.model)
+    if train.checkpointing != "selective-op":
+        return [True] * len(lin)
+    out, mm = [], 0
+    for _, _, bias in lin:
+        if bias:
+            out.append(False)
+        else:
+            mm += 1
+            out.append(mm % 2 == 1)
+    return out
+
+
 def _selective_block_saved(train: TrainConfig, regime: str) -> int:
-    """Op-level SAC: outputs of mm/addmm (7 or 6 Linears) and SDPA (output + logsumexp)."""
+    """Op-level SAC: the saved Linear outputs (`saved_linears`) and SDPA's (output + logsumexp)."""
     m = train.model
     n = train.micro_batch * train.seq_len
     e = 4 if regime == "fp32" else 2
-    h, kv, f = m.hidden, m.kv_dim, m.ffn_hidden
-    mm = h + 2 * kv + h + (2 * f + h if m.mlp == "swiglu" else f + h)
-    saved = n * e * mm
+    saved = n * e * sum(o for (_, o, _), keep in zip(block_linears(m), saved_linears(train)) if keep)
     if train.attention == "sdpa":
-        saved += n * (e * h + 4 * m.heads)
+        saved += n * (e * m.hidden + 4 * m.heads)
     return saved
 
 

@@ -546,15 +546,19 @@ def predict_probe(spec: dict) -> dict:
     collectives = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype,
                     "message_bytes": int(c.message_bytes), "calls": int(c.calls)}
                    for c in collective_schedule(train, cluster, spec["strategy"])]
-    step = None
-    if mode == "gpu" and spec.get("gpu_name"):
-        # Measured only on real GPUs (the fake process group executes no collectives): predict it for
-        # the catalog GPU the device name maps to; not judged (small probes are launch-bound).
+    step = bound = None
+    if device == "cuda" and mode in ("gpu", "fake") and spec.get("gpu_name"):
+        # Timed on GPUs only: predicted for the catalog GPU the device name maps to. On the fake process
+        # group the collectives return at once: the step without its exposed communication.
         from .hardware import catalog_name
         cat = catalog_name(spec["gpu_name"])
         if cat:
+            from .activations import regime_for
+            from .kernels import kernel_times
             cl = replace(cluster, gpu_name=cat)
             gpu = _gpu(cat)
-            step = step_time(train, cl, spec["strategy"], collective_schedule(train, cl, spec["strategy"]),
-                             gpu).step_time_s
-    return {"memory": out, "collectives": collectives, "step_time_s": step}
+            st = step_time(train, cl, spec["strategy"], collective_schedule(train, cl, spec["strategy"]), gpu)
+            step = st.step_time_s - (st.exposed_comm_s if mode == "fake" else 0.0)
+            kt = kernel_times(train, gpu, regime_for(train, get_strategy(spec["strategy"]).family))
+            bound = "host" if kt.host_s >= kt.gpu_s(model.layers) else "gpu"
+    return {"memory": out, "collectives": collectives, "step_time_s": step, "step_time_bound": bound}

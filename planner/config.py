@@ -8,12 +8,13 @@ from .model import ModelSpec, cached_hash, state_without_hash
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
 from .units import LIMITS, check_count, short_repr
 
-CHECKPOINTING = ("none", "selective", "full", "every-2", "every-3", "every-4")
+CHECKPOINTING = ("none", "selective", "selective-op", "full", "every-2", "every-3", "every-4")
 """Activation checkpointing modes. none; full: every block (non-reentrant `torch.utils.checkpoint`),
 keeping its input; every-K: every K-th block from the first (transformers' `every_n_layers`), the others
 keep all they save; selective: an op-level policy that saves the outputs of every matmul and of SDPA and
-recomputes the rest (the reference decoder's; not torchtitan's, which recomputes every other matmul)."""
-ANALYTIC_CHECKPOINTING = ("none", "selective", "full")
+recomputes the rest (the reference decoder's); selective-op: torchtitan's op policy, the same but every
+second mm of a block is recomputed too (torchtitan `selective_ac_option = "op"`)."""
+ANALYTIC_CHECKPOINTING = ("none", "selective", "selective-op", "full")
 """The modes the analytic front end models (every-K needs the trace: --hf-config or --module)."""
 
 

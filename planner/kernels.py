@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from .activations import block_linears, saved_linears
 from .config import TrainConfig
 
 _EAGER_FWD_KERNELS, _COMPILED_FWD_KERNELS = 45, 12
@@ -75,10 +76,13 @@ class KernelTimes:
     launch_s: float
     """Of one micro-step: kernel overheads."""
 
+    def gpu_s(self, layers: int) -> float:
+        """GPU time of one micro-step's forward and backward."""
+        return layers * (self.block_forward_s + self.block_backward_s) + self.head_forward_s + self.head_backward_s
+
     def micro_step_s(self, layers: int) -> float:
-        """GPU time of one micro-step's forward and backward, or the host's if that is longer."""
-        gpu = layers * (self.block_forward_s + self.block_backward_s) + self.head_forward_s + self.head_backward_s
-        return max(gpu, self.host_s)
+        """One micro-step: its GPU time, or the host's if that is longer (a host-bound step)."""
+        return max(self.gpu_s(layers), self.host_s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,10 +129,10 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     compiled = train.compile
 
     # -- GEMMs of one block: (m, k, n) per Linear, forward; backward = 2 GEMMs of the same FLOPs
-    shapes = [(n, h, h), (n, h, kv), (n, h, kv), (n, h, h)]
-    shapes += [(n, h, f), (n, h, f), (n, f, h)] if m.mlp == "swiglu" else [(n, h, f), (n, f, h)]
-    gemm_fwd = sum(_gemm(2.0 * a * k * o, rate, half) for a, k, o in shapes)
-    gemms = len(shapes)
+    linears = block_linears(m)
+    times = [_gemm(2.0 * n * i * o, rate, half) for i, o, _ in linears]
+    gemm_fwd = sum(times)
+    gemms = len(linears)
 
     # -- attention
     attn_flops = 4.0 * b * s * s * h  # QK^T and AV (Narayanan et al. 2021, Eq. 3)
@@ -186,9 +190,12 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         recompute_mem = per * mem_fwd
         recompute_gemm = per * gemm_fwd
         recompute_attn = per * attn_fwd
-    elif train.checkpointing == "selective":
-        block_bwd += mem_fwd + (fwd_kernels - gemms - attn_kernels) * k_over  # pointwise ops only
-        recompute_mem, recompute_gemm, recompute_attn = mem_fwd, 0.0, 0.0
+    elif train.checkpointing in ("selective", "selective-op"):
+        # the pointwise ops, and the GEMMs whose outputs the policy does not save (selective-op: every 2nd mm)
+        unsaved = [t for t, keep in zip(times, saved_linears(train)) if not keep]
+        recompute_gemm = sum(unsaved)
+        block_bwd += mem_fwd + recompute_gemm + (fwd_kernels - gemms - attn_kernels + len(unsaved)) * k_over
+        recompute_mem, recompute_attn = mem_fwd, 0.0
     else:
         recompute_gemm = recompute_attn = 0.0
 
@@ -210,9 +217,13 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         per_step += m.param_count() * 6 / bw
 
     L = m.layers
-    host = (L * 3 * fwd_kernels + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
+    recompute_kernels = (fwd_kernels if train.checkpointing == "full" else
+                         fwd_kernels / int(train.checkpointing.split("-")[1]) if train.checkpointing.startswith("every-")
+                         else fwd_kernels - gemms - attn_kernels if train.checkpointing.startswith("selective")
+                         else 0)
+    host = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
     matmul = L * (3 * gemm_fwd + recompute_gemm) + 3 * head_gemm
     attention = L * (attn_fwd + attn_bwd + recompute_attn)
     memory = (L * (3 * mem_fwd + recompute_mem) + (head_mem_fwd + head_mem_bwd) / bw)
-    launch = (L * 3 * fwd_kernels + 3 * head_kernels) * k_over
+    launch = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * k_over
     return KernelTimes(block_fwd, block_bwd, head_fwd, head_bwd, per_step, host, matmul, attention, memory, launch)

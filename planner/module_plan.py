@@ -356,8 +356,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         # norm, LM head and loss) stays; the unit's own saved tensors are recomputed in its backward.
         # A segment without a unit (the root's first ops: embedding) is not checkpointed.
         acts = [s[2] + s[5] if c else s[1] for s, c in zip(segs, ckpt)]
-    elif train.checkpointing == "selective":
-        notes.append("selective checkpointing is not defined for an arbitrary module: planned as none")
+    elif train.checkpointing in ("selective", "selective-op"):
+        notes.append(f"{train.checkpointing} checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
     ends = [s[6] for s in segs]  # transient bytes at each segment's backward end (measured)
     out_tmp = desc.output_bytes
@@ -1046,7 +1046,7 @@ def predict_module_probe(spec: dict) -> dict:
     ckpt = t.get("checkpointing", "none")
     train = ModuleTrain(model, precision=precision, optimizer=t.get("optimizer", "adamw"),
                         optimizer_impl=t.get("optimizer_impl", "foreach"),
-                        checkpointing="none" if ckpt == "selective" else ckpt,
+                        checkpointing="none" if ckpt in ("selective", "selective-op") else ckpt,
                         grad_accum=int(t.get("grad_accum", 1)), input_shape=shape,
                         seq_len=shape[1] if work.kind == "hf" else "-")
     world = int(spec["world_size"])

@@ -643,8 +643,13 @@ def render_detail(rec: dict) -> str:
                 else "not predicted off the GPU")
         meas = f"measured {fmt_seconds(st['measured'])}" if st.get("measured") is not None else "not measured"
         err = f", error {_pct(st['error'])}" if st.get("error") is not None else ""
-        out.append(f"\nstep time: {pred}, {meas}{err} (reported, not judged: the time model is for "
-                   f"FLOP-bound steps; small probes are launch-bound)")
+        if st.get("judged"):
+            why = f"judged: within {st.get('tolerance', 0.15):.0%} for a GPU-bound step"
+        elif st.get("bound") == "host":
+            why = "reported, not judged: predicted host-bound, the time is the host issuing eager ops"
+        else:
+            why = "reported, not judged: time is judged on a GPU only"
+        out.append(f"\nstep time: {pred}, {meas}{err} ({why})")
     if cmp.get("reasons") and rec.get("verdict") == "PASS":  # notes; a FAIL's reasons are under 'why'
         out.append("\n" + "\n".join(f"  - {r}" for r in cmp["reasons"]))
     return "\n".join(out)

@@ -158,12 +158,16 @@ def test_live_gpu_probe(tmp_path):
 
 
 def test_step_time_predicted_where_measured(repredicted):
-    """Step time is measured on real GPUs only (`single` here); the planner predicts it there from
-    FLOPs at the catalog GPU's achievable rate. These probes are launch-bound, so the prediction is far
-    below the measurement: reported, not judged (README, Validation)."""
+    """Step time is predicted for GPU probes (the per-kernel model, planner/kernels.py). These probes are
+    tiny (4 layers of width 512, 512 tokens): the planner calls them host-bound, so their time is
+    reported, not judged; the host floor it predicts (12 us per eager op) is below the measurement
+    (README, Validation). The fake-PG records of this file were not timed (probes before 2026-11-23)."""
     for r, _ in repredicted:
-        pred = predict_probe(dict(r["inputs"]))["step_time_s"]
+        p = predict_probe(dict(r["inputs"]))
+        pred = p["step_time_s"]
+        assert pred is not None and pred > 0, r["id"]
+        assert p["step_time_bound"] == "host", r["id"]
         if r["inputs"]["mode"] == "gpu":
-            assert pred is not None and 0 < pred < r["measurement"]["step_time_s"], r["id"]
+            assert pred < r["measurement"]["step_time_s"], r["id"]
         else:
-            assert pred is None and r["measurement"].get("step_time_s") is None, r["id"]
+            assert r["measurement"].get("step_time_s") is None, r["id"]

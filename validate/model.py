@@ -5,7 +5,10 @@ Parameter names, shapes and registration order match `distplan.planner.model.Mod
 planner's activation table (`distplan.planner.activations`) was derived from, op by op.
 
 Activation checkpointing per block: `full` is `torch.utils.checkpoint` (non-reentrant); `selective` is
-op-level selective checkpointing that saves the outputs of mm/addmm and SDPA and recomputes the rest.
+op-level selective checkpointing that saves the outputs of mm/addmm and SDPA and recomputes the rest;
+`selective-op` is torchtitan's op policy (torchtitan/models/llama3/infra/parallelize.py
+`_apply_ac_to_transformer_block`, `selective_ac_option = "op"`): save the outputs of `aten.mm` and SDPA,
+except every second mm of the block, which is recomputed (addmm is not in its save list).
 
 Blocks: pre-norm (RMSNorm or LayerNorm), attention with GQA (SDPA with `enable_gqa`, or eager
 matmul-softmax-matmul with repeated K/V), rotary or learned positions, SwiGLU or GELU MLP. The loss is
@@ -33,6 +36,24 @@ def _selective_contexts():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(_save_matmuls_policy)
+
+
+def _every_other_mm_contexts():
+    """torchtitan's op policy, one counter per checkpointed block and per mode (forward / recompute)."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    meta: dict = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs):
+        key = "recompute_mm" if ctx.is_recompute else "forward_mm"
+        if op == _aten.mm.default:
+            meta[key] += 1
+        save = op in _SAVED_OPS and op != _aten.addmm.default and not (op == _aten.mm.default and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 _aten = torch.ops.aten
@@ -175,6 +196,8 @@ class Decoder(nn.Module):
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             elif self.checkpointing == "selective":
                 x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=_selective_contexts)
+            elif self.checkpointing == "selective-op":
+                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=_every_other_mm_contexts)
             else:
                 x = block(x, cos, sin)
         x = self.norm(x)

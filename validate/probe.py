@@ -208,14 +208,14 @@ class Probe:
             if v <= 0:
                 raise ValueError(f"train.{k}={v}: must be a positive integer")
         ckpt = train.get("checkpointing", "none")
-        if module and ckpt == "selective":
-            self.result["unmeasured"].append("checkpointing='selective' is not defined for a module; ran as 'none'")
+        if module and ckpt in ("selective", "selective-op"):
+            self.result["unmeasured"].append(f"checkpointing={ckpt!r} is not defined for a module; ran as 'none'")
             ckpt = "none"
         every = checkpoint_every(ckpt)
         if module is None and every > 1:
             raise ValueError(f"checkpointing={ckpt!r}: the reference decoder implements none, full and "
                              f"selective; every-K runs with --hf-config or --module")
-        if ckpt not in ("none", "full", "selective") and not (module and every):
+        if ckpt not in ("none", "full", "selective", "selective-op") and not (module and every):
             self.result["unmeasured"].append(
                 f"checkpointing={ckpt!r} (the reference decoder implements only 'none' and 'full'; ran as 'none')")
         cuda = self.device.type == "cuda"
@@ -303,7 +303,7 @@ class Probe:
             torch.cuda.memory._dump_snapshot(os.environ[SNAPSHOT_ENV])
             torch.cuda.memory._record_memory_history(enabled=None)
 
-        if self.mode != "fake":
+        if self.mode != "fake" or cuda:  # fake PG on a GPU: the compute part (collectives return at once)
             timer = StepTimer(self.device)
             for _ in range(steps):
                 with timer:
