@@ -220,9 +220,11 @@ def _ring(op: str, S: float, n: int, k: int, bw: float, intra: LinkModel | None,
     """NCCL's ring, the faster of its Simple and LL protocols: latency base + steps x per-step latency
     (inter-node steps at the network's), bytes f(op, n) x S over the ring's bus bandwidth `bw`
     (tuning.cc `ncclTopoTuneModel`: LL at half the bandwidth, capped multi-node)."""
-    steps = latency_steps(op, n)
-    inter_steps = 0 if k <= 1 else (2 * (k - 1) if op == "all_reduce" else k - 1)
-    intra_steps = steps - inter_steps
+    if op == "broadcast":  # tuning.cc: a pipelined chain, base + ONE step (sameChannels)
+        intra_steps, inter_steps = (0, 1) if k > 1 else (1, 0)
+    else:
+        inter_steps = 0 if k <= 1 else (2 * (k - 1) if op == "all_reduce" else k - 1)
+        intra_steps = latency_steps(op, n) - inter_steps
     lat_i = intra.latency_s if intra is not None else 0.0
     lat_n = inter.latency_s if inter is not None else 0.0
     lat = _BASE_S["ring_simple"] + intra_steps * lat_i + inter_steps * lat_n
