@@ -327,8 +327,8 @@ def collective_time(op: str, message_bytes: float, group_size: int, link: LinkMo
     and the group spans nodes (group_size > gpus_per_node)."""
     algos = nccl_algorithms(op, message_bytes, group_size, link, gpus_per_node=gpus_per_node,
                             inter_link=inter_link)
-    if len(algos) == 1:
-        return next(iter(algos.values()))
+    if "nvls" not in algos and "nvls_tree" not in algos:  # the tuner's estimates are the times
+        return min(algos.values())
     return algos[_tuner_pick(algos, link)]
 
 
