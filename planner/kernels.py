@@ -64,7 +64,8 @@ class KernelTimes:
     head_backward_s: float
     """Their backward (the loss's, the head's two GEMMs, the embedding's gradient)."""
     per_step_s: float
-    """Once per optimizer step: autocast's weight-gradient casts, the optimizer step."""
+    """Once per optimizer step: gradient accumulation's adds into .grad under autocast (DDP, single); the
+    optimizer step is timed in compute.py."""
     host_s: float
     """Host time to issue one micro-step's ops: the step takes at least this long per micro-step."""
     matmul_s: float
@@ -181,8 +182,12 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
 
     fwd_kernels = (_COMPILED_FWD_KERNELS if compiled else _EAGER_FWD_KERNELS) - 1 + attn_kernels
     mem_fwd = mem / bw
+    # autocast casts each fp32 weight to 16-bit in forward (read 4, write 2 bytes per element; cached for the
+    # region, so once per micro-step) and casts its 16-bit gradient back to fp32 in backward (read 2, write 4)
+    cast = 6.0 * sum(i * o for i, o, _ in linears) / bw if regime == "autocast" else 0.0
+    mem_fwd += cast
     block_fwd = gemm_fwd + attn_fwd + mem_fwd + fwd_kernels * k_over
-    block_bwd = 2 * gemm_fwd + attn_bwd + 2 * mem_fwd + 2 * fwd_kernels * k_over
+    block_bwd = 2 * gemm_fwd + attn_bwd + 2 * mem_fwd - cast + 2 * fwd_kernels * k_over
     recompute_mem = 0.0
     if train.checkpointing == "full" or train.checkpointing.startswith("every-"):
         per = 1.0 if train.checkpointing == "full" else 1.0 / int(train.checkpointing.split("-")[1])
@@ -204,17 +209,20 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     logits = n * V
     up = 0 if c == 4 else c + 4  # logits.float() and its backward
     head_mem_fwd = norm_bytes(nh) + nh * (c + r) + logits * (up + 8)  # norm, embedding gather, cast + log_softmax
+    head_mem_fwd += 6.0 * V * h if regime == "autocast" else 0.0  # the head weight's cast (as the blocks')
     grad_b = train.prec.grad_bytes
     head_mem_bwd = (2 * norm_bytes(nh) + logits * (4 + 12 + up)  # nll grad fill, log_softmax bwd, cast bwd
-                    + V * h * grad_b + nh * r)                 # embedding grad: zero fill + index add
+                    + V * h * grad_b + nh * r                  # embedding grad: zero fill + index add
+                    + (6.0 * V * h if regime == "autocast" else 0.0))  # the head weight gradient's cast
     head_kernels = 20
     head_fwd = head_gemm + head_mem_fwd / bw + head_kernels * k_over
     head_bwd = 2 * head_gemm + head_mem_bwd / bw + 2 * head_kernels * k_over
 
-    # -- once per optimizer step: autocast's cast of each weight gradient to fp32 (bf16 grad -> fp32 .grad)
+    # -- once per optimizer step: with gradient accumulation, AccumulateGrad adds each later micro-step's
+    # gradient into .grad (read 2 x grad_bytes, write grad_bytes per parameter) where the grads are whole
     per_step = 0.0
-    if regime == "autocast":
-        per_step += m.param_count() * 6 / bw
+    if regime == "autocast" and train.grad_accum > 1:
+        per_step += (train.grad_accum - 1) * m.param_count() * 3 * grad_b / bw
 
     L = m.layers
     recompute_kernels = (fwd_kernels if train.checkpointing == "full" else

@@ -99,15 +99,14 @@ def test_module_entry_point():
 
 
 def test_recommend_small_model_two_gpus_is_replicated():
-    # At micro-batch 8 compute dominates: every strategy is within 10% and the pick is a replicated one,
+    # At micro-batch 8 compute dominates (> 85% of every strategy's step) and the pick is a replicated one,
     # the simplest within 5% of the fastest. DDP itself is ~7% slower than FSDP with MixedPrecision:
     # autocast keeps an fp32 residual stream and casts every Linear input and weight (kernels.py), and
     # its unsharded AdamW pass is twice zero2's.
     r = run("recommend", "--params", "125M", "--gpus", "2", "--gpu", "a100-80gb", "--micro-batch", "8", "--json")
     d = json.loads(r.output)
     assert d["recommendation"]["strategy"] in ("ddp", "fsdp-no-shard"), d["recommendation"]
-    steps = [s["step_time_s"] for s in d["strategies"]]
-    assert max(steps) < 1.10 * min(steps)
+    assert all(s["compute_s"] > 0.85 * s["step_time_s"] for s in d["strategies"])  # compute dominates
 
 
 def test_recommend_70b_on_64_h100_is_sharded():

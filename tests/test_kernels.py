@@ -11,6 +11,7 @@ from distplan.catalog.loader import load_catalog
 from distplan.planner.api import plan
 from distplan.planner.compute import _optimizer_bytes, step_flops
 from distplan.planner.config import TrainConfig
+from distplan.planner.activations import block_linears
 from distplan.planner.kernels import kernel_times
 from distplan.planner.model import ModelSpec
 
@@ -53,7 +54,13 @@ def test_recompute_costs():
 def test_autocast_pays_for_casts():
     tr = TrainConfig(model=L8, seq_len=2048, micro_batch=1)
     auto, lowp = kernel_times(tr, H100, "autocast"), kernel_times(tr, H100, "lowp")
-    assert auto.memory_bound_s > lowp.memory_bound_s and auto.per_step_s > 0 == lowp.per_step_s
+    assert auto.memory_bound_s > lowp.memory_bound_s
+    # the weight casts: 6 bytes per block weight forward (fp32 -> bf16) and 6 backward (its gradient back)
+    w = sum(i * o for i, o, _ in block_linears(L8))
+    bw = H100.hbm_bytes_per_s * H100.hbm_efficiency
+    assert auto.block_forward_s - lowp.block_forward_s > 6 * w / bw
+    # gradient accumulation adds into fp32 .grad under autocast
+    assert auto.per_step_s == 0 < kernel_times(replace(tr, grad_accum=4), H100, "autocast").per_step_s
 
 
 def test_small_model_is_host_bound():

@@ -172,6 +172,7 @@ def test_fully_sharded_collectives(results, name, root_gathers):
     assert calls(r, "reduce_scatter", ROOT_BYTES) == 1
 
 
+@pytest.mark.slow  # launches a real probe process (seconds)
 def test_impossible_spec_is_one_line_error(tmp_path):
     bad = spec("zero3", "fake", 2)
     bad["model"]["heads"] = 3  # does not divide hidden=64
@@ -180,6 +181,7 @@ def test_impossible_spec_is_one_line_error(tmp_path):
     assert "\n" not in r["error"] and "heads=3" in r["error"], r["error"]
 
 
+@pytest.mark.slow  # launches a real probe process (seconds)
 def test_allocation_failure_is_oom(tmp_path):
     huge = spec("zero3", "fake", 2)
     huge["model"]["vocab"] = 2**44  # a 2^52-byte embedding: the allocator refuses at once
@@ -187,6 +189,7 @@ def test_allocation_failure_is_oom(tmp_path):
     assert r["status"] == "oom" and "\n" not in r["error"], r["error"]
 
 
+@pytest.mark.slow  # launches a real probe process (seconds)
 def test_unknown_strategy_is_error(tmp_path):
     r = finish(*launch(tmp_path, spec("zero4", "fake", 2)))
     assert r["status"] == "error" and "zero4" in r["error"] and "zero3" in r["error"], r["error"]

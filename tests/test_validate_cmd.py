@@ -398,6 +398,7 @@ def _real_probe_ready() -> bool:
 
 
 @pytest.mark.skipif(not _real_probe_ready(), reason="validate/probe.py or planner.api.predict_probe absent")
+@pytest.mark.slow  # launches a real probe process (seconds)
 def test_real_probe_fake_pg_smoke(tmp_path):
     spec = mx.make_spec("ddp", dict(mx.SHAPES_CPU["llama-tiny"], name="llama-tiny"), 2, "fake", steps=1)
     recs = runner.run_validation([spec], str(tmp_path / "r.jsonl"), timeout_s=240)

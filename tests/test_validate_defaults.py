@@ -287,6 +287,7 @@ def test_good_module_still_validates(cli, user_module):
 
 # -- 3. NumPy warning ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # launches a real probe process (seconds)
 def test_numpy_warning_silenced_and_nothing_else(tmp_path):
     """A NumPy that fails to import makes `import torch` warn; the validate path filters exactly that."""
     pytest.importorskip("torch")
