@@ -65,6 +65,19 @@ used), op-level selective checkpointing (its saved set is the reference decoder'
 CUDA's flash kernel keeps with dropout (16 bytes), and the bool mask a full-checkpointed layer keeps as
 an input when a sliding window materializes it (s*s bytes).
 
+Tensor parallelism (`TrainConfig.tp` = t, `parallelize_module` with torchtitan's Llama plan): per op,
+what one TP rank saves. Split by t (whole heads and MLP columns per rank): q, k, v, the attention
+core (probabilities, masks, logsumexp, the output copy for o/wo) and the MLP's inner tensors (gate,
+up, silu, product; fc and gelu outputs). Whole on every rank without sequence parallelism: the
+residual stream, the norms (input, statistics, output, which the colwise Linears save as their
+replicated input), the residual dropouts (the rowwise Linears' outputs are all-reduced, replicated),
+RoPE tables and the causal mask. With sequence parallelism (`SequenceParallel` norms, rowwise outputs
+Shard(1)) the norms and residual dropouts keep s/t tokens, but each colwise Linear still saves its
+all-gathered (replicated) input of s tokens: DTensor's redistribute runs in forward and `mm` saves its
+output, where Megatron-LM saves the shard and all-gathers it again in backward (Korthikanti et al.
+2022, Sec. 4.2.2). Outside the blocks: token ids and targets whole, the loss sharded over the
+vocabulary (torchtitan's loss parallel: logits and log_softmax n x V/t).
+
 Checkpointing: `full` (`torch.utils.checkpoint`, non-reentrant, per block) keeps each block's input
 and recomputes the block inside backward; `selective` is op-level selective checkpointing
 (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that saves the outputs of `mm`/`addmm`
@@ -119,8 +132,19 @@ class ActivationBreakdown:
         return self.blocks_total + self.outside + self.loss_saved + self.weight_cache
 
 
+def sp_tokens(train: TrainConfig, n: int) -> int:
+    """Tokens of a micro-batch (`n`) a rank keeps of a sequence-sharded tensor: n under plain tensor
+    parallelism or none, ceil(s/t) per sequence with sequence parallelism (`torch.chunk` on dim 1)."""
+    if not train.sequence_parallel:
+        return n
+    return (n // train.seq_len) * -(-train.seq_len // train.tp)
+
+
 def _norm_saved(train: TrainConfig, regime: str, n: int, consumers: int, device: str) -> int:
-    """Bytes a pre-norm keeps for backward, including its output as the next Linear(s) save it."""
+    """Bytes a pre-norm keeps for backward, including its output as the next Linear(s) save it.
+
+    With sequence parallelism the norm itself runs on s/t tokens; the Linears after it save their
+    all-gathered input (n tokens)."""
     h = train.model.hidden
     res = 4 if regime in ("fp32", "autocast") else 2
     e = 4 if regime == "fp32" else 2
@@ -135,7 +159,7 @@ def _norm_saved(train: TrainConfig, regime: str, n: int, consumers: int, device:
         out = consumers * 2 * h  # each Linear saves its own 16-bit cast of the fp32 output
     else:
         out = e * h
-    return n * (body + out)
+    return sp_tokens(train, n) * body + n * out
 
 
 def _dropout_elem(device: str, elem: int) -> int:
@@ -169,7 +193,7 @@ def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) ->
     """SDPA attention of a transformers model (`integrations/sdpa_attention.py` sdpa_attention_forward),
     from the q/k/v projections' outputs to o_proj's input; the module docstring lists the terms."""
     m = train.model
-    h, a, kv = m.hidden, m.heads, m.kv_dim
+    h, a, kv = attention_widths(train)
     e = 4 if regime == "fp32" else 2
     b, s = train.micro_batch, train.seq_len
     probs = b * a * s * s
@@ -204,11 +228,18 @@ def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) ->
     return saved
 
 
+def attention_widths(train: TrainConfig) -> tuple[int, int, int]:
+    """(q width, heads, k/v width) of one tensor-parallel rank: the whole model's divided by tp
+    (`TrainConfig` checks that tp divides heads and kv_heads)."""
+    m, t = train.model, train.tp
+    return m.hidden // t, m.heads // t, m.kv_dim // t
+
+
 def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
     m = train.model
     if m.hf_model_type and train.attention == "sdpa":
         return _hf_attention_saved(train, regime, n, device)
-    h, a, kv = m.hidden, m.heads, m.kv_dim
+    h, a, kv = attention_widths(train)
     e = 4 if regime == "fp32" else 2
     b, s = train.micro_batch, train.seq_len
     if train.attention == "sdpa" and not sdpa_math(train, regime, device):
@@ -225,6 +256,10 @@ def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> in
         saved += probs * (4 + 2)  # softmax in fp32 on CUDA autocast, then cast for the matmul
     else:
         saved += probs * e
+    if m.attn_dropout > 0:
+        # dropout on the probabilities (GPT-2 attn_dropout): its mask (CUDA) or noise, and the dropped
+        # probabilities, which the second matmul saves instead of the softmax output softmax keeps
+        saved += probs * (_dropout_elem(device, e) + e)
     return saved
 
 
@@ -245,7 +280,7 @@ def sdpa_math(train: TrainConfig, regime: str, device: str) -> bool:
 def _mlp_saved(train: TrainConfig, regime: str, n: int) -> int:
     e = 4 if regime == "fp32" else 2
     m = train.model
-    f = m.ffn_hidden
+    f = m.ffn_hidden // train.tp
     if m.mlp == "swiglu":
         return n * e * f * 4  # gate, up (one gate_up buffer when fused), silu(gate), product
     # NewGELUActivation: x, tanh(...), 0.5*x, 1+tanh(...), product; F.gelu: x and its output
@@ -258,7 +293,7 @@ def _resid_dropout_saved(train: TrainConfig, regime: str, n: int, device: str) -
     if train.model.resid_dropout <= 0:
         return 0
     e = 4 if regime == "fp32" else 2
-    return 2 * n * train.model.hidden * _dropout_elem(device, e)
+    return 2 * sp_tokens(train, n) * train.model.hidden * _dropout_elem(device, e)
 
 
 def _rope_tables(train: TrainConfig, regime: str) -> tuple[int, int]:
@@ -297,12 +332,16 @@ def block_saved(train: TrainConfig, regime: str, device: str = "cuda") -> int:
             + _resid_dropout_saved(train, regime, n, device) + rope_per_block)
 
 
-def block_linears(model) -> list[tuple[int, int, bool]]:
-    """The Linears of one block in forward order: (in, out, bias) -> `aten.mm`, or `addmm` with a bias."""
+def block_linears(model, tp: int = 1) -> list[tuple[int, int, bool]]:
+    """The Linears of one block in forward order: (in, out, bias) -> `aten.mm`, or `addmm` with a bias.
+
+    With `tp` > 1 one tensor-parallel rank's shapes: colwise q/k/v, gate/up (fc) produce out/tp
+    columns, rowwise o and down (proj) read in/tp (their partial sums are h wide)."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
+    hq, kv, f = h // tp, kv // tp, f // tp
     qb = model.linear_bias or model.qkv_bias
-    lin = ([(h, h + 2 * kv, qb)] if model.fused_qkv else [(h, h, qb), (h, kv, qb), (h, kv, qb)])
-    lin.append((h, h, model.linear_bias))
+    lin = ([(h, hq + 2 * kv, qb)] if model.fused_qkv else [(h, hq, qb), (h, kv, qb), (h, kv, qb)])
+    lin.append((hq, h, model.linear_bias))
     if model.mlp == "swiglu":
         lin += [(h, 2 * f, model.linear_bias)] if model.fused_gate_up else [(h, f, model.linear_bias)] * 2
     else:
@@ -333,9 +372,10 @@ def _selective_block_saved(train: TrainConfig, regime: str) -> int:
     m = train.model
     n = train.micro_batch * train.seq_len
     e = 4 if regime == "fp32" else 2
-    saved = n * e * sum(o for (_, o, _), keep in zip(block_linears(m), saved_linears(train)) if keep)
+    saved = n * e * sum(o for (_, o, _), keep in zip(block_linears(m, train.tp), saved_linears(train)) if keep)
     if train.attention == "sdpa":
-        saved += n * (e * m.hidden + 4 * m.heads)
+        hq, a, _ = attention_widths(train)
+        saved += n * (e * hq + 4 * a)
     return saved
 
 
@@ -352,7 +392,8 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     """`activations` for a numeric regime (`regime_for`) rather than a strategy family."""
     m = train.model
     n = train.micro_batch * train.seq_len
-    h, v = m.hidden, m.vocab
+    h, v = m.hidden, -(-m.vocab // train.tp)  # the LM head's vocabulary shard (loss parallel)
+    n_res = sp_tokens(train, n)  # tokens of the residual stream a rank holds
     e = 4 if regime == "fp32" else 2
     res = 4 if regime in ("fp32", "autocast") else 2
     shared_rope, _ = _rope_tables(train, regime)
@@ -365,10 +406,10 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
         blocks_total = m.layers * per_block + shared_rope
         recompute = 0
     elif train.checkpointing == "full":
-        blocks_total = m.layers * n * res * h + shared_rope  # each block's input
+        blocks_total = m.layers * n_res * res * h + shared_rope  # each block's input
         recompute = per_block
     else:
-        blocks_total = m.layers * (_selective_block_saved(train, regime) + n * res * h) + shared_rope
+        blocks_total = m.layers * (_selective_block_saved(train, regime) + n_res * res * h) + shared_rope
         recompute = per_block - _selective_block_saved(train, regime)
 
     # Token ids (embedding backward) and targets (nll_loss), int64; positions for learned embeddings.
@@ -379,7 +420,7 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     inputs = n * 8 + targets + (train.seq_len * 8 if m.position == "learned" else 0)
     outside = inputs
     if m.embed_dropout > 0:
-        outside += n * h * _dropout_elem(device, res)  # GPT2Model.drop on the embedding sum
+        outside += n_res * h * _dropout_elem(device, res)  # GPT2Model.drop on the embedding sum
     # Final norm and the LM head's input (the norm's output, or autocast's 16-bit cast of it).
     outside += _norm_saved(train, regime, n, 1, device)
     # `x = tok_embeddings(tokens)`: fp32 when the embedding is fp32, saved by the first RMSNorm only

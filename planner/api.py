@@ -426,6 +426,9 @@ class Plan:
         inputs = {"model": self.train.model.to_dict(), "model_params": self.train.model.param_count(),
                   "train": {k: v for k, v in self.train.to_dict().items() if k != "model"},
                   "cluster": self.cluster.to_dict(), "notes": list(self.notes)}
+        t = self.train.tp
+        inputs["mesh"] = {"dp": self.cluster.gpus // t, "tp": t,
+                          "sequence_parallel": self.train.sequence_parallel}
         if self.tokens:
             inputs["tokens"] = self.tokens
         out = {"inputs": inputs, "strategies": []}
@@ -457,7 +460,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          inter_gbps: float | None = None, seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1,
          precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
          activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
-         framework: str = "pytorch", compile: bool = False, strategies: Iterable[str] | None = None,
+         framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
+         strategies: Iterable[str] | None = None,
          tokens: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
          **overrides) -> Plan:
@@ -471,6 +475,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
             activation_checkpointing, attention, cpu_offload, framework: one training step.
         compile: the blocks run under torch.compile (step time only: fused pointwise kernels).
+        tp, sequence_parallel: tensor-parallel degree inside a node (torchtitan's Llama plan; the
+            strategies then run over gpus / tp data-parallel ranks) and sequence parallelism (tp.py).
         strategies: names from the registry (default: all).
         tokens: total training tokens, for the time-to-train figure.
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
@@ -499,12 +505,25 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                                 overrides, catalog_dirs)
     cluster, cnotes = resolve_cluster(gpus, gpus_per_node, gpu, gpu_mem, node, intra, inter, nics_per_node,
                                       inter_gbps, detect_local, catalog_dirs)
+    tp = check_count("tp", tp)
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"--sequence-parallel={short_repr(sequence_parallel)}: accepted: True or False")
+    if sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel: needs --tp > 1 (it shards along the tensor-parallel group)")
+    if tp > 1:
+        from .config import check_tp
+        check_tp(tp, spec, "--tp", cluster.gpus, cluster.local_size)
+        if framework != "pytorch":
+            raise ValueError(f"--tp={tp} with --framework={short_repr(framework)}: tensor parallelism is "
+                             f"modelled for PyTorch's parallelize_module; accepted: --framework pytorch")
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,
-                        cpu_offload=cpu_offload, framework=framework, compile=compile)
-    names = list(strategies) if strategies else [n for n in NAMES if n != "single" or cluster.gpus == 1]
-    if cluster.gpus == 1 and not strategies:
+                        cpu_offload=cpu_offload, framework=framework, compile=compile, tp=tp,
+                        sequence_parallel=sequence_parallel)
+    dp = cluster.gpus // tp
+    names = list(strategies) if strategies else [n for n in NAMES if n != "single" or dp == 1]
+    if dp == 1 and not strategies:
         names = ["single"]
     results = [evaluate(train, cluster, get_strategy(n), comm=comm, catalog_dirs=catalog_dirs) for n in names]
     if tokens is not None and not tokens > 0:

@@ -80,6 +80,12 @@ def training_options(fn):
         click.option("--compile", "compile_", is_flag=True, default=False,
                      help="The blocks run under torch.compile: fused pointwise kernels in the step time "
                           "(memory is modelled for eager)."),
+        click.option("--tp", type=int, default=1, show_default=True,
+                     help="Tensor-parallel degree inside a node (torchtitan's Llama plan); the strategies "
+                          "run over gpus / tp data-parallel ranks."),
+        click.option("--sequence-parallel", "sequence_parallel", is_flag=True, default=False,
+                     help="With --tp: sequence parallelism (norms sharded over the sequence; all-gather + "
+                          "reduce-scatter instead of all-reduce)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -163,7 +169,7 @@ def use_trace(kw: dict) -> bool:
 def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
     from .api import plan
     from .units import check_count, short_repr
-    for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum",
+    for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum", "tp",
                  "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
         if kw.get(flag) is not None:  # each bounded to what exists (units.LIMITS), before any work
             check_count(flag, kw[flag])
@@ -174,6 +180,9 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
         from .hf_config import load_hf_config
         load_hf_config(kw["hf_config"])
     if kw.get("module") or use_trace(kw):
+        if (kw.get("tp") or 1) > 1 or kw.get("sequence_parallel"):
+            raise ValueError(f"--tp={kw.get('tp') or 1}: tensor parallelism is modelled by the analytic front end "
+                             f"only; with --hf-config add --front-end analytic (--module: not supported)")
         from .module_plan import module_spec_plan
         return module_spec_plan(kw, strategies)
     overrides = {k: kw.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
@@ -189,6 +198,7 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
                 activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
                 cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
+                tp=kw.get("tp") or 1, sequence_parallel=bool(kw.get("sequence_parallel")),
                 strategies=list(strategies) or None,
                 tokens=kw.get("tokens"), comm=comm, detect_local=detect_local,
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)

@@ -58,7 +58,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from .config import Cluster, TrainConfig
-from .model import ModelSpec, unit_sizes
+from .model import ModelSpec, TPRankSpec, unit_sizes
 from .strategies import Strategy, get_strategy
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -93,7 +93,9 @@ class Collective(NamedTuple):
     op: str
     """'all_reduce' | 'all_gather' | 'reduce_scatter' | 'broadcast'."""
     group: str
-    """'world' (all ranks), 'intra_node' (the node's ranks), 'inter_node' (one rank per node)."""
+    """'world' (all ranks), 'intra_node' (the node's ranks), 'inter_node' (one rank per node); with
+    tensor parallelism (`tp.py`) 'dp' (the data-parallel mesh dimension's ranks) and 'tp' (the
+    tensor-parallel group, inside a node)."""
     group_size: int
     dtype: str
     """'float32' | 'bfloat16' | 'float16' on the wire."""
@@ -393,6 +395,8 @@ def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cl
     """Seconds for one call on `group` of `cluster`: 'inter_node' is one GPU per node (each GPU of a
     node runs its own such group at the same time, over its share of the NICs)."""
     intra, inter = cluster_links(cluster)
+    if group == "tp":  # tensor parallelism: inside a node (tp.py)
+        return collective_time(c_op, message_bytes, n, intra)
     if group == "inter_node":
         return collective_time(c_op, message_bytes, n, None, gpus_per_node=1, inter_link=inter)
     if group == "intra_node":
@@ -543,10 +547,26 @@ def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str | St
     merged; `calls` counts all grad_accum micro-steps. Times use the cluster's links (catalog, cached).
     """
     s = get_strategy(strategy)
+    if train.tp > 1 and train.model.__class__ is not TPRankSpec:  # a `tp_view` has the dp part only
+        return _tp_schedule(train, cluster, s, ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
     key = _schedule_key(train, s.name, cluster.gpus, cluster.local_size, cluster.nodes,
                         ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
     collectives, totals = _timed_schedule(key, cluster)
     return Schedule(collectives, totals)
+
+
+def _tp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_explicit) -> "Schedule":
+    """With tensor parallelism (`tp.py`): the strategy's collectives over the data-parallel mesh
+    dimension (group 'world' of the dp ranks named 'dp'; 'intra_node'/'inter_node' as they are, inside
+    the dp dimension), then the TP group's ('tp', on the intra-node link)."""
+    from .tp import tp_raw_schedule, tp_view
+    rtrain, dp = tp_view(train, cluster)
+    out = []
+    if s.family != "single":
+        key = _schedule_key(rtrain, s.name, dp.gpus, dp.local_size, dp.nodes, cap, root_explicit)
+        out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dp)[0]]
+    out += timed_collectives(tp_raw_schedule(train, s.family), cluster)
+    return Schedule(out, schedule_totals(out))
 
 
 class Schedule(list):

@@ -40,6 +40,7 @@ from functools import lru_cache
 from .comm import _DTYPE_BYTES, Collective, collective_schedule, schedule_totals
 from .activations import regime_for
 from .config import Cluster, TrainConfig
+from .model import TPRankSpec
 from .kernels import KernelTimes, kernel_times
 
 from .strategies import Strategy, get_strategy
@@ -51,8 +52,9 @@ def _forward_flops(train: TrainConfig) -> tuple[float, float]:
     b, s, h = train.micro_batch, train.seq_len, m.hidden
     block_w, head_w = m.linear_weights()  # logits: x @ W^T with W the head or the tied embedding
     tokens = b * s
-    # Narayanan et al. 2021 Eq. 3: 4*b*s^2*h per layer (QK^T and AV); halved for causal SDPA.
-    attn = 4.0 * b * s * s * h * (0.5 if train.attention == "sdpa" else 1.0)
+    # Narayanan et al. 2021 Eq. 3: 4*b*s^2*h per layer (QK^T and AV); halved for causal SDPA; a
+    # tensor-parallel rank runs heads / tp of them (`block_w`, `head_w` are its weights already).
+    attn = 4.0 * b * s * s * h * (0.5 if train.attention == "sdpa" else 1.0) / train.tp
     block = 2.0 * block_w * tokens + attn
     head = 2.0 * head_w * tokens  # Eq. 3's logits term 2*b*s*h*V
     return block, head
@@ -273,18 +275,28 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
         gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
     if schedule is None:
         schedule = collective_schedule(train, cluster, s.name)
+    tp_exposed, tp_calls = 0.0, 0
+    if train.tp > 1 and train.model.__class__ is not TPRankSpec:
+        # Tensor parallelism (tp.py): the per-rank model over the data-parallel ranks; the TP group's
+        # collectives sit between the block's kernels in eager PyTorch, exposed whole.
+        from .tp import tp_view
+        train, cluster = tp_view(train, cluster)
+        tp_part = [c for c in schedule if c.group == "tp"]
+        tp_exposed = sum(c.time_s for c in tp_part)
+        tp_calls = sum(c.calls for c in tp_part)
+        schedule = [c for c in schedule if c.group != "tp"]
     peak = _peak(gpu, _compute_dtype(train))
     forward = _forward_flops(train)
     kt = kernel_times(train, gpu, regime_for(train, s.family))
     compute = train.grad_accum * kt.micro_step_s(train.model.layers) + kt.per_step_s
     sums = schedule_totals(schedule)
-    comm = sums.time_s
-    exposed = exposed_comm(train, s, schedule, kt, forward)
+    comm = sums.time_s + tp_exposed
+    exposed = exposed_comm(train, s, schedule, kt, forward) + tp_exposed
     bw = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
     opt = _optimizer_bytes(train, _owned_elems(train, cluster, s)) / bw
     # Copies around the collectives (memory bound) and the host cost of each call; added, not overlapped.
     overhead = copy_bytes(train, s, schedule) / bw
-    overhead += COLLECTIVE_LAUNCH_S * sums.calls
+    overhead += COLLECTIVE_LAUNCH_S * (sums.calls + tp_calls)
     total = compute + exposed + opt + overhead
     gpus = 1 if s.family == "single" else cluster.gpus
     tokens = train.tokens_per_micro_step * train.grad_accum * gpus
@@ -315,6 +327,16 @@ def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str
         return None
     if gpu is None:
         gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
+    if train.tp > 1 and train.model.__class__ is not TPRankSpec:
+        # the data-parallel ranks' share of each node (1/tp of its NICs): per node it is tp times that
+        from .tp import tp_view
+        t = train.tp
+        rtrain, dp = tp_view(train, cluster)
+        if dp.nodes <= 1:
+            return None
+        per_share = required_inter_bandwidth(rtrain, dp, strategy, gpu=gpu, target_fraction=target_fraction,
+                                             lo=lo / t, hi=hi / t, rel_tol=rel_tol)
+        return per_share if per_share is None else per_share * t
     kt = kernel_times(train, gpu, regime_for(train, s.family))
     compute = train.grad_accum * kt.micro_step_s(train.model.layers) + kt.per_step_s
     target = target_fraction * compute

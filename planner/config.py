@@ -71,6 +71,13 @@ class TrainConfig:
     compile: bool = False
     """The blocks run under torch.compile (Inductor fuses their pointwise ops): changes the step time's
     memory-bound work and kernel count only; memory is modelled for eager execution."""
+    tp: int = 1
+    """Tensor-parallel degree: `parallelize_module` with torchtitan's Llama plan over a TP mesh
+    dimension of `tp` GPUs inside a node; the data-parallel strategies run over gpus / tp ranks
+    (planner/tp.py)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and dropouts sharded along the sequence (`SequenceParallel`), the block's
+    all-reduces replaced by all-gather + reduce-scatter (torchtitan's layout)."""
 
     def __post_init__(self) -> None:
         if not (type(self.seq_len) is int and 0 < self.seq_len <= _MAX_SEQ and type(self.micro_batch) is int
@@ -79,11 +86,20 @@ class TrainConfig:
                 and self.precision in PRECISIONS and self.optimizer in OPTIMIZERS
                 and self.optimizer_impl in OPTIMIZER_IMPLS and self.checkpointing in CHECKPOINTING
                 and self.attention in ATTENTION and self.cpu_offload in OFFLOAD
-                and self.framework in FRAMEWORKS and type(self.compile) is bool):  # one test for the common case; below names the culprit
+                and self.framework in FRAMEWORKS and type(self.compile) is bool
+                and type(self.tp) is int and self.tp >= 1 and type(self.sequence_parallel) is bool):  # one test for the common case; below names the culprit
             self._check_fields()
         if self.model.position == "learned" and self.seq_len > self.model.max_positions:
             raise ValueError(
                 f"seq_len={self.seq_len} exceeds the model's {self.model.max_positions} learned positions")
+        if self.tp > 1:
+            check_tp(self.tp, self.model, "tp")
+            if self.framework != "pytorch":
+                raise ValueError(f"tp={self.tp} with framework={self.framework}: tensor parallelism is "
+                                 f"modelled for PyTorch's parallelize_module; accepted: framework='pytorch'")
+        elif self.sequence_parallel:
+            raise ValueError("sequence_parallel=True: needs tp > 1 (sequence parallelism shards along the "
+                             "tensor-parallel group)")
         object.__setattr__(self, "_prec", get_precision(self.precision))
 
     def _check_fields(self) -> None:
@@ -99,6 +115,9 @@ class TrainConfig:
         _choice("framework", self.framework, FRAMEWORKS)
         if type(self.compile) is not bool:
             raise ValueError(f"compile={short_repr(self.compile)}: accepted: True or False")
+        _positive("tp", self.tp)
+        if type(self.sequence_parallel) is not bool:
+            raise ValueError(f"sequence_parallel={short_repr(self.sequence_parallel)}: accepted: True or False")
 
     @property
     def prec(self) -> Precision:
@@ -112,6 +131,32 @@ class TrainConfig:
         d = asdict(self)
         d["model"] = self.model.to_dict()
         return d
+
+    @property
+    def rank_model(self) -> ModelSpec:
+        """The model's parameters as one tensor-parallel rank holds them (`model.TPRankSpec`)."""
+        from .model import tp_rank_spec
+        return tp_rank_spec(self.model, self.tp)
+
+
+def tp_divisors(model: ModelSpec, *counts: int) -> list[int]:
+    """Tensor-parallel degrees that divide the model's heads, kv_heads and ffn_hidden (and `counts`)."""
+    return [t for t in range(1, model.kv_heads + 1)
+            if not (model.heads % t or model.kv_heads % t or model.ffn_hidden % t or any(c % t for c in counts))]
+
+
+def check_tp(tp: int, model: ModelSpec, flag: str = "--tp", gpus: int | None = None,
+             gpus_per_node: int | None = None) -> None:
+    """A one-line ValueError unless `tp` splits the model's heads, kv_heads and ffn_hidden (whole heads
+    and MLP columns per rank) and, when given, the GPUs and the GPUs of a node (TP inside a node)."""
+    counts = [c for c in (gpus, gpus_per_node) if c is not None]
+    bad = [f"{k}={v}" for k, v in (("heads", model.heads), ("kv_heads", model.kv_heads),
+                                   ("ffn_hidden", model.ffn_hidden)) if v % tp]
+    bad += [f"{k}={v}" for k, v in (("gpus", gpus), ("gpus_per_node", gpus_per_node)) if v is not None and v % tp]
+    if bad:
+        ok = tp_divisors(model, *counts)
+        raise ValueError(f"{flag}={short_repr(tp)}: must divide {', '.join(bad)} (tensor parallelism splits "
+                         f"whole heads and MLP columns, inside one node); accepted: {', '.join(map(str, ok))}")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from .activations import block_linears, saved_linears
+from .activations import block_linears, saved_linears, sp_tokens
 from .config import TrainConfig
 
 _EAGER_FWD_KERNELS, _COMPILED_FWD_KERNELS = 45, 12
@@ -121,22 +121,27 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     half = half / (max(flops.get("bf16", 0.0), flops.get("fp16", 0.0), peak) * eff)
     bw = hbm * hbm_eff
     m = train.model
-    b, s, h, f, V = train.micro_batch, train.seq_len, m.hidden, m.ffn_hidden, m.vocab
+    # One tensor-parallel rank's shapes (tp.py): heads, MLP columns and vocabulary / tp; the norms,
+    # residual adds and dropouts on s/tp tokens with sequence parallelism, on all s without.
+    t = train.tp
+    b, s, h, f, V = train.micro_batch, train.seq_len, m.hidden, m.ffn_hidden // t, -(-m.vocab // t)
     n = b * s
     d = h // m.heads
-    kv = m.kv_heads * d
+    kv = m.kv_heads * d // t
+    heads = m.heads // t
+    n_res = sp_tokens(train, n)
     c = 4 if regime == "fp32" else 2            # matmul outputs, attention
     r = 4 if regime in ("fp32", "autocast") else 2  # residual stream (fp32 under autocast: fp32 + bf16 -> fp32)
     compiled = train.compile
 
     # -- GEMMs of one block: (m, k, n) per Linear, forward; backward = 2 GEMMs of the same FLOPs
-    linears = block_linears(m)
+    linears = block_linears(m, t)
     times = [_gemm(2.0 * n * i * o, rate, half) for i, o, _ in linears]
     gemm_fwd = sum(times)
     gemms = len(linears)
 
     # -- attention
-    attn_flops = 4.0 * b * s * s * h  # QK^T and AV (Narayanan et al. 2021, Eq. 3)
+    attn_flops = 4.0 * b * s * s * h / t  # QK^T and AV (Narayanan et al. 2021, Eq. 3)
     if train.attention == "sdpa":
         attn_flops *= 0.5  # causal: the flash / memory-efficient kernels skip masked tiles
         attn_fwd = attn_flops / (peak * att_eff)
@@ -144,7 +149,7 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         attn_mem_fwd = 0.0
         attn_kernels = 1
     else:
-        scores = b * m.heads * s * s
+        scores = b * heads * s * s
         attn_fwd = _gemm(attn_flops, rate, half)
         attn_bwd = 2.0 * attn_fwd
         # scores (c) -> + mask -> fp32 softmax -> downcast: ~ write c, r/w 4+4 (mask add), r 4 w 4, r 4 w c
@@ -160,12 +165,13 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         return elems * (upcast + 8 + 4 + 8 + downcast + 2 * r)  # to fp32, pow, mean, mul, to, weight mul
 
     nh = n * h
-    mem = 2 * norm_bytes(nh)
+    nh_res = n_res * h
+    mem = 2 * norm_bytes(nh_res)
     if m.position == "rope":
-        rot = n * (h + kv) * (m.rotary_dim / d if m.rotary_dim else 1.0)
+        rot = n * (h // t + kv) * (m.rotary_dim / d if m.rotary_dim else 1.0)
         mem += rot * (2 * c if compiled else 10 * c)  # neg, cat, 2 mul, add on q and k (rotate_half)
-    mem += nh * 2 * c  # attention output transpose(1, 2).contiguous()
-    mem += 2 * nh * (2 * r + c)  # two residual adds: read residual and branch, write residual
+    mem += nh // t * 2 * c  # attention output transpose(1, 2).contiguous()
+    mem += 2 * nh_res * (2 * r + c)  # two residual adds: read residual and branch, write residual
     nf = n * f
     if m.mlp == "swiglu":
         mem += nf * (3 * c if compiled else 5 * c)  # silu(gate) * up
@@ -176,7 +182,7 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     if regime == "autocast":
         # autocast casts each Linear's fp32 input (the norm outputs: q, k, v and gate, up / fc)
         mem += nh * (3 + (2 if m.mlp == "swiglu" else 1)) * 6
-    drop = (m.resid_dropout > 0) * 2 * nh + (m.attn_dropout > 0 and train.attention != "sdpa") * b * m.heads * s * s
+    drop = (m.resid_dropout > 0) * 2 * nh_res + (m.attn_dropout > 0 and train.attention != "sdpa") * b * heads * s * s
     mem += drop * (3 * c + 1)  # mask generation, mul
     mem += attn_mem_fwd
 
@@ -208,11 +214,11 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     head_gemm = _gemm(2.0 * n * h * V, rate, half)
     logits = n * V
     up = 0 if c == 4 else c + 4  # logits.float() and its backward
-    head_mem_fwd = norm_bytes(nh) + nh * (c + r) + logits * (up + 8)  # norm, embedding gather, cast + log_softmax
+    head_mem_fwd = norm_bytes(nh_res) + nh_res * (c + r) + logits * (up + 8)  # norm, embedding gather, cast + log_softmax
     head_mem_fwd += 6.0 * V * h if regime == "autocast" else 0.0  # the head weight's cast (as the blocks')
     grad_b = train.prec.grad_bytes
-    head_mem_bwd = (2 * norm_bytes(nh) + logits * (4 + 12 + up)  # nll grad fill, log_softmax bwd, cast bwd
-                    + V * h * grad_b + nh * r                  # embedding grad: zero fill + index add
+    head_mem_bwd = (2 * norm_bytes(nh_res) + logits * (4 + 12 + up)  # nll grad fill, log_softmax bwd, cast bwd
+                    + V * h * grad_b + nh_res * r                  # embedding grad: zero fill + index add
                     + (6.0 * V * h if regime == "autocast" else 0.0))  # the head weight gradient's cast
     head_kernels = 20
     head_fwd = head_gemm + head_mem_fwd / bw + head_kernels * k_over

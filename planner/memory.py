@@ -44,7 +44,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .activations import ActivationBreakdown, _norm_saved, activations_in, regime_for, sdpa_math
+from .activations import ActivationBreakdown, _norm_saved, activations_in, regime_for, sdpa_math, sp_tokens
 from .config import Cluster, TrainConfig
 from .model import ModelSpec, unit_sizes
 from .precision import optimizer_state_elems
@@ -301,6 +301,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     `peak_allocated` adds the cuBLAS workspaces of `gpu_name` (default: the cluster's GPU).
     """
     st = get_strategy(strategy)
+    if train.tp > 1:  # one TP rank's parameters, the strategy over the data-parallel ranks (tp.py)
+        from .tp import tp_view
+        train, cluster = tp_view(train, cluster)
     if train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3"):
         from .deepspeed import estimate_deepspeed
         return estimate_deepspeed(train, cluster, st)
@@ -332,7 +335,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         notes.append(f"cpu_offload={train.cpu_offload} is not supported by {st.implementation}; ignored")
 
     n_tok = train.micro_batch * train.seq_len
-    v = m.vocab
+    v = -(-m.vocab // train.tp)  # one tensor-parallel rank's vocabulary shard (embedding, head, loss)
     L = m.layers
 
     # Optimizer-step intermediates (adam.py _multi_tensor_adam: exp_avg_sq_sqrt).
@@ -643,6 +646,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     peak_allocated = sum(comps.values()) + workspace
     reserved = int(0.10 * peak_allocated)  # caching-allocator fragmentation: a margin, not a model (pytorch#137151: reserved ~2x allocated)
     groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
+    groups += train.tp > 1  # the tensor-parallel group's communicator
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
     total = peak_allocated + reserved + overhead
     return MemoryEstimate(st.name, comps, peak_allocated, phase, reserved, overhead,
@@ -658,17 +662,18 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
     d(fc) (n*f each). The gradient of the residual stream (n*h) is alive throughout.
     """
     m = train.model
-    h, f = m.hidden, m.ffn_hidden
+    t = train.tp
+    h, f = m.hidden, m.ffn_hidden // t  # one tensor-parallel rank's MLP columns
     e = 4 if regime == "fp32" else 2
     r = 4 if regime in ("fp32", "autocast") else 2
-    resid = n * h * r
+    resid = sp_tokens(train, n) * h * r
     if m.mlp == "swiglu":
         mlp = (n * f * e, resid + 3 * n * f * e, h * f)
     else:
         mlp = (n * f * e, resid + 2 * n * f * e, h * f)
     if train.attention == "eager" or sdpa_math(train, regime, device):
-        probs = train.micro_batch * m.heads * train.seq_len ** 2 * e
-        att = (0, resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * h)
+        probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2 * e
+        att = (0, resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * h // t)
         if att[1] > mlp[1]:
             return att
     return mlp

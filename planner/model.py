@@ -315,3 +315,66 @@ def unit_sizes(spec: ModelSpec) -> tuple[tuple, tuple, int, int, int]:
 def _linear_weights(spec: ModelSpec) -> tuple[int, int]:
     block = sum(prod(s) for n, s in spec.units()[1].params if n.endswith(".weight") and len(s) == 2)
     return block, spec.vocab * spec.hidden
+
+
+@dataclass(frozen=True)
+class TPRankSpec(ModelSpec):
+    """One tensor-parallel rank's share of a `ModelSpec`'s parameters, as PyTorch's `parallelize_module`
+    with torchtitan's Llama plan (`torchtitan/models/llama3/infra/parallelize.py` `apply_tp`) leaves it.
+
+    The architecture fields are the whole model's (so the activation and FLOP formulas, which divide by
+    `TrainConfig.tp` themselves, read the true widths); only the parameter shapes are one rank's:
+    q/k/v and gate/up (or fc) `ColwiseParallel` (weight and bias Shard(0): out/tp rows), o and down (or
+    proj) `RowwiseParallel` (weight Shard(1): in/tp columns, bias replicated), the token embedding
+    `RowwiseParallel` (an embedding's weight Shard(0): vocab/tp rows) and the LM head `ColwiseParallel`
+    (vocab/tp rows), norms and learned positions replicated. A DTensor dimension that tp does not divide
+    is split in chunks of ceil(d/tp) (`torch.chunk`): the most loaded rank, rank 0, holds ceil(d/tp).
+    """
+
+    tp: int = 1
+
+    def _build_units(self):
+        t = self.tp
+        embed, block, head = ModelSpec._build_units(self)
+        if t == 1:
+            return embed, block, head
+
+        def cdiv(d: int) -> int:
+            return -(-d // t)
+
+        col = (".wq.", ".wk.", ".wv.", ".w_gate.", ".w_up.", ".mlp.fc.")
+        row = (".wo.weight", ".w_down.weight", ".mlp.proj.weight")
+
+        def shard(name: str, shape: tuple) -> tuple:
+            if name in ("tok_embeddings.weight", "output.weight") or any(c in name for c in col):
+                return (cdiv(shape[0]),) + tuple(shape[1:])
+            if any(name.endswith(r) for r in row):
+                return (shape[0], cdiv(shape[1]))
+            return shape  # norms, row-parallel biases, learned positions: replicated
+
+        def apply(u: ParamGroup) -> ParamGroup:
+            return ParamGroup(u.unit, tuple((n, shard(n, s)) for n, s in u.params))
+        return apply(embed), apply(block), apply(head)
+
+    def _count_params(self) -> int:
+        if self.tp == 1:
+            return ModelSpec._count_params(self)
+        embed, block, head = self.units()
+        return embed.numel + self.layers * block.numel + head.numel
+
+    def linear_weights(self) -> tuple[int, int]:
+        block, _ = _linear_weights(self)
+        return block, -(-self.vocab // self.tp) * self.hidden
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("tp")
+        return d
+
+
+def tp_rank_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """`spec` as one tensor-parallel rank holds it (`TPRankSpec`); `spec` itself for tp=1."""
+    if tp == 1:
+        return spec
+    kw = {f.name: getattr(spec, f.name) for f in fields(ModelSpec)}
+    return TPRankSpec(**kw, tp=tp)

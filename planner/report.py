@@ -81,6 +81,9 @@ def header(plan) -> str:
         f"{t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}, attention {t.attention}"
         + (f", offload {t.cpu_offload}" if t.cpu_offload != "none" else "")
         + (f", framework {t.framework}" if t.framework != "pytorch" else ""),
+        *([f"mesh: tp {t.tp} (tensor parallel inside a node{', sequence parallel' if t.sequence_parallel else ''})"
+           f" x dp {c.gpus // t.tp} (the strategies below run over the dp ranks, on 1/{t.tp} of the model)"]
+          if getattr(t, "tp", 1) > 1 else []),
         f"cluster: {c.gpus} x {c.gpu_name} ({fmt_gib(c.gpu_memory_bytes)} GiB) in {c.nodes} node(s) of "
         f"{c.gpus_per_node}; intra {c.intra_link}, inter {c.inter_link} x {c.nics_per_node} per node"
         + (f" ({c.inter_bytes_per_s * 8 / 1e9:g} Gbit/s per node)" if c.inter_bytes_per_s else ""),

@@ -1,0 +1,99 @@
+"""Tensor parallelism (TP) on a 2-D device mesh: (dp, tp), TP inside a node, as torchtitan lays it out.
+
+`TrainConfig.tp` = t splits every block with `torch.distributed.tensor.parallel.parallelize_module`
+following torchtitan's Llama plan (`torchtitan/models/llama3/infra/parallelize.py` `apply_tp`): q, k,
+v and gate, up (fc) `ColwiseParallel`, o and down (proj) `RowwiseParallel`, the token embedding
+`RowwiseParallel`, the LM head `ColwiseParallel` with loss parallel (logits stay sharded over the
+vocabulary), norms replicated. With `sequence_parallel` (torchtitan's default) the norms are
+`SequenceParallel`, the rowwise outputs Shard(1) (reduce-scatter) and `PrepareModuleInput` all-gathers
+the attention's and the MLP's input once; without it the same plan with Replicate layouts (one
+all-reduce of the rowwise output in forward, one of the module input's gradient in backward: the
+three colwise Linears' partial gradients are summed on the DTensor first).
+
+The data-parallel strategies (DDP, ZeRO, FSDP, HSDP) then run over the dp = gpus / t ranks of the
+other mesh dimension on the per-TP-rank model (`model.TPRankSpec`): `tp_view` gives the planner's
+memory, schedule and step-time code that view, so their formulas apply unchanged: a dp group has
+gpus_per_node / t ranks per node, each with 1/t of the node's NICs (all t groups run at once, one
+per TP rank).
+
+Per-layer TP collectives per micro-step (group "tp", t ranks on the intra-node link; message b*s*h in
+the activation dtype; on the critical path in eager PyTorch, so the step time adds them whole):
+- without SP: forward 2 all-reduces (attention and MLP outputs), backward 2 (their inputs' gradients);
+  outside the blocks the embedding's output all-reduce (forward) and the LM head input's gradient
+  all-reduce (backward).
+- with SP: all-gather + reduce-scatter for each of those (forward: gather the norm output, scatter the
+  rowwise output; backward the reverse); the embedding reduce-scatters its output (forward) and
+  all-gathers its gradient (backward), the head all-gathers its input (forward) and reduce-scatters
+  its gradient (backward). The same bytes on the wire as the all-reduces.
+Not counted: loss parallel's per-token all-reduces (max, sum, target logit: a few b*s*4 bytes) and
+the all-reduce of the replicated norm weights' gradients under SP (2h per block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+from .config import Cluster, TrainConfig, check_tp
+from .model import TPRankSpec
+
+_HALF = {"bf16-mixed": "bfloat16", "bf16": "bfloat16", "fp16-mixed": "float16", "fp32": "float32"}
+
+
+def tp_view(train: TrainConfig, cluster: Cluster) -> tuple[TrainConfig, Cluster]:
+    """(train with one TP rank's parameter shapes, the data-parallel cluster of gpus / tp ranks).
+
+    The identity for tp = 1, and for a view already taken (its model is a `TPRankSpec`)."""
+    if train.tp == 1 or train.model.__class__ is TPRankSpec:
+        return train, cluster
+    return _tp_view(train, cluster)
+
+
+@lru_cache(maxsize=1024)
+def _tp_view(train: TrainConfig, cluster: Cluster) -> tuple[TrainConfig, Cluster]:
+    t = train.tp
+    check_tp(t, train.model, "--tp", cluster.gpus, cluster.local_size)
+    g = cluster.local_size
+    if cluster.inter_bytes_per_s:
+        nics, inter = cluster.nics_per_node, cluster.inter_bytes_per_s / t
+    elif cluster.nics_per_node % t == 0:
+        nics, inter = cluster.nics_per_node // t, None
+    else:
+        from .comm import _interconnect
+        ic = _interconnect(cluster.inter_link, cluster.catalog_dirs)
+        nics, inter = cluster.nics_per_node, ic.busbw_bytes_per_s * cluster.nics_per_node / t
+    dp = replace(cluster, gpus=cluster.gpus // t, gpus_per_node=g // t, nics_per_node=nics,
+                 inter_bytes_per_s=inter)
+    return replace(train, model=train.rank_model), dp
+
+
+def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
+    """The TP group's collectives of one optimizer step: (op, group, group_size, dtype, message_bytes,
+    calls, phase, unit) tuples as `comm._raw_schedule` makes them (module docstring)."""
+    from .activations import regime_for
+    return _tp_raw(train.model.hidden, train.model.layers, train.micro_batch * train.seq_len,
+                   train.grad_accum, train.tp, train.sequence_parallel, train.precision,
+                   regime_for(train, family))
+
+
+@lru_cache(maxsize=1024)
+def _tp_raw(h: int, L: int, n: int, A: int, t: int, sp: bool, precision: str, regime: str) -> tuple:
+    # the residual stream (embedding and norm outputs, their gradients) is fp32 under fp32 and
+    # autocast; the Linears' outputs (and their gradients) are in the compute dtype
+    res = "float32" if regime in ("fp32", "autocast") else _HALF[precision]
+    out = "float32" if regime == "fp32" else _HALF[precision]
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}
+    r_msg, o_msg = n * h * size[res], n * h * size[out]
+    if not sp:
+        return (("all_reduce", "tp", t, out, o_msg, 2 * L * A, "forward", "tp_block"),
+                ("all_reduce", "tp", t, res, r_msg, A, "forward", "tp_embed"),
+                ("all_reduce", "tp", t, res, r_msg, 2 * L * A, "backward", "tp_block"),
+                ("all_reduce", "tp", t, res, r_msg, A, "backward", "tp_head"))
+    return (("all_gather", "tp", t, res, r_msg, 2 * L * A, "forward", "tp_block"),
+            ("reduce_scatter", "tp", t, out, o_msg, 2 * L * A, "forward", "tp_block"),
+            ("reduce_scatter", "tp", t, res, r_msg, A, "forward", "tp_embed"),
+            ("all_gather", "tp", t, res, r_msg, A, "forward", "tp_head"),
+            ("all_gather", "tp", t, out, o_msg, 2 * L * A, "backward", "tp_block"),
+            ("reduce_scatter", "tp", t, res, r_msg, 2 * L * A, "backward", "tp_block"),
+            ("reduce_scatter", "tp", t, res, r_msg, A, "backward", "tp_head"),
+            ("all_gather", "tp", t, res, r_msg, A, "backward", "tp_embed"))
