@@ -1,0 +1,120 @@
+"""Tensor-parallel probe of one decoder block on the fake process group (rank 0 of `tp` ranks, CPU).
+
+    python -m distplan.validate.tp_probe --cases CASES.json      # prints one JSON result per case
+
+Each case is {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "precision", "attention"},
+"tp", "sequence_parallel"}. The reference decoder's block (`validate.model.Block`) is split by
+`parallelize_module` with torchtitan's Llama plan (`torchtitan/models/llama3/infra/parallelize.py`
+`apply_tp`, names mapped to ours): attn_norm/mlp_norm `SequenceParallel` (with SP), attn and mlp
+`PrepareModuleInput` (Shard(1) with SP, else Replicate, to Replicate), wq/wk/wv and w_gate/w_up (fc)
+`ColwiseParallel`, wo and w_down (proj) `RowwiseParallel` (output Shard(1) with SP, else Replicate);
+the attention then runs heads / tp local heads. Measured on rank 0: the bytes autograd saves in the
+block's forward (`saved_tensors_hooks`, each storage once, parameters and the shared RoPE tables
+excluded; the block input counted, as a norm saves it) and the collectives of its forward and backward (`CommDebugMode`). The fake process group
+executes no collective, so step time is not measured. One process per call: the fake group is
+initialised once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _plan(block, sp: bool):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    inp = Shard(1) if sp else Replicate()
+    plan = {
+        "attn": PrepareModuleInput(input_layouts=(inp, None, None), desired_input_layouts=(Replicate(), None, None)),
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=inp),
+        "mlp": PrepareModuleInput(input_layouts=(inp,), desired_input_layouts=(Replicate(),)),
+    }
+    if block.mlp.kind == "swiglu":
+        plan.update({"mlp.w_gate": ColwiseParallel(), "mlp.w_up": ColwiseParallel(),
+                     "mlp.w_down": RowwiseParallel(output_layouts=inp)})
+    else:
+        plan.update({"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=inp)})
+    if sp:
+        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+    return plan
+
+
+def run_case(case: dict) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from distplan.planner.model import ModelSpec
+    from distplan.validate.model import Block, rope_tables
+
+    spec = ModelSpec(**case["model"])
+    t, sp = int(case["tp"]), bool(case.get("sequence_parallel"))
+    tr = case["train"]
+    b, s = int(tr["micro_batch"]), int(tr["seq_len"])
+    dtype = torch.bfloat16 if tr["precision"] == "bf16" else torch.float32
+    mesh = init_device_mesh("cpu", (t,))
+    torch.manual_seed(0)
+    block = Block(spec, tr.get("attention", "sdpa")).to(dtype)
+    parallelize_module(block, mesh, _plan(block, sp))
+    block.attn.heads //= t  # the local heads (torchtitan's Attention views with -1 heads)
+    block.attn.kv_heads //= t
+    local_s = -(-s // t) if sp else s
+    x = torch.randn(b, local_s, spec.hidden, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(s, spec.head_dim) if spec.position == "rope" else (None, None)
+
+    def storage(x):
+        return (x._local_tensor if isinstance(x, DTensor) else x).untyped_storage()
+
+    skip = {storage(p).data_ptr() for p in block.parameters()}
+    skip |= {storage(z).data_ptr() for z in (cos, sin) if z is not None}  # shared by all blocks
+    seen, kept = set(), []
+
+    def pack(z):
+        st = storage(z)
+        if st.data_ptr() not in skip and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            kept.append(st.nbytes())
+        return z
+
+    comm = CommDebugMode()
+    with comm:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda z: z):
+            out = block(x, cos, sin)
+        fwd = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
+    out = out._local_tensor if isinstance(out, DTensor) else out
+    comm2 = CommDebugMode()
+    with comm2:
+        out.float().sum().backward()
+    bwd = {str(k).split(".")[-1]: v for k, v in comm2.get_comm_counts().items()}
+    return {"saved_bytes": sum(kept), "forward": fwd, "backward": bwd,
+            "local_out_shape": list(out.shape)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", required=True, help="JSON file: a list of cases")
+    args = ap.parse_args(argv)
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    with open(args.cases) as f:
+        cases = json.load(f)
+    worlds = {int(c["tp"]) for c in cases}
+    if len(worlds) != 1:
+        raise SystemExit("tp_probe: one tp per call (the fake process group is initialised once)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=worlds.pop())
+    try:
+        for c in cases:
+            print(json.dumps(run_case(c)), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
