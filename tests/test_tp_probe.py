@@ -1,6 +1,7 @@
 """The tensor-parallel activation and collective formulas against PyTorch itself: one reference block
 split by `parallelize_module` (torchtitan's plan) on the fake process group, rank 0 of tp ranks, CPU
-(`validate/tp_probe.py`): saved bytes exact, the TP collectives of forward and backward exact."""
+(`validate/tp_probe.py`): saved bytes exact, the TP collectives of forward and backward exact; and the
+whole decoder (vocabulary-sharded embedding and LM head, loss parallel): saved bytes exact."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from distplan.planner.activations import block_saved  # noqa: E402
+from distplan.planner.activations import activations_in, block_saved  # noqa: E402
 from distplan.planner.config import TrainConfig  # noqa: E402
 from distplan.planner.model import ModelSpec  # noqa: E402
 from distplan.planner.tp import tp_raw_schedule  # noqa: E402
@@ -33,8 +34,14 @@ def _cases(t, full):
     else:
         combos = [(llama, "bf16", "sdpa", False), (llama, "bf16", "sdpa", True),
                   (GPT, "fp32", "eager", False), (GPT, "fp32", "eager", True)]
-    return [{"model": m, "train": {"seq_len": 16, "micro_batch": 2, "precision": p, "attention": a},
-             "tp": t, "sequence_parallel": sp} for m, p, a, sp in combos]
+    blocks = [{"model": m, "train": {"seq_len": 16, "micro_batch": 2, "precision": p, "attention": a},
+               "tp": t, "sequence_parallel": sp} for m, p, a, sp in combos]
+    # the whole decoder (RoPE), embedding and loss-parallel head included
+    whole = [{"model": llama, "train": {"seq_len": 16, "micro_batch": 2, "precision": p, "attention": "sdpa"},
+              "tp": t, "sequence_parallel": sp, "whole_model": True}
+             for p, sp in ((("bf16", False), ("bf16", True), ("fp32", False), ("fp32", True)) if full
+                           else (("bf16", False), ("bf16", True)))]
+    return blocks + whole
 
 
 def _probe(cases, tmp_path):
@@ -56,6 +63,10 @@ def _check(cases, results):
                             sequence_parallel=c["sequence_parallel"])
         regime = "lowp" if tr["precision"] == "bf16" else "fp32"
         label = f"{c['model']['name']}/{tr['precision']}/{tr['attention']}/tp{c['tp']}/sp={c['sequence_parallel']}"
+        if c.get("whole_model"):
+            # + cross_entropy's scalar total_weight (as tests/test_activations.py)
+            assert activations_in(train, regime, "cpu").total + 4 == r["saved_bytes"], label
+            continue
         assert block_saved(train, regime, "cpu") == r["saved_bytes"], label
         # per block, per micro-step: the schedule's "tp_block" calls / layers
         family = "fsdp2" if regime == "lowp" else "ddp"

@@ -96,6 +96,73 @@ def run_case(case: dict) -> dict:
             "local_out_shape": list(out.shape)}
 
 
+def run_model_case(case: dict) -> dict:
+    """The whole reference decoder (RoPE models) under torchtitan's plan: blocks as `run_case`, the
+    token embedding `RowwiseParallel` (output Shard(1) with SP, else Replicate), the final norm
+    `SequenceParallel` (with SP), the LM head `ColwiseParallel` with sharded logits and the loss under
+    `loss_parallel()`. Measured: the bytes autograd saves in the forward (parameters excluded)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   loss_parallel, parallelize_module)
+
+    from distplan.planner.model import ModelSpec
+    from distplan.validate.model import Decoder, rope_tables
+
+    spec = ModelSpec(**case["model"])
+    assert spec.position == "rope" and not spec.tie_embeddings
+    t, sp = int(case["tp"]), bool(case.get("sequence_parallel"))
+    tr = case["train"]
+    b, s = int(tr["micro_batch"]), int(tr["seq_len"])
+    dtype = torch.bfloat16 if tr["precision"] == "bf16" else torch.float32
+    mesh = init_device_mesh("cpu", (t,))
+    torch.manual_seed(0)
+    model = Decoder(spec, tr.get("attention", "sdpa")).to(dtype)
+    seq = Shard(1) if sp else Replicate()
+    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+           "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    if sp:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in model.layers:
+        parallelize_module(block, mesh, _plan(block, sp))
+        block.attn.heads //= t
+        block.attn.kv_heads //= t
+    tokens = torch.randint(0, spec.vocab, (b, s))
+    targets = torch.randint(0, spec.vocab, (b, s))
+
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def storage(x):
+        x = x._local_tensor if isinstance(x, DTensor) else x
+        if isinstance(x, AsyncCollectiveTensor):
+            x = x.trigger_wait()
+        return x.untyped_storage()
+
+    skip = {storage(p).data_ptr() for p in model.parameters()}
+    seen, kept = set(), []
+
+    def pack(z):
+        st = storage(z)
+        if st.data_ptr() not in skip and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            kept.append(st.nbytes())
+        return z
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda z: z), loss_parallel():
+        x = model.tok_embeddings(tokens)
+        cos, sin = rope_tables(s, spec.head_dim)
+        for block in model.layers:
+            x = block(x, cos, sin)
+        logits = model.output(model.norm(x))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    with loss_parallel():
+        loss.backward()
+    return {"saved_bytes": sum(kept)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", required=True, help="JSON file: a list of cases")
@@ -110,7 +177,7 @@ def main(argv=None) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=worlds.pop())
     try:
         for c in cases:
-            print(json.dumps(run_case(c)), flush=True)
+            print(json.dumps(run_model_case(c) if c.get("whole_model") else run_case(c)), flush=True)
     finally:
         dist.destroy_process_group()
     return 0
