@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from distplan.planner.activations import activations_in, block_saved  # noqa: E402
+from distplan.planner.activations import activations_in, block_linears, block_saved  # noqa: E402
 from distplan.planner.config import TrainConfig  # noqa: E402
 from distplan.planner.model import ModelSpec  # noqa: E402
 from distplan.planner.tp import tp_raw_schedule  # noqa: E402
@@ -30,10 +30,10 @@ FUNCOL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
 def _cases(t, full):
     llama = dict(LLAMA, kv_heads=2) if t == 2 else LLAMA  # GQA where tp divides kv_heads
     if full:
-        combos = itertools.product((llama, GPT), ("bf16", "fp32"), ("sdpa", "eager"), (False, True))
+        combos = itertools.product((llama, GPT), ("bf16", "fp32", "bf16-mixed"), ("sdpa", "eager"), (False, True))
     else:
         combos = [(llama, "bf16", "sdpa", False), (llama, "bf16", "sdpa", True),
-                  (GPT, "fp32", "eager", False), (GPT, "fp32", "eager", True)]
+                  (GPT, "fp32", "eager", False), (GPT, "fp32", "eager", True), (llama, "bf16-mixed", "sdpa", True)]
     blocks = [{"model": m, "train": {"seq_len": 16, "micro_batch": 2, "precision": p, "attention": a},
                "tp": t, "sequence_parallel": sp} for m, p, a, sp in combos]
     # the whole decoder (RoPE), embedding and loss-parallel head included
@@ -61,13 +61,16 @@ def _check(cases, results):
         train = TrainConfig(ModelSpec(**c["model"]), seq_len=tr["seq_len"], micro_batch=tr["micro_batch"],
                             precision=tr["precision"], attention=tr["attention"], tp=c["tp"],
                             sequence_parallel=c["sequence_parallel"])
-        regime = "lowp" if tr["precision"] == "bf16" else "fp32"
+        regime = {"bf16": "lowp", "fp32": "fp32", "bf16-mixed": "autocast"}[tr["precision"]]
         label = f"{c['model']['name']}/{tr['precision']}/{tr['attention']}/tp{c['tp']}/sp={c['sequence_parallel']}"
         if c.get("whole_model"):
             # + cross_entropy's scalar total_weight (as tests/test_activations.py)
             assert activations_in(train, regime, "cpu").total + 4 == r["saved_bytes"], label
             continue
-        assert block_saved(train, regime, "cpu") == r["saved_bytes"], label
+        # autocast (fp32 parameters): its cache keeps a 16-bit copy of each of the rank's Linear weights
+        # for backward (`activations.weight_cache`, not part of `block_saved`)
+        cache = 2 * sum(i * o for i, o, _ in block_linears(train.model, train.tp)) if regime == "autocast" else 0
+        assert block_saved(train, regime, "cpu") + cache == r["saved_bytes"], label
         # per block, per micro-step: the schedule's "tp_block" calls / layers
         family = "fsdp2" if regime == "lowp" else "ddp"
         want = {"forward": {}, "backward": {}}

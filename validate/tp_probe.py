@@ -2,7 +2,8 @@
 
     python -m distplan.validate.tp_probe --cases CASES.json      # prints one JSON result per case
 
-Each case is {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "precision", "attention"},
+Each case is {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "precision" (bf16: a bf16
+module; fp32; bf16-mixed: fp32 module under CPU autocast), "attention"},
 "tp", "sequence_parallel"}. The reference decoder's block (`validate.model.Block`) is split by
 `parallelize_module` with torchtitan's Llama plan (`torchtitan/models/llama3/infra/parallelize.py`
 `apply_tp`, names mapped to ours): attn_norm/mlp_norm `SequenceParallel` (with SP), attn and mlp
@@ -82,9 +83,12 @@ def run_case(case: dict) -> dict:
             kept.append(st.nbytes())
         return z
 
+    import contextlib
+    amp = (torch.autocast("cpu", dtype=torch.bfloat16) if tr["precision"] == "bf16-mixed"
+           else contextlib.nullcontext())  # autocast: fp32 parameters, 16-bit matmuls
     comm = CommDebugMode()
     with comm:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda z: z):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda z: z), amp:
             out = block(x, cos, sin)
         fwd = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
     out = out._local_tensor if isinstance(out, DTensor) else out
