@@ -37,7 +37,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
-from .comm import _DTYPE_BYTES, Collective, collective_schedule, schedule_totals
+from .comm import _DTYPE_BYTES, Collective, Schedule, collective_schedule, schedule_totals
 from .activations import regime_for
 from .config import Cluster, TrainConfig
 from .model import TPRankSpec
@@ -284,7 +284,8 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
         tp_part = [c for c in schedule if c.group == "tp"]
         tp_exposed = sum(c.time_s for c in tp_part)
         tp_calls = sum(c.calls for c in tp_part)
-        schedule = [c for c in schedule if c.group != "tp"]
+        dp_part = [c for c in schedule if c.group != "tp"]
+        schedule = Schedule(dp_part, schedule_totals(dp_part))
     peak = _peak(gpu, _compute_dtype(train))
     forward = _forward_flops(train)
     kt = kernel_times(train, gpu, regime_for(train, s.family))

@@ -373,8 +373,14 @@ class TPRankSpec(ModelSpec):
 
 
 def tp_rank_spec(spec: ModelSpec, tp: int) -> ModelSpec:
-    """`spec` as one tensor-parallel rank holds it (`TPRankSpec`); `spec` itself for tp=1."""
+    """`spec` as one tensor-parallel rank holds it (`TPRankSpec`); `spec` itself for tp=1. One object
+    per (spec, tp), so the caches keyed by the spec (layouts, units, schedules) are shared."""
     if tp == 1:
         return spec
+    return _tp_rank_spec(spec, tp)
+
+
+@lru_cache(maxsize=256)
+def _tp_rank_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     kw = {f.name: getattr(spec, f.name) for f in fields(ModelSpec)}
     return TPRankSpec(**kw, tp=tp)

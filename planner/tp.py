@@ -46,7 +46,14 @@ def tp_view(train: TrainConfig, cluster: Cluster) -> tuple[TrainConfig, Cluster]
     The identity for tp = 1, and for a view already taken (its model is a `TPRankSpec`)."""
     if train.tp == 1 or train.model.__class__ is TPRankSpec:
         return train, cluster
-    return _tp_view(train, cluster)
+    views = train.__dict__.get("_tp_views")  # kept on the config: hashing it costs more than the view
+    if views is None:
+        views = {}
+        object.__setattr__(train, "_tp_views", views)
+    view = views.get(cluster)
+    if view is None:
+        view = views[cluster] = _tp_view(train, cluster)
+    return view
 
 
 @lru_cache(maxsize=1024)
