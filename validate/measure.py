@@ -209,6 +209,9 @@ class Tracker(TorchDispatchMode):
         self.collectives: dict[tuple, int] = {}
         self.roles = lambda: {}  # set by the probe: key -> category for params/grads/optimizer
         self._orig_resize = None
+        self.events: list | None = None
+        """With a list here: every storage allocation ("alloc", key, bytes) and free ("free", key) in host
+        order, for replaying through a model of the CUDA caching allocator (planner/allocator.py)."""
 
     # -- storage bookkeeping -------------------------------------------------------------------
     def _track(self, st) -> None:
@@ -229,6 +232,12 @@ class Tracker(TorchDispatchMode):
 
     def _resized(self, rec, n: int) -> None:
         delta = n - rec[0]
+        if self.events is not None and delta:
+            key = id(rec[3]) if rec[3] is not None else rec[2]
+            if rec[0]:
+                self.events.append(("free", key))
+            if n:
+                self.events.append(("alloc", key, n))
         if delta < 0 and self._dirty:
             self._take_snapshot()
         rec[0] = n
@@ -247,6 +256,8 @@ class Tracker(TorchDispatchMode):
             return
         if self._dirty and rec[0]:
             self._take_snapshot()
+        if self.events is not None and rec[0]:
+            self.events.append(("free", id(rec[3])))
         del self.live[key]
         self.live_bytes -= rec[0]
 

@@ -38,6 +38,9 @@ import sys
 
 MODES = ("gpu", "cpu", "fake")
 SNAPSHOT_ENV = "DISTPLAN_MEMORY_SNAPSHOT"
+ALLOC_EVENTS_ENV = "DISTPLAN_ALLOC_EVENTS"
+"""A path: rank 0 writes its storage allocations and frees there (JSON list, host order), from model
+construction to the end of the measured steps, for `planner.allocator.replay`."""
 """Set to a file path: on CUDA, rank 0 records every allocation from the baseline on and dumps
 `torch.cuda.memory._snapshot()` there after the measured steps (`python -m distplan.validate.snapshot`)."""
 
@@ -227,6 +230,8 @@ class Probe:
                 torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="all", stacks="all")
 
         tracker = self.tracker = Tracker(settle_waits=self.mode == "cpu")  # gloo: see Tracker
+        if os.environ.get(ALLOC_EVENTS_ENV) and self.rank == 0:
+            tracker.events = []
         with tracker:
             torch.manual_seed(int(spec.get("seed", 0)))
             units = None
@@ -299,6 +304,9 @@ class Probe:
                 torch.cuda.synchronize()
         self._record_memory(complete=True)
         self.result["collectives"] = tracker.collective_list(steps)
+        if tracker.events is not None:
+            with open(os.environ[ALLOC_EVENTS_ENV], "w") as f:
+                json.dump(tracker.events, f)
         if cuda and os.environ.get(SNAPSHOT_ENV) and self.rank == 0:
             torch.cuda.memory._dump_snapshot(os.environ[SNAPSHOT_ENV])
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -1,0 +1,228 @@
+"""A model of PyTorch's CUDA caching allocator: replay allocations and frees, get the reserved bytes.
+
+Owns `CachingAllocator` (the model) and `replay(events)`. Pure Python: a plan can replay the allocations
+of a step without torch or a GPU.
+
+Rules, from c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.x; constants in the `Constants` namespace of
+c10/cuda/CUDAAllocatorConfig.h in recent releases):
+
+- `round_size`: every request is rounded up to a multiple of kMinBlockSize = 512 bytes.
+- Pools: requests <= kSmallSize (1 MiB) come from the small pool, the rest from the large pool; each pool
+  is split by CUDA stream (a block freed on one stream is reused only by that stream).
+- `get_allocation_size`: a new segment (one cudaMalloc) is kSmallBuffer = 2 MiB for a small request,
+  kLargeBuffer = 20 MiB for a request below kMinLargeAlloc = 10 MiB, else the request rounded up to
+  kRoundLarge = 2 MiB.
+- `get_free_block`: best fit, the smallest cached block of the pool and stream at least as large
+  (blocks ordered by stream, size, address). With `max_split_size_mb` set, a request below it does not
+  take a block at or above it, and a request at or above it takes a block only if that block is less than
+  request + kLargeBuffer.
+- `should_split`: the block is split when the remainder is >= kMinBlockSize (small pool) or > kSmallSize
+  (large pool); otherwise the whole block is handed out (and counted as allocated: a cached large block
+  up to 1 MiB larger than the request is used whole). Blocks of `max_split_size_mb` or more are never split.
+- `free_block` merges the freed block with free neighbours of the same segment (`try_merge_blocks`).
+  Segments are returned to the driver only on `empty_cache()` or when a cudaMalloc fails
+  (`release_cached_blocks`), which this model does not do: it assumes the device has room, so its
+  reserved peak is what `torch.cuda.max_memory_reserved` reads when the run does not come near OOM.
+- `expandable_segments:True` (`ExpandableSegment`): one segment per pool and stream that grows by
+  mapping pages of the pool's segment size (2 MiB small, 20 MiB large) at its end, so a request that
+  does not fit a cached block maps only what the free tail lacks.
+
+Known limitations: cross-stream uses (`record_stream`) that delay a free until the other stream's work
+is done are not modelled (events give the order the host frees in); `garbage_collection_threshold` and
+`roundup_power2_divisions` are not modelled; OOM-time cache flushing is not modelled.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass, field
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+def round_size(size: int) -> int:
+    """CUDACachingAllocator `round_size` (no power-of-two divisions)."""
+    return MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * -(-size // MIN_BLOCK)
+
+
+def allocation_size(size: int) -> int:
+    """`get_allocation_size`: bytes of the segment a request of `size` (rounded) makes."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * -(-size // ROUND_LARGE)
+
+
+@dataclass(eq=False)
+class _Block:
+    segment: "_Segment"
+    offset: int
+    size: int
+    allocated: bool = False
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+    def key(self) -> tuple:
+        return (self.size, self.segment.id, self.offset)
+
+
+@dataclass(eq=False)
+class _Segment:
+    id: int
+    size: int
+    small: bool
+    stream: int
+
+
+@dataclass
+class CachingAllocator:
+    """The allocator's state; `malloc` returns a handle, `free` takes it back."""
+
+    expandable_segments: bool = False
+    max_split_size: int | None = None
+    """`max_split_size_mb` in bytes; None: unlimited (the default)."""
+    reserved: int = 0
+    allocated: int = 0
+    peak_reserved: int = 0
+    peak_allocated: int = 0
+    segments: int = 0
+    _free: dict = field(default_factory=dict)   # (small, stream) -> sorted [(size, seg id, offset, block)]
+    _expandable: dict = field(default_factory=dict)  # (small, stream) -> _Segment
+
+    # -- free lists -----------------------------------------------------------------------------
+    def _pool(self, small: bool, stream: int) -> list:
+        return self._free.setdefault((small, stream), [])
+
+    def _insert(self, b: _Block) -> None:
+        insort(self._pool(b.segment.small, b.segment.stream), (*b.key(), b))
+
+    def _remove(self, b: _Block) -> None:
+        pool = self._pool(b.segment.small, b.segment.stream)
+        i = bisect_left(pool, b.key())
+        assert pool[i][3] is b
+        del pool[i]
+
+    def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
+        pool = self._pool(small, stream)
+        i = bisect_left(pool, (size, -1, -1))
+        limit = self.max_split_size
+        while i < len(pool):
+            b = pool[i][3]
+            if limit is not None and not small:
+                if size < limit <= b.size:
+                    return None  # an oversize block is not given to a small request
+                if size >= limit and b.size >= size + LARGE_BUFFER:
+                    return None
+            return b
+        return None
+
+    # -- the two calls --------------------------------------------------------------------------
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        b = self._best_fit(size, small, stream)
+        if b is not None:
+            self._remove(b)
+        else:
+            b = self._new_block(size, small, stream)
+        remaining = b.size - size
+        oversize = self.max_split_size is not None and b.size >= self.max_split_size and not small
+        if not oversize and (remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE):
+            rest = _Block(b.segment, b.offset + size, remaining, prev=b, next=b.next)
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+            self._insert(rest)
+        b.allocated = True
+        self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return b
+
+    def free(self, b: _Block) -> None:
+        assert b.allocated, "double free"
+        b.allocated = False
+        self.allocated -= b.size
+        for nb in (b.prev, b.next):  # try_merge_blocks
+            if nb is not None and not nb.allocated:
+                self._remove(nb)
+                if nb is b.prev:
+                    b.offset, b.prev = nb.offset, nb.prev
+                    if nb.prev is not None:
+                        nb.prev.next = b
+                else:
+                    b.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = b
+                b.size += nb.size
+                if self._last.get(id(b.segment)) is nb:
+                    self._last[id(b.segment)] = b
+        self._insert(b)
+
+    def _new_block(self, size: int, small: bool, stream: int) -> _Block:
+        if not self.expandable_segments:
+            seg_size = allocation_size(size)
+            seg = _Segment(self.segments, seg_size, small, stream)
+            self.segments += 1
+            self._grow(seg_size)
+            return _Block(seg, 0, seg_size)
+        # one growing segment per pool and stream: map pages of the pool's segment size at its end
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        seg = self._expandable.get((small, stream))
+        if seg is None:
+            seg = self._expandable[(small, stream)] = _Segment(self.segments, 0, small, stream)
+            self.segments += 1
+        tail = self._tail_free(seg)
+        have = tail.size if tail is not None else 0
+        grow = page * -(-(size - have) // page)
+        self._grow(grow)
+        if tail is not None:
+            self._remove(tail)
+            tail.size += grow
+            seg.size += grow
+            return tail
+        b = _Block(seg, seg.size, grow, prev=self._last.get(id(seg)))
+        if b.prev is not None:
+            b.prev.next = b
+        self._last[id(seg)] = b
+        seg.size += grow
+        return b
+
+    def _tail_free(self, seg: _Segment) -> _Block | None:
+        last = self._last.get(id(seg))
+        while last is not None and last.next is not None:  # splits append after the recorded last
+            last = last.next
+        if last is not None:
+            self._last[id(seg)] = last
+        return last if last is not None and not last.allocated else None
+
+    def _grow(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def __post_init__(self) -> None:
+        self._last: dict = {}  # expandable segment id -> its last block
+
+
+def replay(events, *, expandable_segments: bool = False, max_split_size: int | None = None) -> CachingAllocator:
+    """Replay `events`: ("alloc", key, nbytes[, stream]) and ("free", key) in order. Returns the allocator
+    (peak_reserved, peak_allocated: what max_memory_reserved / max_memory_allocated would read)."""
+    a = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size)
+    live: dict = {}
+    for ev in events:
+        if ev[0] == "alloc":
+            if ev[2] > 0:
+                live[ev[1]] = a.malloc(ev[2], ev[3] if len(ev) > 3 else 0)
+        elif ev[0] == "free":
+            b = live.pop(ev[1], None)
+            if b is not None:
+                a.free(b)
+        else:
+            raise ValueError(f"event {ev[0]!r}: accepted: 'alloc', 'free'")
+    return a
