@@ -194,3 +194,19 @@ def test_cli_json_shows_the_mesh():
         extra = ["--sweep-seq-len", "4096,8192"] if cmd == "sweep" else []
         r = _run(cmd, "--model", "llama-3-70b", "--gpus", "64", "--node", "dgx-h100", "--tp", "8", *extra)
         assert r.exit_code == 0, r.output
+
+
+def test_per_rank_flops_and_gemm_shapes():
+    """The kernel model sees one rank's shapes: every block GEMM's FLOPs and the attention's divide by
+    tp (tp divides the heads and the MLP width), the LM head's by tp (vocabulary shard)."""
+    from distplan.planner.activations import block_linears
+    from distplan.planner.compute import _forward_flops
+    from distplan.planner.tp import tp_view
+    from distplan.planner.config import Cluster
+    m = resolve_model("llama-3-70b")[0]
+    full = TrainConfig(m, seq_len=4096)
+    for t in (2, 4, 8):
+        rank, _ = tp_view(TrainConfig(m, seq_len=4096, tp=t), Cluster(gpus=8))
+        assert sum(i * o for i, o, _ in block_linears(m, t)) * t == sum(i * o for i, o, _ in block_linears(m))
+        (b1, h1), (bt, ht) = _forward_flops(full), _forward_flops(rank)
+        assert bt * t == pytest.approx(b1) and ht * t == pytest.approx(h1)
