@@ -27,6 +27,14 @@ c10/cuda/CUDAAllocatorConfig.h in recent releases):
   mapping pages of the pool's segment size (2 MiB small, 20 MiB large) at its end, so a request that
   does not fit a cached block maps only what the free tail lacks.
 
+Streams: the caching allocator keeps a pool per stream, and FSDP allocates its communication buffers on
+its own streams: FSDP2 (`_fully_shard/_fsdp_param_group.py`) the all-gather buffers on
+`all_gather_copy_in_stream` / `all_gather_stream` and the reduce-scatter input and output on
+`reduce_scatter_stream`; FSDP1 (`_runtime_utils.py`) the unsharded flat parameter on `_unshard_stream` and
+the reduced gradient on `_post_backward_stream`. `comm_streams` assigns them from a trace: a storage a
+collective reads or writes goes to the all-gather stream (all-gather, broadcast) or the reduce stream
+(reduce-scatter, all-reduce). DDP and ZeroRedundancyOptimizer allocate on the compute stream.
+
 Known limitations: cross-stream uses (`record_stream`) that delay a free until the other stream's work
 is done are not modelled (events give the order the host frees in); `garbage_collection_threshold` and
 `roundup_power2_divisions` are not modelled; OOM-time cache flushing is not modelled.
@@ -210,9 +218,27 @@ class CachingAllocator:
         self._last: dict = {}  # expandable segment id -> its last block
 
 
+def comm_streams(events) -> list:
+    """Events with each allocation that a collective later touches (a ("comm", key, op) event before its
+    free) put on that collective's stream: 1 for all_gather/broadcast, 2 for reduce_scatter/all_reduce.
+    For FSDP1/FSDP2 traces (see the module docstring); the ("comm", ...) events are dropped."""
+    stream: dict[int, int] = {}
+    open_: dict = {}
+    for i, e in enumerate(events):
+        if e[0] == "alloc":
+            open_[e[1]] = i
+        elif e[0] == "free":
+            open_.pop(e[1], None)
+        elif e[0] == "comm" and e[1] in open_:
+            stream.setdefault(open_[e[1]], 1 if e[2] in ("all_gather", "broadcast") else 2)
+    return [(e[0], e[1], e[2], stream.get(i, 0)) if e[0] == "alloc" else e
+            for i, e in enumerate(events) if e[0] != "comm"]
+
+
 def replay(events, *, expandable_segments: bool = False, max_split_size: int | None = None) -> CachingAllocator:
-    """Replay `events`: ("alloc", key, nbytes[, stream]) and ("free", key) in order. Returns the allocator
-    (peak_reserved, peak_allocated: what max_memory_reserved / max_memory_allocated would read)."""
+    """Replay `events`: ("alloc", key, nbytes[, stream]) and ("free", key) in order (("comm", ...) events are
+    skipped; `comm_streams` turns them into streams). Returns the allocator (peak_reserved,
+    peak_allocated: what max_memory_reserved / max_memory_allocated would read)."""
     a = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size)
     live: dict = {}
     for ev in events:
@@ -223,6 +249,8 @@ def replay(events, *, expandable_segments: bool = False, max_split_size: int | N
             b = live.pop(ev[1], None)
             if b is not None:
                 a.free(b)
+        elif ev[0] == "comm":
+            continue
         else:
-            raise ValueError(f"event {ev[0]!r}: accepted: 'alloc', 'free'")
+            raise ValueError(f"event {ev[0]!r}: accepted: 'alloc', 'free', 'comm'")
     return a

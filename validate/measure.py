@@ -211,7 +211,9 @@ class Tracker(TorchDispatchMode):
         self._orig_resize = None
         self.events: list | None = None
         """With a list here: every storage allocation ("alloc", key, bytes) and free ("free", key) in host
-        order, for replaying through a model of the CUDA caching allocator (planner/allocator.py)."""
+        order, and ("comm", key, op) when a collective reads or writes a live storage, for replaying
+        through a model of the CUDA caching allocator (planner/allocator.py)."""
+        self._comm_op = "?"
 
     # -- storage bookkeeping -------------------------------------------------------------------
     def _track(self, st) -> None:
@@ -370,6 +372,8 @@ class Tracker(TorchDispatchMode):
                 rec = self.live.get(id(st))
             if rec is not None:
                 self.comm_seqs.add(rec[2])
+                if self.events is not None:
+                    self.events.append(("comm", id(rec[3]), self._comm_op))
 
     def _collective(self, ns, func, args, kwargs) -> None:
         name = func._schema.name.split("::")[-1]
@@ -389,6 +393,7 @@ class Tracker(TorchDispatchMode):
             msg = _tensors(args[idx]) if idx >= 0 else _tensors(args[0])
             if op == "all_gather" and group_size > 0:  # the output is group_size x the input
                 msg = msg * group_size
+        self._comm_op = op
         self._mark_comm(ts)
         if not self.counting:
             return
