@@ -44,6 +44,33 @@ def _plan(block, sp: bool):
     return plan
 
 
+def _storage(x):
+    """The storage behind a saved tensor: a DTensor's local shard, an async collective's waited result."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    x = x._local_tensor if isinstance(x, DTensor) else x
+    if isinstance(x, AsyncCollectiveTensor):
+        x = x.trigger_wait()
+    return x.untyped_storage()
+
+
+def _saved_bytes_hook(skip_tensors):
+    """A `saved_tensors_hooks` pack function counting each saved storage once (parameters and `skip_tensors`
+    excluded), and the list it appends the storages' bytes to."""
+    skip = {_storage(t).data_ptr() for t in skip_tensors}
+    seen, kept = set(), []
+
+    def pack(z):
+        st = _storage(z)
+        if st.data_ptr() not in skip and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            kept.append(st.nbytes())
+        return z
+
+    return pack, kept
+
+
 def run_case(case: dict) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -69,19 +96,7 @@ def run_case(case: dict) -> dict:
     x = torch.randn(b, local_s, spec.hidden, dtype=dtype, requires_grad=True)
     cos, sin = rope_tables(s, spec.head_dim) if spec.position == "rope" else (None, None)
 
-    def storage(x):
-        return (x._local_tensor if isinstance(x, DTensor) else x).untyped_storage()
-
-    skip = {storage(p).data_ptr() for p in block.parameters()}
-    skip |= {storage(z).data_ptr() for z in (cos, sin) if z is not None}  # shared by all blocks
-    seen, kept = set(), []
-
-    def pack(z):
-        st = storage(z)
-        if st.data_ptr() not in skip and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            kept.append(st.nbytes())
-        return z
+    pack, kept = _saved_bytes_hook(list(block.parameters()) + [z for z in (cos, sin) if z is not None])
 
     import contextlib
     amp = (torch.autocast("cpu", dtype=torch.bfloat16) if tr["precision"] == "bf16-mixed"
@@ -137,23 +152,7 @@ def run_model_case(case: dict) -> dict:
     tokens = torch.randint(0, spec.vocab, (b, s))
     targets = torch.randint(0, spec.vocab, (b, s))
 
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    def storage(x):
-        x = x._local_tensor if isinstance(x, DTensor) else x
-        if isinstance(x, AsyncCollectiveTensor):
-            x = x.trigger_wait()
-        return x.untyped_storage()
-
-    skip = {storage(p).data_ptr() for p in model.parameters()}
-    seen, kept = set(), []
-
-    def pack(z):
-        st = storage(z)
-        if st.data_ptr() not in skip and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            kept.append(st.nbytes())
-        return z
+    pack, kept = _saved_bytes_hook(model.parameters())
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda z: z), loss_parallel():
         x = model.tok_embeddings(tokens)
