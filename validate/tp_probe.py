@@ -71,6 +71,23 @@ def _saved_bytes_hook(skip_tensors):
     return pack, kept
 
 
+def _setup(case: dict):
+    """(model spec, tp, sequence parallel, train dict, micro-batch, seq len, dtype, 1-D CPU mesh), seeded."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distplan.planner.model import ModelSpec
+
+    spec = ModelSpec(**case["model"])
+    t, sp = int(case["tp"]), bool(case.get("sequence_parallel"))
+    tr = case["train"]
+    b, s = int(tr["micro_batch"]), int(tr["seq_len"])
+    dtype = torch.bfloat16 if tr["precision"] == "bf16" else torch.float32
+    mesh = init_device_mesh("cpu", (t,))
+    torch.manual_seed(0)
+    return spec, t, sp, tr, b, s, dtype, mesh
+
+
 def run_case(case: dict) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -81,13 +98,7 @@ def run_case(case: dict) -> dict:
     from distplan.planner.model import ModelSpec
     from distplan.validate.model import Block, rope_tables
 
-    spec = ModelSpec(**case["model"])
-    t, sp = int(case["tp"]), bool(case.get("sequence_parallel"))
-    tr = case["train"]
-    b, s = int(tr["micro_batch"]), int(tr["seq_len"])
-    dtype = torch.bfloat16 if tr["precision"] == "bf16" else torch.float32
-    mesh = init_device_mesh("cpu", (t,))
-    torch.manual_seed(0)
+    spec, t, sp, tr, b, s, dtype, mesh = _setup(case)
     block = Block(spec, tr.get("attention", "sdpa")).to(dtype)
     parallelize_module(block, mesh, _plan(block, sp))
     block.attn.heads //= t  # the local heads (torchtitan's Attention views with -1 heads)
@@ -130,14 +141,8 @@ def run_model_case(case: dict) -> dict:
     from distplan.planner.model import ModelSpec
     from distplan.validate.model import Decoder, rope_tables
 
-    spec = ModelSpec(**case["model"])
+    spec, t, sp, tr, b, s, dtype, mesh = _setup(case)
     assert spec.position == "rope" and not spec.tie_embeddings
-    t, sp = int(case["tp"]), bool(case.get("sequence_parallel"))
-    tr = case["train"]
-    b, s = int(tr["micro_batch"]), int(tr["seq_len"])
-    dtype = torch.bfloat16 if tr["precision"] == "bf16" else torch.float32
-    mesh = init_device_mesh("cpu", (t,))
-    torch.manual_seed(0)
     model = Decoder(spec, tr.get("attention", "sdpa")).to(dtype)
     seq = Shard(1) if sp else Replicate()
     top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
