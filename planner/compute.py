@@ -41,7 +41,7 @@ from .comm import _DTYPE_BYTES, Collective, Schedule, collective_schedule, sched
 from .activations import regime_for
 from .config import Cluster, TrainConfig
 from .model import TPRankSpec
-from .kernels import KernelTimes, kernel_times
+from .kernels import KernelTimes, kernel_times, peak_flops
 
 from .strategies import Strategy, get_strategy
 
@@ -107,21 +107,6 @@ class StepTime:
         return d
 
 
-_COMPUTE_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
-
-
-def _compute_dtype(train: TrainConfig) -> str:
-    """Key of GPU.flops for the matmul dtype: fp32 (PyTorch's default allow_tf32=False), bf16, fp16."""
-    return _COMPUTE_DTYPES[train.precision]
-
-
-def _peak(gpu, dtype: str) -> float:
-    flops = gpu.flops
-    if dtype in flops:
-        return flops[dtype]
-    return flops.get("fp32") or max(flops.values())  # no bf16 (V100, T4): emulated at best fp32 speed
-
-
 def _optimizer_bytes(train: TrainConfig, elems: float) -> float:
     """HBM bytes (read + write) the optimizer step moves for `elems` owned parameters.
 
@@ -164,24 +149,17 @@ def _owned_elems(train: TrainConfig, cluster: Cluster, s: Strategy) -> float:
 
 
 def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Collective],
-                 compute: float | KernelTimes, forward: tuple[float, float] | None = None) -> float:
+                 compute: KernelTimes) -> float:
     """Seconds of communication not hidden by compute, per optimizer step (module docstring model).
 
-    `compute`: the per-kernel times of one micro-step (`kernels.kernel_times`), or a FLOP/s rate at
-    which every FLOP runs (block backward = 2x forward, + 1x with full recompute)."""
+    `compute`: the per-kernel times of one micro-step (`kernels.kernel_times`)."""
     if not schedule:
         return 0.0
     s = get_strategy(strategy)
     strategy = s.name
     A, L = train.grad_accum, train.model.layers
-    if isinstance(compute, KernelTimes):
-        F_blk, F_head = compute.block_forward_s, compute.head_forward_s
-        B_blk, B_head = compute.block_backward_s, compute.head_backward_s
-    else:
-        block_f, head_f = forward or _forward_flops(train)
-        rec = 1.0 if train.checkpointing == "full" else 0.0
-        F_blk, F_head = block_f / compute, head_f / compute
-        B_blk, B_head = (2.0 + rec) * F_blk, 2.0 * F_head
+    F_blk, F_head = compute.block_forward_s, compute.head_forward_s
+    B_blk, B_head = compute.block_backward_s, compute.head_backward_s
     bwd_total = L * B_blk + B_head
     sums = schedule_totals(schedule)
     by_phase = sums.time_by_phase
@@ -286,13 +264,13 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
         tp_calls = sum(c.calls for c in tp_part)
         dp_part = [c for c in schedule if c.group != "tp"]
         schedule = Schedule(dp_part, schedule_totals(dp_part))
-    peak = _peak(gpu, _compute_dtype(train))
+    peak = peak_flops(gpu.flops, train.precision)
     forward = _forward_flops(train)
     kt = kernel_times(train, gpu, regime_for(train, s.family))
     compute = train.grad_accum * kt.micro_step_s(train.model.layers) + kt.per_step_s
     sums = schedule_totals(schedule)
     comm = sums.time_s + tp_exposed
-    exposed = exposed_comm(train, s, schedule, kt, forward) + tp_exposed
+    exposed = exposed_comm(train, s, schedule, kt) + tp_exposed
     bw = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
     opt = _optimizer_bytes(train, _owned_elems(train, cluster, s)) / bw
     # Copies around the collectives (memory bound) and the host cost of each call; added, not overlapped.

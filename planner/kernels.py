@@ -108,14 +108,19 @@ def _gpu_key(gpu) -> tuple:
 
 
 _DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}
+"""Key of GPU.flops for the matmul dtype of a precision: fp32 (PyTorch's default allow_tf32=False), bf16, fp16."""
+
+
+def peak_flops(flops: dict, precision: str) -> float:
+    """Dense peak FLOP/s of the matmul dtype; a GPU without it (no bf16: V100, T4) emulates at fp32 speed."""
+    return flops.get(_DTYPE[precision]) or flops.get("fp32") or max(flops.values())
 
 
 @lru_cache(maxsize=512)
 def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     (flops, eff, half, hbm, hbm_eff, att_eff, att_bwd_eff, k_over, host_op) = key
     flops = dict(flops)
-    dtype = _DTYPE[train.precision]
-    peak = flops.get(dtype) or flops.get("fp32") or max(flops.values())
+    peak = peak_flops(flops, train.precision)
     rate = peak * eff
     # the half-efficiency size G is a tensor-core figure: a fixed time G / (16-bit peak x eff) per GEMM
     half = half / (max(flops.get("bf16", 0.0), flops.get("fp16", 0.0), peak) * eff)
