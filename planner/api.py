@@ -558,10 +558,14 @@ def predict_probe(spec: dict) -> dict:
     mode = spec.get("mode")
     device = spec.get("device_type") or ("cuda" if mode == "gpu" else "cpu")
     backend = {"gpu": "nccl", "cpu": "gloo", "fake": "fake"}.get(mode, "nccl")
+    # the probes build the model on the device, then wrap it (validate/probe.py)
     mem = estimate_memory(train, cluster, spec["strategy"], device=device, backend=backend,
-                          gpu_name=spec.get("gpu_name"))
+                          gpu_name=spec.get("gpu_name"), init="device",
+                          expandable_segments=bool(spec.get("expandable_segments")))
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
+    if device == "cuda":
+        out["peak_reserved"] = int(mem.peak_reserved)
     collectives = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype,
                     "message_bytes": int(c.message_bytes), "calls": int(c.calls)}
                    for c in collective_schedule(train, cluster, spec["strategy"])]

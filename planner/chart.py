@@ -60,8 +60,9 @@ def _title(plan) -> tuple[str, str]:
 
 
 def _overhead_bytes(mem) -> int:
-    """The grey segment: cuBLAS workspaces, allocator reserve and process overhead."""
-    return int(mem.workspace + mem.reserved_estimate + mem.process_overhead)
+    """The grey segment: cuBLAS workspaces, what the caching allocator reserves beyond the allocated peak,
+    and the process overhead (CUDA context, NCCL)."""
+    return int(mem.workspace + mem.device_total - mem.peak_allocated)
 
 
 def _totals(r) -> tuple[list[tuple[str, str, str, int]], int]:

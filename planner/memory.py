@@ -31,8 +31,8 @@ On CUDA `peak_allocated` also holds the cuBLAS/cuBLASLt workspaces (`library_wor
 no tensor owns and no component counts.
 
 Known limitations: the CUDA caching allocator's rounding (a cached block less than 1 MiB larger than the
-request is handed out whole) and fragmentation are not in `peak_allocated` (see `reserved_estimate`;
-measured on an H100: 0 to 13 MiB above the tensors and workspaces); FSDP's CUDA-stream reuse (`recordStream`) can hold an extra
+request is handed out whole) and fragmentation are not in `peak_allocated` (they are in `peak_reserved`,
+alloc_trace.py; measured on an H100: 0 to 13 MiB above the tensors and workspaces); FSDP's CUDA-stream reuse (`recordStream`) can hold an extra
 all-gather buffer on GPUs; DeepSpeed figures follow its estimators and are not validated here.
 """
 
@@ -81,25 +81,65 @@ class Snapshot:
         return sum(self.parts.values())
 
 
+RESERVED_MARGIN = 0.10
+"""Where no allocation trace is written (`--module`, DeepSpeed): the reserved peak is the allocated peak
+plus this margin, and `reserved_source` says so."""
+
+
 @dataclass(slots=True)
 class MemoryEstimate:
-    """Per-rank memory of one strategy: the components at the peak, and what surrounds them."""
+    """Per-rank memory of one strategy: the components at the peak, and what surrounds them.
+
+    `peak_reserved` is what `torch.cuda.max_memory_reserved` should read: the caching allocator's
+    segments, from replaying the run's allocations (alloc_trace.py), computed on first use (a replay costs
+    milliseconds to a tenth of a second for a 100-layer model, so sweeps only pay for configurations whose
+    allocated peak fits). `device_total` adds the CUDA context and NCCL's communicator buffers: what the
+    process holds on the device, the number the OOM line is drawn against."""
 
     strategy: str
     components: dict
     peak_allocated: int
     peak_phase: str
-    reserved_estimate: int
     process_overhead: int
     gpu_memory_bytes: int
-    fits: bool
     notes: list = field(default_factory=list)
     workspace: int = 0
     """cuBLAS/cuBLASLt workspaces (CUDA only), included in `peak_allocated`, in no component."""
+    reserved_replay: tuple | None = None
+    """Arguments of alloc_trace.reserved_peak; None: `RESERVED_MARGIN` over the allocated peak."""
+    _reserved: int | None = None
+
+    @property
+    def reserved_source(self) -> str:
+        return "allocator replay" if self.reserved_replay is not None else f"{RESERVED_MARGIN:.0%} margin"
+
+    @property
+    def peak_reserved(self) -> int:
+        if self._reserved is None:
+            if self.reserved_replay is None:
+                self._reserved = int((1 + RESERVED_MARGIN) * self.peak_allocated)
+            else:
+                from .alloc_trace import reserved_peak
+                replayed, allocated = reserved_peak(*self.reserved_replay)
+                # The trace is written from the same sizes as this walk, but not byte for byte: where it
+                # allocates less than the walk's peak, the difference is still reserved.
+                seg = 2 << 20
+                self._reserved = replayed + seg * -(-max(0, self.peak_allocated - allocated) // seg)
+        return self._reserved
+
+    @property
+    def device_total(self) -> int:
+        return self.peak_reserved + self.process_overhead
+
+    @property
+    def fits(self) -> bool:
+        if self.peak_allocated + self.process_overhead > self.gpu_memory_bytes:
+            return False  # reserved >= allocated: no replay needed
+        return self.device_total <= self.gpu_memory_bytes
 
     @property
     def total_required(self) -> int:
-        return self.peak_allocated + self.reserved_estimate + self.process_overhead
+        return self.device_total
 
     @property
     def headroom(self) -> int:
@@ -108,7 +148,8 @@ class MemoryEstimate:
     def to_dict(self) -> dict:
         d = {k: int(self.components[k]) for k in COMPONENTS}
         d.update(workspace=int(self.workspace), peak_allocated=int(self.peak_allocated),
-                 reserved_estimate=int(self.reserved_estimate), process_overhead=int(self.process_overhead))
+                 peak_reserved=int(self.peak_reserved), reserved_source=self.reserved_source,
+                 process_overhead=int(self.process_overhead), device_total=int(self.device_total))
         return d
 
 
@@ -291,14 +332,16 @@ def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int) -> tup
 # -- the walk ------------------------------------------------------------------------------------
 
 def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
-                    device: str = "cuda", backend: str = "nccl", gpu_name: str | None = None) -> MemoryEstimate:
+                    device: str = "cuda", backend: str = "nccl", gpu_name: str | None = None,
+                    init: str = "meta", expandable_segments: bool = False) -> MemoryEstimate:
     """Predict the most loaded rank's memory for one strategy (see module docstring).
 
     `device` ('cuda' or 'cpu') picks the activation terms that differ between the two; `backend`
     ('nccl', 'gloo' or 'fake') adds what the collective backend allocates itself: gloo's
     `reduce_scatter_tensor` splits its input into per-rank copies (one input-sized copy), which
     NCCL and the fake process group do not. The CPU validation path runs on gloo. On 'cuda',
-    `peak_allocated` adds the cuBLAS workspaces of `gpu_name` (default: the cluster's GPU).
+    `peak_allocated` adds the cuBLAS workspaces of `gpu_name` (default: the cluster's GPU). `init`
+    ('meta' or 'device') and `expandable_segments` go to the allocator replay (`peak_reserved`).
     """
     st = get_strategy(strategy)
     if train.tp > 1:  # one TP rank's parameters, the strategy over the data-parallel ranks (tp.py)
@@ -644,13 +687,18 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
              "comm_buffers": int(base_comm + c), "temporaries": int(t)}  # COMPONENTS' order
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
     peak_allocated = sum(comps.values()) + workspace
-    reserved = int(0.10 * peak_allocated)  # caching-allocator fragmentation: a margin, not a model (pytorch#137151: reserved ~2x allocated)
     groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
     groups += train.tp > 1  # the tensor-parallel group's communicator
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
-    total = peak_allocated + reserved + overhead
-    return MemoryEstimate(st.name, comps, peak_allocated, phase, reserved, overhead,
-                          cluster.gpu_memory_bytes, total <= cluster.gpu_memory_bytes, notes, workspace)
+    replay_args = None
+    from .alloc_trace import MAX_LAYERS
+    if device == "cuda" and train.model.layers <= MAX_LAYERS:
+        # The most loaded rank's allocations replayed through the caching allocator. `init`: the probes
+        # build the model on the device and wrap it; a plan assumes FSDP runs materialize shards from the
+        # meta device (torchtitan's way); see alloc_trace.allocation_events.
+        replay_args = (train, st.name, world, shard, device, backend, workspace, expandable_segments, init)
+    return MemoryEstimate(st.name, comps, peak_allocated, phase, overhead, cluster.gpu_memory_bytes, notes,
+                          workspace, replay_args)
 
 
 def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> tuple[int, int, int]:

@@ -611,12 +611,12 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     library = library_workspace_bytes(train, cluster.gpu_name, desc.linear_bias) if device == "cuda" else 0
     peak_allocated = max(s.total + e for s, e in zip(snaps, extra)) + library
     workspace = peak_allocated - peak.total
-    reserved = int(0.10 * peak_allocated)  # as memory.estimate_memory
+    # No allocation trace for an arbitrary module yet: the reserved peak is the allocated one plus the
+    # margin (memory.RESERVED_MARGIN), and the output says so.
     groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
-    tot = peak_allocated + reserved + overhead
-    return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, reserved, overhead,
-                          cluster.gpu_memory_bytes, tot <= cluster.gpu_memory_bytes, notes, workspace)
+    return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, overhead,
+                          cluster.gpu_memory_bytes, notes, workspace)
 
 
 _TRACE_SNAPSHOTS: list | None = None

@@ -104,10 +104,11 @@ def memory_table(plan, table_format: str = "simple", results=None, title: str | 
         mem = r.memory
         row = [r.name] + [fmt_gib(mem.components[k]) for k, _ in MEM_COLUMNS]
         row += [fmt_gib(getattr(mem, "workspace", 0)), fmt_gib(mem.peak_allocated), mem.peak_phase,
-                fmt_gib(mem.reserved_estimate + mem.process_overhead), fmt_gib(mem.total_required),
+                fmt_gib(mem.peak_reserved), fmt_gib(mem.device_total),
                 "yes" if mem.fits else "NO", fmt_gib(mem.headroom)]
         rows.append(row)
-    headers = ["strategy"] + [h for _, h in MEM_COLUMNS] + ["cublas", "peak", "phase", "+overhead", "total",
+    # reserved: the caching allocator's segments (max_memory_reserved); device: + CUDA context and NCCL
+    headers = ["strategy"] + [h for _, h in MEM_COLUMNS] + ["cublas", "peak", "phase", "reserved", "device",
                                                             "fits", "headroom"]
     return fit_table(title or "memory per GPU (GiB, most loaded rank)", headers, rows, table_format)
 

@@ -17,6 +17,9 @@ Owns the accuracy numbers and the PASS/FAIL rule of `distplan validate`:
   otherwise; a probe that timed out, crashed or raised is a FAIL with its reason; a probe whose rank 0
   ran on another node (`remote`) is SKIP.
 
+On a GPU the reserved peak (`torch.cuda.max_memory_reserved`) is judged too, within RESERVED_TOLERANCE
+(20%), against the planner's `peak_reserved` (the allocations replayed through its caching-allocator model).
+
 Step time is judged on a GPU only, within TIME_TOLERANCE (15%), and only where the planner predicts a
 GPU-bound step (`step_time_bound == "gpu"`): a host-bound step (the small probes, whose time is the
 host issuing eager ops) is reported, not judged. On the fake process group the probe times the compute
@@ -30,6 +33,9 @@ from __future__ import annotations
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
 DEFAULT_TOLERANCE = 0.05
+RESERVED_TOLERANCE = 0.20
+"""|predicted / measured - 1| allowed for `max_memory_reserved` on a GPU (issue 15's bar: 10% median and
+20% max over the GPU probes; one probe is judged against the max)."""
 TIME_TOLERANCE = 0.15
 """|predicted / measured - 1| allowed for a GPU-bound step time (issue 12's bar for single-GPU probes)."""
 ABS_FLOOR_BYTES = 64 * 2**10
@@ -129,6 +135,12 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
         e = out["peak"]["error"]
         reasons.append(f"peak error {e:+.1%} exceeds {tolerance:.0%}" if e is not None
                        else "peak measured 0 but predicted nonzero")
+
+    if mm.get("peak_reserved") and pm.get("peak_reserved"):
+        out["reserved"] = _cell(pm["peak_reserved"], mm["peak_reserved"], RESERVED_TOLERANCE, None)
+        if not out["reserved"]["ok"]:
+            reasons.append(f"reserved error {out['reserved']['error']:+.1%} exceeds {RESERVED_TOLERANCE:.0%} "
+                           "(max_memory_reserved: the caching allocator's segments)")
 
     mcomp = mm.get("components") or {}
     worst, worst_err = None, -1.0

@@ -1,0 +1,384 @@
+"""The allocations of a training run, as the analytic model sees them, replayed through the caching allocator.
+
+`estimate_memory` (memory.py) gives the peak of *allocated* bytes in closed form. What decides an OOM is
+the *reserved* peak (`torch.cuda.max_memory_reserved`): the segments the caching allocator holds, which
+depend on the sizes, order, lifetimes and streams of every allocation. `allocation_events` writes those
+events for the reference decoder (or a Hugging Face model read into a `ModelSpec`) under one strategy,
+tensor by tensor, from model construction through the warm-up and measured steps the probes run
+(validate/probe.py), and `reserved_peak` replays them through `allocator.CachingAllocator`.
+
+The sizes are the planner's own (memory.layout, activations.activations_in, memory._block_backward_peak),
+so this is one model, not a second one: it adds the order and the streams. What it follows, per phase:
+
+- Construction: the model is built on the host and moved with `.to(device)`, each parameter its own
+  allocation in registration order. FSDP2 (`fully_shard`, `_fsdp_param.py` `FSDPParam._init_sharded_param`)
+  then allocates each parameter's padded dim-0 shard and drops the full tensor; FSDP1
+  (`_flat_param.py` `FlatParamHandle.flatten_tensors_into_flat_param`, `shard`) concatenates each unit's
+  parameters into one flat tensor, drops the originals, then keeps one padded chunk. DDP's `Reducer`
+  allocates one flat gradient buffer per bucket (`initialize_buckets`, `bucket.gradients`) and its
+  rebuild in the second iteration allocates new ones before dropping the old (`_rebuild_buckets`).
+- Forward, per block: the tensors the block's backward keeps (activations_in: the same bytes, split in the
+  shapes the ops save: norm statistics and outputs, q/k/v, the attention output, the MLP's n*f tensors),
+  autocast's 16-bit weight casts (single/DDP/ZeRO-1 under *-mixed), and under checkpointing only the
+  block's input. FSDP2: the block's all-gather output on the all-gather stream (`foreach_all_gather`,
+  one flat buffer), copied out into per-parameter unsharded tensors on the compute stream
+  (`foreach_all_gather_copy_out`), freed at `post_forward` when resharding. FSDP1: the low-precision
+  shard (`_use_low_precision_shard`) and the padded unsharded flat parameter on the unshard stream.
+- Backward, per block in reverse: the prefetch of the next block's all-gather (`_backward_prefetch`),
+  the recomputation of a checkpointed block, the MLP's transients (memory._block_backward_peak), the
+  weight gradients (per parameter; FSDP1 concatenates them into the flat gradient), the frees of the
+  block's saved tensors; FSDP2's `post_backward`: reshard, the reduce-scatter input on the reduce-scatter
+  stream (kept until the next reduce-scatter, `reduce_scatter_state`), the output shard that becomes
+  `.grad`; FSDP1's `_post_backward_hook` the same on its post-backward stream.
+- Optimizer: AdamW's states are made lazily in the first step (`_init_group`: `zeros_like` per parameter,
+  exp_avg then exp_avg_sq), `_multi_tensor_adam`'s `exp_avg_sq_sqrt` temporaries (foreach), and
+  `zero_grad(set_to_none=True)` drops the gradients.
+
+Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`/`all_gather_stream`, FSDP1
+`_unshard_stream`), 2 reduce-scatter (FSDP2 `reduce_scatter_stream`, FSDP1 `_post_backward_stream`);
+see allocator.comm_streams. What is approximate: the exact transients of each forward op (only the block
+MLP's backward transients and the loss's are written), and the host order inside a block.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from math import prod
+
+from .activations import activations_in, regime_for
+from .allocator import replay
+from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
+from .config import TrainConfig
+from .model import unit_sizes
+from .strategies import get_strategy
+
+MAX_LAYERS = 512
+"""Deeper models are not replayed (the work grows with the layers; real models have at most ~130)."""
+WARMUP_STEPS = 2  # validate/probe.py: optimizer state, FSDP lazy init, DDP's bucket rebuild
+MEASURED_STEPS = 1  # later steps repeat the second one's allocations: the reserved peak is reached by then
+
+
+class _Events:
+    """An event list with handles: `a(size, stream)` returns a key, `f(key)` frees it."""
+
+    __slots__ = ("ev", "n")
+
+    def __init__(self) -> None:
+        self.ev: list = []
+        self.n = 0
+
+    def a(self, size: int, stream: int = 0) -> int:
+        self.n += 1
+        self.ev.append(("alloc", self.n, int(size), stream))
+        return self.n
+
+    def f(self, *keys) -> None:
+        for k in keys:
+            if k is not None:
+                self.ev.append(("free", k))
+
+    def fl(self, keys) -> None:
+        self.f(*keys)
+        keys.clear() if isinstance(keys, list) else None
+
+
+def _split(total: int, parts: list[int]) -> list[int]:
+    """`parts` (the shapes' bytes) scaled so they add up to `total` (the planner's bytes): the largest
+    part absorbs the difference when it is small, else every part is scaled."""
+    if total <= 0:
+        return []
+    s = sum(parts)
+    if s <= 0:
+        return [total]
+    if s <= total:
+        return parts + ([total - s] if total - s >= 512 else [])
+    k = total / s
+    return [max(1, int(p * k)) for p in parts]
+
+
+def _block_saved_shapes(train: TrainConfig, regime: str, n: int) -> list[int]:
+    """The tensors one block keeps for backward, in the order forward makes them (bytes of each)."""
+    m = train.model
+    e = 4 if regime == "fp32" else 2
+    h, kv, f, a = m.hidden, m.kv_dim, m.ffn_hidden, m.heads
+    norm = [n * h * 4, n * 4, n * h * e] if regime != "fp32" else [n * h * 4, n * 4]
+    attn = [n * h * e, n * kv * e, n * kv * e, n * h * e, n * a * 4]
+    mlp = [n * f * e] * (4 if m.mlp == "swiglu" else 2)
+    return norm + attn + norm + mlp
+
+
+def allocation_events(train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
+                      backend: str = "nccl", workspace: int = 0, init: str = "device") -> list:
+    """The events of a run (construction, WARMUP_STEPS + MEASURED_STEPS steps) on the most loaded rank; see
+    the module docstring. `world`/`shard`: the data-parallel ranks and the shard group size. `init`:
+    'device' builds the whole model on the device and then wraps it (what the probes do); 'meta' builds
+    it on the meta device and materializes only this rank's parameters after wrapping (`to_empty` +
+    `init_weights`, torchtitan's way for FSDP), so no full-model copy ever exists on the device."""
+    st = get_strategy(strategy)
+    family = st.family
+    m = train.model
+    prec = train.prec
+    regime = regime_for(train, family)
+    act = activations_in(train, regime, device)
+    from .memory import _block_backward_peak, layout
+    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
+    L = m.layers
+    n = train.micro_batch * train.seq_len
+    v = m.vocab
+    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
+    r = 4 if regime in ("fp32", "autocast") else 2
+    e = 4 if regime == "fp32" else 2
+    root_shapes, block_shapes, _, _, _ = unit_sizes(m)
+    n_embed = 1 + (m.position == "learned")
+    embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
+    sharding = shard > 1 and st.shards_params
+    fsdp = family in ("fsdp1", "fsdp2")
+    ud = (cb if prec.mixed else pb) if fsdp else pb  # unsharded parameter / gradient dtype
+    rb = 4 if prec.mixed else gb  # FSDP reduce dtype
+    ckpt = train.checkpointing != "none"
+    E = _Events()
+
+    # -- construction -------------------------------------------------------------------------------
+    units = [list(embed_shapes)] + [list(block_shapes)] * L + [list(head_shapes)]
+    meta = init == "meta" and fsdp
+    full = [[None if meta else E.a(prod(s) * pb) for s in u] for u in units]
+    if family == "fsdp2":
+        def shard_of(s):
+            return (-(-s[0] // shard) * prod(s[1:])) if sharding else prod(s)
+        # fully_shard per block, then the root (embed + head): each parameter's shard, then the full one goes
+        order = list(range(1, L + 1)) + [0, L + 1]
+        shards: dict = {}
+        for u in order:
+            for i, s in enumerate(units[u]):
+                shards[(u, i)] = E.a(shard_of(s) * pb)
+                E.f(full[u][i])
+        param_shards = [shard_of(s) for u in units for s in u]
+    elif family == "fsdp1":
+        # FlatParameter per block (ModuleWrapPolicy), the root's last; flatten, then keep a padded chunk
+        order = list(range(1, L + 1)) + [0]
+        for u in order:
+            keys = full[u] + (full[L + 1] if u == 0 else [])
+            elems = sum(prod(s) for s in units[u]) + (sum(prod(s) for s in units[L + 1]) if u == 0 else 0)
+            if meta:  # FSDP1 materializes a meta unit before flattening it (_init_utils.py
+                # `_materialize_meta_module`: to_empty + reset_parameters), one unit at a time
+                keys = [E.a(prod(s) * pb) for s in units[u] + (units[L + 1] if u == 0 else [])]
+            flat = E.a(elems * pb)
+            E.f(*keys)
+            if st.shards_params or st.shards_optimizer:
+                E.a(-(-elems // shard) * pb)
+                E.f(flat)
+        param_shards = [lay.shard_root] + [lay.shard_block] * L
+    else:
+        param_shards = [prod(s) for u in units for s in u]
+    buckets: list = []
+    if family in ("ddp", "zero1") and world > 1:
+        # DistributedDataParallel.__init__: `_sync_module_states` broadcasts the parameters from rank 0
+        # through `_broadcast_coalesced` (flat buffers of up to 250 MiB, freed after), then the Reducer's
+        # first-iteration bucket holds every gradient (one bucket: limits [sys.maxsize]); rebuilt in
+        # gradient-ready order in the second forward (`_rebuild_buckets`: old buckets freed first).
+        left = lay.total * pb
+        while left > 0:
+            E.f(E.a(min(left, 250 << 20)))
+            left -= 250 << 20
+        buckets = [E.a(lay.total * gb)]
+    # optimizer: states owned by this rank (ZeRO-1: its partition; FSDP: the shards)
+    if family == "zero1" and shard > 1:
+        from .memory import zero1_owned_shapes
+        owned = [prod(s) for s in zero1_owned_shapes(m, shard)]
+    else:
+        owned = list(param_shards)
+    n_states = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}.get(train.optimizer, 2)
+    if train.cpu_offload == "params" and fsdp:
+        n_states, owned = 0, []
+    E.a(train.micro_batch * train.seq_len * 8), E.a(train.micro_batch * train.seq_len * 8)  # ids, targets
+
+    # -- one step -------------------------------------------------------------------------------------
+    blk_saved = _split(act.per_block, _block_saved_shapes(train, regime, n))
+    kept = act.blocks_total // L if L else 0  # per block through forward (checkpointing: its input)
+    kept_saved = blk_saved if not ckpt else _split(kept, [n * m.hidden * r])
+    freed_bwd, blk_tmp, _ = _block_backward_peak(train, regime, n, device)
+    tmp_shapes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden * e] * 3)
+    weight_casts = [prod(s) * 2 for s in block_shapes if len(s) == 2] if regime == "autocast" else []
+    head_cast = [prod(s) * 2 for s in head_shapes if len(s) == 2] if regime == "autocast" else []
+    outside = act.outside - act.inputs
+    loss_tmp = 2 * n * v * 4
+    states: list = []
+    grads: list = []
+    bucket_rebuilt = [False]
+
+    def unshard_flat(u_shapes):
+        """FSDP2 `foreach_all_gather`: one flat output (padded shards of every rank) on its stream."""
+        return E.a(sum(-(-s[0] // shard) * prod(s[1:]) for s in u_shapes) * shard * ud, 1)
+
+    def unshard(u_shapes):
+        """All-gather + `foreach_all_gather_copy_out`: (flat output, per-parameter unsharded tensors)."""
+        flat = unshard_flat(u_shapes)
+        return flat, [E.a(prod(s) * ud) for s in u_shapes]
+
+    def fsdp1_unshard(elems_shard):
+        mp = E.a(elems_shard * cb, 1) if prec.mixed else None
+        flat = E.a(elems_shard * (shard if sharding else 1) * ud, 1)
+        E.f(mp)
+        return flat
+
+    def fsdp1_reduce(view_grads, unsharded, elems, elems_shard):
+        """A unit's backward end: the views' gradients concatenated into the flat gradient, then
+        `_post_backward_hook` (on the post-backward stream): reshard, the cast to reduce_dtype under
+        mixed precision, `_reduce_grad`'s output shard (reduce-scatter), or the all-reduced flat gradient
+        (NO_SHARD). The tensor a collective reads goes to that stream's pool (allocator.comm_streams)."""
+        comm = world > 1
+        flat_g = E.a(elems * ud, 2 if comm and not prec.mixed else 0)
+        E.f(*view_grads, unsharded)
+        src = flat_g
+        if prec.mixed:
+            src = E.a(elems * rb, 2 if comm else 0)
+            E.f(flat_g)
+        if sharding:
+            grads.append(E.a(elems_shard * rb, 2))
+            E.f(src)
+        else:
+            grads.append(src)
+
+    def micro_step(last: bool):
+        held: dict = {}
+        saved: list = []
+        # forward
+        if buckets and not bucket_rebuilt[0] and states:
+            E.f(*buckets)
+            buckets[:] = [E.a(b) for b in bucket_sizes(ready_order_sizes(m, regime == "autocast"), gb,
+                                                        DDP_BUCKET_CAP_MB)]
+            bucket_rebuilt[0] = True
+        if family == "fsdp2" and sharding:
+            held["root"] = unshard(root_shapes)
+            prev_flat = held["root"][0]
+        elif family == "fsdp1" and (sharding or prec.mixed):
+            held["root"] = fsdp1_unshard(lay.shard_root)
+        out_emb = E.a(n * m.hidden * r)
+        blocks: list = []
+        for j in range(L):
+            if family == "fsdp2" and sharding:
+                flat, params = unshard(block_shapes)
+                E.f(prev_flat)
+                prev_flat = flat
+                held[j] = params
+            elif family == "fsdp1" and (sharding or prec.mixed):
+                held[j] = fsdp1_unshard(lay.shard_block)
+            casts = [E.a(c) for c in weight_casts]
+            if ckpt:  # the block runs without saving, then keeps its input
+                tr = [E.a(s) for s in blk_saved]
+                E.f(*tr)
+                casts_kept = []
+                E.f(*casts)
+            else:
+                casts_kept = casts
+            blocks.append(([E.a(s) for s in kept_saved], casts_kept))
+            if st.reshard_after_forward and sharding and j in held:
+                E.f(*(held.pop(j) if family == "fsdp2" else [held.pop(j)]))
+        if family == "fsdp2" and sharding:
+            E.f(prev_flat)
+        hc = [E.a(c) for c in head_cast]
+        saved.append(E.a(max(0, outside - act.block_cache * 0)))
+        logits = E.a(n * v * cb)
+        logp = E.a(act.loss_saved)
+        E.f(logits)
+        # backward: the loss and the head
+        lt = [E.a(loss_tmp // 2), E.a(loss_tmp // 2)]
+        E.f(logp, *lt[:1])
+        head_g = [E.a(prod(s) * (ud if fsdp else gb)) for s in head_shapes]
+        E.f(lt[1], *hc, saved.pop())
+        rs_kept = None
+        pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
+
+        def fsdp2_ready(j):
+            """`wait_for_unshard` in pre_backward: copy out the (prefetched) all-gather output."""
+            if j in held or j < 0:
+                return
+            flat = pending.pop(j, None)
+            if flat is None:
+                flat = unshard_flat(block_shapes)
+            held[j] = [E.a(prod(s) * ud) for s in block_shapes]
+            E.f(flat)
+
+        for j in reversed(range(L)):
+            # pre_backward: this block unsharded (or still so from forward), then `_backward_prefetch`
+            # issues the next one's all-gather (BACKWARD_PRE for FSDP1)
+            if family == "fsdp2" and sharding:
+                fsdp2_ready(j)
+                if j > 0 and j - 1 not in held and j - 1 not in pending:
+                    pending[j - 1] = unshard_flat(block_shapes)
+            elif family == "fsdp1" and (sharding or prec.mixed):
+                for k in (j, j - 1):
+                    if k >= 0 and k not in held:
+                        held[k] = fsdp1_unshard(lay.shard_block)
+            keys, casts = blocks[j]
+            if ckpt:
+                rec_casts = [E.a(c) for c in weight_casts]
+                E.f(*keys)
+                keys = [E.a(s) for s in blk_saved]
+                casts = rec_casts
+            tmp = [E.a(s) for s in tmp_shapes]
+            g = [E.a(prod(s) * (ud if fsdp else gb)) for s in block_shapes]
+            E.f(*keys, *casts, *tmp)
+            if family == "fsdp2" and sharding:
+                E.f(*held.pop(j), rs_kept)  # reshard; block j+1's reduce-scatter input dropped first
+                rs_in = E.a(lay.unshard_block * rb, 2)
+                E.f(*g)
+                rs_kept = rs_in
+                grads.append(E.a(lay.shard_block * rb, 2))
+            elif family == "fsdp1":
+                fsdp1_reduce(g, held.pop(j, None), lay.unshard_block, lay.shard_block)
+            else:
+                grads.extend(g)
+        # the embedding's gradient and the root
+        emb_g = [E.a(prod(s) * (ud if fsdp else gb)) for s in embed_shapes]
+        E.f(out_emb)
+        if family == "fsdp2" and sharding:
+            E.f(*held.pop("root")[1], rs_kept)
+            rs_in = E.a(lay.unshard_root * rb, 2)
+            E.f(*head_g, *emb_g)
+            grads.append(E.a(lay.shard_root * rb, 2))
+            E.f(rs_in)
+        elif family == "fsdp1":
+            fsdp1_reduce(head_g + emb_g, held.pop("root", None), lay.unshard_root, lay.shard_root)
+        else:
+            grads.extend(head_g + emb_g)
+        for k in list(held):
+            E.f(*(held.pop(k) if isinstance(held[k], list) else [held.pop(k)]))
+
+    def step():
+        # One micro-step: later ones of a gradient-accumulation step allocate and free the same transients
+        # (what accumulation keeps, e.g. unsharded gradients without sync, is in the walk's allocated
+        # peak, which memory.MemoryEstimate.peak_reserved adds where the trace falls short).
+        micro_step(True)
+        if n_states and not states:
+            for s in owned:  # _init_group: exp_avg, exp_avg_sq per parameter
+                states.extend(E.a(s * pb) for _ in range(n_states))
+        if train.optimizer in ("adam", "adamw") and train.optimizer_impl == "foreach":
+            tmp = [E.a(s * pb) for s in owned]  # exp_avg_sq_sqrt
+            E.f(*tmp)
+        E.f(*grads)
+        grads.clear()
+
+    first = True
+    for _ in range(WARMUP_STEPS + MEASURED_STEPS):
+        if first and workspace:
+            E.a(workspace)  # the first GEMM's cuBLAS workspace (CublasHandlePool.cpp), kept
+        first = False
+        step()
+    return E.ev
+
+
+def reserved_peak(train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
+                  backend: str = "nccl", workspace: int = 0, expandable_segments: bool = False,
+                  init: str = "device") -> tuple[int, int]:
+    """(reserved peak, allocated peak) of the replayed run: what `max_memory_reserved` and
+    `max_memory_allocated` would read."""
+    return _reserved_peak(train, get_strategy(strategy).name, world, shard, device, backend, workspace,
+                          expandable_segments, init)
+
+
+@lru_cache(maxsize=1024)
+def _reserved_peak(train, name, world, shard, device, backend, workspace, expandable_segments, init):
+    a = replay(allocation_events(train, name, world, shard, device, backend, workspace, init),
+               expandable_segments=expandable_segments)
+    return a.peak_reserved, a.peak_allocated

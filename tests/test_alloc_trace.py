@@ -1,0 +1,147 @@
+"""The planner's reserved peak (planner/alloc_trace.py): the run's allocations written from the planner's
+own sizes and replayed through the caching-allocator model, against `torch.cuda.max_memory_reserved`
+measured on an H100 (benchmarks/results/h100-torch2.11-2026-11-23.jsonl, 78 probes: single on the GPU,
+DDP/ZeRO/FSDP as rank 0 of 2, 8 and 64 ranks on the fake process group), with no torch and no trace
+recorded: what `distplan estimate` prints as `reserved`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+
+import pytest
+
+from distplan.planner.alloc_trace import allocation_events, reserved_peak
+from distplan.planner.allocator import replay
+from distplan.planner.api import predict_probe, resolve_model
+from distplan.planner.config import TrainConfig
+from distplan.planner.strategies import get_strategy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _records():
+    with open(os.path.join(ROOT, "benchmarks", "results", "h100-torch2.11-2026-11-23.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["measurement"].get("status") == "ok"]
+
+
+@pytest.fixture(scope="module")
+def errors():
+    out = {}
+    for r in _records():
+        p = predict_probe(dict(r["inputs"]))["memory"]
+        m = r["measurement"]["memory"]
+        fam = get_strategy(r["inputs"]["strategy"]).family
+        out[r["id"]] = (fam, p["peak_reserved"] / m["peak_reserved"] - 1,
+                        1.1 * p["peak_allocated"] / m["peak_reserved"] - 1)
+    return out
+
+
+def _stats(errors, fsdp: bool):
+    rows = {k: v for k, v in errors.items() if (v[0] in ("fsdp1", "fsdp2")) == fsdp}
+    new = [abs(v[1]) for v in rows.values()]
+    old = [abs(v[2]) for v in rows.values()]
+    return rows, statistics.median(new), max(new), statistics.median(old)
+
+
+def test_reserved_single_stream_probes(errors):
+    rows, med, mx, old = _stats(errors, fsdp=False)
+    table = {k: round(100 * v[1], 1) for k, v in rows.items()}
+    assert len(rows) >= 20
+    # measured 2026-11-23: median 2.3%, max 5.7% (the 10% margin: 3.4% / 9.7%)
+    assert med <= 0.04 and mx <= 0.08, table
+    assert med < old
+
+
+def test_reserved_fsdp_probes_meet_the_issue_bar(errors):
+    rows, med, mx, old = _stats(errors, fsdp=True)
+    table = {k: round(100 * v[1], 1) for k, v in rows.items()}
+    assert len(rows) >= 40
+    # issue 15: 10% median, 20% max (measured 2026-11-23: 5.5% / 12.3%; the 10% margin: 20.3% / 47.5%)
+    assert med <= 0.10 and mx <= 0.20, table
+    assert med < old / 2
+
+
+def test_trace_allocates_what_the_walk_predicts():
+    """The trace is written from the walk's sizes: its allocated peak is the walk's within a few percent
+    (the walk, not the trace, is what the probes judge byte by byte)."""
+    errs = []
+    for r in _records()[::3]:
+        s = r["inputs"]
+        p = predict_probe(dict(s))["memory"]
+        t = s["train"]
+        from distplan.planner.model import ModelSpec
+        train = TrainConfig(ModelSpec(**s["model"]), seq_len=t["seq_len"], micro_batch=t["micro_batch"],
+                            precision=t["precision"], checkpointing=t["checkpointing"])
+        st = get_strategy(s["strategy"])
+        world = s["world_size"]
+        shard = 1 if st.name in ("single", "fsdp-no-shard") else (
+            world if st.shard_group == "world" else min(world, s.get("gpus_per_node") or world))
+        _, alloc = reserved_peak(train, st.name, world, shard, "cuda", "fake", p["workspace"])
+        errs.append(alloc / p["peak_allocated"] - 1)
+    assert statistics.median(abs(e) for e in errs) <= 0.03, errs
+    assert max(abs(e) for e in errs) <= 0.10, errs
+
+
+def _train(name="llama-3-8b", **kw):
+    spec = resolve_model(name)[0]
+    return TrainConfig(spec, seq_len=kw.pop("seq_len", 4096), micro_batch=1, precision="bf16-mixed", **kw)
+
+
+def test_reserved_at_depth_is_at_least_allocated_and_fsdp_streams_cost_more():
+    train = _train(checkpointing="full")
+    ddp_r, ddp_a = reserved_peak(train, "ddp", 8, 1, init="meta")
+    z3_r, z3_a = reserved_peak(train, "zero3", 64, 64, init="meta")
+    assert ddp_r >= ddp_a and z3_r >= z3_a
+    # FSDP2 keeps all-gather and reduce-scatter buffers in their streams' pools, which the compute
+    # stream cannot reuse: a larger share of its peak is cached-but-free (measured on the H100 at 32
+    # layers: 1.25-2.3 for FSDP, 1.0-1.2 single/DDP)
+    assert z3_r / z3_a > ddp_r / ddp_a
+
+
+def test_meta_init_reserves_less_than_building_the_model_on_the_device():
+    """A probe builds the whole model on the GPU, then shards it: those segments stay cached."""
+    train = _train(checkpointing="full")
+    meta, _ = reserved_peak(train, "zero3", 64, 64, init="meta")
+    dev, _ = reserved_peak(train, "zero3", 64, 64, init="device")
+    assert dev >= train.model.param_count() * 4 > meta
+
+
+def test_expandable_segments_reserve_no_more():
+    train = _train()
+    for st, w, sh in (("single", 1, 1), ("zero3", 8, 8), ("fsdp", 8, 8)):
+        plain, _ = reserved_peak(train, st, w, sh, init="meta")
+        exp, _ = reserved_peak(train, st, w, sh, init="meta", expandable_segments=True)
+        assert exp <= plain, st
+
+
+def test_events_are_balanced_per_step():
+    """Every step frees what it allocates except the state it keeps: replaying two more steps adds no
+    allocated bytes (a leak in the writer would grow it)."""
+    from distplan.planner import alloc_trace
+    train = _train(name="phi-3-mini", seq_len=1024)
+    for st, w, sh in (("ddp", 8, 1), ("zero2", 8, 8), ("zero3", 8, 8), ("fsdp", 8, 8), ("fsdp-grad-op", 8, 8)):
+        ends = []
+        for steps in (1, 3):
+            old = alloc_trace.MEASURED_STEPS
+            alloc_trace.MEASURED_STEPS = steps
+            try:
+                ends.append(replay(allocation_events(train, st, w, sh)).allocated)
+            finally:
+                alloc_trace.MEASURED_STEPS = old
+        assert ends[0] == ends[1], st
+
+
+def test_plan_json_has_reserved_and_device_total():
+    from distplan.planner.api import plan
+    p = plan("llama-3-8b", gpus=8, strategies=["zero3", "ddp"])
+    for name in ("zero3", "ddp"):
+        mem = p[name].to_dict()["memory"]
+        assert mem["peak_reserved"] >= mem["peak_allocated"]
+        assert mem["device_total"] == mem["peak_reserved"] + mem["process_overhead"]
+        assert mem["reserved_source"] == "allocator replay"
+        assert "reserved_estimate" not in mem
+    fits = dataclasses.replace(p["zero3"].memory)
+    assert fits.fits == (fits.device_total <= fits.gpu_memory_bytes)
