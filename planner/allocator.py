@@ -86,6 +86,8 @@ class _Segment:
     size: int
     small: bool
     stream: int
+    pool: list = field(default_factory=list)
+    """The free list of its pool and stream (shared by the pool's segments)."""
 
 
 @dataclass
@@ -108,36 +110,36 @@ class CachingAllocator:
         return self._free.setdefault((small, stream), [])
 
     def _insert(self, b: _Block) -> None:
-        insort(self._pool(b.segment.small, b.segment.stream), (*b.key(), b))
+        insort(b.segment.pool, (b.size, b.segment.id, b.offset, b))
 
     def _remove(self, b: _Block) -> None:
-        pool = self._pool(b.segment.small, b.segment.stream)
-        i = bisect_left(pool, b.key())
+        pool = b.segment.pool
+        i = bisect_left(pool, (b.size, b.segment.id, b.offset))
         assert pool[i][3] is b
         del pool[i]
 
     def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
+        """The smallest cached block that serves `size`, taken off its free list; None if none does."""
         pool = self._pool(small, stream)
         i = bisect_left(pool, (size, -1, -1))
+        if i == len(pool):
+            return None
+        b = pool[i][3]
         limit = self.max_split_size
-        while i < len(pool):
-            b = pool[i][3]
-            if limit is not None and not small:
-                if size < limit <= b.size:
-                    return None  # an oversize block is not given to a small request
-                if size >= limit and b.size >= size + LARGE_BUFFER:
-                    return None
-            return b
-        return None
+        if limit is not None and not small:
+            if size < limit <= b.size:
+                return None  # an oversize block is not given to a small request
+            if size >= limit and b.size >= size + LARGE_BUFFER:
+                return None
+        del pool[i]
+        return b
 
     # -- the two calls --------------------------------------------------------------------------
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         b = self._best_fit(size, small, stream)
-        if b is not None:
-            self._remove(b)
-        else:
+        if b is None:
             b = self._new_block(size, small, stream)
         remaining = b.size - size
         oversize = self.max_split_size is not None and b.size >= self.max_split_size and not small
@@ -176,7 +178,7 @@ class CachingAllocator:
     def _new_block(self, size: int, small: bool, stream: int) -> _Block:
         if not self.expandable_segments:
             seg_size = allocation_size(size)
-            seg = _Segment(self.segments, seg_size, small, stream)
+            seg = _Segment(self.segments, seg_size, small, stream, self._pool(small, stream))
             self.segments += 1
             self._grow(seg_size)
             return _Block(seg, 0, seg_size)
@@ -184,7 +186,8 @@ class CachingAllocator:
         page = SMALL_BUFFER if small else LARGE_BUFFER
         seg = self._expandable.get((small, stream))
         if seg is None:
-            seg = self._expandable[(small, stream)] = _Segment(self.segments, 0, small, stream)
+            seg = self._expandable[(small, stream)] = _Segment(self.segments, 0, small, stream,
+                                                                            self._pool(small, stream))
             self.segments += 1
         tail = self._tail_free(seg)
         have = tail.size if tail is not None else 0
@@ -241,16 +244,16 @@ def replay(events, *, expandable_segments: bool = False, max_split_size: int | N
     peak_allocated: what max_memory_reserved / max_memory_allocated would read)."""
     a = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size)
     live: dict = {}
+    malloc, free, pop = a.malloc, a.free, live.pop
     for ev in events:
-        if ev[0] == "alloc":
+        kind = ev[0]
+        if kind == "alloc":
             if ev[2] > 0:
-                live[ev[1]] = a.malloc(ev[2], ev[3] if len(ev) > 3 else 0)
-        elif ev[0] == "free":
-            b = live.pop(ev[1], None)
+                live[ev[1]] = malloc(ev[2], ev[3] if len(ev) > 3 else 0)
+        elif kind == "free":
+            b = pop(ev[1], None)
             if b is not None:
-                a.free(b)
-        elif ev[0] == "comm":
-            continue
-        else:
-            raise ValueError(f"event {ev[0]!r}: accepted: 'alloc', 'free', 'comm'")
+                free(b)
+        elif kind != "comm":
+            raise ValueError(f"event {kind!r}: accepted: 'alloc', 'free', 'comm'")
     return a
