@@ -77,10 +77,6 @@ class _Events:
             if k is not None:
                 self.ev.append(("free", k))
 
-    def fl(self, keys) -> None:
-        self.f(*keys)
-        keys.clear() if isinstance(keys, list) else None
-
 
 def _split(total: int, parts: list[int]) -> list[int]:
     """`parts` (the shapes' bytes) scaled so they add up to `total` (the planner's bytes): the largest
@@ -113,7 +109,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     the module docstring. `world`/`shard`: the data-parallel ranks and the shard group size. `init`:
     'device' builds the whole model on the device and then wraps it (what the probes do); 'meta' builds
     it on the meta device and materializes only this rank's parameters after wrapping (`to_empty` +
-    `init_weights`, torchtitan's way for FSDP), so no full-model copy ever exists on the device."""
+    `init_weights`, torchtitan's way for FSDP), so no full-model copy ever exists on the device.
+    `backend` does not change the events: what only gloo allocates (reduce_scatter's split copy) is on the
+    CPU, where nothing is reserved."""
     st = get_strategy(strategy)
     family = st.family
     m = train.model
@@ -196,7 +194,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     blk_saved = _split(act.per_block, _block_saved_shapes(train, regime, n))
     kept = act.blocks_total // L if L else 0  # per block through forward (checkpointing: its input)
     kept_saved = blk_saved if not ckpt else _split(kept, [n * m.hidden * r])
-    freed_bwd, blk_tmp, _ = _block_backward_peak(train, regime, n, device)
+    _, blk_tmp, _ = _block_backward_peak(train, regime, n, device)
     tmp_shapes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden * e] * 3)
     weight_casts = [prod(s) * 2 for s in block_shapes if len(s) == 2] if regime == "autocast" else []
     head_cast = [prod(s) * 2 for s in head_shapes if len(s) == 2] if regime == "autocast" else []
@@ -239,9 +237,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         else:
             grads.append(src)
 
-    def micro_step(last: bool):
+    def micro_step():
         held: dict = {}
-        saved: list = []
         # forward
         if buckets and not bucket_rebuilt[0] and states:
             E.f(*buckets)
@@ -277,7 +274,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         if family == "fsdp2" and sharding:
             E.f(prev_flat)
         hc = [E.a(c) for c in head_cast]
-        saved.append(E.a(max(0, outside - act.block_cache * 0)))
+        head_saved = E.a(outside)  # final norm, the LM head's input (activations.ActivationBreakdown.outside)
         logits = E.a(n * v * cb)
         logp = E.a(act.loss_saved)
         E.f(logits)
@@ -285,7 +282,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         lt = [E.a(loss_tmp // 2), E.a(loss_tmp // 2)]
         E.f(logp, *lt[:1])
         head_g = [E.a(prod(s) * (ud if fsdp else gb)) for s in head_shapes]
-        E.f(lt[1], *hc, saved.pop())
+        E.f(lt[1], *hc, head_saved)
         rs_kept = None
         pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
 
@@ -349,7 +346,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # One micro-step: later ones of a gradient-accumulation step allocate and free the same transients
         # (what accumulation keeps, e.g. unsharded gradients without sync, is in the walk's allocated
         # peak, which memory.MemoryEstimate.peak_reserved adds where the trace falls short).
-        micro_step(True)
+        micro_step()
         if n_states and not states:
             for s in owned:  # _init_group: exp_avg, exp_avg_sq per parameter
                 states.extend(E.a(s * pb) for _ in range(n_states))
