@@ -367,15 +367,16 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
 
 def reserved_peak(train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
                   backend: str = "nccl", workspace: int = 0, expandable_segments: bool = False,
-                  init: str = "device") -> tuple[int, int]:
+                  init: str = "device", max_split_size: int | None = None) -> tuple[int, int]:
     """(reserved peak, allocated peak) of the replayed run: what `max_memory_reserved` and
     `max_memory_allocated` would read."""
     return _reserved_peak(train, get_strategy(strategy).name, world, shard, device, backend, workspace,
-                          expandable_segments, init)
+                          expandable_segments, init, max_split_size)
 
 
 @lru_cache(maxsize=1024)
-def _reserved_peak(train, name, world, shard, device, backend, workspace, expandable_segments, init):
+def _reserved_peak(train, name, world, shard, device, backend, workspace, expandable_segments, init,
+                   max_split_size):
     a = replay(allocation_events(train, name, world, shard, device, backend, workspace, init),
-               expandable_segments=expandable_segments)
+               expandable_segments=expandable_segments, max_split_size=max_split_size)
     return a.peak_reserved, a.peak_allocated

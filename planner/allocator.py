@@ -221,6 +221,36 @@ class CachingAllocator:
         self._last: dict = {}  # expandable segment id -> its last block
 
 
+ALLOC_CONF_KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
+                   "roundup_power2_divisions")
+
+
+def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int | None, list[str]]:
+    """`PYTORCH_CUDA_ALLOC_CONF` as `CUDAAllocatorConfig::parseArgs` reads it (c10/cuda/CUDAAllocatorConfig.cpp;
+    comma-separated `key:value`): (expandable_segments, max_split_size in bytes or None, notes on what
+    is accepted but not modelled). Unknown keys and bad values are a one-line ValueError naming `flag`."""
+    expandable, max_split, notes = False, None, []
+    for item in filter(None, (x.strip() for x in (conf or "").split(","))):
+        key, sep, value = item.partition(":")
+        key, value = key.strip(), value.strip()
+        if key not in ALLOC_CONF_KEYS or not sep:
+            raise ValueError(f"{flag}={item!r}: accepted: comma-separated key:value with key one of "
+                             f"{', '.join(ALLOC_CONF_KEYS)} (PYTORCH_CUDA_ALLOC_CONF)")
+        if key == "expandable_segments":
+            if value not in ("True", "False"):
+                raise ValueError(f"{flag}: expandable_segments:{value!r}: accepted: True or False")
+            expandable = value == "True"
+        elif key == "max_split_size_mb":
+            # parseMaxSplitSize: a size in MiB above kLargeBuffer / 1 MiB (20); "max" leaves it unlimited
+            if value != "max" and not (value.isdigit() and int(value) > LARGE_BUFFER >> 20):
+                raise ValueError(f"{flag}: max_split_size_mb:{value!r}: accepted: an integer above "
+                                 f"{LARGE_BUFFER >> 20} (MiB)")
+            max_split = None if value == "max" else int(value) << 20
+        else:
+            notes.append(f"{key} is accepted but not modelled by the allocator replay")
+    return expandable, max_split, notes
+
+
 def comm_streams(events) -> list:
     """Events with each allocation that a collective later touches (a ("comm", key, op) event before its
     free) put on that collective's stream: 1 for all_gather/broadcast, 2 for reduce_scatter/all_reduce.

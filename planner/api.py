@@ -461,7 +461,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
          activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
          framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
-         strategies: Iterable[str] | None = None,
+         alloc_conf: str = "", strategies: Iterable[str] | None = None,
          tokens: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
          **overrides) -> Plan:
@@ -477,6 +477,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         compile: the blocks run under torch.compile (step time only: fused pointwise kernels).
         tp, sequence_parallel: tensor-parallel degree inside a node (torchtitan's Llama plan; the
             strategies then run over gpus / tp data-parallel ranks) and sequence parallelism (tp.py).
+        alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF (expandable_segments, max_split_size_mb), which the
+            reserved peak's allocator replay follows.
         strategies: names from the registry (default: all).
         tokens: total training tokens, for the time-to-train figure.
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
@@ -516,11 +518,16 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         if framework != "pytorch":
             raise ValueError(f"--tp={tp} with --framework={short_repr(framework)}: tensor parallelism is "
                              f"modelled for PyTorch's parallelize_module; accepted: --framework pytorch")
+    if alloc_conf:
+        if not isinstance(alloc_conf, str):
+            raise ValueError(f"--alloc-conf={short_repr(alloc_conf)}: accepted: a PYTORCH_CUDA_ALLOC_CONF string")
+        from .allocator import parse_alloc_conf
+        notes = notes + parse_alloc_conf(alloc_conf, "--alloc-conf")[2]
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,
                         cpu_offload=cpu_offload, framework=framework, compile=compile, tp=tp,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, alloc_conf=alloc_conf)
     dp = cluster.gpus // tp
     names = list(strategies) if strategies else [n for n in NAMES if n != "single" or dp == 1]
     if dp == 1 and not strategies:
@@ -550,7 +557,8 @@ def predict_probe(spec: dict) -> dict:
     train = TrainConfig(model, seq_len=t["seq_len"], micro_batch=t["micro_batch"],
                         grad_accum=t.get("grad_accum", 1), precision=t["precision"],
                         optimizer=t.get("optimizer", "adamw"), optimizer_impl=t.get("optimizer_impl", "foreach"),
-                        checkpointing=t.get("checkpointing", "none"), attention=t.get("attention", "sdpa"))
+                        checkpointing=t.get("checkpointing", "none"), attention=t.get("attention", "sdpa"),
+                        alloc_conf=t.get("alloc_conf", ""))
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15, gpu_name=DEFAULT_GPU,
@@ -560,8 +568,7 @@ def predict_probe(spec: dict) -> dict:
     backend = {"gpu": "nccl", "cpu": "gloo", "fake": "fake"}.get(mode, "nccl")
     # the probes build the model on the device, then wrap it (validate/probe.py)
     mem = estimate_memory(train, cluster, spec["strategy"], device=device, backend=backend,
-                          gpu_name=spec.get("gpu_name"), init="device",
-                          expandable_segments=bool(spec.get("expandable_segments")))
+                          gpu_name=spec.get("gpu_name"), init="device")
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
     if device == "cuda":

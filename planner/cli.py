@@ -86,6 +86,9 @@ def training_options(fn):
         click.option("--sequence-parallel", "sequence_parallel", is_flag=True, default=False,
                      help="With --tp: sequence parallelism (norms sharded over the sequence; all-gather + "
                           "reduce-scatter instead of all-reduce)."),
+        click.option("--alloc-conf", "alloc_conf", envvar="PYTORCH_CUDA_ALLOC_CONF", default="", metavar="CONF",
+                     help="The run's PYTORCH_CUDA_ALLOC_CONF (default: this shell's), e.g. "
+                          "expandable_segments:True: the reserved peak follows it."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -199,7 +202,7 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
                 cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
                 tp=kw.get("tp") or 1, sequence_parallel=bool(kw.get("sequence_parallel")),
-                strategies=list(strategies) or None,
+                alloc_conf=kw.get("alloc_conf") or "", strategies=list(strategies) or None,
                 tokens=kw.get("tokens"), comm=comm, detect_local=detect_local,
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)
 

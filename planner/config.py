@@ -78,6 +78,9 @@ class TrainConfig:
     sequence_parallel: bool = False
     """With tp > 1: norms and dropouts sharded along the sequence (`SequenceParallel`), the block's
     all-reduces replaced by all-gather + reduce-scatter (torchtitan's layout)."""
+    alloc_conf: str = ""
+    """`PYTORCH_CUDA_ALLOC_CONF` of the run (expandable_segments, max_split_size_mb): what the caching
+    allocator replay (alloc_trace.py) follows for the reserved peak."""
 
     def __post_init__(self) -> None:
         if not (type(self.seq_len) is int and 0 < self.seq_len <= _MAX_SEQ and type(self.micro_batch) is int
@@ -100,6 +103,11 @@ class TrainConfig:
         elif self.sequence_parallel:
             raise ValueError("sequence_parallel=True: needs tp > 1 (sequence parallelism shards along the "
                              "tensor-parallel group)")
+        if self.alloc_conf:
+            if not isinstance(self.alloc_conf, str):
+                raise ValueError(f"alloc_conf={short_repr(self.alloc_conf)}: accepted: a PYTORCH_CUDA_ALLOC_CONF string")
+            from .allocator import parse_alloc_conf
+            parse_alloc_conf(self.alloc_conf, "alloc_conf")
         object.__setattr__(self, "_prec", get_precision(self.precision))
 
     def _check_fields(self) -> None:

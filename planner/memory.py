@@ -333,7 +333,7 @@ def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int) -> tup
 
 def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
                     device: str = "cuda", backend: str = "nccl", gpu_name: str | None = None,
-                    init: str = "meta", expandable_segments: bool = False) -> MemoryEstimate:
+                    init: str = "meta") -> MemoryEstimate:
     """Predict the most loaded rank's memory for one strategy (see module docstring).
 
     `device` ('cuda' or 'cpu') picks the activation terms that differ between the two; `backend`
@@ -341,7 +341,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     `reduce_scatter_tensor` splits its input into per-rank copies (one input-sized copy), which
     NCCL and the fake process group do not. The CPU validation path runs on gloo. On 'cuda',
     `peak_allocated` adds the cuBLAS workspaces of `gpu_name` (default: the cluster's GPU). `init`
-    ('meta' or 'device') and `expandable_segments` go to the allocator replay (`peak_reserved`).
+    ('meta' or 'device') and `train.alloc_conf` go to the allocator replay (`peak_reserved`).
     """
     st = get_strategy(strategy)
     if train.tp > 1:  # one TP rank's parameters, the strategy over the data-parallel ranks (tp.py)
@@ -696,7 +696,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # The most loaded rank's allocations replayed through the caching allocator. `init`: the probes
         # build the model on the device and wrap it; a plan assumes FSDP runs materialize shards from the
         # meta device (torchtitan's way); see alloc_trace.allocation_events.
-        replay_args = (train, st.name, world, shard, device, backend, workspace, expandable_segments, init)
+        from .allocator import parse_alloc_conf
+        expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
+        replay_args = (train, st.name, world, shard, device, backend, workspace, expandable, init, max_split)
     return MemoryEstimate(st.name, comps, peak_allocated, phase, overhead, cluster.gpu_memory_bytes, notes,
                           workspace, replay_args)
 

@@ -134,6 +134,9 @@ def _timeout(ctx, param, value):
 @click.option("--activation-checkpointing", "checkpointing", type=click.Choice(CHECKPOINTING), default="none",
               show_default=True)
 @click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True)
+@click.option("--alloc-conf", "alloc_conf", default=None, metavar="CONF",
+              help="PYTORCH_CUDA_ALLOC_CONF for the probes (e.g. expandable_segments:True); the prediction's "
+                   "reserved peak follows it. Default: the probes inherit this shell's.")
 @click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "
               "x checkpointing x precision) instead of one probe per strategy.")
 @click.option("--simulate-world-size", type=int, default=None, callback=_fake_world, metavar="N",
@@ -161,7 +164,7 @@ def _timeout(ctx, param, value):
 @click.pass_context
 def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
-                     checkpointing, attention, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
+                     checkpointing, attention, alloc_conf, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
 
@@ -279,7 +282,18 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         if user_model:
             _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
 
+    if alloc_conf is None and os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        alloc_conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    if alloc_conf:
+        from .allocator import parse_alloc_conf
+        try:
+            parse_alloc_conf(alloc_conf, "--alloc-conf")
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     for s in specs:  # fake-process-group probes run on the GPU when there is one
+        if alloc_conf:  # runner.ProbeRun exports it to the probe; the id tells the records apart
+            s["train"]["alloc_conf"] = alloc_conf
+            s["id"] += f"/alloc={alloc_conf}"
         s["device_type"] = "cuda" if hw.get("gpus") else "cpu"
         if hw.get("gpus") and hw.get("gpu_names"):
             s["gpu_name"] = hw["gpu_names"][0]  # sizes the cuBLAS workspaces in the prediction

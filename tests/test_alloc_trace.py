@@ -145,3 +145,50 @@ def test_plan_json_has_reserved_and_device_total():
         assert "reserved_estimate" not in mem
     fits = dataclasses.replace(p["zero3"].memory)
     assert fits.fits == (fits.device_total <= fits.gpu_memory_bytes)
+
+
+def test_alloc_conf_is_parsed_like_pytorch_and_reaches_the_replay():
+    from distplan.planner.allocator import parse_alloc_conf
+    assert parse_alloc_conf("expandable_segments:True") == (True, None, [])
+    assert parse_alloc_conf("max_split_size_mb:512, expandable_segments:False")[:2] == (False, 512 << 20)
+    assert parse_alloc_conf("garbage_collection_threshold:0.8")[2]  # accepted, said to be unmodelled
+    for bad in ("expandable_segments:yes", "max_split_size_mb:10", "foo:1", "expandable_segments"):
+        with pytest.raises(ValueError, match="--alloc-conf"):
+            parse_alloc_conf(bad)
+    from distplan.planner.memory import estimate_memory
+    from distplan.planner.config import Cluster
+    c = Cluster(gpus=8, gpu_name="h100-sxm", gpu_memory_bytes=80 << 30, intra_link="nvlink4", inter_link="ib-ndr")
+    plain = estimate_memory(_train(), c, "single")
+    exp = estimate_memory(dataclasses.replace(_train(), alloc_conf="expandable_segments:True"), c, "single")
+    assert exp.peak_allocated == plain.peak_allocated
+    assert exp.peak_reserved != plain.peak_reserved
+
+
+def test_cli_alloc_conf_flag_and_environment():
+    from click.testing import CliRunner
+    from distplan.planner.cli import main
+    args = ["estimate", "--model", "llama-3-8b", "--gpus", "8", "--strategy", "fsdp", "--json"]
+    r = CliRunner().invoke(main, args + ["--alloc-conf", "max_split_size_mb:nope"])
+    assert r.exit_code == 2 and "--alloc-conf" in r.output and "Traceback" not in r.output
+    env = CliRunner(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}).invoke(main, args)
+    flag = CliRunner().invoke(main, args + ["--alloc-conf", "expandable_segments:True"])
+    plain = CliRunner(env={"PYTORCH_CUDA_ALLOC_CONF": ""}).invoke(main, args)
+    res = [json.loads(x.output)["strategies"][0]["memory"]["peak_reserved"] for x in (env, flag, plain)]
+    assert res[0] == res[1] != res[2]
+
+
+def test_validate_alloc_conf_reaches_the_probe_spec(tmp_path):
+    """`distplan validate --alloc-conf` puts the configuration in every probe's spec (the runner exports
+    it as PYTORCH_CUDA_ALLOC_CONF) and its id; a bad value is a one-line error."""
+    from click.testing import CliRunner
+    from distplan.planner.cli import main
+    bad = CliRunner().invoke(main, ["validate", "--strategy", "ddp", "--alloc-conf", "bad:1",
+                                    "--out", str(tmp_path / "r.jsonl")])
+    assert bad.exit_code == 2 and "--alloc-conf='bad:1'" in bad.output and "Traceback" not in bad.output
+    import sys
+    from distplan.validate.runner import run_probe
+    # a probe stand-in that reports the variable it was started with
+    cmd = [sys.executable, "-c", "import sys, os, json; a = sys.argv; json.dump({'status': 'ok', "
+           "'conf': os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}, open(a[a.index('--out') + 1], 'w'))"]
+    spec = {"id": "x", "mode": "fake", "world_size": 1, "train": {"alloc_conf": "expandable_segments:True"}}
+    assert run_probe(spec, probe_cmd=cmd, timeout_s=60)["conf"] == "expandable_segments:True"

@@ -326,6 +326,9 @@ class ProbeRun:
             if spec.get("mode") == "cpu" and nnodes == 1 and os.path.isdir("/sys/class/net/lo"):
                 full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one node: gloo on the loopback
             full_env.update(env or {})
+            conf = (spec.get("train") or {}).get("alloc_conf")
+            if conf is not None:  # the caching allocator's configuration the prediction assumed
+                full_env["PYTORCH_CUDA_ALLOC_CONF"] = conf
             self._stdout = open(os.path.join(self.dir, "stdout.log"), "wb")
             self._stderr = open(os.path.join(self.dir, "stderr.log"), "wb")
             guard = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), self.dir, "--"]
