@@ -67,7 +67,7 @@ def allocation_size(size: int) -> int:
     return ROUND_LARGE * -(-size // ROUND_LARGE)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     segment: "_Segment"
     offset: int
@@ -80,7 +80,7 @@ class _Block:
         return (self.size, self.segment.id, self.offset)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Segment:
     id: int
     size: int
@@ -152,7 +152,8 @@ class CachingAllocator:
             self._insert(rest)
         b.allocated = True
         self.allocated += b.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return b
 
     def free(self, b: _Block) -> None:
@@ -171,7 +172,7 @@ class CachingAllocator:
                     if nb.next is not None:
                         nb.next.prev = b
                 b.size += nb.size
-                if self._last.get(id(b.segment)) is nb:
+                if self.expandable_segments and self._last.get(id(b.segment)) is nb:
                     self._last[id(b.segment)] = b
         self._insert(b)
 
