@@ -185,9 +185,17 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         owned = [prod(s) for s in zero1_owned_shapes(m, shard)]
     else:
         owned = list(param_shards)
-    n_states = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "sgd": 0}.get(train.optimizer, 2)
-    if train.cpu_offload == "params" and fsdp:
-        n_states, owned = 0, []
+    # The walk's optimizer-state bytes (memory._opt_state: AdamW 2 states, SGD-momentum 1, 8-bit AdamW
+    # uint8 states plus block statistics, Adafactor factored rows/columns), two tensors per parameter
+    # (one for SGD-momentum), in proportion to its elements.
+    from .memory import _opt_state
+    st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
+    st_total = st_elems * pb + int(st_extra)
+    per_param = 1 if train.optimizer == "sgd-momentum" else 2
+    if (train.cpu_offload == "params" and fsdp) or not owned or not st_total:
+        st_total, owned = 0, []
+    owned_sum = sum(owned) or 1
+    state_sizes = [st_total * s // owned_sum // per_param for s in owned for _ in range(per_param)]
     E.a(train.micro_batch * train.seq_len * 8), E.a(train.micro_batch * train.seq_len * 8)  # ids, targets
 
     # -- one step -------------------------------------------------------------------------------------
@@ -347,12 +355,14 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # (what accumulation keeps, e.g. unsharded gradients without sync, is in the walk's allocated
         # peak, which memory.MemoryEstimate.peak_reserved adds where the trace falls short).
         micro_step()
-        if n_states and not states:
-            for s in owned:  # _init_group: exp_avg, exp_avg_sq per parameter
-                states.extend(E.a(s * pb) for _ in range(n_states))
-        if train.optimizer in ("adam", "adamw") and train.optimizer_impl == "foreach":
-            tmp = [E.a(s * pb) for s in owned]  # exp_avg_sq_sqrt
-            E.f(*tmp)
+        if state_sizes and not states:  # made lazily in the first step (`_init_group`)
+            states.extend(E.a(z) for z in state_sizes)
+        if train.optimizer in ("adam", "adamw"):
+            if train.optimizer_impl == "foreach":  # _multi_tensor_adam: exp_avg_sq_sqrt, one per parameter
+                E.f(*[E.a(s * pb) for s in owned])
+            elif train.optimizer_impl == "for-loop":  # _single_tensor_adam: two at a time, per parameter
+                for s in owned:
+                    E.f(E.a(s * pb), E.a(s * pb))
         E.f(*grads)
         grads.clear()
 
