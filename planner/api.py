@@ -426,9 +426,15 @@ class Plan:
         inputs = {"model": self.train.model.to_dict(), "model_params": self.train.model.param_count(),
                   "train": {k: v for k, v in self.train.to_dict().items() if k != "model"},
                   "cluster": self.cluster.to_dict(), "notes": list(self.notes)}
-        t = self.train.tp
-        inputs["mesh"] = {"dp": self.cluster.gpus // t, "tp": t,
+        t, p = self.train.tp, self.train.pp
+        inputs["mesh"] = {"pp": p, "dp": self.cluster.gpus // (t * p), "tp": t,
                           "sequence_parallel": self.train.sequence_parallel}
+        if p > 1:
+            from .pp import bubble_fraction
+            inputs["mesh"].update(pp_schedule=self.train.pp_schedule,
+                                  pp_microbatches=self.train.pp_microbatches,
+                                  pp_bubble_fraction=bubble_fraction(self.train.pp_schedule, p,
+                                                                     self.train.pp_microbatches))
         if self.tokens:
             inputs["tokens"] = self.tokens
         out = {"inputs": inputs, "strategies": []}
@@ -453,6 +459,17 @@ class Plan:
         return plan_svg(self)
 
 
+@dataclass(frozen=True)
+class _PPCheck:
+    """What `pp.check_pp` reads, with the CLI's flag names in its messages."""
+    model: ModelSpec
+    grad_accum: int
+    framework: str
+    pp: int
+    pp_schedule: str
+    pp_microbatches: int
+
+
 def plan(model: str | ModelSpec | None = None, *, params: str | int | float | None = None,
          hf_config: str | None = None, gpus: int | None = None, gpus_per_node: int | None = None,
          gpu: str | None = None, gpu_mem: str | float | None = None, node: str | None = None,
@@ -461,7 +478,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
          activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
          framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
-         alloc_conf: str = "", strategies: Iterable[str] | None = None,
+         alloc_conf: str = "", pp: int = 1, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
+         strategies: Iterable[str] | None = None,
          tokens: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
          **overrides) -> Plan:
@@ -479,6 +497,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             strategies then run over gpus / tp data-parallel ranks) and sequence parallelism (tp.py).
         alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF (expandable_segments, max_split_size_mb), which the
             reserved peak's allocator replay follows.
+        pp, pp_schedule, pp_microbatches: pipeline stages (torch.distributed.pipelining; the strategies
+            run over gpus / (tp * pp) ranks), the schedule (gpipe, 1f1b, interleaved-1f1b) and the
+            micro-batches per step (default 2 * pp) (pp.py).
         strategies: names from the registry (default: all).
         tokens: total training tokens, for the time-to-train figure.
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
@@ -523,13 +544,41 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             raise ValueError(f"--alloc-conf={short_repr(alloc_conf)}: accepted: a PYTORCH_CUDA_ALLOC_CONF string")
         from .allocator import parse_alloc_conf
         notes = notes + parse_alloc_conf(alloc_conf, "--alloc-conf")[2]
+    pp = check_count("pp", pp)
+    from .config import PP_SCHEDULES
+    if not isinstance(pp_schedule, str) or pp_schedule not in PP_SCHEDULES:
+        raise ValueError(f"--pp-schedule={short_repr(pp_schedule)}: accepted: {', '.join(PP_SCHEDULES)}")
+    if pp_microbatches is None:
+        pp_microbatches = 2 * pp if pp > 1 else 1
+        if pp > 1:
+            notes.append(f"pipeline: {pp_microbatches} micro-batches per step assumed (2 x --pp; "
+                         f"--pp-microbatches sets it)")
+    pp_microbatches = check_count("pp_microbatches", pp_microbatches)
+    if pp == 1 and pp_microbatches != 1:
+        raise ValueError(f"--pp-microbatches={pp_microbatches}: needs --pp > 1 (without pipeline stages use "
+                         f"--grad-accum)")
+    if pp > 1:
+        if cluster.gpus % (tp * pp):
+            raise ValueError(f"--pp={pp}: tp x pp = {tp * pp} must divide --gpus={cluster.gpus}; accepted: "
+                             + ", ".join(str(d) for d in range(1, cluster.gpus // tp + 1)
+                                         if (cluster.gpus // tp) % d == 0 and d <= spec.layers))
+        from .pp import check_pp
+        check_pp(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches), "--pp")
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,
                         cpu_offload=cpu_offload, framework=framework, compile=compile, tp=tp,
-                        sequence_parallel=sequence_parallel, alloc_conf=alloc_conf)
-    dp = cluster.gpus // tp
-    names = list(strategies) if strategies else [n for n in NAMES if n != "single" or dp == 1]
+                        sequence_parallel=sequence_parallel, alloc_conf=alloc_conf, pp=pp,
+                        pp_schedule=pp_schedule, pp_microbatches=pp_microbatches)
+    dp = cluster.gpus // (tp * pp)
+    if pp > 1:
+        from .pp import PP_STRATEGIES
+        bad = [n for n in (strategies or ()) if n not in PP_STRATEGIES]
+        if bad:
+            raise ValueError(f"--strategy={short_repr(bad[0])} with --pp={pp}: PipelineStage drives DDP and FSDP2 "
+                             f"(fully_shard) only; accepted: {', '.join(PP_STRATEGIES)}")
+    names = list(strategies) if strategies else [n for n in NAMES if (n != "single" or dp == 1)
+                                                 and (pp == 1 or n in PP_STRATEGIES)]
     if dp == 1 and not strategies:
         names = ["single"]
     results = [evaluate(train, cluster, get_strategy(n), comm=comm, catalog_dirs=catalog_dirs) for n in names]

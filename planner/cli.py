@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from .config import ATTENTION, CHECKPOINTING, FRAMEWORKS, OFFLOAD
+from .config import ATTENTION, CHECKPOINTING, FRAMEWORKS, OFFLOAD, PP_SCHEDULES
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .strategies import NAMES
 
@@ -89,6 +89,13 @@ def training_options(fn):
         click.option("--alloc-conf", "alloc_conf", envvar="PYTORCH_CUDA_ALLOC_CONF", default="", metavar="CONF",
                      help="The run's PYTORCH_CUDA_ALLOC_CONF (default: this shell's), e.g. "
                           "expandable_segments:True: the reserved peak follows it."),
+        click.option("--pp", type=int, default=1, show_default=True,
+                     help="Pipeline stages (torch.distributed.pipelining, layers split evenly); the "
+                          "strategies run over gpus / (tp x pp) data-parallel ranks."),
+        click.option("--pp-schedule", "pp_schedule", type=click.Choice(PP_SCHEDULES), default="1f1b",
+                     show_default=True, help="With --pp: the pipeline schedule."),
+        click.option("--pp-microbatches", "pp_microbatches", type=int, default=None,
+                     help="With --pp: micro-batches of --micro-batch sequences per step (default 2 x --pp)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -172,7 +179,8 @@ def use_trace(kw: dict) -> bool:
 def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
     from .api import plan
     from .units import check_count, short_repr
-    for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum", "tp",
+    for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum", "tp", "pp",
+                 "pp_microbatches",
                  "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
         if kw.get(flag) is not None:  # each bounded to what exists (units.LIMITS), before any work
             check_count(flag, kw[flag])
@@ -183,6 +191,9 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
         from .hf_config import load_hf_config
         load_hf_config(kw["hf_config"])
     if kw.get("module") or use_trace(kw):
+        if (kw.get("pp") or 1) > 1:
+            raise ValueError(f"--pp={kw.get('pp')}: pipeline parallelism is modelled by the analytic front end "
+                             f"only; with --hf-config add --front-end analytic (--module: not supported)")
         if (kw.get("tp") or 1) > 1 or kw.get("sequence_parallel"):
             raise ValueError(f"--tp={kw.get('tp') or 1}: tensor parallelism is modelled by the analytic front end "
                              f"only; with --hf-config add --front-end analytic (--module: not supported)")
@@ -202,7 +213,9 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
                 cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
                 tp=kw.get("tp") or 1, sequence_parallel=bool(kw.get("sequence_parallel")),
-                alloc_conf=kw.get("alloc_conf") or "", strategies=list(strategies) or None,
+                alloc_conf=kw.get("alloc_conf") or "", pp=kw.get("pp") or 1,
+                pp_schedule=kw.get("pp_schedule") or "1f1b", pp_microbatches=kw.get("pp_microbatches"),
+                strategies=list(strategies) or None,
                 tokens=kw.get("tokens"), comm=comm, detect_local=detect_local,
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)
 

@@ -127,8 +127,10 @@ def bus_factor(op: str, n: int) -> float:
         return 2.0 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
-    if op == "broadcast":
+    if op in ("broadcast", "send"):
         return 1.0
+    if op == "recv":  # point-to-point: the receiver sends nothing
+        return 0.0
     raise ValueError(f"op={str(op)[:40]!r}: accepted values are {', '.join(OPS)}")
 
 
@@ -397,6 +399,9 @@ def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cl
     intra, inter = cluster_links(cluster)
     if group == "tp":  # tensor parallelism: inside a node (tp.py)
         return collective_time(c_op, message_bytes, n, intra)
+    if group == "pp":  # point-to-point between neighbouring stages (pp.py): one message, one link
+        link = inter if cluster.gpus // n >= cluster.local_size and cluster.nodes > 1 else intra
+        return LAUNCH_S + link.latency_s + message_bytes / link.busbw_bytes_per_s
     if group == "inter_node":
         return collective_time(c_op, message_bytes, n, None, gpus_per_node=1, inter_link=inter)
     if group == "intra_node":
@@ -547,7 +552,9 @@ def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str | St
     merged; `calls` counts all grad_accum micro-steps. Times use the cluster's links (catalog, cached).
     """
     s = get_strategy(strategy)
-    if train.tp > 1 and train.model.__class__ is not TPRankSpec:  # a `tp_view` has the dp part only
+    if train.pp > 1:
+        return _pp_schedule(train, cluster, s, ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
+    if train.tp > 1 and not isinstance(train.model, TPRankSpec):  # a `tp_view` has the dp part only
         return _tp_schedule(train, cluster, s, ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
     key = _schedule_key(train, s.name, cluster.gpus, cluster.local_size, cluster.nodes,
                         ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
@@ -566,6 +573,32 @@ def _tp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_ex
         key = _schedule_key(rtrain, s.name, dp.gpus, dp.local_size, dp.nodes, cap, root_explicit)
         out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dp)[0]]
     out += timed_collectives(tp_raw_schedule(train, s.family), cluster)
+    return Schedule(out, schedule_totals(out))
+
+
+def _pp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_explicit) -> "Schedule":
+    """With pipeline parallelism (`pp.py`): the strategy's collectives over one stage's data-parallel
+    ranks (group 'dp'; the stage with the most parameters, its M micro-batches accumulated as DDP's
+    `no_sync` / FSDP's `set_requires_gradient_sync(False)` do), the TP group's for that stage's layers
+    ('tp'), and the point-to-point sends and receives between stages ('pp')."""
+    from .pp import pp_cluster, pp_raw_schedule, stage_train
+    views = [stage_train(train, 0), stage_train(train, train.pp - 1)]
+    view = max(views, key=lambda t: t.model.param_count())
+    dpc = cluster
+    if train.tp > 1:
+        from .tp import tp_raw_schedule, tp_view
+        dpc = tp_view(train, cluster)[1]
+    dpc = pp_cluster(train, dpc)
+    out = []
+    if s.family != "single" and dpc.gpus > 1:
+        key = _schedule_key(view, s.name, dpc.gpus, dpc.local_size, dpc.nodes, cap, root_explicit)
+        out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
+    if train.tp > 1:  # the embedding's and the head's TP collectives only on the stages that hold them
+        m = view.model
+        raw = [c for c in tp_raw_schedule(view, s.family)
+               if not (c[7] == "tp_embed" and not m.pp_first or c[7] == "tp_head" and not m.pp_last)]
+        out += timed_collectives(raw, cluster)
+    out += timed_collectives(pp_raw_schedule(train, s.family), cluster)
     return Schedule(out, schedule_totals(out))
 
 

@@ -253,8 +253,10 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
         gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
     if schedule is None:
         schedule = collective_schedule(train, cluster, s.name)
+    if train.pp > 1:
+        return _pp_step_time(train, cluster, s, schedule, gpu)
     tp_exposed, tp_calls = 0.0, 0
-    if train.tp > 1 and train.model.__class__ is not TPRankSpec:
+    if train.tp > 1 and not isinstance(train.model, TPRankSpec):
         # Tensor parallelism (tp.py): the per-rank model over the data-parallel ranks; the TP group's
         # collectives sit between the block's kernels in eager PyTorch, exposed whole.
         from .tp import tp_view
@@ -283,6 +285,42 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
     return StepTime(compute, comm, exposed, opt, total, tokens / total if total else 0.0, mfu, overhead)
 
 
+def _pp_step_time(train: TrainConfig, cluster: Cluster, s, schedule, gpu) -> StepTime:
+    """Pipeline parallelism (pp.py): the slowest stage (ceil(L/p) layers, the embedding, the LM head
+    and the loss) computes M micro-batches over its dp ranks, plus the bubble, bubble / compute =
+    (p - 1) / (v M) (GPipe arXiv:1811.06965 §2.2; Narayanan et al. 2021 arXiv:2104.04473 §2.2.1-2.2.2);
+    the TP group's collectives exposed whole (as without PP), and the point-to-point sends of the fill
+    and the drain, 2 (p - 1) boundary messages (the steady state's overlap the compute)."""
+    from .pp import bubble_fraction, pp_cluster, stage_train
+    tv = stage_train(train, 0, time_view=True)
+    dpc = cluster
+    if train.tp > 1:
+        from .tp import tp_view
+        dpc = tp_view(train, cluster)[1]
+    dpc = pp_cluster(train, dpc)
+    tp_part = [c for c in schedule if c.group == "tp"]
+    pp_part = [c for c in schedule if c.group == "pp"]
+    dp_part = [c for c in schedule if c.group not in ("tp", "pp")]
+    base = step_time(tv, dpc, s, Schedule(dp_part, schedule_totals(dp_part)), gpu)
+    bubble = base.compute_s * bubble_fraction(train.pp_schedule, train.pp, train.pp_microbatches)
+    tp_exposed = sum(c.time_s for c in tp_part)
+    one_send = max((c.time_s / c.calls for c in pp_part if c.calls), default=0.0)
+    pp_exposed = 2 * (train.pp - 1) * one_send
+    calls = sum(c.calls for c in tp_part) + sum(c.calls for c in pp_part if c.op == "send")
+    overhead = base.overhead_s + COLLECTIVE_LAUNCH_S * calls
+    compute = base.compute_s + bubble
+    exposed = base.exposed_comm_s + tp_exposed + pp_exposed
+    total = compute + exposed + base.optimizer_s + overhead
+    comm = base.comm_s + tp_exposed + sum(c.time_s for c in pp_part)
+    dp = 1 if s.family == "single" else dpc.gpus  # data-parallel replicas of the pipeline
+    tokens = train.tokens_per_micro_step * train.pp_microbatches * dp
+    block, head = _forward_flops(tv)
+    flops = 3.0 * (train.model.layers * block + head) * train.pp_microbatches / train.pp
+    mfu = flops / (total * peak_flops(gpu.flops, train.precision)) if total > 0 else 0.0
+    return StepTime(compute, comm, exposed, base.optimizer_s, total, tokens / total if total else 0.0, mfu,
+                    overhead)
+
+
 @lru_cache(maxsize=64)
 def _gpu(name: str, catalog_dirs: tuple = ()):
     """The catalog's GPU `name`, cached per (name, dirs) like `comm._interconnect` (looked up once per
@@ -302,11 +340,11 @@ def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str
     get there (intra-node links or latency alone expose more than the target).
     """
     s = get_strategy(strategy)
-    if cluster.nodes <= 1 or s.family == "single":
+    if cluster.nodes <= 1 or s.family == "single" or train.pp > 1:  # not modelled with pipeline stages
         return None
     if gpu is None:
         gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
-    if train.tp > 1 and train.model.__class__ is not TPRankSpec:
+    if train.tp > 1 and not isinstance(train.model, TPRankSpec):
         # the data-parallel ranks' share of each node (1/tp of its NICs): per node it is tp times that
         from .tp import tp_view
         t = train.tp

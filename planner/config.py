@@ -8,6 +8,9 @@ from .model import ModelSpec, cached_hash, state_without_hash
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
 from .units import LIMITS, check_count, short_repr
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""`torch.distributed.pipelining` ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (planner/pp.py)."""
+
 CHECKPOINTING = ("none", "selective", "selective-op", "full", "every-2", "every-3", "every-4")
 """Activation checkpointing modes. none; full: every block (non-reentrant `torch.utils.checkpoint`),
 keeping its input; every-K: every K-th block from the first (transformers' `every_n_layers`), the others
@@ -81,6 +84,13 @@ class TrainConfig:
     alloc_conf: str = ""
     """`PYTORCH_CUDA_ALLOC_CONF` of the run (expandable_segments, max_split_size_mb): what the caching
     allocator replay (alloc_trace.py) follows for the reserved peak."""
+    pp: int = 1
+    """Pipeline-parallel stages (`torch.distributed.pipelining`, one stage per rank of the pp mesh
+    dimension); the data-parallel strategies run over gpus / (tp * pp) ranks (planner/pp.py)."""
+    pp_schedule: str = "1f1b"
+    """gpipe, 1f1b or interleaved-1f1b (`pp.PP_SCHEDULES`)."""
+    pp_microbatches: int = 1
+    """Micro-batches of `micro_batch` sequences per optimizer step with pp > 1 (grad_accum stays 1)."""
 
     def __post_init__(self) -> None:
         if not (type(self.seq_len) is int and 0 < self.seq_len <= _MAX_SEQ and type(self.micro_batch) is int
@@ -90,7 +100,9 @@ class TrainConfig:
                 and self.optimizer_impl in OPTIMIZER_IMPLS and self.checkpointing in CHECKPOINTING
                 and self.attention in ATTENTION and self.cpu_offload in OFFLOAD
                 and self.framework in FRAMEWORKS and type(self.compile) is bool
-                and type(self.tp) is int and self.tp >= 1 and type(self.sequence_parallel) is bool):  # one test for the common case; below names the culprit
+                and type(self.tp) is int and self.tp >= 1 and type(self.sequence_parallel) is bool
+                and type(self.pp) is int and self.pp >= 1 and self.pp_schedule in PP_SCHEDULES
+                and type(self.pp_microbatches) is int and 0 < self.pp_microbatches <= _MAX_ACCUM):  # one test for the common case; below names the culprit
             self._check_fields()
         if self.model.position == "learned" and self.seq_len > self.model.max_positions:
             raise ValueError(
@@ -108,6 +120,9 @@ class TrainConfig:
                 raise ValueError(f"alloc_conf={short_repr(self.alloc_conf)}: accepted: a PYTORCH_CUDA_ALLOC_CONF string")
             from .allocator import parse_alloc_conf
             parse_alloc_conf(self.alloc_conf, "alloc_conf")
+        if self.pp > 1:
+            from .pp import check_pp
+            check_pp(self, "pp")
         object.__setattr__(self, "_prec", get_precision(self.precision))
 
     def _check_fields(self) -> None:
@@ -126,6 +141,11 @@ class TrainConfig:
         _positive("tp", self.tp)
         if type(self.sequence_parallel) is not bool:
             raise ValueError(f"sequence_parallel={short_repr(self.sequence_parallel)}: accepted: True or False")
+        _positive("pp", self.pp)
+        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if not (type(self.pp_microbatches) is int and 0 < self.pp_microbatches <= _MAX_ACCUM):
+            raise ValueError(f"pp_microbatches={short_repr(self.pp_microbatches)}: must be an integer from 1 "
+                             f"to {_MAX_ACCUM}")
 
     @property
     def prec(self) -> Precision:

@@ -344,6 +344,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     ('meta' or 'device') and `train.alloc_conf` go to the allocator replay (`peak_reserved`).
     """
     st = get_strategy(strategy)
+    if train.pp > 1:  # pipeline stages: the most loaded stage's walk (pp.py)
+        from .pp import pp_memory
+        return pp_memory(train, cluster, st, device, backend, gpu_name)
     if train.tp > 1:  # one TP rank's parameters, the strategy over the data-parallel ranks (tp.py)
         from .tp import tp_view
         train, cluster = tp_view(train, cluster)

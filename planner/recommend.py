@@ -131,6 +131,29 @@ def _smallest_change(plan):
     for n in sharded:
         if estimate_memory(t, cluster, n).fits:
             return ("--cpu-offload params --activation-checkpointing full (slow: bound by PCIe)", t, cluster)
+    if train.pp > 1 or train.tp > 1:
+        # The mesh: sequence parallelism (TP's norms and checkpointed block inputs split by tp), more
+        # pipeline stages on the same GPUs (fewer layers, so fewer parameters per stage; 1F1B keeps at
+        # least one micro-batch per stage), with full checkpointing.
+        from .pp import virtual_stages
+        t0 = replace(train, checkpointing="full") if train.checkpointing != "full" else train
+        ck = " --activation-checkpointing full" if t0 is not train else ""
+        sps = [train.sequence_parallel] + ([True] if train.tp > 1 and not train.sequence_parallel else [])
+        for sp in sps:
+            p = train.pp
+            while (p * virtual_stages(train.pp_schedule) <= train.model.layers
+                   and cluster.gpus % (train.tp * p) == 0 and (p == 1) <= (train.pp == 1)):
+                if (p, sp) != (train.pp, train.sequence_parallel):
+                    t = replace(t0, pp=p, sequence_parallel=sp,
+                                pp_microbatches=max(train.pp_microbatches, p) if p > 1 else 1)
+                    if any(estimate_memory(t, cluster, n).fits for n in names):
+                        words = " ".join(w for w in (
+                            "--sequence-parallel" if sp != train.sequence_parallel else "",
+                            f"--pp {p} --pp-microbatches {t.pp_microbatches}" if p != train.pp else "") if w)
+                        return (words + ck, t, cluster)
+                if train.pp == 1:
+                    break
+                p *= 2
     gpus = cluster.gpus
     t = replace(train, checkpointing="full") if train.checkpointing != "full" else train
     for _ in range(12):
@@ -141,7 +164,9 @@ def _smallest_change(plan):
         if any(estimate_memory(t, c, n).fits for n in sharded):
             ck = " with --activation-checkpointing full" if t is not train else ""
             return (f"--gpus {gpus}{ck}", t, c)
-    return ("no change tried fits: this model needs tensor/pipeline parallelism or larger GPUs", None, None)
+    more = "more" if train.tp > 1 or train.pp > 1 else ""
+    return (f"no change tried fits: this model needs {more + ' ' if more else ''}tensor/pipeline parallelism "
+            f"or larger GPUs", None, None)
 
 
 def recommend(plan, _depth: int = 0) -> Recommendation:

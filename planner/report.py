@@ -81,9 +81,7 @@ def header(plan) -> str:
         f"{t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}, attention {t.attention}"
         + (f", offload {t.cpu_offload}" if t.cpu_offload != "none" else "")
         + (f", framework {t.framework}" if t.framework != "pytorch" else ""),
-        *([f"mesh: tp {t.tp} (tensor parallel inside a node{', sequence parallel' if t.sequence_parallel else ''})"
-           f" x dp {c.gpus // t.tp} (the strategies below run over the dp ranks, on 1/{t.tp} of the model)"]
-          if getattr(t, "tp", 1) > 1 else []),
+        *([_mesh_line(t, c)] if getattr(t, "tp", 1) > 1 or getattr(t, "pp", 1) > 1 else []),
         f"cluster: {c.gpus} x {c.gpu_name} ({fmt_gib(c.gpu_memory_bytes)} GiB) in {c.nodes} node(s) of "
         f"{c.gpus_per_node}; intra {c.intra_link}, inter {c.inter_link} x {c.nics_per_node} per node"
         + (f" ({c.inter_bytes_per_s * 8 / 1e9:g} Gbit/s per node)" if c.inter_bytes_per_s else ""),
@@ -179,3 +177,20 @@ def plan_html(plan) -> str:
 def plot_matplotlib(plan, path=None):
     from .chart import plot_matplotlib as _plot
     return _plot(plan, path)
+
+
+def _mesh_line(t, c) -> str:
+    """The device mesh in words: pp (outermost) x dp x tp, and what the strategies run over."""
+    parts = []
+    if t.pp > 1:
+        from .pp import bubble_fraction
+        b = bubble_fraction(t.pp_schedule, t.pp, t.pp_microbatches)
+        parts.append(f"pp {t.pp} ({t.pp_schedule}, {t.pp_microbatches} micro-batches of {t.micro_batch}, "
+                     f"bubble {b:.0%} of compute)")
+    dp = c.gpus // (t.tp * t.pp)
+    parts.append(f"dp {dp}")
+    if t.tp > 1:
+        parts.append(f"tp {t.tp} (inside a node{', sequence parallel' if t.sequence_parallel else ''})")
+    share = " x ".join(x for x, on in ((f"1/{t.pp} of the layers", t.pp > 1), (f"1/{t.tp} of each", t.tp > 1)) if on)
+    return f"mesh: {' x '.join(parts)}; the strategies below run over the dp ranks, on {share}"
+

@@ -44,7 +44,7 @@ def tp_view(train: TrainConfig, cluster: Cluster) -> tuple[TrainConfig, Cluster]
     """(train with one TP rank's parameter shapes, the data-parallel cluster of gpus / tp ranks).
 
     The identity for tp = 1, and for a view already taken (its model is a `TPRankSpec`)."""
-    if train.tp == 1 or train.model.__class__ is TPRankSpec:
+    if train.tp == 1 or isinstance(train.model, TPRankSpec):
         return train, cluster
     views = train.__dict__.get("_tp_views")  # kept on the config: hashing it costs more than the view
     if views is None:

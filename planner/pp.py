@@ -1,0 +1,416 @@
+"""Pipeline parallelism (PP) as `torch.distributed.pipelining` runs it, on torchtitan's mesh (pp, dp, tp).
+
+`TrainConfig.pp` = p stages, one per rank of the "pp" mesh dimension, `pp_schedule` one of
+`PP_SCHEDULES`, `pp_microbatches` = M micro-batches of `micro_batch` sequences per optimizer step
+(`schedule.step` splits the batch; `grad_accum` must stay 1). The data-parallel strategies run over
+dp = gpus / (tp * p) ranks on one stage's parameters; tensor parallelism splits each stage as before.
+
+Stages (`stage_layers`): the decoder layers split evenly, the first `L mod p` stages one more (the
+split torchtitan's `pipeline_module_split` makes of the layer list when the embedding and the head
+are not counted as layers); the first stage also holds the token embedding, the last the final norm,
+the LM head and the loss. Tied embeddings are refused (the two ends would hold two copies).
+
+Memory per stage (`stage_memory`, the per-GPU figure is the largest stage), for one step after a
+warm-up step, walking the stage's actions in the order the schedule issues them
+(`torch/distributed/pipelining/schedules.py`): `ScheduleGPipe._step_microbatches` runs every forward,
+then every backward; `Schedule1F1B._step_microbatches` runs `min(M, p - stage)` warm-up forwards, then
+one backward and one forward alternately, then the remaining backwards. Before each backward the stage
+holds the activations of every micro-batch forwarded and not yet backwarded (GPipe: up to M; 1F1B:
+`min(M, p - stage)`). What `PipelineStage` (`stage.py`) adds:
+- `_setup_forward_recv_info` allocates one receive buffer per micro-batch (non-first stages) and
+  `_setup_backward_recv_info` one gradient buffer per micro-batch (non-last stages), kept between
+  steps: 2 M boundary tensors (b*s*h) for a middle stage. A stage's input is that buffer, so its
+  first block's saved input is not a new activation.
+- `forward_one_chunk` keeps each micro-batch's output in `fwd_cache` until its backward (the last
+  stage: its logits, b*s*V); the schedule's pending send handles keep outputs alive too: GPipe's
+  `fwd_sends_to_wait` all M until the step ends, 1F1B's `send_work` the one fired last in warm-up.
+- `stage_backward` (`_backward.py`) sets the input's `.grad = None` after reading it: the input
+  gradient lives only in the pending send (1F1B's `bwd_sends`: one; GPipe's `bwd_sends_to_wait`: all
+  sent so far).
+- After the first micro-batch the gradients exist and later ones accumulate into them
+  (AccumulateGrad), so a block's weight gradient is a transient beside the full `.grad`.
+- The whole batch (token ids on the first stage, targets on the last) lives through the step.
+
+Sharded strategies under PP (not validated by a probe): `PipelineStage.backward_maybe_with_nosync`
+runs FSDP with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` until the
+last micro-batch, and torchtitan turns off `reshard_after_forward` with PP, so the stage's parameters
+stay unsharded and its gradients accumulate unsharded (in `reduce_dtype`) through the step; DDP runs
+`no_sync` until the last micro-batch. Each is counted at that size.
+
+Point-to-point traffic (`pp_raw_schedule`): per micro-batch a stage sends its output forward and its
+input's gradient backward (b*s*h elements of the boundary dtype, / tp with sequence parallelism), as
+`c10d` `send` / `recv`; group "pp", across nodes when the pp dimension spans them.
+
+Time: the pipeline bubble. A stage computes M micro-batches, and fill and drain leave it idle for
+(p - 1) micro-batch slots: bubble / compute = (p - 1) / M for GPipe (Huang et al. 2019, GPipe,
+arXiv:1811.06965 §2.2, O((K-1)/(M+K-1)) of the step) and 1F1B (Narayanan et al. 2021,
+arXiv:2104.04473 §2.2.1: "bubble time fraction = (p - 1)/m"); with v virtual stages per rank
+(interleaved 1F1B, §2.2.2) (1/v)(p - 1)/m. The slowest stage sets the pace: the time model uses a
+stage of ceil(L/p) layers with the LM head and the loss.
+
+Known limitations: interleaved 1F1B's memory counts chunks in flight from `_get_warmup_ops` and treats
+every chunk as a middle chunk plus the first/last stage's extras once; zero-bubble schedules
+(`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`) are not modelled; the p2p time is added
+for the fill and drain only (steady-state sends overlap compute); the sharded strategies' figures under
+PP are not checked by a probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+
+from .model import ModelSpec, ParamGroup, TPRankSpec, _linear_weights
+
+from .config import PP_SCHEDULES  # noqa: F401  (re-exported)
+PP_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
+"""The data-parallel strategies `PipelineStage` works with: a plain module, DDP (`no_sync` until the
+last micro-batch, `backward_maybe_with_nosync`) with or without ZeroRedundancyOptimizer, and FSDP2
+(`FSDPModule`: `perform_reduce_grad` reduces once). FSDP1 modules get no such handling (stage.py)."""
+PP_VIRTUAL_STAGES = 2
+"""Stages per rank for interleaved-1f1b (torchtitan's default: 2 per rank for the looped schedules)."""
+
+
+def virtual_stages(schedule: str) -> int:
+    return PP_VIRTUAL_STAGES if schedule == "interleaved-1f1b" else 1
+
+
+def stage_layers(layers: int, stages: int, stage: int) -> int:
+    """Decoder layers of `stage` of `stages`: an even split, the first `layers % stages` one more."""
+    base, extra = divmod(layers, stages)
+    return base + (stage < extra)
+
+
+def in_flight(schedule: str, pp: int, M: int, rank: int) -> int:
+    """Micro-batches (chunks, interleaved) whose activations rank `rank` holds before its first backward.
+
+    gpipe: all M (`ScheduleGPipe._step_microbatches`); 1f1b: `warmup_chunks = min(M, p - stage)`
+    (`Schedule1F1B._step_microbatches`), and each later backward is preceded by one forward, so it
+    stays there; interleaved-1f1b: `_get_warmup_ops` (v - 1) * per_round + 2 (p - 1 - rank), capped at
+    M v, plus the forward that each 1F1B step runs before its backward (`_get_1f1b_rank_ops`)."""
+    if schedule == "gpipe":
+        return M
+    if schedule == "1f1b":
+        return min(M, pp - rank)
+    v = PP_VIRTUAL_STAGES
+    rounds = max(1, M // pp)
+    per_round = M // rounds
+    warm = min((v - 1) * per_round + 2 * (pp - 1 - rank), M * v)
+    return min(warm + 1, M * v)
+
+
+def bubble_fraction(schedule: str, pp: int, M: int) -> float:
+    """Idle time over compute time of one stage: (p - 1) / M (GPipe arXiv:1811.06965 §2.2; 1F1B,
+    Narayanan et al. 2021 arXiv:2104.04473 §2.2.1), divided by v for interleaved 1F1B (§2.2.2)."""
+    return (pp - 1) / (virtual_stages(schedule) * M)
+
+
+def check_pp(train, flag: str = "--pp") -> None:
+    """One-line ValueErrors for a pipeline configuration PyTorch would refuse or we do not model.
+    `flag`: "--pp" names the CLI's flags in the messages, "pp" the API's arguments."""
+    from .units import short_repr
+    cli = flag.startswith("--")
+    ga, mb, fw = ("--grad-accum", "--pp-microbatches", "--framework") if cli else (
+        "grad_accum", "pp_microbatches", "framework")
+    p, M, sched = train.pp, train.pp_microbatches, train.pp_schedule
+    L = train.model.layers
+    v = virtual_stages(sched)
+    if p * v > L:
+        raise ValueError(f"{flag}={p}: {p * v} stages ({sched}) need at least as many layers and the model "
+                         f"has {L}; accepted: {flag} <= {L // v}")
+    if train.model.tie_embeddings:
+        raise ValueError(f"{flag}={p} with a tied embedding ({train.model.name}): the first and last stages "
+                         f"would hold two copies; accepted: {flag}=1 for tied models")
+    if train.grad_accum != 1:
+        raise ValueError(f"{ga}={train.grad_accum} with {flag}={p}: the pipeline's micro-batches are the "
+                         f"accumulation; accepted: {ga} 1 and {mb} M")
+    if sched == "1f1b" and M < p:
+        raise ValueError(f"{mb}={short_repr(M)}: Schedule1F1B needs at least as many micro-batches as "
+                         f"stages ({p}); accepted: {mb} >= {p}")
+    if sched == "interleaved-1f1b":
+        rounds = max(1, M // p)
+        if M % rounds:
+            raise ValueError(f"{mb}={M}: ScheduleInterleaved1F1B needs a multiple of max(1, M // pp) = "
+                             f"{rounds}; accepted: e.g. {rounds * p}")
+    if train.framework != "pytorch":
+        raise ValueError(f"{flag}={p} with {fw}={train.framework}: pipeline parallelism is modelled for "
+                         f"torch.distributed.pipelining; accepted: {fw} pytorch")
+
+
+# -- one stage's parameters -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PPStageSpec(TPRankSpec):
+    """One pipeline stage of a (tensor-parallel rank's) model: `layers` is the stage's, the embedding
+    only on the first stage, the final norm and LM head only on the last. Widths stay the model's."""
+
+    pp_first: bool = True
+    pp_last: bool = True
+
+    def _build_units(self):
+        embed, block, head = TPRankSpec._build_units(self)
+        if not self.pp_first:
+            embed = ParamGroup("embed", ())
+        if not self.pp_last:
+            head = ParamGroup("head", ())
+        return embed, block, head
+
+    def _count_params(self) -> int:
+        embed, block, head = self.units()
+        return embed.numel + self.layers * block.numel + head.numel
+
+    def linear_weights(self) -> tuple[int, int]:
+        block, _ = _linear_weights(self)
+        return block, (-(-self.vocab // self.tp) * self.hidden if self.pp_last else 0)
+
+    def to_dict(self) -> dict:
+        d = TPRankSpec.to_dict(self)
+        d.pop("pp_first")
+        d.pop("pp_last")
+        return d
+
+
+@lru_cache(maxsize=1024)
+def stage_spec(spec: ModelSpec, tp: int, layers: int, first: bool, last: bool) -> PPStageSpec:
+    kw = {f.name: getattr(spec, f.name) for f in fields(ModelSpec)}
+    kw["layers"] = layers
+    return PPStageSpec(**kw, tp=tp, pp_first=first, pp_last=last)
+
+
+def stage_train(train, stage: int, *, time_view: bool = False):
+    """The TrainConfig of one stage: its `PPStageSpec`, pp = 1, grad_accum = M (the micro-batches are
+    the accumulation: DDP's `no_sync`, FSDP's `set_requires_gradient_sync(False)` until the last one).
+    `time_view`: the slowest stage for the time model: ceil(L/p) layers, the head and the embedding."""
+    p = train.pp
+    v = virtual_stages(train.pp_schedule)
+    m = train.model
+    if time_view:
+        spec = stage_spec(m, train.tp, -(-m.layers // p), True, True)
+    else:
+        layers = sum(stage_layers(m.layers, p * v, stage + k * p) for k in range(v))
+        spec = stage_spec(m, train.tp, layers, stage == 0, stage == p - 1)
+    return replace(train, model=spec, pp=1, pp_schedule="1f1b", pp_microbatches=1,
+                   grad_accum=train.pp_microbatches)
+
+
+def pp_cluster(train, cluster):
+    """The cluster one pipeline stage's data-parallel x tensor-parallel ranks see: gpus / pp GPUs, the
+    same nodes' links (torchtitan's mesh puts pp outermost, so a stage's dp x tp ranks are contiguous)."""
+    p = train.pp
+    g = cluster.local_size
+    gpus = cluster.gpus // p
+    return replace(cluster, gpus=gpus, gpus_per_node=min(g, gpus))
+
+
+# -- communication ----------------------------------------------------------------------------------
+
+def boundary_bytes(train, family: str = "ddp") -> int:
+    """Bytes of the tensor crossing a stage boundary for one micro-batch: the residual stream
+    (b, s, h) in its dtype (fp32 under fp32 and autocast; 16-bit for a 16-bit model and under FSDP2's
+    `MixedPrecisionPolicy(param_dtype)`), / tp with sequence parallelism (each TP rank sends its
+    sequence shard)."""
+    res = 4 if _res_dtype(train, family) == "float32" else 2
+    s = -(-train.seq_len // train.tp) if train.sequence_parallel else train.seq_len
+    return train.micro_batch * s * train.model.hidden * res
+
+
+def _res_dtype(train, family: str) -> str:
+    from .activations import regime_for
+    if regime_for(train, family) in ("fp32", "autocast"):
+        return "float32"
+    return "bfloat16" if train.precision in ("bf16", "bf16-mixed") else "float16"
+
+
+def p2p_counts(train, rank: int) -> tuple[int, int, int, int]:
+    """(activation sends, gradient sends, activation receives, gradient receives) of pipeline rank
+    `rank` per step: each of its stages j (j = rank + k p, k < v) sends its output forward unless it is
+    the last stage and its input's gradient backward unless it is the first, M times each
+    (`PipelineStage.get_fwd_send_ops` / `get_bwd_send_ops`; the receives mirror them)."""
+    p, M = train.pp, train.pp_microbatches
+    v = virtual_stages(train.pp_schedule)
+    S = p * v
+    stages = [rank + k * p for k in range(v)]
+    not_last = sum(j != S - 1 for j in stages)
+    not_first = sum(j != 0 for j in stages)
+    return M * not_last, M * not_first, M * not_first, M * not_last
+
+
+def pp_raw_schedule(train, family: str = "ddp") -> tuple:
+    """The pp group's point-to-point traffic of the busiest pipeline rank per optimizer step, as
+    (op, group, group_size, dtype, message_bytes, calls, phase, unit) tuples (`p2p_counts`); every
+    message is one micro-batch's boundary tensor (`boundary_bytes`)."""
+    msg = boundary_bytes(train, family)
+    dt = _res_dtype(train, family)
+    counts = max((p2p_counts(train, r) for r in range(train.pp)), key=sum)
+    af, gb, ar, gr = counts
+    out = [("send", "pp", train.pp, dt, msg, af, "forward", "pp_activation"),
+           ("recv", "pp", train.pp, dt, msg, ar, "forward", "pp_activation"),
+           ("send", "pp", train.pp, dt, msg, gb, "backward", "pp_gradient"),
+           ("recv", "pp", train.pp, dt, msg, gr, "backward", "pp_gradient")]
+    return tuple(c for c in out if c[5])
+
+
+# -- memory -----------------------------------------------------------------------------------------
+
+def stage_actions(schedule: str, pp: int, M: int, stage: int) -> list[tuple[str, int]]:
+    """('F' | 'B', micro-batch) in the order `Schedule1F1B` / `ScheduleGPipe` runs them on `stage`."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(M)] + [("B", i) for i in range(M)]
+    k = min(M, pp - stage)
+    out = [("F", i) for i in range(k)]
+    f = k
+    for b in range(M):
+        out.append(("B", b))
+        if f < M:
+            out.append(("F", f))
+            f += 1
+    return out
+
+
+def pp_memory(train, cluster, strategy, device: str = "cuda", backend: str = "nccl",
+              gpu_name: str | None = None):
+    """The most loaded pipeline stage's `MemoryEstimate` (every stage walked, `stage_memory`); its
+    notes say which stage it is."""
+    best = None
+    for stage in _stages_to_walk(train.pp):
+        est = stage_memory(train, cluster, strategy, stage, device, backend, gpu_name)
+        if best is None or est.peak_allocated > best.peak_allocated:
+            best = est
+    return best
+
+
+def _stages_to_walk(p: int) -> list[int]:
+    # the middle stages differ only in their in-flight count, which falls with the stage index
+    # (1F1B) or not at all (GPipe), and in their layer count (the first L mod p have one more):
+    # the first, the second, the first of the shorter ones and the last bound them
+    return sorted({0, 1, p - 2, p - 1} | set(range(min(p, 4))))
+
+
+def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", backend: str = "nccl",
+                 gpu_name: str | None = None):
+    """`memory.MemoryEstimate` of pipeline stage `stage` under `strategy` on the stage's dp ranks (see
+    the module docstring for what is walked)."""
+    from .activations import activations_in, regime_for, sp_tokens
+    from .memory import (CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, _block_backward_peak,
+                         _opt_state, layout, library_workspace_bytes)
+    from .strategies import get_strategy
+
+    st = get_strategy(strategy)
+    family = st.family
+    p, M, sched = train.pp, train.pp_microbatches, train.pp_schedule
+    v = virtual_stages(sched)
+    first, last = stage == 0, stage == p - 1
+    strain = stage_train(train, stage)
+    dpc = cluster
+    if train.tp > 1:
+        from .tp import tp_view
+        _, dpc = tp_view(train, cluster)
+    dpc = pp_cluster(train, dpc)
+    world = 1 if st.name == "single" else dpc.gpus
+    group = st.shard_group
+    shard = world if group == "world" else (min(world, dpc.local_size) if group == "node" else 1)
+    if st.name == "fsdp-no-shard":
+        shard = 1
+    m = strain.model
+    prec = train.prec
+    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
+    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
+    opt_elems, opt_extra = _opt_state(m, train.optimizer, family, shard)
+    opt = opt_elems * pb + int(opt_extra)
+    regime = regime_for(strain, family)
+    act = activations_in(strain, regime, device)
+    n = train.micro_batch * train.seq_len
+    h, vloc = m.hidden, -(-m.vocab // train.tp)
+    r = 4 if regime in ("fp32", "autocast") else 2
+    e = 4 if regime == "fp32" else 2
+    nh = sp_tokens(strain, n) * h * r  # the boundary tensor (one micro-batch)
+
+    # Static parts and the gradients once the first micro-batch's backward made them.
+    sharding = family in ("fsdp1", "fsdp2") and shard > 1 and st.shards_params
+    if family in ("fsdp1", "fsdp2"):
+        ud = cb if prec.mixed else pb
+        rb = 4 if prec.mixed else gb
+        unsharded = (lay.unshard_root + m.layers * lay.unshard_block)
+        params = lay.shard_total * pb
+        static_comm = unsharded * ud if sharding else (unsharded * cb if prec.mixed else 0)
+        wgrad_b = ud
+        g_full = unsharded * (rb if family == "fsdp2" else ud) if sharding else lay.total * gb
+        g_opt = lay.shard_total * (4 if prec.mixed else gb) if sharding else lay.total * gb
+        step_elems = lay.shard_total
+    else:
+        params = lay.total * pb
+        static_comm = 0 if family == "single" else lay.total * gb  # DDP's buckets
+        wgrad_b = gb
+        g_full = g_opt = lay.total * gb
+        step_elems = lay.opt_owned if family == "zero1" and shard > 1 else lay.total
+    if train.optimizer in ("adam", "adamw") and train.optimizer_impl == "foreach":
+        opt_tmp = step_elems * pb  # _multi_tensor_adam's exp_avg_sq_sqrt
+    elif train.optimizer in ("adam", "adamw") and train.optimizer_impl == "for-loop" or train.optimizer == "adafactor":
+        opt_tmp = 2 * lay.largest_param * pb
+    else:
+        opt_tmp = 0
+
+    # One micro-batch's saved activations on this stage.
+    a_mb = act.blocks_total
+    if not first:
+        a_mb -= nh  # the first block's input is the receive buffer
+    if last:
+        a_mb += (act.outside - act.inputs) + act.loss_saved + n * vloc * e  # final norm, head input, logits kept
+    weight_cache = act.weight_cache  # autocast's casts: one copy, not per micro-batch
+    batch_ids = (M * n * 8 if first else 0) + (M * n * 8 if last else 0)  # token ids / targets, whole batch
+    persistent = (0 if first else M * v * nh) + (0 if last else M * v * nh)  # receive buffers
+    freed, blk_tmp, wg = _block_backward_peak(strain, regime, n, device)
+    f_cols = m.ffn_hidden // train.tp
+    wdown_tmp = n * f_cols * e + wg * wgrad_b  # w_down's input gradient and weight gradient
+
+    best = [-1, "", None]
+
+    def snap(phase, activations=0, grads=0, comm=0, temps=0):
+        total = activations + grads + comm + temps
+        if total > best[0]:
+            best[:] = total, phase, (activations, grads, comm, temps)
+
+    if v == 1:
+        k = in_flight(sched, p, M, stage)
+        f = b = 0
+        for kind, mb in stage_actions(sched, p, M, stage):
+            if kind == "F":
+                f += 1
+                continue
+            inflight = f - b
+            if sched == "gpipe":
+                held_out, held_grad = (0 if last else f), (0 if first else b)
+            else:
+                held_out = 0 if last else inflight + (1 if k >= 2 and b > k - 2 else 0)
+                held_grad = 0 if first else min(b, 1)
+            comm = persistent + (held_out + held_grad) * nh
+            acts = inflight * a_mb + weight_cache
+            if last:  # the loss's backward: nll_loss_backward's dense gradient and log_softmax_backward's
+                snap("backward", acts, g_full if b else 0, comm, batch_ids + 2 * n * vloc * 4)
+            else:  # the last block's MLP backward (the incoming gradient is the receive buffer)
+                snap("backward", acts, g_full if b else 0, comm, batch_ids + wdown_tmp)
+                snap("backward", acts - freed, g_full if b else wg * wgrad_b, comm, batch_ids + blk_tmp - nh - (freed if b else 0))
+            b += 1
+    else:
+        chunks = in_flight(sched, p, M, stage)
+        acts = chunks * a_mb // v + weight_cache
+        comm = persistent + (0 if last else chunks) * nh // 1 + (0 if first else nh)
+        snap("backward", acts, g_full, comm, batch_ids + max(wdown_tmp, blk_tmp - nh - freed))
+    snap("optimizer", 0, g_opt, persistent, batch_ids + opt_tmp)
+
+    _, phase, (a, g, c, t) = best
+    comps = {"params": int(params), "grads": int(g), "optimizer": int(opt), "activations": int(a),
+             "comm_buffers": int(static_comm + c), "temporaries": int(t)}
+    workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
+    peak = sum(comps.values()) + workspace
+    reserved = int(0.10 * peak)
+    groups = 1 + (world > 1) + (train.tp > 1)  # pp, dp, tp communicators
+    overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
+    notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
+             + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
+             + f"; {sched}, {M} micro-batches) is the most loaded"]
+    if family != "single" and world > 1 and family != "ddp":
+        notes.append("pipeline parallelism with a sharded data-parallel strategy: unsharded parameters and "
+                     "accumulated gradients through the step (not validated by a probe)")
+    return MemoryEstimate(st.name, comps, peak, phase, reserved, overhead, cluster.gpu_memory_bytes,
+                          peak + reserved + overhead <= cluster.gpu_memory_bytes, notes, workspace)

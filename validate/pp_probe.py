@@ -1,0 +1,195 @@
+"""Pipeline-parallel probe: the reference decoder split into stages, run by `torch.distributed.pipelining`.
+
+    torchrun --nproc-per-node=PP -m distplan.validate.pp_probe --spec SPEC.json --out RESULT.json
+
+Spec: {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "optimizer", "optimizer_impl"},
+"pp": stages (= processes), "schedule": "gpipe" | "1f1b", "microbatches": M, "steps", "warmup_steps"}.
+fp32 on the CPU (gloo), one stage per rank, no data parallelism (dp = 1).
+
+Each rank builds only its stage, as torchtitan's `pipeline_llm` leaves a stage after deleting the other
+stages' modules: the decoder layers split evenly (the first `L mod pp` stages one more), the token
+embedding on the first stage, the final norm and the LM head on the last; every stage computes its
+RoPE tables in its own forward (the reference decoder's `rope_tables`). The loss is the reference
+decoder's (cross-entropy over fp32 logits) as the schedule's `loss_fn`; `step(...,
+return_outputs=False)` as torchtitan calls it. `PipelineStage` without example inputs (shapes inferred
+from the first micro-batch, in the warm-up step).
+
+Measured per rank, with `validate.measure.Tracker` (live storage bytes; the phase is set around each
+`forward_one_chunk` / `backward_one_chunk` the schedule runs, so the interleaving of 1F1B is followed):
+the peak of the measured steps and its components, and the point-to-point sends and receives
+(c10d `send` / `recv_`) per step. Rank 0 gathers every rank's figures and writes the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def stage_layers(layers: int, pp: int, stage: int) -> range:
+    """The decoder layers of `stage`: an even split, the first `layers % pp` stages one layer more."""
+    base, extra = divmod(layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def build_stage(spec, stage: int, pp: int, attention: str = "sdpa"):
+    import torch
+    from torch import nn
+
+    from .model import Block, Norm, rope_tables
+
+    class Stage(nn.Module):
+        """One pipeline stage of the reference decoder (`validate.model.Decoder`), same names."""
+
+        def __init__(self):
+            super().__init__()
+            self.first, self.last = stage == 0, stage == pp - 1
+            if self.first:
+                self.tok_embeddings = nn.Embedding(spec.vocab, spec.hidden)
+                if spec.position == "learned":
+                    self.pos_embeddings = nn.Embedding(spec.max_positions, spec.hidden)
+            self.layers = nn.ModuleDict({str(i): Block(spec, attention) for i in stage_layers(spec.layers, pp, stage)})
+            if self.last:
+                self.norm = Norm(spec.hidden, spec.norm)
+                self.output = nn.Linear(spec.hidden, spec.vocab, bias=False)
+
+        def forward(self, x):
+            if self.first:
+                S = x.shape[1]
+                x = self.tok_embeddings(x)  # (B, S, h)
+                if spec.position == "learned":
+                    x = x + self.pos_embeddings(torch.arange(S, device=x.device))
+            S = x.shape[1]
+            cos = sin = None
+            if spec.position == "rope":
+                cos, sin = rope_tables(S, spec.head_dim, device=x.device)
+            for block in self.layers.values():
+                x = block(x, cos, sin)
+            if self.last:
+                x = self.output(self.norm(x))  # (B, S, V) logits
+            return x
+
+    return Stage()
+
+
+def loss_fn(logits, targets):
+    """The reference decoder's loss (cross-entropy over fp32 logits)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def run(spec: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from distplan.planner.model import ModelSpec
+
+    from .measure import Tracker
+    from .wrap import make_optimizer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pp = int(spec["pp"])
+    if world != pp:
+        raise ValueError(f"world size {world} != pp {pp} (one stage per process, dp = 1)")
+    mspec = ModelSpec(**spec["model"])
+    train = spec["train"]
+    M = int(spec["microbatches"])
+    b, s = int(train["micro_batch"]), int(train["seq_len"])
+    device = torch.device("cpu")
+    tracker = Tracker(settle_waits=True)
+    with tracker:
+        torch.manual_seed(int(spec.get("seed", 0)) + rank)
+        model = build_stage(mspec, rank, pp, train.get("attention", "sdpa"))
+        opt = make_optimizer(model.parameters(), train)
+        stage = PipelineStage(model, rank, pp, device)
+        sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
+        schedule = sched_cls(stage, n_microbatches=M, loss_fn=loss_fn)
+        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def forward_one_chunk(*a, **k):
+            tracker.phase = "forward"
+            return fwd(*a, **k)
+
+        def backward_one_chunk(*a, **k):
+            tracker.phase = "backward"
+            return bwd(*a, **k)
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+        def roles() -> dict:
+            from .measure import storage_key
+            out = {}
+            for p in model.parameters():
+                out.setdefault(storage_key(p), "params")
+                if p.grad is not None:
+                    out.setdefault(storage_key(p.grad), "grads")
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        out.setdefault(storage_key(v), "optimizer")
+            return out
+
+        tracker.roles = roles
+        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000)
+        tokens = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
+        targets = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
+        if rank != 0:
+            tokens = None
+        if rank != pp - 1:
+            targets = None
+
+        def step():
+            tracker.phase = "forward"
+            args = (tokens,) if rank == 0 else ()
+            kw = {"target": targets, "losses": []} if rank == pp - 1 else {}
+            schedule.step(*args, return_outputs=False, **kw)
+            tracker.phase = "optimizer"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tracker.phase = "idle"
+
+        for _ in range(int(spec.get("warmup_steps", 1))):
+            step()
+        steps = int(spec.get("steps", 1))
+        tracker.reset_peak()
+        tracker.counting = True
+        for _ in range(steps):
+            step()
+        tracker.counting = False
+    mine = {"rank": rank, "peak_bytes": tracker.peak_bytes, "peak_phase": tracker.peak_phase,
+            "components": tracker.components(), "p2p": tracker.collective_list(steps),
+            "params": sum(p.numel() for p in model.parameters())}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    dist.destroy_process_group()
+    return {"id": spec.get("id"), "status": "ok", "mode": "cpu", "world_size": world, "pp": pp,
+            "schedule": spec["schedule"], "microbatches": M, "ranks": gathered}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m distplan.validate.pp_probe")
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    with open(a.spec) as f:
+        spec = json.load(f)
+    from .probe import write_json
+    try:
+        result = run(spec)
+    except Exception as e:  # one line in the result, as the other probes
+        from .probe import _one_line
+        write_json(a.out, {"id": spec.get("id"), "status": "error", "error": _one_line(e)}, clobber=False)
+        raise
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_json(a.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
