@@ -193,3 +193,50 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# -- launching and predicting (the caller's side) -----------------------------------------------------
+
+def probe_cmd(pp: int) -> list[str]:
+    """torchrun with one process per stage on this machine (`runner.local_rendezvous`)."""
+    from .runner import local_rendezvous
+    return [sys.executable, "-m", "torch.distributed.run", *local_rendezvous(), f"--nproc-per-node={pp}",
+            "-m", "distplan.validate.pp_probe"]
+
+
+def run_pp_probe(spec: dict, timeout_s: float = 300.0) -> dict:
+    """Run `spec` under the probe guard (`runner.run_probe`): gloo, `spec["pp"]` processes."""
+    from .runner import run_probe
+    spec = dict(spec, mode="cpu", world_size=int(spec["pp"]))
+    return run_probe(spec, probe_cmd(int(spec["pp"])), timeout_s=timeout_s)
+
+
+def train_config(spec: dict):
+    """The planner's TrainConfig for a probe spec (fp32, the probe's optimizer)."""
+    from distplan.planner.config import TrainConfig
+    from distplan.planner.model import ModelSpec
+    t = spec["train"]
+    return TrainConfig(ModelSpec(**spec["model"]), seq_len=int(t["seq_len"]), micro_batch=int(t["micro_batch"]),
+                       precision="fp32", optimizer=t.get("optimizer", "adamw"),
+                       optimizer_impl=t.get("optimizer_impl", "foreach"), attention=t.get("attention", "sdpa"),
+                       pp=int(spec["pp"]), pp_schedule=spec["schedule"],
+                       pp_microbatches=int(spec["microbatches"]))
+
+
+def predict(spec: dict) -> list[dict]:
+    """Per rank: the planner's stage walk (`planner.pp.stage_memory`, strategy single on dp = 1, CPU,
+    gloo) and its point-to-point traffic (`planner.pp.p2p_counts`, `boundary_bytes`)."""
+    from distplan.planner.config import Cluster
+    from distplan.planner.pp import boundary_bytes, p2p_counts, stage_memory
+    train = train_config(spec)
+    cluster = Cluster(gpus=train.pp, gpus_per_node=train.pp)
+    out = []
+    for rank in range(train.pp):
+        est = stage_memory(train, cluster, "single", rank, device="cpu", backend="gloo")
+        af, gb, ar, gr = p2p_counts(train, rank)
+        msg = boundary_bytes(train, "single")
+        p2p = [{"op": op, "group_size": train.pp, "dtype": "float32", "message_bytes": msg, "calls": n}
+               for op, n in (("recv", ar + gr), ("send", af + gb)) if n]
+        out.append({"rank": rank, "peak_bytes": est.peak_allocated, "components": est.components, "p2p": p2p,
+                    "peak_phase": est.peak_phase})
+    return out

@@ -1,0 +1,52 @@
+"""Pipeline-parallel probes on gloo (issue 13): the reference decoder split into stages and run by
+`torch.distributed.pipelining` (validate/pp_probe.py), one process per stage, against the planner's
+stage walk (planner/pp.py). Each probe takes 10-30 s on 2 cores, so they are slow-marked.
+
+What is asserted per rank: the peak of live tensor bytes within 5% of the prediction (the issue's
+tolerance; measured: within 0.001%), every component within 4 KiB (what the walk leaves out are
+scalars: AdamW's per-parameter `step` tensors and the schedule's per-micro-batch loss values, a few
+hundred bytes), and the point-to-point sends and receives exact (calls, bytes, dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from distplan.planner.memory import COMPONENTS  # noqa: E402
+from distplan.validate.pp_probe import predict, run_pp_probe  # noqa: E402
+
+LLAMA_8L = {"name": "pp-llama-8l", "layers": 8, "hidden": 128, "heads": 4, "kv_heads": 2, "ffn_hidden": 352,
+            "vocab": 1024}
+# an uneven split (10 layers over 4 stages: 3, 3, 2, 2), GELU MLP, LayerNorm, MHA
+GELU_10L = {"name": "pp-gelu-10l", "layers": 10, "hidden": 96, "heads": 4, "kv_heads": 4, "ffn_hidden": 384,
+            "vocab": 768, "mlp": "gelu", "norm": "layernorm"}
+
+CASES = [
+    ("llama8-pp2-1f1b-m4", LLAMA_8L, 2, "1f1b", 4),
+    ("llama8-pp2-gpipe-m4", LLAMA_8L, 2, "gpipe", 4),
+    ("llama8-pp2-1f1b-m2", LLAMA_8L, 2, "1f1b", 2),
+    ("gelu10-pp4-1f1b-m6", GELU_10L, 4, "1f1b", 6),
+    ("gelu10-pp4-gpipe-m5", GELU_10L, 4, "gpipe", 5),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, model, pp, sched, M", CASES, ids=[c[0] for c in CASES])
+def test_pp_probe_matches_stage_walk(name, model, pp, sched, M):
+    spec = {"id": name, "model": model, "train": {"seq_len": 64, "micro_batch": 2}, "pp": pp,
+            "schedule": sched, "microbatches": M, "steps": 1, "warmup_steps": 1}
+    result = run_pp_probe(spec)
+    assert result["status"] == "ok", result
+    predicted = predict(spec)
+    assert len(result["ranks"]) == pp
+    for meas, pred in zip(result["ranks"], predicted):
+        err = (pred["peak_bytes"] - meas["peak_bytes"]) / meas["peak_bytes"]
+        detail = f"rank {meas['rank']}: predicted {pred['peak_bytes']:,} measured {meas['peak_bytes']:,} ({err:+.4%})"
+        assert abs(err) < 0.05, detail
+        for k in COMPONENTS:
+            assert abs(pred["components"][k] - meas["components"][k]) <= 4096, (
+                f"{detail}; {k}: predicted {pred['components'][k]:,} measured {meas['components'][k]:,}")
+        assert pred["peak_phase"] == meas["peak_phase"], detail
+        assert sorted(meas["p2p"], key=lambda c: c["op"]) == sorted(pred["p2p"], key=lambda c: c["op"]), detail
