@@ -468,6 +468,7 @@ class _PPCheck:
     pp: int
     pp_schedule: str
     pp_microbatches: int
+    cpu_offload: str
 
 
 def plan(model: str | ModelSpec | None = None, *, params: str | int | float | None = None,
@@ -563,7 +564,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                              + ", ".join(str(d) for d in range(1, cluster.gpus // tp + 1)
                                          if (cluster.gpus // tp) % d == 0 and d <= spec.layers))
         from .pp import check_pp
-        check_pp(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches), "--pp")
+        check_pp(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches, cpu_offload), "--pp")
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,

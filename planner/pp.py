@@ -135,6 +135,10 @@ def check_pp(train, flag: str = "--pp") -> None:
     if train.framework != "pytorch":
         raise ValueError(f"{flag}={p} with {fw}={train.framework}: pipeline parallelism is modelled for "
                          f"torch.distributed.pipelining; accepted: {fw} pytorch")
+    if train.cpu_offload != "none":
+        off = "--cpu-offload" if cli else "cpu_offload"
+        raise ValueError(f"{off}={train.cpu_offload} with {flag}={p}: offload is not modelled with pipeline "
+                         f"stages; accepted: {off} none")
 
 
 # -- one stage's parameters -------------------------------------------------------------------------
@@ -357,11 +361,34 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     if last:
         a_mb += (act.outside - act.inputs) + act.loss_saved + n * vloc * e  # final norm, head input, logits kept
     weight_cache = act.weight_cache  # autocast's casts: one copy, not per micro-batch
+    head_keep = n * vloc * e if last else 0  # the logits, kept in fwd_cache through their backward
+    blocks_part = act.blocks_total - (0 if first else nh)
+    # the first layer's saved tensors with the tables every layer shares (RoPE's), freed with it; its
+    # input is the receive buffer on a non-first stage
+    if train.checkpointing == "none":
+        kept_block = act.per_block
+    elif train.checkpointing == "full":
+        kept_block = nh  # a checkpointed block keeps its input
+    else:
+        from .activations import _selective_block_saved
+        kept_block = _selective_block_saved(strain, regime) + nh
+    block0_part = max(0, act.blocks_total - (m.layers - 1) * kept_block - (0 if first else nh))
+    block_elems = m.units()[1].numel
+    head_g = m.units()[2].numel * wgrad_b if last else 0
+    t_in = nh if last else 0  # the last layer's incoming gradient, when it is a new tensor
     batch_ids = (M * n * 8 if first else 0) + (M * n * 8 if last else 0)  # token ids / targets, whole batch
     persistent = (0 if first else M * v * nh) + (0 if last else M * v * nh)  # receive buffers
     freed, blk_tmp, wg = _block_backward_peak(strain, regime, n, device)
     f_cols = m.ffn_hidden // train.tp
     wdown_tmp = n * f_cols * e + wg * wgrad_b  # w_down's input gradient and weight gradient
+    if train.checkpointing != "none":
+        # the block is recomputed inside its backward (as memory.estimate_memory): what it rebuilds is
+        # a temporary, and the tensor the MLP backward frees is one of those
+        # (its input is the saved one, already counted: not rebuilt)
+        rebuilt = act.recompute_block - nh
+        blk_tmp += rebuilt - freed
+        wdown_tmp += rebuilt
+        freed = 0
 
     best = [-1, "", None]
 
@@ -384,12 +411,25 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
                 held_out = 0 if last else inflight + (1 if k >= 2 and b > k - 2 else 0)
                 held_grad = 0 if first else min(b, 1)
             comm = persistent + (held_out + held_grad) * nh
-            acts = inflight * a_mb + weight_cache
+            others = (inflight - 1) * a_mb + weight_cache  # the other micro-batches in flight
             if last:  # the loss's backward: nll_loss_backward's dense gradient and log_softmax_backward's
-                snap("backward", acts, g_full if b else 0, comm, batch_ids + 2 * n * vloc * 4)
-            else:  # the last block's MLP backward (the incoming gradient is the receive buffer)
-                snap("backward", acts, g_full if b else 0, comm, batch_ids + wdown_tmp)
-                snap("backward", acts - freed, g_full if b else wg * wgrad_b, comm, batch_ids + blk_tmp - nh - (freed if b else 0))
+                snap("backward", others + a_mb, g_full if b else 0, comm, batch_ids + 2 * n * vloc * 4)
+            # The stage's last layer, MLP backward: at w_down (its input and weight gradients: the
+            # weight gradient becomes .grad on the first micro-batch, is added into it after), then at
+            # the product's backward (the gate and up gradients beside the product's, `prod` freed).
+            # Its incoming gradient is the receive buffer, except on the last stage (the norm's).
+            acts = others + blocks_part + head_keep
+            g = g_full if b else head_g
+            snap("backward", acts, g, comm, batch_ids + wdown_tmp + t_in)
+            snap("backward", acts - freed, g if b else g + wg * wgrad_b, comm, batch_ids + blk_tmp - nh + t_in)
+            if b == 0 and m.layers > 1:
+                # The stage's first layer on the first micro-batch: every gradient but most of this
+                # block's, this micro-batch's other blocks freed (later micro-batches: fewer bytes than
+                # the last layer's instants, the gradients being whole there).
+                acts0 = others + block0_part + head_keep
+                g0 = g_full - (block_elems - wg) * wgrad_b
+                snap("backward", acts0, g0 - wg * wgrad_b, comm, batch_ids + wdown_tmp + nh)
+                snap("backward", acts0 - freed, g0, comm, batch_ids + blk_tmp)
             b += 1
     else:
         chunks = in_flight(sched, p, M, stage)

@@ -23,20 +23,30 @@ LLAMA_8L = {"name": "pp-llama-8l", "layers": 8, "hidden": 128, "heads": 4, "kv_h
 GELU_10L = {"name": "pp-gelu-10l", "layers": 10, "hidden": 96, "heads": 4, "kv_heads": 4, "ffn_hidden": 384,
             "vocab": 768, "mlp": "gelu", "norm": "layernorm"}
 
+# (id, model, stages, schedule, micro-batches, checkpointing); 2 x 80 tokens per micro-batch, so that
+# the tokens (160) differ from the width (128, 96) and a weight gradient (h x f) from an activation
+# gradient (n x f)
 CASES = [
-    ("llama8-pp2-1f1b-m4", LLAMA_8L, 2, "1f1b", 4),
-    ("llama8-pp2-gpipe-m4", LLAMA_8L, 2, "gpipe", 4),
-    ("llama8-pp2-1f1b-m2", LLAMA_8L, 2, "1f1b", 2),
-    ("gelu10-pp4-1f1b-m6", GELU_10L, 4, "1f1b", 6),
-    ("gelu10-pp4-gpipe-m5", GELU_10L, 4, "gpipe", 5),
+    ("llama8-pp2-1f1b-m4", LLAMA_8L, 2, "1f1b", 4, "none"),
+    ("llama8-pp2-gpipe-m4", LLAMA_8L, 2, "gpipe", 4, "none"),
+    ("llama8-pp2-1f1b-m2", LLAMA_8L, 2, "1f1b", 2, "none"),
+    ("llama8-pp2-gpipe-m4-full", LLAMA_8L, 2, "gpipe", 4, "full"),
+    ("gelu10-pp4-1f1b-m6", GELU_10L, 4, "1f1b", 6, "none"),
+    ("gelu10-pp4-gpipe-m5", GELU_10L, 4, "gpipe", 5, "none"),
+    ("gelu10-pp4-1f1b-m5-full", GELU_10L, 4, "1f1b", 5, "full"),
 ]
 
 
+def spec_of(name, model, pp, sched, M, ckpt) -> dict:
+    return {"id": name, "model": model, "train": {"seq_len": 80, "micro_batch": 2, "checkpointing": ckpt},
+            "pp": pp, "schedule": sched, "microbatches": M, "steps": 1, "warmup_steps": 1}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name, model, pp, sched, M", CASES, ids=[c[0] for c in CASES])
-def test_pp_probe_matches_stage_walk(name, model, pp, sched, M):
-    spec = {"id": name, "model": model, "train": {"seq_len": 64, "micro_batch": 2}, "pp": pp,
-            "schedule": sched, "microbatches": M, "steps": 1, "warmup_steps": 1}
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_pp_probe_matches_stage_walk(case):
+    spec = spec_of(*case)
+    pp = spec["pp"]
     result = run_pp_probe(spec)
     assert result["status"] == "ok", result
     predicted = predict(spec)

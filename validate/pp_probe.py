@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node=PP -m distplan.validate.pp_probe --spec SPEC.json --out RESULT.json
 
-Spec: {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "optimizer", "optimizer_impl"},
+Spec: {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "optimizer", "optimizer_impl",
+"checkpointing" (none, or full: non-reentrant `torch.utils.checkpoint` per block)},
 "pp": stages (= processes), "schedule": "gpipe" | "1f1b", "microbatches": M, "steps", "warmup_steps"}.
 fp32 on the CPU (gloo), one stage per rank, no data parallelism (dp = 1).
 
@@ -35,9 +36,10 @@ def stage_layers(layers: int, pp: int, stage: int) -> range:
     return range(start, start + base + (stage < extra))
 
 
-def build_stage(spec, stage: int, pp: int, attention: str = "sdpa"):
+def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointing: str = "none"):
     import torch
     from torch import nn
+    from torch.utils.checkpoint import checkpoint
 
     from .model import Block, Norm, rope_tables
 
@@ -67,7 +69,10 @@ def build_stage(spec, stage: int, pp: int, attention: str = "sdpa"):
             if spec.position == "rope":
                 cos, sin = rope_tables(S, spec.head_dim, device=x.device)
             for block in self.layers.values():
-                x = block(x, cos, sin)
+                if checkpointing == "full":  # the reference decoder's: non-reentrant, per block
+                    x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                else:
+                    x = block(x, cos, sin)
             if self.last:
                 x = self.output(self.norm(x))  # (B, S, V) logits
             return x
@@ -105,7 +110,7 @@ def run(spec: dict) -> dict:
     tracker = Tracker(settle_waits=True)
     with tracker:
         torch.manual_seed(int(spec.get("seed", 0)) + rank)
-        model = build_stage(mspec, rank, pp, train.get("attention", "sdpa"))
+        model = build_stage(mspec, rank, pp, train.get("attention", "sdpa"), train.get("checkpointing", "none"))
         opt = make_optimizer(model.parameters(), train)
         stage = PipelineStage(model, rank, pp, device)
         sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
@@ -162,9 +167,12 @@ def run(spec: dict) -> dict:
         for _ in range(steps):
             step()
         tracker.counting = False
+    if os.environ.get("DISTPLAN_PP_DEBUG"):  # what is live at the peak, unclassified storages by op
+        tracker.components()
+        spec["_debug_" + str(rank)] = sorted([(n, ph, op) for _, n, ph, op in tracker._snapshot[1]], reverse=True)[:40]
     mine = {"rank": rank, "peak_bytes": tracker.peak_bytes, "peak_phase": tracker.peak_phase,
             "components": tracker.components(), "p2p": tracker.collective_list(steps),
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()), "debug": spec.get("_debug_" + str(rank))}
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     dist.destroy_process_group()
@@ -219,6 +227,7 @@ def train_config(spec: dict):
     return TrainConfig(ModelSpec(**spec["model"]), seq_len=int(t["seq_len"]), micro_batch=int(t["micro_batch"]),
                        precision="fp32", optimizer=t.get("optimizer", "adamw"),
                        optimizer_impl=t.get("optimizer_impl", "foreach"), attention=t.get("attention", "sdpa"),
+                       checkpointing=t.get("checkpointing", "none"),
                        pp=int(spec["pp"]), pp_schedule=spec["schedule"],
                        pp_microbatches=int(spec["microbatches"]))
 
