@@ -5,10 +5,12 @@
 (`schedule.step` splits the batch; `grad_accum` must stay 1). The data-parallel strategies run over
 dp = gpus / (tp * p) ranks on one stage's parameters; tensor parallelism splits each stage as before.
 
-Stages (`stage_layers`): the decoder layers split evenly, the first `L mod p` stages one more (the
-split torchtitan's `pipeline_module_split` makes of the layer list when the embedding and the head
-are not counted as layers); the first stage also holds the token embedding, the last the final norm,
-the LM head and the loss. Tied embeddings are refused (the two ends would hold two copies).
+Stages (`stage_layers`): the decoder layers split evenly, the first `L mod p` stages one more; the
+first stage also holds the token embedding, the last the final norm, the LM head and the loss (the
+stages `validate/pp_probe.py` builds, deleting the other stages' modules as torchtitan's manual split
+does). Tied embeddings are refused (the two ends would hold two copies). Not modelled: a split that
+counts the embedding and the head as layers (torchtitan's `generate_llm_fqn_per_model_part` has
+`input_weight` / `output_weight` for that).
 
 Memory per stage (`stage_memory`, the per-GPU figure is the largest stage), for one step after a
 warm-up step, walking the stage's actions in the order the schedule issues them
@@ -454,3 +456,25 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
                      "accumulated gradients through the step (not validated by a probe)")
     return MemoryEstimate(st.name, comps, peak, phase, reserved, overhead, cluster.gpu_memory_bytes,
                           peak + reserved + overhead <= cluster.gpu_memory_bytes, notes, workspace)
+
+
+def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
+    """The data-parallel collectives of pipeline stage `stage` per optimizer step (`Collective`s, group
+    'dp'): the strategy's schedule over the stage's dp ranks for the stage's parameters, its M
+    micro-batches accumulated (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)` until the
+    last one, as `PipelineStage.backward_maybe_with_nosync` runs them)."""
+    from .comm import _schedule_key, _timed_schedule, DDP_BUCKET_CAP_MB, FSDP2_ROOT_RESHARD_EXPLICIT
+    from .strategies import get_strategy
+    s = get_strategy(strategy)
+    dpc = cluster
+    if train.tp > 1:
+        from .tp import tp_view
+        dpc = tp_view(train, cluster)[1]
+    dpc = pp_cluster(train, dpc)
+    if s.family == "single" or dpc.gpus == 1:
+        return []
+    view = stage_train(train, stage)
+    key = _schedule_key(view, s.name, dpc.gpus, dpc.local_size, dpc.nodes, DDP_BUCKET_CAP_MB,
+                        FSDP2_ROOT_RESHARD_EXPLICIT)
+    return [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
+

@@ -127,10 +127,11 @@ def _smallest_change(plan):
             if any(estimate_memory(t, cluster, n).fits for n in names):
                 extra = "about 1/3 more compute" if mode == "full" else "recomputes norms and activations"
                 return (f"--activation-checkpointing {mode} ({extra})", t, cluster)
-    t = replace(train, cpu_offload="params", checkpointing="full")
-    for n in sharded:
-        if estimate_memory(t, cluster, n).fits:
-            return ("--cpu-offload params --activation-checkpointing full (slow: bound by PCIe)", t, cluster)
+    if train.pp == 1:  # offload is not modelled with pipeline stages
+        t = replace(train, cpu_offload="params", checkpointing="full")
+        for n in sharded:
+            if estimate_memory(t, cluster, n).fits:
+                return ("--cpu-offload params --activation-checkpointing full (slow: bound by PCIe)", t, cluster)
     if train.pp > 1 or train.tp > 1:
         # The mesh: sequence parallelism (TP's norms and checkpointed block inputs split by tp), more
         # pipeline stages on the same GPUs (fewer layers, so fewer parameters per stage; 1F1B keeps at

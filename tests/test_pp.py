@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 from distplan.planner import plan
 from distplan.planner.cli import main
-from distplan.planner.compute import step_time
 from distplan.planner.config import Cluster, TrainConfig
 from distplan.planner.memory import COMPONENTS, estimate_memory
 from distplan.planner.model import ModelSpec, tp_rank_spec

@@ -4,15 +4,19 @@
 
 Spec: {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "optimizer", "optimizer_impl",
 "checkpointing" (none, or full: non-reentrant `torch.utils.checkpoint` per block)},
-"pp": stages (= processes), "schedule": "gpipe" | "1f1b", "microbatches": M, "steps", "warmup_steps"}.
-fp32 on the CPU (gloo), one stage per rank, no data parallelism (dp = 1).
+"pp": stages, "dp": replicas (default 1), "strategy": "single" (dp 1) | "ddp", "schedule": "gpipe" | "1f1b",
+"microbatches": M, "steps", "warmup_steps"}. fp32 on the CPU (gloo), pp x dp processes on the mesh
+(pp, dp), pp outermost as torchtitan lays it out (rank = stage x dp + replica); with ddp each stage is
+wrapped in `DistributedDataParallel` over its dp group, and `PipelineStage` (over the pp group) runs it
+under `no_sync` until the last micro-batch.
 
-Each rank builds only its stage, as torchtitan's `pipeline_llm` leaves a stage after deleting the other
-stages' modules: the decoder layers split evenly (the first `L mod pp` stages one more), the token
+Each rank builds only its stage (torchtitan's manual split deletes the other stages' modules from a copy
+of the model: the embedding off all but the first, norm and output off all but the last): the decoder
+layers split evenly (the first `L mod pp` stages one more), the token
 embedding on the first stage, the final norm and the LM head on the last; every stage computes its
 RoPE tables in its own forward (the reference decoder's `rope_tables`). The loss is the reference
 decoder's (cross-entropy over fp32 logits) as the schedule's `loss_fn`; `step(...,
-return_outputs=False)` as torchtitan calls it. `PipelineStage` without example inputs (shapes inferred
+return_outputs=False)` (the last stage's outputs are not merged for the caller). `PipelineStage` without example inputs (shapes inferred
 from the first micro-batch, in the warm-up step).
 
 Measured per rank, with `validate.measure.Tracker` (live storage bytes; the phase is set around each
@@ -99,9 +103,23 @@ def run(spec: dict) -> dict:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    pp = int(spec["pp"])
-    if world != pp:
-        raise ValueError(f"world size {world} != pp {pp} (one stage per process, dp = 1)")
+    pp, dp = int(spec["pp"]), int(spec.get("dp", 1))
+    strategy = spec.get("strategy", "single")
+    if world != pp * dp:
+        raise ValueError(f"world size {world} != pp {pp} x dp {dp}")
+    if strategy not in ("single", "ddp") or (strategy == "single") != (dp == 1):
+        raise ValueError(f"strategy={strategy!r} with dp={dp}: the probe runs single (dp 1) or ddp (dp > 1)")
+    # the mesh (pp, dp), pp outermost as torchtitan lays it out: rank = stage * dp + replica
+    stage_idx, replica = divmod(rank, dp)
+    pp_group = dp_group = None
+    for d in range(dp):
+        g = dist.new_group([s * dp + d for s in range(pp)])
+        if d == replica:
+            pp_group = g
+    for s_ in range(pp):
+        g = dist.new_group([s_ * dp + d for d in range(dp)])
+        if s_ == stage_idx:
+            dp_group = g
     mspec = ModelSpec(**spec["model"])
     train = spec["train"]
     M = int(spec["microbatches"])
@@ -109,10 +127,14 @@ def run(spec: dict) -> dict:
     device = torch.device("cpu")
     tracker = Tracker(settle_waits=True)
     with tracker:
-        torch.manual_seed(int(spec.get("seed", 0)) + rank)
-        model = build_stage(mspec, rank, pp, train.get("attention", "sdpa"), train.get("checkpointing", "none"))
+        torch.manual_seed(int(spec.get("seed", 0)) + stage_idx)
+        model = build_stage(mspec, stage_idx, pp, train.get("attention", "sdpa"),
+                            train.get("checkpointing", "none"))
+        if strategy == "ddp":  # PipelineStage runs it under no_sync until the last micro-batch
+            from torch.nn.parallel import DistributedDataParallel
+            model = DistributedDataParallel(model, process_group=dp_group)
         opt = make_optimizer(model.parameters(), train)
-        stage = PipelineStage(model, rank, pp, device)
+        stage = PipelineStage(model, stage_idx, pp, device, group=pp_group)
         sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
         schedule = sched_cls(stage, n_microbatches=M, loss_fn=loss_fn)
         fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
@@ -141,18 +163,19 @@ def run(spec: dict) -> dict:
             return out
 
         tracker.roles = roles
-        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000)
+        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + replica)
         tokens = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
         targets = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
-        if rank != 0:
+        first, last = stage_idx == 0, stage_idx == pp - 1
+        if not first:
             tokens = None
-        if rank != pp - 1:
+        if not last:
             targets = None
 
         def step():
             tracker.phase = "forward"
-            args = (tokens,) if rank == 0 else ()
-            kw = {"target": targets, "losses": []} if rank == pp - 1 else {}
+            args = (tokens,) if first else ()
+            kw = {"target": targets, "losses": []} if last else {}
             schedule.step(*args, return_outputs=False, **kw)
             tracker.phase = "optimizer"
             opt.step()
@@ -170,13 +193,14 @@ def run(spec: dict) -> dict:
     if os.environ.get("DISTPLAN_PP_DEBUG"):  # what is live at the peak, unclassified storages by op
         tracker.components()
         spec["_debug_" + str(rank)] = sorted([(n, ph, op) for _, n, ph, op in tracker._snapshot[1]], reverse=True)[:40]
-    mine = {"rank": rank, "peak_bytes": tracker.peak_bytes, "peak_phase": tracker.peak_phase,
-            "components": tracker.components(), "p2p": tracker.collective_list(steps),
+    mine = {"rank": rank, "stage": stage_idx, "replica": replica, "peak_bytes": tracker.peak_bytes, "peak_phase": tracker.peak_phase,
+            "components": tracker.components(), "collectives": tracker.collective_list(steps),
             "params": sum(p.numel() for p in model.parameters()), "debug": spec.get("_debug_" + str(rank))}
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     dist.destroy_process_group()
-    return {"id": spec.get("id"), "status": "ok", "mode": "cpu", "world_size": world, "pp": pp,
+    return {"id": spec.get("id"), "status": "ok", "mode": "cpu", "world_size": world, "pp": pp, "dp": dp,
+            "strategy": strategy,
             "schedule": spec["schedule"], "microbatches": M, "ranks": gathered}
 
 
@@ -215,8 +239,9 @@ def probe_cmd(pp: int) -> list[str]:
 def run_pp_probe(spec: dict, timeout_s: float = 300.0) -> dict:
     """Run `spec` under the probe guard (`runner.run_probe`): gloo, `spec["pp"]` processes."""
     from .runner import run_probe
-    spec = dict(spec, mode="cpu", world_size=int(spec["pp"]))
-    return run_probe(spec, probe_cmd(int(spec["pp"])), timeout_s=timeout_s)
+    world = int(spec["pp"]) * int(spec.get("dp", 1))
+    spec = dict(spec, mode="cpu", world_size=world)
+    return run_probe(spec, probe_cmd(world), timeout_s=timeout_s)
 
 
 def train_config(spec: dict):
@@ -233,19 +258,30 @@ def train_config(spec: dict):
 
 
 def predict(spec: dict) -> list[dict]:
-    """Per rank: the planner's stage walk (`planner.pp.stage_memory`, strategy single on dp = 1, CPU,
-    gloo) and its point-to-point traffic (`planner.pp.p2p_counts`, `boundary_bytes`)."""
+    """Per rank (stage-major, as the probe numbers them): the planner's stage walk
+    (`planner.pp.stage_memory`, the spec's strategy on its dp ranks, CPU, gloo) and the collectives of
+    that stage (`planner.pp.stage_dp_schedule`, `p2p_counts`, `boundary_bytes`)."""
     from distplan.planner.config import Cluster
-    from distplan.planner.pp import boundary_bytes, p2p_counts, stage_memory
+    from distplan.planner.pp import boundary_bytes, p2p_counts, stage_dp_schedule, stage_memory
     train = train_config(spec)
-    cluster = Cluster(gpus=train.pp, gpus_per_node=train.pp)
+    dp = int(spec.get("dp", 1))
+    strategy = spec.get("strategy", "single")
+    world = train.pp * dp
+    cluster = Cluster(gpus=world, gpus_per_node=world)
     out = []
-    for rank in range(train.pp):
-        est = stage_memory(train, cluster, "single", rank, device="cpu", backend="gloo")
-        af, gb, ar, gr = p2p_counts(train, rank)
-        msg = boundary_bytes(train, "single")
-        p2p = [{"op": op, "group_size": train.pp, "dtype": "float32", "message_bytes": msg, "calls": n}
-               for op, n in (("recv", ar + gr), ("send", af + gb)) if n]
-        out.append({"rank": rank, "peak_bytes": est.peak_allocated, "components": est.components, "p2p": p2p,
-                    "peak_phase": est.peak_phase})
+    for rank in range(world):
+        stage = rank // dp
+        est = stage_memory(train, cluster, strategy, stage, device="cpu", backend="gloo")
+        af, gb, ar, gr = p2p_counts(train, stage)
+        msg = boundary_bytes(train, strategy)
+        colls = [{"op": op, "group_size": train.pp, "dtype": "float32", "message_bytes": msg, "calls": n}
+                 for op, n in (("recv", ar + gr), ("send", af + gb)) if n]
+        merged: dict = {}
+        for c in stage_dp_schedule(train, cluster, strategy, stage):
+            key = (c.op, c.group_size, c.dtype, c.message_bytes)
+            merged[key] = merged.get(key, 0) + c.calls
+        colls += [{"op": op, "group_size": g, "dtype": dt, "message_bytes": b, "calls": n}
+                  for (op, g, dt, b), n in merged.items()]
+        out.append({"rank": rank, "peak_bytes": est.peak_allocated, "components": est.components,
+                    "collectives": colls, "peak_phase": est.peak_phase})
     return out
