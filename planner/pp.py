@@ -445,17 +445,19 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
              "comm_buffers": int(static_comm + c), "temporaries": int(t)}
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
     peak = sum(comps.values()) + workspace
-    reserved = int(0.10 * peak)
     groups = 1 + (world > 1) + (train.tp > 1)  # pp, dp, tp communicators
     overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
     notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
              + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
              + f"; {sched}, {M} micro-batches) is the most loaded"]
-    if family != "single" and world > 1 and family != "ddp":
-        notes.append("pipeline parallelism with a sharded data-parallel strategy: unsharded parameters and "
-                     "accumulated gradients through the step (not validated by a probe)")
-    return MemoryEstimate(st.name, comps, peak, phase, reserved, overhead, cluster.gpu_memory_bytes,
-                          peak + reserved + overhead <= cluster.gpu_memory_bytes, notes, workspace)
+    if family in ("fsdp1", "fsdp2") and world > 1:
+        notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
+                     "accumulate unsharded through the step (PipelineStage's code; not validated by a probe)")
+    if device == "cuda":
+        notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator replay "
+                     "of a pipeline step yet)")
+    # reserved_replay None: memory.RESERVED_MARGIN over the allocated peak
+    return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace, None)
 
 
 def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
