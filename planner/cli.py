@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import sys
 
 import click
@@ -230,7 +231,10 @@ class OneLineErrors(click.Group):
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except click.UsageError as exc:
-            click.echo(f"Error: {exc.format_message().splitlines()[0]}", err=True)
+            line = (exc.format_message().splitlines() or [""])[0]
+            # click quotes the offending value whole: cut long ones as our own errors do (units.short_repr)
+            line = re.sub(r"'([^']{60})[^']{4,}'", lambda m: f"'{m.group(1)}...'", line)
+            click.echo(f"Error: {line}", err=True)
             sys.exit(2)
         except click.ClickException as exc:
             exc.show()
