@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from .activations import activations
 from .config import Cluster, TrainConfig
-from .memory import COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, layout
+from .footprint import device_footprint
+from .memory import COMPONENTS, MemoryEstimate, layout
 from .strategies import Strategy
 
 REDUCE_BUCKET_ELEMS = 500_000_000
@@ -46,6 +47,6 @@ def estimate_deepspeed(train: TrainConfig, cluster: Cluster, st: Strategy) -> Me
     comps["activations"] = act.total
     comps["temporaries"] = 2 * tok * m.vocab * 4
     peak = sum(comps.values())
-    overhead = CUDA_CONTEXT_BYTES + NCCL_COMM_BYTES
-    return MemoryEstimate(st.name, comps, peak, "backward", overhead, cluster.gpu_memory_bytes,
-                          ["DeepSpeed figures follow DeepSpeed's estimators; not validated by probes"])
+    fp = device_footprint(cluster, n, "world")  # DeepSpeed's ZeRO: one data-parallel group
+    return MemoryEstimate(st.name, comps, peak, "backward", fp.total, cluster.gpu_memory_bytes,
+                          ["DeepSpeed figures follow DeepSpeed's estimators; not validated by probes"], footprint=fp)

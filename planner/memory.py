@@ -46,6 +46,7 @@ from functools import lru_cache
 
 from .activations import ActivationBreakdown, _norm_saved, activations_in, regime_for, sdpa_math, sp_tokens
 from .config import Cluster, TrainConfig
+from .footprint import CUDA_CONTEXT_BYTES, DeviceFootprint, device_footprint  # noqa: F401 (re-exported)
 from .model import ModelSpec, unit_sizes
 from .precision import optimizer_state_elems
 from .strategies import Strategy, get_strategy
@@ -53,8 +54,6 @@ from .strategies import Strategy, get_strategy
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
 DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25)
 DDP_FIRST_BUCKET_BYTES = 1 * 2**20  # dist._DEFAULT_FIRST_BUCKET_BYTES
-CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS handles (quoted 0.3-2 GiB; HF docs, "Model training anatomy": 1.3 GB on a V100)
-NCCL_COMM_BYTES = 250 * 2**20  # per communicator group, buffers (NCCL_BUFFSIZE 4 MiB x channels)
 # cuBLAS workspace per (handle, stream), from `parseChosenWorkspaceSize` in
 # aten/src/ATen/cuda/CublasHandlePool.cpp: ":4096:8" (32 MiB) on compute capability 9.x-12.x (Hopper,
 # Blackwell), ":4096:2:16:8" otherwise; on ROCm 32 MiB, 128 MiB on gfx942/gfx950 (MI300X, MI350).
@@ -93,8 +92,9 @@ class MemoryEstimate:
     `peak_reserved` is what `torch.cuda.max_memory_reserved` should read: the caching allocator's
     segments, from replaying the run's allocations (alloc_trace.py), computed on first use (a replay costs
     milliseconds to a tenth of a second for a 100-layer model, so sweeps only pay for configurations whose
-    allocated peak fits). `device_total` adds the CUDA context and NCCL's communicator buffers: what the
-    process holds on the device, the number the OOM line is drawn against."""
+    allocated peak fits). `device_total` adds `process_overhead`, the CUDA context and NCCL's
+    communicators (footprint.py, itemised in `footprint`): what the process holds on the device, the
+    number the OOM line is drawn against."""
 
     strategy: str
     components: dict
@@ -105,6 +105,8 @@ class MemoryEstimate:
     notes: list = field(default_factory=list)
     workspace: int = 0
     """cuBLAS/cuBLASLt workspaces (CUDA only), included in `peak_allocated`, in no component."""
+    footprint: DeviceFootprint | None = None
+    """The parts of `process_overhead` (footprint.py); None where an estimate was built without it."""
     reserved_replay: tuple | None = None
     """Arguments of alloc_trace.reserved_peak; None: `RESERVED_MARGIN` over the allocated peak."""
     _reserved: int | None = None
@@ -150,6 +152,8 @@ class MemoryEstimate:
         d.update(workspace=int(self.workspace), peak_allocated=int(self.peak_allocated),
                  peak_reserved=int(self.peak_reserved), reserved_source=self.reserved_source,
                  process_overhead=int(self.process_overhead), device_total=int(self.device_total))
+        if self.footprint is not None:
+            d["device_footprint"] = self.footprint.to_dict()
         return d
 
 
@@ -690,9 +694,11 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
              "comm_buffers": int(base_comm + c), "temporaries": int(t)}  # COMPONENTS' order
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
     peak_allocated = sum(comps.values()) + workspace
-    groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
-    groups += train.tp > 1  # the tensor-parallel group's communicator
-    overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
+    # The CUDA context and what NCCL allocates for each communicator (the data-parallel group; HSDP's
+    # shard and replicate groups; the tensor-parallel group); gloo and the fake process group: none.
+    fp = device_footprint(cluster, world if backend == "nccl" else 1, st.shard_group,
+                          train.tp if backend == "nccl" else 1)
+    overhead = fp.total
     replay_args = None
     from .alloc_trace import MAX_LAYERS
     if device == "cuda" and train.model.layers <= MAX_LAYERS:
@@ -703,7 +709,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
         replay_args = (train, st.name, world, shard, device, backend, workspace, expandable, init, max_split)
     return MemoryEstimate(st.name, comps, peak_allocated, phase, overhead, cluster.gpu_memory_bytes, notes,
-                          workspace, replay_args)
+                          workspace, fp, replay_args)
 
 
 def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> tuple[int, int, int]:

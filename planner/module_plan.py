@@ -74,7 +74,8 @@ from dataclasses import dataclass, field, replace
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
 from .config import CHECKPOINTING, Cluster, checkpoint_every
-from .memory import (COMPONENTS, CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, Snapshot,
+from .footprint import device_footprint
+from .memory import (COMPONENTS, MemoryEstimate, Snapshot,
                      library_workspace_bytes, zero1_partition)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
 from .strategies import NAMES, Strategy, get_strategy
@@ -613,10 +614,10 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     workspace = peak_allocated - peak.total
     # No allocation trace for an arbitrary module yet: the reserved peak is the allocated one plus the
     # margin (memory.RESERVED_MARGIN), and the output says so.
-    groups = 0 if world == 1 else (2 if st.shard_group == "node" and cluster.nodes > 1 else 1)
-    overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
-    return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, overhead,
-                          cluster.gpu_memory_bytes, notes, workspace)
+    # The CUDA context and each NCCL communicator's buffers (footprint.py); none on gloo or fake.
+    fp = device_footprint(cluster, world if backend == "nccl" else 1, st.shard_group)
+    return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, fp.total,
+                          cluster.gpu_memory_bytes, notes, workspace, fp)
 
 
 _TRACE_SNAPSHOTS: list | None = None

@@ -38,7 +38,11 @@ def test_estimate_70b_on_h100_json_contract():
     for s in d["strategies"]:
         assert set(s) >= {"name", "fits", "peak_phase", "memory", "comm", "step_time_s", "tokens_per_s"}
         assert set(s["memory"]) >= CONTRACT_MEMORY
-        assert all(isinstance(v, int) and v >= 0 for k, v in s["memory"].items() if k != "reserved_source")
+        assert all(isinstance(v, int) and v >= 0 for k, v in s["memory"].items()
+                   if k not in ("reserved_source", "device_footprint"))
+        fp = s["memory"]["device_footprint"]
+        assert fp["total"] == s["memory"]["process_overhead"] == fp["cuda_context"] + fp["nccl_total"]
+        assert fp["nccl_total"] == sum(c["total_bytes"] for c in fp["nccl"]) > 0
         assert s["memory"]["reserved_source"] == "allocator replay"
         assert s["peak_phase"] in ("forward", "backward", "optimizer")
         assert set(s["comm"]) >= {"collectives", "bytes_per_gpu", "time_s", "exposed_s"}

@@ -142,6 +142,20 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
             reasons.append(f"reserved error {out['reserved']['error']:+.1%} exceeds {RESERVED_TOLERANCE:.0%} "
                            "(max_memory_reserved: the caching allocator's segments)")
 
+    if mm.get("nvml_process_bytes") and pm.get("device_total"):
+        # Reported, not judged yet (issue 15): NVML's per-process figure against the predicted device
+        # total, and what NVML shows beyond the allocator's segments against the predicted overhead
+        # (the CUDA context and NCCL's communicators, planner/footprint.py).
+        cell = _cell(pm["device_total"], mm["nvml_process_bytes"], RESERVED_TOLERANCE, None)
+        cell.pop("ok", None)
+        if pm.get("process_overhead") is not None and mm.get("reserved_at_nvml") is not None:
+            outside = mm["nvml_process_bytes"] - mm["reserved_at_nvml"]
+            cell["measured_outside_allocator"] = outside
+            cell["predicted_process_overhead"] = pm["process_overhead"]
+        if mm.get("nvml_gpus", 1) > 1:
+            cell["note"] = f"NVML lists this process on {mm['nvml_gpus']} GPUs; the figure is their sum"
+        out["device_total"] = cell
+
     mcomp = mm.get("components") or {}
     worst, worst_err = None, -1.0
     for name in COMPONENTS:

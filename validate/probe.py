@@ -119,6 +119,46 @@ def _die_with_launcher() -> None:
         os._exit(1)  # the launcher died before prctl took effect
 
 
+def nvml_process_bytes(pid: int | None = None, nvml=None) -> tuple[int | None, int]:
+    """(device bytes NVML reports for process `pid`, summed over the GPUs it is on; how many GPUs).
+
+    `nvmlDeviceGetComputeRunningProcesses` lists, per GPU, each compute process's `usedGpuMemory`:
+    everything the process holds there (CUDA context, caching-allocator segments, NCCL's buffers),
+    the figure nvidia-smi prints. Each NVML call is guarded on its own (gpustat's way): no driver, a
+    PID NVML does not see (a container's own PID namespace) or a figure NVML cannot give
+    (`usedGpuMemory` None) gives (None, 0), never an exception. `nvml` is the pynvml module (a fake in
+    tests)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+    except Exception:
+        return None, 0
+    total, found = 0, 0
+    try:
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except Exception:
+            return None, 0
+        for i in range(count):
+            try:
+                procs = nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(i))
+            except Exception:
+                continue
+            used = [getattr(p, "usedGpuMemory", None) for p in procs if getattr(p, "pid", None) == pid]
+            used = [u for u in used if isinstance(u, int) and not isinstance(u, bool) and u >= 0]
+            if used:
+                total += sum(used)
+                found += 1
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+    return (total, found) if found else (None, 0)
+
+
 class Probe:
     def __init__(self, spec: dict):
         self.spec = spec
@@ -339,6 +379,13 @@ class Probe:
         if cuda:
             mem["peak_allocated"] = torch.cuda.max_memory_allocated(self.device) - self.baseline
             mem["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
+            # What NVML shows for this process now (rank 0's; not a peak), beside the allocator's
+            # segments at the same moment: the difference is what lives outside the caching allocator.
+            nvml_bytes, gpus = nvml_process_bytes()
+            if nvml_bytes is not None:
+                mem["nvml_process_bytes"] = nvml_bytes
+                mem["nvml_gpus"] = gpus
+                mem["reserved_at_nvml"] = torch.cuda.memory_reserved(self.device)
         else:
             mem["peak_allocated"] = t.peak_bytes
         mem["per_rank_peak_allocated"] = [mem["peak_allocated"]]
