@@ -136,3 +136,62 @@ def test_estimate_overhead_json_and_fits(monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     off = estimate_memory(train, Cluster(gpus=8, gpu_name="h100-sxm", intra_link="nvlink4", gpu_memory_bytes=card), "fsdp")
     assert off.fits
+
+
+# -- validate: NVML's per-process figure (no GPU needed: a fake pynvml) ------------------------------
+
+class _Proc:
+    def __init__(self, pid, used):
+        self.pid, self.usedGpuMemory = pid, used
+
+
+class _FakeNvml:
+    """pynvml's surface that nvml_process_bytes uses: per device, a list of compute processes."""
+
+    def __init__(self, devices, fail_init=False, fail_device=()):
+        self.devices, self.fail_init, self.fail_device, self.shut = devices, fail_init, set(fail_device), False
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetCount(self):
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("handle", i)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        if handle[1] in self.fail_device:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return self.devices[handle[1]]
+
+
+def test_nvml_process_bytes_parses_this_pid_only():
+    from distplan.validate.probe import nvml_process_bytes
+    nv = _FakeNvml([[_Proc(7, 5 * MIB), _Proc(42, 3 * MIB)], [_Proc(42, 1 * MIB)], []])
+    assert nvml_process_bytes(42, nv) == (4 * MIB, 2) and nv.shut
+    assert nvml_process_bytes(7, nv) == (5 * MIB, 1)
+    assert nvml_process_bytes(99, nv) == (None, 0)  # another PID namespace: not seen
+    assert nvml_process_bytes(42, _FakeNvml([[_Proc(42, None)]])) == (None, 0)  # NVML cannot tell
+    assert nvml_process_bytes(42, _FakeNvml([[_Proc(42, 3)]], fail_init=True)) == (None, 0)
+    assert nvml_process_bytes(42, _FakeNvml([[_Proc(42, 3)], [_Proc(42, 5)]], fail_device=[0])) == (5, 1)
+
+
+def test_compare_reports_device_total_against_nvml_without_judging():
+    from distplan.validate.compare import compare
+    pred = {"fits": True, "memory": {"peak_allocated": 100 * MIB, "peak_reserved": 120 * MIB,
+                                     "process_overhead": 800 * MIB, "device_total": 920 * MIB}}
+    meas = {"status": "ok", "memory": {"peak_allocated": 100 * MIB, "peak_reserved": 120 * MIB,
+                                       "nvml_process_bytes": 1000 * MIB, "reserved_at_nvml": 110 * MIB}}
+    out = compare(pred, meas)
+    cell = out["device_total"]
+    assert (cell["predicted"], cell["measured"]) == (920 * MIB, 1000 * MIB)
+    assert cell["error"] == pytest.approx(-0.08)
+    assert cell["measured_outside_allocator"] == 890 * MIB and cell["predicted_process_overhead"] == 800 * MIB
+    assert "ok" not in cell and not any("device" in r for r in out["reasons"])
+    del meas["memory"]["nvml_process_bytes"]  # a CPU probe: nothing reported
+    assert "device_total" not in compare(pred, meas)
