@@ -34,10 +34,10 @@ def clear_caches(catalog: bool = True) -> None:
     the planner from cold."""
     from distplan.catalog.loader import clear_cache
 
-    from . import activations, alloc_trace, comm, compute, memory, model
+    from . import activations, alloc_trace, comm, compute, footprint, memory, model
     if catalog:
         clear_cache()
-    for mod in (activations, alloc_trace, comm, compute, memory, model):
+    for mod in (activations, alloc_trace, comm, compute, footprint, memory, model):
         for obj in vars(mod).values():
             if callable(getattr(obj, "cache_clear", None)):
                 obj.cache_clear()

@@ -155,10 +155,24 @@ def _env_int(env: dict, name: str, default: int) -> int:
         raise ValueError(f"{name}={v!r}: NCCL reads an integer here (e.g. {default})") from None
 
 
+_ENCODED: tuple | None = None
+
+
 def nccl_env(environ=None) -> tuple:
-    """The NCCL variables of `environ` (default os.environ) that the footprint reads, as a hashable key."""
-    e = os.environ if environ is None else environ
-    return tuple((k, e[k]) for k in ENV_VARS if k in e)
+    """The NCCL variables of `environ` (default os.environ) that the footprint reads, as a hashable key.
+
+    Every memory estimate asks, so os.environ is read through its underlying dict (CPython's
+    `os._Environ._data`, encoded keys): ~1 us instead of ~15 for fourteen `in os.environ` tests."""
+    global _ENCODED
+    if environ is None:
+        data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+        if isinstance(data, dict) and encode is not None:
+            if _ENCODED is None:
+                _ENCODED = tuple((k, encode(k)) for k in ENV_VARS)
+            decode = os.environ.decodevalue
+            return tuple((k, decode(data[b])) for k, b in _ENCODED if b in data)
+        environ = os.environ
+    return tuple((k, environ[k]) for k in ENV_VARS if k in environ)
 
 
 @dataclass(frozen=True)
@@ -371,8 +385,12 @@ def _device_footprint(comms: tuple, hw: tuple, env_key: tuple) -> DeviceFootprin
 
 def device_footprint(cluster, world: int, shard_group: str, tp: int = 1, environ=None) -> DeviceFootprint:
     """The CUDA context and each communicator's NCCL bytes for one rank of `cluster` (cached)."""
+    return _footprint_for(cluster, world, shard_group, tp, nccl_env(environ))
+
+
+@lru_cache(maxsize=4096)
+def _footprint_for(cluster, world: int, shard_group: str, tp: int, env_key: tuple) -> DeviceFootprint:
     comms = communicators(cluster, world, shard_group, tp)
-    env_key = nccl_env(environ)
     if not comms:
         return _device_footprint((), (None, "none", 0.0, False), env_key)
     hw = _hardware(cluster.gpu_name, cluster.intra_link, cluster.catalog_dirs)
