@@ -41,7 +41,8 @@ Which connections exist: since NCCL 2.22 connections are made when an algorithm 
 the ring on every channel (one send, one receive per rank); across nodes the tree too (the reverse
 direction of the intra-node chain plus up to three cross-node peers on the ranks that hold a NIC);
 NVLS's buffers whenever NVLS is available (an upper bound for a communicator whose collectives NCCL's
-tuner never runs with NVLS).
+tuner never runs with NVLS). Without runtime connection (`NCCL_RUNTIME_CONNECT=0`, or cuMem off) the
+tree is connected at init on one node too.
 
 Channels (`src/graph/search.cc` `ncclTopoCompute`, `src/graph/connect.cc` `ncclTopoPostset`): the ring
 search starts at the first speed of the architecture's speed array not above the GPU's path bandwidth
@@ -312,9 +313,12 @@ def comm_footprint(name: str, topo: Topology, env_key: tuple = ()) -> CommFootpr
     net_send = _align(ll128 + simple, a) if gdr else 0
     net_recv = _align(ll + ll128 + simple, a) if gdr else 0
     g = topo.ranks_per_node
+    # init.cc initTransportsRank: without runtime connection (NCCL_RUNTIME_CONNECT=0, or no cuMem) the
+    # ring, the tree and NVLS are all connected at init, whichever collectives run.
+    runtime = cumem and _env_int(env, "NCCL_RUNTIME_CONNECT", 1) != 0
     if topo.nodes == 1:
         ring = n * (p2p_send + p2p_recv)
-        tree = 0
+        tree = 0 if runtime or g <= 2 else n * (p2p_send + p2p_recv)  # the chain's reverse direction
     else:
         # Each channel leaves and enters a node through one rank pair; spread over the node's GPUs, the
         # most loaded rank sends (and receives) over the network on ceil(n / g) channels.

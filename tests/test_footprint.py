@@ -88,6 +88,12 @@ def test_a100_uses_p2p_read():
     assert not forced.p2p_read and forced.ring == 12 * (2 + 10) * MIB
 
 
+def test_runtime_connect_off_connects_the_tree_at_init():
+    on = comm(H100x8).nccl[0]
+    off = comm(H100x8, env={"NCCL_RUNTIME_CONNECT": "0"}).nccl[0]
+    assert on.tree == 0 and off.tree == 16 * 12 * MIB and off.total == on.total + off.tree
+
+
 def test_pcie_and_cumem_off():
     c = comm(Cluster(gpus=8, gpu_name="l40s", intra_link="pcie4")).nccl[0]
     assert (c.channels, c.nvls) == (2, 0)  # 24 GB/s: speed 20 -> 1 channel -> 2
