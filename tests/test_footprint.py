@@ -192,12 +192,14 @@ def test_compare_reports_device_total_against_nvml_without_judging():
     pred = {"fits": True, "memory": {"peak_allocated": 100 * MIB, "peak_reserved": 120 * MIB,
                                      "process_overhead": 800 * MIB, "device_total": 920 * MIB}}
     meas = {"status": "ok", "memory": {"peak_allocated": 100 * MIB, "peak_reserved": 120 * MIB,
-                                       "nvml_process_bytes": 1000 * MIB, "reserved_at_nvml": 110 * MIB}}
+                                       "nvml_process_bytes": 1000 * MIB, "reserved_at_nvml": 110 * MIB,
+                                       "nccl_version": "2.27.5"}}
     out = compare(pred, meas)
     cell = out["device_total"]
     assert (cell["predicted"], cell["measured"]) == (920 * MIB, 1000 * MIB)
     assert cell["error"] == pytest.approx(-0.08)
     assert cell["measured_outside_allocator"] == 890 * MIB and cell["predicted_process_overhead"] == 800 * MIB
+    assert cell["nccl_version"] == "2.27.5"
     assert "ok" not in cell and not any("device" in r for r in out["reasons"])
     del meas["memory"]["nvml_process_bytes"]  # a CPU probe: nothing reported
     assert "device_total" not in compare(pred, meas)

@@ -152,6 +152,8 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
             outside = mm["nvml_process_bytes"] - mm["reserved_at_nvml"]
             cell["measured_outside_allocator"] = outside
             cell["predicted_process_overhead"] = pm["process_overhead"]
+        if mm.get("nccl_version"):
+            cell["nccl_version"] = mm["nccl_version"]
         if mm.get("nvml_gpus", 1) > 1:
             cell["note"] = f"NVML lists this process on {mm['nvml_gpus']} GPUs; the figure is their sum"
         out["device_total"] = cell

@@ -386,6 +386,10 @@ class Probe:
                 mem["nvml_process_bytes"] = nvml_bytes
                 mem["nvml_gpus"] = gpus
                 mem["reserved_at_nvml"] = torch.cuda.memory_reserved(self.device)
+            try:  # the NCCL whose allocations planner/footprint.py models (checked there: 2.27.5 to 2.30.7)
+                mem["nccl_version"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+            except Exception:  # a build without NCCL
+                pass
         else:
             mem["peak_allocated"] = t.peak_bytes
         mem["per_rank_peak_allocated"] = [mem["peak_allocated"]]
