@@ -4,8 +4,11 @@
 process; this module owns `process_overhead`: the CUDA context (a documented constant) plus, for each NCCL
 communicator the strategy creates, what NCCL allocates on the device. Pure Python, cached.
 
-NCCL's device allocations per communicator and rank, from NVIDIA/nccl (checked at v2.27.5-1, the
-version torch 2.9's wheels pin, and v2.30.7-1; the figures below are the same in both):
+NCCL's device allocations per communicator and rank, from NVIDIA/nccl, read at v2.27.5-1 (torch 2.9's
+wheels pin nvidia-nccl-cu12==2.27.5), v2.29.7-1 (torch 2.13.0's CUDA 13 wheels resolve
+nvidia-nccl-cu13==2.29.7; the torch installed here is the CPU build, so this is not checked locally) and
+v2.30.7-1. The figures below are the same in all three but one, by `nccl_version`: before 2.28 postset
+raised the ring's channels to the NVLS channel count (see Channels).
 
 - Protocol buffers, per connection (`src/init.cc` `computeBuffSizes`, DEFAULT_*_BUFFSIZE; constants in
   `src/include/device.h`): LL = 8 lines x 512 threads x NCCL_STEPS 8 x 16 B = 512 KiB; LL128 = 120
@@ -49,10 +52,11 @@ search starts at the first speed of the architecture's speed array not above the
 (NVLink links x SMxx_NVLINK_BW, or the PCIe link width x generation, `src/graph/topo.h`) and fits
 floor(bandwidth / speed) channels; postset doubles them (at most MAXCHANNELS 64); across nodes on sm90+
 with a speed above 45 GB/s and fewer than 16 channels it doubles again; `NCCL_MAX_NCHANNELS` /
-`NCCL_MIN_NCHANNELS` clamp; with NVLS the count is raised to nvlsChannels. Channels initialised for
-point-to-point are pow2Up(channels) (`src/graph/paths.cc` `ncclTopoComputeP2pChannels`). E.g. 8 x H100
-SXM (18 links x 20.6 GB/s = 370.8): 6 channels at 60 GB/s, 12 after postset, 16 with NVLS; 8 x A100
-(12 x 20 = 240): 6 at 40, 12.
+`NCCL_MIN_NCHANNELS` clamp; before NCCL 2.28 (v2.27.7 has it, v2.28.3 not) with NVLS the count is
+raised to nvlsChannels (`if (comm->nChannels < comm->nvlsChannels)`). Channels initialised: pow2Up(channels)
+for point-to-point (`src/graph/paths.cc` `ncclTopoComputeP2pChannels`) and the NVLS channels
+(`initNvlsChannel` -> `initChannel`). E.g. 8 x H100 SXM (18 links x 20.6 GB/s = 370.8): 6 channels at
+60 GB/s, 12 after postset (16 with NVLS before 2.28); 8 x A100 (12 x 20 = 240): 6 at 40, 12.
 
 Known limitations: the search is modelled by its first speed only (NCCL can settle on another
 (speed, channels) pair), and across nodes by the intra-node search (the NIC-constrained search is not
@@ -70,6 +74,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 MIB = 2**20
+
+NCCL_VERSION = (2, 29, 7)
+"""The NCCL modelled by default: what torch 2.13.0's CUDA wheels install (nvidia-nccl-cu13==2.29.7). A
+probe records the one it ran with (`torch.cuda.nccl.version()`, validate/probe.py)."""
 
 CUDA_CONTEXT_BYTES = 600 * MIB
 """The CUDA context, the kernels' modules PyTorch and NCCL load into it, and what cuBLAS/cuDNN handles
@@ -262,7 +270,7 @@ def nvls_channels(topo: Topology, env: dict) -> int:
     return max(_env_int(env, "NCCL_MIN_CTAS", 1), min(_env_int(env, "NCCL_MAX_CTAS", MAXCHANNELS), n))
 
 
-def ring_channels(topo: Topology, env: dict, nvls: int) -> tuple[int, str]:
+def ring_channels(topo: Topology, env: dict, nvls: int, nccl_version: tuple = NCCL_VERSION) -> tuple[int, str]:
     """(collective channels, 'derived' or 'estimate'): search.cc `ncclTopoCompute` (first speed) and
     connect.cc `ncclTopoPostset` (see the module docstring)."""
     if topo.ranks == 1:
@@ -279,13 +287,13 @@ def ring_channels(topo: Topology, env: dict, nvls: int) -> tuple[int, str]:
     n = min(_env_int(env, "NCCL_MAX_NCHANNELS", MAXCHANNELS), n)
     n = max(_env_int(env, "NCCL_MIN_NCHANNELS", 0), n)
     n = max(1, min(MAXCHANNELS, n))
-    if n < nvls:
-        n = nvls  # ncclTopoPostset: `if (comm->nChannels < comm->nvlsChannels)` copyChannels
+    if n < nvls and tuple(nccl_version) < (2, 28):
+        n = nvls  # ncclTopoPostset before 2.28: `if (comm->nChannels < comm->nvlsChannels)` copyChannels
     return n, source
 
 
 @lru_cache(maxsize=4096)
-def comm_footprint(name: str, topo: Topology, env_key: tuple = ()) -> CommFootprint:
+def comm_footprint(name: str, topo: Topology, env_key: tuple = (), nccl_version: tuple = NCCL_VERSION) -> CommFootprint:
     """NCCL's device bytes for one communicator on its most loaded rank (module docstring)."""
     env = dict(env_key)
     if topo.ranks == 1:
@@ -301,7 +309,7 @@ def comm_footprint(name: str, topo: Topology, env_key: tuple = ()) -> CommFootpr
     nvls = nvls_channels(topo, env)
     if not cumem:
         nvls = 0  # NVLS allocates with cuMem (nvlsAllocateMem); ncclNvlsInit needs it
-    n, source = ring_channels(topo, env, nvls)
+    n, source = ring_channels(topo, env, nvls, nccl_version)
     read = cc == 80 and topo.intra_kind == "nvlink"  # paths.cc ncclTopoCheckP2p
     read = bool(_env_int(env, "NCCL_P2P_READ_ENABLE", int(read)))
     # p2p.cc p2pSendSetup / p2pRecvSetup, rounded by ALIGN_SIZE(.., CUDA_IPC_MIN) (and cuMem granularity)
@@ -337,7 +345,7 @@ def comm_footprint(name: str, topo: Topology, env_key: tuple = ()) -> CommFootpr
         nvls_bytes = _align(nvls * 2 * chunk * NCCL_STEPS * heads, gran)  # ncclNvlsBufferSetup
         nvls_bytes += _align(nvls * 2 * NVLS_CREDIT_BYTES * heads, gran)  # ncclNvlsSetup credits
         nvls_bytes += nvls * gran if cumem else 0  # initNvlsChannel: nvlsDevPeers
-    channels_init = max(n, min(_pow2_up(n), MAXCHANNELS))  # ncclTopoComputeP2pChannels
+    channels_init = max(n, nvls, min(_pow2_up(n), MAXCHANNELS))  # ncclTopoComputeP2pChannels, initNvlsChannel
     structs = channels_init * 3 * gran if cumem else 0  # initChannel's three device arrays
     dev_comm = 2 * gran if cumem else 0  # devCommSetup: devCommAndChans, rankToLocalRank
     return CommFootprint(name, topo.ranks, g, n, source, nvls, read, ring, tree, nvls_bytes, structs, dev_comm)
@@ -380,22 +388,24 @@ def communicators(cluster, world: int, shard_group: str, tp: int = 1) -> tuple:
 
 
 @lru_cache(maxsize=4096)
-def _device_footprint(comms: tuple, hw: tuple, env_key: tuple) -> DeviceFootprint:
+def _device_footprint(comms: tuple, hw: tuple, env_key: tuple, nccl_version: tuple) -> DeviceFootprint:
     cc, kind, bw, nvswitch = hw
-    parts = tuple(comm_footprint(name, Topology(r, rpn, cc, kind, bw, nvswitch), env_key)
+    parts = tuple(comm_footprint(name, Topology(r, rpn, cc, kind, bw, nvswitch), env_key, nccl_version)
                   for name, r, rpn in comms)
     return DeviceFootprint(CUDA_CONTEXT_BYTES, parts)
 
 
-def device_footprint(cluster, world: int, shard_group: str, tp: int = 1, environ=None) -> DeviceFootprint:
+def device_footprint(cluster, world: int, shard_group: str, tp: int = 1, environ=None,
+                     nccl_version: tuple = NCCL_VERSION) -> DeviceFootprint:
     """The CUDA context and each communicator's NCCL bytes for one rank of `cluster` (cached)."""
-    return _footprint_for(cluster, world, shard_group, tp, nccl_env(environ))
+    return _footprint_for(cluster, world, shard_group, tp, nccl_env(environ), tuple(nccl_version))
 
 
 @lru_cache(maxsize=4096)
-def _footprint_for(cluster, world: int, shard_group: str, tp: int, env_key: tuple) -> DeviceFootprint:
+def _footprint_for(cluster, world: int, shard_group: str, tp: int, env_key: tuple,
+                   nccl_version: tuple = NCCL_VERSION) -> DeviceFootprint:
     comms = communicators(cluster, world, shard_group, tp)
     if not comms:
-        return _device_footprint((), (None, "none", 0.0, False), env_key)
+        return _device_footprint((), (None, "none", 0.0, False), env_key, nccl_version)
     hw = _hardware(cluster.gpu_name, cluster.intra_link, cluster.catalog_dirs)
-    return _device_footprint(comms, hw, env_key)
+    return _device_footprint(comms, hw, env_key, nccl_version)

@@ -13,9 +13,9 @@ H100x8 = Cluster(gpus=8, gpu_name="h100-sxm", intra_link="nvlink4")
 A100x8 = Cluster(gpus=8, gpu_name="a100-80gb", intra_link="nvlink3")
 
 
-def comm(cluster, world=None, env=None, group="world", tp=1):
-    f = fp.device_footprint(cluster, cluster.gpus if world is None else world, group, tp, environ=env or {})
-    return f
+def comm(cluster, world=None, env=None, group="world", tp=1, version=fp.NCCL_VERSION):
+    return fp.device_footprint(cluster, cluster.gpus if world is None else world, group, tp,
+                               environ=env or {}, nccl_version=version)
 
 
 def test_protocol_buffer_sizes_from_device_h():
@@ -27,38 +27,44 @@ def test_protocol_buffer_sizes_from_device_h():
 
 
 def test_h100_nvswitch_node_by_hand():
-    c = comm(H100x8).nccl[0]
+    c = comm(H100x8, version=(2, 29, 7)).nccl[0]
     # search.cc: 18 NVLinks x 20.6 GB/s (topo.h SM90_NVLINK_BW) = 370.8; first sm90 speed 60 -> 6
-    # channels; connect.cc ncclTopoPostset doubles to 12 and raises to nvlsChannels (16, nvls.cc).
-    assert (c.channels, c.nvls_channels, c.channels_source, c.p2p_read) == (16, 16, "derived", False)
+    # channels; connect.cc ncclTopoPostset doubles to 12. NVLS: 16 channels (nvls.cc NVLS_NCHANNELS_SM90).
+    assert (c.channels, c.nvls_channels, c.channels_source, c.p2p_read) == (12, 16, "derived", False)
     # p2p.cc: receiver 4096 + 512 KiB + 4.6875 MiB + 4 MiB = 9,637,888 B -> 10 MiB (CUDA_IPC_MIN);
     # sender 4096 B -> 2 MiB. One send and one receive per channel on the ring.
-    assert c.ring == 16 * (10 + 2) * MIB
+    assert c.ring == 12 * (10 + 2) * MIB
     # nvls.cc ncclNvlsBufferSetup: 16 channels x 2 x (128 KiB x 8 steps) x 8 heads = 256 MiB, credits one
     # 2 MiB granule, one nvlsDevPeers granule per NVLS channel.
     assert c.nvls == 256 * MIB + 2 * MIB + 16 * 2 * MIB
-    # channel.cc initChannel: 3 cuMem granules per channel (16, a power of two); init.cc devCommSetup: 2.
+    # channel.cc initChannel: 3 cuMem granules per channel, 16 channels initialised (pow2Up(12) for p2p,
+    # and the 16 NVLS channels); init.cc devCommSetup: 2 granules.
     assert c.channel_structs == 16 * 3 * 2 * MIB and c.dev_comm == 4 * MIB
-    assert c.total == (192 + 290 + 96 + 4) * MIB
-    assert comm(H100x8).total == fp.CUDA_CONTEXT_BYTES + c.total
+    assert c.total == (144 + 290 + 96 + 4) * MIB
+    assert comm(H100x8).total == fp.CUDA_CONTEXT_BYTES + comm(H100x8).nccl[0].total
+    # NCCL 2.27 (connect.cc, removed in 2.28) raised the ring to the 16 NVLS channels: 4 more ring channels.
+    old = comm(H100x8, version=(2, 27, 5)).nccl[0]
+    assert old.channels == 16 and old.ring == 16 * 12 * MIB and old.total == c.total + 4 * 12 * MIB
 
 
-def test_nvls_enable_zero_drops_nvls_and_its_channel_raise():
+def test_nvls_enable_zero_drops_nvls():
     on = comm(H100x8).nccl[0]
     off = comm(H100x8, env={"NCCL_NVLS_ENABLE": "0"}).nccl[0]
     assert (off.channels, off.nvls_channels, off.nvls) == (12, 0, 0)
     assert off.ring == 12 * 12 * MIB
     # paths.cc ncclTopoComputeP2pChannels initialises pow2Up(12) = 16 channels either way.
     assert off.channel_structs == on.channel_structs == 16 * 3 * 2 * MIB
-    assert on.total - off.total == on.nvls + 4 * 12 * MIB  # NVLS and 4 more ring channels
+    assert on.total - off.total == on.nvls == 290 * MIB
+    old_on, old_off = (comm(H100x8, env=e, version=(2, 27, 5)).nccl[0] for e in ({}, {"NCCL_NVLS_ENABLE": "0"}))
+    assert old_on.total - old_off.total == on.nvls + 4 * 12 * MIB  # and the raise of the ring to 16
 
 
 def test_buffsize_and_ll128_env():
     big = comm(H100x8, env={"NCCL_BUFFSIZE": str(8 * MIB)}).nccl[0]
     # receiver 4096 + 524288 + 4915200 + 8 MiB = 13,832,192 B -> 14 MiB
-    assert big.ring == 16 * (14 + 2) * MIB
+    assert big.ring == 12 * (14 + 2) * MIB
     small = comm(H100x8, env={"NCCL_BUFFSIZE": "1048576", "NCCL_LL128_BUFFSIZE": "0"}).nccl[0]
-    assert small.ring == 16 * (2 + 2) * MIB  # 4096 + 512 KiB + 1 MiB -> 2 MiB
+    assert small.ring == 12 * (2 + 2) * MIB  # 4096 + 512 KiB + 1 MiB -> 2 MiB
     with pytest.raises(ValueError, match="NCCL_BUFFSIZE"):
         comm(H100x8, env={"NCCL_BUFFSIZE": "4MB"})
 
@@ -69,8 +75,9 @@ def test_nccl_proto_changes_nothing():
 
 
 def test_channel_env_limits():
-    # connect.cc: NCCL_MAX_NCHANNELS clamps the ring, then NVLS raises it back to nvlsChannels.
-    assert comm(H100x8, env={"NCCL_MAX_NCHANNELS": "4"}).nccl[0].channels == 16
+    # connect.cc: NCCL_MAX_NCHANNELS clamps the ring; before 2.28 NVLS raised it back to nvlsChannels.
+    assert comm(H100x8, env={"NCCL_MAX_NCHANNELS": "4"}).nccl[0].channels == 4
+    assert comm(H100x8, env={"NCCL_MAX_NCHANNELS": "4"}, version=(2, 27, 5)).nccl[0].channels == 16
     c = comm(H100x8, env={"NCCL_MAX_NCHANNELS": "4", "NCCL_NVLS_ENABLE": "0"}).nccl[0]
     assert c.channels == 4 and c.ring == 4 * 12 * MIB
     assert comm(H100x8, env={"NCCL_MIN_NCHANNELS": "32"}).nccl[0].channels == 32
@@ -91,7 +98,7 @@ def test_a100_uses_p2p_read():
 def test_runtime_connect_off_connects_the_tree_at_init():
     on = comm(H100x8).nccl[0]
     off = comm(H100x8, env={"NCCL_RUNTIME_CONNECT": "0"}).nccl[0]
-    assert on.tree == 0 and off.tree == 16 * 12 * MIB and off.total == on.total + off.tree
+    assert on.tree == 0 and off.tree == 12 * 12 * MIB and off.total == on.total + off.tree
 
 
 def test_pcie_and_cumem_off():
@@ -126,7 +133,7 @@ def test_estimate_overhead_json_and_fits(monkeypatch):
     m = estimate_memory(train, H100x8, "fsdp")
     assert m.process_overhead == m.footprint.total == fp.CUDA_CONTEXT_BYTES + m.footprint.nccl[0].total
     d = m.to_dict()
-    assert d["device_footprint"]["nccl"][0]["channels"] == 16
+    assert d["device_footprint"]["nccl"][0]["channels"] == 12
     assert d["process_overhead"] == d["device_footprint"]["total"]
     assert d["device_total"] == d["peak_reserved"] + d["process_overhead"]
     assert estimate_memory(train, H100x8, "fsdp", backend="gloo").process_overhead == fp.CUDA_CONTEXT_BYTES
