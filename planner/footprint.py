@@ -409,3 +409,16 @@ def _footprint_for(cluster, world: int, shard_group: str, tp: int, env_key: tupl
         return _device_footprint((), (None, "none", 0.0, False), env_key, nccl_version)
     hw = _hardware(cluster.gpu_name, cluster.intra_link, cluster.catalog_dirs)
     return _device_footprint(comms, hw, env_key, nccl_version)
+
+
+def with_communicator(footprint: DeviceFootprint, cluster, name: str, ranks: int, ranks_per_node: int,
+                      environ=None, nccl_version: tuple = NCCL_VERSION) -> DeviceFootprint:
+    """`footprint` plus one more communicator of `ranks` ranks, `ranks_per_node` of them on a node (the
+    pipeline's send/recv group: NCCL's collective model applied to it, an approximation: point-to-point
+    connections are made per peer on the p2p channels, not modelled here)."""
+    if ranks <= 1:
+        return footprint
+    hw = _hardware(cluster.gpu_name, cluster.intra_link, cluster.catalog_dirs)
+    topo = Topology(ranks, max(1, min(ranks, ranks_per_node)), *hw)
+    extra = comm_footprint(name, topo, nccl_env(environ), tuple(nccl_version))
+    return DeviceFootprint(footprint.cuda_context, footprint.nccl + (extra,))

@@ -105,10 +105,10 @@ class MemoryEstimate:
     notes: list = field(default_factory=list)
     workspace: int = 0
     """cuBLAS/cuBLASLt workspaces (CUDA only), included in `peak_allocated`, in no component."""
-    footprint: DeviceFootprint | None = None
-    """The parts of `process_overhead` (footprint.py); None where an estimate was built without it."""
     reserved_replay: tuple | None = None
     """Arguments of alloc_trace.reserved_peak; None: `RESERVED_MARGIN` over the allocated peak."""
+    footprint: DeviceFootprint | None = None
+    """The parts of `process_overhead` (footprint.py); None where an estimate was built without it."""
     _reserved: int | None = None
 
     @property
@@ -709,7 +709,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
         replay_args = (train, st.name, world, shard, device, backend, workspace, expandable, init, max_split)
     return MemoryEstimate(st.name, comps, peak_allocated, phase, overhead, cluster.gpu_memory_bytes, notes,
-                          workspace, fp, replay_args)
+                          workspace, replay_args, footprint=fp)
 
 
 def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> tuple[int, int, int]:

@@ -617,7 +617,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     # The CUDA context and each NCCL communicator's buffers (footprint.py); none on gloo or fake.
     fp = device_footprint(cluster, world if backend == "nccl" else 1, st.shard_group)
     return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, fp.total,
-                          cluster.gpu_memory_bytes, notes, workspace, fp)
+                          cluster.gpu_memory_bytes, notes, workspace, footprint=fp)
 
 
 _TRACE_SNAPSHOTS: list | None = None

@@ -297,8 +297,8 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     """`memory.MemoryEstimate` of pipeline stage `stage` under `strategy` on the stage's dp ranks (see
     the module docstring for what is walked)."""
     from .activations import activations_in, regime_for, sp_tokens
-    from .memory import (CUDA_CONTEXT_BYTES, NCCL_COMM_BYTES, MemoryEstimate, _block_backward_peak,
-                         _opt_state, layout, library_workspace_bytes)
+    from .footprint import device_footprint, with_communicator
+    from .memory import MemoryEstimate, _block_backward_peak, _opt_state, layout, library_workspace_bytes
     from .strategies import get_strategy
 
     st = get_strategy(strategy)
@@ -445,8 +445,14 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
              "comm_buffers": int(static_comm + c), "temporaries": int(t)}
     workspace = library_workspace_bytes(train, gpu_name or cluster.gpu_name) if device == "cuda" else 0
     peak = sum(comps.values()) + workspace
-    groups = 1 + (world > 1) + (train.tp > 1)  # pp, dp, tp communicators
-    overhead = CUDA_CONTEXT_BYTES + groups * NCCL_COMM_BYTES
+    # The CUDA context and NCCL's communicators (footprint.py): dp and tp as without pipelining, and the
+    # pp group (stages strided by gpus / pp ranks, so on one node only when that stride fits in it).
+    nccl = backend == "nccl"
+    fp = device_footprint(dpc, world if nccl else 1, st.shard_group, train.tp if nccl else 1)
+    if nccl:
+        g, stride = cluster.local_size, cluster.gpus // p
+        fp = with_communicator(fp, cluster, "pipeline", p, g // stride if stride < g else 1)
+    overhead = fp.total
     notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
              + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
              + f"; {sched}, {M} micro-batches) is the most loaded"]
@@ -457,7 +463,8 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator replay "
                      "of a pipeline step yet)")
     # reserved_replay None: memory.RESERVED_MARGIN over the allocated peak
-    return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace, None)
+    return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace, None,
+                          footprint=fp)
 
 
 def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:

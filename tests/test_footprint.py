@@ -210,3 +210,13 @@ def test_compare_reports_device_total_against_nvml_without_judging():
     assert "ok" not in cell and not any("device" in r for r in out["reasons"])
     del meas["memory"]["nvml_process_bytes"]  # a CPU probe: nothing reported
     assert "device_total" not in compare(pred, meas)
+
+
+def test_pipeline_stage_counts_the_pp_communicator():
+    from distplan.planner.pp import stage_memory
+    train = TrainConfig(resolve_model("llama-3-8b")[0], seq_len=1024, pp=2, pp_microbatches=4)
+    m = stage_memory(train, Cluster(gpus=16, gpu_name="h100-sxm", intra_link="nvlink4"), "fsdp", 0)
+    names = [c.name for c in m.footprint.nccl]
+    assert names == ["data_parallel", "pipeline"] and m.process_overhead == m.footprint.total
+    # stride 16 / 2 = 8 = a whole node: the two stages sit on different nodes, one rank per node.
+    assert m.footprint.nccl[1].ranks_per_node == 1 and m.footprint.nccl[1].nvls == 0
