@@ -304,6 +304,11 @@ class Probe:
                 torch.cuda.synchronize()
         self._record_memory(complete=True)
         self.result["collectives"] = tracker.collective_list(steps)
+        if spec.get("checkpoint"):  # after the measured steps: optimizer state exists, gradients freed
+            from .checkpoint import save_checkpoint
+            with tracker:
+                self.result["checkpoint"] = save_checkpoint(model, opt, spec["checkpoint"], tracker,
+                                                            self.rank)
         if tracker.events is not None:
             with open(os.environ[ALLOC_EVENTS_ENV], "w") as f:
                 json.dump(tracker.events, f)
