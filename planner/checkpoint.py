@@ -230,10 +230,10 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
                               time_s, fits, notes)
 
 
-def predict_checkpoint_probe(spec: dict) -> list[int]:
-    """Predicted peak live bytes during the save of a CPU validation probe (`spec` as
-    `distplan.validate.probe` takes it, with `checkpoint.mode`), per rank: device and host memory are
-    one there, so the peak is what the rank holds plus everything the save adds."""
+def predict_checkpoint_probe(spec: dict) -> list[dict]:
+    """Predicted live bytes when the save of a CPU validation probe starts (`resident`) and at its peak
+    (`peak`), per rank (`spec` as `distplan.validate.probe` takes it, with `checkpoint.mode`): device
+    and host memory are one there, so the peak is what the rank holds plus everything the save adds."""
     from .api import DEFAULT_GPU
     from .model import ModelSpec
 
@@ -249,5 +249,5 @@ def predict_checkpoint_probe(spec: dict) -> list[int]:
     for rank in range(world if spec.get("mode") != "fake" else 1):
         c = estimate_checkpoint(train, cluster, spec["strategy"], spec["checkpoint"]["mode"], device="cpu",
                                 mem=mem, rank=rank)
-        out.append(c.device_peak_bytes)
+        out.append({"resident": c.resident_bytes, "peak": c.device_peak_bytes})
     return out
