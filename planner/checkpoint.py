@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from .config import CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, Cluster, TrainConfig  # noqa: F401
-from .memory import MemoryEstimate, _all_state_elems, estimate_memory, layout
+from .memory import RESERVED_MARGIN, MemoryEstimate, _all_state_elems, estimate_memory, layout
 from .model import unit_sizes
 from .strategies import Strategy, get_strategy
 
@@ -82,7 +82,8 @@ class CheckpointEstimate:
     """Bytes the busiest rank writes."""
     save_time_s: float
     fits: bool
-    """The device peak, with the allocator margin and process overhead of the step, fits the GPU."""
+    """The device peak, with the allocator margin (memory.RESERVED_MARGIN) and the process overhead
+    (CUDA context, NCCL), fits the GPU."""
     notes: list = field(default_factory=list)
 
     @property
@@ -223,7 +224,9 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
             host = 0 if cpu else min(writer, DCP_COPY_AHEAD_BYTES + sz.largest_gathered * pb)
     time_s = writer / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf")
     peak = resident + extra
-    fits = peak + int(0.10 * peak) + mem.process_overhead <= cluster.gpu_memory_bytes
+    # The save allocates after the step, from the caching allocator's segments: its reserved bytes are
+    # the allocated peak plus memory.RESERVED_MARGIN (no allocation trace is written for the save).
+    fits = int((1 + RESERVED_MARGIN) * peak) + mem.process_overhead <= cluster.gpu_memory_bytes
     if not fits and mem.fits:
         notes.append(f"the {mode} checkpoint save does not fit though the training step does")
     return CheckpointEstimate(st.name, mode, int(resident), int(extra), int(host), int(written), int(writer),

@@ -137,6 +137,16 @@ def test_plan_json_has_the_checkpoint_section_and_it_decides_fits():
     assert "checkpoint" not in plan("llama-3-8b", gpus=8, strategies=["zero3"]).to_dict()["strategies"][0]
 
 
+def test_recommend_switches_to_a_sharded_save_when_only_the_save_does_not_fit():
+    p = plan("llama-3-8b", gpus=8, gpu_mem=80, checkpoint="full")
+    assert any(r.memory.fits for r in p.results) and not any(r.fits for r in p.results)
+    rec = p.recommendation
+    assert rec.change.startswith("--checkpoint sharded") and rec.strategy is not None
+    chosen = rec.changed_plan[rec.strategy]
+    assert chosen.checkpoint.mode == "sharded" and chosen.fits
+    assert chosen.checkpoint.device_peak_bytes < p[rec.strategy].checkpoint.device_peak_bytes
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--checkpoint", "bogus"], "--checkpoint"),
     (["--storage-gbps", "3"], "--storage-gbps"),
