@@ -31,10 +31,12 @@ What each family allocates (installed torch, `torch/distributed/...`):
   `_ext_chunk_tensor` clones this rank's `chunk` of each parameter; the optimizer all-gathers a
   FlatParameter's states (`_communicate_optim_state`) and clones this rank's chunks): the clones stay,
   a unit's gathered states are transient.
-- DCP's writer (`checkpoint/filesystem.py`): on a GPU `_OverlappingCpuLoader` copies items to the host
-  up to `per_thread_copy_ahead` (10,000,000 bytes) ahead of the writes; on a CPU device
-  `_SerialCpuLoader` writes tensors in place (a clone only of a view smaller than its storage).
-  Replicated (DDP) items are written once, spread over the ranks (`_dedup_save_plans`).
+- DCP's writer (`checkpoint/filesystem.py` `_write_files_from_queue`): on a GPU `_OverlappingCpuLoader`
+  copies items to the host (`per_thread_copy_ahead` ahead of the writes), on a CPU device
+  `_SerialCpuLoader` passes tensors as they are (a clone only of a shard shorter than its storage), and
+  every written tensor stays in `tensor_dict` until the rank's file is done: a rank's whole share is
+  in host memory at the end. Replicated (DDP) items are written once, spread over the ranks
+  (`_dedup_save_plans`).
 - `torch.save` of GPU tensors (`torch/serialization.py` `_save`) copies one storage at a time to the
   host as it writes it.
 
@@ -51,7 +53,7 @@ modelled; CPU-offloaded training (`cpu_offload=params`) is planned as if its sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 from .config import CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, Cluster, TrainConfig  # noqa: F401
@@ -60,8 +62,6 @@ from .model import unit_sizes
 from .strategies import Strategy, get_strategy
 
 MODES = CHECKPOINT_MODES
-DCP_COPY_AHEAD_BYTES = 10_000_000
-"""`FileSystemWriter(per_thread_copy_ahead=10_000_000)` (torch/distributed/checkpoint/filesystem.py)."""
 
 
 @dataclass
@@ -75,7 +75,8 @@ class CheckpointEstimate:
     device_extra_bytes: int
     """Device bytes the save adds at its peak."""
     host_bytes: int
-    """Host (CPU) bytes of state-dict tensors at the peak (rank 0 for full state dicts)."""
+    """Host (CPU) bytes of state-dict tensors at the peak, on the rank that holds the most (rank 0 for
+    full state dicts)."""
     written_bytes: int
     """Bytes written to storage by all ranks together."""
     writer_bytes: int
@@ -108,43 +109,81 @@ def _shard_group(st: Strategy, cluster: Cluster) -> int:
 
 @dataclass(frozen=True)
 class _Sizes:
-    """Element counts the save paths allocate (see `_sizes`)."""
+    """Element counts the save paths allocate on one rank (see `_sizes`)."""
 
     params: int  # unsharded parameters
     states: int  # unsharded optimizer state elements (elementwise states)
     gathered: int  # FSDP: parameters as all-gathered (padded); else `params`
     largest_gathered: int  # the largest single all-gathered tensor (FSDP2) or FSDP1 unit
-    chunks: int  # FSDP1 sharded: this rank's chunk of every parameter (rank 0: ceil(dim0 / W) rows)
-    shard: int  # parameter elements this rank stores
+    local: int  # FSDP2 / FSDP1 chunks: this rank's rows of every parameter (torch.chunk's split)
+    local0: int  # the same on rank 0 (the memory walk's most loaded rank)
+    pad_last: int  # FSDP2: the padded copy of this rank's shard of the last tensor gathered (0: none)
+    pad_gather: int  # FSDP2: the largest (gathered + padded local copy) of one tensor on this rank
+    short_views: int  # FSDP2: this rank's shards shorter than their padded storage (DCP clones them)
 
 
-def _sizes(train: TrainConfig, st: Strategy, shard: int) -> _Sizes:
+def _rows(d0: int, w: int, r: int) -> int:
+    """Rows of a dim-0 shard on rank r: `torch.chunk`'s split, which FSDP2 (`FSDPParam._init_sharded_param`)
+    and FSDP1's `_ext_chunk_tensor` both use: ceil(d0 / w) rows per rank, the last ranks short or empty."""
+    c = -(-d0 // w)
+    return max(0, min(c, d0 - r * c))
+
+
+def _sizes(train: TrainConfig, st: Strategy, shard: int, rank: int) -> _Sizes:
     m = train.model
     lay = layout(m, st.family, shard, st.shards_params, st.shards_optimizer)
     states, _ = _all_state_elems(m, train.optimizer)
     root_shapes, block_shapes, *_ = unit_sizes(m)
+    embed, _, head = m.units()
+    # registration order (the state dicts' order): embedding, the blocks, the head's parameters
+    order = [s for _, s in embed.params] + list(block_shapes) * m.layers + [s for _, s in head.params]
+    w, r = shard, rank % shard if shard else 0
+
+    def local_of(rr: int) -> int:
+        return sum(_rows(s[0], w, rr) * prod(s[1:]) for s in order)
+
+    pad_last = pad_gather = short = 0
     if st.family == "fsdp2":
         gathered = lay.unshard_root + m.layers * lay.unshard_block
-        largest = max(-(-s[0] // shard) * shard * prod(s[1:]) for s in list(root_shapes) + list(block_shapes))
+        full = [(-(-s[0] // w) * w * prod(s[1:]), -(-s[0] // w) * prod(s[1:]), _rows(s[0], w, r) * prod(s[1:]))
+                for s in order]  # (gathered, padded local chunk, this rank's chunk)
+        largest = max(g for g, _, _ in full)
+        if w > 1:
+            # DTensor's uneven all-gather pads a short local shard to the full chunk first
+            # (`distributed/tensor/_collective_utils.py` `fill_empty_tensor_to_shards` / `pad_tensor`)
+            padded = [(g, c if n < c else 0, n if n < c else 0) for g, c, n in full]
+            pad_last = padded[-1][1]  # the last parameter's last state is the last tensor gathered
+            pad_gather = max(g + p for g, p, _ in padded)
+            short = sum(n for _, _, n in padded)  # sharded params only: optimizer states are own-size
     elif st.family == "fsdp1":
         gathered = lay.unshard_root + m.layers * lay.unshard_block
         largest = max(lay.unshard_root, lay.unshard_block)
     else:
         gathered, largest = lay.total, lay.largest_param
-    c = layout(m, "fsdp2", shard, True, True)  # torch.chunk's rank-0 rows = FSDP2's dim-0 shard
-    chunks = c.shard_root + m.layers * c.shard_block
-    return _Sizes(lay.total, states, gathered, largest, chunks, lay.shard_total)
+    return _Sizes(lay.total, states, gathered, largest, local_of(r), local_of(0), pad_last,
+                  pad_gather or largest, short)
+
+
+def _most_loaded(train, cluster, st, mode, storage_bytes_per_s, device, mem):
+    shard = _shard_group(st, cluster)
+    ranks = sorted({0, 1 % max(1, shard), max(0, shard - 1)})
+    outs = [estimate_checkpoint(train, cluster, st, mode, storage_bytes_per_s, device, mem, rank=r) for r in ranks]
+    top = max(outs, key=lambda c: (c.device_peak_bytes, c.host_bytes))
+    # the device peak of the most loaded rank; the host bytes and save time of the busiest one
+    busiest = max(outs, key=lambda c: c.writer_bytes)
+    return replace(top, host_bytes=max(c.host_bytes for c in outs), writer_bytes=busiest.writer_bytes,
+                   save_time_s=busiest.save_time_s)
 
 
 def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, mode: str,
                         storage_bytes_per_s: float = DEFAULT_STORAGE_GBPS * 1e9, device: str = "cuda",
-                        mem: MemoryEstimate | None = None, rank: int = 0) -> CheckpointEstimate | None:
-    """Predict one strategy's checkpoint save (module docstring); None where it is not modelled (zero1,
-    DeepSpeed).
+                        mem: MemoryEstimate | None = None, rank: int | None = None) -> CheckpointEstimate | None:
+    """Predict one strategy's checkpoint save (module docstring) on `rank`, by default the most loaded
+    one (the largest device peak: rank 0, or the last rank of a group whose shards are uneven); None
+    where it is not modelled (zero1, DeepSpeed).
 
     `device='cpu'` predicts a CPU run (the probes): device and host memory are one, so `.to('cpu')`
-    copies nothing and the CPU-side bytes are counted in `device_extra_bytes`; `rank` picks the rank
-    (full-offload differs between rank 0 and the others)."""
+    copies nothing and the CPU-side bytes are counted in `device_extra_bytes`."""
     if mode not in MODES:
         raise ValueError(f"checkpoint={mode!r}: accepted: {', '.join(MODES)}")
     st = get_strategy(strategy)
@@ -155,73 +194,77 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
         train, cluster = tp_view(train, cluster)
     if mem is None:
         mem = estimate_memory(train, cluster, st, device=device)
+    if rank is None:
+        return _most_loaded(train, cluster, st, mode, storage_bytes_per_s, device, mem)
     shard = _shard_group(st, cluster)
-    sz = _sizes(train, st, shard)
+    sz = _sizes(train, st, shard, rank)
     pb = train.prec.param_bytes  # fp32 master parameters under mixed precision; optimizer states alike
     elems = sz.params
-    scale = sz.gathered / elems if elems else 1.0  # all-gathered states are padded as the parameters are
+    ratio = sz.states / elems if elems else 0.0  # elementwise state elements per parameter (Adam: 2)
+    per_state = round(ratio)
     full_bytes = (sz.params + sz.states) * pb  # the state dict's tensors, unpadded
-    gathered_bytes = sz.gathered * pb + round(sz.states * scale) * pb
+    gathered_bytes = sz.gathered * pb + round(sz.states * sz.gathered / elems) * pb if elems else 0
     fam = st.family
     cpu = device == "cpu"
+    sharding = fam in ("fsdp2", "fsdp1") and shard > 1
     notes: list[str] = []
 
-    resident = mem.components["params"] + mem.components["optimizer"]
+    resident = mem.components["params"] + mem.components["optimizer"]  # the memory walk's rank 0
+    if fam == "fsdp2" and shard > 1:  # a rank with short shards holds less (dim-0 chunks)
+        resident -= round((sz.local0 - sz.local) * pb * (1 + ratio))
     if fam == "ddp":
         resident += sz.params * train.prec.grad_bytes  # DDP's buckets, allocated at construction
     resident += 2 * train.micro_batch * train.seq_len * 8  # the last batch: token ids and labels, int64
 
     host = 0
+    writer = full_bytes if rank == 0 else 0  # full state dicts: rank 0 writes everything
     if mode == "full":
-        if fam in ("fsdp2", "fsdp1") and shard > 1:
-            if fam == "fsdp2":
-                extra = gathered_bytes
-            else:  # parameters cloned (unpadded); states gathered into padded flat buffers
-                extra = sz.params * pb + round(sz.states * scale) * pb
+        if sharding and fam == "fsdp2":
+            extra = gathered_bytes + sz.pad_last * pb
+        elif sharding:  # FSDP1: parameters cloned (unpadded); states gathered into padded flat buffers
+            extra = sz.params * pb + round(sz.states * sz.gathered / elems) * pb
         elif fam == "fsdp1":  # NO_SHARD: the post-state-dict hook still clones every parameter
             extra = sz.params * pb
         else:
             extra = 0
         # rank 0's torch.save copies one storage at a time to the host (FSDP1: a unit's flat buffer)
-        host = 0 if cpu else sz.largest_gathered * pb
-        written = writer = full_bytes
+        host = sz.largest_gathered * pb if (rank == 0 and not cpu) else 0
     elif mode == "full-offload":
         if rank == 0 and not cpu:
             host = full_bytes
-        if fam == "fsdp2" and shard > 1:
+        if sharding and fam == "fsdp2":
             # one gathered tensor on the device at a time; on a CPU device `.to("cpu")` is the tensor
             # itself, so rank 0 keeps every gathered (padded) tensor
-            extra = gathered_bytes if (cpu and rank == 0) else sz.largest_gathered * pb
+            extra = gathered_bytes + sz.pad_last * pb if (cpu and rank == 0) else sz.pad_gather * pb
         elif fam == "fsdp1":
             # a unit unsharded for the parameters, then its states gathered (the unit's flat size each)
-            per_unit = max(1, round(sz.states / elems) if elems else 1)
-            extra = sz.largest_gathered * pb * per_unit
+            extra = sz.largest_gathered * pb * max(1, per_state)
             if cpu:
                 notes.append("FSDP1 offload_to_cpu=True does not run on a CPU device (PyTorch raises)")
         else:
             extra = 0  # DDP: `.to("cpu")` copies to the host (on a CPU device it is the tensor itself)
-        written = writer = full_bytes
     else:  # sharded: DCP
-        if fam == "fsdp1" and shard > 1:
+        if sharding and fam == "fsdp1":
             # chunk clones of parameters and states stay; one unit's states gathered on top
-            per_state = round(sz.states / elems) if elems else 0
-            clones = (sz.chunks + per_state * sz.chunks) * pb
-            extra = clones + per_state * sz.largest_gathered * pb
+            extra = (1 + per_state) * sz.local * pb + per_state * sz.largest_gathered * pb
         elif fam == "fsdp1":
             # NO_SHARD: the parameters are saved as views of the flat parameter, but the optimizer's
             # sharded state dict clones every state (`_optim_utils._shard_orig_param_state`)
             extra = sz.states * pb
+        elif sharding and cpu:
+            # `_SerialCpuLoader` clones a shard shorter than its padded storage, and
+            # `_write_files_from_queue` keeps every written tensor in `tensor_dict` until the file ends
+            extra = sz.short_views * pb
         else:
             extra = 0
-        if fam in ("ddp", "single") or shard == 1:
+        if sharding:  # this rank's chunks of the parameters and of their states
+            writer = round(sz.local * (1 + ratio)) * pb
+        else:  # replicated: each item written once, spread over the ranks (`_dedup_save_plans`)
             writer = -(-full_bytes // max(1, cluster.gpus if st.name != "single" else 1))
-        else:
-            writer = (sz.shard + round(sz.states * sz.shard / elems)) * pb if elems else 0
-        written = full_bytes if fam in ("ddp", "single") or shard == 1 else writer * shard
-        if fam == "fsdp1" and shard > 1:
-            host = 0 if cpu else min(extra, DCP_COPY_AHEAD_BYTES + sz.largest_gathered * pb)
-        else:
-            host = 0 if cpu else min(writer, DCP_COPY_AHEAD_BYTES + sz.largest_gathered * pb)
+        # On a GPU `_OverlappingCpuLoader` copies every item to the host and `tensor_dict` keeps it
+        # until the rank's file is written: the rank's whole share, in host memory.
+        host = 0 if cpu else writer
+    written = full_bytes
     time_s = writer / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf")
     peak = resident + extra
     # The save allocates after the step, from the caching allocator's segments: its reserved bytes are
@@ -249,7 +292,7 @@ def predict_checkpoint_probe(spec: dict) -> list[dict]:
                       gpu_name=DEFAULT_GPU, intra_link="nvlink4", inter_link="ib-ndr", nics_per_node=world)
     mem = estimate_memory(train, cluster, spec["strategy"], device="cpu", backend="gloo")
     out = []
-    for rank in range(world if spec.get("mode") != "fake" else 1):
+    for rank in range(world if spec.get("mode") != "fake" else 1):  # the fake process group: rank 0
         c = estimate_checkpoint(train, cluster, spec["strategy"], spec["checkpoint"]["mode"], device="cpu",
                                 mem=mem, rank=rank)
         out.append({"resident": c.resident_bytes, "peak": c.device_peak_bytes})

@@ -14,8 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from distplan.planner import plan
-from distplan.planner.checkpoint import (DCP_COPY_AHEAD_BYTES, MODES, estimate_checkpoint,
-                                         predict_checkpoint_probe)
+from distplan.planner.checkpoint import MODES, estimate_checkpoint, predict_checkpoint_probe
 from distplan.planner.cli import main
 from distplan.planner.config import Cluster, TrainConfig
 from distplan.planner.model import ModelSpec
@@ -56,9 +55,18 @@ def test_fsdp2_full_gathers_params_and_both_adam_states_on_every_rank(precision)
 def test_fsdp2_full_keeps_the_padding_of_uneven_shards():
     train, cluster = setup(3, vocab=1000)  # 1000 rows over 3 ranks: 334 each, 2 rows of padding
     shapes = [(1000, 256), (256,), (1000, 256)] + BLOCK_SHAPES * 2
-    c = estimate_checkpoint(train, cluster, "zero3", "full")
-    assert c.device_extra_bytes == 3 * 4 * padded(shapes, 3)
-    assert c.device_extra_bytes > 3 * 4 * sum(prod(s) for s in shapes)
+    r0 = estimate_checkpoint(train, cluster, "zero3", "full", rank=0)
+    assert r0.device_extra_bytes == 3 * 4 * padded(shapes, 3)
+    assert r0.device_extra_bytes > 3 * 4 * sum(prod(s) for s in shapes)
+    # the last rank holds 332 rows of the head: DTensor pads its shard to 334 rows before the last
+    # all-gather (the head's exp_avg_sq), and its own shards are smaller
+    last = estimate_checkpoint(train, cluster, "zero3", "full")
+    assert last.device_extra_bytes == r0.device_extra_bytes + 334 * 256 * 4
+    # rows short on rank 2 (torch.chunk of d0 rows into 3): embedding and head 2 rows x 256, five norms
+    # 2 elements, per block q and o 2 x 256, k and v 1 x 256, gate and up 1 x 256, down 2 x 512
+    short = 2 * 2 * 256 + 5 * 2 + 2 * (2 * 512 + 2 * 256 + 2 * 256 + 2 * 512)
+    assert short == 7178
+    assert last.resident_bytes == r0.resident_bytes - 3 * 4 * short  # parameters, exp_avg, exp_avg_sq
 
 
 def test_full_offload_moves_the_state_dict_to_rank_0s_host():
@@ -94,7 +102,7 @@ def test_sharded_saves_add_nothing_for_dtensors_and_write_in_parallel():
     assert c.device_extra_bytes == 0
     assert c.writer_bytes == 3 * 4 * shard and c.written_bytes == 4 * c.writer_bytes
     assert c.save_time_s == pytest.approx(c.writer_bytes / 1e9)
-    assert c.host_bytes == min(c.writer_bytes, DCP_COPY_AHEAD_BYTES + 4 * 1024 * 256)
+    assert c.host_bytes == c.writer_bytes  # DCP keeps every host copy until the rank's file is written
     full = estimate_checkpoint(train, cluster, "zero3", "full", storage_bytes_per_s=1e9)
     assert full.save_time_s == pytest.approx(3 * 4 * P / 1e9)  # rank 0 writes everything
 
@@ -172,19 +180,26 @@ def test_cli_prints_the_checkpoint_table():
 # -- real saves on CPU probes ------------------------------------------------------------------------
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-PROBES = [("zero3", "full", "cpu", 2), ("zero3", "full-offload", "cpu", 2), ("zero3", "sharded", "cpu", 2),
-          ("zero2", "full", "cpu", 2), ("fsdp", "full", "cpu", 2), ("fsdp", "sharded", "cpu", 2),
-          ("ddp", "full", "cpu", 2), ("ddp", "sharded", "cpu", 2),
-          ("zero3", "full", "fake", 8), ("fsdp", "full", "fake", 8)]  # DCP.save cannot run on the fake PG
+UNEVEN = {**CK, "hidden": 192, "vocab": 1000}  # 1000 and 512 rows over 3 ranks: the last rank's shards short
+PROBES = [("zero3", "full", "cpu", 2, CK, "fp32"), ("zero3", "full-offload", "cpu", 2, CK, "fp32"),
+          ("zero3", "sharded", "cpu", 2, CK, "fp32"), ("zero2", "full", "cpu", 2, CK, "bf16-mixed"),
+          ("fsdp", "full", "cpu", 2, CK, "fp32"), ("fsdp", "sharded", "cpu", 2, CK, "bf16-mixed"),
+          ("ddp", "full", "cpu", 2, CK, "fp32"), ("ddp", "sharded", "cpu", 2, CK, "fp32"),
+          ("zero3", "full", "cpu", 3, UNEVEN, "fp32"), ("zero3", "sharded", "cpu", 3, UNEVEN, "fp32"),
+          ("fsdp", "sharded", "cpu", 3, UNEVEN, "fp32"),
+          # torch.distributed.checkpoint.save does not run on the fake process group (its global plan
+          # check needs every rank's plan): full state dicts only
+          ("zero3", "full", "fake", 8, CK, "fp32"), ("fsdp", "full", "fake", 8, CK, "fp32")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, mode, where, world", PROBES)
-def test_checkpoint_save_peak_on_cpu_probes(tmp_path, strategy, mode, where, world):
+@pytest.mark.parametrize("strategy, mode, where, world, model, precision", PROBES,
+                         ids=[f"{p[0]}-{p[1]}-{p[2]}{p[3]}-{p[5]}" for p in PROBES])
+def test_checkpoint_save_peak_on_cpu_probes(tmp_path, strategy, mode, where, world, model, precision):
     pytest.importorskip("torch")
     spec = {"id": f"ckpt/{strategy}/{mode}", "strategy": strategy, "world_size": world, "gpus_per_node": world,
-            "mode": where, "model": dict(CK), "steps": 1, "seed": 0,
-            "train": {"seq_len": 32, "micro_batch": 2, "precision": "fp32", "optimizer": "adamw",
+            "mode": where, "model": dict(model), "steps": 1, "seed": 0,
+            "train": {"seq_len": 32, "micro_batch": 2, "precision": precision, "optimizer": "adamw",
                       "optimizer_impl": "foreach", "checkpointing": "none", "attention": "sdpa"},
             "checkpoint": {"mode": mode, "dir": str(tmp_path)}}
     spec_path, out = tmp_path / "spec.json", tmp_path / "out.json"
