@@ -248,8 +248,10 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
             # chunk clones of parameters and states stay; one unit's states gathered on top
             extra = (1 + per_state) * sz.local * pb + per_state * sz.largest_gathered * pb
         elif fam == "fsdp1":
-            # NO_SHARD: the parameters are saved as views of the flat parameter, but the optimizer's
-            # sharded state dict clones every state (`_optim_utils._shard_orig_param_state`)
+            # NO_SHARD: FSDP1 returns a full state dict instead (`_post_state_dict_hook`: "When using
+            # NO_SHARD ... full_state_dict will be returned"); measured on the CPU probes, the model's
+            # tensors are not copied and the optimizer's flat-state path (`_optim_utils`) copies every
+            # state once. Taken from the measurement, not traced line by line.
             extra = sz.states * pb
         elif sharding and cpu:
             # `_SerialCpuLoader` clones a shard shorter than its padded storage, and

@@ -187,6 +187,7 @@ PROBES = [("zero3", "full", "cpu", 2, CK, "fp32"), ("zero3", "full-offload", "cp
           ("ddp", "full", "cpu", 2, CK, "fp32"), ("ddp", "sharded", "cpu", 2, CK, "fp32"),
           ("zero3", "full", "cpu", 3, UNEVEN, "fp32"), ("zero3", "sharded", "cpu", 3, UNEVEN, "fp32"),
           ("fsdp", "sharded", "cpu", 3, UNEVEN, "fp32"),
+          ("fsdp-no-shard", "full", "cpu", 2, CK, "fp32"), ("fsdp-no-shard", "sharded", "cpu", 2, CK, "fp32"),
           # torch.distributed.checkpoint.save does not run on the fake process group (its global plan
           # check needs every rank's plan): full state dicts only
           ("zero3", "full", "fake", 8, CK, "fp32"), ("fsdp", "full", "fake", 8, CK, "fp32")]
