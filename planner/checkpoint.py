@@ -189,13 +189,32 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
     st = get_strategy(strategy)
     if st.family == "zero1" or (train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3")):
         return None
-    if train.tp > 1:  # one TP rank's parameters (tp.py): each TP rank saves its own slice
+    whole = None
+    if train.tp > 1:  # one TP rank's parameters (tp.py); the strategy over the data-parallel ranks
         from .tp import tp_view
+        if mem is None:
+            mem = estimate_memory(train, cluster, st, device=device)
+        m = train.model
+        states, _ = _all_state_elems(m, train.optimizer)
+        whole = ((m.param_count() + states) * train.prec.param_bytes, unit_sizes(m)[4] * train.prec.param_bytes)
         train, cluster = tp_view(train, cluster)
     if mem is None:
         mem = estimate_memory(train, cluster, st, device=device)
     if rank is None:
-        return _most_loaded(train, cluster, st, mode, storage_bytes_per_s, device, mem)
+        out = _most_loaded(train, cluster, st, mode, storage_bytes_per_s, device, mem)
+        if whole is not None and mode != "sharded":
+            # A full state dict redistributes every DTensor to Replicate on every mesh dimension
+            # (`_gather_state_dict`'s `dtensor_func`), the tensor-parallel one too: the whole model,
+            # not one TP rank's slice, on every rank (full) or in rank 0's host memory (full-offload).
+            full_bytes, largest = whole
+            extra = full_bytes if mode == "full" else largest
+            out = replace(out, device_extra_bytes=extra, written_bytes=full_bytes, writer_bytes=full_bytes,
+                          host_bytes=full_bytes if mode == "full-offload" else largest,
+                          save_time_s=full_bytes / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf"))
+            peak = out.resident_bytes + extra
+            out.fits = int((1 + RESERVED_MARGIN) * peak) + mem.process_overhead <= cluster.gpu_memory_bytes
+            out.notes = out.notes + [f"--tp {train.tp}: the {mode} state dict gathers the tensor-parallel shards too"]
+        return out
     shard = _shard_group(st, cluster)
     sz = _sizes(train, st, shard, rank)
     pb = train.prec.param_bytes  # fp32 master parameters under mixed precision; optimizer states alike

@@ -126,6 +126,18 @@ def test_more_ranks_never_raise_the_save_peak(mode, strategy):
     assert all(p > 0 for p in peaks)
 
 
+def test_tensor_parallel_full_state_dicts_gather_the_tp_shards_too():
+    spec = ModelSpec(**CK)
+    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory_bytes=80 * 2**30, gpu_name="h100-sxm",
+                      intra_link="nvlink4", inter_link="ib-ndr", nics_per_node=8)
+    tp = TrainConfig(spec, seq_len=32, micro_batch=2, precision="fp32", tp=2)
+    full = estimate_checkpoint(tp, cluster, "zero3", "full")
+    assert full.device_extra_bytes == 3 * 4 * P  # every rank: the whole model, not one TP rank's half
+    sharded = estimate_checkpoint(tp, cluster, "zero3", "sharded")
+    assert sharded.device_extra_bytes == 0
+    assert sharded.writer_bytes < 3 * 4 * P // 4  # one (dp, tp) rank's share: about an eighth
+
+
 def test_zero1_is_not_modelled():
     train, cluster = setup(2)
     assert estimate_checkpoint(train, cluster, "zero1", "full") is None
