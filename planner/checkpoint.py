@@ -46,7 +46,7 @@ assumes the file system's aggregate bandwidth grows with the writers).
 
 Known limitations: DCP's planning metadata (pickled save plans gathered on rank 0, a few hundred bytes per
 tensor per rank) and the collectives' time are not counted; ZeroRedundancyOptimizer (zero1) has no DCP
-state-dict support and is not modelled; FSDP1 with `offload_to_cpu` cannot run on a CPU device (PyTorch
+state-dict support and is not modelled, nor are pipeline stages (`--pp`); FSDP1 with `offload_to_cpu` cannot run on a CPU device (PyTorch
 raises), so the CPU probes do not check `full-offload` under FSDP1; DeepSpeed's checkpoints are not
 modelled; CPU-offloaded training (`cpu_offload=params`) is planned as if its state were on the device.
 """
@@ -188,6 +188,8 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
         raise ValueError(f"checkpoint={mode!r}: accepted: {', '.join(MODES)}")
     st = get_strategy(strategy)
     if st.family == "zero1" or (train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3")):
+        return None
+    if getattr(train, "pp", 1) > 1:  # pipeline stages (pp.py): each stage saves its own layers; not modelled
         return None
     whole = None
     if train.tp > 1:  # one TP rank's parameters (tp.py); the strategy over the data-parallel ranks

@@ -23,6 +23,9 @@ direct children are the FSDP units, wrapped in a non-reentrant `checkpoint_wrapp
 `{"hf_config": path, "micro_batch": B, "seq_len": T, "layers": L}` (a Hugging Face causal LM: its decoder
 layers are the units, transformers' own checkpointing for 'full', random token ids, its own loss).
 With DISTPLAN_MEMORY_SNAPSHOT set, rank 0 on CUDA also dumps the allocator's history (validate/snapshot.py).
+A spec with `"checkpoint": {"mode": "full" | "full-offload" | "sharded", "dir": path}` then saves model and
+optimizer state, measured by the same tracker, and reports every rank's save peak under "checkpoint"
+(validate/checkpoint.py).
 
 Known limitations: one batch of random tokens is reused every step; `checkpointing='selective'` runs as
 the reference decoder implements it (see `unmeasured`); CPU offload is not wired.
