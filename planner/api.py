@@ -324,6 +324,8 @@ class StrategyResult:
     memory: MemoryEstimate
     collectives: list = field(default_factory=list)
     time: Any = None
+    checkpoint: Any = None
+    """The checkpoint save (`checkpoint.CheckpointEstimate`) when the plan was asked for one."""
     _required: Any = field(default=None, repr=False)
     """A zero-argument function giving the required inter-node bandwidth (a bisection over the
     communication model, the costliest answer here), evaluated on first use and kept."""
@@ -341,7 +343,8 @@ class StrategyResult:
 
     @property
     def fits(self) -> bool:
-        return self.memory.fits
+        """The training step fits, and so does the checkpoint save when one was planned."""
+        return self.memory.fits and (self.checkpoint is None or self.checkpoint.fits)
 
     @property
     def comm_bytes_per_gpu(self) -> int:
@@ -379,14 +382,21 @@ class StrategyResult:
                                            else self.required_inter_bytes_per_s),
             "comm_hideable": self.required_inter_bytes_per_s != float("inf"),
             "notes": list(self.memory.notes),
+            **({"checkpoint": self.checkpoint.to_dict()} if self.checkpoint is not None else {}),
         }
 
 
 def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, comm: bool = True,
-             device: str = "cuda", catalog_dirs: Sequence[str] = ()) -> StrategyResult:
+             device: str = "cuda", catalog_dirs: Sequence[str] = (), checkpoint: str | None = None,
+             storage_bytes_per_s: float | None = None) -> StrategyResult:
     st = get_strategy(strategy)
     mem = estimate_memory(train, cluster, st, device=device)
     result = StrategyResult(st, mem)
+    if checkpoint is not None:
+        from .checkpoint import DEFAULT_STORAGE_GBPS, estimate_checkpoint
+        result.checkpoint = estimate_checkpoint(train, cluster, st, checkpoint,
+                                                storage_bytes_per_s or DEFAULT_STORAGE_GBPS * 1e9,
+                                                device=device, mem=mem)
     if comm:
         result.collectives = collective_schedule(train, cluster, st)
         gpu = _gpu(cluster.gpu_name, tuple(catalog_dirs) if catalog_dirs else ())
@@ -404,6 +414,8 @@ class Plan:
     results: list[StrategyResult]
     notes: list[str] = field(default_factory=list)
     tokens: float | None = None
+    checkpoint: str | None = None
+    storage_bytes_per_s: float | None = None
 
     def __getitem__(self, name: str) -> StrategyResult:
         for r in self.results:
@@ -437,6 +449,8 @@ class Plan:
                                                                      self.train.pp_microbatches))
         if self.tokens:
             inputs["tokens"] = self.tokens
+        if self.checkpoint:
+            inputs["checkpoint"] = {"mode": self.checkpoint, "storage_bytes_per_s": self.storage_bytes_per_s}
         out = {"inputs": inputs, "strategies": []}
         for r in self.results:
             d = r.to_dict()
@@ -481,7 +495,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
          alloc_conf: str = "", pp: int = 1, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
          strategies: Iterable[str] | None = None,
-         tokens: float | None = None,
+         tokens: float | None = None, checkpoint: str | None = None, storage_gbps: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
          **overrides) -> Plan:
     """Plan a training run: every strategy's per-GPU memory, communication and step time.
@@ -503,6 +517,10 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             micro-batches per step (default 2 * pp) (pp.py).
         strategies: names from the registry (default: all).
         tokens: total training tokens, for the time-to-train figure.
+        checkpoint: also plan saving a checkpoint: "full", "full-offload" or "sharded" (checkpoint.py);
+            its device peak counts in `fits`.
+        storage_gbps: write bandwidth per writing rank for the save time, GB/s (default
+            checkpoint.DEFAULT_STORAGE_GBPS).
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
     """
     catalog_dirs = catalog_dirs_tuple(catalog_dirs)
@@ -582,12 +600,22 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                                                  and (pp == 1 or n in PP_STRATEGIES)]
     if dp == 1 and not strategies:
         names = ["single"]
-    results = [evaluate(train, cluster, get_strategy(n), comm=comm, catalog_dirs=catalog_dirs) for n in names]
+    storage = None
+    if checkpoint is not None:
+        from .checkpoint import DEFAULT_STORAGE_GBPS, MODES
+        if checkpoint not in MODES:
+            raise ValueError(f"--checkpoint={short_repr(checkpoint)}: accepted: {', '.join(MODES)}")
+        storage = check_float("storage_gbps", DEFAULT_STORAGE_GBPS if storage_gbps is None else storage_gbps,
+                              1e-3, 1e5, "GB/s", "1 MB/s to 100 TB/s per writing rank") * 1e9
+    elif storage_gbps is not None:
+        raise ValueError("--storage-gbps: needs --checkpoint full|full-offload|sharded")
+    results = [evaluate(train, cluster, get_strategy(n), comm=comm, catalog_dirs=catalog_dirs,
+                        checkpoint=checkpoint, storage_bytes_per_s=storage) for n in names]
     if tokens is not None and not tokens > 0:
         raise ValueError(f"tokens={short_repr(tokens)}: must be positive")
     front = ("front end: analytic (decoder formulas"
              + ("; --front-end trace runs the transformers model itself on fake tensors)" if hf_config else ")"))
-    return Plan(train, cluster, results, notes + cnotes + [front], tokens)
+    return Plan(train, cluster, results, notes + cnotes + [front], tokens, checkpoint, storage)
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from .config import ATTENTION, CHECKPOINTING, FRAMEWORKS, OFFLOAD, PP_SCHEDULES
+from .config import ATTENTION, CHECKPOINT_MODES, CHECKPOINTING, DEFAULT_STORAGE_GBPS, FRAMEWORKS, OFFLOAD, PP_SCHEDULES
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .strategies import NAMES
 
@@ -97,6 +97,13 @@ def training_options(fn):
                      show_default=True, help="With --pp: the pipeline schedule."),
         click.option("--pp-microbatches", "pp_microbatches", type=int, default=None,
                      help="With --pp: micro-batches of --micro-batch sequences per step (default 2 x --pp)."),
+        click.option("--checkpoint", "checkpoint", type=click.Choice(CHECKPOINT_MODES), default=None,
+                     help="Also plan saving a checkpoint (model + optimizer, PyTorch's DCP state-dict API): "
+                          "full (gathered on every rank, rank 0 writes), full-offload (gathered to rank 0's "
+                          "CPU), sharded (torch.distributed.checkpoint.save); its GPU peak counts in 'fits'."),
+        click.option("--storage-gbps", "storage_gbps", type=float, default=None,
+                     help=f"With --checkpoint: write bandwidth per writing rank, GB/s (default "
+                          f"{DEFAULT_STORAGE_GBPS:g}, an assumed NVMe / file-system client rate)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -195,6 +202,9 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
         if (kw.get("pp") or 1) > 1:
             raise ValueError(f"--pp={kw.get('pp')}: pipeline parallelism is modelled by the analytic front end "
                              f"only; with --hf-config add --front-end analytic (--module: not supported)")
+        if kw.get("checkpoint") or kw.get("storage_gbps") is not None:
+            raise ValueError(f"--checkpoint={kw.get('checkpoint')}: the checkpoint save is modelled by the analytic "
+                             f"front end only; with --hf-config add --front-end analytic (--module: not supported)")
         if (kw.get("tp") or 1) > 1 or kw.get("sequence_parallel"):
             raise ValueError(f"--tp={kw.get('tp') or 1}: tensor parallelism is modelled by the analytic front end "
                              f"only; with --hf-config add --front-end analytic (--module: not supported)")
@@ -217,7 +227,8 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 alloc_conf=kw.get("alloc_conf") or "", pp=kw.get("pp") or 1,
                 pp_schedule=kw.get("pp_schedule") or "1f1b", pp_microbatches=kw.get("pp_microbatches"),
                 strategies=list(strategies) or None,
-                tokens=kw.get("tokens"), comm=comm, detect_local=detect_local,
+                tokens=kw.get("tokens"), checkpoint=kw.get("checkpoint"), storage_gbps=kw.get("storage_gbps"),
+                comm=comm, detect_local=detect_local,
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)
 
 

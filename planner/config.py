@@ -30,6 +30,12 @@ def checkpoint_every(mode: str) -> int:
     return 0
 ATTENTION = ("sdpa", "eager")
 OFFLOAD = ("none", "optimizer", "params")
+CHECKPOINT_MODES = ("full", "full-offload", "sharded")
+"""Checkpoint saves the planner models (`checkpoint.py`): full state dict gathered on every rank, full
+state dict gathered to rank 0's CPU, sharded (Distributed Checkpoint)."""
+DEFAULT_STORAGE_GBPS = 2.0
+"""Write bandwidth per writing rank, GB/s (10^9 bytes/s), for the checkpoint save time: an assumption,
+about one NVMe SSD's or one parallel-file-system client's sustained write; `--storage-gbps` changes it."""
 FRAMEWORKS = ("pytorch", "deepspeed")
 
 

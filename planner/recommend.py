@@ -93,10 +93,33 @@ def max_micro_batch(train: TrainConfig, cluster: Cluster, strategy: str, limit: 
     return _largest(lambda b: mem(b).fits, 1, bound)
 
 
+def _fitter(plan):
+    """fits(train, cluster, name): the training step fits and, when the plan saves a checkpoint
+    (`plan.checkpoint`), so does the save (checkpoint.py)."""
+    mode = getattr(plan, "checkpoint", None)
+    if not mode:
+        return lambda t, c, n: estimate_memory(t, c, n).fits
+
+    from .checkpoint import estimate_checkpoint
+
+    def fits(t, c, n) -> bool:
+        mem = estimate_memory(t, c, n)
+        if not mem.fits:
+            return False
+        ck = estimate_checkpoint(t, c, n, mode, plan.storage_bytes_per_s or 1.0, mem=mem)
+        return ck is None or ck.fits
+    return fits
+
+
 def _smallest_change(plan):
     """(words, train, cluster) of the smallest change that makes a strategy fit, or (words, None, None)."""
     train, cluster = plan.train, plan.cluster
     names = [r.name for r in plan.results]
+    fits_as = _fitter(plan)
+    mode = getattr(plan, "checkpoint", None)
+    if mode and mode != "sharded" and any(r.memory.fits for r in plan.results):
+        # The training step fits; the save does not: a sharded save gathers nothing.
+        return ("--checkpoint sharded (torch.distributed.checkpoint.save: nothing gathered)", train, cluster)
     sharded = [n for n in ("zero3", "fsdp", "hsdp") if n in names] or ["zero3"]
     if train.micro_batch > 1:
         # The largest smaller micro-batch with which a strategy fits: memory grows with the micro-batch
@@ -108,7 +131,7 @@ def _smallest_change(plan):
 
         def fits(b: int) -> bool:
             t = smaller(b)
-            return any(estimate_memory(t, cluster, n).fits for n in names)
+            return any(fits_as(t, cluster, n) for n in names)
 
         k = LIMITS["grad_accum"][1] // train.grad_accum  # the largest ceil(micro_batch / b) allowed
         b_min = -(-train.micro_batch // k) if k >= 2 else train.micro_batch
@@ -124,13 +147,13 @@ def _smallest_change(plan):
             if train.checkpointing == "selective" and mode == "selective":
                 continue
             t = replace(train, checkpointing=mode)
-            if any(estimate_memory(t, cluster, n).fits for n in names):
+            if any(fits_as(t, cluster, n) for n in names):
                 extra = "about 1/3 more compute" if mode == "full" else "recomputes norms and activations"
                 return (f"--activation-checkpointing {mode} ({extra})", t, cluster)
     if train.pp == 1:  # offload is not modelled with pipeline stages
         t = replace(train, cpu_offload="params", checkpointing="full")
         for n in sharded:
-            if estimate_memory(t, cluster, n).fits:
+            if fits_as(t, cluster, n):
                 return ("--cpu-offload params --activation-checkpointing full (slow: bound by PCIe)", t, cluster)
     if train.pp > 1 or train.tp > 1:
         # The mesh: sequence parallelism (TP's norms and checkpointed block inputs split by tp), more
@@ -147,7 +170,7 @@ def _smallest_change(plan):
                 if (p, sp) != (train.pp, train.sequence_parallel):
                     t = replace(t0, pp=p, sequence_parallel=sp,
                                 pp_microbatches=max(train.pp_microbatches, p) if p > 1 else 1)
-                    if any(estimate_memory(t, cluster, n).fits for n in names):
+                    if any(fits_as(t, cluster, n) for n in names):
                         words = " ".join(w for w in (
                             "--sequence-parallel" if sp != train.sequence_parallel else "",
                             f"--pp {p} --pp-microbatches {t.pp_microbatches}" if p != train.pp else "") if w)
@@ -162,7 +185,7 @@ def _smallest_change(plan):
         if gpus > LIMITS["gpus"][1]:  # no cluster that large exists (units.LIMITS)
             break
         c = replace(cluster, gpus=gpus, gpus_per_node=min(cluster.gpus_per_node, gpus))
-        if any(estimate_memory(t, c, n).fits for n in sharded):
+        if any(fits_as(t, c, n) for n in sharded):
             ck = " with --activation-checkpointing full" if t is not train else ""
             return (f"--gpus {gpus}{ck}", t, c)
     more = "more" if train.tp > 1 or train.pp > 1 else ""
@@ -180,8 +203,13 @@ def recommend(plan, _depth: int = 0) -> Recommendation:
         if train is None or _depth > 0:
             return Recommendation(None, [first], None, words)
         from .api import Plan, evaluate
-        changed = Plan(train, cluster, [evaluate(train, cluster, r.strategy) for r in plan.results],
-                       list(plan.notes))
+        mode = getattr(plan, "checkpoint", None)
+        if mode and words.startswith("--checkpoint sharded"):
+            mode = "sharded"
+        storage = getattr(plan, "storage_bytes_per_s", None)
+        changed = Plan(train, cluster, [evaluate(train, cluster, r.strategy, checkpoint=mode,
+                                                 storage_bytes_per_s=storage) for r in plan.results],
+                       list(plan.notes), checkpoint=mode, storage_bytes_per_s=storage)
         rec = recommend(changed, _depth=1)
         rec.reasons = [first] + [f"with that change: {r}" for r in rec.reasons]
         rec.change = words
@@ -219,8 +247,11 @@ def _reasons(plan, best, ok, timed) -> list[str]:
                    f"{fmt_gib(mem.device_total)} of {gpu_gib} GiB with the CUDA context and NCCL")
     too_big = [r for r in plan.results if not r.fits]
     if too_big:
-        out.append("does not fit: " + ", ".join(
-            f"{r.name} ({fmt_gib(r.memory.total_required)} GiB)" for r in sorted(too_big, key=lambda r: _rank(r.name))))
+        def why(r) -> str:
+            if r.memory.fits and r.checkpoint is not None:  # the step fits, the save does not
+                return f"{r.name} (its {r.checkpoint.mode} save: {fmt_gib(r.checkpoint.device_peak_bytes)} GiB)"
+            return f"{r.name} ({fmt_gib(r.memory.total_required)} GiB)"
+        out.append("does not fit: " + ", ".join(why(r) for r in sorted(too_big, key=lambda r: _rank(r.name))))
     ddp = by.get("ddp")
     sharded = best.name in ("zero3", "fsdp", "hsdp")
     if timed and sharded and ddp is not None and ddp.comm_bytes_per_gpu and best.comm_bytes_per_gpu:

@@ -135,6 +135,24 @@ def comm_table(plan, table_format: str = "simple", results=None, title: str | No
     return fit_table(title or "communication and time per optimizer step", headers, rows, table_format)
 
 
+def checkpoint_table(plan, table_format: str = "simple") -> str:
+    """The checkpoint save per strategy (`plan(checkpoint=...)`): device peak, host bytes, save time."""
+    mode = getattr(plan, "checkpoint", None)
+    if not mode:
+        return ""
+    rows = []
+    for r in plan.results:
+        c = r.checkpoint
+        if c is None:
+            rows.append([r.name, "-", "-", "-", "-", "-", "not modelled"])
+            continue
+        rows.append([r.name, fmt_gib(c.resident_bytes), fmt_gib(c.device_extra_bytes), fmt_gib(c.device_peak_bytes),
+                     fmt_gib(c.host_bytes), fmt_seconds(c.save_time_s), "yes" if c.fits else "NO"])
+    bw = plan.storage_bytes_per_s / 1e9 if plan.storage_bytes_per_s else 0
+    headers = ["strategy", "resident", "+save", "GPU peak", "host (rank 0)", f"time @ {bw:g} GB/s", "fits"]
+    return fit_table(f"checkpoint save, {mode} (GiB, most loaded rank)", headers, rows, table_format)
+
+
 def recommended_rows(plan, table_format: str = "simple") -> list[str]:
     """When the recommendation changes the configuration: the recommended strategy's rows under the
     change (the tables above show the configuration as given)."""
@@ -155,7 +173,11 @@ def render_estimate(plan, table_format: str = "simple") -> str:
     ct = comm_table(plan, table_format)
     if ct:
         parts += ["", ct]
-    notes = sorted({n for r in plan.results for n in r.memory.notes})
+    ck = checkpoint_table(plan, table_format)
+    if ck:
+        parts += ["", ck]
+    notes = sorted({n for r in plan.results for n in r.memory.notes}
+                   | {n for r in plan.results if r.checkpoint is not None for n in r.checkpoint.notes})
     for n in notes:
         parts.append(wrap(f"note: {n}"))
     rec = plan.recommendation

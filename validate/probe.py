@@ -23,6 +23,9 @@ direct children are the FSDP units, wrapped in a non-reentrant `checkpoint_wrapp
 `{"hf_config": path, "micro_batch": B, "seq_len": T, "layers": L}` (a Hugging Face causal LM: its decoder
 layers are the units, transformers' own checkpointing for 'full', random token ids, its own loss).
 With DISTPLAN_MEMORY_SNAPSHOT set, rank 0 on CUDA also dumps the allocator's history (validate/snapshot.py).
+A spec with `"checkpoint": {"mode": "full" | "full-offload" | "sharded", "dir": path}` then saves model and
+optimizer state, measured by the same tracker, and reports every rank's save peak under "checkpoint"
+(validate/checkpoint.py).
 
 Known limitations: one batch of random tokens is reused every step; `checkpointing='selective'` runs as
 the reference decoder implements it (see `unmeasured`); CPU offload is not wired.
@@ -344,6 +347,11 @@ class Probe:
                 torch.cuda.synchronize()
         self._record_memory(complete=True)
         self.result["collectives"] = tracker.collective_list(steps)
+        if spec.get("checkpoint"):  # after the measured steps: optimizer state exists, gradients freed
+            from .checkpoint import save_checkpoint
+            with tracker:
+                self.result["checkpoint"] = save_checkpoint(model, opt, spec["checkpoint"], tracker,
+                                                            self.rank)
         if tracker.events is not None:
             with open(os.environ[ALLOC_EVENTS_ENV], "w") as f:
                 json.dump(tracker.events, f)
