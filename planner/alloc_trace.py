@@ -52,8 +52,10 @@ from .config import TrainConfig
 from .model import unit_sizes
 from .strategies import get_strategy
 
-MAX_LAYERS = 512
-"""Deeper models are not replayed (the work grows with the layers; real models have at most ~130)."""
+MAX_LAYERS = 160
+"""Deeper models are not replayed (the work grows with the layers): 160 covers the deepest published
+dense models (Llama-3.1-405B 126 layers, PaLM 540B 118, GPT-3 96); beyond it the reserved peak is the
+margin (memory.RESERVED_MARGIN) and the output says so."""
 WARMUP_STEPS = 2  # validate/probe.py: optimizer state, FSDP lazy init, DDP's bucket rebuild
 MEASURED_STEPS = 1  # later steps repeat the second one's allocations: the reserved peak is reached by then
 

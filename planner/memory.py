@@ -701,6 +701,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     overhead = fp.total
     replay_args = None
     from .alloc_trace import MAX_LAYERS
+    if device == "cuda" and train.model.layers > MAX_LAYERS:
+        notes.append(f"reserved peak: the allocated peak + {RESERVED_MARGIN:.0%} (no allocator replay beyond "
+                     f"{MAX_LAYERS} layers)")
     if device == "cuda" and train.model.layers <= MAX_LAYERS:
         # The most loaded rank's allocations replayed through the caching allocator. `init`: the probes
         # build the model on the device and wrap it; a plan assumes FSDP runs materialize shards from the
