@@ -453,13 +453,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # (torch/csrc/autograd/functions/accumulate_grad.h `accumulateGrad`: `variable_grad += new_grad`
         # outside grad mode), so the new gradient is the same transient as at grad_accum=1. DDP's reducer
         # all-reduces a bucket copy and copies it back into .grad (`Reducer::copy_bucket_to_grad`).
-        carried = lay.total * gb if later else 0
         if later:
             notes.append("gradient accumulation keeps every parameter's gradient between micro-steps")
-        snap_inner = snap
+            carried, snap_inner = lay.total * gb, snap
 
-        def snap(phase, grads=0, **parts):  # noqa: F811 -- every .grad of a later micro-step is alive
-            snap_inner(phase, grads=max(grads, carried) if phase != "optimizer" else grads, **parts)
+            def snap(phase, grads=0, **parts):  # noqa: F811 -- every .grad of a later micro-step is alive
+                snap_inner(phase, grads=max(grads, carried) if phase != "optimizer" else grads, **parts)
         snap("forward", activations=acts_fwd)
         snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
         # First block's MLP backward: the head's gradient exists, every block's activations live.
