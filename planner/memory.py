@@ -523,7 +523,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             return unit_root + min(j + 1, L) * unit_block if j >= 0 else 0
         acc = carry(L)
         # FSDP2 in fp32 without sync: a later micro-step's gradients are added in place into the kept
-        # .grad (AccumulateGrad), so the block's and head's new gradients are not extra; under mixed
+        # .grad (AccumulateGrad), so the block's and head's new gradients are not extra, and the weight
+        # gradient just computed is freed by the add before the next ones exist; under mixed
         # precision the bf16 .grad is new and added to the fp32 accumulator in `post_backward`.
         fresh = 0 if (later and not every and sharding and family == "fsdp2" and not prec.mixed) else 1
         if later:
@@ -577,10 +578,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             head_new = fresh * (head_g - tied_buf)  # the head's gradient not yet added to an accumulator
             snap("backward", comm_buffers=ur + blocks_unsharded,
                  activations=first_acts + outside_first - freed, grads=head_new + carry(L - 1),
-                 temporaries=blk_tmp + cur_g + tied_buf)
+                 temporaries=blk_tmp + fresh * cur_g + tied_buf)
             snap("backward", comm_buffers=ur + blocks_unsharded_last + rs_held,
                  activations=last_acts + outside_last - freed, grads=shards + head_new + carry(0),
-                 temporaries=blk_tmp + cur_g + tied_buf)
+                 temporaries=blk_tmp + fresh * cur_g + tied_buf)
             # A middle block j (0 < j < L-1) is the only one that has all three at once: its
             # unsharded parameters, the prefetched all-gather of block j-1, and block j+1's
             # reduce-scatter input, which FSDP2 keeps until the next reduce-scatter
@@ -594,7 +595,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                      + act.inputs + (j + 1) * act.block_cache - freed,
                      grads=(L - 1 - j) * (lay.shard_block * gsh if sharding else lay.block * gb)
                      + head_new + carry(j),
-                     temporaries=blk_tmp + cur_g + tied_buf)
+                     temporaries=blk_tmp + fresh * cur_g + tied_buf)
             if sharding:
                 # Each block's own backward, from FSDP2's hooks (_fsdp_param_group.py), per block j (run
                 # L-1 .. 0). Gradient shards of the blocks after j are alive (`foreach_reduce`'s

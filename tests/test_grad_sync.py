@@ -245,3 +245,45 @@ def test_probe_accumulation(tmp_path, mode, world, precision, A, sync):
         if mode == "fake" and not cmp["components"]["grads"]["ok"]:
             bad.append((r["id"], "grads", cmp["components"]["grads"]))
     assert not bad, bad
+
+
+# -- the committed probes, re-predicted ----------------------------------------------------------------
+# benchmarks/results/cpu-*-accum.jsonl: `distplan validate --strategy all --grad-accum A --grad-sync S`,
+# the fake process group of 8 (fp32 at A=2, bf16-mixed at A=3) and gloo with 2 ranks (fp32, A=2), both
+# modes. Re-predicted with the planner as it is now: peaks within 5%, collectives exact; on the fake
+# process group (one process, deterministic) every component passes but the gaps named here.
+
+ACCUM_GAPS = {
+    # FSDP2 without sync in fp32: the walk's peak is the last block's MLP backward with three n x f
+    # gradients; the measured one is the instant before, w_down's input still saved and its weight
+    # gradient not yet added in place (temporaries 606,208 vs 430,116 B; activations -6.7%; the peak -0.03%)
+    "zero3/llama-tiny/w8-fake/none/fp32/accum2-last",
+}
+
+
+def _committed_accum():
+    import glob
+    import os
+
+    from distplan.planner.api import predict_probe
+    from distplan.validate.compare import compare
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    recs = []
+    for path in sorted(glob.glob(os.path.join(root, "benchmarks", "results", "cpu-*-accum.jsonl"))):
+        with open(path) as f:
+            recs += [json.loads(line) for line in f if line.strip()]
+    return [(r, compare(predict_probe(dict(r["inputs"])), r["measurement"])) for r in recs]
+
+
+def test_committed_accumulation_probes_repredicted():
+    rows = _committed_accum()
+    assert len(rows) >= 46
+    assert {r["inputs"]["train"]["grad_sync"] for r, _ in rows} == {"last", "every"}
+    assert all(r["measurement"]["status"] == "ok" and r["inputs"]["train"]["grad_accum"] > 1 for r, _ in rows)
+    bad = {r["id"]: round(100 * c["peak"]["error"], 2) for r, c in rows if abs(c["peak"]["error"]) > 0.05}
+    assert not bad, bad
+    assert [r["id"] for r, c in rows if not c["collectives"]["exact"]] == []
+    fake = {r["id"]: c["verdict"] for r, c in rows if r["inputs"]["mode"] == "fake" or r["inputs"]["world_size"] == 1}
+    failed = {i for i, v in fake.items() if v != "PASS"}
+    assert failed == ACCUM_GAPS & set(fake), failed
