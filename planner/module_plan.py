@@ -815,7 +815,9 @@ class ModulePlan(Plan):
         return [
             f"model: {d.name}: {n:,} params ({fmt_count(n)}); wrapping units: {units}",
             f"training: input {'x'.join(map(str, t.input_shape))} per GPU"
-            f"{' (sequences x tokens)' if t.tokens_per_sample > 1 else ''} x accum {t.grad_accum}, "
+            f"{' (sequences x tokens)' if t.tokens_per_sample > 1 else ''} x accum {t.grad_accum}"
+            + (f" (gradients reduced {'every micro-step' if t.sync_every else 'on the last micro-step'})"
+               if t.grad_accum > 1 else "") + ", "
             f"{t.precision}, {t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}; "
             f"measured on fake tensors in {self.profile_s:.2f} s",
             f"cluster: {c.gpus} x {c.gpu_name} ({c.gpu_memory_bytes / 2**30:.2f} GiB) in {c.nodes} node(s) of "
