@@ -490,7 +490,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          gpu: str | None = None, gpu_mem: str | float | None = None, node: str | None = None,
          intra: str | None = None, inter: str | None = None, nics_per_node: int | None = None,
          inter_gbps: float | None = None, seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1,
-         precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
+         grad_sync: str = "last", precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
          activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
          framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
          alloc_conf: str = "", pp: int = 1, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
@@ -507,6 +507,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             (catalog names; `gpu_mem` as 80, "80GB" or "80GiB").
         seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
             activation_checkpointing, attention, cpu_offload, framework: one training step.
+        grad_sync: with grad_accum > 1, "last" (gradients reduced on the last micro-step only: DDP/FSDP1
+            `no_sync()`, FSDP2 `set_requires_gradient_sync(False)` before it) or "every" (every
+            micro-step reduces; the sharded gradient accumulates).
         compile: the blocks run under torch.compile (step time only: fused pointwise kernels).
         tp, sequence_parallel: tensor-parallel degree inside a node (torchtitan's Llama plan; the
             strategies then run over gpus / tp data-parallel ranks) and sequence parallelism (tp.py).
@@ -584,7 +587,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         from .pp import check_pp
         check_pp(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches, cpu_offload), "--pp")
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+                        grad_sync=grad_sync, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,
                         cpu_offload=cpu_offload, framework=framework, compile=compile, tp=tp,
                         sequence_parallel=sequence_parallel, alloc_conf=alloc_conf, pp=pp,
@@ -633,7 +636,8 @@ def predict_probe(spec: dict) -> dict:
     model = ModelSpec(**spec["model"])
     t = spec["train"]
     train = TrainConfig(model, seq_len=t["seq_len"], micro_batch=t["micro_batch"],
-                        grad_accum=t.get("grad_accum", 1), precision=t["precision"],
+                        grad_accum=t.get("grad_accum", 1), grad_sync=t.get("grad_sync", "last"),
+                        precision=t["precision"],
                         optimizer=t.get("optimizer", "adamw"), optimizer_impl=t.get("optimizer_impl", "foreach"),
                         checkpointing=t.get("checkpointing", "none"), attention=t.get("attention", "sdpa"),
                         alloc_conf=t.get("alloc_conf", ""))

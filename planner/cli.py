@@ -14,7 +14,8 @@ import sys
 
 import click
 
-from .config import ATTENTION, CHECKPOINT_MODES, CHECKPOINTING, DEFAULT_STORAGE_GBPS, FRAMEWORKS, OFFLOAD, PP_SCHEDULES
+from .config import (ATTENTION, CHECKPOINT_MODES, CHECKPOINTING, DEFAULT_STORAGE_GBPS, FRAMEWORKS, GRAD_SYNC,
+                     OFFLOAD, PP_SCHEDULES)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .strategies import NAMES
 
@@ -69,6 +70,9 @@ def training_options(fn):
         click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per sequence."),
         click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per GPU per micro-step."),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-steps per optimizer step."),
+        click.option("--grad-sync", type=click.Choice(GRAD_SYNC), default="last", show_default=True,
+                     help="With --grad-accum > 1: reduce gradients on the last micro-step only (no_sync / "
+                          "set_requires_gradient_sync(False) before it) or on every micro-step."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="bf16-mixed", show_default=True),
         click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True),
         click.option("--optimizer-impl", type=click.Choice(OPTIMIZER_IMPLS), default="foreach", show_default=True),
@@ -220,7 +224,7 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 gpu_mem=kw.get("gpu_mem"), node=kw.get("node"), intra=kw.get("intra"), inter=kw.get("inter"),
                 nics_per_node=kw.get("nics_per_node"), inter_gbps=kw.get("inter_gbps"),
                 seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], grad_accum=kw["grad_accum"],
-                precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
+                grad_sync=kw.get("grad_sync") or "last", precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
                 activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
                 cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
                 tp=kw.get("tp") or 1, sequence_parallel=bool(kw.get("sequence_parallel")),

@@ -13,7 +13,8 @@ group on the reference decoder (tests/test_comm.py, `test_schedule_matches_torch
   at `bucket_cap_mb` MiB, a bucket closed when its size reaches the cap (so it may exceed it). An
   explicit `bucket_cap_mb=25` (what `validate/wrap.py` passes) makes the first cap 25 MiB too; only
   `bucket_cap_mb=None` gives the 1 MiB `dist._DEFAULT_FIRST_BUCKET_BYTES` first bucket. We model the
-  steady state (iteration >= 2). One all-reduce per bucket per optimizer step (`no_sync` before).
+  steady state (iteration >= 2). One all-reduce per bucket per optimizer step (`no_sync` before), or
+  per micro-step with grad_sync='every'.
 - ZeroRedundancyOptimizer (`torch/distributed/optim/zero_redundancy_optimizer.py`), defaults
   (`parameters_as_bucket_view=False`): after the local step `_sync_params` broadcasts EVERY parameter
   tensor from its owner rank, one `broadcast` per parameter (not one all-gather), in the param dtype.
@@ -33,6 +34,10 @@ group on the reference decoder (tests/test_comm.py, `test_schedule_matches_torch
   micro-steps (`_should_free_in_backward`), so it all-gathers ONCE per optimizer step, not per
   micro-step. NO_SHARD: one all-reduce of the unpadded flat grad per unit. HYBRID_SHARD: plus an
   all-reduce of the reduced shard over the replica group, issued even when that group has one rank.
+- Gradient accumulation (grad_accum = A > 1): with grad_sync='last' (the default) the reductions run on
+  the last micro-step only, the others under `no_sync()` / `set_requires_gradient_sync(False)`; with
+  'every' each micro-step issues them (A times the calls, same message sizes). The all-gathers do not
+  change, except SHARD_GRAD_OP's, which all-gathers every micro-step when each one syncs.
 - DeepSpeed (`--framework deepspeed`): modelled from DeepSpeed's source, NOT validated (no DeepSpeed
   here); see `_deepspeed`.
 
@@ -680,14 +685,17 @@ def timed_collectives(raw, cluster: Cluster) -> list[Collective]:
 
 
 def _schedule_key(train: TrainConfig, name: str, world: int, g: int, nodes: int, cap, root_explicit):
-    return (train.model, train.precision, train.grad_accum, train.framework, name, world, g, nodes,
-            cap, root_explicit)
+    return (train.model, train.precision, train.grad_accum, train.sync_every, train.framework, name, world, g,
+            nodes, cap, root_explicit)
 
 
 @lru_cache(maxsize=4096)
-def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name: str, world: int,
+def _raw_schedule(model: ModelSpec, precision: str, A: int, every: bool, framework: str, name: str, world: int,
                   g: int, nodes: int, cap, root_explicit) -> tuple:
-    """Tuples (op, group, group_size, dtype, message_bytes, calls, phase, unit), cached."""
+    """Tuples (op, group, group_size, dtype, message_bytes, calls, phase, unit), cached.
+
+    `every`: gradients are reduced on each of the A micro-steps (grad_sync='every'), else on the last
+    one only. DeepSpeed keeps its own schedule either way."""
     s = get_strategy(name)
     if s.family == "single":
         return ()
@@ -703,11 +711,15 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
         if calls > 0:
             out.append((op, group, n, dtype, int(msg), int(calls), phase, unit))
 
+    # Micro-steps that reduce gradients: all A unless the others run without sync (DDP's and FSDP1's
+    # `no_sync()`: `require_backward_grad_sync` / `_sync_gradients` False, FSDP2's
+    # `set_requires_gradient_sync(False)`: `FSDPParamGroup.reduce_grads` False).
+    R = A if every else 1
     if s.family in ("ddp", "zero1"):
         counts, last = _ddp_bucket_counts(model, gb, cap, _autocast(precision))
         for b, c in counts:
-            add("all_reduce", "world", world, gdt, b, c, "backward", "bucket")
-        add("all_reduce", "world", world, gdt, last, 1, "backward", "last_bucket")
+            add("all_reduce", "world", world, gdt, b, c * R, "backward", "bucket")
+        add("all_reduce", "world", world, gdt, last, R, "backward", "last_bucket")
         if s.family == "zero1":
             sdt = _stored_dtype(precision)
             for n, c in _param_size_counts(model):
@@ -724,31 +736,33 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, framework: str, name
             add("all_gather", "world", world, pdt, blk * pb, L * A, "backward", "block")
         if root_bwd:
             add("all_gather", "world", world, pdt, rt * pb, A, "backward", "root")
-        add("reduce_scatter", "world", world, gdt, blk * gb, L, "backward", "block")
-        add("reduce_scatter", "world", world, gdt, rt * gb, 1, "backward", "root")
+        add("reduce_scatter", "world", world, gdt, blk * gb, L * R, "backward", "block")
+        add("reduce_scatter", "world", world, gdt, rt * gb, R, "backward", "root")
         return tuple(out)
 
     if s.family == "fsdp1":
         if name == "fsdp-no-shard":
-            add("all_reduce", "world", world, gdt, block_n * gb, L, "backward", "block")
-            add("all_reduce", "world", world, gdt, root_n * gb, 1, "backward", "root")
+            add("all_reduce", "world", world, gdt, block_n * gb, L * R, "backward", "block")
+            add("all_reduce", "world", world, gdt, root_n * gb, R, "backward", "root")
             return tuple(out)
         if name == "hsdp":
             shard_n, group = min(world, g), "intra_node"
         else:
             shard_n, group = world, "world"
         blk, rt = _fsdp1_numel(block_n, shard_n), _fsdp1_numel(root_n, shard_n)
-        fwd_calls = 1 if name == "fsdp-grad-op" else A  # SHARD_GRAD_OP keeps params under no_sync
+        # SHARD_GRAD_OP keeps params unsharded under no_sync (`_should_free_in_backward`), so only the first
+        # micro-step all-gathers; a synced micro-step frees them, so with every one synced all A do.
+        fwd_calls = 1 if name == "fsdp-grad-op" and not every else A
         add("all_gather", group, shard_n, pdt, blk * pb, L * fwd_calls, "forward", "block")
         add("all_gather", group, shard_n, pdt, rt * pb, fwd_calls, "forward", "root")
         if s.reshard_after_forward:
             add("all_gather", group, shard_n, pdt, blk * pb, L * A, "backward", "block")
-        add("reduce_scatter", group, shard_n, gdt, blk * gb, L, "backward", "block")
-        add("reduce_scatter", group, shard_n, gdt, rt * gb, 1, "backward", "root")
+        add("reduce_scatter", group, shard_n, gdt, blk * gb, L * R, "backward", "block")
+        add("reduce_scatter", group, shard_n, gdt, rt * gb, R, "backward", "root")
         if name == "hsdp":
             replicas = max(1, world // shard_n)
-            add("all_reduce", "inter_node", replicas, gdt, blk // shard_n * gb, L, "backward", "block")
-            add("all_reduce", "inter_node", replicas, gdt, rt // shard_n * gb, 1, "backward", "root")
+            add("all_reduce", "inter_node", replicas, gdt, blk // shard_n * gb, L * R, "backward", "block")
+            add("all_reduce", "inter_node", replicas, gdt, rt // shard_n * gb, R, "backward", "root")
         return tuple(out)
     raise AssertionError(f"no schedule for family {s.family!r}")
 

@@ -11,14 +11,17 @@ ffn width, biases excluded as non-matmul); the attention term is halved for SDPA
 eager attention (the full s x s scores are computed, then masked). Embedding lookups are 0 FLOPs.
 
 Overlap model (per optimizer step; exposure = max(0, comm - compute it can hide behind)):
-- DDP (and zero1's DDP part): bucket all-reduces overlap the last micro-step's backward except the last
-  bucket, which is exposed; zero1's parameter broadcasts (after the step) are exposed.
+- DDP (and zero1's DDP part): bucket all-reduces overlap the backward of the micro-step that reduces
+  (the last; each one with grad_sync='every') except the last bucket, which is exposed; zero1's
+  parameter broadcasts (after the step) are exposed.
 - FSDP1/FSDP2: forward all-gather of unit i+1 overlaps compute of unit i (prefetch); the first
   (root) all-gather is exposed, so is block 0's (only the embedding lookup precedes it). In backward,
   the root's backward (logits) hides block L-1's all-gather; each block's backward hides the
   all-gather of the next block plus the reduce-scatter (and HSDP inter-node all-reduce) of the
   previous one; the last block's reduce-scatter/all-reduce and the root's are exposed.
-  Reduce-scatters exist only on the last micro-step.
+  Reduce-scatters exist only on the last micro-step (grad_sync='last', `no_sync()` /
+  `set_requires_gradient_sync(False)` before it) or on every one (grad_sync='every'), each exposing
+  its last block's and root's reduction.
 - DeepSpeed: stage 1/2 (overlap_comm=False by default) expose everything; stage 3 overlaps per phase
   (exposed = max(0, comm - compute) per phase).
 Optimizer step: memory bound, bytes touched / (HBM x hbm_efficiency).
@@ -171,10 +174,15 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
         fwd, bwd = by_phase.get("forward", 0.0), by_phase.get("backward", 0.0)
         return max(0.0, fwd - A * (L * F_blk + F_head)) + max(0.0, bwd - A * bwd_total) + opt_comm
 
+    # Micro-steps that reduce: the last one, or each with grad_sync='every' (the schedule's reductions
+    # count all of them; each backward hides its own).
+    R = A if train.sync_every else 1
     if s.family in ("ddp", "zero1"):
-        last = sums.time_by_unit.get("last_bucket", 0.0)
-        rest = sums.time_by_unit.get("bucket", 0.0)
-        return last + max(0.0, rest - bwd_total) + opt_comm
+        # Per reducing micro-step: the bucket reduced last waits for nothing to hide it; the others
+        # overlap that micro-step's backward (DDP's Reducer launches each bucket when it is ready).
+        last = sums.time_by_unit.get("last_bucket", 0.0) / R
+        rest = sums.time_by_unit.get("bucket", 0.0) / R
+        return R * (last + max(0.0, rest - bwd_total)) + opt_comm
 
     # FSDP1 / FSDP2: per-unit walk with uniform blocks (closed form over L).
     pc, none = sums.per_call, (0.0, 0)
@@ -203,11 +211,14 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
         exp += red + redr  # last block's and the root's reductions
         return exp
 
-    # Micro-steps k < bwd_ag_steps all-gather in backward, the last (k = A - 1) reduces: a closed form
-    # over the A micro-steps (the work does not grow with --grad-accum).
-    total += min(bwd_ag_steps, A - 1) * bwd_exposed(ag_bb, ag_rb, 0.0, 0.0)
-    gathers_last = A - 1 < bwd_ag_steps
-    total += bwd_exposed(ag_bb if gathers_last else 0.0, ag_rb if gathers_last else 0.0, red_b, red_r)
+    # The first bwd_ag_steps micro-steps all-gather in backward (all A, or none for SHARD_GRAD_OP and
+    # zero2); the last R reduce (R = 1 under no_sync, A with grad_sync='every'): a closed form over the
+    # four kinds of micro-step (the work does not grow with --grad-accum).
+    G = min(bwd_ag_steps, A)
+    both = max(0, G + R - A)
+    total += (G - both) * bwd_exposed(ag_bb, ag_rb, 0.0, 0.0)
+    total += (R - both) * bwd_exposed(0.0, 0.0, red_b, red_r)
+    total += both * bwd_exposed(ag_bb, ag_rb, red_b, red_r)
     return total + opt_comm
 
 

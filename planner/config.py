@@ -37,6 +37,11 @@ DEFAULT_STORAGE_GBPS = 2.0
 """Write bandwidth per writing rank, GB/s (10^9 bytes/s), for the checkpoint save time: an assumption,
 about one NVMe SSD's or one parallel-file-system client's sustained write; `--storage-gbps` changes it."""
 FRAMEWORKS = ("pytorch", "deepspeed")
+GRAD_SYNC = ("last", "every")
+"""When gradient accumulation (grad_accum > 1) communicates gradients. last: only on the last micro-step,
+the others run under DDP's / FSDP1's `no_sync()` or FSDP2's `set_requires_gradient_sync(False)`, which
+keep UNSHARDED gradients between micro-steps; every: every micro-step reduces (all-reduce or
+reduce-scatter) and the sharded gradient is accumulated (torchtitan's loop, which never disables sync)."""
 
 
 def _choice(name: str, value: str, accepted: tuple) -> None:
@@ -65,6 +70,9 @@ class TrainConfig:
     """Sequences per rank per micro-step (b)."""
     grad_accum: int = 1
     """Micro-steps per optimizer step (A)."""
+    grad_sync: str = "last"
+    """With grad_accum > 1, which micro-steps reduce gradients (GRAD_SYNC): 'last' (no_sync before it)
+    or 'every'. No effect at grad_accum = 1 or under framework='deepspeed' (its own schedule)."""
     precision: str = "bf16-mixed"
     """One of fp32, bf16-mixed, fp16-mixed, bf16 (see precision.py)."""
     optimizer: str = "adamw"
@@ -101,7 +109,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not (type(self.seq_len) is int and 0 < self.seq_len <= _MAX_SEQ and type(self.micro_batch) is int
                 and 0 < self.micro_batch <= _MAX_MB and type(self.grad_accum) is int
-                and 0 < self.grad_accum <= _MAX_ACCUM
+                and 0 < self.grad_accum <= _MAX_ACCUM and self.grad_sync in GRAD_SYNC
                 and self.precision in PRECISIONS and self.optimizer in OPTIMIZERS
                 and self.optimizer_impl in OPTIMIZER_IMPLS and self.checkpointing in CHECKPOINTING
                 and self.attention in ATTENTION and self.cpu_offload in OFFLOAD
@@ -135,6 +143,7 @@ class TrainConfig:
         _positive("seq_len", self.seq_len)
         _positive("micro_batch", self.micro_batch)
         _positive("grad_accum", self.grad_accum)
+        _choice("grad_sync", self.grad_sync, GRAD_SYNC)
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
@@ -156,6 +165,12 @@ class TrainConfig:
     @property
     def prec(self) -> Precision:
         return self._prec
+
+    @property
+    def sync_every(self) -> bool:
+        """Gradients are reduced on every micro-step of an accumulating step (grad_sync='every',
+        grad_accum > 1); False also when there is nothing to accumulate."""
+        return self.grad_accum > 1 and self.grad_sync == "every"
 
     @property
     def tokens_per_micro_step(self) -> int:

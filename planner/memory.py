@@ -442,10 +442,23 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     outside_first = act.inputs + L * act.block_cache
     outside_last = act.inputs + act.block_cache
 
+    later = train.grad_accum > 1  # the walk is of a micro-step after the first (the worst one)
+    every = train.sync_every
     if family in ("single", "ddp", "zero1"):
         params = lay.total * pb
         buckets = 0 if family == "single" else lay.total * gb
         base_comm = buckets
+        # Gradient accumulation, synced or not: every parameter's unsharded .grad is alive from the first
+        # micro-step's backward to the optimizer step; AccumulateGrad adds each later gradient in place
+        # (torch/csrc/autograd/functions/accumulate_grad.h `accumulateGrad`: `variable_grad += new_grad`
+        # outside grad mode), so the new gradient is the same transient as at grad_accum=1. DDP's reducer
+        # all-reduces a bucket copy and copies it back into .grad (`Reducer::copy_bucket_to_grad`).
+        if later:
+            notes.append("gradient accumulation keeps every parameter's gradient between micro-steps")
+            carried, snap_inner = lay.total * gb, snap
+
+            def snap(phase, grads=0, **parts):  # noqa: F811 -- every .grad of a later micro-step is alive
+                snap_inner(phase, grads=max(grads, carried) if phase != "optimizer" else grads, **parts)
         snap("forward", activations=acts_fwd)
         snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
         # First block's MLP backward: the head's gradient exists, every block's activations live.
@@ -472,15 +485,51 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         if not sharding:  # fsdp-no-shard: full flat params; mixed precision adds 16-bit copies
             ub = lay.unshard_block * cb if prec.mixed else 0
             ur = lay.unshard_root * cb if prec.mixed else 0
-        held = 1 if reshard else L  # blocks unsharded at the end of forward
-        acc = 0
-        if train.grad_accum > 1 and sharding:
-            # Accumulation without sync: FSDP1 keeps each unit's unsharded flat gradient (param_dtype)
-            # (_runtime_utils._post_backward_hook returns before reducing); FSDP2 keeps unsharded
-            # accumulated gradients in reduce_dtype (_fsdp_param.to_accumulated_grad_if_needed).
-            acc_bytes = ud if family == "fsdp1" else rb
-            acc = (lay.unshard_root + L * lay.unshard_block) * acc_bytes
-            notes.append("gradient accumulation keeps unsharded gradients of every unit between micro-steps")
+        # Blocks unsharded at the end of forward. NO_SHARD under mixed precision frees each unit's 16-bit
+        # copy when it reshards after forward (`FlatParamHandle.post_reshard` ->
+        # `_free_low_precision_sharded_param`), and makes it again in backward.
+        held = 1 if reshard or (not sharding and prec.mixed) else L
+        # Gradient accumulation (grad_accum > 1): the walk is of the last micro-step, which holds what the
+        # earlier ones accumulated. carry(j): those gradients while block j's backward runs (j = L: forward
+        # and the loss); the blocks after j have reduced in this micro-step and are counted as shards.
+        # - grad_sync 'last' (no_sync before the last micro-step): UNSHARDED gradients of every unit.
+        #   FSDP1 keeps the unsharded flat gradient in param_dtype (`_runtime_utils._post_backward_hook`
+        #   returns before reducing when `not state._sync_gradients`; `prepare_gradient_for_backward`
+        #   keeps it); FSDP2 keeps `_unsharded_param.grad`, upcast to reduce_dtype when that differs
+        #   (`FSDPParamGroup.post_backward` with `reduce_grads` False ->
+        #   `FSDPParam.to_accumulated_grad_if_needed`), and adds each later one to it
+        #   (`accumulate_unsharded_grad_if_needed`). On the last micro-step a unit's accumulated gradient
+        #   is what it reduce-scatters.
+        # - grad_sync 'every': the SHARDED gradients: FSDP2 adds each micro-step's reduce-scatter output
+        #   into `sharded_param.grad` (`_fsdp_collectives.foreach_reduce`, `to_accumulate_grad`); FSDP1
+        #   keeps the previous shard in `_saved_grad_shard` (`FlatParamHandle.prepare_gradient_for_backward`)
+        #   and adds the new one (`_runtime_utils._accumulate_sharded_grad`). Their dtype is the sharded
+        #   parameter's (fp32 under mixed precision).
+        # - NO_SHARD: the full flat gradient, either way (param_dtype without sync; all-reduced in
+        #   reduce_dtype when synced).
+        acc_bytes = ud if family == "fsdp1" else rb
+        if not later:
+            unit_root = unit_block = 0
+        elif not sharding:  # without sync in param_dtype (as FSDP1's unsharded gradient), else reduced
+            g_b = rb if every else ud
+            unit_root, unit_block = lay.root * g_b, lay.block * g_b
+        elif every:
+            unit_root, unit_block = lay.shard_root * gsh, lay.shard_block * gsh
+        else:
+            unit_root, unit_block = lay.unshard_root * acc_bytes, lay.unshard_block * acc_bytes
+
+        def carry(j: int) -> int:
+            """Gradients accumulated by earlier micro-steps, held by the root and blocks 0..j."""
+            return unit_root + min(j + 1, L) * unit_block if j >= 0 else 0
+        acc = carry(L)
+        # FSDP2 in fp32 without sync: a later micro-step's gradients are added in place into the kept
+        # .grad (AccumulateGrad), so the block's and head's new gradients are not extra, and the weight
+        # gradient just computed is freed by the add before the next ones exist; under mixed
+        # precision the bf16 .grad is new and added to the fp32 accumulator in `post_backward`.
+        fresh = 0 if (later and not every and sharding and family == "fsdp2" and not prec.mixed) else 1
+        if later:
+            notes.append("gradient accumulation keeps " + ("sharded" if every and sharding else "unsharded")
+                         + " gradients of every unit between micro-steps")
         fwd_comm = ur + (0 if reshard else held * ub)
         # FSDP2 without resharding keeps the last block's all-gather output until the root's
         # post-forward (measured: freed right after the loss).
@@ -496,12 +545,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             kept_block = act.per_block if train.checkpointing == "none" else act.blocks_total // L
             for j in sorted({0, L - 1}):
                 prev_flat = ur if j == 0 else ub
-                snap("forward", comm_buffers=ur + (0 if reshard else j * ub) + prev_flat + 2 * ub + acc,
+                snap("forward", comm_buffers=ur + (0 if reshard else j * ub) + prev_flat + 2 * ub, grads=acc,
                      activations=act.inputs + act.blocks_total - (L - j) * kept_block)
-        snap("forward", comm_buffers=fwd_comm + acc + ag_tail, activations=acts_fwd)
+        snap("forward", comm_buffers=fwd_comm + ag_tail, grads=acc, activations=acts_fwd)
         prefetch = ub if reshard and L > 1 else 0  # backward prefetch of the next block's all-gather
         # At the loss: the root is unsharded; the last block's all-gather is prefetched.
-        snap("backward", comm_buffers=fwd_comm + acc + (ub if reshard else 0),
+        snap("backward", comm_buffers=fwd_comm + (ub if reshard else 0), grads=acc,
              activations=acts_bwd, temporaries=loss_bwd_tmp)
         # Gradients of the unsharded parameters. FSDP2: each parameter's .grad; the root reduces at the
         # very end, so the head's gradient stays unsharded until then. FSDP1 (use_orig_params=False):
@@ -510,7 +559,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # flat_param.grad (both alive for a moment).
         head_g = head_elems * ud
         cur_g = wgrad_elems * ud
-        keep_all = family == "fsdp1" and not st.reshard_after_forward and train.grad_accum > 1
+        # SHARD_GRAD_OP keeps its parameters unsharded between no_sync micro-steps (`_should_free_in_backward`)
+        keep_all = family == "fsdp1" and not st.reshard_after_forward and later and not every
         blocks_unsharded = ub + prefetch if reshard else held * ub
         shards = max(0, L - 1) * lay.shard_block * gsh if sharding else max(0, L - 1) * lay.block * gb
         rs_held = lay.unshard_block * rb if (sharding and family == "fsdp2" and L > 1) else 0
@@ -525,12 +575,13 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             return ub + (prefetch if j > 0 else 0) if reshard else (j + 1) * ub
         if family == "fsdp2":
             tied_buf = head_g if m.tie_embeddings else 0
-            snap("backward", comm_buffers=ur + blocks_unsharded + acc,
-                 activations=first_acts + outside_first - freed, grads=head_g - tied_buf,
-                 temporaries=blk_tmp + cur_g + tied_buf)
-            snap("backward", comm_buffers=ur + blocks_unsharded_last + rs_held + acc,
-                 activations=last_acts + outside_last - freed, grads=shards + head_g - tied_buf,
-                 temporaries=blk_tmp + cur_g + tied_buf)
+            head_new = fresh * (head_g - tied_buf)  # the head's gradient not yet added to an accumulator
+            snap("backward", comm_buffers=ur + blocks_unsharded,
+                 activations=first_acts + outside_first - freed, grads=head_new + carry(L - 1),
+                 temporaries=blk_tmp + fresh * cur_g + tied_buf)
+            snap("backward", comm_buffers=ur + blocks_unsharded_last + rs_held,
+                 activations=last_acts + outside_last - freed, grads=shards + head_new + carry(0),
+                 temporaries=blk_tmp + fresh * cur_g + tied_buf)
             # A middle block j (0 < j < L-1) is the only one that has all three at once: its
             # unsharded parameters, the prefetched all-gather of block j-1, and block j+1's
             # reduce-scatter input, which FSDP2 keeps until the next reduce-scatter
@@ -539,12 +590,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # linear in j, so the two middle blocks next to the ends bound it. (Measured on the H100
             # with 4 blocks.)
             for j in sorted({1, L - 2}) if L >= 3 else ():
-                snap("backward", comm_buffers=ur + unsharded_during(j) + rs_held + acc,
+                snap("backward", comm_buffers=ur + unsharded_during(j) + rs_held,
                      activations=last_acts + j * (first_acts - last_acts) // (L - 1)
                      + act.inputs + (j + 1) * act.block_cache - freed,
                      grads=(L - 1 - j) * (lay.shard_block * gsh if sharding else lay.block * gb)
-                     + head_g - tied_buf,
-                     temporaries=blk_tmp + cur_g + tied_buf)
+                     + head_new + carry(j),
+                     temporaries=blk_tmp + fresh * cur_g + tied_buf)
             if sharding:
                 # Each block's own backward, from FSDP2's hooks (_fsdp_param_group.py), per block j (run
                 # L-1 .. 0). Gradient shards of the blocks after j are alive (`foreach_reduce`'s
@@ -566,7 +617,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                     return rs_held if j < L - 1 else 0
 
                 def shards_after(j: int) -> int:
-                    return (L - 1 - j) * shard_g + head_g - tied_buf
+                    """Gradient shards of the blocks after j, the head's new gradient, and what earlier
+                    micro-steps accumulated in block j, those before it and the root."""
+                    return (L - 1 - j) * shard_g + head_new + carry(j)
 
                 # Activations, gradient shards and unsharded blocks are linear in j between the steps
                 # at j = 0 (nothing prefetched) and j = L-1 (no reduce-scatter input kept): those, and
@@ -580,7 +633,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 #    unsharded from forward and both calls return at once.
                 if reshard:
                     for j in ends:
-                        snap("backward", comm_buffers=ur + 2 * ub + rs_prev(j) + acc,
+                        snap("backward", comm_buffers=ur + 2 * ub + rs_prev(j),
                              activations=below(j + 1), grads=shards_after(j),
                              temporaries=n_tok * h * r + tied_buf)
                 # 2. The block's last weight gradient: autograd accumulates each unsharded parameter's
@@ -602,9 +655,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 pending = in_buffer + sum(prod(s) for s in shapes[:first])
                 norm_kept = _first_norm_saved(train, regime, n_tok, device)
                 for j in ends:
-                    snap("backward", comm_buffers=ur + unsharded_during(j) + rs_prev(j) + acc,
+                    snap("backward", comm_buffers=ur + unsharded_during(j) + rs_prev(j),
                          activations=below(j) + (0 if ckpt else norm_kept),
-                         grads=shards_after(j) + (block_elems - pending) * ud,
+                         grads=shards_after(j) + fresh * (block_elems - pending) * ud,
                          temporaries=n_tok * h * (r + 3 * e) + in_buffer * ud + (norm_kept if ckpt else 0)
                          + tied_buf)
                 # 3. `post_backward`: the gradients are collected, the block resharded (`reshard` ->
@@ -627,10 +680,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 last_g = prod(shapes[-1]) * ud
                 for j in ends:
                     held_at_rs = (prefetch if j > 0 else 0) if reshard else j * ub
-                    snap("backward", comm_buffers=ur + held_at_rs + rs_in + acc, activations=below(j),
-                         grads=shards_after(j) + block_elems * ud, temporaries=n_tok * h * r + tied_buf)
-                    snap("backward", comm_buffers=ur + held_at_rs + rs_in + rs_out + acc,
-                         activations=below(j), grads=shards_after(j),
+                    # (without sync, block j's accumulated gradient, in carry(j), is what is collected)
+                    collected = block_elems * ud if not (later and not every) else 0
+                    snap("backward", comm_buffers=ur + held_at_rs + rs_in, activations=below(j),
+                         grads=shards_after(j) + collected, temporaries=n_tok * h * r + tied_buf)
+                    snap("backward", comm_buffers=ur + held_at_rs + rs_in + rs_out,
+                         activations=below(j), grads=shards_after(j) - carry(j) + carry(j - 1 if not every else j),
                          temporaries=n_tok * h * r + split + last_g + tied_buf)
             if sharding:
                 # The root's post_backward, last: it reshards first (the root too: FSDP2 keeps it
@@ -639,21 +694,24 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # counted as gradients) into the reduce-scatter input, frees them and allocates the
                 # output shard; gloo's reduce_scatter_tensor splits the input once more.
                 rs_root = lay.unshard_root * rb
-                snap("backward", comm_buffers=acc + rs_root, grads=L * lay.shard_block * gsh,
+                root_old = unit_root if every else 0  # the root's accumulated shard (sync every micro-step)
+                snap("backward", comm_buffers=rs_root, grads=L * lay.shard_block * gsh + root_old,
                      temporaries=lay.unshard_root * ud)
-                snap("backward", comm_buffers=acc + rs_root + lay.shard_root * rb, grads=L * lay.shard_block * gsh,
+                snap("backward", comm_buffers=rs_root + lay.shard_root * rb,
+                     grads=L * lay.shard_block * gsh + root_old,
                      temporaries=rs_root if backend == "gloo" else 0)
         else:
-            snap("backward", comm_buffers=ur + blocks_unsharded + acc,
+            # (with accumulation, the new flat gradient is added in place to the kept one: a transient)
+            snap("backward", comm_buffers=ur + blocks_unsharded, grads=carry(L - 1),
                  activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
             # End of the first block's backward: its view gradients and their concatenation (which is
             # the reduce-scatter's input, a comm buffer, unless mixed precision casts it first).
             flat = lay.unshard_block * ud
-            snap("backward", comm_buffers=ur + blocks_unsharded + acc + (0 if prec.mixed else flat),
+            snap("backward", comm_buffers=ur + blocks_unsharded + (0 if prec.mixed else flat), grads=carry(L - 1),
                  activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
                  temporaries=n_tok * h * r + head_g + flat + (flat if prec.mixed else 0))
-            snap("backward", comm_buffers=ur + blocks_unsharded_last + acc,
-                 activations=last_acts + outside_last - freed, grads=shards,
+            snap("backward", comm_buffers=ur + blocks_unsharded_last,
+                 activations=last_acts + outside_last - freed, grads=shards + carry(0),
                  temporaries=blk_tmp + head_g + cur_g)
             if sharding:
                 # The first block's reduce-scatter: its flat gradient (the input, unless mixed precision
@@ -664,9 +722,11 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 out_shard = lay.shard_block * rb
                 split = lay.unshard_block * rb if backend == "gloo" else 0
                 snap("backward",
-                     comm_buffers=ur + at_rs + cast + acc + (0 if prec.mixed else flat)
+                     comm_buffers=ur + at_rs + cast + (0 if prec.mixed else flat)
                      + (out_shard if backend == "gloo" else 0),
-                     grads=0 if backend == "gloo" else out_shard,
+                     # without sync the block's accumulated gradient is the input; synced every
+                     # micro-step its `_saved_grad_shard` waits for the new shard
+                     grads=(0 if backend == "gloo" else out_shard) + carry(L - 1 if every else L - 2),
                      activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
                      temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
             if sharding:
@@ -677,13 +737,15 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # `_reduce_grad` reduce-scatters into a new shard.
                 g_root = lay.unshard_root * ud
                 shards_done = L * lay.shard_block * gsh
-                snap("backward", comm_buffers=ur + g_root + acc, grads=shards_done, temporaries=g_root)
-                snap("backward", comm_buffers=lay.unshard_root * rb + acc,
-                     grads=shards_done + lay.shard_root * rb, temporaries=g_root if prec.mixed else 0)
+                root_old = unit_root if every else 0  # the root's `_saved_grad_shard` (synced every micro-step)
+                snap("backward", comm_buffers=ur + g_root, grads=shards_done + root_old, temporaries=g_root)
+                snap("backward", comm_buffers=lay.unshard_root * rb,
+                     grads=shards_done + lay.shard_root * rb + root_old, temporaries=g_root if prec.mixed else 0)
             else:
                 # The root at the end: its view gradients, their concatenation, then the cast.
                 root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if prec.mixed else 0)
-                snap("backward", comm_buffers=ur, grads=L * lay.block * gb, temporaries=root_tmp)
+                snap("backward", comm_buffers=ur, grads=L * lay.block * gb + unit_root,
+                     temporaries=root_tmp)
         grads_final = lay.shard_total * gsh if sharding else lay.total * gb
         if offload_params:
             grads_final = 0

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field, replace
 
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
-from .config import CHECKPOINTING, Cluster, checkpoint_every
+from .config import CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every
 from .footprint import device_footprint
 from .memory import (COMPONENTS, MemoryEstimate, Snapshot,
                      library_workspace_bytes, zero1_partition)
@@ -194,6 +194,8 @@ class ModuleTrain:
     optimizer_impl: str = "foreach"
     checkpointing: str = "none"
     grad_accum: int = 1
+    grad_sync: str = "last"
+    """With grad_accum > 1: 'last' (no_sync before the last micro-step) or 'every' (config.GRAD_SYNC)."""
     input_shape: tuple = ()
     # TrainConfig fields that have no meaning for an arbitrary module (kept for report.header):
     seq_len: str = "-"
@@ -206,6 +208,11 @@ class ModuleTrain:
         return self.input_shape[0]
 
     @property
+    def sync_every(self) -> bool:
+        """As TrainConfig.sync_every: every micro-step of an accumulating step reduces gradients."""
+        return self.grad_accum > 1 and self.grad_sync == "every"
+
+    @property
     def tokens_per_sample(self) -> int:
         """A traced language model's sequence length (tokens/s counts tokens); 1 for a --module."""
         return self.seq_len if isinstance(self.seq_len, int) else 1
@@ -216,7 +223,7 @@ class ModuleTrain:
 
     def to_dict(self) -> dict:
         return {"input_shape": list(self.input_shape), "micro_batch": self.micro_batch,
-                "grad_accum": self.grad_accum, "precision": self.precision, "optimizer": self.optimizer,
+                "grad_accum": self.grad_accum, "grad_sync": self.grad_sync, "precision": self.precision, "optimizer": self.optimizer,
                 "optimizer_impl": self.optimizer_impl, "checkpointing": self.checkpointing}
 
 
@@ -429,10 +436,19 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         yield fwd_act[k], fwd_tmp[k], 0
         for w, at in fwd_kernels.get(k, ()):
             yield (fwd_act[k], fwd_tmp[k], w) if ckpt[k] else (sum(acts[:k]) + at[0], 0, w)
+    later, every_sync = train.grad_accum > 1, train.sync_every  # as memory.estimate_memory
     if family in ("single", "ddp", "zero1"):
         unit_grad = {u: sum(prod(s) for _, s in ps) * gb for u, ps in desc.units}
         base = dict(params=total * pb + buffers, optimizer=opt,
                     comm_buffers=0 if family == "single" else total * gb)
+        if later:
+            # Accumulation: every .grad is alive from the first micro-step on, later gradients added in
+            # place (AccumulateGrad), synced or not (memory.estimate_memory's DDP walk).
+            notes.append("gradient accumulation keeps every parameter's gradient between micro-steps")
+            plain = snap
+
+            def snap(phase, workspace=0, grads=0, **parts):  # noqa: F811
+                plain(phase, workspace, grads=max(grads, total * gb) if phase != "optimizer" else grads, **parts)
         for k in range(len(segs)):
             for a, t, w in fwd_instants(k):
                 snap("forward", w, **base, activations=a, temporaries=t)
@@ -467,6 +483,30 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             unsh = {u: (v[1] * cb if prec.mixed else 0) for u, v in sizes.items()}
         root = unsh.get("root", 0)
         order = [s[0] for s in segs if s[0] in sizes and s[0] != "root"]
+        # Gradient accumulation (memory.estimate_memory's `carry`): what earlier micro-steps left in each
+        # unit until the unit reduces on this (the last) micro-step: without sync its unsharded gradient
+        # (FSDP1: param_dtype; FSDP2: reduce_dtype), synced every micro-step its shard (sg), NO_SHARD
+        # its full flat gradient. FSDP2 in fp32 without sync adds the new gradients in place.
+        if not later:
+            unit_carry = {}
+        elif not sharding:
+            unit_carry = {u: v[1] * (red if every_sync else udt) for u, v in sizes.items()}
+        elif every_sync:
+            unit_carry = {u: v[0] * sg for u, v in sizes.items()}
+        else:
+            unit_carry = {u: v[1] * (udt if family == "fsdp1" else red) for u, v in sizes.items()}
+        in_place = later and not every_sync and sharding and family == "fsdp2" and not prec.mixed
+        if later:
+            notes.append("gradient accumulation keeps " + ("sharded" if every_sync and sharding else "unsharded")
+                         + " gradients of every unit between micro-steps")
+
+        def carried(reduced) -> int:
+            return sum(v for x, v in unit_carry.items() if x not in reduced)
+        carry_now = [carried(())]  # the units that have not reduced yet, at the instant walked
+        plain = snap
+
+        def snap(phase, workspace=0, grads=0, **parts):  # noqa: F811
+            plain(phase, workspace, grads=grads + (carry_now[0] if phase != "optimizer" else 0), **parts)
         held: list = []  # units unsharded and kept to backward (no reshard)
         copied: set = set()  # FSDP2 units past their pre-forward copy-out
         for k, (u, *_) in enumerate(segs):
@@ -517,6 +557,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # strategies reduce-scatter it (`_reduce_grad_no_shard`), at the same instant.
             rs = sizes[u][1] * red if u in sizes and first and (sharding or fsdp1) else 0
             done = [x for x in reached if x in sizes and x != u]
+            carry_now[0] = carried(done)
             grads = (sum(sizes[x][0] for x in done) * sg if sharding
                      else sum(sizes[x][1] for x in done) * gb)
             kept_now = sum(unsh[x] for x in held if x not in resharded)
@@ -548,11 +589,15 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     mine = (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg
                 # FSDP2's unsharded parameters' .grad count as grads (the probes' tracker reads them
                 # through FSDPParam._unsharded_param); FSDP1's view gradients wait in autograd's buffer.
+                if in_place:  # added to the kept .grad: nothing new
+                    mine = 0
                 own_grads = mine if family == "fsdp2" else 0
                 snap("backward", w, **base, comm_buffers=comm + rs_held,
                      activations=sum(acts[:k]) + saved, grads=grads + own_grads,
                      temporaries=tmp + mine - own_grads)
             if rs:
+                if not every_sync and family == "fsdp2":  # `post_backward` collects the accumulated gradient
+                    carry_now[0] = carried(done + [u])
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
                 # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
                 # post_backward`). FSDP1 is measured (MNIST CNN, gloo and fake process group alike) with
@@ -580,6 +625,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     snap("backward", **base, comm_buffers=unsharded + g_unit, activations=sum(acts[:k]),
                          grads=grads, temporaries=ends[k] + g_unit)
                     out = sizes[u][0] * red if sharding else 0
+                    if not every_sync:  # the accumulated flat gradient is the reduction's input
+                        carry_now[0] = carried(done + [u])
                     snap("backward", **base, comm_buffers=unsharded - root + rs, activations=sum(acts[:k]),
                          grads=grads + out, temporaries=ends[k] + (g_unit if prec.mixed else 0))
                 elif fsdp1:
@@ -649,6 +696,7 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
         return []
     world, g = cluster.gpus, cluster.local_size
     A = train.grad_accum
+    R = A if train.sync_every else 1  # micro-steps that reduce (comm._raw_schedule)
     pdt = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}[train.precision]
     gdt = "bfloat16" if train.precision == "bf16" else "float32"
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -664,11 +712,12 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
     if st.family in ("ddp", "zero1"):
         buckets = ddp_buckets(desc, gb, autocast=train.precision in ("bf16-mixed", "fp16-mixed"))
         for b in buckets[:-1]:
-            add("all_reduce", "world", world, gdt, b, 1, "backward", "bucket")
-        add("all_reduce", "world", world, gdt, buckets[-1], 1, "backward", "last_bucket")
+            add("all_reduce", "world", world, gdt, b, R, "backward", "bucket")
+        add("all_reduce", "world", world, gdt, buckets[-1], R, "backward", "last_bucket")
         # DDP broadcasts the module's buffers (BatchNorm statistics) from rank 0 before a forward that
-        # follows a synchronised backward (`_check_sync_bufs_pre_fwd`, `require_forward_param_sync`):
-        # once per optimizer step, however many no_sync micro-steps it has. `_broadcast_coalesced` sends
+        # follows a synchronised forward (`_check_sync_bufs_pre_fwd`; `_post_forward` sets
+        # `require_forward_param_sync` only outside no_sync): once per optimizer step however many
+        # no_sync micro-steps it has, or once per micro-step when each one syncs. `_broadcast_coalesced` sends
         # one message per dtype (measured, CPU and H100); past `broadcast_bucket_size` (250 MiB) of
         # buffers the split is assumed to close a bucket once it reaches that size (not measured).
         for dtype, sizes in desc.buffers:
@@ -676,9 +725,9 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
             for n in sizes:
                 bucket += n
                 if bucket >= DDP_BROADCAST_BUCKET_BYTES:
-                    add("broadcast", "world", world, dtype, bucket, 1, "forward", "buffers")
+                    add("broadcast", "world", world, dtype, bucket, R, "forward", "buffers")
                     bucket = 0
-            add("broadcast", "world", world, dtype, bucket, 1, "forward", "buffers")
+            add("broadcast", "world", world, dtype, bucket, R, "forward", "buffers")
         if st.family == "zero1":
             sdt = "bfloat16" if train.precision == "bf16" else "float32"
             for n in ready_order_sizes(desc):
@@ -692,23 +741,23 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
             # reshard_after_forward=None leaves the root's post_forward_mesh_info None).
             if st.reshard_after_forward and u != "root":
                 add("all_gather", "world", world, pdt, n * pb, A, "backward", kind)
-            add("reduce_scatter", "world", world, gdt, n * gb, 1, "backward", kind)
+            add("reduce_scatter", "world", world, gdt, n * gb, R, "backward", kind)
     else:  # fsdp1
         shard_n, group = (min(world, g), "intra_node") if st.name == "hsdp" else (world, "world")
         for u, shapes in units:
             n = sum(prod(s) for s in shapes)
             kind = "root" if u == "root" else "unit"
             if st.name == "fsdp-no-shard":
-                add("all_reduce", "world", world, gdt, n * gb, 1, "backward", kind)
+                add("all_reduce", "world", world, gdt, n * gb, R, "backward", kind)
                 continue
             flat = -(-n // shard_n) * shard_n
-            add("all_gather", group, shard_n, pdt, flat * pb, 1 if st.name == "fsdp-grad-op" else A,
-                "forward", kind)
+            add("all_gather", group, shard_n, pdt, flat * pb,
+                1 if st.name == "fsdp-grad-op" and not train.sync_every else A, "forward", kind)
             if st.reshard_after_forward and u != "root":
                 add("all_gather", group, shard_n, pdt, flat * pb, A, "backward", kind)
-            add("reduce_scatter", group, shard_n, gdt, flat * gb, 1, "backward", kind)
+            add("reduce_scatter", group, shard_n, gdt, flat * gb, R, "backward", kind)
             if st.name == "hsdp":
-                add("all_reduce", "inter_node", max(1, world // shard_n), gdt, flat // shard_n * gb, 1,
+                add("all_reduce", "inter_node", max(1, world // shard_n), gdt, flat // shard_n * gb, R,
                     "backward", kind)
     return timed_collectives([(op, group, n, dtype, msg, calls, phase, unit)
                               for (op, group, n, dtype, msg, phase, unit), calls in raw.items()], cluster)
@@ -731,7 +780,9 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
     train_flops = mult * desc.forward_flops * train.grad_accum
     compute = train_flops / flops_s
     fwd = sum(c.time_s for c in collectives if c.phase == "forward")
-    bwd_tail = sum(c.time_s / max(1, c.calls) for c in collectives
+    # the last bucket's or the root's reduction, exposed on each micro-step that reduces
+    reducing = train.grad_accum if train.sync_every else 1
+    bwd_tail = sum(c.time_s / max(1, c.calls) * reducing for c in collectives
                    if c.phase == "backward" and c.unit in ("last_bucket", "root"))
     bwd = sum(c.time_s for c in collectives if c.phase == "backward") - bwd_tail
     opt = sum(c.time_s for c in collectives if c.phase == "optimizer")
@@ -764,7 +815,9 @@ class ModulePlan(Plan):
         return [
             f"model: {d.name}: {n:,} params ({fmt_count(n)}); wrapping units: {units}",
             f"training: input {'x'.join(map(str, t.input_shape))} per GPU"
-            f"{' (sequences x tokens)' if t.tokens_per_sample > 1 else ''} x accum {t.grad_accum}, "
+            f"{' (sequences x tokens)' if t.tokens_per_sample > 1 else ''} x accum {t.grad_accum}"
+            + (f" (gradients reduced {'every micro-step' if t.sync_every else 'on the last micro-step'})"
+               if t.grad_accum > 1 else "") + ", "
             f"{t.precision}, {t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}; "
             f"measured on fake tensors in {self.profile_s:.2f} s",
             f"cluster: {c.gpus} x {c.gpu_name} ({c.gpu_memory_bytes / 2**30:.2f} GiB) in {c.nodes} node(s) of "
@@ -894,7 +947,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                                   ("--optimizer", kw.get("optimizer") or "adamw", OPTIMIZERS),
                                   ("--optimizer-impl", kw.get("optimizer_impl") or "foreach", OPTIMIZER_IMPLS),
                                   ("--activation-checkpointing", kw.get("activation_checkpointing") or "none",
-                                   CHECKPOINTING)):
+                                   CHECKPOINTING), ("--grad-sync", kw.get("grad_sync") or "last", GRAD_SYNC)):
         if value not in accepted:
             raise ValueError(f"{flag}={value!r}: accepted values are {', '.join(accepted)}")
     for s in strategies:
@@ -924,7 +977,8 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     train = ModuleTrain(model, precision=precision, optimizer=kw.get("optimizer") or "adamw",
                         optimizer_impl=kw.get("optimizer_impl") or "foreach",
                         checkpointing=kw.get("activation_checkpointing") or "none",
-                        grad_accum=kw.get("grad_accum") or 1, input_shape=shape,
+                        grad_accum=kw.get("grad_accum") or 1, grad_sync=kw.get("grad_sync") or "last",
+                        input_shape=shape,
                         seq_len=shape[1] if hf else "-")
     notes = list(notes)
     flag = "--hf-config (trace)" if hf else "--module"
@@ -1048,7 +1102,8 @@ def predict_module_probe(spec: dict) -> dict:
     train = ModuleTrain(model, precision=precision, optimizer=t.get("optimizer", "adamw"),
                         optimizer_impl=t.get("optimizer_impl", "foreach"),
                         checkpointing="none" if ckpt in ("selective", "selective-op") else ckpt,
-                        grad_accum=int(t.get("grad_accum", 1)), input_shape=shape,
+                        grad_accum=int(t.get("grad_accum", 1)), grad_sync=t.get("grad_sync", "last"),
+                        input_shape=shape,
                         seq_len=shape[1] if work.kind == "hf" else "-")
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)

@@ -195,8 +195,10 @@ def stage_train(train, stage: int, *, time_view: bool = False):
     else:
         layers = sum(stage_layers(m.layers, p * v, stage + k * p) for k in range(v))
         spec = stage_spec(m, train.tp, layers, stage == 0, stage == p - 1)
+    # torch.distributed.pipelining's stage (`_PipelineStageBase.backward_maybe_with_nosync`) runs every
+    # micro-batch but the last under DDP's `no_sync()` / FSDP's `set_requires_gradient_sync(False)`.
     return replace(train, model=spec, pp=1, pp_schedule="1f1b", pp_microbatches=1,
-                   grad_accum=train.pp_microbatches)
+                   grad_accum=train.pp_microbatches, grad_sync="last")
 
 
 def pp_cluster(train, cluster):

@@ -77,7 +77,9 @@ def header(plan) -> str:
     lines = [
         f"model: {m.name}: {m.param_count():,} params ({fmt_count(m.param_count())}), {m.layers} layers, "
         f"hidden {m.hidden}, {m.heads} heads ({m.kv_heads} KV), FFN {m.ffn_hidden} {m.mlp}, vocab {m.vocab}",
-        f"training: seq {t.seq_len} x micro-batch {t.micro_batch} x accum {t.grad_accum}, {t.precision}, "
+        f"training: seq {t.seq_len} x micro-batch {t.micro_batch} x accum {t.grad_accum}"
+        + (f" (gradients reduced {'every micro-step' if t.sync_every else 'on the last micro-step'})"
+           if t.grad_accum > 1 else "") + f", {t.precision}, "
         f"{t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}, attention {t.attention}"
         + (f", offload {t.cpu_offload}" if t.cpu_offload != "none" else "")
         + (f", framework {t.framework}" if t.framework != "pytorch" else ""),

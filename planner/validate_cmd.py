@@ -21,7 +21,7 @@ import sys
 
 import click
 
-from .config import ATTENTION, CHECKPOINTING
+from .config import ATTENTION, CHECKPOINTING, GRAD_SYNC
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .strategies import NAMES, get_strategy
 from .units import fmt_bytes, fmt_seconds
@@ -127,6 +127,9 @@ def _timeout(ctx, param, value):
 @click.option("--seq-len", type=int, default=None, callback=_positive_int, help="Default 64 on CPU, 256 on GPU.")
 @click.option("--micro-batch", type=int, default=2, show_default=True, callback=_positive_int)
 @click.option("--grad-accum", type=int, default=1, show_default=True, callback=_positive_int)
+@click.option("--grad-sync", type=click.Choice(GRAD_SYNC), default="last", show_default=True,
+              help="With --grad-accum > 1: no_sync (FSDP2: set_requires_gradient_sync(False)) on all but the "
+                   "last micro-step, or reduce on every micro-step.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Default fp32 on CPU, bf16-mixed on GPU (fp16-mixed without bf16).")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True)
@@ -163,7 +166,7 @@ def _timeout(ctx, param, value):
 @click.option("--probe-cmd", default=None, hidden=True, help="Replace the probe launcher (tests).")
 @click.pass_context
 def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
-                     vocab, seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,
+                     vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl,
                      checkpointing, attention, alloc_conf, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
@@ -237,7 +240,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             module_spec["seq_len"] = (mx.TRAIN_GPU if device == "gpu" else mx.TRAIN_CPU)["seq_len"]
         train = dict(seq_len=module_spec["seq_len"] if hf else 1,
                      micro_batch=module_spec["micro_batch"] if hf else module_spec["input_shape"][0],
-                     grad_accum=grad_accum,
+                     grad_accum=grad_accum, grad_sync=grad_sync,
                      precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                      checkpointing=checkpointing, attention=attention)
         specs = []
@@ -265,7 +268,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             raise click.BadParameter(f"{precision!r}: this GPU has no bf16; accepted here: fp32, fp16-mixed",
                                      param_hint="'--precision'")
         train = dict(seq_len=seq_len or (mx.TRAIN_GPU if device == "gpu" else mx.TRAIN_CPU)["seq_len"],
-                     micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
+                     micro_batch=micro_batch, grad_accum=grad_accum, grad_sync=grad_sync, precision=precision, optimizer=optimizer,
                      optimizer_impl=optimizer_impl, checkpointing=checkpointing, attention=attention)
         if spec_model.get("position") == "learned" and train["seq_len"] > spec_model.get("max_positions", 0):
             raise click.BadParameter(f"{train['seq_len']} exceeds the model's {spec_model['max_positions']} "

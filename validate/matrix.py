@@ -87,7 +87,8 @@ def default_gpus_per_node(strategy: str, world_size: int, mode: str) -> int:
 
 
 def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node: int | None = None,
-              seq_len: int = 64, micro_batch: int = 2, grad_accum: int = 1, precision: str = "fp32",
+              seq_len: int = 64, micro_batch: int = 2, grad_accum: int = 1, grad_sync: str = "last",
+              precision: str = "fp32",
               optimizer: str = "adamw", optimizer_impl: str = "foreach", checkpointing: str = "none",
               attention: str = "sdpa", steps: int = 3, seed: int = 0, model_name: str | None = None) -> dict:
     """One probe spec, in the JSON shape `distplan.validate.probe --spec` reads."""
@@ -97,11 +98,12 @@ def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node
     if strategy == "single":
         world_size = 1
     return {
-        "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision),
+        "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision)
+        + (f"/accum{grad_accum}-{grad_sync}" if grad_accum > 1 else ""),
         "strategy": strategy, "world_size": int(world_size),
         "gpus_per_node": int(gpus_per_node or default_gpus_per_node(strategy, world_size, mode)),
         "mode": mode, "model": m,
-        "train": {"seq_len": seq_len, "micro_batch": micro_batch, "grad_accum": grad_accum,
+        "train": {"seq_len": seq_len, "micro_batch": micro_batch, "grad_accum": grad_accum, "grad_sync": grad_sync,
                   "precision": precision, "optimizer": optimizer, "optimizer_impl": optimizer_impl,
                   "checkpointing": checkpointing, "attention": attention},
         "steps": int(steps), "seed": int(seed),

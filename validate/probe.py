@@ -253,6 +253,10 @@ class Probe:
         for k, v in (("seq_len", seq), ("micro_batch", mb), ("grad_accum", accum)):
             if v <= 0:
                 raise ValueError(f"train.{k}={v}: must be a positive integer")
+        grad_sync = train.get("grad_sync", "last")
+        if grad_sync not in ("last", "every"):
+            raise ValueError(f"train.grad_sync={grad_sync!r}: accepted values are last, every")
+        sync_every = grad_sync == "every"  # else no_sync / set_requires_gradient_sync(False) but on the last
         ckpt = train.get("checkpointing", "none")
         if module and ckpt in ("selective", "selective-op"):
             self.result["unmeasured"].append(f"checkpointing={ckpt!r} is not defined for a module; ran as 'none'")
@@ -316,7 +320,7 @@ class Probe:
 
             def step():
                 for i, batch in enumerate(batches):
-                    with ctx.sync(i == accum - 1):
+                    with ctx.sync(sync_every or i == accum - 1):
                         tracker.phase = "forward"
                         with ctx.autocast():
                             loss = forward(batch) / accum
