@@ -640,7 +640,8 @@ def predict_probe(spec: dict) -> dict:
                         precision=t["precision"],
                         optimizer=t.get("optimizer", "adamw"), optimizer_impl=t.get("optimizer_impl", "foreach"),
                         checkpointing=t.get("checkpointing", "none"), attention=t.get("attention", "sdpa"),
-                        alloc_conf=t.get("alloc_conf", ""))
+                        alloc_conf=t.get("alloc_conf", ""), tp=int(spec.get("tp", 1)),
+                        sequence_parallel=bool(spec.get("sequence_parallel", False)))
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15, gpu_name=DEFAULT_GPU,

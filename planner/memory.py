@@ -424,6 +424,11 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     acts_fwd = act.blocks_total + act.outside + act.weight_cache_forward + act.loss_saved + act.logits_transient
     acts_bwd = act.blocks_total + act.outside + act.weight_cache + act.loss_saved
     loss_bwd_tmp = 2 * n_tok * v * 4  # nll_loss_backward's dense grad + log_softmax_backward's output
+    if train.tp > 1:
+        # loss parallel fuses both backwards (`tensor/parallel/loss.py` `_nll_loss_and_log_softmax_backward`):
+        # `grad_input = zeros_like(x)`, then `(grad_input + exp(x)) * grad_output`: the zeros, the sum and
+        # the product alive at once (exp(x) is freed by then), three n x V/t fp32 tensors
+        loss_bwd_tmp = 3 * n_tok * v * 4
     freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok, device)
     head_elems = v * h + h * (2 if m.norm == "layernorm" else 1)  # LM head (or tied) + final norm
     per_block_act = act.blocks_total // L
@@ -472,7 +477,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         grads_last = (lay.total - emb - lay.block) * gb
         snap("backward", activations=last_acts + outside_last - freed, grads=grads_last,
              temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
-        snap("optimizer", grads=lay.total * gb, temporaries=opt_tmp)
+        # Tensor parallelism: the vocabulary-sharded embedding's gradient is the whole vocabulary on every
+        # TP rank, a Replicate DTensor: DTensor's `embedding_dense_backward` strategies
+        # (`tensor/_ops/_embedding_ops.py`) have no row-sharded output, so the replicated incoming
+        # gradient gives a replicated (V x h) weight gradient; `.grad` keeps that placement.
+        emb_full = (m.vocab - v) * h * gb if train.tp > 1 else 0
+        snap("optimizer", grads=lay.total * gb + emb_full, temporaries=opt_tmp)
     else:
         ud = cb if prec.mixed else pb  # dtype of unsharded parameters and of their gradients
         rb = 4 if prec.mixed else gb  # reduce_dtype

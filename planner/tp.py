@@ -25,8 +25,22 @@ the activation dtype; on the critical path in eager PyTorch, so the step time ad
   rowwise output; backward the reverse); the embedding reduce-scatters its output (forward) and
   all-gathers its gradient (backward), the head all-gathers its input (forward) and reduce-scatters
   its gradient (backward). The same bytes on the wire as the all-reduces.
-Not counted: loss parallel's per-token all-reduces (max, sum, target logit: a few b*s*4 bytes) and
-the all-reduce of the replicated norm weights' gradients under SP (2h per block).
+Outside the blocks, forward: loss parallel's three all-reduces of b*s fp32 values per micro-step
+(`distributed/tensor/parallel/loss.py`: `_log_softmax` all-reduces the row max and the sum of
+exponentials, `_nll_loss_forward` the target's logit through `_MaskPartial._reduce_value`).
+
+With SP the replicated norm weights (and LayerNorm biases) get Partial gradients: the weight's
+gradient sums over the sequence dimension, which is sharded, and DTensor keeps the Partial placement
+on `.grad` (AccumulateGrad does not redistribute). Where they are all-reduced depends on who reads them:
+- `single` (no data parallelism): torch.optim's AdamW/Adam read each gradient in three DTensor ops
+  (`optim/adam.py` `_multi_tensor_adam`: `_foreach_lerp_(exp_avgs, grads)` and
+  `_foreach_addcmul_(exp_avg_sqs, grads, grads)`; `_single_tensor_adam` the same `lerp_` and
+  `addcmul_`), and DTensor's sharding propagation redistributes each Partial operand on its own:
+  three all-reduces of each norm parameter per optimizer step, in the gradient dtype (measured on the
+  fake process group: 3 x (2L + 1) for an RMSNorm decoder). Other optimizers: not modelled.
+- FSDP2 on the dp dimension: `FSDPParam._get_grad_inner_tensor` redistributes each gradient to the
+  parameter's TP placement before the reduce-scatter: one all-reduce per norm parameter per
+  gradient-synchronising micro-step.
 """
 
 from __future__ import annotations
@@ -78,9 +92,24 @@ def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
     """The TP group's collectives of one optimizer step: (op, group, group_size, dtype, message_bytes,
     calls, phase, unit) tuples as `comm._raw_schedule` makes them (module docstring)."""
     from .activations import regime_for
-    return _tp_raw(train.model.hidden, train.model.layers, train.micro_batch * train.seq_len,
-                   train.grad_accum, train.tp, train.sequence_parallel, train.precision,
-                   regime_for(train, family))
+    m = train.model
+    out = _tp_raw(m.hidden, m.layers, train.micro_batch * train.seq_len, train.grad_accum, train.tp,
+                  train.sequence_parallel, train.precision, regime_for(train, family))
+    out += (("all_reduce", "tp", train.tp, "float32", train.micro_batch * train.seq_len * 4,
+             3 * train.grad_accum, "forward", "tp_loss"),)
+    if train.sequence_parallel:
+        # the norms' Partial gradients (module docstring): one all-reduce per norm parameter
+        gdt = "bfloat16" if train.precision == "bf16" else "float32"
+        norms = 2 * m.layers + 1
+        per_norm = 2 if m.norm == "layernorm" else 1
+        if family == "single":
+            if train.optimizer in ("adam", "adamw"):
+                out += (("all_reduce", "tp", train.tp, gdt, m.hidden * (4 if gdt == "float32" else 2),
+                         3 * norms * per_norm, "optimizer", "tp_norm_grad"),)
+        else:
+            out += (("all_reduce", "tp", train.tp, gdt, m.hidden * (4 if gdt == "float32" else 2),
+                     norms * per_norm, "backward", "tp_norm_grad"),)
+    return out
 
 
 @lru_cache(maxsize=1024)

@@ -40,6 +40,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed
+    _DTensor = None
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
 
 # c10d op -> (normalised name, which argument carries the message: "out" | "in" | "both")
@@ -346,6 +351,12 @@ class Tracker(TorchDispatchMode):
             self.quiesce_timeouts += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _DTensor is not None and any(issubclass(t, _DTensor) for t in types):
+            # Let DTensor run first, with this mode still on: its sharding propagation, redistributions
+            # and custom handlers (loss parallel's all-reduces, a replicated parameter's Partial gradient
+            # all-reduced) then reach this mode as ops on plain local tensors, collectives and
+            # temporaries included, as PyTorch's CommDebugMode does (`debug/_comm_mode.py`).
+            return NotImplemented
         kwargs = kwargs or {}
         ns = func.namespace
         if ns in ("c10d", "_c10d_functional"):
@@ -383,7 +394,7 @@ class Tracker(TorchDispatchMode):
             group_size = next((n for n in map(_pg_size, args) if n is not None), -1)
             msg = [] if idx is None else _tensors(args[idx])
         else:
-            if name == "wait_tensor":
+            if name in ("wait_tensor", "_wrap_tensor_autograd"):  # not collectives
                 return
             op, idx, gidx = _FUNCTIONAL.get(name, (name, 0, None))
             group_size = -1

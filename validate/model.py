@@ -175,6 +175,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.checkpointing = checkpointing
+        self.loss_parallel = False
+        """Set by `validate.tp_probe.parallelize_decoder`: the LM head is a `ColwiseParallel` module whose
+        logits stay sharded over the vocabulary (a DTensor); the loss then runs under `loss_parallel()`."""
         self.tok_embeddings = nn.Embedding(spec.vocab, spec.hidden)
         if spec.position == "learned":
             self.pos_embeddings = nn.Embedding(spec.max_positions, spec.hidden)
@@ -201,6 +204,9 @@ class Decoder(nn.Module):
             else:
                 x = block(x, cos, sin)
         x = self.norm(x)
+        if self.loss_parallel:  # tensor parallelism: the head's module (its hooks) gives Shard(-1) logits
+            logits = self.output(x)  # (B, S, V/tp) local, a DTensor
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         weight = self.tok_embeddings.weight if self.spec.tie_embeddings else self.output.weight
         logits = F.linear(x, weight)  # (B, S, V)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))

@@ -298,9 +298,15 @@ class Probe:
                     model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
             else:  # (a torch.device context costs a torch._dynamo import through __torch_function__)
                 model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
-            model, opt, ctx = wrap(model, spec["strategy"], train, self.world_size,
+            tp, dp_mesh, dp_world = int(spec.get("tp", 1)), None, self.world_size
+            if tp > 1 or spec.get("sequence_parallel"):
+                if module:
+                    raise ValueError("tp: the tensor-parallel probe runs the reference decoder, not --module")
+                model, dp_mesh = self._tensor_parallel(model, tp, bool(spec.get("sequence_parallel")))
+                dp_world = self.world_size // tp
+            model, opt, ctx = wrap(model, spec["strategy"], train, dp_world,
                                    int(spec.get("gpus_per_node", self.world_size)), self.device,
-                                   fake=self.mode == "fake", units=units)
+                                   fake=self.mode == "fake", units=units, dp_mesh=dp_mesh)
             if self.mode == "fake" and train.get("precision") == "fp16-mixed" and self.device.type == "cuda":
                 self.result["unmeasured"].append("GradScaler (fake process group: garbage gradients)")
             tracker.roles = ctx.roles
@@ -320,7 +326,7 @@ class Probe:
 
             def step():
                 for i, batch in enumerate(batches):
-                    with ctx.sync(sync_every or i == accum - 1):
+                    with ctx.sync(sync_every or i == accum - 1), ctx.loss_context():
                         tracker.phase = "forward"
                         with ctx.autocast():
                             loss = forward(batch) / accum
@@ -371,6 +377,23 @@ class Probe:
             self.result["step_time_s"] = timer.median()
         self._gather()
         self.result["status"] = "ok"
+
+    def _tensor_parallel(self, model, tp: int, sp: bool):
+        """(the model split over the tp dimension of a (dp, tp) mesh, the dp dimension's mesh), as
+        torchtitan builds it (`ParallelDims.build_mesh`: dp outer, tp inner, so a TP group is tp
+        consecutive ranks) and splits the model (`validate.tp_probe.parallelize_decoder`)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .tp_probe import parallelize_decoder
+
+        if tp < 2 or self.world_size % tp:
+            raise ValueError(f"tp={tp}: must be >= 2 and divide world_size={self.world_size} (sequence_parallel "
+                             f"needs tp >= 2)")
+        mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        if self.spec.get("train", {}).get("precision") == "bf16":
+            model = model.to(__import__("torch").bfloat16)  # before the split: DTensor parameters stay bf16
+        parallelize_decoder(model, mesh["tp"], sp)
+        return model, mesh["dp"]
 
     # -- results -------------------------------------------------------------------------------
     def _record_memory(self, complete: bool) -> None:

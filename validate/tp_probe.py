@@ -126,24 +126,20 @@ def run_case(case: dict) -> dict:
             "local_out_shape": list(out.shape)}
 
 
-def run_model_case(case: dict) -> dict:
-    """The whole reference decoder (RoPE models) under torchtitan's plan: blocks as `run_case`, the
-    token embedding `RowwiseParallel` (output Shard(1) with SP, else Replicate), the final norm
-    `SequenceParallel` (with SP), the LM head `ColwiseParallel` with sharded logits and the loss under
-    `loss_parallel()`. Measured: the bytes autograd saves in the forward (parameters excluded)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def parallelize_decoder(model, mesh, sp: bool):
+    """Split the reference decoder (`validate.model.Decoder`, RoPE, untied head) over the 1-D tensor-parallel
+    `mesh` in place, as torchtitan's `apply_tp` does: the token embedding `RowwiseParallel` (input
+    Replicate, output Shard(1) with SP, else Replicate), the final norm `SequenceParallel` (with SP), the
+    LM head `ColwiseParallel` (output Shard(-1), kept a DTensor: loss parallel), each block by `_plan`,
+    the attention's head counts divided by tp (torchtitan's Attention views with -1 heads)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   loss_parallel, parallelize_module)
+                                                   parallelize_module)
 
-    from distplan.planner.model import ModelSpec
-    from distplan.validate.model import Decoder, rope_tables
-
-    spec, t, sp, tr, b, s, dtype, mesh = _setup(case)
-    assert spec.position == "rope" and not spec.tie_embeddings
-    model = Decoder(spec, tr.get("attention", "sdpa")).to(dtype)
+    spec, t = model.spec, mesh.size()
+    if spec.position != "rope" or spec.tie_embeddings:
+        raise ValueError(f"tp={t}: the tensor-parallel probe runs RoPE models with an untied LM head "
+                         f"(position={spec.position!r}, tie_embeddings={spec.tie_embeddings})")
     seq = Shard(1) if sp else Replicate()
     top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
@@ -154,6 +150,24 @@ def run_model_case(case: dict) -> dict:
         parallelize_module(block, mesh, _plan(block, sp))
         block.attn.heads //= t
         block.attn.kv_heads //= t
+    model.loss_parallel = True
+    return model
+
+
+def run_model_case(case: dict) -> dict:
+    """The whole reference decoder (RoPE models) under torchtitan's plan: blocks as `run_case`, the
+    token embedding `RowwiseParallel` (output Shard(1) with SP, else Replicate), the final norm
+    `SequenceParallel` (with SP), the LM head `ColwiseParallel` with sharded logits and the loss under
+    `loss_parallel()`. Measured: the bytes autograd saves in the forward (parameters excluded)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from distplan.validate.model import Decoder, rope_tables
+
+    spec, t, sp, tr, b, s, dtype, mesh = _setup(case)
+    model = Decoder(spec, tr.get("attention", "sdpa")).to(dtype)
+    parallelize_decoder(model, mesh, sp)
     tokens = torch.randint(0, spec.vocab, (b, s))
     targets = torch.randint(0, spec.vocab, (b, s))
 

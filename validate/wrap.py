@@ -46,6 +46,16 @@ class WrapContext:
     """FSDP2's FSDPParam objects: their unsharded gradients (before reduce-scatter, or accumulated
     without gradient sync) count as grads, as DDP's and FSDP1's unsharded .grad do."""
 
+    loss_parallel: bool = False
+    """Tensor parallelism: forward, loss and backward run under `loss_parallel()` (logits sharded over
+    the vocabulary), as torchtitan's train context does."""
+
+    def loss_context(self):
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel()
+
     def autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -98,11 +108,27 @@ def make_optimizer(params, train: dict, zero: bool = False):
     if impl == "fused" and name == "adafactor":
         raise ValueError("optimizer_impl='fused': torch.optim.Adafactor has no fused kernel; use foreach")
     kw = {"lr": 1e-4, **kw, **impls[impl]}
+    params = _by_mesh(list(params))
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kw)
     return cls(params, **kw)
+
+
+def _by_mesh(params: list):
+    """`params`, or one param group per device mesh where they mix plain tensors and DTensors or DTensors
+    of several meshes (tensor parallelism without sequence parallelism leaves the norms plain tensors):
+    torch.optim's foreach and fused kernels take one group's tensors at once, and DTensor rejects mixed
+    operands (`_foreach_mul_` "got mixed torch.Tensor and DTensor"); the optimizer steps group by group
+    (`Optimizer.step` loops over `param_groups`)."""
+    groups: dict = {}
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        groups.setdefault(None if mesh is None else id(mesh), []).append(p)
+    if len(groups) <= 1:
+        return params
+    return [{"params": g} for g in groups.values()]
 
 
 def _block_class(model):
@@ -154,7 +180,7 @@ def _fsdp2(reshard: bool):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(device.type, (world_size,))
+        mesh = train.get("_dp_mesh") or init_device_mesh(device.type, (world_size,))
         kw = {"mesh": mesh, "reshard_after_forward": reshard}
         low = _LOW.get(train["precision"])
         if low is not None:
@@ -226,13 +252,20 @@ WRAPPERS = {
 }
 
 
+TP_STRATEGIES = ("single", "zero2", "zero3")
+"""The data-parallel strategies a tensor-parallel model composes with in the probes: FSDP2 on the dp
+dimension of the (dp, tp) mesh, as torchtitan lays it out (DDP and FSDP1 over DTensor parameters are
+not torchtitan layouts)."""
+
+
 def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node: int, device, *,
-         fake: bool = False, units: list | None = None):
+         fake: bool = False, units: list | None = None, dp_mesh=None):
     """(wrapped_model, optimizer, ctx) for one registry strategy; the model must already be on `device`.
 
     fake=True: the process group is the fake one (DDP gets an equivalent Python all-reduce hook; no
     GradScaler, since gradients are garbage). `units`: the submodules FSDP wraps (default: the
-    reference decoder's blocks).
+    reference decoder's blocks). `dp_mesh`: tensor parallelism (the model already split over the tp
+    dimension): the dp dimension of the (dp, tp) mesh, `world_size` its size.
     """
     from distplan.planner.strategies import get_strategy
 
@@ -247,8 +280,13 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
         model = model.to(torch.bfloat16)
     if strategy.name == "single" and world_size != 1:
         raise ValueError(f"strategy 'single' runs on one rank, not world_size={world_size}")
-    wrapped, ctx = WRAPPERS[strategy.name](model, {**train, "precision": precision, "_fake": fake, "_units": units},
+    if dp_mesh is not None and strategy.name not in TP_STRATEGIES:
+        raise ValueError(f"strategy {strategy.name!r} with tensor parallelism: the probes compose tp with "
+                         f"{', '.join(TP_STRATEGIES)} (FSDP2 on the dp mesh dimension, torchtitan's layout)")
+    wrapped, ctx = WRAPPERS[strategy.name](model, {**train, "precision": precision, "_fake": fake, "_units": units,
+                                                   "_dp_mesh": dp_mesh},
                                            world_size, gpus_per_node, device)
+    ctx.loss_parallel = bool(getattr(model, "loss_parallel", False))
     ctx.params = list(wrapped.parameters())
     optimizer = make_optimizer(ctx.params, train, zero=strategy.name == "zero1")
     ctx.optimizer_state_owner = getattr(optimizer, "optim", optimizer)
