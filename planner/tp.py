@@ -25,6 +25,10 @@ the activation dtype; on the critical path in eager PyTorch, so the step time ad
   rowwise output; backward the reverse); the embedding reduce-scatters its output (forward) and
   all-gathers its gradient (backward), the head all-gathers its input (forward) and reduce-scatters
   its gradient (backward). The same bytes on the wire as the all-reduces.
+Activation checkpointing ('full', every-K): each recomputed block repeats part of its forward's TP
+collectives in backward (`tp_raw_schedule`); op-level selective checkpointing's recomputation is not
+modelled.
+
 Outside the blocks, forward: loss parallel's three all-reduces of b*s fp32 values per micro-step
 (`distributed/tensor/parallel/loss.py`: `_log_softmax` all-reduces the row max and the sum of
 exponentials, `_nll_loss_forward` the target's logit through `_MaskPartial._reduce_value`).
@@ -48,7 +52,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from .config import Cluster, TrainConfig, check_tp
+from .config import Cluster, TrainConfig, check_tp, checkpoint_every
 from .model import TPRankSpec
 
 _HALF = {"bf16-mixed": "bfloat16", "bf16": "bfloat16", "fp16-mixed": "float16", "fp32": "float32"}
@@ -97,9 +101,32 @@ def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
                   train.sequence_parallel, train.precision, regime_for(train, family))
     out += (("all_reduce", "tp", train.tp, "float32", train.micro_batch * train.seq_len * 4,
              3 * train.grad_accum, "forward", "tp_loss"),)
+    every = checkpoint_every(train.checkpointing)
+    if every:
+        # Activation checkpointing recomputes a checkpointed block's forward in backward, and with it
+        # the TP collectives up to the last tensor backward needs: non-reentrant `checkpoint` stops the
+        # recomputation there (`utils/checkpoint.py` `_StopRecomputationError`). The block's last saved
+        # tensor is the down (proj) projection's input, so the MLP's rowwise output collective is not
+        # redone: per recomputed block, without SP the attention output's all-reduce; with SP the
+        # attention's and the MLP's input all-gathers and the attention output's reduce-scatter.
+        n = train.micro_batch * train.seq_len
+        res = "float32" if regime_for(train, family) in ("fp32", "autocast") else _HALF[train.precision]
+        out_dt = "float32" if regime_for(train, family) == "fp32" else _HALF[train.precision]
+        k = (m.layers // every) * train.grad_accum
+        size = {"float32": 4, "bfloat16": 2, "float16": 2}
+        if train.sequence_parallel:
+            out += (("all_gather", "tp", train.tp, res, n * m.hidden * size[res], 2 * k, "backward", "tp_recompute"),
+                    ("reduce_scatter", "tp", train.tp, out_dt, n * m.hidden * size[out_dt], k, "backward",
+                     "tp_recompute"))
+        else:
+            out += (("all_reduce", "tp", train.tp, out_dt, n * m.hidden * size[out_dt], k, "backward",
+                     "tp_recompute"),)
     if train.sequence_parallel:
         # the norms' Partial gradients (module docstring): one all-reduce per norm parameter
-        gdt = "bfloat16" if train.precision == "bf16" else "float32"
+        # in the gradient's dtype: the fp32 parameter's under fp32 and autocast, FSDP2's param_dtype
+        # (the unsharded parameter's) under mixed precision, the model's under pure bf16
+        regime = regime_for(train, family)
+        gdt = "float32" if regime in ("fp32", "autocast") else _HALF[train.precision]
         norms = 2 * m.layers + 1
         per_norm = 2 if m.norm == "layernorm" else 1
         if family == "single":
