@@ -436,5 +436,9 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     weight_cache = cache_all if train.checkpointing == "none" else head_cache
     block_cache = (weight_cache - head_cache) // m.layers if m.layers else 0
     logits_transient = n * v * e + (0 if e == 4 else n * v * 4)
+    if train.tp > 1:
+        # loss parallel's `_log_softmax` (`tensor/parallel/loss.py`) keeps `shifted = x - x_max` alive
+        # while `result = shifted - logsumexp` is made: one more n x V/t fp32 tensor at the loss
+        logits_transient += n * v * 4
     return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache, cache_all,
                                recompute, logits_transient, inputs, block_cache)

@@ -55,6 +55,11 @@ from functools import lru_cache
 from .config import Cluster, TrainConfig, check_tp, checkpoint_every
 from .model import TPRankSpec
 
+TP_STRATEGIES = ("single", "zero2", "zero3")
+"""The data-parallel strategies `distplan validate` composes tensor parallelism with: FSDP2 on the dp
+dimension of the (dp, tp) mesh as torchtitan lays it out, or none (`single`: dp = 1). DDP and FSDP1 over
+DTensor parameters are not torchtitan layouts; the planner still estimates them."""
+
 _HALF = {"bf16-mixed": "bfloat16", "bf16": "bfloat16", "fp16-mixed": "float16", "fp32": "float32"}
 
 

@@ -140,6 +140,12 @@ def _timeout(ctx, param, value):
 @click.option("--alloc-conf", "alloc_conf", default=None, metavar="CONF",
               help="PYTORCH_CUDA_ALLOC_CONF for the probes (e.g. expandable_segments:True); the prediction's "
                    "reserved peak follows it. Default: the probes inherit this shell's.")
+@click.option("--tp", type=int, default=1, show_default=True, callback=_positive_int,
+              help="Tensor-parallel degree: the reference decoder split with torchtitan's Llama plan over a "
+                   "(world / tp, tp) mesh; strategies single (tp ranks), zero2, zero3 (FSDP2 on the dp "
+                   "dimension). Default strategies with --tp: those three.")
+@click.option("--sequence-parallel", "sequence_parallel", is_flag=True, default=False,
+              help="With --tp: sequence parallelism (torchtitan's default).")
 @click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "
               "x checkpointing x precision) instead of one probe per strategy.")
 @click.option("--simulate-world-size", type=int, default=None, callback=_fake_world, metavar="N",
@@ -167,7 +173,7 @@ def _timeout(ctx, param, value):
 @click.pass_context
 def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl,
-                     checkpointing, attention, alloc_conf, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
+                     checkpointing, attention, alloc_conf, tp, sequence_parallel, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
 
@@ -212,6 +218,21 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
     if nnodes > 1 and not rdzv_endpoint:
         raise click.BadParameter(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)",
                                  param_hint="'--rdzv-endpoint'")
+    if sequence_parallel and tp == 1:
+        raise click.BadParameter("needs --tp > 1 (it shards along the tensor-parallel group)",
+                                 param_hint="'--sequence-parallel'")
+    if tp > 1:
+        from .tp import TP_STRATEGIES
+        if matrix or module_spec is not None:
+            raise click.UsageError(f"--tp={tp}: tensor-parallel probes run the reference decoder; drop "
+                                   f"{'--matrix (it has its own tp probes)' if matrix else '--module/--hf-config'}")
+        bad = [s for s in strategies if s not in TP_STRATEGIES]
+        if bad:
+            raise click.BadParameter(f"{', '.join(bad)} with --tp={tp}: the probes compose tensor parallelism "
+                                     f"with {', '.join(TP_STRATEGIES)} (FSDP2 on the dp mesh dimension, "
+                                     f"torchtitan's layout)", param_hint="'--strategy'")
+        if not strategies:  # FSDP2 where the dp dimension has 2+ ranks (a dp of 1 shards nothing)
+            strategies = tuple(s for s in TP_STRATEGIES if s == "single" or world // tp >= 2)
     strategies = strategies or tuple(NAMES)
     tol = tolerance / 100.0
     err = sys.stderr
@@ -274,12 +295,17 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             raise click.BadParameter(f"{train['seq_len']} exceeds the model's {spec_model['max_positions']} "
                                      f"learned positions", param_hint="'--seq-len'")
         specs = []
+        if tp > 1:
+            _check_tp(tp, spec_model, train, strategies, mode, world, hw)
         for s in strategies:
             if s == "single":
-                m, w = ("gpu" if device == "gpu" else "cpu"), 1
+                # tp ranks: real ones where there are (gloo on CPU, tp GPUs), else the fake group
+                real = "cpu" if device == "cpu" else ("gpu" if int(hw.get("gpus") or 0) >= tp else "fake")
+                m, w = (real if tp > 1 else ("gpu" if device == "gpu" else "cpu")), 1
             else:
                 m, w = mode, world
-            specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, **train))
+            specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, tp=tp,
+                                      sequence_parallel=sequence_parallel, **train))
         model_label = spec_model["name"]
         model_about = describe_model(spec_model, default=not user_model)
         if user_model:
@@ -363,6 +389,27 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                    + (f"; {skipped} SKIP (rank 0 on another node)" if skipped else "")
                    + (f"; {len(failed)} FAIL" if failed else "") + f"; records in {out_path}")
     ctx.exit(1 if failed else 0)
+
+
+def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, world: int, hw: dict) -> None:
+    """--tp with the reference decoder: a RoPE model with an untied head whose heads, kv heads and MLP
+    width tp divides (the planner's check, named by flag), a world that tp divides for zero2/zero3."""
+    from .config import TrainConfig
+    from .model import ModelSpec
+
+    if spec_model.get("position", "rope") != "rope" or spec_model.get("tie_embeddings"):
+        raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe runs RoPE models with an untied LM head; "
+                                 f"{spec_model.get('name')} has position={spec_model.get('position')!r}, "
+                                 f"tie_embeddings={spec_model.get('tie_embeddings')}", param_hint="'--tp'")
+    try:
+        TrainConfig(ModelSpec(**spec_model), tp=tp, seq_len=train["seq_len"], micro_batch=train["micro_batch"])
+    except ValueError as e:
+        raise click.BadParameter(str(e).replace("tp=", "--tp=", 1), param_hint="'--tp'")
+    multi = [s for s in strategies if s != "single"]
+    if multi and (world % tp or world // tp < 2):
+        raise click.BadParameter(f"{', '.join(multi)} with --tp={tp} needs a world of 2 x {tp} ranks or a multiple "
+                                 f"of {tp} above it (the dp mesh dimension shards over world / tp ranks), not "
+                                 f"{world} ({mode}); set --simulate-world-size or --nproc", param_hint="'--tp'")
 
 
 # -- model resolution and fit check -----------------------------------------------------------------

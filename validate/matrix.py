@@ -71,9 +71,10 @@ def model_dict(model) -> dict:
 
 
 def spec_id(strategy: str, model_name: str, world_size: int, mode: str, checkpointing: str,
-            precision: str) -> str:
+            precision: str, tp: int = 1, sequence_parallel: bool = False) -> str:
     w = f"w{world_size}" + ("-fake" if mode == "fake" else "")
-    return f"{strategy}/{model_name}/{w}/{checkpointing}/{precision}"
+    t = f"/tp{tp}" + ("-sp" if sequence_parallel else "") if tp > 1 else ""
+    return f"{strategy}/{model_name}/{w}{t}/{checkpointing}/{precision}"
 
 
 def default_gpus_per_node(strategy: str, world_size: int, mode: str) -> int:
@@ -90,15 +91,19 @@ def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node
               seq_len: int = 64, micro_batch: int = 2, grad_accum: int = 1, grad_sync: str = "last",
               precision: str = "fp32",
               optimizer: str = "adamw", optimizer_impl: str = "foreach", checkpointing: str = "none",
-              attention: str = "sdpa", steps: int = 3, seed: int = 0, model_name: str | None = None) -> dict:
-    """One probe spec, in the JSON shape `distplan.validate.probe --spec` reads."""
+              attention: str = "sdpa", steps: int = 3, seed: int = 0, model_name: str | None = None,
+              tp: int = 1, sequence_parallel: bool = False) -> dict:
+    """One probe spec, in the JSON shape `distplan.validate.probe --spec` reads. With `tp` > 1 the world
+    is a (world_size / tp, tp) mesh (`single`: tp ranks, one data-parallel rank)."""
     m = model_dict(model)
     if model_name:
         m["name"] = model_name
     if strategy == "single":
-        world_size = 1
+        world_size = tp
+    tp_keys = {"tp": int(tp), "sequence_parallel": bool(sequence_parallel)} if tp > 1 else {}
     return {
-        "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision)
+        **tp_keys,
+        "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision, tp, sequence_parallel)
         + (f"/accum{grad_accum}-{grad_sync}" if grad_accum > 1 else ""),
         "strategy": strategy, "world_size": int(world_size),
         "gpus_per_node": int(gpus_per_node or default_gpus_per_node(strategy, world_size, mode)),
@@ -158,4 +163,31 @@ def standard_matrix(hw: dict, strategies=None, fake_world: int | None = None, fu
                 picks = combos if full else [combos[(si + mi + 3 * wi) % 4]]
                 for ckpt, prec in picks:
                     add(strategy, shape_name, mode, world, ckpt, prec)
-    return specs
+    return specs + tp_matrix(hw, names, fake_world, steps, seed)
+
+
+TP_LAYERS = 8
+"""Depth of the tensor-parallel probes' Llama-style model (issue 13: 8+ layers)."""
+
+
+def tp_matrix(hw: dict, strategies=None, fake_world: int | None = None, steps: int = 3, seed: int = 0) -> list[dict]:
+    """Tensor-parallel probes (tp = 2, torchtitan's Llama plan): the Llama-style shape at `TP_LAYERS` layers.
+    `single` (dp = 1) on real ranks (gloo 2 processes on CPU, 2 GPUs with NCCL, else the fake group of 2)
+    with and without sequence parallelism in both precisions; FSDP2 (zero3 with SP, zero2 without) on the
+    dp dimension of the fake process group's (world / 2, 2) mesh. Only the strategies in `strategies`."""
+    from distplan.planner.strategies import NAMES, get_strategy
+
+    names = list(NAMES) if not strategies else [get_strategy(s).name for s in strategies]
+    device = "gpu" if int(hw.get("gpus") or 0) else "cpu"
+    shape_name = next(n for n in shapes_for(device) if n.startswith("llama"))
+    model = dict(shapes_for(device)[shape_name], layers=TP_LAYERS, name=f"{shape_name}-{TP_LAYERS}l")
+    train = TRAIN_GPU if device == "gpu" else TRAIN_CPU
+    p0, p1 = matrix_precisions(hw)
+    gpus = int(hw.get("gpus") or 0)
+    real = ("gpu" if gpus >= 2 else "fake" if gpus == 1 else "cpu")
+    fake = [w for m, w in matrix_worlds(hw, fake_world) if m == "fake"][-1]
+    picks = [("single", real, 2, False, p0), ("single", real, 2, True, p1),
+             ("zero3", "fake", fake, True, p0), ("zero2", "fake", fake, False, p1)]
+    return [make_spec(st, model, world, mode, precision=prec, steps=steps, seed=seed, tp=2,
+                      sequence_parallel=sp, **train)
+            for st, mode, world, sp, prec in picks if st in names and world % 2 == 0]

@@ -252,12 +252,6 @@ WRAPPERS = {
 }
 
 
-TP_STRATEGIES = ("single", "zero2", "zero3")
-"""The data-parallel strategies a tensor-parallel model composes with in the probes: FSDP2 on the dp
-dimension of the (dp, tp) mesh, as torchtitan lays it out (DDP and FSDP1 over DTensor parameters are
-not torchtitan layouts)."""
-
-
 def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node: int, device, *,
          fake: bool = False, units: list | None = None, dp_mesh=None):
     """(wrapped_model, optimizer, ctx) for one registry strategy; the model must already be on `device`.
@@ -268,6 +262,7 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
     dimension): the dp dimension of the (dp, tp) mesh, `world_size` its size.
     """
     from distplan.planner.strategies import get_strategy
+    from distplan.planner.tp import TP_STRATEGIES
 
     strategy = get_strategy(strategy_name)
     if strategy.name not in WRAPPERS:
