@@ -231,8 +231,8 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             raise click.BadParameter(f"{', '.join(bad)} with --tp={tp}: the probes compose tensor parallelism "
                                      f"with {', '.join(TP_STRATEGIES)} (FSDP2 on the dp mesh dimension, "
                                      f"torchtitan's layout)", param_hint="'--strategy'")
-        if not strategies:  # FSDP2 where the dp dimension has 2+ ranks (a dp of 1 shards nothing)
-            strategies = tuple(s for s in TP_STRATEGIES if s == "single" or world // tp >= 2)
+        tp_default = not strategies
+        strategies = strategies or TP_STRATEGIES
     strategies = strategies or tuple(NAMES)
     tol = tolerance / 100.0
     err = sys.stderr
@@ -249,6 +249,8 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
     except ValueError as e:
         raise UserError(str(e))
 
+    if tp > 1 and tp_default:  # FSDP2 where the dp dimension has 2+ ranks (a dp of 1 shards nothing)
+        strategies = tuple(s for s in strategies if s == "single" or (world % tp == 0 and world // tp >= 2))
     model_about = None
     if matrix:
         specs = mx.standard_matrix(hw, strategies, fake_world=simulate_world_size, steps=steps)
