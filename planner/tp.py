@@ -43,8 +43,9 @@ on `.grad` (AccumulateGrad does not redistribute). Where they are all-reduced de
   three all-reduces of each norm parameter per optimizer step, in the gradient dtype (measured on the
   fake process group: 3 x (2L + 1) for an RMSNorm decoder). Other optimizers: not modelled.
 - FSDP2 on the dp dimension: `FSDPParam._get_grad_inner_tensor` redistributes each gradient to the
-  parameter's TP placement before the reduce-scatter: one all-reduce per norm parameter per
-  gradient-synchronising micro-step.
+  parameter's TP placement before the reduce-scatter: one all-reduce per norm parameter per optimizer
+  step (between micro-steps the gradient accumulates as a Partial DTensor, in reduce_dtype under mixed
+  precision: `to_accumulated_grad_if_needed`), in the unsharded parameter's dtype with one micro-step.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
                 out += (("all_reduce", "tp", train.tp, gdt, m.hidden * (4 if gdt == "float32" else 2),
                          3 * norms * per_norm, "optimizer", "tp_norm_grad"),)
         else:
+            if train.grad_accum > 1:  # accumulated across micro-steps in reduce_dtype (fp32), still Partial
+                gdt = "float32" if train.precision != "bf16" else gdt
             out += (("all_reduce", "tp", train.tp, gdt, m.hidden * (4 if gdt == "float32" else 2),
                      norms * per_norm, "backward", "tp_norm_grad"),)
     return out

@@ -136,7 +136,9 @@ def test_tp_collectives_per_layer():
     blk = [c for c in tp if c.unit == "tp_block"]
     assert {(c.op, c.phase) for c in blk} == {("all_reduce", "forward"), ("all_reduce", "backward")}
     assert all(c.calls == 2 * L * A and c.message_bytes == b * s * h * 2 and c.group_size == 4 for c in blk)
-    assert {c.unit for c in tp} == {"tp_block", "tp_embed", "tp_head"}
+    assert {c.unit for c in tp} == {"tp_block", "tp_embed", "tp_head", "tp_loss"}
+    loss = [c for c in tp if c.unit == "tp_loss"]  # loss parallel: 3 all-reduces of b*s fp32 per micro-step
+    assert [(c.op, c.calls, c.message_bytes, c.dtype) for c in loss] == [("all_reduce", 3 * A, b * s * 4, "float32")]
     # the data-parallel collectives run over gpus / tp = 4 ranks, named by their mesh dimension
     dp = [c for c in p["zero3"].collectives if c.group != "tp"]
     assert dp and all(c.group == "dp" and c.group_size == 4 for c in dp)
@@ -147,8 +149,12 @@ def test_tp_collectives_per_layer():
         ("all_gather", "backward"), ("reduce_scatter", "backward")])
     assert all(c.calls == 2 * L * A and c.message_bytes == b * s * h * 2 for c in blk_sp)
     for name in ("zero3", "ddp"):  # the same bytes on the wire (DDP: fp32 residual stream under autocast)
-        assert sum(c.bytes_per_gpu for c in _tp_colls(sp, name)) == sum(
+        assert sum(c.bytes_per_gpu for c in _tp_colls(sp, name) if c.unit != "tp_norm_grad") == sum(
             c.bytes_per_gpu for c in _tp_colls(p, name))
+    # with SP the norms' Partial gradients: all-reduced once per step before FSDP2's reduce-scatter,
+    # accumulated over the micro-steps in fp32 (reduce_dtype)
+    norm = [c for c in _tp_colls(sp, "zero3") if c.unit == "tp_norm_grad"]
+    assert [(c.op, c.calls, c.message_bytes) for c in norm] == [("all_reduce", 2 * L + 1, h * 4)]
     # exposed whole in the step time
     for name in ("zero3", "ddp"):
         t = p[name].time
