@@ -26,10 +26,6 @@ PEAK_TOLERANCE = 0.05
 KNOWN_COMPONENT_GAPS = {
     # Temporaries 165,116 B (10.2%) over the measurement under autocast + full checkpointing; peak +2.5%.
     "zero1/gpt2-tiny/w8-fake/full/bf16-mixed": "temporaries",
-    # TP + FSDP2: at the backward peak the last block's w_down gradient (90,112 B) is already accumulated
-    # (measured grads 221,696 B, predicted 131,584) where the planner's walk still holds it in autograd's
-    # input buffer (temporaries predicted 393,216 B, measured 272,420); the peak agrees within 340 B.
-    "zero3/llama-tiny-8l/w8-fake/tp2-sp/none/fp32": "grads, temporaries",
 }
 """Deterministic probes (one process: fake process group, `single`) whose components miss, with why."""
 
