@@ -1,6 +1,6 @@
 """The CPU validation matrix, end to end, as CI runs it: `distplan validate --matrix` with no GPU runs
 every strategy x 3 model shapes x {gloo 2 ranks, fake process group 8 ranks} x checkpointing x
-precision (54 real probes), plus 4 tensor-parallel probes (tp 2, 8 layers), about 6 minutes on 2 cores, and
+precision (54 real probes), plus 4 tensor-parallel probes (tp 2, 8 layers), 13 minutes on 2 cores, and
 compares each with the planner.
 
 What must hold for every probe: it ran; its predicted peak is within 5% of the measured peak; the
