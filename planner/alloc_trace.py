@@ -279,7 +279,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             else:
                 casts_kept = casts
             blocks.append(([E.a(s) for s in kept_saved], casts_kept))
-            if st.reshard_after_forward and sharding and j in held:
+            # resharded after forward: FULL_SHARD / zero3; NO_SHARD under mixed precision frees its 16-bit
+            # copy (`_runtime_utils._post_forward` -> `_reshard` -> `handle.post_reshard`)
+            no_shard_mp = family == "fsdp1" and not sharding and prec.mixed
+            if ((st.reshard_after_forward and sharding) or no_shard_mp) and j in held:
                 E.f(*(held.pop(j) if family == "fsdp2" else [held.pop(j)]))
         if family == "fsdp2" and sharding:
             E.f(prev_flat)
