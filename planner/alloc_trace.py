@@ -147,10 +147,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             return (-(-s[0] // shard) * prod(s[1:])) if sharding else prod(s)
         # fully_shard per block, then the root (embed + head): each parameter's shard, then the full one goes
         order = list(range(1, L + 1)) + [0, L + 1]
-        shards: dict = {}
         for u in order:
             for i, s in enumerate(units[u]):
-                shards[(u, i)] = E.a(shard_of(s) * pb)
+                E.a(shard_of(s) * pb)  # kept for the whole run
                 E.f(full[u][i])
         param_shards = [shard_of(s) for u in units for s in u]
     elif family == "fsdp1":

@@ -134,10 +134,14 @@ class MemoryEstimate:
         return self.peak_reserved + self.process_overhead
 
     @property
+    def allocated_fits(self) -> bool:
+        """The allocated peak and the process overhead fit: necessary for `fits` (reserved >= allocated),
+        and known without an allocator replay."""
+        return self.peak_allocated + self.process_overhead <= self.gpu_memory_bytes
+
+    @property
     def fits(self) -> bool:
-        if self.peak_allocated + self.process_overhead > self.gpu_memory_bytes:
-            return False  # reserved >= allocated: no replay needed
-        return self.device_total <= self.gpu_memory_bytes
+        return self.allocated_fits and self.device_total <= self.gpu_memory_bytes
 
     @property
     def total_required(self) -> int:

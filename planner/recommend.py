@@ -78,8 +78,7 @@ def max_micro_batch(train: TrainConfig, cluster: Cluster, strategy: str, limit: 
         return estimate_memory(replace(train, micro_batch=b), cluster, strategy)
 
     def alloc_fits(b: int) -> bool:
-        m = mem(b)
-        return m.peak_allocated + m.process_overhead <= m.gpu_memory_bytes
+        return mem(b).allocated_fits
     if not alloc_fits(1):
         return 0
     lo, hi = 1, 2
