@@ -243,7 +243,12 @@ def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> in
     e = 4 if regime == "fp32" else 2
     b, s = train.micro_batch, train.seq_len
     if train.attention == "sdpa" and not sdpa_math(train, regime, device):
-        return n * (e * (h + 2 * kv) + e * h + 4 * a)
+        # q, k, v, the output and the fp32 logsumexp (the flash kernel's saved tensors); wo's input is a view
+        # of the output, which the kernel lays out as (B, S, nh, hd). Context parallelism (cp.py): the ring's
+        # merged output is a new (B, nh, S, hd) tensor on every rank that `_partial_update`s it (all but
+        # the last of the cp group: `torch.cat`), so wo's input is a contiguous copy, saved as well.
+        cp_copy = n * e * h if train._cp_local and train.cp > 1 else 0
+        return n * (e * (h + 2 * kv) + e * h + 4 * a) + cp_copy
     probs = b * a * s * s
     if train.attention == "sdpa":
         # `_scaled_dot_product_attention_math`: q and k scaled by sqrt(scale) (saved by the first

@@ -438,8 +438,8 @@ class Plan:
         inputs = {"model": self.train.model.to_dict(), "model_params": self.train.model.param_count(),
                   "train": {k: v for k, v in self.train.to_dict().items() if k != "model"},
                   "cluster": self.cluster.to_dict(), "notes": list(self.notes)}
-        t, p = self.train.tp, self.train.pp
-        inputs["mesh"] = {"pp": p, "dp": self.cluster.gpus // (t * p), "tp": t,
+        t, p, c = self.train.tp, self.train.pp, self.train.cp
+        inputs["mesh"] = {"pp": p, "dp": self.cluster.gpus // (t * p * c), "cp": c, "tp": t,
                           "sequence_parallel": self.train.sequence_parallel}
         if p > 1:
             from .pp import bubble_fraction
@@ -474,6 +474,16 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class _CPCheck:
+    """What `cp.check_cp` reads, before the TrainConfig exists."""
+    seq_len: int
+    attention: str
+    framework: str
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
 class _PPCheck:
     """What `pp.check_pp` reads, with the CLI's flag names in its messages."""
     model: ModelSpec
@@ -494,7 +504,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
          framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
          alloc_conf: str = "", pp: int = 1, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
-         strategies: Iterable[str] | None = None,
+         cp: int = 1, strategies: Iterable[str] | None = None,
          tokens: float | None = None, checkpoint: str | None = None, storage_gbps: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
          **overrides) -> Plan:
@@ -518,6 +528,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         pp, pp_schedule, pp_microbatches: pipeline stages (torch.distributed.pipelining; the strategies
             run over gpus / (tp * pp) ranks), the schedule (gpipe, 1f1b, interleaved-1f1b) and the
             micro-batches per step (default 2 * pp) (pp.py).
+        cp: context-parallel degree (torchtitan's `context_parallel`: each sequence split over cp ranks,
+            ring attention; the strategies run over the dp x cp ranks) (cp.py).
         strategies: names from the registry (default: all).
         tokens: total training tokens, for the time-to-train figure.
         checkpoint: also plan saving a checkpoint: "full", "full-offload" or "sharded" (checkpoint.py);
@@ -586,13 +598,22 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                                          if (cluster.gpus // tp) % d == 0 and d <= spec.layers))
         from .pp import check_pp
         check_pp(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches, cpu_offload), "--pp")
+    cp = check_count("cp", cp)
+    if cp > 1:
+        from .cp import check_cp
+        check_cp(cp, _CPCheck(seq_len, attention, framework, pp, tp), cluster.gpus)
+        if strategies and "single" in strategies:
+            raise ValueError(f"--strategy=single with --cp={cp}: the cp ranks' gradients must be averaged; "
+                             f"accepted: a data-parallel strategy ({', '.join(n for n in NAMES if n != 'single')})")
+        notes.append(f"context parallel: each sequence split over {cp} ranks ({seq_len // cp} tokens each), "
+                     f"ring attention; the strategies run over the dp x cp ranks")
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                         grad_sync=grad_sync, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,
                         cpu_offload=cpu_offload, framework=framework, compile=compile, tp=tp,
                         sequence_parallel=sequence_parallel, alloc_conf=alloc_conf, pp=pp,
-                        pp_schedule=pp_schedule, pp_microbatches=pp_microbatches)
-    dp = cluster.gpus // (tp * pp)
+                        pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, cp=cp)
+    dp = cluster.gpus // (tp * pp)  # the ranks a strategy runs over (dp x cp)
     if pp > 1:
         from .pp import PP_STRATEGIES
         bad = [n for n in (strategies or ()) if n not in PP_STRATEGIES]
@@ -641,7 +662,7 @@ def predict_probe(spec: dict) -> dict:
                         optimizer=t.get("optimizer", "adamw"), optimizer_impl=t.get("optimizer_impl", "foreach"),
                         checkpointing=t.get("checkpointing", "none"), attention=t.get("attention", "sdpa"),
                         alloc_conf=t.get("alloc_conf", ""), tp=int(spec.get("tp", 1)),
-                        sequence_parallel=bool(spec.get("sequence_parallel", False)))
+                        sequence_parallel=bool(spec.get("sequence_parallel", False)), cp=int(spec.get("cp", 1)))
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15, gpu_name=DEFAULT_GPU,

@@ -101,6 +101,9 @@ def training_options(fn):
                      show_default=True, help="With --pp: the pipeline schedule."),
         click.option("--pp-microbatches", "pp_microbatches", type=int, default=None,
                      help="With --pp: micro-batches of --micro-batch sequences per step (default 2 x --pp)."),
+        click.option("--cp", type=int, default=1, show_default=True,
+                     help="Context-parallel degree: each sequence split over cp ranks, ring attention "
+                          "(torchtitan's context_parallel); the strategies run over the dp x cp ranks."),
         click.option("--checkpoint", "checkpoint", type=click.Choice(CHECKPOINT_MODES), default=None,
                      help="Also plan saving a checkpoint (model + optimizer, PyTorch's DCP state-dict API): "
                           "full (gathered on every rank, rank 0 writes), full-offload (gathered to rank 0's "
@@ -192,7 +195,7 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
     from .api import plan
     from .units import check_count, short_repr
     for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum", "tp", "pp",
-                 "pp_microbatches",
+                 "pp_microbatches", "cp",
                  "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
         if kw.get(flag) is not None:  # each bounded to what exists (units.LIMITS), before any work
             check_count(flag, kw[flag])
@@ -212,6 +215,9 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
         if (kw.get("tp") or 1) > 1 or kw.get("sequence_parallel"):
             raise ValueError(f"--tp={kw.get('tp') or 1}: tensor parallelism is modelled by the analytic front end "
                              f"only; with --hf-config add --front-end analytic (--module: not supported)")
+        if (kw.get("cp") or 1) > 1:
+            raise ValueError(f"--cp={kw.get('cp')}: context parallelism is modelled by the analytic front end "
+                             f"only; with --hf-config add --front-end analytic (--module: not supported)")
         from .module_plan import module_spec_plan
         return module_spec_plan(kw, strategies)
     overrides = {k: kw.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
@@ -230,7 +236,7 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 tp=kw.get("tp") or 1, sequence_parallel=bool(kw.get("sequence_parallel")),
                 alloc_conf=kw.get("alloc_conf") or "", pp=kw.get("pp") or 1,
                 pp_schedule=kw.get("pp_schedule") or "1f1b", pp_microbatches=kw.get("pp_microbatches"),
-                strategies=list(strategies) or None,
+                cp=kw.get("cp") or 1, strategies=list(strategies) or None,
                 tokens=kw.get("tokens"), checkpoint=kw.get("checkpoint"), storage_gbps=kw.get("storage_gbps"),
                 comm=comm, detect_local=detect_local,
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)

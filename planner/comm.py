@@ -134,6 +134,10 @@ def bus_factor(op: str, n: int) -> float:
         return (n - 1) / n
     if op in ("broadcast", "send"):
         return 1.0
+    if op == "all_to_all":
+        # issued by the planner only as `_functional_collectives.permute_tensor` (context parallelism's
+        # ring shift, cp.py): each rank's whole input goes to one peer
+        return 1.0
     if op == "recv":  # point-to-point: the receiver sends nothing
         return 0.0
     raise ValueError(f"op={str(op)[:40]!r}: accepted values are {', '.join(OPS)}")
@@ -404,6 +408,11 @@ def _group_time(c_op: str, group: str, n: int, message_bytes: float, cluster: Cl
     intra, inter = cluster_links(cluster)
     if group == "tp":  # tensor parallelism: inside a node (tp.py)
         return collective_time(c_op, message_bytes, n, intra)
+    if group == "cp" and c_op == "all_to_all":
+        # context parallelism's ring shift (cp.py): every rank sends its buffer to the next at once; a
+        # group wider than a node (its ranks `cluster.local_size` per node) has hops across nodes
+        link = inter if n > cluster.local_size and cluster.nodes > 1 else intra
+        return LAUNCH_S + link.latency_s + message_bytes / link.busbw_bytes_per_s
     if group == "pp":  # point-to-point between neighbouring stages (pp.py): one message, one link
         link = inter if cluster.gpus // n >= cluster.local_size and cluster.nodes > 1 else intra
         return LAUNCH_S + link.latency_s + message_bytes / link.busbw_bytes_per_s
@@ -557,6 +566,8 @@ def collective_schedule(train: TrainConfig, cluster: Cluster, strategy: str | St
     merged; `calls` counts all grad_accum micro-steps. Times use the cluster's links (catalog, cached).
     """
     s = get_strategy(strategy)
+    if train.cp > 1 and not train._cp_local:
+        return _cp_schedule(train, cluster, s, ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
     if train.pp > 1:
         return _pp_schedule(train, cluster, s, ddp_bucket_cap_mb, fsdp2_root_reshard_explicit)
     if train.tp > 1 and not isinstance(train.model, TPRankSpec):  # a `tp_view` has the dp part only
@@ -578,6 +589,23 @@ def _tp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_ex
         key = _schedule_key(rtrain, s.name, dp.gpus, dp.local_size, dp.nodes, cap, root_explicit)
         out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dp)[0]]
     out += timed_collectives(tp_raw_schedule(train, s.family), cluster)
+    return Schedule(out, schedule_totals(out))
+
+
+def _cp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_explicit) -> "Schedule":
+    """With context parallelism (`cp.py`): one cp rank's schedule (sequences of s / cp tokens; the
+    strategy's group, named 'dp_cp', is the dp x cp ranks, as torchtitan's FSDP mesh `dp_shard_cp`), then
+    the cp group's ring collectives ('cp': its ranks at stride tp, so a node holds gpus_per_node / tp
+    of them)."""
+    from .cp import cp_raw_schedule, cp_view
+    view = cp_view(train)
+    out = [c._replace(group="dp_cp") if c.group in ("world", "dp") else c
+           for c in collective_schedule(view, cluster, s, ddp_bucket_cap_mb=cap, fsdp2_root_reshard_explicit=root_explicit)]
+    cpc = cluster
+    if train.tp > 1:
+        from .tp import tp_view
+        cpc = tp_view(train, cluster)[1]
+    out += timed_collectives(cp_raw_schedule(view, s.family), cpc)
     return Schedule(out, schedule_totals(out))
 
 

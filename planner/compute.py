@@ -58,6 +58,9 @@ def _forward_flops(train: TrainConfig) -> tuple[float, float]:
     # Narayanan et al. 2021 Eq. 3: 4*b*s^2*h per layer (QK^T and AV); halved for causal SDPA; a
     # tensor-parallel rank runs heads / tp of them (`block_w`, `head_w` are its weights already).
     attn = 4.0 * b * s * s * h * (0.5 if train.attention == "sdpa" else 1.0) / train.tp
+    if train.cp > 1:  # a context-parallel rank's s/cp queries attend over the whole sequence (cp.py)
+        from .cp import attention_flops_factor
+        attn *= attention_flops_factor(train)
     block = 2.0 * block_w * tokens + attn
     head = 2.0 * head_w * tokens  # Eq. 3's logits term 2*b*s*h*V
     return block, head
@@ -267,15 +270,21 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
     if train.pp > 1:
         return _pp_step_time(train, cluster, s, schedule, gpu)
     tp_exposed, tp_calls = 0.0, 0
-    if train.tp > 1 and not isinstance(train.model, TPRankSpec):
+    if train.cp > 1:  # one context-parallel rank (cp.py); its ring's collectives are split off below
+        from .cp import cp_view
+        train = cp_view(train)
+    tp = train.tp > 1 and not isinstance(train.model, TPRankSpec)
+    if tp or train.cp > 1:
         # Tensor parallelism (tp.py): the per-rank model over the data-parallel ranks; the TP group's
-        # collectives sit between the block's kernels in eager PyTorch, exposed whole.
-        from .tp import tp_view
-        train, cluster = tp_view(train, cluster)
-        tp_part = [c for c in schedule if c.group == "tp"]
+        # collectives sit between the block's kernels in eager PyTorch, exposed whole. So do context
+        # parallelism's ring collectives, inside each attention (cp.py).
+        if tp:
+            from .tp import tp_view
+            train, cluster = tp_view(train, cluster)
+        tp_part = [c for c in schedule if c.group in ("tp", "cp")]
         tp_exposed = sum(c.time_s for c in tp_part)
         tp_calls = sum(c.calls for c in tp_part)
-        dp_part = [c for c in schedule if c.group != "tp"]
+        dp_part = [c for c in schedule if c.group not in ("tp", "cp")]
         schedule = Schedule(dp_part, schedule_totals(dp_part))
     peak = peak_flops(gpu.flops, train.precision)
     forward = _forward_flops(train)

@@ -105,6 +105,12 @@ class TrainConfig:
     """gpipe, 1f1b or interleaved-1f1b (`pp.PP_SCHEDULES`)."""
     pp_microbatches: int = 1
     """Micro-batches of `micro_batch` sequences per optimizer step with pp > 1 (grad_accum stays 1)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over `cp` ranks, attention as a ring
+    (`context_parallel`, torchtitan's layout); the strategies run over gpus / (tp * pp) ranks, dp x cp
+    (planner/cp.py)."""
+
+    _cp_local = False  # True on `cp.CPView`: seq_len is one context-parallel rank's share already
 
     def __post_init__(self) -> None:
         if not (type(self.seq_len) is int and 0 < self.seq_len <= _MAX_SEQ and type(self.micro_batch) is int
@@ -116,7 +122,8 @@ class TrainConfig:
                 and self.framework in FRAMEWORKS and type(self.compile) is bool
                 and type(self.tp) is int and self.tp >= 1 and type(self.sequence_parallel) is bool
                 and type(self.pp) is int and self.pp >= 1 and self.pp_schedule in PP_SCHEDULES
-                and type(self.pp_microbatches) is int and 0 < self.pp_microbatches <= _MAX_ACCUM):  # one test for the common case; below names the culprit
+                and type(self.pp_microbatches) is int and 0 < self.pp_microbatches <= _MAX_ACCUM
+                and type(self.cp) is int and self.cp >= 1):  # one test for the common case; below names the culprit
             self._check_fields()
         if self.model.position == "learned" and self.seq_len > self.model.max_positions:
             raise ValueError(
@@ -137,6 +144,9 @@ class TrainConfig:
         if self.pp > 1:
             from .pp import check_pp
             check_pp(self, "pp")
+        if self.cp > 1 and not self._cp_local:
+            from .cp import check_cp
+            check_cp(self.cp, self, flag="cp")
         object.__setattr__(self, "_prec", get_precision(self.precision))
 
     def _check_fields(self) -> None:
@@ -161,6 +171,7 @@ class TrainConfig:
         if not (type(self.pp_microbatches) is int and 0 < self.pp_microbatches <= _MAX_ACCUM):
             raise ValueError(f"pp_microbatches={short_repr(self.pp_microbatches)}: must be an integer from 1 "
                              f"to {_MAX_ACCUM}")
+        _positive("cp", self.cp)
 
     @property
     def prec(self) -> Precision:

@@ -147,6 +147,9 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
 
     # -- attention
     attn_flops = 4.0 * b * s * s * h / t  # QK^T and AV (Narayanan et al. 2021, Eq. 3)
+    if train.cp > 1:  # a context-parallel rank's s/cp queries against the whole sequence (cp.py)
+        from .cp import attention_flops_factor
+        attn_flops *= attention_flops_factor(train)
     if train.attention == "sdpa":
         attn_flops *= 0.5  # causal: the flash / memory-efficient kernels skip masked tiles
         attn_fwd = attn_flops / (peak * att_eff)

@@ -352,6 +352,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     ('meta' or 'device') and `train.alloc_conf` go to the allocator replay (`peak_reserved`).
     """
     st = get_strategy(strategy)
+    if train.cp > 1:  # one context-parallel rank: s / cp tokens of each sequence, a ring attention (cp.py)
+        from .cp import cp_view
+        train = cp_view(train)
     if train.pp > 1:  # pipeline stages: the most loaded stage's walk (pp.py)
         from .pp import pp_memory
         return pp_memory(train, cluster, st, device, backend, gpu_name)
@@ -813,6 +816,15 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2 * e
         att = (0, resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * h // t)
         if att[1] > mlp[1]:
+            return att
+    if train.cp > 1:
+        # Context parallelism: inside the attention's ring backward (cp.py), the MLP's saved tensors freed,
+        # the output projection's input gradient (n x h/t) and weight gradient alive.
+        from .activations import _mlp_saved
+        from .cp import ring_backward_bytes
+        ring = ring_backward_bytes(train, regime)
+        att = (_mlp_saved(train, regime, n), resid + n * (h // t) * e + ring, h * h // t)
+        if att[1] - att[0] > mlp[1] - mlp[0]:  # what each instant adds to the saved activations
             return att
     return mlp
 

@@ -44,6 +44,7 @@ LIMITS: dict[str, tuple[int, int, str]] = {
     "gpus": (1, 2**20, "five times the largest GPU cluster built, about 200,000 GPUs"),
     "tp": (1, 1024, "the GPUs of the largest node accepted (tensor parallelism stays inside a node)"),
     "pp": (1, 4096, "one stage per layer of the deepest model accepted"),
+    "cp": (1, 1 << 20, "one token per rank of the longest sequence accepted"),
     "pp_microbatches": (1, 2**20, "16 times the largest global batches published, 65,536 examples"),
     "gpus_per_node": (1, 1024, "above the largest NVLink domain announced, NVL576's 576 GPUs"),
     "nics_per_node": (1, 2048, "two per GPU of the largest node accepted; nodes carry 1 to 16"),

@@ -164,7 +164,7 @@ def test_tp_collectives_per_layer():
 def test_tp1_output_has_no_tp_collectives():
     p = plan("llama-3-8b", gpus=8, strategies=["zero3"])
     assert all(c.group in ("world", "intra_node", "inter_node") for c in p["zero3"].collectives)
-    assert p.to_dict()["inputs"]["mesh"] == {"pp": 1, "dp": 8, "tp": 1, "sequence_parallel": False}
+    assert p.to_dict()["inputs"]["mesh"] == {"pp": 1, "dp": 8, "cp": 1, "tp": 1, "sequence_parallel": False}
 
 
 # -- end to end ------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_cli_json_shows_the_mesh():
              "--sequence-parallel", "--seq-len", "8192", "--strategy", "zero3", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
-    assert d["inputs"]["mesh"] == {"pp": 1, "dp": 8, "tp": 8, "sequence_parallel": True}
+    assert d["inputs"]["mesh"] == {"pp": 1, "dp": 8, "cp": 1, "tp": 8, "sequence_parallel": True}
     assert d["inputs"]["train"]["tp"] == 8 and d["inputs"]["model"]["heads"] == 64
     groups = {c["group"] for c in d["strategies"][0]["comm"]["collectives"]}
     assert groups == {"dp", "tp"}

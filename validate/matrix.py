@@ -71,9 +71,9 @@ def model_dict(model) -> dict:
 
 
 def spec_id(strategy: str, model_name: str, world_size: int, mode: str, checkpointing: str,
-            precision: str, tp: int = 1, sequence_parallel: bool = False) -> str:
+            precision: str, tp: int = 1, sequence_parallel: bool = False, cp: int = 1) -> str:
     w = f"w{world_size}" + ("-fake" if mode == "fake" else "")
-    t = f"/tp{tp}" + ("-sp" if sequence_parallel else "") if tp > 1 else ""
+    t = (f"/cp{cp}" if cp > 1 else "") + (f"/tp{tp}" + ("-sp" if sequence_parallel else "") if tp > 1 else "")
     return f"{strategy}/{model_name}/{w}{t}/{checkpointing}/{precision}"
 
 
@@ -92,18 +92,21 @@ def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node
               precision: str = "fp32",
               optimizer: str = "adamw", optimizer_impl: str = "foreach", checkpointing: str = "none",
               attention: str = "sdpa", steps: int = 3, seed: int = 0, model_name: str | None = None,
-              tp: int = 1, sequence_parallel: bool = False) -> dict:
+              tp: int = 1, sequence_parallel: bool = False, cp: int = 1) -> dict:
     """One probe spec, in the JSON shape `distplan.validate.probe --spec` reads. With `tp` > 1 the world
-    is a (world_size / tp, tp) mesh (`single`: tp ranks, one data-parallel rank)."""
+    is a (world_size / tp, tp) mesh (`single`: tp ranks, one data-parallel rank); with `cp` > 1 a
+    (world_size / (cp * tp), cp, tp) mesh, the strategy over the dp x cp ranks."""
     m = model_dict(model)
     if model_name:
         m["name"] = model_name
     if strategy == "single":
         world_size = tp
     tp_keys = {"tp": int(tp), "sequence_parallel": bool(sequence_parallel)} if tp > 1 else {}
+    if cp > 1:
+        tp_keys["cp"] = int(cp)
     return {
         **tp_keys,
-        "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision, tp, sequence_parallel)
+        "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision, tp, sequence_parallel, cp)
         + (f"/accum{grad_accum}-{grad_sync}" if grad_accum > 1 else ""),
         "strategy": strategy, "world_size": int(world_size),
         "gpus_per_node": int(gpus_per_node or default_gpus_per_node(strategy, world_size, mode)),
@@ -163,7 +166,7 @@ def standard_matrix(hw: dict, strategies=None, fake_world: int | None = None, fu
                 picks = combos if full else [combos[(si + mi + 3 * wi) % 4]]
                 for ckpt, prec in picks:
                     add(strategy, shape_name, mode, world, ckpt, prec)
-    return specs + tp_matrix(hw, names, fake_world, steps, seed)
+    return specs + tp_matrix(hw, names, fake_world, steps, seed) + cp_matrix(hw, names, fake_world, steps, seed)
 
 
 TP_LAYERS = 8
@@ -191,3 +194,26 @@ def tp_matrix(hw: dict, strategies=None, fake_world: int | None = None, steps: i
     return [make_spec(st, model, world, mode, precision=prec, steps=steps, seed=seed, tp=2,
                       sequence_parallel=sp, **train)
             for st, mode, world, sp, prec in picks if st in names and world % 2 == 0]
+
+
+def cp_matrix(hw: dict, strategies=None, fake_world: int | None = None, steps: int = 3, seed: int = 0) -> list[dict]:
+    """Context-parallel probes (ring attention, validate/cp.py; CPU only: the GPU probe is not wired): the
+    Llama-style shape at `TP_LAYERS` layers, sequences of 64 tokens. zero3, and ddp with full checkpointing,
+    with cp = 2 on gloo's 2 real ranks; on the fake process group's ranks zero2 with cp = 4 (dp 2), zero3
+    with cp = 8 and full checkpointing, and zero3 with cp = 2 x tp = 2 (sequence parallel). Only the
+    strategies in `strategies`."""
+    from distplan.planner.strategies import NAMES, get_strategy
+
+    if int(hw.get("gpus") or 0):
+        return []
+    names = list(NAMES) if not strategies else [get_strategy(s).name for s in strategies]
+    shape_name = next(n for n in shapes_for("cpu") if n.startswith("llama"))
+    model = dict(shapes_for("cpu")[shape_name], layers=TP_LAYERS, name=f"{shape_name}-{TP_LAYERS}l")
+    p0, p1 = matrix_precisions(hw)
+    fake = [w for m, w in matrix_worlds(hw, fake_world) if m == "fake"][-1]
+    picks = [("zero3", "cpu", 2, 2, 1, "none", p0), ("ddp", "cpu", 2, 2, 1, "full", p1),
+             ("zero2", "fake", fake, 4, 1, "none", p1), ("zero3", "fake", fake, 8, 1, "full", p0),
+             ("zero3", "fake", fake, 2, 2, "none", p1)]
+    return [make_spec(st, model, world, mode, precision=prec, checkpointing=ck, steps=steps, seed=seed,
+                      cp=cp, tp=tp, sequence_parallel=tp > 1, **dict(TRAIN_CPU, seq_len=64))
+            for st, mode, world, cp, tp, ck, prec in picks if st in names and world % (cp * tp) == 0]

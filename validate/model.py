@@ -85,9 +85,12 @@ class Norm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, device=None, base: float = 10000.0):
+def rope_tables(seq_len: int, head_dim: int, device=None, base: float = 10000.0, positions=None):
+    """cos, sin of the rotary embedding for positions 0..seq_len-1, or for `positions` (context
+    parallelism: the positions this rank keeps)."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    t = (torch.arange(seq_len, device=device, dtype=torch.float32) if positions is None
+         else positions.to(device=device, dtype=torch.float32))
     freqs = torch.outer(t, inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()  # (S, hd)
@@ -106,6 +109,8 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
         self.rope = spec.position == "rope"
         self.attention = attention
+        self.cp_group = None
+        """Set by `Decoder.context_parallel`: ring attention over this process group (validate/cp.py)."""
         self.wq = nn.Linear(h, h, bias=qkvb)
         self.wk = nn.Linear(h, kv, bias=qkvb)
         self.wv = nn.Linear(h, kv, bias=qkvb)
@@ -120,7 +125,10 @@ class Attention(nn.Module):
             cos, sin = cos.to(q.dtype), sin.to(q.dtype)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        if self.attention == "sdpa":
+        if self.cp_group is not None:
+            from .cp import ring_attention
+            y = ring_attention(q, k, v, self.cp_group)
+        elif self.attention == "sdpa":
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         else:
@@ -178,6 +186,8 @@ class Decoder(nn.Module):
         self.loss_parallel = False
         """Set by `validate.tp_probe.parallelize_decoder`: the LM head is a `ColwiseParallel` module whose
         logits stay sharded over the vocabulary (a DTensor); the loss then runs under `loss_parallel()`."""
+        self.cp_positions = None
+        """Set by `context_parallel`: the sequence positions this rank keeps (its tokens are those)."""
         self.tok_embeddings = nn.Embedding(spec.vocab, spec.hidden)
         if spec.position == "learned":
             self.pos_embeddings = nn.Embedding(spec.max_positions, spec.hidden)
@@ -193,7 +203,7 @@ class Decoder(nn.Module):
         if self.spec.position == "learned":
             x = x + self.pos_embeddings(torch.arange(S, device=tokens.device))
         else:
-            cos, sin = rope_tables(S, self.spec.head_dim, device=tokens.device)
+            cos, sin = rope_tables(S, self.spec.head_dim, device=tokens.device, positions=self.cp_positions)
         for block in self.layers:
             if self.checkpointing == "full":
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
@@ -210,3 +220,15 @@ class Decoder(nn.Module):
         weight = self.tok_embeddings.weight if self.spec.tie_embeddings else self.output.weight
         logits = F.linear(x, weight)  # (B, S, V)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+    def context_parallel(self, group, rank: int, cp: int, seq_len: int) -> None:
+        """Run with context parallelism over `group` (rank `rank` of `cp`): every attention becomes ring
+        attention and the forward takes the (B, 2 * seq_len / (2 * cp)) tokens of the head-tail positions
+        `validate.cp.head_tail_indices` gives; the loss is the mean over those tokens, as torchtitan's."""
+        from .cp import head_tail_indices
+
+        if self.spec.position != "rope":
+            raise ValueError("cp > 1: context parallelism runs the RoPE decoder (learned positions are not sharded)")
+        self.cp_positions = head_tail_indices(seq_len, cp, rank)
+        for block in self.layers:
+            block.attn.cp_group = group

@@ -299,7 +299,14 @@ class Probe:
             else:  # (a torch.device context costs a torch._dynamo import through __torch_function__)
                 model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
             tp, dp_mesh, dp_world = int(spec.get("tp", 1)), None, self.world_size
-            if tp > 1 or spec.get("sequence_parallel"):
+            cp, cp_rank = int(spec.get("cp", 1)), 0
+            if cp > 1:
+                if module:
+                    raise ValueError("cp: the context-parallel probe runs the reference decoder, not --module")
+                model, dp_mesh, cp_rank = self._context_parallel(model, cp, tp, bool(spec.get("sequence_parallel")),
+                                                                 seq)
+                dp_world = self.world_size // tp  # FSDP/DDP over the flattened (dp, cp) ranks
+            elif tp > 1 or spec.get("sequence_parallel"):
                 if module:
                     raise ValueError("tp: the tensor-parallel probe runs the reference decoder, not --module")
                 model, dp_mesh = self._tensor_parallel(model, tp, bool(spec.get("sequence_parallel")))
@@ -310,7 +317,9 @@ class Probe:
             if self.mode == "fake" and train.get("precision") == "fp16-mixed" and self.device.type == "cuda":
                 self.result["unmeasured"].append("GradScaler (fake process group: garbage gradients)")
             tracker.roles = ctx.roles
-            gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + self.rank)
+            # the ranks of one context-parallel group share their sequences (each keeps its positions)
+            data_rank = self.rank if cp == 1 else self.rank // (cp * tp)
+            gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + data_rank)
             if module:
                 dtype = torch.bfloat16 if train.get("precision") == "bf16" else torch.float32
                 batches = [work.inputs(torch, dtype, gen, self.device, **extra) for _ in range(accum)]
@@ -318,6 +327,10 @@ class Probe:
                 batches = [(torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device),
                             torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device))
                            for _ in range(accum)]
+                if cp > 1:  # this rank's positions of each sequence (validate/cp.py head_tail_indices)
+                    from .cp import head_tail_indices
+                    keep = head_tail_indices(seq, cp, cp_rank, self.device)
+                    batches = [(x[:, keep].contiguous(), y[:, keep].contiguous()) for x, y in batches]
 
             def forward(batch):
                 if not module:
@@ -394,6 +407,27 @@ class Probe:
             model = model.to(__import__("torch").bfloat16)  # before the split: DTensor parameters stay bf16
         parallelize_decoder(model, mesh["tp"], sp)
         return model, mesh["dp"]
+
+    def _context_parallel(self, model, cp: int, tp: int, sp: bool, seq_len: int):
+        """(the model with ring attention over the cp dimension of a (dp, cp, tp) mesh, the mesh FSDP/DDP
+        run on, this rank's cp index). torchtitan's order (`ParallelDims.build_mesh`: dp_shard, cp, tp
+        from outer to inner) and its FSDP mesh: dp and cp flattened (`dp_shard_cp`), since the cp ranks
+        hold different tokens of the same sequences and their gradients are averaged like dp's."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if cp < 2 or self.world_size % (cp * tp):
+            raise ValueError(f"cp={cp}: must be >= 2 and cp * tp = {cp * tp} must divide world_size={self.world_size}")
+        mesh = init_device_mesh(self.device.type, (self.world_size // (cp * tp), cp, tp),
+                                mesh_dim_names=("dp", "cp", "tp"))
+        if tp > 1:
+            from .tp_probe import parallelize_decoder
+            if self.spec.get("train", {}).get("precision") == "bf16":
+                model = model.to(__import__("torch").bfloat16)
+            parallelize_decoder(model, mesh["tp"], sp)
+        cp_rank = mesh["cp"].get_local_rank()
+        model.context_parallel(mesh["cp"].get_group(), cp_rank, cp, seq_len)
+        dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if tp > 1 else None
+        return model, dp_mesh, cp_rank
 
     # -- results -------------------------------------------------------------------------------
     def _record_memory(self, complete: bool) -> None:

@@ -1,0 +1,147 @@
+"""Context parallelism (CP): every sequence split over `cp` ranks, attention as a ring, as torchtitan runs it.
+
+`TrainConfig.cp` = c. torchtitan (`torchtitan/distributed/utils.py` `create_context_parallel_ctx`) runs
+each step inside `torch.distributed.tensor.experimental.context_parallel`, which splits the sequence
+dimension of the inputs, the targets and the RoPE table over the cp mesh dimension with the head-tail
+load balancer (`_context_parallel/_load_balancer.py` `_HeadTailLoadBalancer`: 2c chunks, rank r keeps
+chunks r and 2c-1-r, so each rank holds s/c tokens and the same share of the causal mask) and turns SDPA
+(flash / memory-efficient / cuDNN) into ring attention (`_context_parallel/_attention.py`). The mesh is
+(pp, dp_replicate, dp_shard, cp, tp) from outer to inner (`ParallelDims.build_mesh`), and FSDP shards
+over dp_shard x cp flattened (`dp_shard_cp`): the cp ranks hold different tokens of the same sequences,
+so their gradients are averaged like data-parallel ones.
+
+So one CP rank is a data-parallel rank of a run with sequences of s/c tokens (`cp_view`): its activations,
+logits, loss and RoPE tables are those of s/c tokens, and the strategies run over gpus / (tp * pp) ranks
+(dp x cp). What differs is attention:
+
+- FLOPs: a rank's queries (s/c) attend over the whole causal sequence: 1/c of the full attention's
+  (`_templated_ring_attention`; the load balancer evens the causal mask out), i.e. c times what s/c-token
+  sequences would cost (`attention_flops_factor`).
+- Collectives, per layer and micro-step, on the cp group (`cp_raw_schedule`), with torch's default
+  `_cp_options.rotate_method = ALL_GATHER` (torchtitan's `context_parallel_rotate_method` default too):
+  forward one all-gather of the rank's K and V concatenated (`_AllGatherRotater`: 2 b (s/c) kv_dim
+  elements in the compute dtype), backward the same all-gather again plus c ring shifts of the fp32 dK/dV
+  (`_templated_ring_attention_backward`: `dkv_rotater` is always `_AllToAllRotater`, and
+  `_functional_collectives.permute_tensor` is one `all_to_all_single` sending the whole buffer to the
+  next rank; `_cp_options.convert_to_f32` accumulates in fp32). Full activation checkpointing repeats
+  the forward all-gather in backward.
+- Memory: the saved tensors are the flash kernel's (local q, k, v, output, logsumexp), as without CP; the
+  ring adds transients inside each attention backward (`ring_backward_bytes`): the gathered K/V (c times
+  the local K/V), local K/V copies (`contiguous`, `cat`, the kernel's gradients), the fp32 dQ/dK/dV
+  accumulators and the dK/dV ring buffers.
+
+Known limitations: the forward's ring transients (the gathered K/V and the fp32 merge of the partial
+outputs, `_SDPAMerger`) are not in the walk: at the end of forward the loss's logits (n x V) are far
+larger for language-model vocabularies. The ring's collectives are counted on the critical path (the
+implementation waits for the gathered K/V after the first local block). The ALL_TO_ALL rotate method
+(`set_rotate_method("alltoall")`) and CP with pipeline stages are not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .config import TrainConfig
+
+_HALF = {"bf16-mixed": "bfloat16", "bf16": "bfloat16", "fp16-mixed": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class CPView(TrainConfig):
+    """One context-parallel rank's training step: `seq_len` is s / cp, the tokens it holds of each sequence;
+    `cp` stays the group size (attention's FLOPs, the ring's collectives and transients read it)."""
+
+    _cp_local = True
+
+
+def cp_view(train: TrainConfig) -> TrainConfig:
+    """The rank's view (`CPView`), or `train` itself when cp = 1 or it is a view already."""
+    if train.cp == 1 or isinstance(train, CPView):
+        return train
+    fields = {k: getattr(train, k) for k in train.__dataclass_fields__}
+    fields["seq_len"] = train.seq_len // train.cp
+    return CPView(**fields)
+
+
+def attention_flops_factor(train: TrainConfig) -> int:
+    """How many times the attention FLOPs of `train.seq_len`-token sequences a rank runs: cp for a view
+    (its s/c queries against the whole sequence's keys: (s^2 / c) / (s/c)^2), else 1."""
+    return train.cp if isinstance(train, CPView) else 1
+
+
+def _elem(regime: str) -> int:
+    return 4 if regime == "fp32" else 2
+
+
+def ring_backward_bytes(train: TrainConfig, regime: str) -> int:
+    """Transient bytes of one ring-attention backward at its worst instant, beyond the saved tensors and
+    the incoming output gradient, for a view with cp > 1 (0 otherwise).
+
+    `_templated_ring_attention_backward` with the head-tail load balancer on the rank that holds chunk 0
+    (the most loaded: from the second step on it runs the second half of its queries against each
+    received K/V, `query.chunk(2)[1]`, and `_partial_update`s the fp32 dQ):
+    - the gathered K/V of the cp group: c x Ke, where Ke = 2 b (s/c) kv_dim elements of the compute dtype;
+    - local K/V copies: `key.contiguous()`/`value.contiguous()` of the transposed inputs, the `cat` that is
+      sent, the kernel's dK/dV, their half-sequence slices: 3.5 Ke;
+    - fp32 dK/dV: the accumulators (`zeros_like(key, dtype=float32)`), the `cat` sent to the next rank and
+      the received buffer: 2.5 K4 (K4 = 2 b (s/c) kv_dim x 4 bytes);
+    - dQ from the kernel, the output and its gradient's second halves: 2.5 Qe (Qe = b (s/c) q_width in the
+      compute dtype); the fp32 dQ accumulator and its partial update: 2 Q4.
+    The counts are read off the CPU storage tracker (validate/measure.py) around this very function
+    (torch 2.13) for c = 2, 4, 8, fp32 and bf16, with and without grouped-query attention: within -2% /
+    +1.1% of the worst rank over 21 configurations (tests/test_cp.py)."""
+    if not isinstance(train, CPView) or train.cp == 1:
+        return 0
+    from .activations import attention_widths
+    q_width, _, kv = attention_widths(train)
+    n = train.micro_batch * train.seq_len
+    e = _elem(regime)
+    ke, k4 = 2 * n * kv * e, 2 * n * kv * 4
+    qe, q4 = n * q_width * e, n * q_width * 4
+    return train.cp * ke + (7 * ke + 5 * k4 + 5 * qe) // 2 + 2 * q4
+
+
+def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:
+    """The cp group's collectives of one optimizer step (module docstring): (op, group, group_size,
+    dtype, message_bytes, calls, phase, unit) tuples as `comm._raw_schedule` makes them. Message bytes
+    follow the probes' convention: an all-gather's gathered output, an all-to-all's input."""
+    if not isinstance(train, CPView) or train.cp == 1:
+        return ()
+    from .activations import attention_widths, regime_for
+    from .config import checkpoint_every
+    c, m = train.cp, train.model
+    _, _, kv = attention_widths(train)
+    regime = regime_for(train, family)
+    dt = "float32" if regime == "fp32" else _HALF[train.precision]
+    e = _elem(regime)
+    n = train.micro_batch * train.seq_len  # this rank's tokens
+    calls = m.layers * train.grad_accum
+    every = checkpoint_every(train.checkpointing)
+    recompute = (m.layers // every) * train.grad_accum if every else 0
+    return (("all_gather", "cp", c, dt, c * 2 * n * kv * e, calls, "forward", "cp_kv"),
+            ("all_gather", "cp", c, dt, c * 2 * n * kv * e, calls + recompute, "backward", "cp_kv"),
+            ("all_to_all", "cp", c, "float32", 2 * n * kv * 4, c * calls, "backward", "cp_dkv"))
+
+
+def check_cp(cp: int, train_like, gpus: int | None = None, flag: str = "--cp") -> None:
+    """A one-line ValueError unless context parallelism with `cp` ranks can run this configuration."""
+    from .units import short_repr
+    if type(cp) is not int or cp < 1:
+        raise ValueError(f"{flag}={short_repr(cp)}: must be a positive integer")
+    if cp == 1:
+        return
+    s = train_like.seq_len
+    if s % (2 * cp):
+        raise ValueError(f"{flag}={cp}: the sequence length {s} must be a multiple of 2 x cp = {2 * cp} "
+                         f"(head-tail load balancing splits it into 2 x cp chunks)")
+    if train_like.attention != "sdpa":
+        raise ValueError(f"{flag}={cp} with attention={train_like.attention}: ring attention replaces SDPA's "
+                         f"kernels; accepted: attention sdpa")
+    if train_like.framework != "pytorch":
+        raise ValueError(f"{flag}={cp} with framework={train_like.framework}: context parallelism is modelled "
+                         f"for torch.distributed.tensor.experimental.context_parallel; accepted: pytorch")
+    if train_like.pp > 1:
+        raise ValueError(f"{flag}={cp} with pp={train_like.pp}: context parallelism with pipeline stages is not "
+                         f"modelled; accepted: --pp 1")
+    if gpus is not None and gpus % (cp * train_like.tp):
+        raise ValueError(f"{flag}={cp}: cp x tp = {cp * train_like.tp} must divide the {gpus} GPUs")

@@ -1,0 +1,67 @@
+"""Context parallelism in the probes: ring attention over a `cp` process group, as torchtitan runs it.
+
+torchtitan (`torchtitan/distributed/utils.py` `create_context_parallel_ctx`) shards every sequence of
+the batch over the cp ranks with `torch.distributed.tensor.experimental.context_parallel`, which
+(a) splits the sequence dimension of the inputs, the targets and the RoPE table with the head-tail load
+balancer (`_context_parallel/_load_balancer.py` `_HeadTailLoadBalancer`: 2 * cp chunks, rank r keeps
+chunks r and 2 * cp - 1 - r, so every rank has the same share of the causal mask), and (b) replaces
+SDPA's flash / memory-efficient / cuDNN kernels by ring attention
+(`_context_parallel/_attention.py` `_templated_ring_attention` and `_templated_ring_attention_backward`,
+reached through the DTensor dispatcher).
+
+That dispatcher handles the CUDA kernels only; on the CPU, SDPA runs
+`aten._scaled_dot_product_flash_attention_for_cpu`, which it does not intercept. `RingAttention` calls
+the same two templated functions directly with the CPU flash kernel and its backward, so a CPU probe
+runs PyTorch's own ring-attention code: the same K/V all-gather (`_AllGatherRotater`, the default
+`_cp_options.rotate_method`), the same fp32 merge of the partial outputs (`_SDPAMerger`), the same ring
+of fp32 dK/dV (`_AllToAllRotater` -> `_functional_collectives.permute_tensor`), the same saved tensors
+(query, key, value, output, logsumexp, as the flash kernel's autograd node saves them).
+
+Known limitation: GPU probes with cp > 1 are not wired (they would use `context_parallel` itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def head_tail_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Positions rank `rank` of `cp` keeps: chunk `rank` and chunk 2 * cp - 1 - rank of 2 * cp chunks
+    (`_HeadTailLoadBalancer._generate_indices`)."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len={seq_len}: must be a multiple of 2 * cp = {2 * cp} (head-tail load balancing)")
+    k = seq_len // (2 * cp)
+    first = torch.arange(rank * k, (rank + 1) * k, device=device)
+    last = torch.arange((2 * cp - 1 - rank) * k, (2 * cp - rank) * k, device=device)
+    return torch.cat((first, last))
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal ring attention of local (B, nh, S/cp, hd) query / (B, nkv, S/cp, hd) key and value."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        from torch.distributed.tensor.experimental._context_parallel._attention import _templated_ring_attention
+
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        out, lse = _templated_ring_attention(group, 2, op, q, k, v, is_causal=True)[:2]
+        ctx.group = group
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention_backward)
+
+        q, k, v, out, lse = ctx.saved_tensors
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        dq, dk, dv = _templated_ring_attention_backward(ctx.group, 2, op, dout, "grad_out", q, k, v, out, lse,
+                                                        True, dropout_p=0.0)[:3]
+        return dq, dk, dv, None
+
+
+def ring_attention(q, k, v, group):
+    if q.device.type != "cpu":
+        raise NotImplementedError("cp > 1: the probes run ring attention on the CPU only (gloo or fake)")
+    return RingAttention.apply(q, k, v, group)
