@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 HF_LLAMA = ROOT / "tests" / "data" / "hf" / "llama-3-8b.json"
 
 CALL_S = 10.0
-"""Wall-clock bound of one invocation; the slowest accepted input (2^20 GPUs) takes ~1-3 s on a busy
-2-core machine, an error well under 1 s."""
+"""Bound on the CPU time (`time.process_time`) of one invocation: the slowest accepted input (2^20 GPUs)
+takes ~1-3 s, an error well under 1 s. CPU time, not wall time: on a loaded machine (CI's 2 cores shared
+with other jobs) wall time measured 81 s for a 70B estimate whose CPU time is ~1 s."""
 MAX_ERROR_CHARS = 500
 
 # 100 examples per test keep this file under ~30 s on 2 cores; DISTPLAN_FUZZ_EXAMPLES=2000 for a hunt.
@@ -140,9 +141,9 @@ def invocations(draw) -> list[str]:
 
 
 def _check(args: list[str]):
-    start = time.perf_counter()
+    start = time.process_time()
     r = CliRunner().invoke(main, args)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in args)
     assert elapsed < CALL_S, f"{shown}: {elapsed:.1f} s"
     assert r.exit_code in (0, 2), f"{shown}: exit {r.exit_code}: {r.exception!r}\n{r.output[-2000:]}"
@@ -268,7 +269,7 @@ def test_catalog_overlay_fuzz(overlay):
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / kind).mkdir()
         (Path(tmp) / kind / f"{stem}.yaml").write_text(text, encoding="utf-8", errors="surrogatepass")
-        start = time.perf_counter()
+        start = time.process_time()
         try:
             cat = load_catalog([tmp])
         except CatalogError as e:
@@ -276,7 +277,7 @@ def test_catalog_overlay_fuzz(overlay):
             assert "\n" not in msg, msg
             assert len(msg) <= MAX_ERROR_CHARS + len(tmp) + 100, msg[:1000]
             cat = None
-        assert time.perf_counter() - start < CALL_S
+        assert time.process_time() - start < CALL_S
         if cat is not None and kind in ("gpus", "models"):
             from distplan.planner.api import plan
             kw = {"gpu": stem} if kind == "gpus" else {"model": stem}
@@ -286,5 +287,5 @@ def test_catalog_overlay_fuzz(overlay):
                 p.to_dict()
             except ValueError as e:
                 assert "\n" not in str(e), str(e)
-            assert time.perf_counter() - start < CALL_S
+            assert time.process_time() - start < CALL_S
         clear_cache()
