@@ -74,22 +74,24 @@ def _elem(regime: str) -> int:
 
 
 def ring_backward_bytes(train: TrainConfig, regime: str) -> int:
-    """Transient bytes of one ring-attention backward at its worst instant, beyond the saved tensors and
+    """Transient bytes of one ring-attention backward near its worst instant, beyond the saved tensors and
     the incoming output gradient, for a view with cp > 1 (0 otherwise).
 
-    `_templated_ring_attention_backward` with the head-tail load balancer on the rank that holds chunk 0
-    (the most loaded: from the second step on it runs the second half of its queries against each
-    received K/V, `query.chunk(2)[1]`, and `_partial_update`s the fp32 dQ):
-    - the gathered K/V of the cp group: c x Ke, where Ke = 2 b (s/c) kv_dim elements of the compute dtype;
+    `_templated_ring_attention_backward` with the head-tail load balancer, on the ranks that hold the first
+    chunks (from the second step on they run half their queries against each received K/V and
+    `_partial_update` the fp32 dQ). Ke = 2 b (s/c) kv_dim elements of the compute dtype, K4 the same in
+    fp32, Qe = b (s/c) q_width of the compute dtype, Q4 in fp32:
+    - the gathered K/V of the cp group (`_AllGatherRotater`): c x Ke;
     - local K/V copies: `key.contiguous()`/`value.contiguous()` of the transposed inputs, the `cat` that is
-      sent, the kernel's dK/dV, their half-sequence slices: 3.5 Ke;
-    - fp32 dK/dV: the accumulators (`zeros_like(key, dtype=float32)`), the `cat` sent to the next rank and
-      the received buffer: 2.5 K4 (K4 = 2 b (s/c) kv_dim x 4 bytes);
-    - dQ from the kernel, the output and its gradient's second halves: 2.5 Qe (Qe = b (s/c) q_width in the
-      compute dtype); the fp32 dQ accumulator and its partial update: 2 Q4.
-    The counts are read off the CPU storage tracker (validate/measure.py) around this very function
-    (torch 2.13) for c = 2, 4, 8, fp32 and bf16, with and without grouped-query attention: within -2% /
-    +1.1% of the worst rank over 21 configurations (tests/test_cp.py)."""
+      sent, the kernel's dK/dV: 3 Ke;
+    - fp32 dK/dV: the accumulator (`zeros_like(key, dtype=float32)`, later the received buffer), the `cat`
+      sent to the next rank, the permuted copy in flight: 3 K4;
+    - the kernel's dQ for half the queries: Qe / 2; the fp32 dQ accumulator and `_partial_update`'s new
+      tensor: 2 Q4.
+    Measured with the CPU storage tracker (`validate.cp.measure_ring_backward`, torch 2.13, the worst rank
+    of c = 2, 4, 8, fp32 and bf16, with and without grouped-query attention, 21 shapes;
+    tests/data/cp_ring_backward_cpu.json): this is -7.7% to +3.9% of the measured transient, whose worst
+    instant moves between the first and later ring steps with the shape (tests/test_cp.py)."""
     if not isinstance(train, CPView) or train.cp == 1:
         return 0
     from .activations import attention_widths
@@ -98,7 +100,7 @@ def ring_backward_bytes(train: TrainConfig, regime: str) -> int:
     e = _elem(regime)
     ke, k4 = 2 * n * kv * e, 2 * n * kv * 4
     qe, q4 = n * q_width * e, n * q_width * 4
-    return train.cp * ke + (7 * ke + 5 * k4 + 5 * qe) // 2 + 2 * q4
+    return (train.cp + 3) * ke + 3 * k4 + qe // 2 + 2 * q4
 
 
 def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:

@@ -65,3 +65,48 @@ def ring_attention(q, k, v, group):
     if q.device.type != "cpu":
         raise NotImplementedError("cp > 1: the probes run ring attention on the CPU only (gloo or fake)")
     return RingAttention.apply(q, k, v, group)
+
+
+SHAPES = ((1, 8, 8, 64, 16, "float32"), (2, 8, 2, 128, 16, "float32"), (1, 8, 8, 64, 16, "bfloat16"),
+          (2, 16, 4, 256, 8, "bfloat16"), (1, 4, 4, 128, 32, "bfloat16"), (1, 16, 2, 64, 16, "float32"),
+          (1, 16, 2, 64, 16, "bfloat16"))
+"""(batch, heads, kv heads, tokens per sequence on the rank, head dim, dtype) of the ring-backward measurement."""
+
+
+def measure_ring_backward(cp: int, rank: int, shapes=SHAPES) -> list[dict]:
+    """The storage tracker's peak (validate/measure.py) over one `RingAttention` backward per shape, as
+    rank `rank` of a fake process group of `cp` ranks (one process: the group is initialised here), minus
+    what is alive when it starts (q, k, v, the incoming gradient, the output, the logsumexp). What `planner.cp
+    .ring_backward_bytes` models (tests/test_cp.py; committed rows in tests/data/cp_ring_backward_cpu.json)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .measure import Tracker
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    rows = []
+    for b, heads, kv_heads, s, d, dt in shapes:
+        dtype = getattr(torch, dt)
+        n = b * s
+        tracker = Tracker()
+        with tracker:  # every storage made inside: a view of an untracked one would count as new
+            q = torch.randn(b, s, heads, d, dtype=dtype).transpose(1, 2).requires_grad_()  # (B, nh, S/cp, hd)
+            k = torch.randn(b, s, kv_heads, d, dtype=dtype).transpose(1, 2).requires_grad_()
+            v = torch.randn(b, s, kv_heads, d, dtype=dtype).transpose(1, 2).requires_grad_()
+            g = torch.randn(b, heads, s, d, dtype=dtype)
+            out = ring_attention(q, k, v, dist.group.WORLD)
+            tracker.reset_peak()
+            before = sum(rec[0] for rec in tracker.live.values())  # inputs, gradient, output, logsumexp
+            tracker.phase = "backward"
+            out.backward(g)
+        e = q.element_size()
+        rows.append({"cp": cp, "rank": rank, "tokens": n, "q_width": heads * d, "kv_width": kv_heads * d,
+                     "elem_bytes": e, "heads": heads, "backward_transient_bytes": tracker.peak_bytes - before})
+    dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":  # python -m distplan.validate.cp CP RANK: one JSON line of rows
+    import json
+    import sys
+    print(json.dumps(measure_ring_backward(int(sys.argv[1]), int(sys.argv[2]))))
