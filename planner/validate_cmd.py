@@ -146,6 +146,10 @@ def _timeout(ctx, param, value):
                    "dimension). Default strategies with --tp: those three.")
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, default=False,
               help="With --tp: sequence parallelism (torchtitan's default).")
+@click.option("--cp", type=int, default=1, show_default=True, callback=_positive_int,
+              help="Context-parallel degree: the reference decoder with ring attention (torch's "
+                   "_templated_ring_attention) over a (world / (cp x tp), cp, tp) mesh, the strategy over the "
+                   "dp x cp ranks; CPU probes only (gloo or the fake process group).")
 @click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "
               "x checkpointing x precision) instead of one probe per strategy.")
 @click.option("--simulate-world-size", type=int, default=None, callback=_fake_world, metavar="N",
@@ -173,7 +177,7 @@ def _timeout(ctx, param, value):
 @click.pass_context
 def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl,
-                     checkpointing, attention, alloc_conf, tp, sequence_parallel, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
+                     checkpointing, attention, alloc_conf, tp, sequence_parallel, cp, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
 
@@ -233,6 +237,14 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                                      f"torchtitan's layout)", param_hint="'--strategy'")
         tp_default = not strategies
         strategies = strategies or TP_STRATEGIES
+    if cp > 1:
+        if matrix or module_spec is not None:
+            raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder; drop "
+                                   f"{'--matrix (it has its own cp probes)' if matrix else '--module/--hf-config'}")
+        if "single" in strategies:
+            raise click.BadParameter(f"single with --cp={cp}: the cp ranks' gradients must be averaged; use a "
+                                     f"data-parallel strategy", param_hint="'--strategy'")
+        strategies = strategies or tuple(n for n in NAMES if n != "single")
     strategies = strategies or tuple(NAMES)
     tol = tolerance / 100.0
     err = sys.stderr
@@ -299,6 +311,8 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         specs = []
         if tp > 1:
             _check_tp(tp, spec_model, train, strategies, mode, world, hw)
+        if cp > 1:
+            _check_cp(cp, tp, spec_model, train, mode, world, hw)
         for s in strategies:
             if s == "single":
                 # tp ranks: real ones where there are (gloo on CPU, tp GPUs), else the fake group
@@ -307,7 +321,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             else:
                 m, w = mode, world
             specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, tp=tp,
-                                      sequence_parallel=sequence_parallel, **train))
+                                      sequence_parallel=sequence_parallel, cp=cp, **train))
         model_label = spec_model["name"]
         model_about = describe_model(spec_model, default=not user_model)
         if user_model:
@@ -412,6 +426,29 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
         raise click.BadParameter(f"{', '.join(multi)} with --tp={tp} needs a world of 2 x {tp} ranks or a multiple "
                                  f"of {tp} above it (the dp mesh dimension shards over world / tp ranks), not "
                                  f"{world} ({mode}); set --simulate-world-size or --nproc", param_hint="'--tp'")
+
+
+def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world: int, hw: dict) -> None:
+    """--cp with the reference decoder: a RoPE model, a sequence that 2 x cp divides (the planner's check),
+    CPU probes, a world that cp x tp divides."""
+    from .config import TrainConfig
+    from .model import ModelSpec
+
+    if int(hw.get("gpus") or 0):
+        raise click.BadParameter(f"--cp={cp}: the context-parallel probe runs ring attention on the CPU only "
+                                 f"(gloo or the fake process group); set CUDA_VISIBLE_DEVICES= to run it here",
+                                 param_hint="'--cp'")
+    if spec_model.get("position", "rope") != "rope":
+        raise click.BadParameter(f"--cp={cp}: the context-parallel probe runs RoPE models; {spec_model.get('name')} "
+                                 f"has position={spec_model.get('position')!r}", param_hint="'--cp'")
+    try:
+        TrainConfig(ModelSpec(**spec_model), tp=tp, cp=cp, seq_len=train["seq_len"], micro_batch=train["micro_batch"],
+                    attention=train.get("attention", "sdpa"))
+    except ValueError as e:
+        raise click.BadParameter(str(e).replace("cp=", "--cp=", 1), param_hint="'--cp'")
+    if world % (cp * tp):
+        raise click.BadParameter(f"--cp={cp} needs a world that cp x tp = {cp * tp} divides, not {world} ({mode}); "
+                                 f"set --simulate-world-size or --nproc", param_hint="'--cp'")
 
 
 # -- model resolution and fit check -----------------------------------------------------------------
