@@ -654,6 +654,9 @@ def predict_probe(spec: dict) -> dict:
     if spec.get("module"):
         from .module_plan import predict_module_probe
         return predict_module_probe(spec)
+    if int(spec.get("pp", 1)) > 1:  # a pipeline probe (validate/pp_probe.py): its most loaded rank
+        from .pp import predict_pp_probe
+        return predict_pp_probe(spec)
     model = ModelSpec(**spec["model"])
     t = spec["train"]
     train = TrainConfig(model, seq_len=t["seq_len"], micro_batch=t["micro_batch"],

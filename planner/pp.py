@@ -489,3 +489,55 @@ def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
                         FSDP2_ROOT_RESHARD_EXPLICIT)
     return [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
 
+
+# -- the pipeline probe's prediction (validate/pp_probe.py runs it) ----------------------------------
+
+def probe_train(spec: dict):
+    """The TrainConfig of a pipeline probe spec (fp32 on gloo, the probe's optimizer and schedule)."""
+    from .config import TrainConfig
+    t = spec["train"]
+    return TrainConfig(ModelSpec(**spec["model"]), seq_len=int(t["seq_len"]), micro_batch=int(t["micro_batch"]),
+                       precision="fp32", optimizer=t.get("optimizer", "adamw"),
+                       optimizer_impl=t.get("optimizer_impl", "foreach"), attention=t.get("attention", "sdpa"),
+                       checkpointing=t.get("checkpointing", "none"),
+                       pp=int(spec["pp"]), pp_schedule=spec["schedule"],
+                       pp_microbatches=int(spec["microbatches"]))
+
+
+def predict_probe_ranks(spec: dict) -> list[dict]:
+    """Per rank of a pipeline probe (stage-major, as the probe numbers them: rank = stage x dp + replica):
+    the stage walk (`stage_memory`, the spec's strategy on its dp ranks, CPU, gloo) and that stage's
+    collectives (`stage_dp_schedule`, `p2p_counts`, `boundary_bytes`)."""
+    from .config import Cluster
+    train = probe_train(spec)
+    dp = int(spec.get("dp", 1))
+    strategy = spec.get("strategy", "single")
+    world = train.pp * dp
+    cluster = Cluster(gpus=world, gpus_per_node=world)
+    out = []
+    for rank in range(world):
+        stage = rank // dp
+        est = stage_memory(train, cluster, strategy, stage, device="cpu", backend="gloo")
+        af, gb, ar, gr = p2p_counts(train, stage)
+        msg = boundary_bytes(train, strategy)
+        colls = [{"op": op, "group_size": train.pp, "dtype": "float32", "message_bytes": msg, "calls": n}
+                 for op, n in (("recv", ar + gr), ("send", af + gb)) if n]
+        merged: dict = {}
+        for c in stage_dp_schedule(train, cluster, strategy, stage):
+            key = (c.op, c.group_size, c.dtype, c.message_bytes)
+            merged[key] = merged.get(key, 0) + c.calls
+        colls += [{"op": op, "group_size": g, "dtype": dt, "message_bytes": b, "calls": n}
+                  for (op, g, dt, b), n in merged.items()]
+        out.append({"rank": rank, "peak_bytes": est.peak_allocated, "components": est.components,
+                    "collectives": colls, "peak_phase": est.peak_phase})
+    return out
+
+
+def predict_pp_probe(spec: dict) -> dict:
+    """`api.predict_probe` for a pipeline probe: the most loaded rank's predicted memory and collectives
+    (the probe reports its most loaded rank's, validate/pp_probe.py)."""
+    ranks = predict_probe_ranks(spec)
+    worst = max(ranks, key=lambda r: r["peak_bytes"])
+    mem = dict(worst["components"], workspace=0, peak_allocated=int(worst["peak_bytes"]),
+               peak_phase=worst["peak_phase"], peak_rank=worst["rank"])
+    return {"memory": mem, "collectives": worst["collectives"], "step_time_s": None, "step_time_bound": None}

@@ -150,6 +150,13 @@ def _timeout(ctx, param, value):
               help="Context-parallel degree: the reference decoder with ring attention (torch's "
                    "_templated_ring_attention) over a (world / (cp x tp), cp, tp) mesh, the strategy over the "
                    "dp x cp ranks; CPU probes only (gloo or the fake process group).")
+@click.option("--pp", type=int, default=1, show_default=True, callback=_positive_int,
+              help="Pipeline stages: the reference decoder split evenly and run by torch.distributed.pipelining "
+                   "(gloo, one process per stage; with ddp, 2 replicas per stage); strategies single, ddp.")
+@click.option("--pp-schedule", "pp_schedule", type=click.Choice(("gpipe", "1f1b")), default="1f1b",
+              show_default=True, help="With --pp: the schedule the probe runs.")
+@click.option("--pp-microbatches", "pp_microbatches", type=int, default=None, callback=_positive_int,
+              help="With --pp: micro-batches per step (default 2 x --pp).")
 @click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "
               "x checkpointing x precision) instead of one probe per strategy.")
 @click.option("--simulate-world-size", type=int, default=None, callback=_fake_world, metavar="N",
@@ -177,7 +184,8 @@ def _timeout(ctx, param, value):
 @click.pass_context
 def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl,
-                     checkpointing, attention, alloc_conf, tp, sequence_parallel, cp, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
+                     checkpointing, attention, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule, pp_microbatches,
+                     matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
 
@@ -237,6 +245,18 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                                      f"torchtitan's layout)", param_hint="'--strategy'")
         tp_default = not strategies
         strategies = strategies or TP_STRATEGIES
+    if pp > 1 or pp_microbatches is not None:
+        if pp == 1:
+            raise click.BadParameter("needs --pp > 1", param_hint="'--pp-microbatches'")
+        if matrix or module_spec is not None or tp > 1 or cp > 1:
+            raise click.UsageError(f"--pp={pp}: the pipeline probe runs the reference decoder alone; drop "
+                                   + ("--matrix (it has its own pp probes)" if matrix else
+                                      "--module/--hf-config" if module_spec is not None else "--tp/--cp"))
+        bad = [s for s in strategies if s not in ("single", "ddp")]
+        if bad:
+            raise click.BadParameter(f"{', '.join(bad)} with --pp={pp}: the pipeline probe runs each stage alone "
+                                     f"(single) or under DDP over 2 replicas (ddp)", param_hint="'--strategy'")
+        strategies = strategies or ("single", "ddp")
     if cp > 1:
         if matrix or module_spec is not None:
             raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder; drop "
@@ -309,6 +329,13 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             raise click.BadParameter(f"{train['seq_len']} exceeds the model's {spec_model['max_positions']} "
                                      f"learned positions", param_hint="'--seq-len'")
         specs = []
+        if pp > 1:
+            _check_pp(pp, pp_schedule, pp_microbatches, spec_model, train, hw)
+            for s in strategies:
+                specs.append(mx.pp_spec(s, spec_model, pp, pp_schedule, pp_microbatches or 2 * pp,
+                                        dp=2 if s == "ddp" else 1, checkpointing=checkpointing,
+                                        seq_len=train["seq_len"], micro_batch=micro_batch))
+            strategies = ()
         if tp > 1:
             _check_tp(tp, spec_model, train, strategies, mode, world, hw)
         if cp > 1:
@@ -426,6 +453,29 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
         raise click.BadParameter(f"{', '.join(multi)} with --tp={tp} needs a world of 2 x {tp} ranks or a multiple "
                                  f"of {tp} above it (the dp mesh dimension shards over world / tp ranks), not "
                                  f"{world} ({mode}); set --simulate-world-size or --nproc", param_hint="'--tp'")
+
+
+def _check_pp(pp: int, schedule: str, microbatches, spec_model: dict, train: dict, hw: dict) -> None:
+    """--pp with the reference decoder: fp32 on the CPU (the pipeline probe runs gloo), an untied RoPE
+    model, the planner's own check of the split (named by flag)."""
+    from .config import TrainConfig
+    from .model import ModelSpec
+
+    if int(hw.get("gpus") or 0):
+        raise click.BadParameter(f"--pp={pp}: the pipeline probe runs on the CPU only (gloo); set "
+                                 f"CUDA_VISIBLE_DEVICES= to run it here", param_hint="'--pp'")
+    if train["precision"] != "fp32" or train["grad_accum"] != 1 or train["checkpointing"] not in ("none", "full"):
+        raise click.BadParameter(f"--pp={pp}: the pipeline probe runs fp32, --grad-accum 1 and checkpointing none "
+                                 f"or full, not {train['precision']}, {train['grad_accum']}, {train['checkpointing']}",
+                                 param_hint="'--pp'")
+    if spec_model.get("position", "rope") != "rope" or spec_model.get("tie_embeddings"):
+        raise click.BadParameter(f"--pp={pp}: the pipeline probe runs RoPE models with an untied LM head",
+                                 param_hint="'--pp'")
+    try:
+        TrainConfig(ModelSpec(**spec_model), pp=pp, pp_schedule=schedule, pp_microbatches=microbatches or 2 * pp,
+                    seq_len=train["seq_len"], micro_batch=train["micro_batch"])
+    except ValueError as e:
+        raise click.BadParameter(str(e).replace("pp=", "--pp=", 1), param_hint="'--pp'")
 
 
 def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world: int, hw: dict) -> None:

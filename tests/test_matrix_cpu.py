@@ -1,7 +1,8 @@
 """The CPU validation matrix, end to end, as CI runs it: `distplan validate --matrix` with no GPU runs
 every strategy x 3 model shapes x {gloo 2 ranks, fake process group 8 ranks} x checkpointing x
-precision (54 real probes), plus 4 tensor-parallel probes (tp 2, 8 layers) and 5 context-parallel probes
-(cp 2-8, ring attention, 8 layers; one with tp 2), 13 minutes on 2 cores, and compares each with the planner.
+precision (54 real probes), plus 4 tensor-parallel probes (tp 2, 8 layers), 5 context-parallel probes
+(cp 2-8, ring attention, 8 layers; one with tp 2) and 3 pipeline-parallel probes (2 stages of 4 layers,
+1F1B and GPipe, one with DDP over 2 replicas), 19 minutes on 2 cores, and compares each with the planner.
 
 What must hold for every probe: it ran; its predicted peak is within 5% of the measured peak; the
 collectives (op, group size, dtype, bytes, calls) equal the prediction exactly. In the single-process
@@ -44,7 +45,7 @@ def report(tmp_path_factory):
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     rep = json.loads(proc.stdout)
     lines = out.read_text().splitlines()
-    assert len(lines) == len(rep["probes"]) == 63  # every probe appended to the results file (54 + 4 TP + 5 CP)
+    assert len(lines) == len(rep["probes"]) == 66  # every probe appended to the results file (54 + 4 TP + 5 CP + 3 PP)
     return rep
 
 

@@ -166,7 +166,8 @@ def standard_matrix(hw: dict, strategies=None, fake_world: int | None = None, fu
                 picks = combos if full else [combos[(si + mi + 3 * wi) % 4]]
                 for ckpt, prec in picks:
                     add(strategy, shape_name, mode, world, ckpt, prec)
-    return specs + tp_matrix(hw, names, fake_world, steps, seed) + cp_matrix(hw, names, fake_world, steps, seed)
+    return (specs + tp_matrix(hw, names, fake_world, steps, seed) + cp_matrix(hw, names, fake_world, steps, seed)
+            + pp_matrix(hw, names, seed))
 
 
 TP_LAYERS = 8
@@ -217,3 +218,34 @@ def cp_matrix(hw: dict, strategies=None, fake_world: int | None = None, steps: i
     return [make_spec(st, model, world, mode, precision=prec, checkpointing=ck, steps=steps, seed=seed,
                       cp=cp, tp=tp, sequence_parallel=tp > 1, **dict(TRAIN_CPU, seq_len=64))
             for st, mode, world, cp, tp, ck, prec in picks if st in names and world % (cp * tp) == 0]
+
+
+def pp_spec(strategy: str, model, pp: int, schedule: str, microbatches: int, *, dp: int = 1,
+            checkpointing: str = "none", seq_len: int = 80, micro_batch: int = 2, seed: int = 0) -> dict:
+    """A pipeline probe spec (validate/pp_probe.py: fp32 on gloo, pp x dp processes, `strategy` single
+    (dp 1) or ddp on each stage's dp group). 80-token sequences: the tokens per micro-batch (160) differ
+    from the small shapes' widths, so no two components can be mistaken for each other."""
+    m = model_dict(model)
+    world = pp * dp
+    return {"id": f"{strategy}/{m['name']}/w{world}/pp{pp}-{schedule}-m{microbatches}/{checkpointing}/fp32",
+            "strategy": strategy, "world_size": world, "gpus_per_node": world, "mode": "cpu", "model": m,
+            "train": {"seq_len": seq_len, "micro_batch": micro_batch, "checkpointing": checkpointing,
+                      "precision": "fp32", "optimizer": "adamw", "optimizer_impl": "foreach", "attention": "sdpa"},
+            "pp": pp, "dp": dp, "schedule": schedule, "microbatches": microbatches,
+            "steps": 1, "warmup_steps": 2 if dp > 1 else 1, "seed": seed}
+
+
+def pp_matrix(hw: dict, strategies=None, seed: int = 0) -> list[dict]:
+    """Pipeline-parallel probes (`torch.distributed.pipelining`, CPU only: validate/pp_probe.py runs gloo):
+    the Llama-style shape at `TP_LAYERS` layers in 2 stages, 4 micro-batches: 1F1B and GPipe with full
+    checkpointing alone (`single`), and 1F1B with DDP over a dp of 2 on each stage (4 processes)."""
+    from distplan.planner.strategies import NAMES, get_strategy
+
+    if int(hw.get("gpus") or 0):
+        return []
+    names = list(NAMES) if not strategies else [get_strategy(s).name for s in strategies]
+    shape_name = next(n for n in shapes_for("cpu") if n.startswith("llama"))
+    model = dict(shapes_for("cpu")[shape_name], layers=TP_LAYERS, name=f"{shape_name}-{TP_LAYERS}l")
+    picks = [("single", "1f1b", 1, "none"), ("single", "gpipe", 1, "full"), ("ddp", "1f1b", 2, "none")]
+    return [pp_spec(st, model, 2, sched, 4, dp=dp, checkpointing=ck, seed=seed)
+            for st, sched, dp, ck in picks if st in names]

@@ -42,6 +42,8 @@ from .compare import DEFAULT_TOLERANCE, compare
 from .results import ResultsFile, done, read_records
 
 PROBE_MODULE = "distplan.validate.probe"
+PP_PROBE_MODULE = "distplan.validate.pp_probe"
+"""Pipeline-parallel specs (`"pp"` > 1) run this probe: one process per stage (x dp), gloo."""
 GUARD_MODULE = "distplan.validate.guard"
 PROBE_DIR_ENV = "DISTPLAN_PROBE_DIR"
 """Set for a probe's processes: its temp folder (the probe's workers watch for their launcher's end)."""
@@ -167,8 +169,9 @@ def probe_argv(spec: dict, spec_path: str, out_path: str, probe_cmd: list[str] |
     if probe_cmd:
         return list(probe_cmd) + tail
     mode = spec.get("mode", "cpu")
+    module = PP_PROBE_MODULE if int(spec.get("pp", 1)) > 1 else PROBE_MODULE  # pipeline stages: their own probe
     if mode == "fake":
-        return [sys.executable, "-m", PROBE_MODULE] + tail
+        return [sys.executable, "-m", module] + tail
     world = int(spec["world_size"])
     if nnodes > 1:
         if world % nnodes:
@@ -182,7 +185,7 @@ def probe_argv(spec: dict, spec_path: str, out_path: str, probe_cmd: list[str] |
         rdzv = local_rendezvous()
         per_node = world
     return ([sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={per_node}",
-             "-m", PROBE_MODULE] + tail)
+             "-m", module] + tail)
 
 
 LOOPBACK = "127.0.0.1"
