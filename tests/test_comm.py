@@ -37,8 +37,10 @@ def test_nccl_tests_factors():
     assert bus_factor("reduce_scatter", 4) == pytest.approx(3 / 4)
     assert bus_factor("broadcast", 8) == 1.0
     assert bus_factor("all_reduce", 1) == 0.0
+    # all_to_all is context parallelism's ring shift (`permute_tensor`): the whole input to one peer
+    assert bus_factor("all_to_all", 8) == 1.0
     with pytest.raises(ValueError, match="accepted values"):
-        bus_factor("all_to_all", 8)
+        bus_factor("alltoallv", 8)
 
 
 def test_flat_ring_time_by_hand():
