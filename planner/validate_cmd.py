@@ -153,8 +153,9 @@ def _timeout(ctx, param, value):
 @click.option("--pp", type=int, default=1, show_default=True, callback=_positive_int,
               help="Pipeline stages: the reference decoder split evenly and run by torch.distributed.pipelining "
                    "(gloo, one process per stage; with ddp, 2 replicas per stage); strategies single, ddp.")
-@click.option("--pp-schedule", "pp_schedule", type=click.Choice(("gpipe", "1f1b")), default="1f1b",
-              show_default=True, help="With --pp: the schedule the probe runs.")
+@click.option("--pp-schedule", "pp_schedule", type=click.Choice(("gpipe", "1f1b", "interleaved-1f1b")),
+              default="1f1b", show_default=True,
+              help="With --pp: the schedule the probe runs (interleaved-1f1b: 2 stages per rank, single only).")
 @click.option("--pp-microbatches", "pp_microbatches", type=int, default=None, callback=_positive_int,
               help="With --pp: micro-batches per step (default 2 x --pp).")
 @click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "
@@ -256,7 +257,10 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         if bad:
             raise click.BadParameter(f"{', '.join(bad)} with --pp={pp}: the pipeline probe runs each stage alone "
                                      f"(single) or under DDP over 2 replicas (ddp)", param_hint="'--strategy'")
-        strategies = strategies or ("single", "ddp")
+        if pp_schedule == "interleaved-1f1b" and "ddp" in strategies:
+            raise click.BadParameter("ddp with --pp-schedule interleaved-1f1b: the probe runs the interleaved "
+                                     "schedule without data parallelism (single)", param_hint="'--strategy'")
+        strategies = strategies or (("single",) if pp_schedule == "interleaved-1f1b" else ("single", "ddp"))
     if cp > 1:
         if matrix or module_spec is not None:
             raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder; drop "

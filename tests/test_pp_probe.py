@@ -69,3 +69,41 @@ def test_pp_probe_matches_stage_walk(case):
                 f"{detail}; {k}: predicted {pred['components'][k]:,} measured {meas['components'][k]:,}")
         assert pred["peak_phase"] == meas["peak_phase"], detail
         assert _sorted(meas["collectives"]) == _sorted(pred["collectives"]), detail
+
+
+# Interleaved 1F1B (`ScheduleInterleaved1F1B`, 2 stages per rank), probed for the first time on
+# 2026-11-24: sends and receives exact, but the walk's count of chunks in flight (`pp.in_flight`: the
+# warm-up ops + 1, each chunk half a rank's layers) is an estimate, not the schedule's action order.
+# Measured per rank: pp 2, M 4: -2.0% / -2.5% (within the issue's 5%); pp 2, M 8: -5.8% / -7.0%; pp 4,
+# M 4: +4.7% to +8.3%. The walk should follow `_get_1f1b_rank_ops`' order, as it does 1F1B's.
+INTERLEAVED = [("llama8-pp2-il-m4", LLAMA_8L, 2, "interleaved-1f1b", 4, "none")]
+INTERLEAVED_GAP = [
+    ("llama8-pp2-il-m8", LLAMA_8L, 2, "interleaved-1f1b", 8, "none"),
+    ("llama8-pp4-il-m4", LLAMA_8L, 4, "interleaved-1f1b", 4, "none"),
+]
+
+
+def _interleaved(case):
+    spec = spec_of(*case)
+    result = run_pp_probe(spec)
+    assert result["status"] == "ok", result
+    predicted = predict(spec)
+    for meas, pred in zip(result["ranks"], predicted):
+        assert _sorted(meas["collectives"]) == _sorted(pred["collectives"]), meas["rank"]
+    errors = [(p["peak_bytes"] - m["peak_bytes"]) / m["peak_bytes"] for m, p in zip(result["ranks"], predicted)]
+    print(case[0], [f"{e:+.2%}" for e in errors])
+    assert max(map(abs, errors)) < 0.05, errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", INTERLEAVED, ids=[c[0] for c in INTERLEAVED])
+def test_interleaved_probe_matches_stage_walk(case):
+    _interleaved(case)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="interleaved 1F1B's walk counts chunks in flight from the warm-up "
+                                       "ops: -7.0% (pp 2, M 8) and +8.3% (pp 4, M 4) on some ranks (2026-11-24)")
+@pytest.mark.parametrize("case", INTERLEAVED_GAP, ids=[c[0] for c in INTERLEAVED_GAP])
+def test_interleaved_probe_gap(case):
+    _interleaved(case)

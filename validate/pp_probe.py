@@ -94,7 +94,9 @@ def loss_fn(logits, targets):
 def run(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch import nn
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
 
     from distplan.planner.model import ModelSpec
 
@@ -128,26 +130,35 @@ def run(spec: dict) -> dict:
     tracker = Tracker(settle_waits=True)
     with tracker:
         torch.manual_seed(int(spec.get("seed", 0)) + stage_idx)
-        model = build_stage(mspec, stage_idx, pp, train.get("attention", "sdpa"),
-                            train.get("checkpointing", "none"))
+        interleaved = spec["schedule"] == "interleaved-1f1b"
+        v = 2 if interleaved else 1  # torchtitan's stages per rank for the looped schedules
+        if interleaved and strategy != "single":
+            raise ValueError("schedule='interleaved-1f1b': the probe runs it without data parallelism (single)")
+        # interleaved: rank r holds stages r and r + pp of pp * v (ScheduleInterleaved1F1B's loop order)
+        models = [build_stage(mspec, stage_idx + k * pp, pp * v, train.get("attention", "sdpa"),
+                              train.get("checkpointing", "none")) for k in range(v)]
+        model = models[0] if v == 1 else nn.ModuleList(models)
         if strategy == "ddp":  # PipelineStage runs it under no_sync until the last micro-batch
             from torch.nn.parallel import DistributedDataParallel
-            model = DistributedDataParallel(model, process_group=dp_group)
+            model = models[0] = DistributedDataParallel(model, process_group=dp_group)
         opt = make_optimizer(model.parameters(), train)
-        stage = PipelineStage(model, stage_idx, pp, device, group=pp_group)
-        sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
-        schedule = sched_cls(stage, n_microbatches=M, loss_fn=loss_fn)
-        fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+        stages = [PipelineStage(mod, stage_idx + k * pp, pp * v, device, group=pp_group)
+                  for k, mod in enumerate(models)]
+        if interleaved:
+            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=loss_fn)
+        else:
+            sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
+            schedule = sched_cls(stages[0], n_microbatches=M, loss_fn=loss_fn)
 
-        def forward_one_chunk(*a, **k):
-            tracker.phase = "forward"
-            return fwd(*a, **k)
+        def phased(fn, phase):
+            def call(*a, **k):
+                tracker.phase = phase
+                return fn(*a, **k)
+            return call
 
-        def backward_one_chunk(*a, **k):
-            tracker.phase = "backward"
-            return bwd(*a, **k)
-
-        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        for st_ in stages:
+            st_.forward_one_chunk = phased(st_.forward_one_chunk, "forward")
+            st_.backward_one_chunk = phased(st_.backward_one_chunk, "backward")
 
         def roles() -> dict:
             from .measure import storage_key
