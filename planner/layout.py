@@ -325,6 +325,8 @@ def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, *
     batch = kw.pop("batch", None) or global_batch(train, cluster)
     first = search_layouts(train, cluster, strategies, batch=batch, **kw)
     if first.pick is not None:
+        first.layout_bests()
+        first.seconds = time.perf_counter() - t0
         return first
     tries = []
     last = first
@@ -362,6 +364,7 @@ def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, *
         out.given_failed = first
     else:
         out = last
+    out.layout_bests()  # each layout's best (its reserved-peak replays) inside the time reported
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -372,7 +375,7 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
     """Why this layout: its mesh, why TP stays in a node and PP spans nodes, the bubble, the memory
     headroom, the runners-up, and what was searched."""
     from .comm import cluster_links
-    from .pp import bubble_fraction
+    from .pp import bubble_fraction, virtual_stages
     from .recommend import TIE_FRACTION
     cand, r = search.pick
     lay, t = cand.layout, cand.train
@@ -387,9 +390,10 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
     fitting = [(c, b) for c, b in bests if b is not None]
     fastest = fitting[0] if fitting else None
     if fastest is not None and fastest[0] is not cand and _time(fastest[1]) < _time(r):
+        fl = fastest[0].layout
         out.append(f"the simplest layout within {100 * TIE_FRACTION:.0f}% of the fastest that fits "
                    f"({fastest[0].layout.words()}, {fastest[1].name}, {fmt_seconds(_time(fastest[1]))}): fewer "
-                   f"model-parallel GPUs (tp x pp = {lay.tp * lay.pp} vs {fastest[0].layout.tp * fastest[0].layout.pp})")
+                   f"model-parallel GPUs (tp x pp = {lay.tp * lay.pp} vs {fl.tp * fl.pp})")
     intra, inter = cluster_links(cluster)
     ratio = intra.busbw_bytes_per_s / inter.busbw_bytes_per_s if inter.busbw_bytes_per_s else float("inf")
     link_words = (f"{cluster.intra_link} gives each GPU {intra.busbw_bytes_per_s / 1e9:,.0f} GB/s inside the "
@@ -413,13 +417,14 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
         pp_coll = [c for c in r.collectives if c.group == "pp" and c.op == "send"]
         msg = max((c.message_bytes for c in pp_coll), default=0)
         b = bubble_fraction(lay.pp_schedule, lay.pp, lay.pp_microbatches)
+        vm = virtual_stages(lay.pp_schedule) * lay.pp_microbatches
         where = (f"spans nodes (each stage's dp x tp = {stage_gpus} GPUs is {stage_gpus // cluster.local_size} "
                  f"node{'s' if stage_gpus // cluster.local_size > 1 else ''}): stages exchange only one micro-batch's "
                  f"boundary activations point to point ({msg / 2**20:,.0f} MiB per message), the traffic that "
                  f"tolerates the slower link" if spans else
                  f"stays inside a node (stages {stage_gpus} GPUs apart)")
         out.append(f"pp {lay.pp} {where}; {lay.pp_schedule} with {lay.pp_microbatches} micro-batches leaves a bubble "
-                   f"of (p - 1) / (v M) = {lay.pp - 1}/{lay.pp_microbatches * (2 if lay.pp_schedule == 'interleaved-1f1b' else 1)} "
+                   f"of (p - 1) / (v M) = {lay.pp - 1}/{vm} "
                    f"= {100 * b:.1f}% of compute idle")
     elif cluster.nodes > 1:
         out.append("no pipeline parallelism: every GPU holds all the layers; no bubble")
@@ -444,8 +449,9 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
             f"{c.layout.words()}: {q.name} would take {fmt_seconds(_time(q))} and needs "
             f"{fmt_gib(q.memory.device_total)} GiB" for c, q in faster_no[:3]))
     n_fit = len(fitting)
+    sp = "on/off" if len(search.sp_values) > 1 else ("on" if True in search.sp_values else "off")
     out.append(f"searched {len(search.candidates)} layouts (tp in {_set(search.tp_values)}, pp in "
-               f"{_set(search.pp_values)}, sequence parallel {'on/off' if len(search.sp_values) > 1 else ('on' if True in search.sp_values else 'off')}) "
+               f"{_set(search.pp_values)}, sequence parallel {sp}) "
                f"x their strategies = {search.evaluated} configurations in {search.seconds:.2f} s; "
                f"{n_fit} layout{'s' if n_fit != 1 else ''} fit")
     return out

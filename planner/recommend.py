@@ -259,7 +259,15 @@ def _recommend_searched(plan, search) -> Recommendation:
     from .layout import layout_reasons, nothing_fits_words
     gpu = plan.cluster.gpu_memory_bytes
     if search.pick is None:
-        return Recommendation(None, [nothing_fits_words(search, gpu)], None, None, search=search)
+        # no layout fits, even with the checkpointing the search tries: the smallest change beyond the
+        # mesh (CPU offload, more GPUs) as without a search, on the configuration as given
+        rec = recommend(replace(plan, search=None))
+        first = nothing_fits_words(search, gpu)
+        if rec.strategy is None:  # its "needs tensor/pipeline parallelism" is what was just searched
+            return Recommendation(None, [first], None, None, search=search)
+        rec.reasons.insert(0, first)
+        rec.search = search
+        return rec
     cand, best = search.pick
     ok = [r for r in plan.results if _headroom_ok(r)] or [r for r in plan.results if r.fits]
     timed = all(r.step_time_s for r in ok)
