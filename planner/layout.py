@@ -43,6 +43,16 @@ from .config import Cluster, TrainConfig, tp_divisors
 from .strategies import NAMES, get_strategy
 from .units import LIMITS, fmt_gib, fmt_seconds
 
+SEARCH_BUDGET_S = 4.0
+"""Work one layout search may do (all its tries: as given, a smaller micro-batch, checkpointing), in
+estimated seconds of one core of the 2-core CI VM (`eval_cost_s`). Realistic inputs stay far below it
+(Llama-3-405B on 256 GPUs: three tries of 204 configurations, about 1.3 s estimated); a hostile one
+(1,024 GPUs per node, a million GPUs) evaluates its simplest layouts first and says how many it left."""
+EVAL_COST_S = 1.5e-3
+"""Estimated cost of one (layout, strategy): the memory walk and, where it fits, schedule and time."""
+STAGE_MICROBATCH_COST_S = 2.5e-6
+"""Added per pipeline micro-batch per stage walked: `pp.stage_memory` walks the schedule's actions."""
+
 CP_DEGREES = (1,)
 """Context-parallel degrees searched: only 1 until context parallelism is modelled (then its degrees
 here, and `Layout.cp` in the train config)."""
@@ -77,8 +87,8 @@ class Layout:
         mesh = " x ".join(f"{k} {v}" for k, v in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp),
                                                   ("pp", self.pp)) if k in ("dp", "tp", "pp") or v > 1)
         extra = []
-        if self.sequence_parallel:
-            extra.append("sequence parallel")
+        if self.tp > 1:
+            extra.append("sequence parallel" if self.sequence_parallel else "no sequence parallelism")
         if self.pp > 1:
             extra.append(f"{self.pp_schedule}, {self.pp_microbatches} micro-batches")
         elif self.grad_accum > 1:
@@ -159,6 +169,8 @@ class LayoutSearch:
     """When nothing fits even with a change: the last change tried (this search's candidates are under it)."""
     given_failed: "LayoutSearch | None" = None
     """The search as given, when a change was needed."""
+    skipped: int = 0
+    """Layouts left unevaluated when `SEARCH_BUDGET_S` ran out (the least simple ones)."""
 
     @property
     def evaluated(self) -> int:
@@ -174,6 +186,7 @@ class LayoutSearch:
 
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "global_batch": self.global_batch, "evaluated": self.evaluated,
+                "skipped_layouts": self.skipped,
                 "layouts": len(self.candidates), "tp": list(self.tp_values), "pp": list(self.pp_values),
                 "sequence_parallel": list(self.sp_values), "change": self.change,
                 "candidates": [_candidate_dict(c, b) for c, b in self.layout_bests()]}
@@ -284,6 +297,20 @@ def layout_strategies(layout: Layout, strategies=None) -> list[str]:
     return [n for n in NAMES if n != "single" and (layout.pp == 1 or n in PP_STRATEGIES)]
 
 
+def eval_cost_s(layout: Layout, n_strategies: int) -> float:
+    """Estimated seconds to evaluate `n_strategies` strategies on `layout` (`SEARCH_BUDGET_S`)."""
+    from .pp import _stages_to_walk
+    walk = len(_stages_to_walk(layout.pp)) * layout.pp_microbatches if layout.pp > 1 else 0
+    return n_strategies * (EVAL_COST_S + STAGE_MICROBATCH_COST_S * walk)
+
+
+@dataclass
+class Budget:
+    """What is left of `SEARCH_BUDGET_S` across the tries of one search."""
+
+    left_s: float = field(default_factory=lambda: SEARCH_BUDGET_S)
+
+
 def evaluate_layout(layout: Layout, train: TrainConfig, cluster: Cluster, strategies=None, *,
                     checkpoint: str | None = None, storage_bytes_per_s: float | None = None,
                     catalog_dirs=(), full: bool = False) -> Candidate:
@@ -304,18 +331,28 @@ def evaluate_layout(layout: Layout, train: TrainConfig, cluster: Cluster, strate
 
 def search_layouts(train: TrainConfig, cluster: Cluster, strategies=None, *, fixed_tp: int | None = None,
                    fixed_pp: int | None = None, fixed_sp: bool | None = None, checkpoint: str | None = None,
-                   storage_bytes_per_s: float | None = None, catalog_dirs=(), batch: int | None = None
-                   ) -> LayoutSearch:
+                   storage_bytes_per_s: float | None = None, catalog_dirs=(), batch: int | None = None,
+                   budget: Budget | None = None) -> LayoutSearch:
     """Evaluate every candidate layout's strategies and pick one (see the module docstring)."""
     t0 = time.perf_counter()
+    budget = budget or Budget()
     batch = batch or global_batch(train, cluster)
     layouts, refused, tps, pps, sps = candidate_layouts(train, cluster, fixed_tp=fixed_tp, fixed_pp=fixed_pp,
                                                         fixed_sp=fixed_sp, batch=batch)
-    cands = [evaluate_layout(lay, t, cluster, strategies, checkpoint=checkpoint,
-                             storage_bytes_per_s=storage_bytes_per_s, catalog_dirs=catalog_dirs)
-             for lay, t in layouts]
+    cands, skipped = [], 0
+    # simplest first, so that a search cut short by the budget has looked at the likeliest picks
+    for lay, t in sorted(layouts, key=lambda x: x[0].simplicity):
+        cost = eval_cost_s(lay, len(layout_strategies(lay, strategies)))
+        if cost > budget.left_s:
+            skipped += 1
+            continue
+        budget.left_s -= cost
+        c = evaluate_layout(lay, t, cluster, strategies, checkpoint=checkpoint,
+                            storage_bytes_per_s=storage_bytes_per_s, catalog_dirs=catalog_dirs)
+        if c.results:  # --strategy may name none that runs there (FSDP1 with pp > 1)
+            cands.append(c)
     pick = _pick([(c, r) for c in cands for r in c.results], cluster.nodes)
-    return LayoutSearch(cands, pick, batch, time.perf_counter() - t0, tps, pps, sps, refused)
+    return LayoutSearch(cands, pick, batch, time.perf_counter() - t0, tps, pps, sps, refused, skipped=skipped)
 
 
 def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, **kw) -> LayoutSearch:
@@ -323,13 +360,14 @@ def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, *
     a smaller micro-batch (same global batch), then activation checkpointing selective, then full."""
     t0 = time.perf_counter()
     batch = kw.pop("batch", None) or global_batch(train, cluster)
+    kw.setdefault("budget", Budget())
     first = search_layouts(train, cluster, strategies, batch=batch, **kw)
     if first.pick is not None:
         first.layout_bests()
         first.seconds = time.perf_counter() - t0
         return first
     tries = []
-    last = first
+    failed = [first]
     mb = train.micro_batch
     smaller = [b for b in range(mb - 1, 0, -1) if mb % b == 0]
     if smaller:
@@ -352,7 +390,7 @@ def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, *
             if train.checkpointing in (mode, "full"):
                 continue
             s = search_layouts(replace(train, checkpointing=mode), cluster, strategies, batch=batch, **kw)
-            last = s
+            failed.append(s)
             s.tried = f"--activation-checkpointing {mode}"
             if s.pick is not None:
                 extra = "about 1/3 more compute" if mode == "full" else "recomputes norms and activations"
@@ -362,8 +400,9 @@ def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, *
     if tries:
         out = tries[0]
         out.given_failed = first
-    else:
-        out = last
+    else:  # the last try, unless the budget left it less to show than an earlier one
+        out = max(reversed(failed), key=lambda x: len(x.candidates))
+        out.skipped = max(x.skipped for x in failed)
     out.layout_bests()  # each layout's best (its reserved-peak replays) inside the time reported
     out.seconds = time.perf_counter() - t0
     return out
@@ -450,6 +489,9 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
             f"{fmt_gib(q.memory.device_total)} GiB" for c, q in faster_no[:3]))
     n_fit = len(fitting)
     sp = "on/off" if len(search.sp_values) > 1 else ("on" if True in search.sp_values else "off")
+    if search.skipped:
+        out.append(f"the search's budget ({SEARCH_BUDGET_S:g} s of estimated work) left {search.skipped} of the "
+                   f"most model-parallel layouts unevaluated; --tp or --pp narrow the search")
     out.append(f"searched {len(search.candidates)} layouts (tp in {_set(search.tp_values)}, pp in "
                f"{_set(search.pp_values)}, sequence parallel {sp}) "
                f"x their strategies = {search.evaluated} configurations in {search.seconds:.2f} s; "
@@ -466,7 +508,7 @@ def _set(values) -> str:
     return "{" + ", ".join(str(v) for v in values) + "}"
 
 
-def nothing_fits_words(search: LayoutSearch, gpu_memory_bytes: int) -> str:
+def nothing_fits_words(search: LayoutSearch, gpu_memory_bytes: int, advice: bool = True) -> str:
     """One line for a search in which no layout fits: the closest candidate and what it needs."""
     rows = [(c, c.closest()) for c in search.candidates if c.results]
     if not rows:
@@ -475,5 +517,5 @@ def nothing_fits_words(search: LayoutSearch, gpu_memory_bytes: int) -> str:
     need = r.memory.peak_allocated + r.memory.process_overhead
     under = f" even with {search.tried}" if search.tried else ""
     return (f"no layout fits in {fmt_gib(gpu_memory_bytes)} GiB per GPU{under}; the closest, "
-            f"{c.layout.words()} with {r.name}, needs at least {fmt_gib(need)} GiB: more GPUs or GPUs with "
-            f"more memory")
+            f"{c.layout.words()} with {r.name}, needs at least {fmt_gib(need)} GiB"
+            + (": more GPUs or GPUs with more memory" if advice else ""))

@@ -262,10 +262,9 @@ def _recommend_searched(plan, search) -> Recommendation:
         # no layout fits, even with the checkpointing the search tries: the smallest change beyond the
         # mesh (CPU offload, more GPUs) as without a search, on the configuration as given
         rec = recommend(replace(plan, search=None))
-        first = nothing_fits_words(search, gpu)
         if rec.strategy is None:  # its "needs tensor/pipeline parallelism" is what was just searched
-            return Recommendation(None, [first], None, None, search=search)
-        rec.reasons.insert(0, first)
+            return Recommendation(None, [nothing_fits_words(search, gpu)], None, None, search=search)
+        rec.reasons.insert(0, nothing_fits_words(search, gpu, advice=False))
         rec.search = search
         return rec
     cand, best = search.pick
@@ -273,7 +272,8 @@ def _recommend_searched(plan, search) -> Recommendation:
     timed = all(r.step_time_s for r in ok)
     reasons = layout_reasons(search, plan.cluster, gpu)
     strat = _reasons(plan, best, ok, timed)
-    strat[0] = f"{best.name} on this layout: {strat[0]}"
+    why = strat[0]
+    strat[0] = f"{best.name} on this layout: {why}"
     reasons += strat
     if search.change:
         given = search.given_failed
@@ -281,7 +281,7 @@ def _recommend_searched(plan, search) -> Recommendation:
                           f"as given; smallest change: {search.change}")
     mb = max_micro_batch(plan.train, plan.cluster, best.name)
     return Recommendation(best.name, reasons, mb or None, change=search.change,
-                          pick_reason=strat[0], layout=cand.layout, result=best, search=search)
+                          pick_reason=why, layout=cand.layout, result=best, search=search)
 
 
 def _reasons(plan, best, ok, timed) -> list[str]:

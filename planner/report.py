@@ -197,7 +197,8 @@ def layout_table(plan, table_format: str = "simple", rows: int = LAYOUT_ROWS) ->
     more = len(s.candidates) - len(out)
     title = (f"layout search: {len(s.candidates)} layouts, {s.evaluated} configurations, {s.seconds:.2f} s"
              + (f" (under {s.change.split(' (')[0]})" if s.change else "")
-             + (f"; {more} more not shown" if more > 0 else ""))
+             + (f"; {more} more not shown" if more > 0 else "")
+             + (f"; {s.skipped} not evaluated (the search's budget)" if s.skipped else ""))
     headers = ["dp x tp x pp", "SP", "micro-steps", "strategy", "peak", "device", "fits", "step", "vs pick"]
     return fit_table(title, headers, out, table_format)
 

@@ -157,8 +157,21 @@ def test_405b_search_is_bounded(p405):
     """The search prunes by the closed-form allocated peak: three searches (as given, selective, full)
     of 47 layouts evaluate a few hundred configurations each and take seconds, not minutes."""
     s = p405.search
-    assert len(s.candidates) == 47 and s.evaluated < 300
+    assert len(s.candidates) == 47 and s.evaluated < 300 and s.skipped == 0  # the whole space, within budget
     assert s.seconds < 15, s.seconds
+
+
+def test_budget_bounds_a_huge_search_simplest_first(monkeypatch):
+    """A search whose estimated work exceeds the budget evaluates the simplest layouts first and says how
+    many it left (a million GPUs with 1,024 per node would otherwise walk thousands of pipelines)."""
+    monkeypatch.setattr(layout_mod, "SEARCH_BUDGET_S", 0.05)
+    p = recommend(params="7B", gpus=64)
+    s = p.search
+    assert s.skipped > 0 and s.candidates
+    done = sorted(c.layout.simplicity for c in s.candidates)
+    assert done[0] == (1, 1, 1, False)  # pure data parallelism is never the one left out
+    text = "\n".join(p.recommendation.reasons)
+    assert f"left {s.skipped} of the most model-parallel layouts unevaluated" in text
 
 
 def test_tp_never_leaves_the_node():
