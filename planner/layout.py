@@ -10,7 +10,8 @@ Candidates (`candidate_layouts`):
   than the layers (`pp.check_pp`: uneven splits are allowed, the first L mod p stages one layer more);
   1 where the run cannot pipeline (tied embeddings, DeepSpeed, CPU offload: `check_pp` refuses).
 - dp = gpus / (tp x pp); sequence parallelism on and off for every tp > 1.
-- cp (context parallelism): an extension point, always 1 here (`CP_DEGREES`).
+- cp (context parallelism, cp.py): not searched; the degree given (--cp, default 1) is kept in every
+  layout (`CP_DEGREES` is where searched degrees would go).
 A dimension the user fixed (--tp, --pp, --sequence-parallel) is not searched.
 
 Every layout runs the same global batch, the one the flags give as written (dp x micro-batch x
@@ -54,8 +55,8 @@ STAGE_MICROBATCH_COST_S = 2.5e-6
 """Added per pipeline micro-batch per stage walked: `pp.stage_memory` walks the schedule's actions."""
 
 CP_DEGREES = (1,)
-"""Context-parallel degrees searched: only 1 until context parallelism is modelled (then its degrees
-here, and `Layout.cp` in the train config)."""
+"""Context-parallel degrees searched when the user gives none: only 1 (the extension point for searching
+cp; a --cp given is kept in every layout)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Layout:
     micro_batch: int = 1
     grad_accum: int = 1
     cp: int = 1
-    """Context parallelism: always 1 (extension point; not modelled here)."""
+    """Context-parallel degree (cp.py): the one given, not searched."""
 
     @property
     def simplicity(self) -> tuple:
@@ -102,6 +103,8 @@ class Layout:
         """The CLI flags that fix this layout."""
         out = [f"--tp {self.tp}"] + (["--sequence-parallel"] if self.sequence_parallel else [])
         out.append(f"--pp {self.pp}")
+        if self.cp > 1:
+            out.append(f"--cp {self.cp}")
         if self.pp > 1:
             out.append(f"--pp-schedule {self.pp_schedule} --pp-microbatches {self.pp_microbatches}")
         elif self.grad_accum > 1:
@@ -109,20 +112,21 @@ class Layout:
         return " ".join(out)
 
     def to_dict(self) -> dict:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sequence_parallel": self.sequence_parallel,
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "sequence_parallel": self.sequence_parallel,
                 "pp_schedule": self.pp_schedule if self.pp > 1 else None,
                 "pp_microbatches": self.pp_microbatches, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum}
 
     @classmethod
     def of(cls, train: TrainConfig, cluster: Cluster) -> "Layout":
-        return cls(cluster.gpus // (train.tp * train.pp), train.tp, train.pp, train.sequence_parallel,
-                   train.pp_schedule, train.pp_microbatches, train.micro_batch, train.grad_accum)
+        return cls(cluster.gpus // (train.tp * train.pp * train.cp), train.tp, train.pp, train.sequence_parallel,
+                   train.pp_schedule, train.pp_microbatches, train.micro_batch, train.grad_accum, train.cp)
 
 
 def global_batch(train: TrainConfig, cluster: Cluster) -> int:
-    """Sequences per optimizer step: dp x micro-batch x (pipeline micro-batches or accumulation)."""
-    dp = cluster.gpus // (train.tp * train.pp)
+    """Sequences per optimizer step: dp x micro-batch x (pipeline micro-batches or accumulation); the cp
+    ranks of a data-parallel replica share its sequences."""
+    dp = cluster.gpus // (train.tp * train.pp * train.cp)
     return dp * train.micro_batch * (train.pp_microbatches if train.pp > 1 else train.grad_accum)
 
 
@@ -247,8 +251,11 @@ def candidate_layouts(train: TrainConfig, cluster: Cluster, *, fixed_tp: int | N
     sps_seen: set = set()
     from .pp import virtual_stages
     v = virtual_stages(train.pp_schedule)
-    for tp in tps:
-        rest = gpus // tp
+    cps = [train.cp] if train.cp > 1 else list(CP_DEGREES)
+    for tp, cp in ((t, c) for t in tps for c in cps):
+        if gpus % (tp * cp):
+            continue
+        rest = gpus // (tp * cp)
         if fixed_pp:
             pps = [fixed_pp]
         else:
@@ -256,21 +263,21 @@ def candidate_layouts(train: TrainConfig, cluster: Cluster, *, fixed_tp: int | N
                    and (p & (p - 1) == 0 or m.layers % p == 0)]
         sps = [fixed_sp] if fixed_sp is not None else ([False, True] if tp > 1 else [False])
         for pp in pps:
-            if gpus % (tp * pp):
+            if gpus % (tp * pp * cp):
                 continue
-            dp = gpus // (tp * pp)
-            if (batch * tp * pp) % (gpus * train.micro_batch):
+            dp = gpus // (tp * pp * cp)
+            if (batch * tp * pp * cp) % (gpus * train.micro_batch):
                 refused.append(f"dp {dp} x tp {tp} x pp {pp}: the global batch of {batch} sequences is not a "
                                f"multiple of dp x micro-batch = {dp * train.micro_batch}")
                 continue
-            steps = batch * tp * pp // (gpus * train.micro_batch)
+            steps = batch * tp * pp * cp // (gpus * train.micro_batch)
             if steps > LIMITS["grad_accum"][1]:
                 continue
             for sp in sps:
                 if sp and tp == 1:
                     continue
                 try:
-                    t = replace(train, tp=tp, pp=pp, sequence_parallel=sp,
+                    t = replace(train, tp=tp, pp=pp, cp=cp, sequence_parallel=sp,
                                 pp_microbatches=steps if pp > 1 else 1, grad_accum=1 if pp > 1 else steps)
                 except ValueError as exc:
                     line = str(exc).splitlines()[0]
@@ -280,7 +287,7 @@ def candidate_layouts(train: TrainConfig, cluster: Cluster, *, fixed_tp: int | N
                 pps_seen.add(pp)
                 sps_seen.add(sp)
                 out.append((Layout(dp, tp, pp, sp, train.pp_schedule, t.pp_microbatches, t.micro_batch,
-                                   t.grad_accum), t))
+                                   t.grad_accum, cp), t))
     tps_seen = tuple(sorted({lay.tp for lay, _ in out}))
     return out, refused, tps_seen, tuple(sorted(pps_seen)), tuple(sorted(sps_seen))
 
@@ -292,7 +299,7 @@ def layout_strategies(layout: Layout, strategies=None) -> list[str]:
     if strategies:
         names = [n for n in strategies if layout.pp == 1 or n in PP_STRATEGIES]
         return names
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:  # the strategies run over the dp x cp ranks
         return ["single"]
     return [n for n in NAMES if n != "single" and (layout.pp == 1 or n in PP_STRATEGIES)]
 
@@ -422,7 +429,8 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
     out = []
     mem = r.memory
     rate = f", {r.time.tokens_per_s:,.0f} tokens/s, MFU {100 * r.time.mfu:.0f}%" if r.time is not None else ""
-    out.append(f"layout {lay.words()}, {r.name} over the dp ranks: step {fmt_seconds(_time(r))}{rate} for "
+    ranks = "dp x cp" if lay.cp > 1 else "dp"
+    out.append(f"layout {lay.words()}, {r.name} over the {ranks} ranks: step {fmt_seconds(_time(r))}{rate} for "
                f"the global batch of {search.global_batch} sequences ({search.global_batch * t.seq_len:,} tokens); "
                f"flags: {lay.flags()}")
     bests = search.layout_bests()
@@ -489,11 +497,15 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
             f"{fmt_gib(q.memory.device_total)} GiB" for c, q in faster_no[:3]))
     n_fit = len(fitting)
     sp = "on/off" if len(search.sp_values) > 1 else ("on" if True in search.sp_values else "off")
+    if search.refused:
+        out.append(f"left out: {search.refused[0]}"
+                   + (f" (and {len(search.refused) - 1} more)" if len(search.refused) > 1 else ""))
     if search.skipped:
         out.append(f"the search's budget ({SEARCH_BUDGET_S:g} s of estimated work) left {search.skipped} of the "
                    f"most model-parallel layouts unevaluated; --tp or --pp narrow the search")
+    cp = f", cp {lay.cp} as given" if lay.cp > 1 else ""
     out.append(f"searched {len(search.candidates)} layouts (tp in {_set(search.tp_values)}, pp in "
-               f"{_set(search.pp_values)}, sequence parallel {sp}) "
+               f"{_set(search.pp_values)}, sequence parallel {sp}{cp}) "
                f"x their strategies = {search.evaluated} configurations in {search.seconds:.2f} s; "
                f"{n_fit} layout{'s' if n_fit != 1 else ''} fit")
     return out

@@ -52,7 +52,7 @@ def _independent_candidates(spec, cluster, base: TrainConfig, batch: int):
 
 
 def _strategies(dp: int, pp: int) -> list[str]:
-    if dp == 1:
+    if dp == 1:  # (cp = 1 here)
         return ["single"]
     return [s for s in NAMES if s != "single" and (pp == 1 or s in PP_STRATEGIES)]
 
@@ -242,6 +242,21 @@ def test_pipeline_refusals_keep_pp_at_one():
     # the schedule given is the one every pipelined layout uses
     p = recommend("llama-3-70b", gpus=64, node="dgx-h100", pp_schedule="interleaved-1f1b")
     assert {c.layout.pp_schedule for c in p.search.candidates if c.layout.pp > 1} == {"interleaved-1f1b"}
+
+
+def test_context_parallel_degree_given_is_kept():
+    """cp is not searched (CP_DEGREES); a --cp given runs in every layout, whose dp is gpus / (tp pp cp),
+    and the pipelined layouts CP cannot run with are left out with cp.check_cp's reason."""
+    p = recommend("llama-3-70b", gpus=64, node="dgx-h100", seq_len=32768, cp=4)
+    assert p.search.candidates
+    for c in p.search.candidates:
+        lay = c.layout
+        assert lay.cp == 4 and lay.pp == 1 and lay.dp * lay.tp * lay.cp == 64
+        assert c.train.cp == 4
+    assert any("--cp" in x or "cp=4" in x for x in p.search.refused)
+    rec = p.recommendation
+    assert rec.layout.cp == 4 and rec.to_dict()["layout"]["cp"] == 4
+    assert "--cp 4" in rec.reasons[1] or "--cp 4" in "\n".join(rec.reasons)
 
 
 def test_nothing_fits_anywhere_names_the_closest_layout():
