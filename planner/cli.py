@@ -228,7 +228,6 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
         if s not in NAMES:
             raise ValueError(f"--strategy={s!r}: accepted: {', '.join(NAMES)}")
     call = plan
-    mesh = {}
     if search:
         from .api import recommend as call
         given = kw.get("given") or set()

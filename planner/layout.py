@@ -96,9 +96,6 @@ class Layout:
             extra.append(f"{self.grad_accum} accumulation steps")
         return mesh + (f" ({', '.join(extra)})" if extra else "")
 
-    def short(self) -> str:
-        return f"{self.dp}x{self.tp}x{self.pp}" + (" SP" if self.sequence_parallel else "")
-
     def flags(self) -> str:
         """The CLI flags that fix this layout."""
         out = [f"--tp {self.tp}"] + (["--sequence-parallel"] if self.sequence_parallel else [])
@@ -320,16 +317,16 @@ class Budget:
 
 def evaluate_layout(layout: Layout, train: TrainConfig, cluster: Cluster, strategies=None, *,
                     checkpoint: str | None = None, storage_bytes_per_s: float | None = None,
-                    catalog_dirs=(), full: bool = False) -> Candidate:
-    """One layout's strategies: memory for each, communication and step time for those whose allocated
-    peak fits (every one with `full`)."""
+                    catalog_dirs=()) -> Candidate:
+    """One layout's strategies: memory for each (closed form), communication and step time only for
+    those whose allocated peak fits (the others cannot fit: the reserved peak is never below it)."""
     from .api import evaluate
     from .memory import estimate_memory
     cand = Candidate(layout, train, cluster.nodes)
     for name in layout_strategies(layout, strategies):
         st = get_strategy(name)
         mem = estimate_memory(train, cluster, st)
-        timed = full or mem.allocated_fits
+        timed = mem.allocated_fits
         cand.results.append(evaluate(train, cluster, st, comm=timed, catalog_dirs=catalog_dirs, mem=mem,
                                      checkpoint=checkpoint if timed else None,
                                      storage_bytes_per_s=storage_bytes_per_s))
