@@ -195,7 +195,8 @@ def layout_table(plan, table_format: str = "simple", rows: int = LAYOUT_ROWS) ->
                     str(lay.micro_steps), r.name, fmt_gib(m.peak_allocated), dev,
                     "yes" if best is not None else "NO", fmt_seconds(st) if st is not None else "-", vs])
     more = len(s.candidates) - len(out)
-    title = (f"layout search: {len(s.candidates)} layouts, {s.evaluated} configurations, {s.seconds:.2f} s"
+    title = (f"layout search: {len(s.candidates)} layouts, {s.evaluated} configurations, {s.seconds:.2f} s "
+             f"({s.cpu_seconds:.2f} s CPU)"
              + (f" (under {s.change.split(' (')[0]})" if s.change else "")
              + (f"; {more} more not shown" if more > 0 else "")
              + (f"; {s.skipped} not evaluated (the search's budget)" if s.skipped else ""))
