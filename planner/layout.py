@@ -361,7 +361,8 @@ def search_layouts(train: TrainConfig, cluster: Cluster, strategies=None, *, fix
         if c.results:  # --strategy may name none that runs there (FSDP1 with pp > 1)
             cands.append(c)
     pick = _pick([(c, r) for c in cands for r in c.results], cluster.nodes)
-    return LayoutSearch(cands, pick, batch, time.perf_counter() - t0, tps, pps, sps, refused, skipped=skipped)
+    return LayoutSearch(cands, pick, batch, seconds=time.perf_counter() - t0, tp_values=tps, pp_values=pps,
+                        sp_values=sps, refused=refused, skipped=skipped)
 
 
 def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, **kw) -> LayoutSearch:

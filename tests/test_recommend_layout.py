@@ -129,7 +129,8 @@ def test_405b_reasons_name_layout_links_bubble_headroom_runners_up(p405):
     assert f"pp {lay.pp} spans nodes" in text and "bubble" in text
     from distplan.planner.pp import bubble_fraction
     assert f"{100 * bubble_fraction(lay.pp_schedule, lay.pp, lay.pp_microbatches):.1f}% of compute" in text
-    assert "GiB free" in text and "runners-up:" in text and "searched " in text
+    assert "GiB free" in text and "runners-up:" in text
+    assert "searched 47 layouts (tp in {1, 2, 4, 8}, pp in {1, 2, 4, 8, 16, 32, 64}, sequence parallel on/off)" in text
     assert "nothing fits" in rec.reasons[0] and "in any of the" in rec.reasons[0]
 
 
