@@ -1,5 +1,8 @@
 """The recommendation: which strategy to use, the largest micro-batch, and why, in actionable words.
 
+Unless the user fixed both --tp and --pp (`api.recommend`), the mesh is searched first (layout.py) and
+the same rule picks the (layout, strategy) pair; `_recommend_searched` words it. At a given mesh:
+
 Rule: among strategies that fit with headroom (at least `HEADROOM_FRACTION` of GPU memory free after
 the allocator and process overhead), the one with the lowest step time; a simpler strategy wins when
 it is within `TIE_FRACTION` of the fastest. Without a time model, the simplest that fits. When nothing
