@@ -388,9 +388,12 @@ class StrategyResult:
 
 def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, comm: bool = True,
              device: str = "cuda", catalog_dirs: Sequence[str] = (), checkpoint: str | None = None,
-             storage_bytes_per_s: float | None = None) -> StrategyResult:
+             storage_bytes_per_s: float | None = None, mem: MemoryEstimate | None = None) -> StrategyResult:
+    """One strategy's prediction; `mem`: its memory estimate when the caller already has it (the
+    layout search judges memory first)."""
     st = get_strategy(strategy)
-    mem = estimate_memory(train, cluster, st, device=device)
+    if mem is None:
+        mem = estimate_memory(train, cluster, st, device=device)
     result = StrategyResult(st, mem)
     if checkpoint is not None:
         from .checkpoint import DEFAULT_STORAGE_GBPS, estimate_checkpoint
@@ -416,6 +419,10 @@ class Plan:
     tokens: float | None = None
     checkpoint: str | None = None
     storage_bytes_per_s: float | None = None
+    search: Any = None
+    """The layout search (`layout.LayoutSearch`) when `recommend` searched the mesh: this plan's train
+    config is then the picked layout's (or the one given, when nothing fits anywhere)."""
+    _recommendation: Any = field(default=None, repr=False, compare=False)
 
     def __getitem__(self, name: str) -> StrategyResult:
         for r in self.results:
@@ -426,7 +433,11 @@ class Plan:
     @property
     def recommendation(self):
         from .recommend import recommend
-        return recommend(self)
+        if self.search is None:
+            return recommend(self)
+        if self._recommendation is None:  # a searched plan does not change: its answer is kept
+            self._recommendation = recommend(self)
+        return self._recommendation
 
     @property
     def best(self) -> StrategyResult | None:
@@ -640,6 +651,55 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
     front = ("front end: analytic (decoder formulas"
              + ("; --front-end trace runs the transformers model itself on fake tensors)" if hf_config else ")"))
     return Plan(train, cluster, results, notes + cnotes + [front], tokens, checkpoint, storage)
+
+
+def recommend(model: str | ModelSpec | None = None, *, tp: int | None = None, pp: int | None = None,
+              sequence_parallel: bool | None = None, **kwargs) -> Plan:
+    """`plan` and its recommendation, searching the parallel layout over what is not given.
+
+    With `tp` and `pp` both given this is `plan(...)` (the strategy choice at that mesh). Otherwise the
+    unfixed dimensions are searched (layout.py): tp inside a node, pp, and sequence parallelism unless
+    `sequence_parallel` is given; every layout at the global batch the arguments give. The Plan returned
+    is the picked layout's (every strategy evaluated there), with `.search` and
+    `.recommendation.layout`; when no layout fits it is the plan as given, and the recommendation says
+    what the closest layout needs. Other arguments: as `plan`.
+
+        p = recommend("llama-3-405b", gpus=256, node="dgx-h100", seq_len=8192)
+        p.recommendation.layout, p.recommendation.strategy, p.best.memory.device_total
+    """
+    if tp is not None and pp is not None:
+        return plan(model, tp=tp, pp=pp, sequence_parallel=bool(sequence_parallel), **kwargs)
+    if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+        raise ValueError(f"--sequence-parallel={short_repr(sequence_parallel)}: accepted: True or False")
+    kwargs.pop("comm", None)  # the search compares step times: always timed
+    sp_given = bool(sequence_parallel) and tp is not None
+    given = plan(model, tp=tp or 1, pp=pp or 1, sequence_parallel=sp_given, **kwargs)
+    return search_plan(given, fixed_tp=tp, fixed_pp=pp, fixed_sp=sequence_parallel,
+                       strategies=kwargs.get("strategies"))
+
+
+def search_plan(given: Plan, *, fixed_tp: int | None = None, fixed_pp: int | None = None,
+                fixed_sp: bool | None = None, strategies=None) -> Plan:
+    """The layout search over `given`'s model, cluster and global batch (layout.py): the picked layout's
+    Plan with `.search` set, or `given` with `.search` set when nothing fits in any layout."""
+    from .layout import search_with_changes
+    if isinstance(strategies, str):
+        strategies = [strategies]
+    c = given.cluster
+    s = search_with_changes(given.train, c, list(strategies) if strategies else None, fixed_tp=fixed_tp,
+                            fixed_pp=fixed_pp, fixed_sp=fixed_sp, checkpoint=given.checkpoint,
+                            storage_bytes_per_s=given.storage_bytes_per_s, catalog_dirs=c.catalog_dirs)
+    if s.pick is None:
+        return replace(given, search=s)
+    cand, best = s.pick
+    # every strategy of the picked layout with its communication and time (the tables show them all);
+    # those the search timed are kept as they are
+    results = [r if r.time is not None else evaluate(cand.train, c, r.strategy, catalog_dirs=c.catalog_dirs,
+                                                     mem=r.memory, checkpoint=given.checkpoint,
+                                                     storage_bytes_per_s=given.storage_bytes_per_s)
+               for r in cand.results]
+    notes = [n for n in given.notes if not n.startswith("pipeline:")]
+    return Plan(cand.train, c, results, notes, given.tokens, given.checkpoint, given.storage_bytes_per_s, search=s)
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -191,7 +191,9 @@ def use_trace(kw: dict) -> bool:
     return have
 
 
-def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
+def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=False):
+    """The Plan of the flags in `kw`. `search` (recommend): search the parallel layout over the mesh
+    flags the user did not give (`kw["given"]`, the set of flag names given; layout.py)."""
     from .api import plan
     from .units import check_count, short_repr
     for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum", "tp", "pp",
@@ -225,7 +227,16 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
     for s in strategies:
         if s not in NAMES:
             raise ValueError(f"--strategy={s!r}: accepted: {', '.join(NAMES)}")
-    return plan(kw.get("model"), params=kw.get("params"), hf_config=kw.get("hf_config"),
+    call = plan
+    if search:
+        from .api import recommend as call
+        given = kw.get("given") or set()
+        mesh = {"tp": kw.get("tp") if "tp" in given else None, "pp": kw.get("pp") if "pp" in given else None,
+                "sequence_parallel": True if kw.get("sequence_parallel") else None}
+    else:
+        mesh = {"tp": kw.get("tp") or 1, "pp": kw.get("pp") or 1,
+                "sequence_parallel": bool(kw.get("sequence_parallel")), "comm": comm}
+    return call(kw.get("model"), params=kw.get("params"), hf_config=kw.get("hf_config"),
                 gpus=kw.get("gpus"), gpus_per_node=kw.get("gpus_per_node"), gpu=kw.get("gpu"),
                 gpu_mem=kw.get("gpu_mem"), node=kw.get("node"), intra=kw.get("intra"), inter=kw.get("inter"),
                 nics_per_node=kw.get("nics_per_node"), inter_gbps=kw.get("inter_gbps"),
@@ -233,12 +244,11 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True):
                 grad_sync=kw.get("grad_sync") or "last", precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
                 activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
                 cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
-                tp=kw.get("tp") or 1, sequence_parallel=bool(kw.get("sequence_parallel")),
-                alloc_conf=kw.get("alloc_conf") or "", pp=kw.get("pp") or 1,
+                alloc_conf=kw.get("alloc_conf") or "",
                 pp_schedule=kw.get("pp_schedule") or "1f1b", pp_microbatches=kw.get("pp_microbatches"),
                 cp=kw.get("cp") or 1, strategies=list(strategies) or None,
                 tokens=kw.get("tokens"), checkpoint=kw.get("checkpoint"), storage_gbps=kw.get("storage_gbps"),
-                comm=comm, detect_local=detect_local,
+                detect_local=detect_local, **mesh,
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)
 
 
@@ -315,11 +325,18 @@ def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
 @output_options
 @_fail_on_value_error
 def recommend(strategies, tokens, as_json, table_format, **kw):
-    """The strategy that fits with headroom and is fastest, the largest micro-batch, and why."""
+    """The parallel layout (dp x tp x pp, unless --tp and --pp are given) and strategy that fit with
+    headroom and are fastest, the largest micro-batch, and why."""
+    from click.core import ParameterSource
     from .recommend import render_recommendation
     from .units import parse_count
     kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
-    p = build_plan(kw, strategies)
+    ctx = click.get_current_context()
+    kw["given"] = {k for k in ("tp", "pp", "sequence_parallel")
+                   if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT)}
+    # the trace front ends model no mesh: nothing to search there
+    search = not kw.get("module") and not use_trace(kw) and not {"tp", "pp"} <= kw["given"]
+    p = build_plan(kw, strategies, search=search)
     if as_json:
         click.echo(dump_json(p.to_dict()))
     else:

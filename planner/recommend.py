@@ -1,5 +1,8 @@
 """The recommendation: which strategy to use, the largest micro-batch, and why, in actionable words.
 
+Unless the user fixed both --tp and --pp (`api.recommend`), the mesh is searched first (layout.py) and
+the same rule picks the (layout, strategy) pair; `_recommend_searched` words it. At a given mesh:
+
 Rule: among strategies that fit with headroom (at least `HEADROOM_FRACTION` of GPU memory free after
 the allocator and process overhead), the one with the lowest step time; a simpler strategy wins when
 it is within `TIE_FRACTION` of the fastest. Without a time model, the simplest that fits. When nothing
@@ -33,20 +36,42 @@ class Recommendation:
     """The plan under `change` (its rows are what is recommended); not part of the JSON."""
     pick_reason: str | None = None
     """Why this strategy among those that fit, in words (the first of `reasons` without the change)."""
+    layout: object = None
+    """The mesh the pick runs on (`layout.Layout`): the one given, or the one the search picked."""
+    result: object = field(default=None, repr=False, compare=False)
+    """The picked strategy's `api.StrategyResult` on that layout."""
+    search: object = field(default=None, repr=False, compare=False)
+    """The `layout.LayoutSearch` when the layout was searched (the user fixed neither --tp nor --pp)."""
 
     @property
     def summary(self) -> str:
         if self.strategy is None:
-            return "nothing fits; " + (self.change or "")
+            return "nothing fits; " + (self.change or (self.reasons[0] if self.search is not None else ""))
         mb = f"; largest micro-batch that fits: {self.max_micro_batch}" if self.max_micro_batch else ""
         why = self.pick_reason or (self.reasons[0] if self.reasons else "")
+        on = f" on {self.layout.words()}" if self.search is not None and self.layout is not None else ""
         if self.change:
-            return f"nothing fits as given; with {self.change}: {self.strategy}, {why}{mb}"
-        return f"{self.strategy}, {why}{mb}"
+            return f"nothing fits as given; with {self.change}: {self.strategy}{on}, {why}{mb}"
+        return f"{self.strategy}{on}, {why}{mb}"
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "reasons": list(self.reasons),
-                "max_micro_batch": self.max_micro_batch, "change": self.change}
+        d = {"strategy": self.strategy, "reasons": list(self.reasons),
+             "max_micro_batch": self.max_micro_batch, "change": self.change,
+             "layout": self.layout.to_dict() if self.layout is not None else None}
+        r = self.result
+        if r is not None:
+            # the pick's collectives on its mesh, grouped as the estimate's (dp, tp, pp, or the
+            # data-parallel groups intra_node / inter_node / world without a mesh)
+            groups: dict = {}
+            for c in r.collectives:
+                g = groups.setdefault(c.group, {"calls": 0, "bytes_per_gpu": 0, "time_s": 0.0})
+                g["calls"] += int(c.calls)
+                g["bytes_per_gpu"] += int(c.bytes_per_gpu)
+                g["time_s"] += c.time_s
+            d.update(step_time_s=r.step_time_s, collectives=[c.to_dict() for c in r.collectives], groups=groups)
+        if self.search is not None:
+            d["search"] = self.search.to_dict()
+        return d
 
 
 def _rank(name: str, nodes: int | None = None) -> int:
@@ -193,6 +218,9 @@ def _smallest_change(plan):
 
 
 def recommend(plan, _depth: int = 0) -> Recommendation:
+    search = getattr(plan, "search", None)
+    if search is not None:
+        return _recommend_searched(plan, search)
     results = plan.results
     ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits]
     if not ok:
@@ -223,7 +251,40 @@ def recommend(plan, _depth: int = 0) -> Recommendation:
         best = min(ok, key=lambda r: _rank(r.name, plan.cluster.nodes))
     reasons = _reasons(plan, best, ok, timed)
     mb = max_micro_batch(plan.train, plan.cluster, best.name)
-    return Recommendation(best.name, reasons, mb or None, pick_reason=reasons[0])
+    from .layout import Layout
+    return Recommendation(best.name, reasons, mb or None, pick_reason=reasons[0],
+                          layout=Layout.of(plan.train, plan.cluster), result=best)
+
+
+def _recommend_searched(plan, search) -> Recommendation:
+    """The recommendation of a layout search (layout.py): `plan` is the picked layout's plan (or the plan
+    as given when nothing fits anywhere)."""
+    from .layout import layout_reasons, nothing_fits_words
+    gpu = plan.cluster.gpu_memory_bytes
+    if search.pick is None:
+        # no layout fits, even with the checkpointing the search tries: the smallest change beyond the
+        # mesh (CPU offload, more GPUs) as without a search, on the configuration as given
+        rec = recommend(replace(plan, search=None))
+        if rec.strategy is None:  # its "needs tensor/pipeline parallelism" is what was just searched
+            return Recommendation(None, [nothing_fits_words(search, gpu)], None, None, search=search)
+        rec.reasons.insert(0, nothing_fits_words(search, gpu, advice=False))
+        rec.search = search
+        return rec
+    cand, best = search.pick
+    ok = [r for r in plan.results if _headroom_ok(r)] or [r for r in plan.results if r.fits]
+    timed = all(r.step_time_s for r in ok)
+    reasons = layout_reasons(search, plan.cluster, gpu)
+    strat = _reasons(plan, best, ok, timed)
+    why = strat[0]
+    strat[0] = f"{best.name} on this layout: {why}"
+    reasons += strat
+    if search.change:
+        given = search.given_failed
+        reasons.insert(0, f"nothing fits in {fmt_gib(gpu)} GiB per GPU in any of the {len(given.candidates)} layouts "
+                          f"as given; smallest change: {search.change}")
+    mb = max_micro_batch(plan.train, plan.cluster, best.name)
+    return Recommendation(best.name, reasons, mb or None, change=search.change,
+                          pick_reason=why, layout=cand.layout, result=best, search=search)
 
 
 def _reasons(plan, best, ok, timed) -> list[str]:
@@ -343,7 +404,11 @@ def _inter_gbps(cluster) -> float:
 def render_recommendation(plan, table_format: str = "simple") -> str:
     from .report import comm_table, header, memory_table
     rec = plan.recommendation
-    lines = [header(plan), "", memory_table(plan, table_format)]
+    lines = [header(plan), ""]
+    if rec.search is not None:
+        from .report import layout_table
+        lines += [layout_table(plan, table_format), ""]
+    lines.append(memory_table(plan, table_format))
     ct = comm_table(plan, table_format)
     if ct:
         lines += ["", ct]
@@ -357,7 +422,8 @@ def render_recommendation(plan, table_format: str = "simple") -> str:
         lines[-1:] = recommended_rows(plan, table_format) + [""]
         mb = f", largest micro-batch that fits: {rec.max_micro_batch}" if rec.max_micro_batch else ""
         change = f" with {rec.change}" if rec.change else ""
-        lines.append(wrap(f"recommendation: {rec.strategy} ({get_strategy(rec.strategy).implementation})"
+        on = f" on {rec.layout.words()}" if rec.search is not None else ""
+        lines.append(wrap(f"recommendation: {rec.strategy} ({get_strategy(rec.strategy).implementation}){on}"
                           f"{change}{mb}"))
         for reason in rec.reasons:
             lines.append(wrap(f"  - {reason}"))

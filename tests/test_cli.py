@@ -115,15 +115,19 @@ def test_recommend_small_model_two_gpus_is_replicated():
 
 
 def test_recommend_70b_on_64_h100_is_sharded():
-    r = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--json")
+    # the strategy choice on a pure data-parallel mesh (--tp/--pp given: no layout search)
+    r = run("recommend", "--tp", "1", "--pp", "1", "--params", "70B", "--gpus", "64", "--node", "dgx-h100",
+            "--json")
     d = json.loads(r.output)
     assert d["recommendation"]["strategy"] in ("zero3", "fsdp", "hsdp", "zero2", "fsdp-grad-op")
     assert d["recommendation"]["change"]  # 70B at seq 2048 needs activation checkpointing on 80 GB
 
 
 def test_recommend_70b_infiniband_vs_ethernet_explained():
-    ib = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100").output
-    eth = run("recommend", "--params", "70B", "--gpus", "64", "--node", "dgx-h100", "--inter", "eth-100g-tcp").output
+    # the strategy choice on a pure data-parallel mesh (--tp/--pp given: no layout search)
+    dp = ("recommend", "--tp", "1", "--pp", "1", "--params", "70B", "--gpus", "64", "--node", "dgx-h100")
+    ib = run(*dp).output
+    eth = run(*dp, "--inter", "eth-100g-tcp").output
     assert "over ib-ndr" in ib and "over eth-100g-tcp" in eth
     # the same pick fits both (FSDP with selective recomputation); over TCP the output says the step is
     # communication-bound and offers the change, over InfiniBand it does not
@@ -131,18 +135,22 @@ def test_recommend_70b_infiniband_vs_ethernet_explained():
 
 
 def test_recommend_hsdp_over_slow_ethernet():
-    args = ["recommend", "--params", "13B", "--gpus", "64", "--node", "generic-ethernet", "--grad-accum", "8"]
+    # the strategy choice on a pure data-parallel mesh (--tp/--pp given: no layout search)
+    args = ["recommend", "--tp", "1", "--pp", "1", "--params", "13B", "--gpus", "64", "--node", "generic-ethernet",
+            "--grad-accum", "8"]
     eth = json.loads(run(*args, "--json").output)
     step = {s["name"]: s["step_time_s"] for s in eth["strategies"]}
     # hsdp keeps the all-gathers and reduce-scatters inside the node: faster than full sharding across nodes
     # (the pick itself is SHARD_GRAD_OP, which all-gathers once per step and now fits with room to spare)
     assert step["hsdp"] < 0.5 * min(step["zero3"], step["fsdp"]), step
-    small = json.loads(run("recommend", "--params", "13B", "--gpus", "8", "--node", "dgx-h100", "--json").output)
+    small = json.loads(run("recommend", "--tp", "1", "--pp", "1", "--params", "13B", "--gpus", "8", "--node",
+                           "dgx-h100", "--json").output)
     assert small["recommendation"]["strategy"] != "hsdp"  # one node: nothing to keep inside it
 
 
 def test_recommend_nothing_fits_names_a_change():
-    r = run("recommend", "--params", "70B", "--gpus", "2", "--gpu-mem", "24")
+    # on the mesh given (no layout search): the smallest change beyond it
+    r = run("recommend", "--tp", "1", "--pp", "1", "--params", "70B", "--gpus", "2", "--gpu-mem", "24")
     assert r.exit_code == 0
     assert "nothing fits" in r.output and "smallest change" in r.output
 

@@ -77,7 +77,9 @@ def test_zero3_bullet_only_when_zero3_is_the_pick():
 
 
 def test_changed_configuration_rows_are_printed():
-    r = run("recommend", "--params", "70B", "--gpus", "64", "--inter", "eth-100g-tcp", "--nics-per-node", "1")
+    # the strategy choice on a pure data-parallel mesh (--tp/--pp given: no layout search)
+    r = run("recommend", "--tp", "1", "--pp", "1", "--params", "70B", "--gpus", "64", "--inter", "eth-100g-tcp",
+            "--nics-per-node", "1")
     out = r.output
     assert "smallest change: --activation-checkpointing selective" in out
     head, tail = out.split("with --activation-checkpointing selective (recomputes norms and activations): memory")
@@ -90,11 +92,13 @@ def test_changed_configuration_rows_are_printed():
 
 
 def test_communication_bound_pick_says_so_and_offers_changes():
-    r = run("recommend", "--params", "70B", "--gpus", "64", "--inter", "eth-100g-tcp", "--nics-per-node", "1")
+    # the strategy choice on a pure data-parallel mesh (--tp/--pp given: no layout search)
+    r = run("recommend", "--tp", "1", "--pp", "1", "--params", "70B", "--gpus", "64", "--inter", "eth-100g-tcp",
+            "--nics-per-node", "1")
     line = next(x for x in r.output.splitlines() if "communication-bound" in x)
     assert "MFU 1%" in line
     assert "--nics-per-node 8:" in line and "--inter eth-100g-roce (RDMA):" in line
-    ok = run("recommend", "--params", "7B", "--gpus", "8")
+    ok = run("recommend", "--tp", "1", "--pp", "1", "--params", "7B", "--gpus", "8")
     assert "communication-bound" not in ok.output
 
 
