@@ -10,8 +10,9 @@ Candidates (`candidate_layouts`):
   than the layers (`pp.check_pp`: uneven splits are allowed, the first L mod p stages one layer more);
   1 where the run cannot pipeline (tied embeddings, DeepSpeed, CPU offload: `check_pp` refuses).
 - dp = gpus / (tp x pp); sequence parallelism on and off for every tp > 1.
-- cp (context parallelism, cp.py): not searched; the degree given (--cp, default 1) is kept in every
-  layout (`CP_DEGREES` is where searched degrees would go).
+- cp (context parallelism, cp.py): the degree given (--cp) in every layout; else 1 and, for sequences of
+  `CP_MIN_SEQ` tokens or more, the powers of two that split the sequence (without pipeline stages: CP
+  with PP is not modelled).
 A dimension the user fixed (--tp, --pp, --sequence-parallel) is not searched.
 
 Every layout runs the same global batch, the one the flags give as written (dp x micro-batch x
@@ -32,7 +33,7 @@ size that fits, data parallelism for the rest).
 
 Known limitations: pipeline schedules are not searched (`--pp-schedule` picks one for every pp > 1);
 the micro-batch and activation checkpointing change only when nothing fits (the smallest change, as in
-recommend.py); CPU offload is not tried with a layout; context parallelism is not searched.
+recommend.py); CPU offload is not tried with a layout; context parallelism only from `CP_MIN_SEQ` tokens.
 """
 
 from __future__ import annotations
@@ -55,9 +56,25 @@ EVAL_COST_S = 1.5e-3
 STAGE_MICROBATCH_COST_S = 2.5e-6
 """Added per pipeline micro-batch per stage walked: `pp.stage_memory` walks the schedule's actions."""
 
-CP_DEGREES = (1,)
-"""Context-parallel degrees searched when the user gives none: only 1 (the extension point for searching
-cp; a --cp given is kept in every layout)."""
+CP_MIN_SEQ = 16384
+"""Context parallelism is searched from this sequence length up (powers of two that split the sequence
+into 2 x cp chunks, cp.check_cp); below it cp = 1 unless --cp is given. A design choice: CP exists for
+sequences whose activations outgrow a GPU, and at a few thousand tokens its per-layer ring collectives
+only cost (the search would still only pick it when faster)."""
+
+
+def cp_degrees(train: TrainConfig, gpus: int) -> list[int]:
+    """Context-parallel degrees the search tries: the one given, else 1 and, for sequences of at least
+    `CP_MIN_SEQ` tokens with SDPA on PyTorch, the powers of two up to the GPUs that split the sequence."""
+    if train.cp > 1:
+        return [train.cp]
+    out = [1]
+    if train.seq_len >= CP_MIN_SEQ and train.attention == "sdpa" and train.framework == "pytorch":
+        c = 2
+        while c <= gpus and train.seq_len % (2 * c) == 0:
+            out.append(c)
+            c *= 2
+    return out
 
 
 @dataclass(frozen=True)
@@ -73,7 +90,7 @@ class Layout:
     micro_batch: int = 1
     grad_accum: int = 1
     cp: int = 1
-    """Context-parallel degree (cp.py): the one given, not searched."""
+    """Context-parallel degree (cp.py): the one given, or searched for long sequences (`cp_degrees`)."""
 
     @property
     def simplicity(self) -> tuple:
@@ -253,7 +270,7 @@ def candidate_layouts(train: TrainConfig, cluster: Cluster, *, fixed_tp: int | N
     sps_seen: set = set()
     from .pp import virtual_stages
     v = virtual_stages(train.pp_schedule)
-    cps = [train.cp] if train.cp > 1 else list(CP_DEGREES)
+    cps = cp_degrees(train, gpus)
     for tp, cp in ((t, c) for t in tps for c in cps):
         if gpus % (tp * cp):
             continue
@@ -265,7 +282,7 @@ def candidate_layouts(train: TrainConfig, cluster: Cluster, *, fixed_tp: int | N
                    and (p & (p - 1) == 0 or m.layers % p == 0)]
         sps = [fixed_sp] if fixed_sp is not None else ([False, True] if tp > 1 else [False])
         for pp in pps:
-            if gpus % (tp * pp * cp):
+            if gpus % (tp * pp * cp) or (cp > 1 and pp > 1 and train.cp == 1):  # CP with PP: not modelled
                 continue
             dp = gpus // (tp * pp * cp)
             if (batch * tp * pp * cp) % (gpus * train.micro_batch):
@@ -506,7 +523,8 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
     if search.skipped:
         out.append(f"the search's budget ({SEARCH_BUDGET_S:g} s of estimated work) left {search.skipped} of the "
                    f"most model-parallel layouts unevaluated; --tp or --pp narrow the search")
-    cp = f", cp {lay.cp} as given" if lay.cp > 1 else ""
+    cps = sorted({c.layout.cp for c in search.candidates})
+    cp = ("" if cps == [1] else f", cp {cps[0]} as given" if len(cps) == 1 else f", cp in {_set(tuple(cps))}")
     out.append(f"searched {len(search.candidates)} layouts (tp in {_set(search.tp_values)}, pp in "
                f"{_set(search.pp_values)}, sequence parallel {sp}{cp}) "
                f"x their strategies = {search.evaluated} configurations in {search.seconds:.2f} s "
