@@ -43,7 +43,6 @@ is done are not modelled (events give the order the host frees in); `garbage_col
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from dataclasses import dataclass, field
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -51,6 +50,14 @@ SMALL_BUFFER = 2 << 20
 LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
+
+# A free block's place in its pool's free list is the int (size << _SIZE_SHIFT) | (segment id << _ID_SHIFT)
+# | offset: ordered as the tuple (size, segment id, offset) the allocator's BlockComparatorSize orders by
+# (stream, size, address; a segment's id stands for its address), while one int compares and bisects
+# several times faster than a tuple. Exact while offsets stay below 2**_ID_SHIFT bytes and segment ids
+# below 2**(_SIZE_SHIFT - _ID_SHIFT); `_new_segment` checks the first, the second is 2**64 segments.
+_ID_SHIFT = 64
+_SIZE_SHIFT = 128
 
 
 def round_size(size: int) -> int:
@@ -67,159 +74,180 @@ def allocation_size(size: int) -> int:
     return ROUND_LARGE * -(-size // ROUND_LARGE)
 
 
-@dataclass(eq=False, slots=True)
-class _Block:
-    segment: "_Segment"
-    offset: int
-    size: int
-    allocated: bool = False
-    prev: "_Block | None" = None
-    next: "_Block | None" = None
+class _Pool:
+    """The free blocks of one pool (small or large) and stream: `keys` sorted, `blocks` key -> block."""
 
-    def key(self) -> tuple:
-        return (self.size, self.segment.id, self.offset)
+    __slots__ = ("keys", "blocks")
+
+    def __init__(self) -> None:
+        self.keys: list = []
+        self.blocks: dict = {}
 
 
-@dataclass(eq=False, slots=True)
 class _Segment:
-    id: int
-    size: int
-    small: bool
-    stream: int
-    pool: list = field(default_factory=list)
-    """The free list of its pool and stream (shared by the pool's segments)."""
+    __slots__ = ("id", "size", "small", "stream", "pool", "base", "last")
+
+    def __init__(self, id: int, size: int, small: bool, stream: int, pool: _Pool) -> None:
+        self.id, self.size, self.small, self.stream, self.pool = id, size, small, stream, pool
+        self.base = id << _ID_SHIFT  # the id's part of its blocks' keys
+        self.last = None  # expandable segments: its last block (a split may have appended after it)
 
 
-@dataclass
+# A block is a list [size, offset, allocated, prev, next, segment] (a list literal is built several times
+# faster than an object with __init__; blocks are made and merged by the thousand per replay).
+SIZE, OFFSET, ALLOCATED, PREV, NEXT, SEGMENT = range(6)
+
+
 class CachingAllocator:
-    """The allocator's state; `malloc` returns a handle, `free` takes it back."""
+    """The allocator's state; `malloc` returns a handle (a block), `free` takes it back."""
 
-    expandable_segments: bool = False
-    max_split_size: int | None = None
-    """`max_split_size_mb` in bytes; None: unlimited (the default)."""
-    reserved: int = 0
-    allocated: int = 0
-    peak_reserved: int = 0
-    peak_allocated: int = 0
-    segments: int = 0
-    _free: dict = field(default_factory=dict)   # (small, stream) -> sorted [(size, seg id, offset, block)]
-    _expandable: dict = field(default_factory=dict)  # (small, stream) -> _Segment
+    __slots__ = ("expandable_segments", "max_split_size", "reserved", "allocated", "peak_reserved",
+                 "peak_allocated", "segments", "_pools", "_expandable")
 
-    # -- free lists -----------------------------------------------------------------------------
-    def _pool(self, small: bool, stream: int) -> list:
-        return self._free.setdefault((small, stream), [])
+    def __init__(self, expandable_segments: bool = False, max_split_size: int | None = None) -> None:
+        self.expandable_segments = expandable_segments
+        self.max_split_size = max_split_size
+        """`max_split_size_mb` in bytes; None: unlimited (the default)."""
+        self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = self.segments = 0
+        self._pools: dict = {}  # 2 * stream + small -> _Pool
+        self._expandable: dict = {}  # (small, stream) -> _Segment
 
-    def _insert(self, b: _Block) -> None:
-        insort(b.segment.pool, (b.size, b.segment.id, b.offset, b))
-
-    def _remove(self, b: _Block) -> None:
-        pool = b.segment.pool
-        i = bisect_left(pool, (b.size, b.segment.id, b.offset))
-        assert pool[i][3] is b
-        del pool[i]
-
-    def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
-        """The smallest cached block that serves `size`, taken off its free list; None if none does."""
-        pool = self._pool(small, stream)
-        i = bisect_left(pool, (size, -1, -1))
-        if i == len(pool):
-            return None
-        b = pool[i][3]
-        limit = self.max_split_size
-        if limit is not None and not small:
-            if size < limit <= b.size:
-                return None  # an oversize block is not given to a small request
-            if size >= limit and b.size >= size + LARGE_BUFFER:
-                return None
-        del pool[i]
-        return b
+    def __repr__(self) -> str:
+        return (f"CachingAllocator(reserved={self.reserved}, allocated={self.allocated}, peak_reserved="
+                f"{self.peak_reserved}, peak_allocated={self.peak_allocated}, segments={self.segments})")
 
     # -- the two calls --------------------------------------------------------------------------
-    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
-        size = round_size(nbytes)
+    def malloc(self, nbytes: int, stream: int = 0) -> list:
+        size = MIN_BLOCK if nbytes < MIN_BLOCK else MIN_BLOCK * -(-nbytes // MIN_BLOCK)  # round_size
         small = size <= SMALL_SIZE
-        b = self._best_fit(size, small, stream)
+        pool = self._pools.get(2 * stream + small)
+        if pool is None:
+            pool = self._pools[2 * stream + small] = _Pool()
+        # get_free_block: best fit, the smallest cached block at least as large (free lists: see _SIZE_SHIFT)
+        keys = pool.keys
+        b = None
+        i = bisect_left(keys, size << _SIZE_SHIFT)
+        if i < len(keys):
+            k = keys[i]
+            b = pool.blocks[k]
+            limit = self.max_split_size
+            if limit is not None and not small and (size < limit <= b[0]
+                                                    or (size >= limit and b[0] >= size + LARGE_BUFFER)):
+                b = None  # an oversize block is not given to a small request, nor a far larger one
+            else:
+                del keys[i]
+                del pool.blocks[k]
         if b is None:
-            b = self._new_block(size, small, stream)
-        remaining = b.size - size
-        oversize = self.max_split_size is not None and b.size >= self.max_split_size and not small
-        if not oversize and (remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE):
-            rest = _Block(b.segment, b.offset + size, remaining, prev=b, next=b.next)
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = size
-            self._insert(rest)
-        b.allocated = True
-        self.allocated += b.size
+            b = self._new_block(size, small, stream, pool)
+        remaining = b[0] - size
+        if (remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE) and (
+                self.max_split_size is None or small or b[0] < self.max_split_size):  # should_split
+            nxt = b[4]
+            seg = b[5]
+            offset = b[1] + size
+            rest = [remaining, offset, False, b, nxt, seg]
+            if nxt is not None:
+                nxt[3] = rest
+            b[4] = rest
+            b[0] = size
+            k = (remaining << _SIZE_SHIFT) | seg.base | offset
+            insort(keys, k)
+            pool.blocks[k] = rest
+        b[2] = True
+        self.allocated += b[0]
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
         return b
 
-    def free(self, b: _Block) -> None:
-        assert b.allocated, "double free"
-        b.allocated = False
-        self.allocated -= b.size
-        for nb in (b.prev, b.next):  # try_merge_blocks
-            if nb is not None and not nb.allocated:
-                self._remove(nb)
-                if nb is b.prev:
-                    b.offset, b.prev = nb.offset, nb.prev
-                    if nb.prev is not None:
-                        nb.prev.next = b
-                else:
-                    b.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
-                b.size += nb.size
-                if self.expandable_segments and self._last.get(id(b.segment)) is nb:
-                    self._last[id(b.segment)] = b
-        self._insert(b)
+    def free(self, b: list) -> None:
+        size, offset, allocated, prev, nxt, seg = b
+        assert allocated, "double free"
+        b[2] = False
+        self.allocated -= size
+        pool = seg.pool
+        keys, blocks = pool.keys, pool.blocks
+        base = seg.base
+        if prev is not None and not prev[2]:  # try_merge_blocks, the block before
+            k = (prev[0] << _SIZE_SHIFT) | base | prev[1]
+            del keys[bisect_left(keys, k)]
+            del blocks[k]
+            offset = b[1] = prev[1]
+            pp = b[3] = prev[3]
+            if pp is not None:
+                pp[4] = b
+            size += prev[0]
+            if seg.last is prev:
+                seg.last = b
+        if nxt is not None and not nxt[2]:  # and the block after
+            k = (nxt[0] << _SIZE_SHIFT) | base | nxt[1]
+            del keys[bisect_left(keys, k)]
+            del blocks[k]
+            nn = b[4] = nxt[4]
+            if nn is not None:
+                nn[3] = b
+            size += nxt[0]
+            if seg.last is nxt:
+                seg.last = b
+        b[0] = size
+        k = (size << _SIZE_SHIFT) | base | offset
+        insort(keys, k)
+        blocks[k] = b
 
-    def _new_block(self, size: int, small: bool, stream: int) -> _Block:
+    @staticmethod
+    def _check_size(size: int) -> None:
+        if size >> _ID_SHIFT:
+            raise OverflowError(f"a segment of {size} bytes: the allocator model's free-list keys hold "
+                                f"offsets below 2**{_ID_SHIFT} bytes")
+
+    def _new_segment(self, size: int, small: bool, stream: int, pool: _Pool) -> _Segment:
+        self._check_size(size)
+        seg = _Segment(self.segments, size, small, stream, pool)
+        self.segments += 1
+        return seg
+
+    def _new_block(self, size: int, small: bool, stream: int, pool: _Pool) -> list:
         if not self.expandable_segments:
             seg_size = allocation_size(size)
-            seg = _Segment(self.segments, seg_size, small, stream, self._pool(small, stream))
-            self.segments += 1
+            seg = self._new_segment(seg_size, small, stream, pool)
             self._grow(seg_size)
-            return _Block(seg, 0, seg_size)
+            return [seg_size, 0, False, None, None, seg]
         # one growing segment per pool and stream: map pages of the pool's segment size at its end
         page = SMALL_BUFFER if small else LARGE_BUFFER
         seg = self._expandable.get((small, stream))
         if seg is None:
-            seg = self._expandable[(small, stream)] = _Segment(self.segments, 0, small, stream,
-                                                                            self._pool(small, stream))
-            self.segments += 1
+            seg = self._expandable[(small, stream)] = self._new_segment(0, small, stream, pool)
         tail = self._tail_free(seg)
-        have = tail.size if tail is not None else 0
+        have = tail[0] if tail is not None else 0
         grow = page * -(-(size - have) // page)
+        self._check_size(seg.size + grow)
         self._grow(grow)
-        if tail is not None:
-            self._remove(tail)
-            tail.size += grow
+        if tail is not None:  # off the free list, grown by the pages mapped after it
+            k = (tail[0] << _SIZE_SHIFT) | seg.base | tail[1]
+            del pool.keys[bisect_left(pool.keys, k)]
+            del pool.blocks[k]
+            tail[0] += grow
             seg.size += grow
             return tail
-        b = _Block(seg, seg.size, grow, prev=self._last.get(id(seg)))
-        if b.prev is not None:
-            b.prev.next = b
-        self._last[id(seg)] = b
+        b = [grow, seg.size, False, seg.last, None, seg]
+        if seg.last is not None:
+            seg.last[4] = b
+        seg.last = b
         seg.size += grow
         return b
 
-    def _tail_free(self, seg: _Segment) -> _Block | None:
-        last = self._last.get(id(seg))
-        while last is not None and last.next is not None:  # splits append after the recorded last
-            last = last.next
+    @staticmethod
+    def _tail_free(seg: _Segment) -> list | None:
+        last = seg.last
+        while last is not None and last[4] is not None:  # splits append after the recorded last
+            last = last[4]
         if last is not None:
-            self._last[id(seg)] = last
-        return last if last is not None and not last.allocated else None
+            seg.last = last
+        return last if last is not None and not last[2] else None
 
     def _grow(self, nbytes: int) -> None:
         self.reserved += nbytes
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-
-    def __post_init__(self) -> None:
-        self._last: dict = {}  # expandable segment id -> its last block
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
 
 
 ALLOC_CONF_KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
