@@ -46,7 +46,7 @@ from functools import lru_cache
 from math import prod
 
 from .activations import activations_in, regime_for
-from .allocator import replay
+from .allocator import replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig
 from .model import unit_sizes
@@ -391,6 +391,5 @@ def reserved_peak(train: TrainConfig, strategy, world: int, shard: int, device: 
 @lru_cache(maxsize=1024)
 def _reserved_peak(train, name, world, shard, device, backend, workspace, expandable_segments, init,
                    max_split_size):
-    a = replay(allocation_events(train, name, world, shard, device, backend, workspace, init),
-               expandable_segments=expandable_segments, max_split_size=max_split_size)
-    return a.peak_reserved, a.peak_allocated
+    return replay_peaks(allocation_events(train, name, world, shard, device, backend, workspace, init),
+                        expandable_segments=expandable_segments, max_split_size=max_split_size)

@@ -42,6 +42,7 @@ is done are not modelled (events give the order the host frees in); `garbage_col
 
 from __future__ import annotations
 
+import gc
 from bisect import bisect_left, insort
 
 MIN_BLOCK = 512
@@ -304,15 +305,76 @@ def replay(events, *, expandable_segments: bool = False, max_split_size: int | N
     a = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size)
     live: dict = {}
     malloc, free, pop = a.malloc, a.free, live.pop
-    for ev in events:
-        kind = ev[0]
-        if kind == "alloc":
-            if ev[2] > 0:
-                live[ev[1]] = malloc(ev[2], ev[3] if len(ev) > 3 else 0)
-        elif kind == "free":
-            b = pop(ev[1], None)
-            if b is not None:
-                free(b)
-        elif kind != "comm":
-            raise ValueError(f"event {kind!r}: accepted: 'alloc', 'free', 'comm'")
+    # The blocks link both ways (cycles the collector would walk again and again while they pile up):
+    # no collection during the loop; they go in one pass once the caller drops the allocator.
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        for ev in events:
+            kind = ev[0]
+            if kind == "alloc":
+                if ev[2] > 0:
+                    live[ev[1]] = malloc(ev[2], ev[3] if len(ev) > 3 else 0)
+            elif kind == "free":
+                b = pop(ev[1], None)
+                if b is not None:
+                    free(b)
+            elif kind != "comm":
+                raise ValueError(f"event {kind!r}: accepted: 'alloc', 'free', 'comm'")
+    finally:
+        if gc_was_on:
+            gc.enable()
     return a
+
+
+class _EventsKey:
+    """An event list as a dict key: hashed once (a tuple of tuples is rehashed on every lookup), compared
+    whole."""
+
+    __slots__ = ("events", "conf", "hash")
+
+    def __init__(self, events: tuple, conf: tuple) -> None:
+        self.events, self.conf, self.hash = events, conf, hash((events, conf))
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self.hash == other.hash and self.conf == other.conf and self.events == other.events
+
+
+_PEAKS: dict = {}  # _EventsKey -> (peak_reserved, peak_allocated), oldest first
+_PEAKS_EVENTS = [0]  # events held by _PEAKS' keys
+PEAKS_CACHE_EVENTS = 400_000
+"""Events `replay_peaks` remembers at most (about 40 MB; the oldest results go first)."""
+
+
+def replay_peaks(events, *, expandable_segments: bool = False, max_split_size: int | None = None) -> tuple[int, int]:
+    """(peak_reserved, peak_allocated) of `replay(events, ...)`, remembered by the events themselves (compared
+    whole, so exact): runs that allocate alike under different names (FSDP1 FULL_SHARD and HYBRID_SHARD
+    within one node) replay once. Events that are not hashable (lists) are replayed every time."""
+    try:
+        key = _EventsKey(tuple(events), (expandable_segments, max_split_size))
+    except TypeError:
+        key = None
+    hit = _PEAKS.get(key) if key is not None else None
+    if hit is not None:
+        return hit
+    a = replay(events, expandable_segments=expandable_segments, max_split_size=max_split_size)
+    if key is None:
+        return a.peak_reserved, a.peak_allocated
+    _PEAKS[key] = hit = (a.peak_reserved, a.peak_allocated)
+    _PEAKS_EVENTS[0] += len(key.events)
+    while _PEAKS_EVENTS[0] > PEAKS_CACHE_EVENTS and len(_PEAKS) > 1:
+        old = next(iter(_PEAKS))
+        del _PEAKS[old]
+        _PEAKS_EVENTS[0] -= len(old.events)
+    return hit
+
+
+def _clear_peaks() -> None:
+    _PEAKS.clear()
+    _PEAKS_EVENTS[0] = 0
+
+
+replay_peaks.cache_clear = _clear_peaks  # found by api.clear_caches through alloc_trace's namespace
