@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import statistics
 import sys
 
 import click
@@ -814,6 +813,7 @@ def render_detail(rec: dict) -> str:
 
 def summarize(records: list[dict]) -> dict:
     """Per strategy: probes, passes, and median/max |error| of the peak and each component."""
+    import statistics  # here: `distplan estimate` imports this module to register the command
     by: dict[str, list[dict]] = {}
     for r in records:
         by.setdefault((r.get("inputs") or {}).get("strategy"), []).append(r)
