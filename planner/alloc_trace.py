@@ -384,12 +384,56 @@ def reserved_peak(train: TrainConfig, strategy, world: int, shard: int, device: 
                   init: str = "device", max_split_size: int | None = None) -> tuple[int, int]:
     """(reserved peak, allocated peak) of the replayed run: what `max_memory_reserved` and
     `max_memory_allocated` would read."""
-    return _reserved_peak(train, get_strategy(strategy).name, world, shard, device, backend, workspace,
-                          expandable_segments, init, max_split_size)
+    args = (train, get_strategy(strategy).name, world, shard, device, backend, workspace, expandable_segments,
+            init, max_split_size)
+    got = _REPLAYED.get(args)
+    return got if got is not None else _reserved_peak(*args)
+
+
+def reserved_peak_within(limit: int, train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
+                         backend: str = "nccl", workspace: int = 0, expandable_segments: bool = False,
+                         init: str = "device", max_split_size: int | None = None) -> tuple[int, int] | None:
+    """`reserved_peak`, or None when the reserved peak is above `limit` bytes: a replay not made yet stops
+    at the first segment that passes it (segments are never released, allocator.replay's `stop_above`),
+    so a fits-or-not question answered no costs part of a replay."""
+    args = (train, get_strategy(strategy).name, world, shard, device, backend, workspace, expandable_segments,
+            init, max_split_size)
+    got = _REPLAYED.get(args)
+    if got is None:
+        if _ABOVE.get(args, -1) >= limit:  # an earlier replay stopped above this limit or a higher one
+            return None
+        got = replay_peaks(allocation_events(train, args[1], world, shard, device, backend, workspace, init),
+                           expandable_segments=expandable_segments, max_split_size=max_split_size, stop_above=limit)
+        if got is None:
+            _remember(args, limit, _ABOVE)
+            return None
+        _remember(args, got)
+    return None if got[0] > limit else got
+
+
+_REPLAYED: dict = {}  # reserved_peak's arguments -> its result, from either function above
+_ABOVE: dict = {}  # reserved_peak's arguments -> a limit its reserved peak is known to be above
+
+
+def _remember(args, got, into: dict = _REPLAYED) -> None:
+    if len(into) >= 4096:  # bounded: cleared when full
+        into.clear()
+    into[args] = got
+
+
+def _forget() -> None:
+    _REPLAYED.clear()
+    _ABOVE.clear()
+
+
+_remember.cache_clear = _forget  # api.clear_caches finds it
 
 
 @lru_cache(maxsize=1024)
 def _reserved_peak(train, name, world, shard, device, backend, workspace, expandable_segments, init,
                    max_split_size):
-    return replay_peaks(allocation_events(train, name, world, shard, device, backend, workspace, init),
-                        expandable_segments=expandable_segments, max_split_size=max_split_size)
+    got = replay_peaks(allocation_events(train, name, world, shard, device, backend, workspace, init),
+                       expandable_segments=expandable_segments, max_split_size=max_split_size)
+    _remember((train, name, world, shard, device, backend, workspace, expandable_segments, init, max_split_size),
+              got)
+    return got

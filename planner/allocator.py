@@ -102,13 +102,16 @@ SIZE, OFFSET, ALLOCATED, PREV, NEXT, SEGMENT = range(6)
 class CachingAllocator:
     """The allocator's state; `malloc` returns a handle (a block), `free` takes it back."""
 
-    __slots__ = ("expandable_segments", "max_split_size", "reserved", "allocated", "peak_reserved",
+    __slots__ = ("expandable_segments", "max_split_size", "stop_above", "reserved", "allocated", "peak_reserved",
                  "peak_allocated", "segments", "_pools", "_expandable")
 
-    def __init__(self, expandable_segments: bool = False, max_split_size: int | None = None) -> None:
+    def __init__(self, expandable_segments: bool = False, max_split_size: int | None = None,
+                 stop_above: int | None = None) -> None:
         self.expandable_segments = expandable_segments
         self.max_split_size = max_split_size
         """`max_split_size_mb` in bytes; None: unlimited (the default)."""
+        self.stop_above = stop_above
+        """A malloc that takes the reserved bytes above this raises `ReservedAbove` (after growing)."""
         self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = self.segments = 0
         self._pools: dict = {}  # 2 * stream + small -> _Pool
         self._expandable: dict = {}  # (small, stream) -> _Segment
@@ -249,6 +252,12 @@ class CachingAllocator:
         self.reserved += nbytes
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
+        if self.stop_above is not None and self.reserved > self.stop_above:
+            raise ReservedAbove(self.reserved)
+
+
+class ReservedAbove(Exception):
+    """The replay passed `stop_above` reserved bytes (args[0]: the reserved bytes then)."""
 
 
 ALLOC_CONF_KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
@@ -298,11 +307,16 @@ def comm_streams(events) -> list:
             for i, e in enumerate(events) if e[0] != "comm"]
 
 
-def replay(events, *, expandable_segments: bool = False, max_split_size: int | None = None) -> CachingAllocator:
+def replay(events, *, expandable_segments: bool = False, max_split_size: int | None = None,
+           stop_above: int | None = None) -> CachingAllocator:
     """Replay `events`: ("alloc", key, nbytes[, stream]) and ("free", key) in order (("comm", ...) events are
     skipped; `comm_streams` turns them into streams). Returns the allocator (peak_reserved,
-    peak_allocated: what max_memory_reserved / max_memory_allocated would read)."""
-    a = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size)
+    peak_allocated: what max_memory_reserved / max_memory_allocated would read). With `stop_above`, the
+    replay ends at the first malloc that takes the reserved bytes above it (segments are never released,
+    so the reserved peak is above it too): then `a.reserved > stop_above`, and the peaks are the
+    partial run's."""
+    a = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
+                         stop_above=stop_above)
     live: dict = {}
     malloc, free, pop = a.malloc, a.free, live.pop
     # The blocks link both ways (cycles the collector would walk again and again while they pile up):
@@ -321,6 +335,8 @@ def replay(events, *, expandable_segments: bool = False, max_split_size: int | N
                     free(b)
             elif kind != "comm":
                 raise ValueError(f"event {kind!r}: accepted: 'alloc', 'free', 'comm'")
+    except ReservedAbove:
+        pass
     finally:
         if gc_was_on:
             gc.enable()
@@ -349,18 +365,24 @@ PEAKS_CACHE_EVENTS = 400_000
 """Events `replay_peaks` remembers at most (about 40 MB; the oldest results go first)."""
 
 
-def replay_peaks(events, *, expandable_segments: bool = False, max_split_size: int | None = None) -> tuple[int, int]:
+def replay_peaks(events, *, expandable_segments: bool = False, max_split_size: int | None = None,
+                 stop_above: int | None = None) -> tuple[int, int] | None:
     """(peak_reserved, peak_allocated) of `replay(events, ...)`, remembered by the events themselves (compared
     whole, so exact): runs that allocate alike under different names (FSDP1 FULL_SHARD and HYBRID_SHARD
-    within one node) replay once. Events that are not hashable (lists) are replayed every time."""
+    within one node) replay once. Events that are not hashable (lists) are replayed every time. With
+    `stop_above`: None when the reserved peak is above it (found by a replay that stops there, not
+    remembered), else the peaks."""
     try:
         key = _EventsKey(tuple(events), (expandable_segments, max_split_size))
     except TypeError:
         key = None
     hit = _PEAKS.get(key) if key is not None else None
     if hit is not None:
-        return hit
-    a = replay(events, expandable_segments=expandable_segments, max_split_size=max_split_size)
+        return None if stop_above is not None and hit[0] > stop_above else hit
+    a = replay(events, expandable_segments=expandable_segments, max_split_size=max_split_size,
+               stop_above=stop_above)
+    if stop_above is not None and a.reserved > stop_above:
+        return None
     if key is None:
         return a.peak_reserved, a.peak_allocated
     _PEAKS[key] = hit = (a.peak_reserved, a.peak_allocated)

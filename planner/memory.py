@@ -122,12 +122,14 @@ class MemoryEstimate:
                 self._reserved = int((1 + RESERVED_MARGIN) * self.peak_allocated)
             else:
                 from .alloc_trace import reserved_peak
-                replayed, allocated = reserved_peak(*self.reserved_replay)
-                # The trace is written from the same sizes as this walk, but not byte for byte: where it
-                # allocates less than the walk's peak, the difference is still reserved.
-                seg = 2 << 20
-                self._reserved = replayed + seg * -(-max(0, self.peak_allocated - allocated) // seg)
+                self._set_replayed(*reserved_peak(*self.reserved_replay))
         return self._reserved
+
+    def _set_replayed(self, replayed: int, allocated: int) -> None:
+        # The trace is written from the same sizes as this walk, but not byte for byte: where it
+        # allocates less than the walk's peak, the difference is still reserved.
+        seg = 2 << 20
+        self._reserved = replayed + seg * -(-max(0, self.peak_allocated - allocated) // seg)
 
     @property
     def device_total(self) -> int:
@@ -141,7 +143,17 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.allocated_fits and self.device_total <= self.gpu_memory_bytes
+        if not self.allocated_fits:
+            return False
+        if self._reserved is None and self.reserved_replay is not None:
+            # A no needs no whole replay: the replayed reserved bytes only grow, and the reported reserved
+            # peak is never below them, so the replay may stop once they alone leave the overhead no room.
+            from .alloc_trace import reserved_peak_within
+            got = reserved_peak_within(self.gpu_memory_bytes - self.process_overhead, *self.reserved_replay)
+            if got is None:
+                return False
+            self._set_replayed(*got)
+        return self.device_total <= self.gpu_memory_bytes
 
     @property
     def total_required(self) -> int:

@@ -81,6 +81,33 @@ def test_random_streams_match_event_by_event(seed):
             assert _state(new) == _state(old), (seed, expandable, max_split, i, ev)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_stop_above_is_exact(seed):
+    """replay(stop_above=X) stops only when the full replay's reserved peak is above X, else equals it."""
+    events = _random_events(random.Random(100 + seed), 2000)
+    for expandable, max_split in CONFS:
+        full = reference.replay(events, expandable_segments=expandable, max_split_size=max_split)
+        for limit in (0, full.peak_reserved // 2, full.peak_reserved - 1, full.peak_reserved, 2 * full.peak_reserved):
+            a = allocator.replay(events, expandable_segments=expandable, max_split_size=max_split, stop_above=limit)
+            if full.peak_reserved > limit:
+                assert a.reserved > limit and a.reserved <= full.peak_reserved
+                assert allocator.replay_peaks(events, expandable_segments=expandable, max_split_size=max_split,
+                                              stop_above=limit) is None
+            else:
+                assert _peaks(a) == _peaks(full)
+                assert allocator.replay_peaks(events, expandable_segments=expandable, max_split_size=max_split,
+                                              stop_above=limit) == (full.peak_reserved, full.peak_allocated)
+
+
+def test_replay_peaks_remembers_by_content():
+    ev = _random_events(random.Random(7), 500)
+    first = allocator.replay_peaks(ev)
+    copy = [tuple(list(e)) for e in ev]  # equal events, other objects: one replay serves both
+    assert allocator.replay_peaks(copy) == first
+    assert allocator.replay_peaks(ev, expandable_segments=True) == _peaks(reference.replay(ev, expandable_segments=True))[:2]
+    assert allocator.replay_peaks([list(e) for e in ev]) == first  # unhashable: replayed, same answer
+
+
 def _plan(model, gpus=8, **kw):
     return plan(model, gpus=gpus, gpu="h100-sxm", comm=False, **kw)
 
@@ -221,6 +248,7 @@ def test_tight_memory_fits_matches_the_reference():
     from distplan.planner.api import clear_caches
     from distplan.planner.config import Cluster
     p = _plan("mistral-7b", 8)
+    stopped = 0
     for name in ("zero2", "zero3", "fsdp", "ddp"):
         full = estimate_memory(p.train, p.cluster, name)
         total = _reference_reserved(full) + full.process_overhead
@@ -230,6 +258,9 @@ def test_tight_memory_fits_matches_the_reference():
             assert isinstance(cluster, Cluster)
             mem = estimate_memory(p.train, cluster, name)
             assert mem.fits == (mem.allocated_fits and delta >= 0), (name, delta)
+            stopped += bool(alloc_trace._ABOVE)
+            assert mem.peak_reserved + mem.process_overhead == total, (name, delta)  # the value, after `fits`
+    assert stopped >= 4  # the early-stopping replay answered some of them
 
 
 def test_the_wide_matrix_covers_every_strategy_and_conf():
