@@ -35,6 +35,13 @@ the reduced gradient on `_post_backward_stream`. `comm_streams` assigns them fro
 collective reads or writes goes to the all-gather stream (all-gather, broadcast) or the reduce stream
 (reduce-scatter, all-reduce). DDP and ZeroRedundancyOptimizer allocate on the compute stream.
 
+Speed (every strategy's reserved peak is a replay, so a cold `distplan estimate` makes ten of them): free
+lists are sorted ints packing (size, segment id, offset) with a dict to the blocks, blocks are plain
+lists, the collector is off inside the loop (about 0.85 us per event on a 2-core VM, 1.3 before);
+`replay_peaks` remembers results by the events themselves; `replay(stop_above=)` ends a replay that a
+fits-or-not question has answered. tests/test_allocator_speed_equiv.py holds them to the byte against
+the previous, plainer model (tests/reference_allocator.py).
+
 Known limitations: cross-stream uses (`record_stream`) that delay a free until the other stream's work
 is done are not modelled (events give the order the host frees in); `garbage_collection_threshold` and
 `roundup_power2_divisions` are not modelled; OOM-time cache flushing is not modelled.
