@@ -13,7 +13,7 @@
    needs torch; profiled on fake tensors).
 6. The allocator replay, which most of 1.'s excess over the imports is (every strategy's reserved peak
    replays its run's allocations, allocator.py): cold `distplan estimate --model llama-3-405b` (126
-   layers) and a cold `distplan sweep` over 4 micro-batches (32 replays) as ratios to the imports, and
+   layers) and a cold `distplan sweep` over 4 micro-batches (32 rows) as ratios to the imports, and
    the replays of the 7B estimate alone (events written by alloc_trace.py, replayed by allocator.py).
 
 Wall times are medians with the best run next to them: on a shared 2-core machine the best is the
@@ -164,7 +164,7 @@ def replay_figures(base: tuple[float, float]) -> None:
     cli = [sys.executable, "-m", "distplan.planner"]
     ratio("cold estimate --model llama-3-405b (126 layers)", cli + ["estimate", "--model", "llama-3-405b", "--gpus", "8",
                                                                    "--gpu-mem", "80"], base, runs=3)
-    ratio("cold sweep --model llama-3-8b --sweep-micro-batch 1,2,4,8 (32 replays)",
+    ratio("cold sweep --model llama-3-8b --sweep-micro-batch 1,2,4,8 (32 rows)",
           cli + ["sweep", "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--sweep-micro-batch", "1,2,4,8"],
           base, runs=3)
     replays_7b()
