@@ -45,8 +45,8 @@ from __future__ import annotations
 from functools import lru_cache
 from math import prod
 
-from .activations import activations_in, regime_for
-from .allocator import replay_peaks
+from .activations import activations_in, regime_for, sp_tokens
+from .allocator import replay, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig
 from .model import unit_sizes
@@ -124,7 +124,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
     L = m.layers
     n = train.micro_batch * train.seq_len
-    v = m.vocab
+    t = train.tp
+    v = -(-m.vocab // t)  # one tensor-parallel rank's vocabulary (loss parallel: logits sharded over it)
     pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
     r = 4 if regime in ("fp32", "autocast") else 2
     e = 4 if regime == "fp32" else 2
@@ -136,6 +137,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     ud = (cb if prec.mixed else pb) if fsdp else pb  # unsharded parameter / gradient dtype
     rb = 4 if prec.mixed else gb  # FSDP reduce dtype
     ckpt = train.checkpointing != "none"
+    A, every = train.grad_accum, train.sync_every
     E = _Events()
 
     # -- construction -------------------------------------------------------------------------------
@@ -208,7 +210,16 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     weight_casts = [prod(s) * 2 for s in block_shapes if len(s) == 2] if regime == "autocast" else []
     head_cast = [prod(s) * 2 for s in head_shapes if len(s) == 2] if regime == "autocast" else []
     outside = act.outside - act.inputs
-    loss_tmp = 2 * n * v * 4
+    # nll_loss_backward's dense gradient + log_softmax_backward's output; loss parallel's fused backward
+    # holds three (memory.estimate_memory's `loss_bwd_tmp`)
+    loss_tmp = [n * v * 4] * (3 if t > 1 else 2)
+    # Tensor parallelism (tp.py): each rowwise Linear's output (attention, MLP) is a partial sum that
+    # DTensor's redistribution reduces into a new tensor (functional all_reduce; reduce_scatter to the
+    # rank's tokens with sequence parallelism), the partial freed after it; backward does the same for
+    # the gradient of the colwise Linears' input (the two norms' outputs). Allocated on the caller's
+    # stream. (The all-gathered inputs that the colwise Linears save are in the block's saved bytes.)
+    nt = sp_tokens(train, n)
+    tp_pairs = [(n * m.hidden * e, nt * m.hidden * e)] * 2 if t > 1 else []
     states: list = []
     grads: list = []
     bucket_rebuilt = [False]
@@ -222,32 +233,119 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         flat = unshard_flat(u_shapes)
         return flat, [E.a(prod(s) * ud) for s in u_shapes]
 
+    def tp_reduce():
+        for partial, out in tp_pairs:
+            a = E.a(partial)
+            b = E.a(out)
+            E.f(a, b)
+
     def fsdp1_unshard(elems_shard):
         mp = E.a(elems_shard * cb, 1) if prec.mixed else None
         flat = E.a(elems_shard * (shard if sharding else 1) * ud, 1)
         E.f(mp)
         return flat
 
-    def fsdp1_reduce(view_grads, unsharded, elems, elems_shard):
+    def fsdp1_reduce(u, view_grads, unsharded, elems, elems_shard, sync, keep):
         """A unit's backward end: the views' gradients concatenated into the flat gradient, then
         `_post_backward_hook` (on the post-backward stream): reshard, the cast to reduce_dtype under
         mixed precision, `_reduce_grad`'s output shard (reduce-scatter), or the all-reduced flat gradient
-        (NO_SHARD). The tensor a collective reads goes to that stream's pool (allocator.comm_streams)."""
+        (NO_SHARD). The tensor a collective reads goes to that stream's pool (allocator.comm_streams).
+        Accumulation: a later micro-step's flat gradient is added in place to the kept one (AccumulateGrad)
+        and freed; without sync (`_post_backward_hook` returns early) the unsharded flat gradient is kept
+        in param_dtype, and SHARD_GRAD_OP keeps the unit unsharded (`_should_free_in_backward`); synced
+        every micro-step, the new shard is added to `_saved_grad_shard` (`_accumulate_sharded_grad`)."""
         comm = world > 1
-        flat_g = E.a(elems * ud, 2 if comm and not prec.mixed else 0)
-        E.f(*view_grads, unsharded)
+        flat_g = E.a(elems * ud, 2 if comm and not prec.mixed and sync else 0)
+        E.f(*view_grads)
+        if u in acc:  # added to the unsharded gradient kept by earlier micro-steps (without sync)
+            E.f(flat_g)
+            flat_g = acc.pop(u)
+        if not sync:
+            acc[u] = flat_g
+            if not keep:
+                E.f(unsharded)
+            return unsharded if keep else None
+        E.f(unsharded)
         src = flat_g
         if prec.mixed:
             src = E.a(elems * rb, 2 if comm else 0)
             E.f(flat_g)
         if sharding:
-            grads.append(E.a(elems_shard * rb, 2))
+            out = E.a(elems_shard * rb, 2)
+            E.f(src)
+            if u in saved:  # `_saved_grad_shard += sharded_grad`
+                E.f(out)
+            else:
+                saved[u] = out
+                grads.append(out)
+        elif u in saved:  # NO_SHARD synced every micro-step: added to the kept gradient
             E.f(src)
         else:
+            saved[u] = src
             grads.append(src)
+        return None
 
-    def micro_step():
-        held: dict = {}
+    acc: dict = {}  # unit -> gradient kept unsharded between micro-steps without sync
+    saved: dict = {}  # unit -> gradient kept (sharded when synced) for this step's later micro-steps
+    kept_unsharded: dict = {}  # FSDP1 SHARD_GRAD_OP without sync: units left unsharded between micro-steps
+
+    def micro_step(k: int):
+        """Micro-step k of grad_accum: gradients made on the first are kept (or reduced and kept as
+        shards); later ones add theirs into those (memory.estimate_memory's `carry`)."""
+        sync = every or k == A - 1
+        first = k == 0
+        held: dict = dict(kept_unsharded)
+        kept_unsharded.clear()
+        keep = family == "fsdp1" and not st.reshard_after_forward and not sync
+        in_place = not fsdp or (family == "fsdp2" and not prec.mixed)  # AccumulateGrad adds into .grad
+
+        def new_grads(u, shapes):
+            """The unit's new gradients; where a kept .grad takes them in place (AccumulateGrad:
+            `variable_grad += new_grad`), each is freed as soon as it is added."""
+            g = [E.a(prod(s) * (ud if fsdp else gb)) for s in shapes]
+            if not first and in_place and (u in acc or not fsdp):
+                E.f(*g)
+                return []
+            return g
+
+        def keep_grads(u, g):
+            if first:
+                grads.extend(g)
+            else:  # (FSDP2 on one rank: added into the kept .grad)
+                E.f(*g)
+
+        def fsdp2_post(u, g, params, rs_kept, unsharded, sharded):
+            """FSDP2 `post_backward` (_fsdp_param_group.py): `accumulate_unsharded_grad_if_needed` adds a
+            new 16-bit gradient to the kept reduce_dtype one; without sync, reshard and keep the
+            gradients (`to_accumulated_grad_if_needed` upcasts them under mixed precision: the copy, then
+            the 16-bit one goes); else collect, reshard, drop the previous reduce-scatter input, then
+            `foreach_reduce`: its input, the new shard (added to `sharded_param.grad` if one is kept:
+            `to_accumulate_grad`). Returns the reduce-scatter input now kept."""
+            if u in acc:
+                E.f(*g)
+                g = []
+            if not sync:
+                E.f(*params)
+                if u not in acc:
+                    if prec.mixed:
+                        up = []
+                        for x, s in zip(g, block_shapes if u != "root" else head_shapes + embed_shapes):
+                            up.append(E.a(prod(s) * rb))
+                            E.f(x)
+                        g = up
+                    acc[u] = g
+                return rs_kept
+            collected = acc.pop(u, g)
+            E.f(*params, rs_kept)
+            rs_in = E.a(unsharded * rb, 2)
+            E.f(*collected)
+            out = E.a(sharded * rb, 2)
+            if u in saved:
+                E.f(out)
+            else:
+                saved[u] = out
+                grads.append(out)
+            return rs_in
         # forward
         if buckets and not bucket_rebuilt[0] and states:
             E.f(*buckets)
@@ -257,7 +355,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         if family == "fsdp2" and sharding:
             held["root"] = unshard(root_shapes)
             prev_flat = held["root"][0]
-        elif family == "fsdp1" and (sharding or prec.mixed):
+        elif family == "fsdp1" and (sharding or prec.mixed) and "root" not in held:
             held["root"] = fsdp1_unshard(lay.shard_root)
         out_emb = E.a(n * m.hidden * r)
         blocks: list = []
@@ -267,7 +365,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 E.f(prev_flat)
                 prev_flat = flat
                 held[j] = params
-            elif family == "fsdp1" and (sharding or prec.mixed):
+            elif family == "fsdp1" and (sharding or prec.mixed) and j not in held:
                 held[j] = fsdp1_unshard(lay.shard_block)
             casts = [E.a(c) for c in weight_casts]
             if ckpt:  # the block runs without saving, then keeps its input
@@ -278,6 +376,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             else:
                 casts_kept = casts
             blocks.append(([E.a(s) for s in kept_saved], casts_kept))
+            tp_reduce()
             # resharded after forward: FULL_SHARD / zero3; NO_SHARD under mixed precision frees its 16-bit
             # copy (`_runtime_utils._post_forward` -> `_reshard` -> `handle.post_reshard`)
             no_shard_mp = family == "fsdp1" and not sharding and prec.mixed
@@ -291,10 +390,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         logp = E.a(act.loss_saved)
         E.f(logits)
         # backward: the loss and the head
-        lt = [E.a(loss_tmp // 2), E.a(loss_tmp // 2)]
-        E.f(logp, *lt[:1])
-        head_g = [E.a(prod(s) * (ud if fsdp else gb)) for s in head_shapes]
-        E.f(lt[1], *hc, head_saved)
+        lt = [E.a(x) for x in loss_tmp]
+        E.f(logp, *lt[:-1])
+        head_g = new_grads("root", head_shapes)
+        E.f(lt[-1], *hc, head_saved)
         rs_kept = None
         pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
 
@@ -325,40 +424,41 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 E.f(*keys)
                 keys = [E.a(s) for s in blk_saved]
                 casts = rec_casts
+            tp_reduce()
             tmp = [E.a(s) for s in tmp_shapes]
-            g = [E.a(prod(s) * (ud if fsdp else gb)) for s in block_shapes]
+            g = new_grads(j, block_shapes)
             E.f(*keys, *casts, *tmp)
             if family == "fsdp2" and sharding:
-                E.f(*held.pop(j), rs_kept)  # reshard; block j+1's reduce-scatter input dropped first
-                rs_in = E.a(lay.unshard_block * rb, 2)
-                E.f(*g)
-                rs_kept = rs_in
-                grads.append(E.a(lay.shard_block * rb, 2))
+                rs_kept = fsdp2_post(j, g, held.pop(j), rs_kept, lay.unshard_block, lay.shard_block)
             elif family == "fsdp1":
-                fsdp1_reduce(g, held.pop(j, None), lay.unshard_block, lay.shard_block)
+                u = fsdp1_reduce(j, g, held.pop(j, None), lay.unshard_block, lay.shard_block, sync, keep)
+                if u is not None:
+                    kept_unsharded[j] = u
             else:
-                grads.extend(g)
+                keep_grads(j, g)
         # the embedding's gradient and the root
-        emb_g = [E.a(prod(s) * (ud if fsdp else gb)) for s in embed_shapes]
+        # (tensor parallelism: the vocabulary-sharded embedding's gradient is a Replicate DTensor of the
+        # whole vocabulary, memory.estimate_memory's `emb_full`)
+        emb_g = new_grads("root", [(m.vocab,) + tuple(embed_shapes[0][1:])] + list(embed_shapes[1:])
+                          if t > 1 else embed_shapes)
         E.f(out_emb)
         if family == "fsdp2" and sharding:
-            E.f(*held.pop("root")[1], rs_kept)
-            rs_in = E.a(lay.unshard_root * rb, 2)
-            E.f(*head_g, *emb_g)
-            grads.append(E.a(lay.shard_root * rb, 2))
-            E.f(rs_in)
+            E.f(fsdp2_post("root", head_g + emb_g, held.pop("root")[1], rs_kept, lay.unshard_root,
+                           lay.shard_root))
         elif family == "fsdp1":
-            fsdp1_reduce(head_g + emb_g, held.pop("root", None), lay.unshard_root, lay.shard_root)
+            u = fsdp1_reduce("root", head_g + emb_g, held.pop("root", None), lay.unshard_root, lay.shard_root,
+                             sync, keep)
+            if u is not None:
+                kept_unsharded["root"] = u
         else:
-            grads.extend(head_g + emb_g)
+            keep_grads("root", head_g + emb_g)
         for k in list(held):
             E.f(*(held.pop(k) if isinstance(held[k], list) else [held.pop(k)]))
 
     def step():
-        # One micro-step: later ones of a gradient-accumulation step allocate and free the same transients
-        # (what accumulation keeps, e.g. unsharded gradients without sync, is in the walk's allocated
-        # peak, which memory.MemoryEstimate.peak_reserved adds where the trace falls short).
-        micro_step()
+        # grad_accum micro-steps, then the optimizer
+        for k in range(A):
+            micro_step(k)
         if state_sizes and not states:  # made lazily in the first step (`_init_group`)
             states.extend(E.a(z) for z in state_sizes)
         if train.optimizer in ("adam", "adamw"):
@@ -369,6 +469,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                     E.f(E.a(s * pb), E.a(s * pb))
         E.f(*grads)
         grads.clear()
+        saved.clear()
+        assert not acc, "unsynced gradients at the optimizer step"
 
     first = True
     for _ in range(WARMUP_STEPS + MEASURED_STEPS):

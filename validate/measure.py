@@ -229,7 +229,10 @@ class Tracker(TorchDispatchMode):
             if rec[0] != n:
                 self._resized(rec, n)
             return
-        if n == 0 and st.device.type == "meta":
+        if st.device.type == "meta":
+            # no memory: DTensor's sharding propagation runs ops on meta tensors (the first call of each
+            # op signature; its cache serves later steps), e.g. full-size foreach outputs in a TP
+            # optimizer step, which an allocation trace must not count
             return
         self._seq += 1
         rec = [0, self.phase, self._seq, None, self.op]
@@ -404,7 +407,9 @@ class Tracker(TorchDispatchMode):
             msg = _tensors(args[idx]) if idx >= 0 else _tensors(args[0])
             if op == "all_gather" and group_size > 0:  # the output is group_size x the input
                 msg = msg * group_size
-        self._comm_op = op
+        # ("comm", key, op) events: functional collectives (DTensor's redistributions: tensor parallelism)
+        # are named "_c10d_functional.<op>"; their outputs are allocated on the caller's stream
+        self._comm_op = op if ns == "c10d" else f"{ns}.{op}"
         self._mark_comm(ts)
         if not self.counting:
             return
