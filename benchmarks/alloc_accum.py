@@ -61,6 +61,12 @@ def cases() -> list[dict]:
     return out
 
 
+def compact(events: list) -> list:
+    """The same events with storage keys renumbered 1, 2, ... in order of first use (a smaller file)."""
+    ids: dict = {}
+    return [[e[0], ids.setdefault(e[1], len(ids) + 1), *e[2:]] for e in events]
+
+
 def main(argv: list[str]) -> int:
     from distplan.validate.runner import run_probe
     out = argv[0]
@@ -76,7 +82,7 @@ def main(argv: list[str]) -> int:
             print(spec["id"], m.get("status"), m.get("error", ""), flush=True)
             if m.get("status") == "ok":
                 with open(path) as f:
-                    doc["events"][spec["id"]] = json.load(f)
+                    doc["events"][spec["id"]] = compact(json.load(f))
                 doc["specs"][spec["id"]] = spec
     with gzip.open(out, "wt") as f:
         json.dump(doc, f, separators=(",", ":"))

@@ -302,11 +302,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         def new_grads(u, shapes):
             """The unit's new gradients; where a kept .grad takes them in place (AccumulateGrad:
             `variable_grad += new_grad`), each is freed as soon as it is added."""
-            g = [E.a(prod(s) * (ud if fsdp else gb)) for s in shapes]
             if not first and in_place and (u in acc or not fsdp):
-                E.f(*g)
+                for s in shapes:  # each weight gradient is added as its Linear's backward makes it
+                    E.f(E.a(prod(s) * (ud if fsdp else gb)))
                 return []
-            return g
+            return [E.a(prod(s) * (ud if fsdp else gb)) for s in shapes]
 
         def keep_grads(u, g):
             if first:
@@ -539,3 +539,186 @@ def _reserved_peak(train, name, world, shard, device, backend, workspace, expand
     _remember((train, name, world, shard, device, backend, workspace, expandable_segments, init, max_split_size),
               got)
     return got
+
+
+STAGE_FAMILIES = ("single", "ddp", "zero1")
+"""The strategies whose pipeline stages `stage_allocation_events` writes (those the PP probe runs: a
+plain stage module or DDP, no_sync until the last micro-batch); FSDP under PP keeps the margin."""
+
+
+def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int, shard: int,
+                            device: str = "cuda", workspace: int = 0, steps: int = 2) -> list:
+    """The events of pipeline stage `stage` (planner/pp.py) over `steps` steps (validate/pp_probe.py: one
+    warm-up step and one measured), for the families in STAGE_FAMILIES and one stage per rank
+    (GPipe, 1F1B). `world`/`shard`: the stage's data-parallel ranks (DDP) and ZeRO-1's partition.
+
+    What `torch.distributed.pipelining` allocates (`stage.py`, `schedules.py`), in the order of
+    `pp.stage_actions`: in the first step `_prepare_forward_infra` makes one receive buffer per
+    micro-batch (not on the first stage) and `_prepare_backward_infra` one gradient buffer per micro-batch
+    (not on the last), kept for the run; a forward keeps the micro-batch's saved activations (a
+    non-first stage's first block saves the receive buffer, not a new tensor) and its output in
+    `fwd_cache` (the last stage: the logits, and the loss's log-probabilities); a backward frees them,
+    makes the block transients and the weight gradients (kept from the first micro-batch on, later ones
+    added in place: AccumulateGrad) and the input's gradient, which the pending send keeps (GPipe:
+    `bwd_sends_to_wait` to the step's end; 1F1B: `bwd_sends`, until the next backward's send). GPipe's
+    `fwd_sends_to_wait` keep every output to the step's end."""
+    from .memory import _block_backward_peak, layout
+    from .pp import stage_actions, stage_train, virtual_stages
+    st = get_strategy(strategy)
+    family = st.family
+    if family not in STAGE_FAMILIES or virtual_stages(train.pp_schedule) != 1:
+        raise ValueError(f"stage_allocation_events: {st.name} / {train.pp_schedule}: accepted: "
+                         f"{', '.join(STAGE_FAMILIES)} with one stage per rank")
+    p, M = train.pp, train.pp_microbatches
+    first, last = stage == 0, stage == p - 1
+    strain = stage_train(train, stage)
+    m = strain.model
+    prec = train.prec
+    regime = regime_for(strain, family)
+    act = activations_in(strain, regime, device)
+    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
+    L = m.layers
+    n = train.micro_batch * train.seq_len
+    t = train.tp
+    v = -(-m.vocab // t)
+    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
+    r = 4 if regime in ("fp32", "autocast") else 2
+    e = 4 if regime == "fp32" else 2
+    nh = sp_tokens(strain, n) * m.hidden * r  # the boundary tensor
+    root_shapes, block_shapes, _, _, _ = unit_sizes(m)
+    n_embed = (1 + (m.position == "learned")) if first else 0
+    embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
+    ckpt = train.checkpointing != "none"
+    E = _Events()
+
+    # -- construction: the stage's parameters; DDP's broadcast and first bucket (as allocation_events)
+    for s in list(embed_shapes) + list(block_shapes) * L + list(head_shapes):
+        E.a(prod(s) * pb)
+    buckets: list = []
+    if family in ("ddp", "zero1") and world > 1:
+        left = lay.total * pb
+        while left > 0:
+            E.f(E.a(min(left, 250 << 20)))
+            left -= 250 << 20
+        buckets = [E.a(lay.total * gb)]
+    if family == "zero1" and shard > 1:
+        from .memory import zero1_owned_shapes
+        owned = [prod(s) for s in zero1_owned_shapes(m, shard)]
+    else:
+        owned = [prod(s) for s in list(embed_shapes) + list(block_shapes) * L + list(head_shapes)]
+    from .memory import _opt_state
+    st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
+    st_total = st_elems * pb + int(st_extra)
+    per_param = 1 if train.optimizer == "sgd-momentum" else 2
+    owned_sum = sum(owned) or 1
+    state_sizes = [st_total * s // owned_sum // per_param for s in owned for _ in range(per_param)] if st_total else []
+    if first:
+        E.a(M * n * 8)  # the batch's token ids
+    if last:
+        E.a(M * n * 8)  # its targets
+
+    blk_saved = _split(act.per_block, _block_saved_shapes(strain, regime, n))
+    kept = act.blocks_total // L if L else 0
+    kept_saved = blk_saved if not ckpt else _split(kept, [n * m.hidden * r])
+    _, blk_tmp, _ = _block_backward_peak(strain, regime, n, device)
+    tmp_shapes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden // t * e] * 3)
+    states: list = []
+    grads: list = []
+    recv: list = []
+
+    def accumulate(shapes, i: int):
+        """Weight gradients: kept from the first micro-batch on; later ones added in place (AccumulateGrad),
+        each freed as its Linear's backward makes it."""
+        for s in shapes:
+            g = E.a(prod(s) * gb)
+            if i == 0:
+                grads.append(g)
+            else:
+                E.f(g)
+
+    def step(k_step: int):
+        if not recv:  # _prepare_forward_infra / _prepare_backward_infra, in the first step
+            recv.extend(E.a(nh) for _ in range(M * ((not first) + (not last))))
+        if buckets and k_step == 1:  # DDP's rebuild in the second step's first forward
+            E.f(*buckets)
+            buckets[:] = [E.a(b) for b in bucket_sizes(ready_order_sizes(m, regime == "autocast"), gb,
+                                                        DDP_BUCKET_CAP_MB)]
+        saved: dict = {}
+        outs: dict = {}
+        sends: list = []
+        for kind, i in stage_actions(train.pp_schedule, p, M, stage):
+            if kind == "F":
+                emb = E.a(n * m.hidden * r) if first else None  # the embedding's output
+                blocks = []
+                for j in range(L):
+                    if ckpt:  # run without saving, keep the block's input (the receive buffer for block 0)
+                        E.f(*[E.a(s) for s in blk_saved])
+                        shapes = kept_saved if (j or first) else []
+                    else:
+                        shapes = blk_saved if (j or first) else blk_saved[1:]
+                    blocks.append([E.a(s) for s in shapes])
+                head = []
+                if last:
+                    head.append(E.a(act.outside - act.inputs))  # final norm, the head's input
+                    head.append(E.a(n * v * e))  # the logits, kept in fwd_cache
+                    head.append(E.a(act.loss_saved))  # log_softmax's output
+                else:
+                    outs[i] = E.a(nh)  # the stage output, in fwd_cache and the send
+                saved[i] = (emb, blocks, head)
+                continue
+            emb, blocks, head = saved.pop(i)
+            if last:
+                lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)]
+                E.f(*lt[:-1])
+                accumulate(head_shapes, i)
+                E.f(lt[-1], *head)
+            if train.pp_schedule != "gpipe":
+                E.f(outs.pop(i, None))
+            for j in reversed(range(L)):
+                rec = []
+                if ckpt:  # recomputed: everything but its kept input
+                    rec = [E.a(s) for s in blk_saved[1:]]
+                tmp = [E.a(s) for s in tmp_shapes]
+                accumulate(block_shapes, i)
+                E.f(*tmp, *rec, *blocks[j])
+            E.f(emb)
+            if first:
+                accumulate(embed_shapes, i)
+            else:
+                gi = E.a(nh)  # the input's gradient, kept by its send
+                if train.pp_schedule != "gpipe":
+                    E.f(*sends)
+                    sends.clear()
+                sends.append(gi)
+        E.f(*sends, *outs.values())
+        if state_sizes and not states:
+            states.extend(E.a(z) for z in state_sizes)
+        if train.optimizer in ("adam", "adamw"):
+            if train.optimizer_impl == "foreach":
+                E.f(*[E.a(s * pb) for s in owned])
+            elif train.optimizer_impl == "for-loop":
+                for s in owned:
+                    E.f(E.a(s * pb), E.a(s * pb))
+        E.f(*grads)
+        grads.clear()
+
+    for k in range(steps):
+        if k == 0 and workspace:
+            E.a(workspace)
+        step(k)
+    return E.ev
+
+
+def stage_reserved_peak(train: TrainConfig, strategy, stage: int, world: int, shard: int, device: str = "cuda",
+                        workspace: int = 0, expandable_segments: bool = False,
+                        max_split_size: int | None = None) -> tuple[int, int]:
+    """(reserved peak, allocated peak) of pipeline stage `stage`'s replayed run."""
+    return _stage_reserved_peak(train, get_strategy(strategy).name, stage, world, shard, device, workspace,
+                                expandable_segments, max_split_size)
+
+
+@lru_cache(maxsize=256)
+def _stage_reserved_peak(train, name, stage, world, shard, device, workspace, expandable_segments,
+                         max_split_size):
+    return replay_peaks(stage_allocation_events(train, name, stage, world, shard, device, workspace),
+                        expandable_segments=expandable_segments, max_split_size=max_split_size)

@@ -81,8 +81,9 @@ class Snapshot:
 
 
 RESERVED_MARGIN = 0.10
-"""Where no allocation trace is written (`--module`, DeepSpeed): the reserved peak is the allocated peak
-plus this margin, and `reserved_source` says so."""
+"""Where no allocation trace is written (`--module`/`--hf-config`, DeepSpeed, pipeline stages under FSDP or
+interleaved schedules, models over alloc_trace.MAX_LAYERS): the reserved peak is the allocated peak plus
+this margin, and `reserved_source` says so."""
 
 
 @dataclass(slots=True)
@@ -106,7 +107,8 @@ class MemoryEstimate:
     workspace: int = 0
     """cuBLAS/cuBLASLt workspaces (CUDA only), included in `peak_allocated`, in no component."""
     reserved_replay: tuple | None = None
-    """Arguments of alloc_trace.reserved_peak; None: `RESERVED_MARGIN` over the allocated peak."""
+    """Arguments of alloc_trace.reserved_peak, or ("pp-stage", arguments of alloc_trace.stage_reserved_peak)
+    for a pipeline stage; None: `RESERVED_MARGIN` over the allocated peak."""
     footprint: DeviceFootprint | None = None
     """The parts of `process_overhead` (footprint.py); None where an estimate was built without it."""
     _reserved: int | None = None
@@ -121,8 +123,9 @@ class MemoryEstimate:
             if self.reserved_replay is None:
                 self._reserved = int((1 + RESERVED_MARGIN) * self.peak_allocated)
             else:
-                from .alloc_trace import reserved_peak
-                self._set_replayed(*reserved_peak(*self.reserved_replay))
+                from .alloc_trace import reserved_peak, stage_reserved_peak
+                args = self.reserved_replay
+                self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage" else reserved_peak(*args)))
         return self._reserved
 
     def _set_replayed(self, replayed: int, allocated: int) -> None:
@@ -145,7 +148,7 @@ class MemoryEstimate:
     def fits(self) -> bool:
         if not self.allocated_fits:
             return False
-        if self._reserved is None and self.reserved_replay is not None:
+        if self._reserved is None and self.reserved_replay is not None and self.reserved_replay[0] != "pp-stage":
             # A no needs no whole replay: the replayed reserved bytes only grow, and the reported reserved
             # peak is never below them, so the replay may stop once they alone leave the overhead no room.
             from .alloc_trace import reserved_peak_within

@@ -461,12 +461,23 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     if family in ("fsdp1", "fsdp2") and world > 1:
         notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
                      "accumulate unsharded through the step (PipelineStage's code; not validated by a probe)")
+    # The stage's allocations replayed through the caching allocator (alloc_trace.stage_allocation_events)
+    # where they are written; else memory.RESERVED_MARGIN over the allocated peak.
+    from .alloc_trace import MAX_LAYERS, STAGE_FAMILIES
+    replay_args = None
     if device == "cuda":
-        notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator replay "
-                     "of a pipeline step yet)")
-    # reserved_replay None: memory.RESERVED_MARGIN over the allocated peak
-    return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace, None,
-                          footprint=fp)
+        # (autocast's weight casts under pipelining are not written: those stages keep the margin)
+        if family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS:
+            from .allocator import parse_alloc_conf
+            expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
+            replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
+                           max_split)
+        else:
+            notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator "
+                         f"replay of {st.name} stages" + (" or interleaved schedules" if v > 1 else "")
+                         + (" under autocast" if regime == "autocast" else "") + ")")
+    return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace,
+                          replay_args, footprint=fp)
 
 
 def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:

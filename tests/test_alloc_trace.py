@@ -251,3 +251,114 @@ def test_trace_writer_at_depth_against_recorded_traces():
     # sharded flat parameters, which the all-gather reads, in the all-gather stream's pool)
     assert statistics.median(abs(e) for e in errs.values()) <= 3.0, errs
     assert max(abs(e) for e in errs.values()) <= 10.0, errs
+
+
+def _recorded(name: str) -> dict:
+    import gzip
+    with gzip.open(os.path.join(ROOT, "tests", "data", name), "rt") as f:
+        return json.load(f)
+
+
+def _recorded_reserved(events, family: str) -> int:
+    """The recorded trace replayed: FSDP's buffers on their collectives' streams (allocator.comm_streams);
+    DTensor's functional collectives (tensor parallelism) allocate on the caller's stream, so their
+    touches are dropped first."""
+    from distplan.planner.allocator import comm_streams
+    events = [e for e in events if not (e[0] == "comm" and str(e[2]).startswith("_c10d_functional."))]
+    if family in ("fsdp1", "fsdp2"):
+        events = comm_streams(events)
+    return replay(events).peak_reserved
+
+
+def _accum_tp_errors() -> dict:
+    from distplan.planner.config import Cluster
+    from distplan.planner.model import ModelSpec
+    from distplan.planner.tp import tp_view
+    doc = _recorded("alloc_events_cpu_accum_tp.json.gz")
+    errs = {}
+    for pid, events in doc["events"].items():
+        spec = doc["specs"][pid]
+        st = get_strategy(spec["strategy"])
+        t = spec["train"]
+        train = TrainConfig(ModelSpec(**spec["model"]), seq_len=t["seq_len"], micro_batch=t["micro_batch"],
+                            precision=t["precision"], checkpointing=t["checkpointing"],
+                            grad_accum=t["grad_accum"], grad_sync=t["grad_sync"], tp=spec.get("tp", 1),
+                            sequence_parallel=spec.get("sequence_parallel", False))
+        world = spec["world_size"]
+        if train.tp > 1:  # one TP rank's model on the data-parallel ranks, as memory.estimate_memory does
+            train, dp = tp_view(train, Cluster(gpus=world, gpus_per_node=world))
+            world = dp.gpus
+        if st.name == "single":
+            world = 1
+        shard = 1 if st.name in ("single", "fsdp-no-shard") else world
+        recorded = _recorded_reserved(events, st.family)
+        written = replay(allocation_events(train, st.name, world, shard, "cpu", "fake", 0, "device")).peak_reserved
+        errs[pid] = round(100 * (written / recorded - 1), 1)
+    return errs
+
+
+def test_trace_writer_under_accumulation_and_tp_against_recorded_traces():
+    """Gradient accumulation (grad_accum 2, grad_sync last and every) and tensor parallelism (tp 2, with and
+    without sequence parallelism): the planner's trace, replayed, reserves what the allocations the probes
+    recorded on the CPU reserve through the same allocator model (benchmarks/alloc_accum.py;
+    tests/data/alloc_events_cpu_accum_tp.json.gz: 8 layers, width 1024, 2 x 512 tokens)."""
+    errs = _accum_tp_errors()
+    accum = {k: v for k, v in errs.items() if "/tp1" in k}
+    tp = {k: v for k, v in errs.items() if "/tp1" not in k}
+    assert len(accum) >= 19 and len(tp) >= 6, errs
+    # ACCUM_TP_MEASURED
+    assert statistics.median(abs(e) for e in accum.values()) <= ACCUM_MEDIAN and max(abs(e) for e in accum.values()) <= ACCUM_MAX, accum
+    assert statistics.median(abs(e) for e in tp.values()) <= TP_MEDIAN and max(abs(e) for e in tp.values()) <= TP_MAX, tp
+
+
+def test_pipeline_stage_trace_against_recorded_traces():
+    """Pipeline-parallel stages (GPipe and 1F1B, 2 and 4 stages, checkpointing, DDP replicas): each stage's
+    trace from the planner (alloc_trace.stage_allocation_events), replayed, reserves what the stage's
+    recorded allocations reserve (benchmarks/alloc_pp.py; tests/data/alloc_events_cpu_pp.json.gz)."""
+    from distplan.validate.pp_probe import train_config
+    from distplan.planner.alloc_trace import stage_allocation_events
+    doc = _recorded("alloc_events_cpu_pp.json.gz")
+    errs = {}
+    for key, events in doc["events"].items():
+        pid, stage = key.rsplit("/stage", 1)
+        spec = doc["specs"][pid]
+        dp = spec["dp"]
+        written = stage_allocation_events(train_config(spec), spec["strategy"], int(stage), dp,
+                                          dp if spec["strategy"] == "zero1" else 1, "cpu", 0)
+        errs[key] = round(100 * (replay(written).peak_reserved / replay(events).peak_reserved - 1), 1)
+    assert len(errs) >= 14, errs
+    # PP_MEASURED
+    assert statistics.median(abs(e) for e in errs.values()) <= PP_MEDIAN and max(abs(e) for e in errs.values()) <= PP_MAX, errs
+
+
+def test_pipeline_stage_reserved_source():
+    """A pipeline stage is replayed where its trace is written (single/DDP/ZeRO-1, GPipe and 1F1B, no
+    autocast); FSDP stages, interleaved schedules and autocast keep the margin and say so."""
+    from distplan.planner.api import plan
+    p = plan("llama-3-8b", gpus=8, strategies=["ddp", "zero3"], pp=2, precision="bf16")
+    assert p["ddp"].memory.reserved_source == "allocator replay"
+    assert p["ddp"].memory.peak_reserved >= p["ddp"].memory.peak_allocated
+    assert p["zero3"].memory.reserved_source == "10% margin"
+    assert any("no allocator replay of zero3 stages" in n for n in p["zero3"].memory.notes)
+    mixed = plan("llama-3-8b", gpus=8, strategies=["ddp"], pp=2, precision="bf16-mixed")
+    assert mixed["ddp"].memory.reserved_source == "10% margin"
+    inter = plan("llama-3-8b", gpus=8, strategies=["ddp"], pp=2, precision="bf16", pp_schedule="interleaved-1f1b")
+    assert inter["ddp"].memory.reserved_source == "10% margin"
+
+
+def test_accumulation_events_are_balanced():
+    """Every micro-step frees what it makes but the gradients it keeps, and the step frees those: with
+    grad_accum > 1 and either grad_sync, replaying more steps adds no allocated bytes."""
+    from distplan.planner import alloc_trace
+    for sync in ("last", "every"):
+        train = dataclasses.replace(_train(name="phi-3-mini", seq_len=1024), grad_accum=3, grad_sync=sync)
+        for st, w, sh in (("ddp", 8, 1), ("zero2", 8, 8), ("zero3", 8, 8), ("fsdp", 8, 8), ("fsdp-grad-op", 8, 8)):
+            ends = []
+            for steps in (1, 3):
+                old = alloc_trace.MEASURED_STEPS
+                alloc_trace.MEASURED_STEPS = steps
+                try:
+                    ends.append(replay(allocation_events(train, st, w, sh)).allocated)
+                finally:
+                    alloc_trace.MEASURED_STEPS = old
+            assert ends[0] == ends[1], (st, sync)

@@ -22,7 +22,9 @@ from the first micro-batch, in the warm-up step).
 Measured per rank, with `validate.measure.Tracker` (live storage bytes; the phase is set around each
 `forward_one_chunk` / `backward_one_chunk` the schedule runs, so the interleaving of 1F1B is followed):
 the peak of the measured steps and its components, and the point-to-point sends and receives
-(c10d `send` / `recv_`) per step. Rank 0 gathers every rank's figures and writes the result.
+(c10d `send` / `recv_`) per step. Rank 0 gathers every rank's figures and writes the result. With
+DISTPLAN_ALLOC_EVENTS=PATH every rank writes its allocation trace (validate.measure.Tracker.events) to
+PATH.<rank> (benchmarks/alloc_pp.py).
 """
 
 from __future__ import annotations
@@ -128,6 +130,10 @@ def run(spec: dict) -> dict:
     b, s = int(train["micro_batch"]), int(train["seq_len"])
     device = torch.device("cpu")
     tracker = Tracker(settle_waits=True)
+    from .probe import ALLOC_EVENTS_ENV
+    events_path = os.environ.get(ALLOC_EVENTS_ENV)
+    if events_path:  # every rank its own: PATH.<rank> (planner/allocator.py replays one stage's events)
+        tracker.events = []
     with tracker:
         torch.manual_seed(int(spec.get("seed", 0)) + stage_idx)
         interleaved = spec["schedule"] == "interleaved-1f1b"
@@ -201,6 +207,9 @@ def run(spec: dict) -> dict:
         for _ in range(steps):
             step()
         tracker.counting = False
+    if events_path:
+        with open(f"{events_path}.{rank}", "w") as f:
+            json.dump(tracker.events, f)
     if os.environ.get("DISTPLAN_PP_DEBUG"):  # what is live at the peak, unclassified storages by op
         tracker.components()
         spec["_debug_" + str(rank)] = sorted([(n, ph, op) for _, n, ph, op in tracker._snapshot[1]], reverse=True)[:40]
