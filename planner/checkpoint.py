@@ -83,9 +83,14 @@ class CheckpointEstimate:
     """Bytes the busiest rank writes."""
     save_time_s: float
     fits: bool
-    """The device peak, with the allocator margin (memory.RESERVED_MARGIN) and the process overhead
-    (CUDA context, NCCL), fits the GPU."""
+    """The save's reserved peak (`device_reserved_bytes`) and the process overhead (CUDA context, NCCL)
+    fit the GPU."""
     notes: list = field(default_factory=list)
+    device_reserved_bytes: int = 0
+    """What `torch.cuda.max_memory_reserved` should read by the end of the save: the run's allocations
+    and the save's replayed through the caching allocator (alloc_trace.checkpoint_events), or the device
+    peak plus memory.RESERVED_MARGIN (`reserved_source`)."""
+    reserved_source: str = f"{RESERVED_MARGIN:.0%} margin"
 
     @property
     def device_peak_bytes(self) -> int:
@@ -96,6 +101,7 @@ class CheckpointEstimate:
                 "resident_bytes": int(self.resident_bytes), "device_extra_bytes": int(self.device_extra_bytes),
                 "host_bytes": int(self.host_bytes), "written_bytes": int(self.written_bytes),
                 "writer_bytes": int(self.writer_bytes), "save_time_s": self.save_time_s, "fits": self.fits,
+                "device_reserved_bytes": int(self.device_reserved_bytes), "reserved_source": self.reserved_source,
                 "notes": list(self.notes)}
 
 
@@ -214,7 +220,9 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
                           host_bytes=full_bytes if mode == "full-offload" else largest,
                           save_time_s=full_bytes / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf"))
             peak = out.resident_bytes + extra
-            out.fits = int((1 + RESERVED_MARGIN) * peak) + mem.process_overhead <= cluster.gpu_memory_bytes
+            out.device_reserved_bytes = int((1 + RESERVED_MARGIN) * peak)  # the TP gathers are not written
+            out.reserved_source = f"{RESERVED_MARGIN:.0%} margin"
+            out.fits = out.device_reserved_bytes + mem.process_overhead <= cluster.gpu_memory_bytes
             out.notes = out.notes + [f"--tp {train.tp}: the {mode} state dict gathers the tensor-parallel shards too"]
         return out
     shard = _shard_group(st, cluster)
@@ -290,13 +298,36 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
     written = full_bytes
     time_s = writer / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf")
     peak = resident + extra
-    # The save allocates after the step, from the caching allocator's segments: its reserved bytes are
-    # the allocated peak plus memory.RESERVED_MARGIN (no allocation trace is written for the save).
-    fits = int((1 + RESERVED_MARGIN) * peak) + mem.process_overhead <= cluster.gpu_memory_bytes
+    # The save allocates after the step, from the caching allocator's segments: the run's allocations and
+    # the save's replayed (rank 0, where the training trace is written), else the margin.
+    reserved = _save_reserved(train, st, shard, mode, mem, peak) if rank == 0 and device == "cuda" else None
+    source = "allocator replay" if reserved is not None else f"{RESERVED_MARGIN:.0%} margin"
+    if reserved is None:
+        reserved = int((1 + RESERVED_MARGIN) * peak)
+    fits = reserved + mem.process_overhead <= cluster.gpu_memory_bytes
     if not fits and mem.fits:
         notes.append(f"the {mode} checkpoint save does not fit though the training step does")
     return CheckpointEstimate(st.name, mode, int(resident), int(extra), int(host), int(written), int(writer),
-                              time_s, fits, notes)
+                              time_s, fits, notes, int(reserved), source)
+
+
+def _save_reserved(train, st, shard: int, mode: str, mem: MemoryEstimate, peak: int) -> int | None:
+    """The reserved peak through rank 0's save: the training run's allocations (mem.reserved_replay) and
+    the save's (alloc_trace.checkpoint_events) replayed; None where they are not written (full-offload,
+    pipeline stages, no training replay)."""
+    from .alloc_trace import CHECKPOINT_REPLAY_MODES, allocation_events, checkpoint_events
+    from .allocator import replay
+    args = mem.reserved_replay
+    if args is None or args[0] == "pp-stage" or mode not in CHECKPOINT_REPLAY_MODES:
+        return None
+    tr, name, world, shard_, device, backend, workspace, expandable, init, max_split = args
+    events = allocation_events(tr, name, world, shard_, device, backend, workspace, init)
+    last_key = max(e[1] for e in events if e[0] == "alloc")
+    events += checkpoint_events(tr, name, shard_, mode, last_key)
+    a = replay(events, expandable_segments=expandable, max_split_size=max_split)
+    seg = 2 << 20  # where the trace allocates less than the walk, the difference is still reserved
+    # (the training step's reserved peak, with its own such difference, was reached before the save)
+    return max(a.peak_reserved + seg * -(-max(0, peak - a.peak_allocated) // seg), mem.peak_reserved)
 
 
 def predict_checkpoint_probe(spec: dict) -> list[dict]:
