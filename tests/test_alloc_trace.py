@@ -327,8 +327,9 @@ def test_pipeline_stage_trace_against_recorded_traces():
                                           dp if spec["strategy"] == "zero1" else 1, "cpu", 0)
         errs[key] = round(100 * (replay(written).peak_reserved / replay(events).peak_reserved - 1), 1)
     assert len(errs) >= 14, errs
-    # PP_MEASURED
-    assert statistics.median(abs(e) for e in errs.values()) <= PP_MEDIAN and max(abs(e) for e in errs.values()) <= PP_MAX, errs
+    # measured 2026-11-24 (18 stage traces of 7 probes): median 0.7%, max 2.6% (DDP 1F1B, the last stage)
+    assert statistics.median(abs(e) for e in errs.values()) <= 1.5, errs
+    assert max(abs(e) for e in errs.values()) <= 3.5, errs
 
 
 def test_pipeline_stage_reserved_source():
