@@ -219,6 +219,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     # the gradient of the colwise Linears' input (the two norms' outputs). Allocated on the caller's
     # stream. (The all-gathered inputs that the colwise Linears save are in the block's saved bytes.)
     nt = sp_tokens(train, n)
+    # (the vocabulary-sharded embedding's gradient is a Replicate DTensor of the whole vocabulary,
+    # memory.estimate_memory's `emb_full`)
+    emb_shapes = ([(m.vocab,) + tuple(embed_shapes[0][1:])] + list(embed_shapes[1:])) if t > 1 else list(embed_shapes)
     tp_pairs = [(n * m.hidden * e, nt * m.hidden * e)] * 2 if t > 1 else []
     states: list = []
     grads: list = []
@@ -329,7 +332,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 if u not in acc:
                     if prec.mixed:
                         up = []
-                        for x, s in zip(g, block_shapes if u != "root" else head_shapes + embed_shapes):
+                        for x, s in zip(g, block_shapes if u != "root" else list(head_shapes) + emb_shapes):
                             up.append(E.a(prod(s) * rb))
                             E.f(x)
                         g = up
@@ -437,10 +440,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             else:
                 keep_grads(j, g)
         # the embedding's gradient and the root
-        # (tensor parallelism: the vocabulary-sharded embedding's gradient is a Replicate DTensor of the
-        # whole vocabulary, memory.estimate_memory's `emb_full`)
-        emb_g = new_grads("root", [(m.vocab,) + tuple(embed_shapes[0][1:])] + list(embed_shapes[1:])
-                          if t > 1 else embed_shapes)
+        emb_g = new_grads("root", emb_shapes)
         E.f(out_emb)
         if family == "fsdp2" and sharding:
             E.f(fsdp2_post("root", head_g + emb_g, held.pop("root")[1], rs_kept, lay.unshard_root,

@@ -363,3 +363,31 @@ def test_accumulation_events_are_balanced():
                 finally:
                     alloc_trace.MEASURED_STEPS = old
             assert ends[0] == ends[1], (st, sync)
+
+
+def test_checkpoint_save_trace_against_recorded_traces():
+    """Checkpoint saves after the measured step (full state dicts as rank 0 of 8 on the fake process group,
+    DCP sharded saves on 2 gloo ranks; DDP, FSDP2, FSDP1): the planner's run and save
+    (alloc_trace.allocation_events + checkpoint_events), replayed, reserve what rank 0's recorded
+    allocations reserve (benchmarks/alloc_ckpt.py; tests/data/alloc_events_cpu_ckpt.json.gz)."""
+    from distplan.planner.alloc_trace import checkpoint_events
+    from distplan.planner.model import ModelSpec
+    doc = _recorded("alloc_events_cpu_ckpt.json.gz")
+    errs = {}
+    for pid, events in doc["events"].items():
+        spec = doc["specs"][pid]
+        st = get_strategy(spec["strategy"])
+        t = spec["train"]
+        train = TrainConfig(ModelSpec(**spec["model"]), seq_len=t["seq_len"], micro_batch=t["micro_batch"],
+                            precision=t["precision"], checkpointing=t["checkpointing"])
+        world = spec["world_size"]
+        shard = 1 if st.name in ("single", "fsdp-no-shard") else world
+        backend = "fake" if spec["mode"] == "fake" else "gloo"
+        written = allocation_events(train, st.name, world, shard, "cpu", backend, 0, "device")
+        written += checkpoint_events(train, st.name, shard, spec["checkpoint"]["mode"],
+                                     max(e[1] for e in written if e[0] == "alloc"))
+        errs[pid] = round(100 * (replay(written).peak_reserved / _recorded_reserved(events, st.family) - 1), 1)
+    assert len(errs) >= 8, errs
+    # CKPT_MEASURED
+    assert statistics.median(abs(e) for e in errs.values()) <= CKPT_MEDIAN, errs
+    assert max(abs(e) for e in errs.values()) <= CKPT_MAX, errs
