@@ -143,7 +143,27 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     # -- construction -------------------------------------------------------------------------------
     units = [list(embed_shapes)] + [list(block_shapes)] * L + [list(head_shapes)]
     meta = init == "meta" and fsdp
-    full = [[None if meta else E.a(prod(s) * pb) for s in u] for u in units]
+    if t > 1 and not meta:
+        # Tensor parallelism on a model built on the device (the probes): the whole model first, then
+        # `parallelize_module` (`distribute_tensor`: each sharded parameter's local chunk scattered into
+        # a new tensor, the whole one dropped; replicated ones kept as they are)
+        from dataclasses import fields
+        from .model import ModelSpec
+        whole_spec = ModelSpec(**{f.name: getattr(m, f.name) for f in fields(ModelSpec)})
+        w_root, w_block, _, _, _ = unit_sizes(whole_spec)
+        w_units = [list(w_root[:n_embed])] + [list(w_block)] * L + [list(w_root[n_embed:])]
+        whole = [[E.a(prod(s) * pb) for s in u] for u in w_units]
+        full = []
+        for u, wu, keys in zip(units, w_units, whole):
+            full.append([])
+            for s, ws, k in zip(u, wu, keys):
+                if tuple(s) == tuple(ws):
+                    full[-1].append(k)
+                else:
+                    full[-1].append(E.a(prod(s) * pb))
+                    E.f(k)
+    else:
+        full = [[None if meta else E.a(prod(s) * pb) for s in u] for u in units]
     if family == "fsdp2":
         def shard_of(s):
             return (-(-s[0] // shard) * prod(s[1:])) if sharding else prod(s)
@@ -258,7 +278,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         in param_dtype, and SHARD_GRAD_OP keeps the unit unsharded (`_should_free_in_backward`); synced
         every micro-step, the new shard is added to `_saved_grad_shard` (`_accumulate_sharded_grad`)."""
         comm = world > 1
-        flat_g = E.a(elems * ud, 2 if comm and not prec.mixed and sync else 0)
+        # (the flat gradient the reduce-scatter reads: this one, or the one kept since the first micro-step)
+        flat_g = E.a(elems * ud, 2 if comm and not prec.mixed and u not in acc else 0)
         E.f(*view_grads)
         if u in acc:  # added to the unsharded gradient kept by earlier micro-steps (without sync)
             E.f(flat_g)

@@ -260,11 +260,13 @@ def _recorded(name: str) -> dict:
 
 
 def _recorded_reserved(events, family: str) -> int:
-    """The recorded trace replayed: FSDP's buffers on their collectives' streams (allocator.comm_streams);
-    DTensor's functional collectives (tensor parallelism) allocate on the caller's stream, so their
-    touches are dropped first."""
+    """The recorded trace replayed: FSDP's buffers on their collectives' streams (allocator.comm_streams).
+    What other collectives touch is allocated on the caller's stream, so their touches are dropped first:
+    DTensor's functional collectives (tensor parallelism), `distribute_tensor`'s scatter of each
+    parameter (`parallelize_module` at construction), a checkpoint save's collectives."""
     from distplan.planner.allocator import comm_streams
-    events = [e for e in events if not (e[0] == "comm" and str(e[2]).startswith("_c10d_functional."))]
+    events = [e for e in events if not (e[0] == "comm" and (e[2] == "scatter" or str(e[2]).startswith(
+        ("_c10d_functional.", "checkpoint."))))]
     if family in ("fsdp1", "fsdp2"):
         events = comm_streams(events)
     return replay(events).peak_reserved
@@ -306,9 +308,14 @@ def test_trace_writer_under_accumulation_and_tp_against_recorded_traces():
     accum = {k: v for k, v in errs.items() if "/tp1" in k}
     tp = {k: v for k, v in errs.items() if "/tp1" not in k}
     assert len(accum) >= 19 and len(tp) >= 6, errs
-    # ACCUM_TP_MEASURED
-    assert statistics.median(abs(e) for e in accum.values()) <= ACCUM_MEDIAN and max(abs(e) for e in accum.values()) <= ACCUM_MAX, accum
-    assert statistics.median(abs(e) for e in tp.values()) <= TP_MEDIAN and max(abs(e) for e in tp.values()) <= TP_MAX, tp
+    # measured 2026-11-24: accumulation (19 probes) median 1.0%, max 5.1% (zero3 fp32 synced every
+    # micro-step); the previous writer (one micro-step, the walk's allocated peak as a floor) 3.2% / 7.4%,
+    # the 10% margin 10.2% / 17.9%. Tensor parallelism (6 probes): median 0.6%, max 3.9% (zero3 without
+    # SP); the previous writer with the floor 0.7% / 3.5%, the margin 13.9% / 19.5%.
+    assert statistics.median(abs(e) for e in accum.values()) <= 2.0, accum
+    assert max(abs(e) for e in accum.values()) <= 6.5, accum
+    assert statistics.median(abs(e) for e in tp.values()) <= 1.5, tp
+    assert max(abs(e) for e in tp.values()) <= 5.0, tp
 
 
 def test_pipeline_stage_trace_against_recorded_traces():

@@ -408,8 +408,12 @@ class Tracker(TorchDispatchMode):
             if op == "all_gather" and group_size > 0:  # the output is group_size x the input
                 msg = msg * group_size
         # ("comm", key, op) events: functional collectives (DTensor's redistributions: tensor parallelism)
-        # are named "_c10d_functional.<op>"; their outputs are allocated on the caller's stream
+        # are named "_c10d_functional.<op>", those of a checkpoint save "checkpoint.<op>": their buffers
+        # are allocated on the caller's stream (FSDP1's state-dict unshard runs on the current stream,
+        # `_unshard_fsdp_state_params`), not on FSDP's communication streams
         self._comm_op = op if ns == "c10d" else f"{ns}.{op}"
+        if self.phase == "checkpoint":
+            self._comm_op = f"checkpoint.{self._comm_op}"
         self._mark_comm(ts)
         if not self.counting:
             return
