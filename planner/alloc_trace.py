@@ -33,11 +33,28 @@ so this is one model, not a second one: it adds the order and the streams. What 
 - Optimizer: AdamW's states are made lazily in the first step (`_init_group`: `zeros_like` per parameter,
   exp_avg then exp_avg_sq), `_multi_tensor_adam`'s `exp_avg_sq_sqrt` temporaries (foreach), and
   `zero_grad(set_to_none=True)` drops the gradients.
+- Gradient accumulation: every micro-step is written. The first makes the gradients that later ones add
+  into in place (AccumulateGrad, one weight gradient at a time); without sync (grad_sync 'last') FSDP2
+  keeps the unsharded gradients (upcast to reduce_dtype under mixed precision:
+  `to_accumulated_grad_if_needed`) and FSDP1 the unsharded flat gradient (SHARD_GRAD_OP also the unsharded
+  parameters); synced every micro-step, the new shards are added to the kept ones.
+- Tensor parallelism: one TP rank's parameter shapes (tp.tp_view), the probes' whole-model construction
+  before `parallelize_module`, each rowwise output's reduction (partial sum, then the all-reduced or
+  reduce-scattered tensor), loss parallel's vocabulary shard and three backward buffers, the embedding's
+  full-vocabulary Replicate gradient.
+- Pipeline stages (`stage_allocation_events`) and checkpoint saves (`checkpoint_events`): see there.
+
+Checked against allocation traces the CPU probes recorded (tests/test_alloc_trace.py): one micro-step at
+16 layers (benchmarks/alloc_depth.py), accumulation and TP (benchmarks/alloc_accum.py), pipeline stages
+(benchmarks/alloc_pp.py), checkpoint saves (benchmarks/alloc_ckpt.py).
 
 Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`/`all_gather_stream`, FSDP1
 `_unshard_stream`), 2 reduce-scatter (FSDP2 `reduce_scatter_stream`, FSDP1 `_post_backward_stream`);
 see allocator.comm_streams. What is approximate: the exact transients of each forward op (only the block
-MLP's backward transients and the loss's are written), and the host order inside a block.
+MLP's backward transients, the TP reductions and the loss's are written), and the host order inside a
+block. Not written (memory.RESERVED_MARGIN instead): the `--module`/`--hf-config` front end, DeepSpeed,
+FSDP pipeline stages, interleaved schedules, autocast under pipelining, `full-offload` saves, models
+over MAX_LAYERS.
 """
 
 from __future__ import annotations

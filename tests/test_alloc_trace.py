@@ -395,6 +395,6 @@ def test_checkpoint_save_trace_against_recorded_traces():
                                      max(e[1] for e in written if e[0] == "alloc"))
         errs[pid] = round(100 * (replay(written).peak_reserved / _recorded_reserved(events, st.family) - 1), 1)
     assert len(errs) >= 8, errs
-    # CKPT_MEASURED
-    assert statistics.median(abs(e) for e in errs.values()) <= CKPT_MEDIAN, errs
-    assert max(abs(e) for e in errs.values()) <= CKPT_MAX, errs
+    # measured 2026-11-24 (8 probes): median 1.2%, max 2.9% (zero3 sharded on gloo)
+    assert statistics.median(abs(e) for e in errs.values()) <= 2.0, errs
+    assert max(abs(e) for e in errs.values()) <= 4.0, errs
