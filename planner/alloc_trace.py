@@ -69,6 +69,9 @@ from .config import TrainConfig
 from .model import unit_sizes
 from .strategies import get_strategy
 
+MAX_MICROBATCHES = 64
+"""Pipeline stages with more micro-batches per step are not replayed (GPipe writes every micro-batch's
+forward before the first backward: the work grows with them); the margin instead, and the output says so."""
 MAX_LAYERS = 160
 """Deeper models are not replayed (the work grows with the layers): 160 covers the deepest published
 dense models (Llama-3.1-405B 126 layers, PaLM 540B 118, GPT-3 96); beyond it the reserved peak is the
@@ -494,8 +497,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             E.f(*(held.pop(k) if isinstance(held[k], list) else [held.pop(k)]))
 
     def step():
-        # grad_accum micro-steps, then the optimizer
-        for k in range(A):
+        # grad_accum micro-steps, then the optimizer. The micro-steps between the second and the last repeat
+        # the second's allocations (each frees what it makes but the kept gradients), so the caching
+        # allocator is back in the same state after each: the first, the second and the last bound the run
+        # (and keep a grad_accum of 2**20 as cheap as 3)
+        for k in sorted({0, min(1, A - 1), A - 1}):
             micro_step(k)
         if state_sizes and not states:  # made lazily in the first step (`_init_group`)
             states.extend(E.a(z) for z in state_sizes)

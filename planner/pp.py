@@ -463,11 +463,12 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
                      "accumulate unsharded through the step (PipelineStage's code; not validated by a probe)")
     # The stage's allocations replayed through the caching allocator (alloc_trace.stage_allocation_events)
     # where they are written; else memory.RESERVED_MARGIN over the allocated peak.
-    from .alloc_trace import MAX_LAYERS, STAGE_FAMILIES
+    from .alloc_trace import MAX_LAYERS, MAX_MICROBATCHES, STAGE_FAMILIES
     replay_args = None
     if device == "cuda":
         # (autocast's weight casts under pipelining are not written: those stages keep the margin)
-        if family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS:
+        if (family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS
+                and M <= MAX_MICROBATCHES):
             from .allocator import parse_alloc_conf
             expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
             replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
@@ -475,7 +476,8 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         else:
             notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator "
                          f"replay of {st.name} stages" + (" or interleaved schedules" if v > 1 else "")
-                         + (" under autocast" if regime == "autocast" else "") + ")")
+                         + (" under autocast" if regime == "autocast" else "")
+                         + (f" beyond {MAX_MICROBATCHES} micro-batches" if M > MAX_MICROBATCHES else "") + ")")
     return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace,
                           replay_args, footprint=fp)
 
