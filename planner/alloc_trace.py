@@ -53,8 +53,8 @@ Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`/`all_gather_
 see allocator.comm_streams. What is approximate: the exact transients of each forward op (only the block
 MLP's backward transients, the TP reductions and the loss's are written), and the host order inside a
 block. Not written (memory.RESERVED_MARGIN instead): the `--module`/`--hf-config` front end, DeepSpeed,
-FSDP pipeline stages, interleaved schedules, autocast under pipelining, `full-offload` saves, models
-over MAX_LAYERS.
+ZeRO-1/FSDP pipeline stages, interleaved schedules, autocast under pipelining, more than MAX_MICROBATCHES
+micro-batches, `full-offload`, NO_SHARD, HSDP and tensor-parallel saves, models over MAX_LAYERS.
 """
 
 from __future__ import annotations
@@ -585,16 +585,17 @@ def _reserved_peak(train, name, world, shard, device, backend, workspace, expand
     return got
 
 
-STAGE_FAMILIES = ("single", "ddp", "zero1")
-"""The strategies whose pipeline stages `stage_allocation_events` writes (those the PP probe runs: a
-plain stage module or DDP, no_sync until the last micro-batch); FSDP under PP keeps the margin."""
+STAGE_FAMILIES = ("single", "ddp")
+"""The strategies whose pipeline stages `stage_allocation_events` writes, those the PP probe runs and the
+recorded traces check (a plain stage module, or DDP with no_sync until the last micro-batch); ZeRO-1 and
+FSDP stages keep the margin."""
 
 
 def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int, shard: int,
                             device: str = "cuda", workspace: int = 0, steps: int = 2) -> list:
     """The events of pipeline stage `stage` (planner/pp.py) over `steps` steps (validate/pp_probe.py: one
     warm-up step and one measured), for the families in STAGE_FAMILIES and one stage per rank
-    (GPipe, 1F1B). `world`/`shard`: the stage's data-parallel ranks (DDP) and ZeRO-1's partition.
+    (GPipe, 1F1B). `world`/`shard`: the stage's data-parallel ranks (DDP) and its shard group (1).
 
     What `torch.distributed.pipelining` allocates (`stage.py`, `schedules.py`), in the order of
     `pp.stage_actions`: in the first step `_prepare_forward_infra` makes one receive buffer per
@@ -639,17 +640,13 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     for s in list(embed_shapes) + list(block_shapes) * L + list(head_shapes):
         E.a(prod(s) * pb)
     buckets: list = []
-    if family in ("ddp", "zero1") and world > 1:
+    if family == "ddp" and world > 1:
         left = lay.total * pb
         while left > 0:
             E.f(E.a(min(left, 250 << 20)))
             left -= 250 << 20
         buckets = [E.a(lay.total * gb)]
-    if family == "zero1" and shard > 1:
-        from .memory import zero1_owned_shapes
-        owned = [prod(s) for s in zero1_owned_shapes(m, shard)]
-    else:
-        owned = [prod(s) for s in list(embed_shapes) + list(block_shapes) * L + list(head_shapes)]
+    owned = [prod(s) for s in list(embed_shapes) + list(block_shapes) * L + list(head_shapes)]
     from .memory import _opt_state
     st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
     st_total = st_elems * pb + int(st_extra)
@@ -768,6 +765,9 @@ def _stage_reserved_peak(train, name, stage, world, shard, device, workspace, ex
                         expandable_segments=expandable_segments, max_split_size=max_split_size)
 
 
+CHECKPOINT_REPLAY_STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp", "fsdp-grad-op")
+"""Strategies whose saves `checkpoint_events` writes and the recorded saves check (single's path is DDP's:
+the live tensors); NO_SHARD, HSDP and tensor-parallel saves keep the margin."""
 CHECKPOINT_REPLAY_MODES = ("full", "sharded")
 """Checkpoint saves whose allocations `checkpoint_events` writes; `full-offload` keeps the margin (its
 device transients differ between a GPU and the CPU probes, so the recorded traces cannot check them)."""

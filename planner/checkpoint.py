@@ -315,10 +315,14 @@ def _save_reserved(train, st, shard: int, mode: str, mem: MemoryEstimate, peak: 
     """The reserved peak through rank 0's save: the training run's allocations (mem.reserved_replay) and
     the save's (alloc_trace.checkpoint_events) replayed; None where they are not written (full-offload,
     pipeline stages, no training replay)."""
-    from .alloc_trace import CHECKPOINT_REPLAY_MODES, allocation_events, checkpoint_events
+    from .alloc_trace import (CHECKPOINT_REPLAY_MODES, CHECKPOINT_REPLAY_STRATEGIES, allocation_events,
+                              checkpoint_events)
     from .allocator import replay
+    from .model import TPRankSpec
     args = mem.reserved_replay
-    if args is None or args[0] == "pp-stage" or mode not in CHECKPOINT_REPLAY_MODES:
+    # the strategies and modes the recorded saves check (tests/test_alloc_trace.py); not tensor parallelism
+    if (args is None or args[0] == "pp-stage" or mode not in CHECKPOINT_REPLAY_MODES
+            or st.name not in CHECKPOINT_REPLAY_STRATEGIES or isinstance(train.model, TPRankSpec)):
         return None
     tr, name, world, shard_, device, backend, workspace, expandable, init, max_split = args
     events = allocation_events(tr, name, world, shard_, device, backend, workspace, init)

@@ -81,9 +81,9 @@ class Snapshot:
 
 
 RESERVED_MARGIN = 0.10
-"""Where no allocation trace is written (`--module`/`--hf-config`, DeepSpeed, pipeline stages under FSDP or
-interleaved schedules, models over alloc_trace.MAX_LAYERS): the reserved peak is the allocated peak plus
-this margin, and `reserved_source` says so."""
+"""Where no allocation trace is written (`--module`/`--hf-config`, DeepSpeed, pipeline stages under ZeRO/FSDP,
+interleaved schedules or autocast, models over alloc_trace.MAX_LAYERS): the reserved peak is the
+allocated peak plus this margin, and `reserved_source` says so."""
 
 
 @dataclass(slots=True)

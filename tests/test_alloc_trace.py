@@ -340,8 +340,8 @@ def test_pipeline_stage_trace_against_recorded_traces():
 
 
 def test_pipeline_stage_reserved_source():
-    """A pipeline stage is replayed where its trace is written (single/DDP/ZeRO-1, GPipe and 1F1B, no
-    autocast); FSDP stages, interleaved schedules and autocast keep the margin and say so."""
+    """A pipeline stage is replayed where its trace is written (single/DDP, GPipe and 1F1B, no autocast);
+    ZeRO/FSDP stages, interleaved schedules and autocast keep the margin and say so."""
     from distplan.planner.api import plan
     p = plan("llama-3-8b", gpus=8, strategies=["ddp", "zero3"], pp=2, precision="bf16")
     assert p["ddp"].memory.reserved_source == "allocator replay"
