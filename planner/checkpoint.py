@@ -40,6 +40,11 @@ What each family allocates (installed torch, `torch/distributed/...`):
 - `torch.save` of GPU tensors (`torch/serialization.py` `_save`) copies one storage at a time to the
   host as it writes it.
 
+Reserved bytes (`device_reserved_bytes`, what decides the OOM): on rank 0 the run's allocations and the
+save's (alloc_trace.checkpoint_events: full and sharded saves under single, DDP, FSDP2 and FSDP1) replayed
+through the caching-allocator model; elsewhere (full-offload, NO_SHARD, HSDP, tensor parallelism, other
+ranks) the device peak plus memory.RESERVED_MARGIN, as `reserved_source` says.
+
 Save time: the bytes the busiest writer writes over the storage bandwidth per writing rank
 (`storage_bytes_per_s`; full: rank 0 writes everything; sharded: the ranks write in parallel, which
 assumes the file system's aggregate bandwidth grows with the writers).
