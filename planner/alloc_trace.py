@@ -63,7 +63,7 @@ from functools import lru_cache
 from math import prod
 
 from .activations import activations_in, regime_for, sp_tokens
-from .allocator import replay, replay_peaks
+from .allocator import replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig
 from .model import unit_sizes
