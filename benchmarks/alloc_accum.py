@@ -8,7 +8,7 @@ on the fake process group, or `single` as one process) runs with `DISTPLAN_ALLOC
 validate.measure.Tracker writes every storage allocation, free and collective touch in host order
 (benchmarks/alloc_depth.py does the same for one micro-step). Cases:
 
-- accumulation: grad_accum 2 under each strategy, `grad_sync` last (no_sync /
+- accumulation: grad_accum 2 under each strategy (but hsdp, which is FSDP1 within one node), `grad_sync` last (no_sync /
   set_requires_gradient_sync(False) until the last micro-step) and every; fp32, and bf16-mixed for the
   FSDP families (their accumulators change dtype under mixed precision);
 - tensor parallelism: tp 2 on a (4, 2) mesh, with and without sequence parallelism, under single
@@ -49,7 +49,7 @@ def spec_for(strategy: str, precision: str = "fp32", accum: int = 1, sync: str =
 
 def cases() -> list[dict]:
     out = []
-    for s in ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op"):
+    for s in ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op", "fsdp-no-shard"):
         for sync in (("last",) if s == "single" else ("last", "every")):
             out.append(spec_for(s, accum=2, sync=sync))
     for s in ("zero2", "zero3", "fsdp"):
