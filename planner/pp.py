@@ -483,7 +483,7 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         nstages = p * v
         sids = [stage + k * p for k in range(v)]
         lay_k = [stage_layers(train.model.layers, nstages, sid) for sid in sids]
-        per_layer = (act.blocks_total - (0 if m.layers else 0)) / max(1, m.layers)
+        per_layer = act.blocks_total / max(1, m.layers)  # this rank's layers' share (RoPE tables spread)
         a_k = []
         for k, sid in enumerate(sids):
             a = per_layer * lay_k[k] - (0 if sid == 0 else nh)
