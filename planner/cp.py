@@ -39,11 +39,10 @@ implementation waits for the gathered K/V after the first local block). The ALL_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .config import TrainConfig
-
-_HALF = {"bf16-mixed": "bfloat16", "bf16": "bfloat16", "fp16-mixed": "float16", "fp32": "float32"}
+from .tp import _HALF  # the compute dtype of each precision: one map for TP and CP
 
 
 @dataclass(frozen=True)
