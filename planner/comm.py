@@ -626,6 +626,9 @@ def _pp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_ex
     if s.family != "single" and dpc.gpus > 1:
         key = _schedule_key(view, s.name, dpc.gpus, dpc.local_size, dpc.nodes, cap, root_explicit)
         out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
+        if s.family == "fsdp2":
+            from .pp import fsdp2_gathers_once
+            out = fsdp2_gathers_once(out, train.pp_microbatches)
     if train.tp > 1:  # the embedding's and the head's TP collectives only on the stages that hold them
         m = view.model
         raw = [c for c in tp_raw_schedule(view, s.family)

@@ -312,15 +312,18 @@ def _pp_step_time(train: TrainConfig, cluster: Cluster, s, schedule, gpu) -> Ste
     the TP group's collectives exposed whole (as without PP), and the point-to-point sends of the fill
     and the drain, 2 (p - 1) boundary messages (the steady state's overlap the compute)."""
     from .pp import bubble_fraction, pp_cluster, stage_train
+    if train.cp > 1:  # a context-parallel rank of each stage: s / cp tokens, the ring's collectives exposed
+        from .cp import cp_view
+        train = cp_view(train)
     tv = stage_train(train, 0, time_view=True)
     dpc = cluster
     if train.tp > 1:
         from .tp import tp_view
         dpc = tp_view(train, cluster)[1]
     dpc = pp_cluster(train, dpc)
-    tp_part = [c for c in schedule if c.group == "tp"]
+    tp_part = [c for c in schedule if c.group in ("tp", "cp")]  # inside the blocks: exposed whole
     pp_part = [c for c in schedule if c.group == "pp"]
-    dp_part = [c for c in schedule if c.group not in ("tp", "pp")]
+    dp_part = [c for c in schedule if c.group not in ("tp", "cp", "pp")]
     base = step_time(tv, dpc, s, Schedule(dp_part, schedule_totals(dp_part)), gpu)
     bubble = base.compute_s * bubble_fraction(train.pp_schedule, train.pp, train.pp_microbatches)
     tp_exposed = sum(c.time_s for c in tp_part)

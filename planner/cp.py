@@ -34,7 +34,12 @@ Known limitations: the forward's ring transients (the gathered K/V and the fp32 
 outputs, `_SDPAMerger`) are not in the walk: at the end of forward the loss's logits (n x V) are far
 larger for language-model vocabularies. The ring's collectives are counted on the critical path (the
 implementation waits for the gathered K/V after the first local block). The ALL_TO_ALL rotate method
-(`set_rotate_method("alltoall")`) and CP with pipeline stages are not modelled.
+(`set_rotate_method("alltoall")`) is not modelled.
+
+With pipeline stages (pp.py) a cp rank of a stage holds s/c tokens of each of the stage's micro-batches:
+the stage walk, the boundary tensors (b (s/c) h) and the bubble are those of the view; the ring's
+collectives are the busiest pipeline rank's layers times the micro-batches (torchtitan's mesh: pp
+outermost, then dp, cp, tp).
 """
 
 from __future__ import annotations
@@ -116,9 +121,15 @@ def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:
     dt = "float32" if regime == "fp32" else _HALF[train.precision]
     e = _elem(regime)
     n = train.micro_batch * train.seq_len  # this rank's tokens
-    calls = m.layers * train.grad_accum
+    layers, steps = m.layers, train.grad_accum
+    if train.pp > 1:  # the busiest pipeline rank: its stages' layers, once per micro-batch (pp.py)
+        from .pp import stage_layers, virtual_stages
+        v = virtual_stages(train.pp_schedule)
+        layers = sum(stage_layers(m.layers, train.pp * v, k * train.pp) for k in range(v))
+        steps = train.pp_microbatches
+    calls = layers * steps
     every = checkpoint_every(train.checkpointing)
-    recompute = (m.layers // every) * train.grad_accum if every else 0
+    recompute = (layers // every) * steps if every else 0
     return (("all_gather", "cp", c, dt, c * 2 * n * kv * e, calls, "forward", "cp_kv"),
             ("all_gather", "cp", c, dt, c * 2 * n * kv * e, calls + recompute, "backward", "cp_kv"),
             ("all_to_all", "cp", c, "float32", 2 * n * kv * 4, c * calls, "backward", "cp_dkv"))
@@ -141,8 +152,5 @@ def check_cp(cp: int, train_like, gpus: int | None = None, flag: str = "--cp") -
     if train_like.framework != "pytorch":
         raise ValueError(f"{flag}={cp} with framework={train_like.framework}: context parallelism is modelled "
                          f"for torch.distributed.tensor.experimental.context_parallel; accepted: pytorch")
-    if train_like.pp > 1:
-        raise ValueError(f"{flag}={cp} with pp={train_like.pp}: context parallelism with pipeline stages is not "
-                         f"modelled; accepted: --pp 1")
     if gpus is not None and gpus % (cp * train_like.tp):
         raise ValueError(f"{flag}={cp}: cp x tp = {cp * train_like.tp} must divide the {gpus} GPUs")

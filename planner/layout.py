@@ -282,7 +282,7 @@ def candidate_layouts(train: TrainConfig, cluster: Cluster, *, fixed_tp: int | N
                    and (p & (p - 1) == 0 or m.layers % p == 0)]
         sps = [fixed_sp] if fixed_sp is not None else ([False, True] if tp > 1 else [False])
         for pp in pps:
-            if gpus % (tp * pp * cp) or (cp > 1 and pp > 1 and train.cp == 1):  # CP with PP: not modelled
+            if gpus % (tp * pp * cp):
                 continue
             dp = gpus // (tp * pp * cp)
             if (batch * tp * pp * cp) % (gpus * train.micro_batch):

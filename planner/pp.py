@@ -37,7 +37,8 @@ Sharded strategies under PP (not validated by a probe): `PipelineStage.backward_
 runs FSDP with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` until the
 last micro-batch, and torchtitan turns off `reshard_after_forward` with PP, so the stage's parameters
 stay unsharded and its gradients accumulate unsharded (in `reduce_dtype`) through the step; DDP runs
-`no_sync` until the last micro-batch. Each is counted at that size.
+`no_sync` until the last micro-batch. Each is counted at that size, and FSDP2's all-gathers run once per
+step, at the first micro-batch's forward (`fsdp2_gathers_once`).
 
 Point-to-point traffic (`pp_raw_schedule`): per micro-batch a stage sends its output forward and its
 input's gradient backward (b*s*h elements of the boundary dtype, / tp with sequence parallelism), as
@@ -568,7 +569,26 @@ def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
     view = stage_train(train, stage)
     key = _schedule_key(view, s.name, dpc.gpus, dpc.local_size, dpc.nodes, DDP_BUCKET_CAP_MB,
                         FSDP2_ROOT_RESHARD_EXPLICIT)
-    return [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
+    out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
+    return fsdp2_gathers_once(out, train.pp_microbatches) if s.family == "fsdp2" else out
+
+
+def fsdp2_gathers_once(collectives, M: int) -> list:
+    """FSDP2 under pipeline stages: the parameters, all-gathered at the first micro-batch's forward, stay
+    unsharded through the step (torchtitan's `apply_fsdp` turns `reshard_after_forward` off with PP, and
+    `PipelineStage.backward_maybe_with_nosync` calls `set_reshard_after_backward(False)` on every
+    backward; the schedule reshards after the last one). So the forward all-gathers run once per step,
+    not once per micro-batch, and backward gathers nothing. The reduce-scatters are unchanged (last
+    micro-batch only)."""
+    out = []
+    for c in collectives:
+        if c.op == "all_gather" and c.phase == "backward":
+            continue
+        if c.op == "all_gather" and c.calls >= M:
+            k = c.calls // M
+            c = c._replace(calls=k, bytes_per_gpu=c.bytes_per_gpu * k // c.calls, time_s=c.time_s * k / c.calls)
+        out.append(c)
+    return out
 
 
 # -- the pipeline probe's prediction (validate/pp_probe.py runs it) ----------------------------------
@@ -582,17 +602,21 @@ def probe_train(spec: dict):
                        optimizer_impl=t.get("optimizer_impl", "foreach"), attention=t.get("attention", "sdpa"),
                        checkpointing=t.get("checkpointing", "none"),
                        pp=int(spec["pp"]), pp_schedule=spec["schedule"],
-                       pp_microbatches=int(spec["microbatches"]))
+                       pp_microbatches=int(spec["microbatches"]), cp=int(spec.get("cp", 1)))
 
 
 def predict_probe_ranks(spec: dict) -> list[dict]:
-    """Per rank of a pipeline probe (stage-major, as the probe numbers them: rank = stage x dp + replica):
-    the stage walk (`stage_memory`, the spec's strategy on its dp ranks, CPU, gloo) and that stage's
-    collectives (`stage_dp_schedule`, `p2p_counts`, `boundary_bytes`)."""
+    """Per rank of a pipeline probe (stage-major, as the probe numbers them: rank = stage x dp x cp +
+    replica x cp + cp index): the stage walk (`stage_memory`, the spec's strategy on its dp x cp ranks,
+    CPU, gloo) and that stage's collectives (`stage_dp_schedule`, `p2p_counts`, `boundary_bytes`, and
+    with cp > 1 the ring's, `cp.cp_raw_schedule` of the stage)."""
     from .config import Cluster
-    train = probe_train(spec)
-    dp = int(spec.get("dp", 1))
+    from .cp import cp_raw_schedule, cp_view
+    from .strategies import get_strategy
+    train = cp_view(probe_train(spec))
+    dp = int(spec.get("dp", 1)) * train.cp
     strategy = spec.get("strategy", "single")
+    family = get_strategy(strategy).family
     world = train.pp * dp
     cluster = Cluster(gpus=world, gpus_per_node=world)
     out = []
@@ -607,6 +631,9 @@ def predict_probe_ranks(spec: dict) -> list[dict]:
         for c in stage_dp_schedule(train, cluster, strategy, stage):
             key = (c.op, c.group_size, c.dtype, c.message_bytes)
             merged[key] = merged.get(key, 0) + c.calls
+        for c in cp_raw_schedule(stage_train(train, stage), family):
+            key = (c[0], c[2], c[3], c[4])
+            merged[key] = merged.get(key, 0) + c[5]
         colls += [{"op": op, "group_size": g, "dtype": dt, "message_bytes": b, "calls": n}
                   for (op, g, dt, b), n in merged.items()]
         out.append({"rank": rank, "peak_bytes": est.peak_allocated, "components": est.components,

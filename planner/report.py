@@ -83,7 +83,7 @@ def header(plan) -> str:
         f"{t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}, attention {t.attention}"
         + (f", offload {t.cpu_offload}" if t.cpu_offload != "none" else "")
         + (f", framework {t.framework}" if t.framework != "pytorch" else ""),
-        *([_mesh_line(t, c)] if getattr(t, "tp", 1) > 1 or getattr(t, "pp", 1) > 1 else []),
+        *([_mesh_line(t, c)] if max(getattr(t, "tp", 1), getattr(t, "pp", 1), getattr(t, "cp", 1)) > 1 else []),
         f"cluster: {c.gpus} x {c.gpu_name} ({fmt_gib(c.gpu_memory_bytes)} GiB) in {c.nodes} node(s) of "
         f"{c.gpus_per_node}; intra {c.intra_link}, inter {c.inter_link} x {c.nics_per_node} per node"
         + (f" ({c.inter_bytes_per_s * 8 / 1e9:g} Gbit/s per node)" if c.inter_bytes_per_s else ""),
@@ -245,10 +245,13 @@ def _mesh_line(t, c) -> str:
         b = bubble_fraction(t.pp_schedule, t.pp, t.pp_microbatches)
         parts.append(f"pp {t.pp} ({t.pp_schedule}, {t.pp_microbatches} micro-batches of {t.micro_batch}, "
                      f"bubble {b:.0%} of compute)")
-    dp = c.gpus // (t.tp * t.pp)
-    parts.append(f"dp {dp}")
+    cp = getattr(t, "cp", 1)
+    parts.append(f"dp {c.gpus // (t.tp * t.pp * cp)}")
+    if cp > 1:
+        parts.append(f"cp {cp} ({t.seq_len // cp} tokens of each sequence)")
     if t.tp > 1:
         parts.append(f"tp {t.tp} (inside a node{', sequence parallel' if t.sequence_parallel else ''})")
     share = " x ".join(x for x, on in ((f"1/{t.pp} of the layers", t.pp > 1), (f"1/{t.tp} of each", t.tp > 1)) if on)
-    return f"mesh: {' x '.join(parts)}; the strategies below run over the dp ranks, on {share}"
+    ranks = "dp x cp ranks" if cp > 1 else "dp ranks"
+    return f"mesh: {' x '.join(parts)}; the strategies below run over the {ranks}" + (f", on {share}" if share else "")
 

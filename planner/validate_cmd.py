@@ -248,10 +248,13 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
     if pp > 1 or pp_microbatches is not None:
         if pp == 1:
             raise click.BadParameter("needs --pp > 1", param_hint="'--pp-microbatches'")
-        if matrix or module_spec is not None or tp > 1 or cp > 1:
+        if matrix or module_spec is not None or tp > 1:
             raise click.UsageError(f"--pp={pp}: the pipeline probe runs the reference decoder alone; drop "
                                    + ("--matrix (it has its own pp probes)" if matrix else
-                                      "--module/--hf-config" if module_spec is not None else "--tp/--cp"))
+                                      "--module/--hf-config" if module_spec is not None else "--tp"))
+        if cp > 1 and (pp_schedule == "interleaved-1f1b" or "single" in strategies):
+            raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, with gpipe or 1f1b",
+                                     param_hint="'--cp'")
         bad = [s for s in strategies if s not in ("single", "ddp")]
         if bad:
             raise click.BadParameter(f"{', '.join(bad)} with --pp={pp}: the pipeline probe runs each stage alone "
@@ -259,7 +262,8 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         if pp_schedule == "interleaved-1f1b" and "ddp" in strategies:
             raise click.BadParameter("ddp with --pp-schedule interleaved-1f1b: the probe runs the interleaved "
                                      "schedule without data parallelism (single)", param_hint="'--strategy'")
-        strategies = strategies or (("single",) if pp_schedule == "interleaved-1f1b" else ("single", "ddp"))
+        strategies = strategies or (("single",) if pp_schedule == "interleaved-1f1b" else
+                                    ("ddp",) if cp > 1 else ("single", "ddp"))
     if cp > 1:
         if matrix or module_spec is not None:
             raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder; drop "
@@ -334,14 +338,16 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         specs = []
         if pp > 1:
             _check_pp(pp, pp_schedule, pp_microbatches, spec_model, train, hw)
+            if cp > 1:
+                _check_cp(cp, 1, spec_model, train, "cpu", pp * cp, hw)
             for s in strategies:
                 specs.append(mx.pp_spec(s, spec_model, pp, pp_schedule, pp_microbatches or 2 * pp,
-                                        dp=2 if s == "ddp" else 1, checkpointing=checkpointing,
+                                        dp=2 if s == "ddp" and cp == 1 else 1, cp=cp, checkpointing=checkpointing,
                                         seq_len=train["seq_len"], micro_batch=micro_batch))
             strategies = ()
         if tp > 1:
             _check_tp(tp, spec_model, train, strategies, mode, world, hw)
-        if cp > 1:
+        if cp > 1 and pp == 1:
             _check_cp(cp, tp, spec_model, train, mode, world, hw)
         for s in strategies:
             if s == "single":

@@ -220,25 +220,29 @@ def cp_matrix(hw: dict, strategies=None, fake_world: int | None = None, steps: i
             for st, mode, world, cp, tp, ck, prec in picks if st in names and world % (cp * tp) == 0]
 
 
-def pp_spec(strategy: str, model, pp: int, schedule: str, microbatches: int, *, dp: int = 1,
+def pp_spec(strategy: str, model, pp: int, schedule: str, microbatches: int, *, dp: int = 1, cp: int = 1,
             checkpointing: str = "none", seq_len: int = 80, micro_batch: int = 2, seed: int = 0) -> dict:
-    """A pipeline probe spec (validate/pp_probe.py: fp32 on gloo, pp x dp processes, `strategy` single
-    (dp 1) or ddp on each stage's dp group). 80-token sequences: the tokens per micro-batch (160) differ
-    from the small shapes' widths, so no two components can be mistaken for each other."""
+    """A pipeline probe spec (validate/pp_probe.py: fp32 on gloo, pp x dp x cp processes, `strategy` single
+    (dp x cp = 1) or ddp on each stage's dp x cp ranks; cp > 1: ring attention over each stage's cp ranks).
+    80-token sequences: the tokens per micro-batch (160) differ from the small shapes' widths, so no two
+    components can be mistaken for each other."""
     m = model_dict(model)
-    world = pp * dp
-    return {"id": f"{strategy}/{m['name']}/w{world}/pp{pp}-{schedule}-m{microbatches}/{checkpointing}/fp32",
+    world = pp * dp * cp
+    mesh = f"pp{pp}" + (f"-cp{cp}" if cp > 1 else "")
+    return {"id": f"{strategy}/{m['name']}/w{world}/{mesh}-{schedule}-m{microbatches}/{checkpointing}/fp32",
             "strategy": strategy, "world_size": world, "gpus_per_node": world, "mode": "cpu", "model": m,
             "train": {"seq_len": seq_len, "micro_batch": micro_batch, "checkpointing": checkpointing,
                       "precision": "fp32", "optimizer": "adamw", "optimizer_impl": "foreach", "attention": "sdpa"},
-            "pp": pp, "dp": dp, "schedule": schedule, "microbatches": microbatches,
-            "steps": 1, "warmup_steps": 2 if dp > 1 else 1, "seed": seed}
+            "pp": pp, "dp": dp, "cp": cp, "schedule": schedule, "microbatches": microbatches,
+            "steps": 1, "warmup_steps": 2 if dp * cp > 1 else 1, "seed": seed}
 
 
 def pp_matrix(hw: dict, strategies=None, seed: int = 0) -> list[dict]:
     """Pipeline-parallel probes (`torch.distributed.pipelining`, CPU only: validate/pp_probe.py runs gloo):
     the Llama-style shape at `TP_LAYERS` layers in 2 stages, 4 micro-batches: 1F1B and GPipe with full
-    checkpointing alone (`single`), and 1F1B with DDP over a dp of 2 on each stage (4 processes)."""
+    checkpointing alone (`single`), 1F1B with DDP over a dp of 2 on each stage (4 processes), and 1F1B
+    with full checkpointing and context parallelism over 2 ranks per stage (ring attention; DDP over the
+    cp ranks; 4 processes)."""
     from distplan.planner.strategies import NAMES, get_strategy
 
     if int(hw.get("gpus") or 0):
@@ -246,6 +250,7 @@ def pp_matrix(hw: dict, strategies=None, seed: int = 0) -> list[dict]:
     names = list(NAMES) if not strategies else [get_strategy(s).name for s in strategies]
     shape_name = next(n for n in shapes_for("cpu") if n.startswith("llama"))
     model = dict(shapes_for("cpu")[shape_name], layers=TP_LAYERS, name=f"{shape_name}-{TP_LAYERS}l")
-    picks = [("single", "1f1b", 1, "none"), ("single", "gpipe", 1, "full"), ("ddp", "1f1b", 2, "none")]
-    return [pp_spec(st, model, 2, sched, 4, dp=dp, checkpointing=ck, seed=seed)
-            for st, sched, dp, ck in picks if st in names]
+    picks = [("single", "1f1b", 1, 1, "none"), ("single", "gpipe", 1, 1, "full"), ("ddp", "1f1b", 2, 1, "none"),
+             ("ddp", "1f1b", 1, 2, "full")]
+    return [pp_spec(st, model, 2, sched, 4, dp=dp, cp=cp, checkpointing=ck, seed=seed)
+            for st, sched, dp, cp, ck in picks if st in names]

@@ -4,11 +4,15 @@
 
 Spec: {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "optimizer", "optimizer_impl",
 "checkpointing" (none, or full: non-reentrant `torch.utils.checkpoint` per block)},
-"pp": stages, "dp": replicas (default 1), "strategy": "single" (dp 1) | "ddp", "schedule": "gpipe" | "1f1b",
-"microbatches": M, "steps", "warmup_steps"}. fp32 on the CPU (gloo), pp x dp processes on the mesh
-(pp, dp), pp outermost as torchtitan lays it out (rank = stage x dp + replica); with ddp each stage is
-wrapped in `DistributedDataParallel` over its dp group, and `PipelineStage` (over the pp group) runs it
-under `no_sync` until the last micro-batch.
+"pp": stages, "dp": replicas (default 1), "cp": context-parallel ranks (default 1), "strategy": "single"
+(dp x cp = 1) | "ddp", "schedule": "gpipe" | "1f1b" | "interleaved-1f1b", "microbatches": M, "steps",
+"warmup_steps"}. fp32 on the CPU (gloo), pp x dp x cp processes on the mesh (pp, dp, cp), pp outermost
+as torchtitan lays it out (rank = stage x dp x cp + replica x cp + cp index); with ddp each stage is
+wrapped in `DistributedDataParallel` over its dp x cp ranks (torchtitan's `dp_cp`), and `PipelineStage`
+(over the pp group) runs it under `no_sync` until the last micro-batch. With cp > 1 every rank keeps the
+head-tail positions of each sequence (`validate.cp.head_tail_indices`: tokens, targets and RoPE tables)
+and the stage's attentions are ring attention over its cp group (`validate.cp.RingAttention`), so the
+tensors crossing a stage boundary are (b, s/cp, h).
 
 Each rank builds only its stage (torchtitan's manual split deletes the other stages' modules from a copy
 of the model: the embedding off all but the first, norm and output off all but the last): the decoder
@@ -42,7 +46,8 @@ def stage_layers(layers: int, pp: int, stage: int) -> range:
     return range(start, start + base + (stage < extra))
 
 
-def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointing: str = "none"):
+def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointing: str = "none",
+                cp_group=None, positions=None):
     import torch
     from torch import nn
     from torch.utils.checkpoint import checkpoint
@@ -60,6 +65,8 @@ def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointin
                 if spec.position == "learned":
                     self.pos_embeddings = nn.Embedding(spec.max_positions, spec.hidden)
             self.layers = nn.ModuleDict({str(i): Block(spec, attention) for i in stage_layers(spec.layers, pp, stage)})
+            for block in self.layers.values():  # context parallelism: ring attention over the cp group
+                block.attn.cp_group = cp_group
             if self.last:
                 self.norm = Norm(spec.hidden, spec.norm)
                 self.output = nn.Linear(spec.hidden, spec.vocab, bias=False)
@@ -73,7 +80,7 @@ def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointin
             S = x.shape[1]
             cos = sin = None
             if spec.position == "rope":
-                cos, sin = rope_tables(S, spec.head_dim, device=x.device)
+                cos, sin = rope_tables(S, spec.head_dim, device=x.device, positions=positions)
             for block in self.layers.values():
                 if checkpointing == "full":  # the reference decoder's: non-reentrant, per block
                     x = checkpoint(block, x, cos, sin, use_reentrant=False)
@@ -107,23 +114,30 @@ def run(spec: dict) -> dict:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    pp, dp = int(spec["pp"]), int(spec.get("dp", 1))
+    pp, dp, cp = int(spec["pp"]), int(spec.get("dp", 1)), int(spec.get("cp", 1))
     strategy = spec.get("strategy", "single")
-    if world != pp * dp:
-        raise ValueError(f"world size {world} != pp {pp} x dp {dp}")
-    if strategy not in ("single", "ddp") or (strategy == "single") != (dp == 1):
-        raise ValueError(f"strategy={strategy!r} with dp={dp}: the probe runs single (dp 1) or ddp (dp > 1)")
-    # the mesh (pp, dp), pp outermost as torchtitan lays it out: rank = stage * dp + replica
-    stage_idx, replica = divmod(rank, dp)
-    pp_group = dp_group = None
-    for d in range(dp):
-        g = dist.new_group([s * dp + d for s in range(pp)])
-        if d == replica:
+    if world != pp * dp * cp:
+        raise ValueError(f"world size {world} != pp {pp} x dp {dp} x cp {cp}")
+    if strategy not in ("single", "ddp") or (strategy == "single") != (dp * cp == 1):
+        raise ValueError(f"strategy={strategy!r} with dp={dp}, cp={cp}: the probe runs single (dp x cp = 1) or "
+                         f"ddp (dp x cp > 1)")
+    # the mesh (pp, dp, cp), pp outermost as torchtitan lays it out: rank = stage * dp * cp + replica * cp +
+    # cp index; DDP runs over a stage's dp x cp ranks (torchtitan's dp_cp), the ring over its cp ranks
+    stage_idx, within = divmod(rank, dp * cp)
+    replica, cp_idx = divmod(within, cp)
+    pp_group = dp_group = cp_group = None
+    for w in range(dp * cp):
+        g = dist.new_group([s * dp * cp + w for s in range(pp)])
+        if w == within:
             pp_group = g
     for s_ in range(pp):
-        g = dist.new_group([s_ * dp + d for d in range(dp)])
+        g = dist.new_group([s_ * dp * cp + w for w in range(dp * cp)])
         if s_ == stage_idx:
             dp_group = g
+        for d in range(dp):
+            g = dist.new_group([s_ * dp * cp + d * cp + c for c in range(cp)]) if cp > 1 else None
+            if s_ == stage_idx and d == replica:
+                cp_group = g
     mspec = ModelSpec(**spec["model"])
     train = spec["train"]
     M = int(spec["microbatches"])
@@ -141,8 +155,14 @@ def run(spec: dict) -> dict:
         if interleaved and strategy != "single":
             raise ValueError("schedule='interleaved-1f1b': the probe runs it without data parallelism (single)")
         # interleaved: rank r holds stages r and r + pp of pp * v (ScheduleInterleaved1F1B's loop order)
+        positions = None
+        if cp > 1:  # this rank's head-tail positions of each sequence (validate/cp.py)
+            from .cp import head_tail_indices
+            if mspec.position != "rope":
+                raise ValueError("cp > 1: context parallelism runs the RoPE decoder (learned positions are not sharded)")
+            positions = head_tail_indices(s, cp, cp_idx)
         models = [build_stage(mspec, stage_idx + k * pp, pp * v, train.get("attention", "sdpa"),
-                              train.get("checkpointing", "none")) for k in range(v)]
+                              train.get("checkpointing", "none"), cp_group, positions) for k in range(v)]
         model = models[0] if v == 1 else nn.ModuleList(models)
         if strategy == "ddp":  # PipelineStage runs it under no_sync until the last micro-batch
             from torch.nn.parallel import DistributedDataParallel
@@ -183,6 +203,8 @@ def run(spec: dict) -> dict:
         gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + replica)
         tokens = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
         targets = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
+        if cp > 1:
+            tokens, targets = tokens[:, positions], targets[:, positions]
         first, last = stage_idx == 0, stage_idx == pp - 1
         if not first:
             tokens = None
@@ -226,7 +248,7 @@ def run(spec: dict) -> dict:
               "peak_reserved": None, "baseline": 0, "peak_phase": worst["peak_phase"],
               "components": worst["components"], "source": "storage tracker",
               "per_rank_peak_allocated": [r["peak_bytes"] for r in gathered], "peak_rank": worst["rank"]}
-    return {"id": spec.get("id"), "status": "ok", "mode": "cpu", "world_size": world, "pp": pp, "dp": dp,
+    return {"id": spec.get("id"), "status": "ok", "mode": "cpu", "world_size": world, "pp": pp, "dp": dp, "cp": cp,
             "strategy": strategy,
             "schedule": spec["schedule"], "microbatches": M, "ranks": gathered,
             "backend": "gloo", "device": "cpu", "measured_ranks": list(range(world)),
@@ -271,7 +293,7 @@ def probe_cmd(pp: int) -> list[str]:
 def run_pp_probe(spec: dict, timeout_s: float = 300.0) -> dict:
     """Run `spec` under the probe guard (`runner.run_probe`): gloo, `spec["pp"]` processes."""
     from .runner import run_probe
-    world = int(spec["pp"]) * int(spec.get("dp", 1))
+    world = int(spec["pp"]) * int(spec.get("dp", 1)) * int(spec.get("cp", 1))
     spec = dict(spec, mode="cpu", world_size=world)
     return run_probe(spec, probe_cmd(world), timeout_s=timeout_s)
 
