@@ -33,7 +33,7 @@ holds the activations of every micro-batch forwarded and not yet backwarded (GPi
   (AccumulateGrad), so a block's weight gradient is a transient beside the full `.grad`.
 - The whole batch (token ids on the first stage, targets on the last) lives through the step.
 
-Sharded strategies under PP (not validated by a probe): `PipelineStage.backward_maybe_with_nosync`
+Sharded strategies under PP: `PipelineStage.backward_maybe_with_nosync`
 runs FSDP with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` until the
 last micro-batch, and torchtitan turns off `reshard_after_forward` with PP, so the stage's parameters
 stay unsharded and its gradients accumulate unsharded (in `reduce_dtype`) through the step; DDP runs
@@ -60,8 +60,9 @@ step ends (`_PipelineScheduleRuntime` waits for its sends only then); measured o
 Known limitations: interleaved 1F1B's instants are the 1F1B ones at chunk granularity (the last
 layer's MLP backward), with no separate first-layer or loss instant; zero-bubble schedules
 (`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`) are not modelled; the p2p time is added
-for the fill and drain only (steady-state sends overlap compute); the sharded strategies' figures under
-PP are not checked by a probe.
+for the fill and drain only (steady-state sends overlap compute); zero1 under PP is not probed (the
+pipeline probe runs single, DDP and FSDP2: zero2 / zero3 with reshard_after_forward off, torchtitan's PP
+setting; a user's FSDP2 that reshards after forward all-gathers every micro-batch, not modelled).
 """
 
 from __future__ import annotations
@@ -529,7 +530,8 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
              + f"; {sched}, {M} micro-batches) is the most loaded"]
     if family in ("fsdp1", "fsdp2") and world > 1:
         notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
-                     "accumulate unsharded through the step (PipelineStage's code; not validated by a probe)")
+                     "accumulate unsharded through the step, all-gathered once per step (PipelineStage with "
+                     "torchtitan's reshard_after_forward=False)")
     # The stage's allocations replayed through the caching allocator (alloc_trace.stage_allocation_events)
     # where they are written; else memory.RESERVED_MARGIN over the allocated peak.
     from .alloc_trace import MAX_LAYERS, MAX_MICROBATCHES, STAGE_FAMILIES

@@ -30,6 +30,11 @@ COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "te
 RAM_FRACTION = 0.5
 """A user-given model must fit in this fraction of free RAM (CPU), across all local ranks."""
 
+PP_PROBE_STRATEGIES = ("single", "ddp", "zero3")
+"""What the pipeline probe (validate/pp_probe.py) runs on each stage; zero2 too, which under pipeline
+stages is zero3's twin (FSDP2 with reshard_after_forward off, torchtitan's choice with PP), so by default
+the probe runs zero3 alone."""
+
 
 def _strategies(ctx, param, values):
     out = []
@@ -253,17 +258,19 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                                    + ("--matrix (it has its own pp probes)" if matrix else
                                       "--module/--hf-config" if module_spec is not None else "--tp"))
         if cp > 1 and (pp_schedule == "interleaved-1f1b" or "single" in strategies):
-            raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, with gpipe or 1f1b",
-                                     param_hint="'--cp'")
-        bad = [s for s in strategies if s not in ("single", "ddp")]
+            raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, zero2 or zero3, with "
+                                     f"gpipe or 1f1b", param_hint="'--cp'")
+        bad = [s for s in strategies if s not in (*PP_PROBE_STRATEGIES, "zero2")]
         if bad:
             raise click.BadParameter(f"{', '.join(bad)} with --pp={pp}: the pipeline probe runs each stage alone "
-                                     f"(single) or under DDP over 2 replicas (ddp)", param_hint="'--strategy'")
-        if pp_schedule == "interleaved-1f1b" and "ddp" in strategies:
-            raise click.BadParameter("ddp with --pp-schedule interleaved-1f1b: the probe runs the interleaved "
+                                     f"(single) or over 2 replicas under ddp, zero2 or zero3 (FSDP2)",
+                                     param_hint="'--strategy'")
+        multi = [s for s in strategies if s != "single"]
+        if pp_schedule == "interleaved-1f1b" and multi:
+            raise click.BadParameter(f"{multi[0]} with --pp-schedule interleaved-1f1b: the probe runs the interleaved "
                                      "schedule without data parallelism (single)", param_hint="'--strategy'")
         strategies = strategies or (("single",) if pp_schedule == "interleaved-1f1b" else
-                                    ("ddp",) if cp > 1 else ("single", "ddp"))
+                                    ("ddp", "zero3") if cp > 1 else PP_PROBE_STRATEGIES)
     if cp > 1:
         if matrix or module_spec is not None:
             raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder; drop "
@@ -342,7 +349,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                 _check_cp(cp, 1, spec_model, train, "cpu", pp * cp, hw)
             for s in strategies:
                 specs.append(mx.pp_spec(s, spec_model, pp, pp_schedule, pp_microbatches or 2 * pp,
-                                        dp=2 if s == "ddp" and cp == 1 else 1, cp=cp, checkpointing=checkpointing,
+                                        dp=2 if s != "single" and cp == 1 else 1, cp=cp, checkpointing=checkpointing,
                                         seq_len=train["seq_len"], micro_batch=micro_batch))
             strategies = ()
         if tp > 1:

@@ -50,7 +50,7 @@ def report(tmp_path_factory):
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     rep = json.loads(proc.stdout)
     lines = out.read_text().splitlines()
-    assert len(lines) == len(rep["probes"]) == 67  # every probe appended to the results file (54 + 4 TP + 5 CP + 4 PP)
+    assert len(lines) == len(rep["probes"]) == 68  # every probe appended to the results file (54 + 4 TP + 5 CP + 5 PP)
     return rep
 
 

@@ -1,4 +1,4 @@
-"""Pipeline probes in `distplan validate` (issue 13): `--pp N` and the CPU matrix's 3 pipeline probes
+"""Pipeline probes in `distplan validate` (issue 13): `--pp N` and the CPU matrix's 5 pipeline probes
 (validate/pp_probe.py through the standard runner and comparison: the most loaded rank's peak within 5%,
 its collectives exact, sends and receives included).
 
@@ -21,11 +21,13 @@ from distplan.validate.runner import probe_argv
 
 def test_matrix_has_the_pp_probes():
     specs = mx.pp_matrix({"gpus": 0})
-    assert len(specs) == 4 and all(s["model"]["layers"] >= 8 and s["pp"] == 2 for s in specs)
+    assert len(specs) == 5 and all(s["model"]["layers"] >= 8 and s["pp"] == 2 for s in specs)
+    assert {s["strategy"] for s in specs} == {"single", "ddp", "zero3"}
     assert {s["schedule"] for s in specs} == {"1f1b", "gpipe"} and {s["dp"] for s in specs} == {1, 2}
     assert [s["cp"] for s in specs].count(2) == 1  # one probe of CP x PP (ring attention in each stage)
     assert mx.pp_matrix({"gpus": 2}) == []  # the pipeline probe runs gloo only
-    assert not mx.pp_matrix({"gpus": 0}, ["zero3"])
+    assert not mx.pp_matrix({"gpus": 0}, ["zero1"])
+    assert [s["strategy"] for s in mx.pp_matrix({"gpus": 0}, ["zero3"])] == ["zero3"]
     # launched as the pipeline probe, one process per stage and replica
     argv = probe_argv(specs[2], "s.json", "o.json")
     assert "distplan.validate.pp_probe" in argv and "--nproc-per-node=4" in argv
@@ -42,7 +44,8 @@ def test_prediction_is_the_most_loaded_rank():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--pp", "2", "--strategy", "zero3"], "zero3 with --pp=2"),
+    (["--pp", "2", "--strategy", "zero1"], "zero1 with --pp=2"),
+    (["--pp", "2", "--strategy", "zero3", "--pp-schedule", "interleaved-1f1b"], "without data parallelism"),
     (["--pp-microbatches", "3"], "needs --pp > 1"),
     (["--pp", "2", "--precision", "bf16-mixed"], "runs fp32"),
     (["--pp", "2", "--tp", "2"], "drop --tp"),
@@ -64,7 +67,7 @@ def test_validate_pp_end_to_end(tmp_path):
     r = CliRunner().invoke(main, ["validate", "--pp", "2", "--layers", "8", "--json", "--out", str(out)])
     assert r.exit_code == 0, r.output[-3000:]
     rep = json.loads(r.output[r.output.index("{"):])
-    assert len(rep["probes"]) == 2
+    assert len(rep["probes"]) == 3  # single, ddp, zero3
     for p in rep["probes"]:
         cmp = p["comparison"]
         assert p["status"] == "ok" and cmp["verdict"] == "PASS", (p["id"], cmp.get("reasons"))

@@ -223,7 +223,8 @@ def cp_matrix(hw: dict, strategies=None, fake_world: int | None = None, steps: i
 def pp_spec(strategy: str, model, pp: int, schedule: str, microbatches: int, *, dp: int = 1, cp: int = 1,
             checkpointing: str = "none", seq_len: int = 80, micro_batch: int = 2, seed: int = 0) -> dict:
     """A pipeline probe spec (validate/pp_probe.py: fp32 on gloo, pp x dp x cp processes, `strategy` single
-    (dp x cp = 1) or ddp on each stage's dp x cp ranks; cp > 1: ring attention over each stage's cp ranks).
+    (dp x cp = 1), or ddp, zero2 or zero3 on each stage's dp x cp ranks; cp > 1: ring attention over each
+    stage's cp ranks).
     80-token sequences: the tokens per micro-batch (160) differ from the small shapes' widths, so no two
     components can be mistaken for each other."""
     m = model_dict(model)
@@ -240,9 +241,10 @@ def pp_spec(strategy: str, model, pp: int, schedule: str, microbatches: int, *, 
 def pp_matrix(hw: dict, strategies=None, seed: int = 0) -> list[dict]:
     """Pipeline-parallel probes (`torch.distributed.pipelining`, CPU only: validate/pp_probe.py runs gloo):
     the Llama-style shape at `TP_LAYERS` layers in 2 stages, 4 micro-batches: 1F1B and GPipe with full
-    checkpointing alone (`single`), 1F1B with DDP over a dp of 2 on each stage (4 processes), and 1F1B
-    with full checkpointing and context parallelism over 2 ranks per stage (ring attention; DDP over the
-    cp ranks; 4 processes)."""
+    checkpointing alone (`single`), 1F1B with DDP and with FSDP2 (zero3, torchtitan's PP setting:
+    reshard_after_forward off) over a dp of 2 on each stage (4 processes), and 1F1B with full
+    checkpointing and context parallelism over 2 ranks per stage (ring attention; DDP over the cp ranks;
+    4 processes)."""
     from distplan.planner.strategies import NAMES, get_strategy
 
     if int(hw.get("gpus") or 0):
@@ -251,6 +253,6 @@ def pp_matrix(hw: dict, strategies=None, seed: int = 0) -> list[dict]:
     shape_name = next(n for n in shapes_for("cpu") if n.startswith("llama"))
     model = dict(shapes_for("cpu")[shape_name], layers=TP_LAYERS, name=f"{shape_name}-{TP_LAYERS}l")
     picks = [("single", "1f1b", 1, 1, "none"), ("single", "gpipe", 1, 1, "full"), ("ddp", "1f1b", 2, 1, "none"),
-             ("ddp", "1f1b", 1, 2, "full")]
+             ("zero3", "1f1b", 2, 1, "none"), ("ddp", "1f1b", 1, 2, "full")]
     return [pp_spec(st, model, 2, sched, 4, dp=dp, cp=cp, checkpointing=ck, seed=seed)
             for st, sched, dp, cp, ck in picks if st in names]

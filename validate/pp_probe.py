@@ -118,9 +118,9 @@ def run(spec: dict) -> dict:
     strategy = spec.get("strategy", "single")
     if world != pp * dp * cp:
         raise ValueError(f"world size {world} != pp {pp} x dp {dp} x cp {cp}")
-    if strategy not in ("single", "ddp") or (strategy == "single") != (dp * cp == 1):
-        raise ValueError(f"strategy={strategy!r} with dp={dp}, cp={cp}: the probe runs single (dp x cp = 1) or "
-                         f"ddp (dp x cp > 1)")
+    if strategy not in ("single", "ddp", "zero2", "zero3") or (strategy == "single") != (dp * cp == 1):
+        raise ValueError(f"strategy={strategy!r} with dp={dp}, cp={cp}: the probe runs single (dp x cp = 1), or "
+                         f"ddp, zero2 or zero3 (dp x cp > 1)")
     # the mesh (pp, dp, cp), pp outermost as torchtitan lays it out: rank = stage * dp * cp + replica * cp +
     # cp index; DDP runs over a stage's dp x cp ranks (torchtitan's dp_cp), the ring over its cp ranks
     stage_idx, within = divmod(rank, dp * cp)
@@ -167,6 +167,18 @@ def run(spec: dict) -> dict:
         if strategy == "ddp":  # PipelineStage runs it under no_sync until the last micro-batch
             from torch.nn.parallel import DistributedDataParallel
             model = models[0] = DistributedDataParallel(model, process_group=dp_group)
+        elif strategy in ("zero2", "zero3"):
+            # FSDP2 as torchtitan applies it with pipeline stages (`apply_fsdp`: `fully_shard` per block,
+            # then the stage, over the dp x cp mesh dimension, reshard_after_forward off with PP);
+            # PipelineStage turns gradient sync and resharding after backward off until the last micro-batch
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (pp, dp * cp), mesh_dim_names=("pp", "dp_cp"))["dp_cp"]
+            for mod in models:
+                for block in mod.layers.values():
+                    fully_shard(block, mesh=mesh, reshard_after_forward=False)
+                fully_shard(mod, mesh=mesh, reshard_after_forward=False)
         opt = make_optimizer(model.parameters(), train)
         stages = [PipelineStage(mod, stage_idx + k * pp, pp * v, device, group=pp_group)
                   for k, mod in enumerate(models)]
@@ -186,17 +198,31 @@ def run(spec: dict) -> dict:
             st_.forward_one_chunk = phased(st_.forward_one_chunk, "forward")
             st_.backward_one_chunk = phased(st_.backward_one_chunk, "backward")
 
+        params = list(model.parameters())  # as wrapped (FSDP2: the sharded DTensors, not the unsharded views)
+        fsdp_params = [fp for mod in models for m in mod.modules() if hasattr(m, "_get_fsdp_state")
+                       for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", ())]
+
         def roles() -> dict:
             from .measure import storage_key
             out = {}
-            for p in model.parameters():
-                out.setdefault(storage_key(p), "params")
-                if p.grad is not None:
-                    out.setdefault(storage_key(p.grad), "grads")
+
+            def put(t, role):
+                if isinstance(t, torch.Tensor):
+                    k = storage_key(getattr(t, "_local_tensor", t))  # DTensor (FSDP2): this rank's shard
+                    if k is not None:
+                        out.setdefault(k, role)
+
+            for p in params:
+                put(p, "params")
+                put(p.grad, "grads")
+            for fp in fsdp_params:  # FSDP2 without gradient sync: gradients accumulate unsharded
+                put(getattr(fp, "unsharded_accumulated_grad", None), "grads")
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    put(unsharded.grad, "grads")
             for st in opt.state.values():
                 for v in st.values():
-                    if isinstance(v, torch.Tensor):
-                        out.setdefault(storage_key(v), "optimizer")
+                    put(v, "optimizer")
             return out
 
         tracker.roles = roles
