@@ -528,6 +528,10 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
              + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
              + f"; {sched}, {M} micro-batches) is the most loaded"]
+    if family in ("ddp", "zero1") and world > 1 and sched != "1f1b":
+        notes.append(f"pipeline parallelism with DDP under {sched}: torch's DistributedDataParallel stops in its "
+                     f"reducer's first bucket rebuild under ScheduleGPipe and ScheduleInterleaved1F1B (measured on "
+                     f"torch 2.13, validate/pp_probe.py); Schedule1F1B runs, and so do FSDP2's zero2/zero3")
     if family in ("fsdp1", "fsdp2") and world > 1:
         notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
                      "accumulate unsharded through the step, all-gathered once per step (PipelineStage with "

@@ -257,20 +257,19 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             raise click.UsageError(f"--pp={pp}: the pipeline probe runs the reference decoder alone; drop "
                                    + ("--matrix (it has its own pp probes)" if matrix else
                                       "--module/--hf-config" if module_spec is not None else "--tp"))
-        if cp > 1 and (pp_schedule == "interleaved-1f1b" or "single" in strategies):
-            raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, zero2 or zero3, with "
-                                     f"gpipe or 1f1b", param_hint="'--cp'")
+        if cp > 1 and "single" in strategies:
+            raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, zero2 or zero3",
+                                     param_hint="'--cp'")
         bad = [s for s in strategies if s not in (*PP_PROBE_STRATEGIES, "zero2")]
         if bad:
             raise click.BadParameter(f"{', '.join(bad)} with --pp={pp}: the pipeline probe runs each stage alone "
                                      f"(single) or over 2 replicas under ddp, zero2 or zero3 (FSDP2)",
                                      param_hint="'--strategy'")
-        multi = [s for s in strategies if s != "single"]
-        if pp_schedule == "interleaved-1f1b" and multi:
-            raise click.BadParameter(f"{multi[0]} with --pp-schedule interleaved-1f1b: the probe runs the interleaved "
-                                     "schedule without data parallelism (single)", param_hint="'--strategy'")
-        strategies = strategies or (("single",) if pp_schedule == "interleaved-1f1b" else
-                                    ("ddp", "zero3") if cp > 1 else PP_PROBE_STRATEGIES)
+        if pp_schedule != "1f1b" and "ddp" in strategies:
+            raise click.BadParameter(f"ddp with --pp-schedule {pp_schedule}: torch's DDP reducer stops under it "
+                                     f"(1f1b runs); use zero2 or zero3", param_hint="'--strategy'")
+        defaults = PP_PROBE_STRATEGIES if pp_schedule == "1f1b" else ("single", "zero3")
+        strategies = strategies or tuple(s for s in defaults if not (cp > 1 and s == "single"))
     if cp > 1:
         if matrix or module_spec is not None:
             raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder; drop "

@@ -45,12 +45,12 @@ def test_prediction_is_the_most_loaded_rank():
 
 @pytest.mark.parametrize("args, needle", [
     (["--pp", "2", "--strategy", "zero1"], "zero1 with --pp=2"),
-    (["--pp", "2", "--strategy", "zero3", "--pp-schedule", "interleaved-1f1b"], "without data parallelism"),
+    (["--pp", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "DDP reducer stops"),
+    (["--pp", "2", "--strategy", "ddp", "--pp-schedule", "interleaved-1f1b"], "DDP reducer stops"),
     (["--pp-microbatches", "3"], "needs --pp > 1"),
     (["--pp", "2", "--precision", "bf16-mixed"], "runs fp32"),
     (["--pp", "2", "--tp", "2"], "drop --tp"),
     (["--pp", "2", "--cp", "2", "--strategy", "single"], "under ddp"),
-    (["--pp", "2", "--cp", "2", "--pp-schedule", "interleaved-1f1b"], "under ddp"),
     (["--pp", "2", "--cp", "3"], "multiple of 2 x cp"),
     (["--pp", "2", "--matrix"], "--matrix"),
 ])

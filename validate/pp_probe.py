@@ -39,6 +39,11 @@ import os
 import sys
 
 
+DDP_SCHEDULE_ERROR = ("DistributedDataParallel stops in its reducer's first bucket rebuild under ScheduleGPipe and "
+                      "ScheduleInterleaved1F1B (\"rebuilt parameter indices size is not same as original model "
+                      "parameters size\", torch 2.13, with or without checkpointing); Schedule1F1B runs")
+
+
 def stage_layers(layers: int, pp: int, stage: int) -> range:
     """The decoder layers of `stage`: an even split, the first `layers % pp` stages one layer more."""
     base, extra = divmod(layers, pp)
@@ -152,8 +157,6 @@ def run(spec: dict) -> dict:
         torch.manual_seed(int(spec.get("seed", 0)) + stage_idx)
         interleaved = spec["schedule"] == "interleaved-1f1b"
         v = 2 if interleaved else 1  # torchtitan's stages per rank for the looped schedules
-        if interleaved and strategy != "single":
-            raise ValueError("schedule='interleaved-1f1b': the probe runs it without data parallelism (single)")
         # interleaved: rank r holds stages r and r + pp of pp * v (ScheduleInterleaved1F1B's loop order)
         positions = None
         if cp > 1:  # this rank's head-tail positions of each sequence (validate/cp.py)
@@ -163,10 +166,11 @@ def run(spec: dict) -> dict:
             positions = head_tail_indices(s, cp, cp_idx)
         models = [build_stage(mspec, stage_idx + k * pp, pp * v, train.get("attention", "sdpa"),
                               train.get("checkpointing", "none"), cp_group, positions) for k in range(v)]
-        model = models[0] if v == 1 else nn.ModuleList(models)
-        if strategy == "ddp":  # PipelineStage runs it under no_sync until the last micro-batch
+        if strategy == "ddp" and spec["schedule"] != "1f1b":
+            raise ValueError(f"ddp with schedule={spec['schedule']!r}: {DDP_SCHEDULE_ERROR}")
+        if strategy == "ddp":  # each stage of the rank; PipelineStage runs it under no_sync until the last micro-batch
             from torch.nn.parallel import DistributedDataParallel
-            model = models[0] = DistributedDataParallel(model, process_group=dp_group)
+            models = [DistributedDataParallel(mod, process_group=dp_group) for mod in models]
         elif strategy in ("zero2", "zero3"):
             # FSDP2 as torchtitan applies it with pipeline stages (`apply_fsdp`: `fully_shard` per block,
             # then the stage, over the dp x cp mesh dimension, reshard_after_forward off with PP);
@@ -179,6 +183,7 @@ def run(spec: dict) -> dict:
                 for block in mod.layers.values():
                     fully_shard(block, mesh=mesh, reshard_after_forward=False)
                 fully_shard(mod, mesh=mesh, reshard_after_forward=False)
+        model = models[0] if v == 1 else nn.ModuleList(models)
         opt = make_optimizer(model.parameters(), train)
         stages = [PipelineStage(mod, stage_idx + k * pp, pp * v, device, group=pp_group)
                   for k, mod in enumerate(models)]
