@@ -31,9 +31,9 @@ RAM_FRACTION = 0.5
 """A user-given model must fit in this fraction of free RAM (CPU), across all local ranks."""
 
 PP_PROBE_STRATEGIES = ("single", "ddp", "zero3")
-"""What the pipeline probe (validate/pp_probe.py) runs on each stage; zero2 too, which under pipeline
-stages is zero3's twin (FSDP2 with reshard_after_forward off, torchtitan's choice with PP), so by default
-the probe runs zero3 alone."""
+"""What `validate --pp` runs on each stage by default; on request also zero1 (DDP with
+ZeroRedundancyOptimizer over the stage's ranks) and zero2, which under pipeline stages is zero3's twin
+(FSDP2 with reshard_after_forward off, torchtitan's choice with PP)."""
 
 
 def _strategies(ctx, param, values):
@@ -260,13 +260,14 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         if cp > 1 and "single" in strategies:
             raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, zero2 or zero3",
                                      param_hint="'--cp'")
-        bad = [s for s in strategies if s not in (*PP_PROBE_STRATEGIES, "zero2")]
+        bad = [s for s in strategies if s not in (*PP_PROBE_STRATEGIES, "zero1", "zero2")]
         if bad:
             raise click.BadParameter(f"{', '.join(bad)} with --pp={pp}: the pipeline probe runs each stage alone "
-                                     f"(single) or over 2 replicas under ddp, zero2 or zero3 (FSDP2)",
+                                     f"(single) or over 2 replicas under ddp, zero1, zero2 or zero3 (FSDP2)",
                                      param_hint="'--strategy'")
-        if pp_schedule != "1f1b" and "ddp" in strategies:
-            raise click.BadParameter(f"ddp with --pp-schedule {pp_schedule}: torch's DDP reducer stops under it "
+        ddp = [s for s in strategies if s in ("ddp", "zero1")]
+        if pp_schedule != "1f1b" and ddp:
+            raise click.BadParameter(f"{ddp[0]} with --pp-schedule {pp_schedule}: torch's DDP reducer stops under it "
                                      f"(1f1b runs); use zero2 or zero3", param_hint="'--strategy'")
         defaults = PP_PROBE_STRATEGIES if pp_schedule == "1f1b" else ("single", "zero3")
         strategies = strategies or tuple(s for s in defaults if not (cp > 1 and s == "single"))

@@ -41,6 +41,8 @@ CASES = [
     # FSDP2 stages as torchtitan applies them with PP (reshard_after_forward off): parameters all-gathered
     # once per step, gradients accumulated unsharded, one reduce-scatter per unit at the last micro-batch
     ("llama8-pp2-dp2-zero3-1f1b-m4", LLAMA_8L, 2, "1f1b", 4, "none", 2, "zero3"),
+    # ZeRO-1: DDP and ZeroRedundancyOptimizer over the stage's dp ranks (the parameters' broadcast after the step)
+    ("llama8-pp2-dp2-zero1-1f1b-m4", LLAMA_8L, 2, "1f1b", 4, "none", 2, "zero1"),
     ("llama8-pp2-dp2-zero2-gpipe-m4-full", LLAMA_8L, 2, "gpipe", 4, "full", 2, "zero2"),
 ]
 
@@ -64,15 +66,24 @@ def test_pp_probe_matches_stage_walk(case):
     assert result["status"] == "ok", result
     predicted = predict(spec)
     assert len(result["ranks"]) == world
+    # ZeRO-1: the planner predicts the most loaded rank of each stage's partition (ZeroRedundancyOptimizer's
+    # greedy one); the other ranks hold less optimizer state, so their components are not compared
+    most = {}
+    for meas in result["ranks"]:
+        k = meas["stage"]
+        if k not in most or meas["components"]["optimizer"] > most[k]["components"]["optimizer"]:
+            most[k] = meas
     for meas, pred in zip(result["ranks"], predicted):
         err = (pred["peak_bytes"] - meas["peak_bytes"]) / meas["peak_bytes"]
         detail = f"rank {meas['rank']}: predicted {pred['peak_bytes']:,} measured {meas['peak_bytes']:,} ({err:+.4%})"
         assert abs(err) < 0.05, detail
+        assert _sorted(meas["collectives"]) == _sorted(pred["collectives"]), detail
+        if spec["strategy"] == "zero1" and most[meas["stage"]] is not meas:
+            continue
         for k in COMPONENTS:
             assert abs(pred["components"][k] - meas["components"][k]) <= 4096, (
                 f"{detail}; {k}: predicted {pred['components'][k]:,} measured {meas['components'][k]:,}")
         assert pred["peak_phase"] == meas["peak_phase"], detail
-        assert _sorted(meas["collectives"]) == _sorted(pred["collectives"]), detail
 
 
 # Interleaved 1F1B (`ScheduleInterleaved1F1B`, 2 stages per rank), walked in the schedule's own action

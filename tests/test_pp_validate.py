@@ -26,7 +26,7 @@ def test_matrix_has_the_pp_probes():
     assert {s["schedule"] for s in specs} == {"1f1b", "gpipe"} and {s["dp"] for s in specs} == {1, 2}
     assert [s["cp"] for s in specs].count(2) == 1  # one probe of CP x PP (ring attention in each stage)
     assert mx.pp_matrix({"gpus": 2}) == []  # the pipeline probe runs gloo only
-    assert not mx.pp_matrix({"gpus": 0}, ["zero1"])
+    assert not mx.pp_matrix({"gpus": 0}, ["fsdp"])
     assert [s["strategy"] for s in mx.pp_matrix({"gpus": 0}, ["zero3"])] == ["zero3"]
     # launched as the pipeline probe, one process per stage and replica
     argv = probe_argv(specs[2], "s.json", "o.json")
@@ -44,7 +44,8 @@ def test_prediction_is_the_most_loaded_rank():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--pp", "2", "--strategy", "zero1"], "zero1 with --pp=2"),
+    (["--pp", "2", "--strategy", "fsdp"], "fsdp with --pp=2"),
+    (["--pp", "2", "--strategy", "zero1", "--pp-schedule", "gpipe"], "DDP reducer stops"),
     (["--pp", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "DDP reducer stops"),
     (["--pp", "2", "--strategy", "ddp", "--pp-schedule", "interleaved-1f1b"], "DDP reducer stops"),
     (["--pp-microbatches", "3"], "needs --pp > 1"),

@@ -123,9 +123,9 @@ def run(spec: dict) -> dict:
     strategy = spec.get("strategy", "single")
     if world != pp * dp * cp:
         raise ValueError(f"world size {world} != pp {pp} x dp {dp} x cp {cp}")
-    if strategy not in ("single", "ddp", "zero2", "zero3") or (strategy == "single") != (dp * cp == 1):
+    if strategy not in ("single", "ddp", "zero1", "zero2", "zero3") or (strategy == "single") != (dp * cp == 1):
         raise ValueError(f"strategy={strategy!r} with dp={dp}, cp={cp}: the probe runs single (dp x cp = 1), or "
-                         f"ddp, zero2 or zero3 (dp x cp > 1)")
+                         f"ddp, zero1, zero2 or zero3 (dp x cp > 1)")
     # the mesh (pp, dp, cp), pp outermost as torchtitan lays it out: rank = stage * dp * cp + replica * cp +
     # cp index; DDP runs over a stage's dp x cp ranks (torchtitan's dp_cp), the ring over its cp ranks
     stage_idx, within = divmod(rank, dp * cp)
@@ -166,9 +166,9 @@ def run(spec: dict) -> dict:
             positions = head_tail_indices(s, cp, cp_idx)
         models = [build_stage(mspec, stage_idx + k * pp, pp * v, train.get("attention", "sdpa"),
                               train.get("checkpointing", "none"), cp_group, positions) for k in range(v)]
-        if strategy == "ddp" and spec["schedule"] != "1f1b":
-            raise ValueError(f"ddp with schedule={spec['schedule']!r}: {DDP_SCHEDULE_ERROR}")
-        if strategy == "ddp":  # each stage of the rank; PipelineStage runs it under no_sync until the last micro-batch
+        if strategy in ("ddp", "zero1") and spec["schedule"] != "1f1b":
+            raise ValueError(f"{strategy} with schedule={spec['schedule']!r}: {DDP_SCHEDULE_ERROR}")
+        if strategy in ("ddp", "zero1"):  # each stage of the rank; PipelineStage runs it under no_sync until the last micro-batch
             from torch.nn.parallel import DistributedDataParallel
             models = [DistributedDataParallel(mod, process_group=dp_group) for mod in models]
         elif strategy in ("zero2", "zero3"):
@@ -184,7 +184,8 @@ def run(spec: dict) -> dict:
                     fully_shard(block, mesh=mesh, reshard_after_forward=False)
                 fully_shard(mod, mesh=mesh, reshard_after_forward=False)
         model = models[0] if v == 1 else nn.ModuleList(models)
-        opt = make_optimizer(model.parameters(), train)
+        # zero1: DDP and ZeroRedundancyOptimizer over the stage's dp x cp ranks
+        opt = make_optimizer(model.parameters(), train, zero=strategy == "zero1", group=dp_group)
         stages = [PipelineStage(mod, stage_idx + k * pp, pp * v, device, group=pp_group)
                   for k, mod in enumerate(models)]
         if interleaved:
@@ -225,7 +226,7 @@ def run(spec: dict) -> dict:
                 unsharded = getattr(fp, "_unsharded_param", None)
                 if unsharded is not None:
                     put(unsharded.grad, "grads")
-            for st in opt.state.values():
+            for st in getattr(opt, "optim", opt).state.values():  # ZeroRedundancyOptimizer: its local optimizer
                 for v in st.values():
                     put(v, "optimizer")
             return out

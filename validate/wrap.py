@@ -91,8 +91,9 @@ class WrapContext:
         return roles
 
 
-def make_optimizer(params, train: dict, zero: bool = False):
-    """torch.optim optimizer from train['optimizer'] and train['optimizer_impl'] (explicit foreach)."""
+def make_optimizer(params, train: dict, zero: bool = False, group=None):
+    """torch.optim optimizer from train['optimizer'] and train['optimizer_impl'] (explicit foreach); `zero`:
+    wrapped in ZeroRedundancyOptimizer over `group` (default: the world)."""
     name, impl = train.get("optimizer", "adamw"), train.get("optimizer_impl", "foreach")
     table = {
         "adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}), "sgd": (torch.optim.SGD, {}),
@@ -112,7 +113,7 @@ def make_optimizer(params, train: dict, zero: bool = False):
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kw)
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=group, **kw)
     return cls(params, **kw)
 
 
