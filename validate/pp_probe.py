@@ -5,7 +5,9 @@
 Spec: {"model": ModelSpec fields, "train": {"seq_len", "micro_batch", "optimizer", "optimizer_impl",
 "checkpointing" (none, or full: non-reentrant `torch.utils.checkpoint` per block)},
 "pp": stages, "dp": replicas (default 1), "cp": context-parallel ranks (default 1), "strategy": "single"
-(dp x cp = 1) | "ddp", "schedule": "gpipe" | "1f1b" | "interleaved-1f1b", "microbatches": M, "steps",
+(dp x cp = 1) | "ddp" | "zero1" | "zero2" | "zero3", "schedule": "gpipe" | "1f1b" | "interleaved-1f1b" |
+"interleaved-zb" | "zbv" (the zero-bubble schedules are measured here but not modelled by the planner yet),
+"microbatches": M, "steps",
 "warmup_steps"}. fp32 on the CPU (gloo), pp x dp x cp processes on the mesh (pp, dp, cp), pp outermost
 as torchtitan lays it out (rank = stage x dp x cp + replica x cp + cp index); with ddp each stage is
 wrapped in `DistributedDataParallel` over its dp x cp ranks (torchtitan's `dp_cp`), and `PipelineStage`
@@ -155,17 +157,21 @@ def run(spec: dict) -> dict:
         tracker.events = []
     with tracker:
         torch.manual_seed(int(spec.get("seed", 0)) + stage_idx)
-        interleaved = spec["schedule"] == "interleaved-1f1b"
+        sched_name = spec["schedule"]
+        interleaved = sched_name in ("interleaved-1f1b", "interleaved-zb", "zbv")
         v = 2 if interleaved else 1  # torchtitan's stages per rank for the looped schedules
-        # interleaved: rank r holds stages r and r + pp of pp * v (ScheduleInterleaved1F1B's loop order)
+        # interleaved: rank r holds stages r and r + pp of pp * v (the looped schedules' order); zbv: r and
+        # 2 pp - 1 - r (ScheduleZBVZeroBubble's "v" mapping, `generate_stage_to_rank_mapping`)
+        stage_ids = ([stage_idx, 2 * pp - 1 - stage_idx] if sched_name == "zbv"
+                     else [stage_idx + k * pp for k in range(v)])
         positions = None
         if cp > 1:  # this rank's head-tail positions of each sequence (validate/cp.py)
             from .cp import head_tail_indices
             if mspec.position != "rope":
                 raise ValueError("cp > 1: context parallelism runs the RoPE decoder (learned positions are not sharded)")
             positions = head_tail_indices(s, cp, cp_idx)
-        models = [build_stage(mspec, stage_idx + k * pp, pp * v, train.get("attention", "sdpa"),
-                              train.get("checkpointing", "none"), cp_group, positions) for k in range(v)]
+        models = [build_stage(mspec, j, pp * v, train.get("attention", "sdpa"),
+                              train.get("checkpointing", "none"), cp_group, positions) for j in stage_ids]
         if strategy in ("ddp", "zero1") and spec["schedule"] != "1f1b":
             raise ValueError(f"{strategy} with schedule={spec['schedule']!r}: {DDP_SCHEDULE_ERROR}")
         if strategy in ("ddp", "zero1"):  # each stage of the rank; PipelineStage runs it under no_sync until the last micro-batch
@@ -186,10 +192,12 @@ def run(spec: dict) -> dict:
         model = models[0] if v == 1 else nn.ModuleList(models)
         # zero1: DDP and ZeroRedundancyOptimizer over the stage's dp x cp ranks
         opt = make_optimizer(model.parameters(), train, zero=strategy == "zero1", group=dp_group)
-        stages = [PipelineStage(mod, stage_idx + k * pp, pp * v, device, group=pp_group)
-                  for k, mod in enumerate(models)]
+        stages = [PipelineStage(mod, j, pp * v, device, group=pp_group) for j, mod in zip(stage_ids, models)]
         if interleaved:
-            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=loss_fn)
+            from torch.distributed.pipelining import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+            cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
+                   "zbv": ScheduleZBVZeroBubble}[sched_name]
+            schedule = cls(stages, n_microbatches=M, loss_fn=loss_fn)
         else:
             sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
             schedule = sched_cls(stages[0], n_microbatches=M, loss_fn=loss_fn)
@@ -203,6 +211,7 @@ def run(spec: dict) -> dict:
         for st_ in stages:
             st_.forward_one_chunk = phased(st_.forward_one_chunk, "forward")
             st_.backward_one_chunk = phased(st_.backward_one_chunk, "backward")
+            st_.backward_weight_one_chunk = phased(st_.backward_weight_one_chunk, "backward")
 
         params = list(model.parameters())  # as wrapped (FSDP2: the sharded DTensors, not the unsharded views)
         fsdp_params = [fp for mod in models for m in mod.modules() if hasattr(m, "_get_fsdp_state")
@@ -237,7 +246,7 @@ def run(spec: dict) -> dict:
         targets = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
         if cp > 1:
             tokens, targets = tokens[:, positions], targets[:, positions]
-        first, last = stage_idx == 0, stage_idx == pp - 1
+        first, last = 0 in stage_ids, pp * v - 1 in stage_ids
         if not first:
             tokens = None
         if not last:
