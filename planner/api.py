@@ -504,6 +504,7 @@ class _PPCheck:
     pp_schedule: str
     pp_microbatches: int
     cpu_offload: str
+    checkpointing: str
 
 
 def plan(model: str | ModelSpec | None = None, *, params: str | int | float | None = None,
@@ -537,7 +538,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF (expandable_segments, max_split_size_mb), which the
             reserved peak's allocator replay follows.
         pp, pp_schedule, pp_microbatches: pipeline stages (torch.distributed.pipelining; the strategies
-            run over gpus / (tp * pp) ranks), the schedule (gpipe, 1f1b, interleaved-1f1b) and the
+            run over gpus / (tp * pp) ranks), the schedule (gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv) and the
             micro-batches per step (default 2 * pp) (pp.py).
         cp: context-parallel degree (torchtitan's `context_parallel`: each sequence split over cp ranks,
             ring attention; the strategies run over the dp x cp ranks) (cp.py).
@@ -608,7 +609,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                              + ", ".join(str(d) for d in range(1, cluster.gpus // tp + 1)
                                          if (cluster.gpus // tp) % d == 0 and d <= spec.layers))
         from .pp import check_pp
-        check_pp(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches, cpu_offload), "--pp")
+        check_pp(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches, cpu_offload,
+                          activation_checkpointing), "--pp")
     cp = check_count("cp", cp)
     if cp > 1:
         from .cp import check_cp

@@ -628,7 +628,8 @@ def _pp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_ex
         out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
         if s.family == "fsdp2":
             from .pp import fsdp2_gathers_once
-            out = fsdp2_gathers_once(out, train.pp_microbatches)
+            out = fsdp2_gathers_once(out, train.pp_microbatches, train, 0 if view is views[0] else train.pp - 1,
+                                     dpc.gpus)
     if train.tp > 1:  # the embedding's and the head's TP collectives only on the stages that hold them
         m = view.model
         raw = [c for c in tp_raw_schedule(view, s.family)
@@ -739,7 +740,7 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, every: bool, framewo
     out: list[tuple] = []
 
     def add(op, group, n, dtype, msg, calls, phase, unit):
-        if calls > 0:
+        if calls > 0 and msg > 0:  # (a pipeline stage between the first and the last has no root)
             out.append((op, group, n, dtype, int(msg), int(calls), phase, unit))
 
     # Micro-steps that reduce gradients: all A unless the others run without sync (DDP's and FSDP1's

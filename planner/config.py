@@ -8,7 +8,7 @@ from .model import ModelSpec, cached_hash, state_without_hash
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
 from .units import LIMITS, check_count, short_repr
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
 """`torch.distributed.pipelining` ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (planner/pp.py)."""
 
 CHECKPOINTING = ("none", "selective", "selective-op", "full", "every-2", "every-3", "every-4")
@@ -102,7 +102,7 @@ class TrainConfig:
     """Pipeline-parallel stages (`torch.distributed.pipelining`, one stage per rank of the pp mesh
     dimension); the data-parallel strategies run over gpus / (tp * pp) ranks (planner/pp.py)."""
     pp_schedule: str = "1f1b"
-    """gpipe, 1f1b or interleaved-1f1b (`pp.PP_SCHEDULES`)."""
+    """gpipe, 1f1b, interleaved-1f1b, interleaved-zb or zbv (`pp.PP_SCHEDULES`)."""
     pp_microbatches: int = 1
     """Micro-batches of `micro_batch` sequences per optimizer step with pp > 1 (grad_accum stays 1)."""
     cp: int = 1

@@ -123,9 +123,9 @@ def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:
     n = train.micro_batch * train.seq_len  # this rank's tokens
     layers, steps = m.layers, train.grad_accum
     if train.pp > 1:  # the busiest pipeline rank: its stages' layers, once per micro-batch (pp.py)
-        from .pp import stage_layers, virtual_stages
+        from .pp import rank_stage_ids, stage_layers, virtual_stages
         v = virtual_stages(train.pp_schedule)
-        layers = sum(stage_layers(m.layers, train.pp * v, k * train.pp) for k in range(v))
+        layers = sum(stage_layers(m.layers, train.pp * v, sid) for sid in rank_stage_ids(train.pp_schedule, train.pp, 0))
         steps = train.pp_microbatches
     calls = layers * steps
     every = checkpoint_every(train.checkpointing)

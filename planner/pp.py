@@ -57,12 +57,17 @@ micro-batch) holds its layers' activations, and every tensor the rank has sent s
 step ends (`_PipelineScheduleRuntime` waits for its sends only then); measured on gloo probes within
 -1.3% / +3.6% per rank (tests/test_pp_probe.py).
 
+The zero-bubble schedules (`ZERO_BUBBLE`: `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`) are
+walked in their own order (`zero_bubble_actions`) with the backward split into an input pass that keeps
+the chunk's graph and the gradients at its weight ops until the weight pass (`_zero_bubble_walk`); probed
+within -3.4% / +4.8% per rank; refused with activation checkpointing (`check_pp`).
+
 Known limitations: interleaved 1F1B's instants are the 1F1B ones at chunk granularity (the last
-layer's MLP backward), with no separate first-layer or loss instant; zero-bubble schedules
-(`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`) are not modelled; the p2p time is added
-for the fill and drain only (steady-state sends overlap compute); zero1 under PP is not probed (the
-pipeline probe runs single, DDP and FSDP2: zero2 / zero3 with reshard_after_forward off, torchtitan's PP
-setting; a user's FSDP2 that reshards after forward all-gathers every micro-batch, not modelled).
+layer's MLP backward), with no separate first-layer or loss instant; the zero-bubble walk has one
+instant per pass (the end of I, the start of W); the p2p time is added for the fill and drain only
+(steady-state sends overlap compute); DDP and ZeRO-1 run under 1F1B only (torch's reducer stops under the
+others); FSDP2 follows torchtitan's PP setting (reshard_after_forward off): a user's FSDP2 that reshards
+after forward all-gathers every micro-batch, not modelled.
 """
 
 from __future__ import annotations
@@ -81,8 +86,121 @@ PP_VIRTUAL_STAGES = 2
 """Stages per rank for interleaved-1f1b (torchtitan's default: 2 per rank for the looped schedules)."""
 
 
+ZERO_BUBBLE = ("interleaved-zb", "zbv")
+"""The zero-bubble schedules (Qi et al. 2024, arXiv:2401.10241): `ScheduleInterleavedZeroBubble` (the
+paper's ZB1P, looped over 2 stages per rank) and `ScheduleZBVZeroBubble` (ZB-V: 2 stages per rank in a V,
+rank r holding stages r and 2p - 1 - r). Each backward is split into an input-gradient pass (I) and a
+weight-gradient pass (W) run later (`zero_bubble_actions`)."""
+
+
 def virtual_stages(schedule: str) -> int:
-    return PP_VIRTUAL_STAGES if schedule == "interleaved-1f1b" else 1
+    return PP_VIRTUAL_STAGES if schedule in ("interleaved-1f1b", *ZERO_BUBBLE) else 1
+
+
+def rank_stage_ids(schedule: str, pp: int, rank: int) -> list[int]:
+    """The global ids of pipeline rank `rank`'s stages: rank + k pp for the looped schedules, rank and
+    2 pp - 1 - rank for zbv (`generate_stage_to_rank_mapping(style="v")`)."""
+    if schedule == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual_stages(schedule))]
+
+
+def zero_bubble_actions(schedule: str, pp: int, M: int, rank: int) -> list[tuple[int, str, int]]:
+    """(local stage k, 'F' | 'I' | 'W', micro-batch) in the order the zero-bubble schedule runs them on
+    `rank` (ports of `_calculate_single_rank_operations`: interleaved-zb through `_get_warmup_ops` with
+    multiply_factor 1 and `_get_1f1b_rank_ops(enable_zero_bubble=True)`, whose weight passes start
+    `rank` steps into the steady state; zbv in its warm-up / stable / cool-down phases, planned for
+    max(2 pp - 1, M) micro-batches and the ones past M dropped). The padding (`None` slots, the bubbles)
+    does not change a rank's order."""
+    out: list[tuple[int, str, int]] = []
+    if schedule == "interleaved-zb":
+        v = PP_VIRTUAL_STAGES
+        rounds = max(1, M // pp)
+        per_round = M // rounds
+        warm = min((v - 1) * per_round + (pp - 1 - rank), M * v)
+        total = M * v
+        steady = total - warm
+        cnt = {kind: [0] * v for kind in "FIW"}
+
+        def act(kind, k):
+            out.append((k, kind, cnt[kind][k]))
+            cnt[kind][k] += 1
+
+        def fwd_k(step):
+            return (step // per_round) % v
+
+        def bwd_k(step):
+            return v - 1 - ((step - warm) // per_round) % v
+
+        bwd_ops: list[int] = []
+        w = 0
+        for op in range(warm + steady + warm):
+            if op >= warm + steady or op >= warm:
+                if op < warm + steady:
+                    act("F", fwd_k(op))
+                act("I", bwd_k(op))
+                bwd_ops.append(op)
+                if op - warm >= rank:
+                    act("W", bwd_k(bwd_ops[w]))
+                    w += 1
+            else:
+                act("F", fwd_k(op))
+        while w < len(bwd_ops):
+            act("W", bwd_k(bwd_ops[w]))
+            w += 1
+        return out
+    if schedule != "zbv":
+        raise ValueError(f"zero_bubble_actions: schedule {schedule!r}: accepted: {', '.join(ZERO_BUBBLE)}")
+    n = max(2 * pp - 1, M)
+    f, b = [0, 0], [0, 0]
+
+    def add(kind, k, mb):
+        out.append((k, kind, mb))
+
+    for _ in range(2 * (pp - rank) - 1):
+        add("F", 0, f[0])
+        f[0] += 1
+    for _ in range(rank):
+        add("F", 1, f[1])
+        f[1] += 1
+        add("F", 0, f[0])
+        f[0] += 1
+    for _ in range(pp - rank):
+        add("F", 1, f[1])
+        f[1] += 1
+        add("I", 1, b[1])
+        add("W", 1, b[1])
+        b[1] += 1
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            add("F", 0, f[0])
+            f[0] += 1
+        add("I", 0, b[0])
+        add("W", 0, b[0])
+        b[0] += 1
+        add("F", 1, f[1])
+        f[1] += 1
+        add("I", 1, b[1])
+        add("W", 1, b[1])
+        b[1] += 1
+    w = list(b)
+    for _ in range(rank):
+        add("I", 0, b[0])
+        b[0] += 1
+        add("I", 1, b[1])
+        b[1] += 1
+    for _ in range(pp - rank):
+        add("I", 0, b[0])
+        b[0] += 1
+        add("W", 0, w[0])
+        w[0] += 1
+    while w[1] < b[1]:
+        add("W", 1, w[1])
+        w[1] += 1
+    while w[0] < b[0]:
+        add("W", 0, w[0])
+        w[0] += 1
+    return [a for a in out if a[2] < M]
 
 
 def stage_layers(layers: int, stages: int, stage: int) -> int:
@@ -145,8 +263,16 @@ def interleaved_actions(pp: int, M: int, rank: int, v: int = PP_VIRTUAL_STAGES) 
 
 def bubble_fraction(schedule: str, pp: int, M: int) -> float:
     """Idle time over compute time of one stage: (p - 1) / M (GPipe arXiv:1811.06965 §2.2; 1F1B,
-    Narayanan et al. 2021 arXiv:2104.04473 §2.2.1), divided by v for interleaved 1F1B (§2.2.2)."""
-    return (pp - 1) / (virtual_stages(schedule) * M)
+    Narayanan et al. 2021 arXiv:2104.04473 §2.2.1), divided by v for interleaved 1F1B (§2.2.2). The
+    zero-bubble schedules as their authors give them for equal forward, input-gradient and weight-gradient
+    times (Qi et al. 2024, arXiv:2401.10241, ZB-H1 §2.1: a third of 1F1B's bubble; ZB-V §6: none): ZB1P
+    looped over v stages per rank (`interleaved-zb`) (p - 1) / (3 v M), an extrapolation of the paper's
+    ZB-H1 as interleaving divides 1F1B's; `zbv` 0. Real backward passes are not split evenly (attention's
+    backward is all input gradient), so these are lower bounds."""
+    if schedule == "zbv":
+        return 0.0
+    div = 3 if schedule == "interleaved-zb" else 1
+    return (pp - 1) / (div * virtual_stages(schedule) * M)
 
 
 def check_pp(train, flag: str = "--pp") -> None:
@@ -171,11 +297,16 @@ def check_pp(train, flag: str = "--pp") -> None:
     if sched == "1f1b" and M < p:
         raise ValueError(f"{mb}={short_repr(M)}: Schedule1F1B needs at least as many micro-batches as "
                          f"stages ({p}); accepted: {mb} >= {p}")
-    if sched == "interleaved-1f1b":
+    if sched in ("interleaved-1f1b", "interleaved-zb"):
         rounds = max(1, M // p)
         if M % rounds:
-            raise ValueError(f"{mb}={M}: ScheduleInterleaved1F1B needs a multiple of max(1, M // pp) = "
-                             f"{rounds}; accepted: e.g. {rounds * p}")
+            raise ValueError(f"{mb}={M}: {'ScheduleInterleaved1F1B' if sched == 'interleaved-1f1b' else 'ScheduleInterleavedZeroBubble'} "
+                             f"needs a multiple of max(1, M // pp) = {rounds}; accepted: e.g. {rounds * p}")
+    if sched in ZERO_BUBBLE and train.checkpointing != "none":
+        ck = "--activation-checkpointing" if cli else "checkpointing"
+        raise ValueError(f"{ck}={train.checkpointing} with the zero-bubble schedule {sched}: the input-gradient "
+                         f"pass keeps the recomputed blocks past the weight pass (20-37% above a per-chunk "
+                         f"model on the CPU probe); not modelled; accepted: {ck} none")
     if train.framework != "pytorch":
         raise ValueError(f"{flag}={p} with {fw}={train.framework}: pipeline parallelism is modelled for "
                          f"torch.distributed.pipelining; accepted: {fw} pytorch")
@@ -235,8 +366,9 @@ def stage_train(train, stage: int, *, time_view: bool = False):
     if time_view:
         spec = stage_spec(m, train.tp, -(-m.layers // p), True, True)
     else:
-        layers = sum(stage_layers(m.layers, p * v, stage + k * p) for k in range(v))
-        spec = stage_spec(m, train.tp, layers, stage == 0, stage == p - 1)
+        sids = rank_stage_ids(train.pp_schedule, p, stage)
+        layers = sum(stage_layers(m.layers, p * v, sid) for sid in sids)
+        spec = stage_spec(m, train.tp, layers, 0 in sids, p * v - 1 in sids)
     # torch.distributed.pipelining's stage (`_PipelineStageBase.backward_maybe_with_nosync`) runs every
     # micro-batch but the last under DDP's `no_sync()` / FSDP's `set_requires_gradient_sync(False)`.
     return replace(train, model=spec, pp=1, pp_schedule="1f1b", pp_microbatches=1,
@@ -273,15 +405,16 @@ def _res_dtype(train, family: str) -> str:
 
 def p2p_counts(train, rank: int) -> tuple[int, int, int, int]:
     """(activation sends, gradient sends, activation receives, gradient receives) of pipeline rank
-    `rank` per step: each of its stages j (j = rank + k p, k < v) sends its output forward unless it is
+    `rank` per step: each of its stages j (`rank_stage_ids`) sends its output forward unless it is
     the last stage and its input's gradient backward unless it is the first, M times each
     (`PipelineStage.get_fwd_send_ops` / `get_bwd_send_ops`; the receives mirror them)."""
     p, M = train.pp, train.pp_microbatches
     v = virtual_stages(train.pp_schedule)
     S = p * v
-    stages = [rank + k * p for k in range(v)]
-    not_last = sum(j != S - 1 for j in stages)
-    not_first = sum(j != 0 for j in stages)
+    stages = rank_stage_ids(train.pp_schedule, p, rank)
+    # a neighbour on the same rank (zbv's stages p - 1 and p) is handed its tensor without a send
+    not_last = sum(j != S - 1 and j + 1 not in stages for j in stages)
+    not_first = sum(j != 0 and j - 1 not in stages for j in stages)
     return M * not_last, M * not_first, M * not_first, M * not_last
 
 
@@ -334,6 +467,54 @@ def _stages_to_walk(p: int) -> list[int]:
     # (1F1B) or not at all (GPipe), and in their layer count (the first L mod p have one more):
     # the first, the second, the first of the shorter ones and the last bound them
     return sorted({0, 1, p - 2, p - 1} | set(range(min(p, 4))))
+
+
+def _retained_grads(strain, regime: str, n: int) -> int:
+    """Bytes a zero-bubble input-gradient pass (I) keeps per layer until its weight pass (W):
+    `stage_backward_input` hooks the autograd nodes where each weight's path joins the input's (each
+    Linear's mm, each norm) and keeps the gradient of their outputs (`param_group["grads"]`) for
+    `stage_backward_weight`: n x (the Linear output widths + h per norm), in the activations' dtype."""
+    from .activations import block_linears
+    m = strain.model
+    e = 4 if regime == "fp32" else 2
+    widths = sum(o for _, o, _ in block_linears(m, strain.tp)) + 2 * m.hidden
+    return n * widths * e
+
+
+def _zero_bubble_walk(snap, actions, sids, nstages, lay_k, a_k, g_layer, weight_cache, persistent, nh, g_full,
+                      head_g, batch_ids, b_tmp, w_tmp, logits, loss_part):
+    """The instants of a zero-bubble rank (`stage_memory`'s v > 1 walk with the backward split, planner
+    docstring): a chunk (local stage, micro-batch) keeps its activations from F until its W, since the
+    input pass runs `autograd.grad(..., retain_graph=True)`; between I and W it also keeps the retained
+    gradients (`_retained_grads` per layer; the last stage adds the final norm's and the logits'), except the last stage's loss part (the logits and the loss's
+    saved log-probabilities: `stage_backward_input` detaches the loss, and no hooked node reaches back to
+    them, `loss_part`). Stage 0
+    has no input gradient to make: its I does nothing and its W is the whole backward. Every tensor sent
+    stays alive to the end of the step (`_PipelineScheduleRuntime`), as in interleaved 1F1B; a neighbour
+    on the same rank (zbv) gets its tensor without a send."""
+    v = len(sids)
+    g_k = [g_layer * lay_k[k] + ((nh + logits) if sids[k] == nstages - 1 else 0) for k in range(v)]
+    fwd_sends = [sids[k] != nstages - 1 and sids[k] + 1 not in sids for k in range(v)]
+    bwd_sends = [sids[k] != 0 and sids[k] - 1 not in sids for k in range(v)]
+    f, i, w = [0] * v, [0] * v, [0] * v
+    for k, kind, _mb in actions:
+        if kind == "F":
+            f[k] += 1
+            continue
+        acts = sum((f[j] - w[j]) * a_k[j] - ((i[j] - w[j]) * loss_part if sids[j] == nstages - 1 else 0)
+                   for j in range(v)) + weight_cache
+        kept = sum((i[j] - w[j]) * g_k[j] for j in range(v) if sids[j] != 0)
+        sent = sum(f[j] for j in range(v) if fwd_sends[j]) + sum(i[j] for j in range(v) if bwd_sends[j])
+        comm = persistent + sent * nh
+        g = g_full if sum(w) else head_g
+        if kind == "I":
+            if sids[k] != 0:  # at its end: this chunk's retained gradients and the input gradient made
+                snap("backward", int(acts), g, comm, batch_ids + kept + g_k[k] + b_tmp)
+            i[k] += 1
+            continue
+        # W: the weight gradients beside what is kept (stage 0: the whole backward)
+        snap("backward", int(acts), g, comm, batch_ids + kept + (b_tmp if sids[k] == 0 else w_tmp))
+        w[k] += 1
 
 
 def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", backend: str = "nccl",
@@ -483,7 +664,7 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         # holds its own layers' activations, less its receive buffer's share when it is not stage 0,
         # plus the embedding's (stage 0) or the head's and logits (the last stage).
         nstages = p * v
-        sids = [stage + k * p for k in range(v)]
+        sids = rank_stage_ids(sched, p, stage)
         lay_k = [stage_layers(train.model.layers, nstages, sid) for sid in sids]
         per_layer = act.blocks_total / max(1, m.layers)  # this rank's layers' share (RoPE tables spread)
         a_k = []
@@ -492,9 +673,19 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
             if sid == nstages - 1:
                 a += (act.outside - act.inputs) + act.loss_saved + n * vloc * e
             a_k.append(a)
-        persistent = M * nh * (sum(sid != 0 for sid in sids) + sum(sid != nstages - 1 for sid in sids))
+        # receive buffers: activations for each non-first stage, gradients for each non-last one, but none
+        # from a neighbour on this rank (zbv's stages p - 1 and p hand their tensors over directly)
+        persistent = M * nh * (sum(sid != 0 and sid - 1 not in sids for sid in sids)
+                               + sum(sid != nstages - 1 and sid + 1 not in sids for sid in sids))
         f_k, b_k = [0] * v, [0] * v
-        for k, kind, _mb in interleaved_actions(p, M, stage, v):
+        if sched in ZERO_BUBBLE:
+            # with checkpointing the input pass recomputes each block, and the retained graph keeps what it
+            # rebuilt until the weight pass
+            _zero_bubble_walk(snap, zero_bubble_actions(sched, p, M, stage), sids, nstages, lay_k, a_k,
+                              _retained_grads(strain, regime, n), weight_cache, persistent, nh,
+                              g_full, head_g, batch_ids, max(wdown_tmp, blk_tmp - nh - freed), wg * wgrad_b,
+                              n * vloc * e, act.loss_saved + n * vloc * e)
+        for k, kind, _mb in (() if sched in ZERO_BUBBLE else interleaved_actions(p, M, stage, v)):
             if kind == "F":
                 f_k[k] += 1
                 continue
@@ -576,16 +767,26 @@ def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
     key = _schedule_key(view, s.name, dpc.gpus, dpc.local_size, dpc.nodes, DDP_BUCKET_CAP_MB,
                         FSDP2_ROOT_RESHARD_EXPLICIT)
     out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
-    return fsdp2_gathers_once(out, train.pp_microbatches) if s.family == "fsdp2" else out
+    return fsdp2_gathers_once(out, train.pp_microbatches, train, stage, dpc.gpus) if s.family == "fsdp2" else out
 
 
-def fsdp2_gathers_once(collectives, M: int) -> list:
+def fsdp2_gathers_once(collectives, M: int, train=None, stage: int = 0, world: int = 1) -> list:
     """FSDP2 under pipeline stages: the parameters, all-gathered at the first micro-batch's forward, stay
     unsharded through the step (torchtitan's `apply_fsdp` turns `reshard_after_forward` off with PP, and
     `PipelineStage.backward_maybe_with_nosync` calls `set_reshard_after_backward(False)` on every
     backward; the schedule reshards after the last one). So the forward all-gathers run once per step,
     not once per micro-batch, and backward gathers nothing. The reduce-scatters are unchanged (last
-    micro-batch only)."""
+    micro-batch only).
+
+    A rank holding both the first and the last stage as two modules (zbv's rank 0) has two FSDP roots, the
+    embedding's and the final norm's + LM head's, each all-gathered and reduce-scattered on its own."""
+    split = None
+    if train is not None and train.pp_schedule == "zbv" and stage == 0:
+        from .comm import _fsdp2_numel
+        from .model import unit_sizes
+        parts = [_fsdp2_numel(unit_sizes(stage_spec(train.model, train.tp, 1, a, b))[0], world)
+                 for a, b in ((True, False), (False, True))]
+        split = [x / sum(parts) for x in parts if x]
     out = []
     for c in collectives:
         if c.op == "all_gather" and c.phase == "backward":
@@ -593,6 +794,10 @@ def fsdp2_gathers_once(collectives, M: int) -> list:
         if c.op == "all_gather" and c.calls >= M:
             k = c.calls // M
             c = c._replace(calls=k, bytes_per_gpu=c.bytes_per_gpu * k // c.calls, time_s=c.time_s * k / c.calls)
+        if split and c.unit == "root":
+            out += [c._replace(message_bytes=round(c.message_bytes * x), bytes_per_gpu=round(c.bytes_per_gpu * x),
+                               time_s=c.time_s * x) for x in split]
+            continue
         out.append(c)
     return out
 

@@ -166,7 +166,10 @@ def _smallest_change(plan):
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             t = smaller(lo)
             return (f"--micro-batch {lo} --grad-accum {t.grad_accum} (same global batch)", t, cluster)
-    if train.checkpointing != "full":
+    from .pp import ZERO_BUBBLE
+    # the zero-bubble schedules are modelled without checkpointing (pp.check_pp): keep theirs as it is
+    ckpt_ok = not (train.pp > 1 and train.pp_schedule in ZERO_BUBBLE)
+    if train.checkpointing != "full" and ckpt_ok:
         for mode in ("selective", "full"):
             if train.checkpointing == "selective" and mode == "selective":
                 continue
@@ -184,7 +187,7 @@ def _smallest_change(plan):
         # pipeline stages on the same GPUs (fewer layers, so fewer parameters per stage; 1F1B keeps at
         # least one micro-batch per stage), with full checkpointing.
         from .pp import virtual_stages
-        t0 = replace(train, checkpointing="full") if train.checkpointing != "full" else train
+        t0 = replace(train, checkpointing="full") if train.checkpointing != "full" and ckpt_ok else train
         ck = " --activation-checkpointing full" if t0 is not train else ""
         sps = [train.sequence_parallel] + ([True] if train.tp > 1 and not train.sequence_parallel else [])
         for sp in sps:
@@ -203,7 +206,7 @@ def _smallest_change(plan):
                     break
                 p *= 2
     gpus = cluster.gpus
-    t = replace(train, checkpointing="full") if train.checkpointing != "full" else train
+    t = replace(train, checkpointing="full") if train.checkpointing != "full" and ckpt_ok else train
     for _ in range(12):
         gpus *= 2
         if gpus > LIMITS["gpus"][1]:  # no cluster that large exists (units.LIMITS)

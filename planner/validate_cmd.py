@@ -156,10 +156,13 @@ def _timeout(ctx, param, value):
                    "dp x cp ranks; CPU probes only (gloo or the fake process group).")
 @click.option("--pp", type=int, default=1, show_default=True, callback=_positive_int,
               help="Pipeline stages: the reference decoder split evenly and run by torch.distributed.pipelining "
-                   "(gloo, one process per stage; with ddp, 2 replicas per stage); strategies single, ddp.")
-@click.option("--pp-schedule", "pp_schedule", type=click.Choice(("gpipe", "1f1b", "interleaved-1f1b")),
+                   "(gloo, one process per stage; with a data-parallel strategy, 2 replicas per stage); "
+                   "strategies single, ddp, zero1, zero2, zero3.")
+@click.option("--pp-schedule", "pp_schedule", type=click.Choice(("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb",
+                                                                  "zbv")),
               default="1f1b", show_default=True,
-              help="With --pp: the schedule the probe runs (interleaved-1f1b: 2 stages per rank, single only).")
+              help="With --pp: the schedule the probe runs (interleaved and zero-bubble ones: 2 stages per rank; "
+                   "DDP and ZeRO-1 run under 1f1b only; the zero-bubble ones without checkpointing).")
 @click.option("--pp-microbatches", "pp_microbatches", type=int, default=None, callback=_positive_int,
               help="With --pp: micro-batches per step (default 2 x --pp).")
 @click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "

@@ -247,3 +247,48 @@ def test_estimate_prints_the_mesh_and_the_stage():
     assert r.exit_code == 0, r.output
     assert "mesh: pp 2 (gpipe, 8 micro-batches of 1, bubble 12% of compute) x dp 8" in r.output
     assert "pipeline stage" in r.output
+
+
+# -- zero-bubble schedules ---------------------------------------------------------------------------
+
+def test_zero_bubble_schedules_are_planned_without_checkpointing():
+    from distplan.planner.api import plan
+    for sched in ("interleaved-zb", "zbv"):
+        p = plan("llama-3-8b", gpus=16, pp=4, pp_schedule=sched, pp_microbatches=8, strategies=["zero3"])
+        assert p["zero3"].memory.peak_allocated > 0
+        with pytest.raises(ValueError, match="zero-bubble schedule"):
+            plan("llama-3-8b", gpus=16, pp=4, pp_schedule=sched, pp_microbatches=8,
+                 activation_checkpointing="full", strategies=["zero3"])
+
+
+def test_zero_bubble_bubbles_and_stage_placement():
+    from distplan.planner.pp import bubble_fraction, rank_stage_ids
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction("interleaved-1f1b", 4, 8) == pytest.approx(3 / 16)
+    assert bubble_fraction("interleaved-zb", 4, 8) == pytest.approx(3 / 48)  # ZB-H1's third, over v = 2
+    assert bubble_fraction("zbv", 4, 8) == 0.0
+    assert rank_stage_ids("zbv", 4, 0) == [0, 7] and rank_stage_ids("zbv", 4, 3) == [3, 4]
+    assert rank_stage_ids("interleaved-zb", 4, 1) == [1, 5]
+
+
+def test_zbv_neighbours_on_one_rank_send_nothing():
+    """zbv's rank p - 1 holds stages p - 1 and p: the tensor between them is handed over, not sent; rank 0
+    holds the first and the last stage: it receives only gradients for stage 0 and activations for 2p - 1."""
+    from distplan.planner.api import plan
+    from distplan.planner.pp import p2p_counts
+    t = plan("llama-3-8b", gpus=8, pp=4, pp_schedule="zbv", pp_microbatches=8, strategies=["zero3"]).train
+    assert p2p_counts(t, 3) == (8, 8, 8, 8)  # stage 3 -> (local 4); stage 4 -> rank 2's stage 5, and back
+    assert p2p_counts(t, 0) == (8, 8, 8, 8)  # stage 0 sends forward, stage 7 sends its input's gradient
+    looped = plan("llama-3-8b", gpus=8, pp=4, pp_schedule="interleaved-zb", pp_microbatches=8, strategies=["zero3"]).train
+    assert p2p_counts(looped, 1) == (16, 16, 16, 16)
+
+
+def test_zbv_fsdp2_rank_0_has_two_roots():
+    """FSDP2 on zbv's rank 0: the first stage's module (the embedding) and the last's (final norm + head)
+    are two FSDP roots, each all-gathered once per step."""
+    from distplan.planner.api import plan
+    p = plan("llama-3-8b", gpus=16, pp=4, pp_schedule="zbv", pp_microbatches=8, strategies=["zero3"])
+    roots = [c for c in p["zero3"].collectives if c.unit == "root" and c.op == "all_gather"]
+    assert len(roots) == 2 and all(c.calls == 1 for c in roots)
+    emb = 128256 * 4096 * 2  # bf16 parameters all-gathered (dp 4 divides the rows)
+    assert sorted(c.message_bytes for c in roots) == sorted([emb, emb + 4096 * 2])
