@@ -492,9 +492,10 @@ def _check_pp(pp: int, schedule: str, microbatches, spec_model: dict, train: dic
                                  param_hint="'--pp'")
     try:
         TrainConfig(ModelSpec(**spec_model), pp=pp, pp_schedule=schedule, pp_microbatches=microbatches or 2 * pp,
-                    seq_len=train["seq_len"], micro_batch=train["micro_batch"])
+                    seq_len=train["seq_len"], micro_batch=train["micro_batch"], checkpointing=train["checkpointing"])
     except ValueError as e:
-        raise click.BadParameter(str(e).replace("pp=", "--pp=", 1), param_hint="'--pp'")
+        raise click.BadParameter(str(e).replace("pp=", "--pp=", 1).replace("checkpointing", "--activation-checkpointing"),
+                                 param_hint="'--pp'")
 
 
 def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world: int, hw: dict) -> None:

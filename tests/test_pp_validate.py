@@ -45,6 +45,8 @@ def test_prediction_is_the_most_loaded_rank():
 
 @pytest.mark.parametrize("args, needle", [
     (["--pp", "2", "--strategy", "fsdp"], "fsdp with --pp=2"),
+    (["--pp", "2", "--layers", "8", "--pp-schedule", "zbv", "--activation-checkpointing", "full"],
+     "accepted: --activation-checkpointing none"),
     (["--pp", "2", "--strategy", "zero1", "--pp-schedule", "gpipe"], "DDP reducer stops"),
     (["--pp", "2", "--strategy", "ddp", "--pp-schedule", "gpipe"], "DDP reducer stops"),
     (["--pp", "2", "--strategy", "ddp", "--pp-schedule", "interleaved-1f1b"], "DDP reducer stops"),
