@@ -113,93 +113,63 @@ def zero_bubble_actions(schedule: str, pp: int, M: int, rank: int) -> list[tuple
     max(2 pp - 1, M) micro-batches and the ones past M dropped). The padding (`None` slots, the bubbles)
     does not change a rank's order."""
     out: list[tuple[int, str, int]] = []
+    cnt = {kind: [0, 0] for kind in "FIW"}  # per pass kind and local stage: the next micro-batch
+
+    def act(kind: str, k: int, times: int = 1) -> None:
+        for _ in range(times):
+            out.append((k, kind, cnt[kind][k]))
+            cnt[kind][k] += 1
+
     if schedule == "interleaved-zb":
         v = PP_VIRTUAL_STAGES
         rounds = max(1, M // pp)
         per_round = M // rounds
         warm = min((v - 1) * per_round + (pp - 1 - rank), M * v)
-        total = M * v
-        steady = total - warm
-        cnt = {kind: [0] * v for kind in "FIW"}
-
-        def act(kind, k):
-            out.append((k, kind, cnt[kind][k]))
-            cnt[kind][k] += 1
-
-        def fwd_k(step):
-            return (step // per_round) % v
+        steady = M * v - warm
+        bwd_ops: list[int] = []
 
         def bwd_k(step):
             return v - 1 - ((step - warm) // per_round) % v
 
-        bwd_ops: list[int] = []
-        w = 0
         for op in range(warm + steady + warm):
-            if op >= warm + steady or op >= warm:
-                if op < warm + steady:
-                    act("F", fwd_k(op))
-                act("I", bwd_k(op))
-                bwd_ops.append(op)
-                if op - warm >= rank:
-                    act("W", bwd_k(bwd_ops[w]))
-                    w += 1
-            else:
-                act("F", fwd_k(op))
-        while w < len(bwd_ops):
-            act("W", bwd_k(bwd_ops[w]))
-            w += 1
+            if op < warm + steady:
+                act("F", (op // per_round) % v)
+            if op < warm:
+                continue
+            act("I", bwd_k(op))
+            bwd_ops.append(op)
+            if op - warm >= rank:  # the weight passes start `rank` steps into the steady state
+                act("W", bwd_k(bwd_ops[cnt["W"][0] + cnt["W"][1]]))
+        for op in bwd_ops[cnt["W"][0] + cnt["W"][1]:]:
+            act("W", bwd_k(op))
         return out
     if schedule != "zbv":
         raise ValueError(f"zero_bubble_actions: schedule {schedule!r}: accepted: {', '.join(ZERO_BUBBLE)}")
     n = max(2 * pp - 1, M)
-    f, b = [0, 0], [0, 0]
-
-    def add(kind, k, mb):
-        out.append((k, kind, mb))
-
-    for _ in range(2 * (pp - rank) - 1):
-        add("F", 0, f[0])
-        f[0] += 1
+    act("F", 0, 2 * (pp - rank) - 1)  # warm-up
     for _ in range(rank):
-        add("F", 1, f[1])
-        f[1] += 1
-        add("F", 0, f[0])
-        f[0] += 1
+        act("F", 1)
+        act("F", 0)
     for _ in range(pp - rank):
-        add("F", 1, f[1])
-        f[1] += 1
-        add("I", 1, b[1])
-        add("W", 1, b[1])
-        b[1] += 1
-    while f[1] < f[0] or f[0] < n:
-        if f[0] < n:
-            add("F", 0, f[0])
-            f[0] += 1
-        add("I", 0, b[0])
-        add("W", 0, b[0])
-        b[0] += 1
-        add("F", 1, f[1])
-        f[1] += 1
-        add("I", 1, b[1])
-        add("W", 1, b[1])
-        b[1] += 1
-    w = list(b)
-    for _ in range(rank):
-        add("I", 0, b[0])
-        b[0] += 1
-        add("I", 1, b[1])
-        b[1] += 1
+        act("F", 1)
+        act("I", 1)
+        act("W", 1)
+    while cnt["F"][1] < cnt["F"][0] or cnt["F"][0] < n:  # stable
+        if cnt["F"][0] < n:
+            act("F", 0)
+        for k in (0, 1):
+            if k:
+                act("F", 1)
+            act("I", k)
+            act("W", k)
+    for _ in range(rank):  # cool-down
+        act("I", 0)
+        act("I", 1)
     for _ in range(pp - rank):
-        add("I", 0, b[0])
-        b[0] += 1
-        add("W", 0, w[0])
-        w[0] += 1
-    while w[1] < b[1]:
-        add("W", 1, w[1])
-        w[1] += 1
-    while w[0] < b[0]:
-        add("W", 0, w[0])
-        w[0] += 1
+        act("I", 0)
+        act("W", 0)
+    act("W", 1, cnt["I"][1] - cnt["W"][1])
+    act("W", 0, cnt["I"][0] - cnt["W"][0])
     return [a for a in out if a[2] < M]
 
 
