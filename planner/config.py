@@ -9,7 +9,8 @@ from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_p
 from .units import LIMITS, check_count, short_repr
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
-"""`torch.distributed.pipelining` ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (planner/pp.py)."""
+"""`torch.distributed.pipelining` ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble (planner/pp.py)."""
 
 CHECKPOINTING = ("none", "selective", "selective-op", "full", "every-2", "every-3", "every-4")
 """Activation checkpointing modes. none; full: every block (non-reentrant `torch.utils.checkpoint`),

@@ -238,7 +238,7 @@ def plot_matplotlib(plan, path=None):
 
 
 def _mesh_line(t, c) -> str:
-    """The device mesh in words: pp (outermost) x dp x tp, and what the strategies run over."""
+    """The device mesh in words: pp (outermost) x dp x cp x tp, and what the strategies run over."""
     parts = []
     if t.pp > 1:
         from .pp import bubble_fraction
