@@ -12,14 +12,12 @@ does not run on the fake process group) on 2 gloo ranks. The test replays them a
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from alloc_accum import compact, spec_for  # noqa: E402
+from alloc_accum import spec_for  # noqa: E402
+from alloc_record import record, selected  # noqa: E402
 
 
 def cases() -> list[dict]:
@@ -37,25 +35,14 @@ def cases() -> list[dict]:
 
 def main(argv: list[str]) -> int:
     from distplan.validate.runner import run_probe
-    out = argv[0]
-    prefixes = argv[1].split(",") if len(argv) > 1 else [""]
-    doc = {"source": "CPU runs of validate.probe with a checkpoint save and DISTPLAN_ALLOC_EVENTS "
-                     "(benchmarks/alloc_ckpt.py)", "specs": {}, "events": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for spec in cases():
-            if not any(spec["id"].startswith(p) for p in prefixes):
-                continue
-            spec = dict(spec, checkpoint=dict(spec["checkpoint"], dir=tmp))
-            path = os.path.join(tmp, "events.json")
-            m = run_probe(spec, env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=900)
-            print(spec["id"], m.get("status"), m.get("error", ""), flush=True)
-            if m.get("status") == "ok":
-                with open(path) as f:
-                    doc["events"][spec["id"]] = compact(json.load(f))
-                doc["specs"][spec["id"]] = dict(spec, checkpoint={"mode": spec["checkpoint"]["mode"]})
-    with gzip.open(out, "wt") as f:
-        json.dump(doc, f, separators=(",", ":"))
-    return 0
+
+    def run(spec, path, tmp):
+        m = run_probe(dict(spec, checkpoint=dict(spec["checkpoint"], dir=tmp)),
+                      env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=900)
+        return m, {spec["id"]: path}, spec
+
+    return record(argv[0], selected(cases(), argv), "CPU runs of validate.probe with a checkpoint save and "
+                  "DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_ckpt.py)", run)
 
 
 if __name__ == "__main__":

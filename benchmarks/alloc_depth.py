@@ -12,11 +12,11 @@ reach. About 3 minutes per probe on 2 cores (bf16 on the CPU is slow).
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from alloc_record import record  # noqa: E402
 
 MODEL = {"layers": 16, "hidden": 1024, "heads": 8, "kv_heads": 4, "ffn_hidden": 2816, "vocab": 8192,
          "max_positions": 512, "mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "tie_embeddings": False,
@@ -37,25 +37,16 @@ def spec_for(strategy: str, precision: str, checkpointing: str) -> dict:
 
 def main(argv: list[str]) -> int:
     from distplan.validate.runner import run_probe
-    out = argv[0]
+
     strategies = argv[1].split(",") if len(argv) > 1 else STRATEGIES
-    doc = {"source": "CPU runs of validate.probe with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_depth.py)",
-           "specs": {}, "events": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for s in strategies:
-            for prec in ("fp32", "bf16-mixed"):
-                for ck in ("none", "full"):
-                    spec = spec_for(s, prec, ck)
-                    path = os.path.join(tmp, "events.json")
-                    m = run_probe(spec, env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=900)
-                    print(spec["id"], m.get("status"), flush=True)
-                    if m.get("status") == "ok":
-                        with open(path) as f:
-                            doc["events"][spec["id"]] = json.load(f)
-                        doc["specs"][spec["id"]] = spec
-    with gzip.open(out, "wt") as f:
-        json.dump(doc, f, separators=(",", ":"))
-    return 0
+    specs = [spec_for(s, prec, ck) for s in strategies for prec in ("fp32", "bf16-mixed") for ck in ("none", "full")]
+
+    def run(spec, path, tmp):
+        m = run_probe(spec, env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=900)
+        return m, {spec["id"]: path}, spec
+
+    return record(argv[0], specs, "CPU runs of validate.probe with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_depth.py)",
+                  run, compacted=False)
 
 
 if __name__ == "__main__":

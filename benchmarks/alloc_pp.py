@@ -13,11 +13,11 @@ allocator model. About a minute per probe on 2 cores.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from alloc_record import record, selected  # noqa: E402
 
 MODEL = {"layers": 8, "hidden": 1024, "heads": 8, "kv_heads": 4, "ffn_hidden": 2816, "vocab": 8192,
          "max_positions": 512, "mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "tie_embeddings": False,
@@ -42,37 +42,18 @@ def cases() -> list[dict]:
             spec_for(4, "gpipe")]
 
 
-def compact(events: list) -> list:
-    """The same events with storage keys renumbered 1, 2, ... in order of first use (a smaller file)."""
-    ids: dict = {}
-    return [[e[0], ids.setdefault(e[1], len(ids) + 1), *e[2:]] for e in events]
-
-
 def main(argv: list[str]) -> int:
     from distplan.validate.pp_probe import probe_cmd
     from distplan.validate.runner import run_probe
-    out = argv[0]
-    prefixes = argv[1].split(",") if len(argv) > 1 else [""]
-    doc = {"source": "CPU runs of validate.pp_probe with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_pp.py)",
-           "specs": {}, "events": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for spec in cases():
-            if not any(spec["id"].startswith(p) for p in prefixes):
-                continue
-            world = spec["pp"] * spec["dp"]
-            path = os.path.join(tmp, "events.json")
-            m = run_probe(dict(spec, mode="cpu", world_size=world), probe_cmd(world),
-                          env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=900)
-            print(spec["id"], m.get("status"), m.get("error", ""), flush=True)
-            if m.get("status") != "ok":
-                continue
-            doc["specs"][spec["id"]] = spec
-            for stage in range(spec["pp"]):
-                with open(f"{path}.{stage * spec['dp']}") as f:
-                    doc["events"][f"{spec['id']}/stage{stage}"] = compact(json.load(f))
-    with gzip.open(out, "wt") as f:
-        json.dump(doc, f, separators=(",", ":"))
-    return 0
+
+    def run(spec, path, tmp):  # every rank writes PATH.<rank>: the first replica of each stage is kept
+        world = spec["pp"] * spec["dp"]
+        m = run_probe(dict(spec, mode="cpu", world_size=world), probe_cmd(world),
+                      env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=900)
+        return m, {f"{spec['id']}/stage{k}": f"{path}.{k * spec['dp']}" for k in range(spec["pp"])}, spec
+
+    return record(argv[0], selected(cases(), argv),
+                  "CPU runs of validate.pp_probe with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_pp.py)", run)
 
 
 if __name__ == "__main__":
