@@ -81,7 +81,8 @@ class Snapshot:
 
 
 RESERVED_MARGIN = 0.10
-"""Where no allocation trace is written (`--module`/`--hf-config`, DeepSpeed, pipeline stages under ZeRO/FSDP,
+"""Where no allocation trace is written (`--module`, `--hf-config` traces the analytic front end cannot
+pair, see module_plan.analytic_twins; DeepSpeed, pipeline stages under ZeRO/FSDP,
 interleaved schedules or autocast, models over alloc_trace.MAX_LAYERS): the reserved peak is the
 allocated peak plus this margin, and `reserved_source` says so."""
 
@@ -111,16 +112,32 @@ class MemoryEstimate:
     for a pipeline stage; None: `RESERVED_MARGIN` over the allocated peak."""
     footprint: DeviceFootprint | None = None
     """The parts of `process_overhead` (footprint.py); None where an estimate was built without it."""
+    reserved_from: "MemoryEstimate | None" = None
+    """The trace front end of a Hugging Face model (module_plan.py): the analytic front end's estimate of
+    the same model and run, whose replayed cached-but-free bytes at the reserved peak (its peak_reserved -
+    peak_allocated) this estimate adds to its own allocated peak; None: not used."""
     _reserved: int | None = None
 
     @property
     def reserved_source(self) -> str:
-        return "allocator replay" if self.reserved_replay is not None else f"{RESERVED_MARGIN:.0%} margin"
+        if self.reserved_replay is not None:
+            return "allocator replay"
+        if self.reserved_from is not None:
+            return "allocator replay of the analytic front end"
+        return f"{RESERVED_MARGIN:.0%} margin"
 
     @property
     def peak_reserved(self) -> int:
         if self._reserved is None:
-            if self.reserved_replay is None:
+            if self.reserved_from is not None:
+                # the caching allocator's cached-but-free bytes of the same allocations; reserved bytes are
+                # whole segments, each a multiple of kSmallBuffer = 2 MiB (allocator.allocation_size)
+                # (the two allocated peaks agree within module_plan.TWIN_TOLERANCE: their difference moves
+                # the reserved peak by as many whole segments)
+                f, seg = self.reserved_from, 2 << 20
+                shift = seg * round((self.peak_allocated - f.peak_allocated) / seg)
+                self._reserved = max(f.peak_reserved + shift, seg * -(-self.peak_allocated // seg))
+            elif self.reserved_replay is None:
                 self._reserved = int((1 + RESERVED_MARGIN) * self.peak_allocated)
             else:
                 from .alloc_trace import reserved_peak, stage_reserved_peak

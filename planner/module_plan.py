@@ -75,11 +75,11 @@ from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
 from .config import CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every
 from .footprint import device_footprint
-from .memory import (COMPONENTS, MemoryEstimate, Snapshot,
+from .memory import (COMPONENTS, RESERVED_MARGIN, MemoryEstimate, Snapshot,
                      library_workspace_bytes, zero1_partition)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
 from .strategies import NAMES, Strategy, get_strategy
-from .units import fmt_count
+from .units import fmt_count, fmt_gib
 
 
 
@@ -94,8 +94,9 @@ class ModuleDesc:
     units: tuple
     """((unit, ((param name, shape), ...)), ...) in registration order; 'root' = the root's own."""
     segments: tuple
-    """((unit, saved activation bytes, input bytes, backward, forward, outside, end), ...) in forward
-    order, 'loss' last. outside: the saved bytes of the root's ops that ran after the unit's own call;
+    """((unit, saved activation bytes, input bytes, backward, forward, outside, end, grads made), ...) in
+    forward order, 'loss' last. grads made: the bytes of parameter gradients its backward made (-1: not
+    measured). outside: the saved bytes of the root's ops that ran after the unit's own call;
     end: the transient bytes alive at the segment's last backward op (the input's gradient, and what
     waits in autograd's buffers: a tied head's gradient).
     forward: the highest bytes alive during the segment's forward of what the forward created, less the
@@ -156,7 +157,7 @@ class ModuleDesc:
 
         segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]), backward(s),
                       int(s["forward_bytes"]), int(s["activation_bytes"]) - int(s.get("unit_bytes", 0)),
-                      int(s.get("backward_end", s["input_bytes"])))
+                      int(s.get("backward_end", s["input_bytes"])), int(s.get("grads_made", -1)))
                      for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
@@ -175,8 +176,8 @@ class ModuleDesc:
         def bwd(b):
             return int(b[0] * k), b[1], int(b[2] * k)
 
-        segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k), int(o * k), int(e * k))
-                     for u, a, i, b, f, o, e in self.segments)
+        segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k), int(o * k), int(e * k), g)
+                     for u, a, i, b, f, o, e, g in self.segments)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
                        forward_flops=int(self.forward_flops * k), batch=batch,
@@ -415,7 +416,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     # after that unit (a decoder's final norm and LM head, after its last block) join its segment,
     # ahead of the unit's output gradient (the "before" instant). They stay alive until the root
     # reduces at the very end of backward (FSDP: the root's post-backward; DDP: .grad).
-    root_g = [s[3][0][1] if s[0] != "root" else 0 for s in segs]
+    # The gradients the segment's backward made (measured: the storages alive when the whole backward
+    # ends) less its unit's own (in the traced dtype). A profile without that figure: the segment's
+    # gradients at its before-hook instant, which misses a root gradient still autograd's transient at
+    # that instant (a 16-bit LM head's at long sequences: Llama-3-8B's 1 GiB at 1024 tokens).
+    traced_gb = 2 if _regime(train.precision, family) in ("bfloat16", "float16") else 4
+    own_g = {u: sum(prod(s) for _, s in ps) * traced_gb for u, ps in desc.units}
+    root_g = [0 if s[0] == "root" else max(0, s[7] - own_g.get(s[0], 0)) if s[7] >= 0 else s[3][0][1]
+              for s in segs]
 
     def root_grads(k: int, before: bool, g: int) -> int:
         """Bytes of root gradients alive at segment k's instant: those of the segments after it, plus
@@ -659,8 +667,9 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     library = library_workspace_bytes(train, cluster.gpu_name, desc.linear_bias) if device == "cuda" else 0
     peak_allocated = max(s.total + e for s, e in zip(snaps, extra)) + library
     workspace = peak_allocated - peak.total
-    # No allocation trace for an arbitrary module yet: the reserved peak is the allocated one plus the
-    # margin (memory.RESERVED_MARGIN), and the output says so.
+    # No allocation trace of an arbitrary module: the reserved peak is the allocated one plus the margin
+    # (memory.RESERVED_MARGIN), unless module_spec_plan pairs it with the analytic front end's replay of a
+    # Hugging Face model (pair_reserved); `reserved_source` says which.
     # The CUDA context and each NCCL communicator's buffers (footprint.py); none on gloo or fake.
     fp = device_footprint(cluster, world if backend == "nccl" else 1, st.shard_group)
     return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, fp.total,
@@ -807,6 +816,10 @@ class ModulePlan(Plan):
     profile_s: float = 0.0
     workspaces: dict = field(default_factory=dict)
     """cuDNN workspace per convolution call, measured on the local GPU ({} without one)."""
+    twin: object = None
+    """A Hugging Face model the analytic front end also reads: `twin(strategy, batch)`, the analytic
+    estimate of the same run at `batch` sequences (analytic_twins), whose replay gives the reserved
+    peak; None otherwise."""
 
     def header_lines(self) -> list[str]:
         t, c, d = self.train, self.cluster, self.desc
@@ -878,7 +891,10 @@ def module_recommend(plan: ModulePlan):
     def fits(name: str, batch: int) -> bool:
         st = get_strategy(name)
         desc = plan.descs[_regime(plan.train.precision, st.family)].scaled(batch)
-        return estimate_module_memory(desc, plan.train, plan.cluster, st, workspaces=plan.workspaces).fits
+        mem = estimate_module_memory(desc, plan.train, plan.cluster, st, workspaces=plan.workspaces)
+        if plan.twin is not None and mem.allocated_fits:
+            pair_reserved(mem, plan.twin(name, batch))
+        return mem.fits
 
     if not ok:
         names = [r.name for r in results]
@@ -1018,8 +1034,91 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
         mem = estimate_module_memory(d, train, cluster, st, workspaces=workspaces)
         colls = module_collectives(d, train, cluster, n)
         results.append(StrategyResult(st, mem, colls, module_time(d, train, cluster, colls, gpu)))
+    twin = None
+    if hf:
+        twin, why = analytic_twins(kw, cluster)
+        if twin is not None:
+            unpaired = [r.name for r in results if not pair_reserved(r.memory, twin(r.name, desc.batch))]
+            why = (f"{', '.join(unpaired)}: the analytic front end's allocated peak differs from the trace's by "
+                   f"more than {TWIN_TOLERANCE:.0%}" if unpaired else None)
+        if twin is not None:
+            gap = kernel_device_gap(twin.train)
+            if abs(gap) >= 0.01 * min(r.memory.peak_allocated for r in results):
+                notes.append(f"the trace ran on the CPU, whose kernels keep {fmt_gib(abs(gap))} GiB "
+                             f"{'less' if gap > 0 else 'more'} per micro-batch than CUDA's for this config "
+                             f"(attention dropout or a materialized mask changes SDPA's kernel; activations.py): "
+                             f"--front-end analytic models CUDA's kernels")
+        notes.append("reserved peak: the trace's allocated peak plus the cached-but-free bytes of the analytic "
+                     "front end's allocator replay of the same run" + (f"; {RESERVED_MARGIN:.0%} margin instead "
+                                                                      f"for {why}" if why else ""))
     return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s,
-                      workspaces=workspaces)
+                      workspaces=workspaces, twin=twin)
+
+
+TWIN_TOLERANCE = 0.02
+"""The trace's allocated peak and the analytic front end's must agree within this fraction for the trace to
+take the analytic replay's cached-but-free bytes (they agree within 1% for the model types the analytic
+front end reads, tests/test_analytic_vs_trace.py, README "Measured accuracy")."""
+
+
+def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: str = "nccl", init: str = "meta"):
+    """(twin, None), twin(strategy, batch) -> the analytic front end's MemoryEstimate of the run `kw` plans
+    with the trace (the same config.json, layers, precision, optimizer, checkpointing, accumulation, alloc
+    conf) at `batch` sequences; or (None, why) where the analytic front end does not read the config or
+    does not model the checkpointing. `device`, `backend`, `init` as memory.estimate_memory's; on the CPU
+    (the probes' check, tests/test_alloc_trace.py) the replay is of the CPU run, which a plan never makes."""
+    from .api import resolve_model
+    from .config import ANALYTIC_CHECKPOINTING, TrainConfig
+    from .memory import estimate_memory
+    ckpt = kw.get("activation_checkpointing") or "none"
+    if ckpt not in ANALYTIC_CHECKPOINTING:
+        return None, f"--activation-checkpointing={ckpt} (the analytic front end assumes identical blocks)"
+    try:
+        spec, _ = resolve_model(hf_config=kw["hf_config"], overrides={"layers": kw.get("layers")},
+                                catalog_dirs=tuple(kw.get("catalog_dirs") or ()))
+    except ValueError as exc:  # a model_type it does not describe: the message names the ones it does
+        return None, "this model_type (the analytic front end reads " + str(exc).split("accepted: ")[-1] + ")"
+    base = TrainConfig(spec, seq_len=kw.get("seq_len") or 2048, micro_batch=kw.get("micro_batch") or 1,
+                       grad_accum=kw.get("grad_accum") or 1, grad_sync=kw.get("grad_sync") or "last",
+                       precision=kw.get("precision") or "bf16-mixed", optimizer=kw.get("optimizer") or "adamw",
+                       optimizer_impl=kw.get("optimizer_impl") or "foreach",
+                       checkpointing="full" if ckpt == "full" else "none",  # the trace plans selective as none
+                       alloc_conf=kw.get("alloc_conf") or "")
+    cache: dict = {}
+
+    def twin(strategy: str, batch: int):
+        key = (strategy, batch)
+        if key not in cache:
+            t = replace(base, micro_batch=batch)
+            mem = cache[key] = estimate_memory(t, cluster, strategy, device=device, backend=backend, init=init)
+            if device != "cuda":
+                st = get_strategy(strategy)
+                mem.reserved_replay = (t, st.name, *_shard_group(st, cluster), device, backend, 0, False, init, None)
+        return cache[key]
+    twin.train = base
+    return twin, None
+
+
+def kernel_device_gap(train) -> int:
+    """Bytes per micro-batch that the analytic front end's activations on CUDA exceed those on the CPU by
+    (negative: CUDA keeps less), the larger gap of the regimes the strategies run in: the trace runs on
+    CPU fake tensors, so it keeps what the CPU's kernels save (SDPA's backend choice, dropout's mask,
+    LayerNorm's statistics; activations.py), not what a GPU's do."""
+    from .activations import activations_in, regime_for
+    gaps = [activations_in(train, r, "cuda").total - activations_in(train, r, "cpu").total
+            for r in sorted({regime_for(train, f) for f in ("ddp", "fsdp2")})]
+    return max(gaps, key=abs)
+
+
+def pair_reserved(mem: MemoryEstimate, analytic: MemoryEstimate) -> bool:
+    """Give the trace's estimate `mem` the reserved peak of the analytic one's replay (memory.MemoryEstimate
+    `reserved_from`) where that replay exists and the two allocated peaks agree within TWIN_TOLERANCE."""
+    if analytic.reserved_replay is None:
+        return False
+    if abs(analytic.peak_allocated - mem.peak_allocated) > TWIN_TOLERANCE * mem.peak_allocated:
+        return False
+    mem.reserved_from = analytic
+    return True
 
 
 

@@ -268,6 +268,16 @@ class _SegmentTracker:
                 peaks[seg] = t
         return peaks
 
+    def segment_grads(self) -> dict:
+        """{segment index: bytes of the parameters' gradients (the storages alive when the backward ends)
+        made in its backward}: its unit's own, and those of the root's ops that ran after the unit in
+        forward (a decoder's final norm and LM head join the last block's segment)."""
+        made: dict = {}
+        for _, n, uid in self.live.values():
+            if uid in self.survivors:
+                made[self.born[uid]] = made.get(self.born[uid], 0) + n
+        return made
+
     def segment_ends(self) -> dict:
         """{segment index: transient bytes alive when its backward is over}, read at the next segment's
         first op: the gradient it passes on, plus whatever waits in autograd's buffers (a tied LM head's
@@ -640,6 +650,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
         peaks = bwd.segment_peaks()
         split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
         ends = bwd.segment_ends()
+        made = bwd.segment_grads()
         del loss, out
     return {
         "factory": factory_path,
@@ -659,7 +670,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
         "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
                                           peaks.get(i, (0, 0, 0)))),
                           backward_split=[list(p.get(i, (0, 0, 0))) for p in split],
-                          backward_end=int(ends.get(i, 0)),
+                          backward_end=int(ends.get(i, 0)), grads_made=int(made.get(i, 0)),
                           kernels=bwd.segment_kernels(i, sum(x["activation_bytes"] for x in segments[:i])),
                           forward_bytes=max(0, bwd.fwd_peak.get(i, 0)
                                             - sum(x["activation_bytes"] for x in segments[:i])))

@@ -1,0 +1,68 @@
+"""Record the allocation traces of Hugging Face models on the CPU, for tests/test_alloc_trace.py.
+
+    python benchmarks/alloc_hf.py OUT.json.gz [CASE_PREFIX,...]
+
+Each probe runs the transformers model itself (validate/workload.py `HFWorkload`, as `distplan validate
+--hf-config` does): Llama (GQA, untied), Qwen2 (tied embeddings) and GPT-2 (gelu_new, dropout) at 8
+layers, width 1024, vocabulary 8192, 2 x 256 tokens, AdamW foreach, fp32, rank 0 of 8 on the fake
+process group, with `DISTPLAN_ALLOC_EVENTS`, so validate.measure.Tracker writes every storage allocation,
+free and collective touch in host order. The config.json of each model is stored with its spec. The test
+replays the recorded events and compares the reserved peak with the trace front end's (its allocated
+peak plus the cached-but-free bytes of the analytic front end's replay, planner/module_plan.py
+`pair_reserved`). About a minute per probe on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from alloc_record import record, selected  # noqa: E402
+
+CONFIGS = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+              "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-05, "hidden_act": "silu", "tie_word_embeddings": False},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 1024,
+              "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-06, "hidden_act": "silu", "tie_word_embeddings": True,
+              "use_sliding_window": False},
+    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 1024, "n_layer": 8,
+             "n_head": 8, "n_positions": 1024, "vocab_size": 8192, "activation_function": "gelu_new",
+             "attn_pdrop": 0.1, "embd_pdrop": 0.1, "resid_pdrop": 0.1, "layer_norm_epsilon": 1e-05},
+}
+STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
+TRAIN = {"seq_len": 256, "micro_batch": 2, "grad_accum": 1, "grad_sync": "last", "precision": "fp32",
+         "optimizer": "adamw", "optimizer_impl": "foreach", "checkpointing": "none", "attention": "sdpa"}
+
+
+def cases() -> list[dict]:
+    return [{"id": f"{name}/{s}", "model_type": name, "strategy": s, "world_size": 8, "gpus_per_node": 8,
+             "mode": "fake", "device_type": "cpu", "config": cfg, "train": TRAIN, "steps": 1, "seed": 0}
+            for name, cfg in CONFIGS.items() for s in STRATEGIES]
+
+
+def main(argv: list[str]) -> int:
+    from distplan.validate.runner import run_probe
+
+    def run(case, path, tmp):
+        cfg = os.path.join(tmp, f"{case['model_type']}.json")
+        with open(cfg, "w") as f:
+            json.dump(case["config"], f)
+        spec = {k: v for k, v in case.items() if k not in ("config", "model_type")}
+        spec["model"] = {"name": f"hf:{case['model_type']}"}
+        spec["module"] = {"hf_config": cfg, "micro_batch": TRAIN["micro_batch"], "seq_len": TRAIN["seq_len"],
+                          "layers": None}
+        m = run_probe(spec, env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=900)
+        return m, {case["id"]: path}, case
+
+    return record(argv[0], selected(cases(), argv),
+                  "CPU runs of validate.probe (--hf-config) with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_hf.py)", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

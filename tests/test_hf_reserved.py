@@ -1,0 +1,149 @@
+"""The reserved peak of a Hugging Face model planned with the trace front end (planner/module_plan.py
+`analytic_twins`, `pair_reserved`): the trace's allocated peak plus the cached-but-free bytes of the
+analytic front end's allocator replay of the same run, where the analytic front end reads the config and
+the two allocated peaks agree; the 10% margin otherwise, and the notes say which.
+
+Checked against allocation traces that CPU probes of the transformers models themselves recorded
+(benchmarks/alloc_hf.py, tests/data/alloc_events_cpu_hf.json.gz: Llama, Qwen2 tied, GPT-2 with dropout;
+8 layers, width 1024, 2 x 256 tokens, fp32, rank 0 of 8 on the fake process group), replayed through the
+same allocator model as the planner's."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+from math import prod
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from distplan.planner.allocator import comm_streams, replay  # noqa: E402
+from distplan.planner.config import Cluster  # noqa: E402
+from distplan.planner.module_plan import (ModuleDesc, ModuleModel, ModuleTrain, _regime, analytic_twins,  # noqa: E402
+                                          estimate_module_memory, module_spec_plan, pair_reserved)
+from distplan.planner.strategies import get_strategy  # noqa: E402
+from distplan.validate.module_probe import profile  # noqa: E402
+from distplan.validate.workload import HFWorkload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "hf"
+MiB = 2**20
+
+
+def _recorded_reserved(events: list, family: str) -> int:
+    # as tests/test_alloc_trace.py: FSDP's buffers on the streams of the collectives that touch them
+    return replay(comm_streams(events) if family in ("fsdp1", "fsdp2") else events).peak_reserved
+
+
+def test_trace_reserved_against_recorded_hf_traces(tmp_path):
+    with gzip.open(ROOT / "tests" / "data" / "alloc_events_cpu_hf.json.gz", "rt") as f:
+        doc = json.load(f)
+    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory_bytes=10**15, gpu_name="h100-sxm", nics_per_node=8)
+    descs: dict = {}
+    errs, margin_errs = {}, {}
+    for pid, events in doc["events"].items():
+        case = doc["specs"][pid]
+        st = get_strategy(case["strategy"])
+        t = case["train"]
+        cfg = tmp_path / f"{case['model_type']}.json"
+        cfg.write_text(json.dumps(case["config"]))
+        work = HFWorkload(str(cfg), t["micro_batch"], t["seq_len"], None)
+        regime = _regime(t["precision"], st.family)
+        if (cfg, regime) not in descs:
+            descs[cfg, regime] = ModuleDesc.from_profile(profile(work, regime))
+        desc = descs[cfg, regime]
+        model = ModuleModel(desc.name, work.label, desc.param_count(), desc.units, layers=len(desc.units))
+        train = ModuleTrain(model, precision=t["precision"], input_shape=work.input_shape, seq_len=t["seq_len"])
+        mem = estimate_module_memory(desc, train, cluster, st, device="cpu", backend="fake")
+        twin, why = analytic_twins({"hf_config": str(cfg), "seq_len": t["seq_len"], "micro_batch": t["micro_batch"],
+                                    "precision": t["precision"]}, cluster, "cpu", "fake", "device")
+        assert why is None
+        assert pair_reserved(mem, twin(st.name, t["micro_batch"])), pid
+        assert mem.reserved_source == "allocator replay of the analytic front end"
+        recorded = _recorded_reserved(events, st.family)
+        errs[pid] = round(100 * (mem.peak_reserved / recorded - 1), 1)
+        margin_errs[pid] = round(100 * (1.1 * mem.peak_allocated / recorded - 1), 1)
+    print("paired:", errs, "\nmargin:", margin_errs)
+    assert len(errs) == 12
+    # measured 2026-11-24 (torch 2.13 CPU, 12 probes): paired -2.9%..+3.1%, median |error| 1.7%; the 10% margin
+    # it replaces: -22.5%..+7.3%, median 12.4% (FSDP's comm buffers on their own streams reserve far more)
+    assert statistics.median(abs(e) for e in errs.values()) <= 3.0, errs
+    assert max(abs(e) for e in errs.values()) <= 5.0, errs
+    assert statistics.median(abs(e) for e in errs.values()) < statistics.median(abs(e) for e in margin_errs.values())
+
+
+def _plan(config, **kw):
+    return module_spec_plan(dict(hf_config=str(config), gpus=8, gpu="h100-sxm", seq_len=256, micro_batch=1,
+                                 precision="bf16-mixed", detect_local=False, **kw), ("ddp", "zero2", "zero3", "fsdp"))
+
+
+def test_trace_plan_takes_the_analytic_replay():
+    p = _plan(EXAMPLES / "llama-8l.json")
+    assert any(n.startswith("reserved peak: the trace's allocated peak plus") and "margin instead" not in n
+               for n in p.notes), p.notes
+    for r in p.results:
+        m = r.memory
+        a = p.twin(r.name, 1)
+        assert m.reserved_source == "allocator replay of the analytic front end", r.name
+        assert a.reserved_source == "allocator replay"
+        # the same cached-but-free bytes on top of the trace's own allocated peak, in whole 2 MiB segments
+        assert m.peak_reserved % (2 * MiB) == 0
+        assert abs((m.peak_reserved - m.peak_allocated) - (a.peak_reserved - a.peak_allocated)) <= 2 * MiB
+        assert m.peak_reserved >= m.peak_allocated
+    # FSDP's communication buffers on their own streams: far more cached than the margin would say
+    zero3 = next(r for r in p.results if r.name == "zero3").memory
+    assert zero3.peak_reserved > 1.1 * zero3.peak_allocated
+
+
+def test_trace_keeps_the_margin_where_the_formulas_do_not_read_the_model():
+    p = _plan(EXAMPLES / "gemma2-8l.json")
+    assert all(r.memory.reserved_source == "10% margin" for r in p.results)
+    assert any("10% margin instead for this model_type" in n and "llama" in n for n in p.notes), p.notes
+    p = _plan(EXAMPLES / "llama-8l.json", activation_checkpointing="every-2")
+    assert all(r.memory.reserved_source == "10% margin" for r in p.results)
+    assert any("--activation-checkpointing=every-2" in n for n in p.notes), p.notes
+
+
+def test_cpu_kernels_gap_is_stated():
+    """GPT-2's attention dropout: the CPU trace runs SDPA's math path and keeps the probabilities; CUDA's
+    flash kernel does not (activations.py `_hf_sdpa_backend`). The plan says so."""
+    p = _plan(EXAMPLES / "gpt2-8l.json")
+    assert any(n.startswith("the trace ran on the CPU, whose kernels keep") and "more per micro-batch" in n
+               for n in p.notes), p.notes
+    p = _plan(EXAMPLES / "llama-8l.json")
+    assert not any(n.startswith("the trace ran on the CPU") for n in p.notes)
+
+
+def test_root_gradient_of_the_last_block_segment(tmp_path):
+    """The LM head's gradient is made in the last block's segment (the root's ops after the unit join it)
+    and lives until the root reduces at the end of backward. At a long sequence in 16-bit the segment's
+    highest instant before its hook comes before AccumulateGrad has taken it (it is autograd's transient
+    then), so the walk reads it from the gradients the segment made (the profile's `grads_made`): every
+    earlier block's instants carry it."""
+    cfg = json.loads((EXAMPLES / "llama-8l.json").read_text())
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(cfg))
+    desc = ModuleDesc.from_profile(profile(HFWorkload(str(path), 1, 2048, None), "bfloat16"))
+    last = desc.segments[-2]
+    own = sum(prod(s) for s in desc.unit_shapes(last[0])) * 2
+    head = cfg["vocab_size"] * cfg["hidden_size"] * 2
+    norm = cfg["hidden_size"] * 2
+    assert last[3][0][1] == 0  # not yet a gradient at the before-hook instant
+    assert last[7] - own == head + norm  # made in the segment: the final norm's and the head's gradients
+    model = ModuleModel(desc.name, "llama", desc.param_count(), desc.units, layers=len(desc.units))
+    train = ModuleTrain(model, precision="bf16-mixed", input_shape=(1, 2048), seq_len=2048)
+    from distplan.planner import module_plan
+    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory_bytes=10**15, gpu_name="h100-sxm", nics_per_node=8)
+    module_plan._TRACE_SNAPSHOTS = []
+    try:
+        estimate_module_memory(desc, train, cluster, get_strategy("zero3"), device="cpu", backend="fake")
+        snaps = module_plan._TRACE_SNAPSHOTS
+    finally:
+        module_plan._TRACE_SNAPSHOTS = None
+    # the instants of the blocks before the last, up to the root's reduce: the head's gradient in each
+    backward = [s for s in snaps if s.phase == "backward"]
+    assert min(s.parts["grads"] for s in backward[4:-3]) >= head + norm
