@@ -1213,6 +1213,16 @@ def predict_module_probe(spec: dict) -> dict:
     mem = estimate_module_memory(d, train, cluster, st, device=device, backend=backend, workspaces=workspaces)
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
+    if device == "cuda" and work.kind == "hf":
+        # judged on a GPU where the analytic front end's replay pairs with the trace (the probes build the
+        # model on the device, then wrap it: init "device"); a margin is not a prediction to judge
+        kw = {"hf_config": mod["hf_config"], "layers": mod.get("layers"), "seq_len": shape[1],
+              "micro_batch": shape[0], "precision": precision, "optimizer": train.optimizer,
+              "optimizer_impl": train.optimizer_impl, "activation_checkpointing": ckpt,
+              "grad_accum": train.grad_accum, "grad_sync": train.grad_sync, "alloc_conf": t.get("alloc_conf", "")}
+        twin, _ = analytic_twins(kw, cluster, device, backend, init="device")
+        if twin is not None and pair_reserved(mem, twin(st.name, shape[0])):
+            out["peak_reserved"] = int(mem.peak_reserved)
     colls = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype, "message_bytes": int(c.message_bytes),
               "calls": int(c.calls)} for c in module_collectives(d, train, cluster, st.name)]
     return {"memory": out, "collectives": colls, "step_time_s": None}

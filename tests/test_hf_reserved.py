@@ -147,3 +147,21 @@ def test_root_gradient_of_the_last_block_segment(tmp_path):
     # the instants of the blocks before the last, up to the root's reduce: the head's gradient in each
     backward = [s for s in snaps if s.phase == "backward"]
     assert min(s.parts["grads"] for s in backward[4:-3]) >= head + norm
+
+
+def test_gpu_probe_prediction_judges_reserved_where_paired():
+    """`distplan validate --hf-config` on a GPU judges max_memory_reserved against the paired reserved peak;
+    a model the analytic front end does not read gets no reserved prediction (a margin is not one), nor
+    does a CPU probe."""
+    from distplan.planner.module_plan import predict_module_probe
+
+    def predicted(config, device_type):
+        spec = {"strategy": "zero3", "world_size": 8, "gpus_per_node": 8, "mode": "fake", "device_type": device_type,
+                "train": {"seq_len": 256, "micro_batch": 2, "precision": "bf16-mixed"},
+                "module": {"hf_config": str(EXAMPLES / config), "micro_batch": 2, "seq_len": 256, "layers": None}}
+        return predict_module_probe(spec)["memory"]
+
+    llama = predicted("llama-8l.json", "cuda")
+    assert llama["peak_reserved"] % (2 * MiB) == 0 and llama["peak_reserved"] > llama["peak_allocated"]
+    assert "peak_reserved" not in predicted("gemma2-8l.json", "cuda")
+    assert "peak_reserved" not in predicted("llama-8l.json", "cpu")
