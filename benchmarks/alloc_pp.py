@@ -6,7 +6,15 @@ Each probe (validate/pp_probe.py: the reference decoder at 8 layers, width 1024,
 micro-batch, 4 micro-batches, AdamW foreach, fp32, gloo, one process per stage and replica) runs with
 `DISTPLAN_ALLOC_EVENTS`, so every rank's validate.measure.Tracker writes its storage allocations, frees
 and collective touches in host order; the traces of replica 0 of every stage are kept. Cases: GPipe and
-1F1B on 2 and 4 stages, checkpointing full, DDP over 2 replicas per stage (1F1B). The test replays them
+1F1B on 2 and 4 stages, checkpointing full, DDP over 2 replicas per stage (1F1B); FSDP2 (zero2, zero3) over 2
+replicas per stage (GPipe and 1F1B on 2 stages, checkpointing full, 1F1B on 4). Each file its cases:
+
+    python benchmarks/alloc_pp.py tests/data/alloc_events_cpu_pp.json.gz \
+        pp2/gpipe/single,pp2/1f1b/single,pp4/1f1b/single,pp4/gpipe/single,pp2/1f1b/ddp
+    python benchmarks/alloc_pp.py tests/data/alloc_events_cpu_pp_fsdp.json.gz \
+        pp2/1f1b/zero,pp2/gpipe/zero,pp4/1f1b/zero
+
+The test replays them
 and the planner's stage trace (planner/alloc_trace.py `stage_allocation_events`) through the same
 allocator model. About a minute per probe on 2 cores.
 """
@@ -39,7 +47,11 @@ def cases() -> list[dict]:
     # (GPipe under DDP is not among them: the probe's stage fails in its first forward there)
     return [spec_for(2, "gpipe"), spec_for(2, "1f1b"), spec_for(2, "1f1b", checkpointing="full"),
             spec_for(4, "1f1b"), spec_for(2, "1f1b", "ddp", 2), spec_for(2, "gpipe", checkpointing="full"),
-            spec_for(4, "gpipe")]
+            spec_for(4, "gpipe"),
+            # FSDP2 stages (zero2, zero3 over 2 replicas per stage; tests/data/alloc_events_cpu_pp_fsdp.json.gz)
+            spec_for(2, "1f1b", "zero3", 2), spec_for(2, "gpipe", "zero3", 2), spec_for(2, "1f1b", "zero2", 2),
+            spec_for(2, "1f1b", "zero3", 2, checkpointing="full"), spec_for(2, "gpipe", "zero2", 2, checkpointing="full"),
+            spec_for(4, "1f1b", "zero3", 2)]
 
 
 def main(argv: list[str]) -> int:
