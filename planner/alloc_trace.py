@@ -42,7 +42,8 @@ so this is one model, not a second one: it adds the order and the streams. What 
   before `parallelize_module`, each rowwise output's reduction (partial sum, then the all-reduced or
   reduce-scattered tensor), loss parallel's vocabulary shard and three backward buffers, the embedding's
   full-vocabulary Replicate gradient.
-- Pipeline stages (`stage_allocation_events`) and checkpoint saves (`checkpoint_events`): see there.
+- Pipeline stages (`stage_allocation_events`: a plain stage, DDP, FSDP2 zero2/zero3) and checkpoint saves
+  (`checkpoint_events`): see there.
 
 Checked against allocation traces the CPU probes recorded (tests/test_alloc_trace.py): one micro-step at
 16 layers (benchmarks/alloc_depth.py), accumulation and TP (benchmarks/alloc_accum.py), pipeline stages
@@ -53,8 +54,9 @@ Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`/`all_gather_
 see allocator.comm_streams. What is approximate: the exact transients of each forward op (only the block
 MLP's backward transients, the TP reductions and the loss's are written), and the host order inside a
 block. Not written (memory.RESERVED_MARGIN instead): the `--module`/`--hf-config` front end, DeepSpeed,
-ZeRO-1/FSDP pipeline stages, interleaved schedules, autocast under pipelining, more than MAX_MICROBATCHES
-micro-batches, `full-offload`, NO_SHARD, HSDP and tensor-parallel saves, models over MAX_LAYERS.
+ZeRO-1 pipeline stages (and FSDP2 stages on one data-parallel rank), interleaved and zero-bubble
+schedules, autocast under pipelining, more than MAX_MICROBATCHES micro-batches, `full-offload`, NO_SHARD,
+HSDP and tensor-parallel saves, models over MAX_LAYERS.
 """
 
 from __future__ import annotations
@@ -125,6 +127,74 @@ def _block_saved_shapes(train: TrainConfig, regime: str, n: int) -> list[int]:
     return norm + attn + norm + mlp
 
 
+def _fsdp2_construct(E: _Events, units: list, full: list, shard: int, pb: int) -> list[int]:
+    """FSDP2 construction (`fully_shard` per block, then the root: units[0] and units[-1], the embedding and
+    the head): each parameter's padded dim-0 shard (`FSDPParam._init_sharded_param`, kept for the run),
+    then its full tensor (`full`'s key) goes. Returns the shards' elements in parameter order."""
+    def shard_of(s):
+        return -(-s[0] // shard) * prod(s[1:])
+    L = len(units) - 2
+    for u in list(range(1, L + 1)) + [0, L + 1]:
+        for i, s in enumerate(units[u]):
+            E.a(shard_of(s) * pb)
+            E.f(full[u][i])
+    return [shard_of(s) for u in units for s in u]
+
+
+def _fsdp2_gather(E: _Events, shapes, shard: int, ud: int) -> int:
+    """FSDP2 `foreach_all_gather`: one flat output (padded shards of every rank) on its stream."""
+    return E.a(sum(-(-s[0] // shard) * prod(s[1:]) for s in shapes) * shard * ud, 1)
+
+
+def _fsdp2_unshard(E: _Events, shapes, shard: int, ud: int) -> tuple[int, list[int]]:
+    """All-gather + `foreach_all_gather_copy_out`: (flat output, per-parameter unsharded tensors)."""
+    flat = _fsdp2_gather(E, shapes, shard, ud)
+    return flat, [E.a(prod(s) * ud) for s in shapes]
+
+
+def _fsdp2_post_backward(E: _Events, u, g: list, params: list, rs_kept, unsharded: int, sharded: int, shapes,
+                         *, sync: bool, reshard: bool, mixed: bool, rb: int, acc: dict, saved: dict,
+                         grads: list, last_grad_late: bool = False):
+    """FSDP2 `post_backward` (_fsdp_param_group.py) of unit `u`: `accumulate_unsharded_grad_if_needed`
+    adds a new 16-bit gradient `g` to the kept reduce_dtype one (`acc`); without sync, reshard (unless
+    `reshard` is off: set_reshard_after_backward(False)) and keep the gradients
+    (`to_accumulated_grad_if_needed` upcasts them under mixed precision: the copy of each of `shapes`,
+    then the 16-bit one goes); else collect, reshard, drop the previous reduce-scatter input, then
+    `foreach_reduce`: its input, the new shard (added to `sharded_param.grad` if one is kept, `saved`:
+    `to_accumulate_grad`; else appended to `grads`). `last_grad_late`: the unit's last
+    gradient outlives the copy-in's `unsharded_grads.clear()` until `foreach_reduce` returns (its loop over
+    `zip(fsdp_params, unsharded_grads)` leaves it in `unsharded_grad` when the shard group has more than one
+    rank). Returns the reduce-scatter input now kept."""
+    if u in acc:
+        E.f(*g)
+        g = []
+    if not sync:
+        if reshard:
+            E.f(*params)
+        if u not in acc:
+            if mixed:
+                up = []
+                for x, s in zip(g, shapes):
+                    up.append(E.a(prod(s) * rb))
+                    E.f(x)
+                g = up
+            acc[u] = g
+        return rs_kept
+    collected = acc.pop(u, g)
+    E.f(*params, rs_kept)
+    rs_in = E.a(unsharded * rb, 2)
+    late = collected[-1:] if last_grad_late else []
+    E.f(*collected[:len(collected) - len(late)])
+    out = E.a(sharded * rb, 2)
+    E.f(*late)
+    if u in saved:
+        E.f(out)
+    else:
+        saved[u] = out
+        grads.append(out)
+    return rs_in
+
+
 def allocation_events(train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
                       backend: str = "nccl", workspace: int = 0, init: str = "device") -> list:
     """The events of a run (construction, WARMUP_STEPS + MEASURED_STEPS steps) on the most loaded rank; see
@@ -185,15 +255,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     else:
         full = [[None if meta else E.a(prod(s) * pb) for s in u] for u in units]
     if family == "fsdp2":
-        def shard_of(s):
-            return (-(-s[0] // shard) * prod(s[1:])) if sharding else prod(s)
-        # fully_shard per block, then the root (embed + head): each parameter's shard, then the full one goes
-        order = list(range(1, L + 1)) + [0, L + 1]
-        for u in order:
-            for i, s in enumerate(units[u]):
-                E.a(shard_of(s) * pb)  # kept for the whole run
-                E.f(full[u][i])
-        param_shards = [shard_of(s) for u in units for s in u]
+        param_shards = _fsdp2_construct(E, units, full, shard if sharding else 1, pb)
     elif family == "fsdp1":
         # FlatParameter per block (ModuleWrapPolicy), the root's last; flatten, then keep a padded chunk
         order = list(range(1, L + 1)) + [0]
@@ -268,13 +330,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     bucket_rebuilt = [False]
 
     def unshard_flat(u_shapes):
-        """FSDP2 `foreach_all_gather`: one flat output (padded shards of every rank) on its stream."""
-        return E.a(sum(-(-s[0] // shard) * prod(s[1:]) for s in u_shapes) * shard * ud, 1)
+        return _fsdp2_gather(E, u_shapes, shard, ud)
 
     def unshard(u_shapes):
-        """All-gather + `foreach_all_gather_copy_out`: (flat output, per-parameter unsharded tensors)."""
-        flat = unshard_flat(u_shapes)
-        return flat, [E.a(prod(s) * ud) for s in u_shapes]
+        return _fsdp2_unshard(E, u_shapes, shard, ud)
 
     def tp_reduce():
         for partial, out in tp_pairs:
@@ -359,37 +418,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 E.f(*g)
 
         def fsdp2_post(u, g, params, rs_kept, unsharded, sharded):
-            """FSDP2 `post_backward` (_fsdp_param_group.py): `accumulate_unsharded_grad_if_needed` adds a
-            new 16-bit gradient to the kept reduce_dtype one; without sync, reshard and keep the
-            gradients (`to_accumulated_grad_if_needed` upcasts them under mixed precision: the copy, then
-            the 16-bit one goes); else collect, reshard, drop the previous reduce-scatter input, then
-            `foreach_reduce`: its input, the new shard (added to `sharded_param.grad` if one is kept:
-            `to_accumulate_grad`). Returns the reduce-scatter input now kept."""
-            if u in acc:
-                E.f(*g)
-                g = []
-            if not sync:
-                E.f(*params)
-                if u not in acc:
-                    if prec.mixed:
-                        up = []
-                        for x, s in zip(g, block_shapes if u != "root" else list(head_shapes) + emb_shapes):
-                            up.append(E.a(prod(s) * rb))
-                            E.f(x)
-                        g = up
-                    acc[u] = g
-                return rs_kept
-            collected = acc.pop(u, g)
-            E.f(*params, rs_kept)
-            rs_in = E.a(unsharded * rb, 2)
-            E.f(*collected)
-            out = E.a(sharded * rb, 2)
-            if u in saved:
-                E.f(out)
-            else:
-                saved[u] = out
-                grads.append(out)
-            return rs_in
+            return _fsdp2_post_backward(E, u, g, params, rs_kept, unsharded, sharded,
+                                        block_shapes if u != "root" else list(head_shapes) + emb_shapes,
+                                        sync=sync, reshard=True, mixed=prec.mixed, rb=rb, acc=acc, saved=saved,
+                                        grads=grads)
         # forward
         if buckets and not bucket_rebuilt[0] and states:
             E.f(*buckets)
@@ -585,17 +617,19 @@ def _reserved_peak(train, name, world, shard, device, backend, workspace, expand
     return got
 
 
-STAGE_FAMILIES = ("single", "ddp")
-"""The strategies whose pipeline stages `stage_allocation_events` writes, those the PP probe runs and the
-recorded traces check (a plain stage module, or DDP with no_sync until the last micro-batch); ZeRO-1 and
-FSDP stages keep the margin."""
+STAGE_FAMILIES = ("single", "ddp", "fsdp2")
+"""The strategy families whose pipeline stages `stage_allocation_events` writes, those the PP probe runs and
+the recorded traces check: a plain stage module, DDP with no_sync until the last micro-batch, FSDP2
+(zero2/zero3: `fully_shard` per block and the stage, reshard_after_forward off as torchtitan applies it
+with PP, sharded over more than one rank). ZeRO-1 stages keep the margin (pp.PP_STRATEGIES: no FSDP1)."""
 
 
 def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int, shard: int,
                             device: str = "cuda", workspace: int = 0, steps: int = 2) -> list:
     """The events of pipeline stage `stage` (planner/pp.py) over `steps` steps (validate/pp_probe.py: one
     warm-up step and one measured), for the families in STAGE_FAMILIES and one stage per rank
-    (GPipe, 1F1B). `world`/`shard`: the stage's data-parallel ranks (DDP) and its shard group (1).
+    (GPipe, 1F1B). `world`/`shard`: the stage's data-parallel ranks (DDP, FSDP2) and its shard group (1;
+    FSDP2: the ranks its parameters are sharded over, more than one).
 
     What `torch.distributed.pipelining` allocates (`stage.py`, `schedules.py`), in the order of
     `pp.stage_actions`: in the first step `_prepare_forward_infra` makes one receive buffer per
@@ -606,14 +640,36 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     makes the block transients and the weight gradients (kept from the first micro-batch on, later ones
     added in place: AccumulateGrad) and the input's gradient, which the pending send keeps (GPipe:
     `bwd_sends_to_wait` to the step's end; 1F1B: `bwd_sends`, until the next backward's send). GPipe's
-    `fwd_sends_to_wait` keep every output to the step's end."""
+    `fwd_sends_to_wait` keep every output to the step's end.
+
+    FSDP2 (`_fsdp_param_group.py`, `_fsdp_collectives.py`, `_fsdp_param.py`), as the probe and torchtitan
+    apply it (`fully_shard` per block, then the stage module: the root, the embedding and/or the final
+    norm and head; reshard_after_forward=False): construction as `allocation_events` (each parameter's
+    shard, then the full one goes). The first step's `_prepare_forward_infra`/`_prepare_backward_infra`
+    infer the shapes with a real forward (and, but on the first stage, a backward to the stage's input) of
+    one micro-batch (`_forward_metadata_inference`, `_backward_metadata_inference`): every unit is
+    unsharded for it, the backward reshards each block after its own (FSDP's defaults), and
+    `_post_metadata_inference_cleanup` reshards the rest. In each step the first micro-batch's forward
+    all-gathers the root, then each block before its forward (`foreach_all_gather` on the all-gather
+    stream, `foreach_all_gather_copy_out` into the unsharded parameters, the flat output freed after the
+    next unit's copy-out); they stay unsharded through the step. Each backward runs under
+    `backward_maybe_with_nosync` (set_requires_gradient_sync(False), set_reshard_after_backward(False)):
+    the unsharded gradients are kept (`unsharded_accumulated_grad` in reduce_dtype under mixed precision,
+    each later micro-batch's 16-bit one added and freed; else `.grad`, added in place). After the last
+    backward (and the pending sends) `perform_reduce_grad` runs `post_backward` on the root and then each
+    block: reshard, the previous reduce-scatter input dropped, the new one on the reduce-scatter stream,
+    the unsharded gradients freed (the unit's last one when `foreach_reduce` returns), the gradient shard;
+    the last input goes with `_root_post_backward_final_callback`. The optimizer's states are the shards'.
+    zero2 and zero3 are written alike (both reshard_after_forward=False under PP). The recorded traces
+    are fp32; mixed precision's upcast accumulation is `allocation_events`' (checked there, without PP)."""
     from .memory import _block_backward_peak, layout
     from .pp import stage_actions, stage_train, virtual_stages
     st = get_strategy(strategy)
     family = st.family
-    if family not in STAGE_FAMILIES or virtual_stages(train.pp_schedule) != 1:
-        raise ValueError(f"stage_allocation_events: {st.name} / {train.pp_schedule}: accepted: "
-                         f"{', '.join(STAGE_FAMILIES)} with one stage per rank")
+    fsdp2 = family == "fsdp2"
+    if family not in STAGE_FAMILIES or virtual_stages(train.pp_schedule) != 1 or (fsdp2 and shard <= 1):
+        raise ValueError(f"stage_allocation_events: {st.name} / {train.pp_schedule} / shard {shard}: accepted: "
+                         f"{', '.join(STAGE_FAMILIES)} with one stage per rank (fsdp2 sharded over > 1 rank)")
     p, M = train.pp, train.pp_microbatches
     first, last = stage == 0, stage == p - 1
     strain = stage_train(train, stage)
@@ -627,6 +683,8 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     t = train.tp
     v = -(-m.vocab // t)
     pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
+    ud = cb if prec.mixed else pb  # FSDP2's unsharded parameter / gradient dtype
+    rb = 4 if prec.mixed else gb  # its reduce dtype
     r = 4 if regime in ("fp32", "autocast") else 2
     e = 4 if regime == "fp32" else 2
     nh = sp_tokens(strain, n) * m.hidden * r  # the boundary tensor
@@ -636,9 +694,14 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     ckpt = train.checkpointing != "none"
     E = _Events()
 
-    # -- construction: the stage's parameters; DDP's broadcast and first bucket (as allocation_events)
-    for s in list(embed_shapes) + list(block_shapes) * L + list(head_shapes):
-        E.a(prod(s) * pb)
+    # -- construction: the stage's parameters; DDP's broadcast and first bucket, FSDP2's shards (as
+    # allocation_events)
+    units = [list(embed_shapes)] + [list(block_shapes)] * L + [list(head_shapes)]
+    full = [[E.a(prod(s) * pb) for s in u] for u in units]
+    if fsdp2:
+        owned = _fsdp2_construct(E, units, full, shard, pb)
+    else:
+        owned = [prod(s) for u in units for s in u]
     buckets: list = []
     if family == "ddp" and world > 1:
         left = lay.total * pb
@@ -646,7 +709,6 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
             E.f(E.a(min(left, 250 << 20)))
             left -= 250 << 20
         buckets = [E.a(lay.total * gb)]
-    owned = [prod(s) for s in list(embed_shapes) + list(block_shapes) * L + list(head_shapes)]
     from .memory import _opt_state
     st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
     st_total = st_elems * pb + int(st_extra)
@@ -666,6 +728,8 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     states: list = []
     grads: list = []
     recv: list = []
+    held: dict = {}  # FSDP2: unit ("root" or block j) -> its unsharded parameters
+    acc: dict = {}  # FSDP2: unit -> its unsharded gradients, kept through the step's micro-batches
 
     def accumulate(shapes, i: int):
         """Weight gradients: kept from the first micro-batch on; later ones added in place (AccumulateGrad),
@@ -677,7 +741,92 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
             else:
                 E.f(g)
 
+    def new_grads(u, shapes) -> list:
+        """FSDP2: unit u's new unsharded gradients; where the kept .grad takes them in place (fp32 / pure
+        16-bit: AccumulateGrad), each is freed as its Linear's backward makes it."""
+        if u in acc and not prec.mixed:
+            for s in shapes:
+                E.f(E.a(prod(s) * ud))
+            return []
+        return [E.a(prod(s) * ud) for s in shapes]
+
+    def post_backward(u, g, sync: bool, rs_kept=None):
+        unsharded, sharded, shapes = ((lay.unshard_root, lay.shard_root, root_shapes) if u == "root"
+                                      else (lay.unshard_block, lay.shard_block, block_shapes))
+        return _fsdp2_post_backward(E, u, g, held.pop(u, []) if sync else held.get(u, []), rs_kept, unsharded,
+                                    sharded, shapes, sync=sync, reshard=sync, mixed=prec.mixed, rb=rb, acc=acc,
+                                    saved={}, grads=grads, last_grad_late=True)
+
+    def gather(u, shapes, prev):
+        """FSDP2 pre_forward: unit u all-gathered and copied out unless it is unsharded; the previous
+        unit's all-gather output goes after the copy-out. Returns the all-gather output now held."""
+        if not fsdp2 or u in held or not shapes:
+            return prev
+        flat, held[u] = _fsdp2_unshard(E, shapes, shard, ud)
+        E.f(prev)
+        return flat
+
+    def forward():
+        """One micro-batch's forward: (embedding output, each block's saved tensors, the head's), and the
+        stage output (not on the last stage)."""
+        ag = gather("root", root_shapes, None)
+        emb = E.a(n * m.hidden * r) if first else None  # the embedding's output
+        blocks = []
+        for j in range(L):
+            ag = gather(j, block_shapes, ag)
+            if ckpt:  # run without saving, keep the block's input (the receive buffer for block 0)
+                E.f(*[E.a(s) for s in blk_saved])
+                shapes = kept_saved if (j or first) else []
+            else:
+                shapes = blk_saved if (j or first) else blk_saved[1:]
+            blocks.append([E.a(s) for s in shapes])
+        E.f(ag)
+        head = []
+        if last:
+            head.append(E.a(act.outside - act.inputs))  # final norm, the head's input
+            head.append(E.a(n * v * e))  # the logits, kept in fwd_cache
+            head.append(E.a(act.loss_saved))  # log_softmax's output
+        return (emb, blocks, head), (None if last else E.a(nh))  # the stage output, in fwd_cache and the send
+
+    def block_backward(j, blocks, grads_of):
+        rec = []
+        if ckpt:  # recomputed: everything but its kept input
+            rec = [E.a(s) for s in blk_saved[1:]]
+        tmp = [E.a(s) for s in tmp_shapes]
+        g = grads_of(j)
+        E.f(*tmp, *rec, *blocks[j])
+        return g
+
+    def metadata_inference():
+        """FSDP2, first step: the shape inference's real forward of one micro-batch (every unit unsharded),
+        the backward to the input on a non-first stage (each block resharded after its backward, then the
+        root), the receive buffers, then `_post_metadata_inference_cleanup`'s reshard."""
+        x = None if first else E.a(nh)  # the inferred input (an empty tensor)
+        (emb, blocks, head), out = forward()
+        if not first:
+            recv.extend(E.a(nh) for _ in range(M))
+        if not first:
+            lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)] if last else []
+            E.f(*lt[:-1])
+            E.f(*lt[-1:], *head[::2])  # (the logits stay in the inference's outputs until the cleanup)
+            for j in reversed(range(L)):
+                block_backward(j, blocks, lambda j: [])
+                E.f(*held.pop(j))
+            E.f(*held.pop("root", []))
+            gi = E.a(nh)  # the input's gradient
+            E.f(gi)
+        else:
+            for j in reversed(range(L)):
+                E.f(*blocks[j])
+        E.f(emb, out, x, *head[1:2])
+        if not last:
+            recv.extend(E.a(nh) for _ in range(M))
+        for u in list(held):
+            E.f(*held.pop(u))
+
     def step(k_step: int):
+        if fsdp2 and not recv:
+            metadata_inference()
         if not recv:  # _prepare_forward_infra / _prepare_backward_infra, in the first step
             recv.extend(E.a(nh) for _ in range(M * ((not first) + (not last))))
         if buckets and k_step == 1:  # DDP's rebuild in the second step's first forward
@@ -689,48 +838,48 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
         sends: list = []
         for kind, i in stage_actions(train.pp_schedule, p, M, stage):
             if kind == "F":
-                emb = E.a(n * m.hidden * r) if first else None  # the embedding's output
-                blocks = []
-                for j in range(L):
-                    if ckpt:  # run without saving, keep the block's input (the receive buffer for block 0)
-                        E.f(*[E.a(s) for s in blk_saved])
-                        shapes = kept_saved if (j or first) else []
-                    else:
-                        shapes = blk_saved if (j or first) else blk_saved[1:]
-                    blocks.append([E.a(s) for s in shapes])
-                head = []
-                if last:
-                    head.append(E.a(act.outside - act.inputs))  # final norm, the head's input
-                    head.append(E.a(n * v * e))  # the logits, kept in fwd_cache
-                    head.append(E.a(act.loss_saved))  # log_softmax's output
-                else:
-                    outs[i] = E.a(nh)  # the stage output, in fwd_cache and the send
-                saved[i] = (emb, blocks, head)
+                saved[i], out = forward()
+                if out is not None:
+                    outs[i] = out
                 continue
             emb, blocks, head = saved.pop(i)
+            head_g: list = []
             if last:
                 lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)]
                 E.f(*lt[:-1])
-                accumulate(head_shapes, i)
+                if fsdp2:
+                    head_g = new_grads("root", head_shapes)
+                else:
+                    accumulate(head_shapes, i)
                 E.f(lt[-1], *head)
             if train.pp_schedule != "gpipe":
                 E.f(outs.pop(i, None))
             for j in reversed(range(L)):
-                rec = []
-                if ckpt:  # recomputed: everything but its kept input
-                    rec = [E.a(s) for s in blk_saved[1:]]
-                tmp = [E.a(s) for s in tmp_shapes]
-                accumulate(block_shapes, i)
-                E.f(*tmp, *rec, *blocks[j])
+                if fsdp2:
+                    g = block_backward(j, blocks, lambda j: new_grads(j, block_shapes))
+                    post_backward(j, g, sync=False)
+                else:
+                    block_backward(j, blocks, lambda j: accumulate(block_shapes, i))
             E.f(emb)
+            emb_g: list = []
             if first:
-                accumulate(embed_shapes, i)
+                if fsdp2:
+                    emb_g = new_grads("root", embed_shapes)
+                else:
+                    accumulate(embed_shapes, i)
             else:
                 gi = E.a(nh)  # the input's gradient, kept by its send
                 if train.pp_schedule != "gpipe":
                     E.f(*sends)
                     sends.clear()
                 sends.append(gi)
+            if fsdp2 and root_shapes:  # (its gradients in parameter order: the embedding's, the head's)
+                post_backward("root", emb_g + head_g, sync=False)
+        if fsdp2:  # perform_reduce_grad: the root's post_backward, then the blocks'
+            rs = None
+            for u in (["root"] if root_shapes else []) + list(range(L)):
+                rs = post_backward(u, [], sync=True, rs_kept=rs)
+            E.f(rs)  # _root_post_backward_final_callback
         E.f(*sends, *outs.values())
         if state_sizes and not states:
             states.extend(E.a(z) for z in state_sizes)
@@ -742,6 +891,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
                     E.f(E.a(s * pb), E.a(s * pb))
         E.f(*grads)
         grads.clear()
+        assert not acc and not held, "FSDP2: gradients or parameters left unsharded at the optimizer step"
 
     for k in range(steps):
         if k == 0 and workspace:

@@ -703,8 +703,9 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     replay_args = None
     if device == "cuda":
         # (autocast's weight casts under pipelining are not written: those stages keep the margin)
+        # (FSDP2 stages are written sharded over more than one rank, as the probes run them)
         if (family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS
-                and M <= MAX_MICROBATCHES):
+                and M <= MAX_MICROBATCHES and (family != "fsdp2" or shard > 1)):
             from .allocator import parse_alloc_conf
             expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
             replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
@@ -712,6 +713,7 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         else:
             notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator "
                          f"replay of {st.name} stages" + (" or interleaved schedules" if v > 1 else "")
+                         + (" on one data-parallel rank" if family == "fsdp2" and shard <= 1 else "")
                          + (" under autocast" if regime == "autocast" else "")
                          + (f" beyond {MAX_MICROBATCHES} micro-batches" if M > MAX_MICROBATCHES else "") + ")")
     return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace,

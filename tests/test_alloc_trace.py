@@ -339,15 +339,62 @@ def test_pipeline_stage_trace_against_recorded_traces():
     assert max(abs(e) for e in errs.values()) <= 3.5, errs
 
 
+def test_pipeline_stage_fsdp2_trace_against_recorded_traces():
+    """FSDP2 pipeline stages (zero2/zero3 over 2 replicas per stage; GPipe and 1F1B on 2 stages,
+    checkpointing, 1F1B on 4): each stage's trace from the planner (alloc_trace.stage_allocation_events), replayed,
+    reserves what the stage's recorded allocations reserve (benchmarks/alloc_pp.py;
+    tests/data/alloc_events_cpu_pp_fsdp.json.gz). The recorded trace is replayed with FSDP's buffers on
+    their collectives' streams (allocator.comm_streams; the pipeline's send/recv touches dropped first: the
+    stage allocates those tensors on its compute stream), and without what only gloo allocates: the copy
+    of each reduce-scatter input that gloo makes (an allocation of the input's size right after its
+    reduce_scatter, freed at once; NCCL makes none, and the planner writes none, as allocation_events)."""
+    from distplan.planner.allocator import comm_streams
+    from distplan.planner.alloc_trace import stage_allocation_events
+    from distplan.validate.pp_probe import train_config
+    doc = _recorded("alloc_events_cpu_pp_fsdp.json.gz")
+    errs, alloc_errs = {}, {}
+    for key, events in doc["events"].items():
+        pid, stage = key.rsplit("/stage", 1)
+        spec = doc["specs"][pid]
+        dp = spec["dp"]
+        gloo_copies = [j for j in range(1, len(events) - 1)
+                       if events[j][0] == "alloc" and events[j - 1][0] == "comm"
+                       and events[j - 1][2] == "reduce_scatter" and events[j + 1] == ["free", events[j][1]]]
+        # one per reduce-scatter (two touches each: its output, its input)
+        assert len(gloo_copies) == sum(e[0] == "comm" and e[2] == "reduce_scatter" for e in events) // 2, key
+        skip = set(gloo_copies) | {j + 1 for j in gloo_copies}
+        recorded = replay(comm_streams([e for j, e in enumerate(events) if j not in skip
+                                        and not (e[0] == "comm" and e[2] in ("send", "recv"))]))
+        written = replay(stage_allocation_events(train_config(spec), spec["strategy"], int(stage), dp, dp, "cpu", 0))
+        errs[key] = round(100 * (written.peak_reserved / recorded.peak_reserved - 1), 1)
+        alloc_errs[key] = round(100 * (written.peak_allocated / recorded.peak_allocated - 1), 1)
+    assert len(errs) >= 14, errs
+    # measured 2026-11-24 (14 stage traces of 6 probes): reserved median 1.1%, max 2.1% (GPipe zero2 with
+    # checkpointing, the last stage), the single/DDP stages' bounds; allocated median 2.0%, max 3.3% (the
+    # planner's bytes a little above: over on every stage). With gloo's copies left in the recorded trace
+    # the reserved errors are median 2.3%, max 6.3% (pp 4, stage 1): the copies the planner does not write.
+    assert statistics.median(abs(e) for e in errs.values()) <= 1.5, errs
+    assert max(abs(e) for e in errs.values()) <= 3.5, errs
+    assert statistics.median(abs(e) for e in alloc_errs.values()) <= 2.5, alloc_errs
+    assert max(abs(e) for e in alloc_errs.values()) <= 3.5, alloc_errs
+
+
 def test_pipeline_stage_reserved_source():
-    """A pipeline stage is replayed where its trace is written (single/DDP, GPipe and 1F1B, no autocast);
-    ZeRO/FSDP stages, interleaved schedules and autocast keep the margin and say so."""
+    """A pipeline stage is replayed where its trace is written (single/DDP/FSDP2, GPipe and 1F1B, no
+    autocast); ZeRO-1 stages, FSDP2 on one data-parallel rank, interleaved schedules and autocast keep the
+    margin and say so."""
     from distplan.planner.api import plan
-    p = plan("llama-3-8b", gpus=8, strategies=["ddp", "zero3"], pp=2, precision="bf16")
-    assert p["ddp"].memory.reserved_source == "allocator replay"
-    assert p["ddp"].memory.peak_reserved >= p["ddp"].memory.peak_allocated
-    assert p["zero3"].memory.reserved_source == "10% margin"
-    assert any("no allocator replay of zero3 stages" in n for n in p["zero3"].memory.notes)
+    p = plan("llama-3-8b", gpus=8, strategies=["ddp", "zero1", "zero2", "zero3"], pp=2, precision="bf16")
+    for s in ("ddp", "zero2", "zero3"):
+        assert p[s].memory.reserved_source == "allocator replay", s
+        assert p[s].memory.peak_reserved >= p[s].memory.peak_allocated, s
+    assert p["zero1"].memory.reserved_source == "10% margin"
+    assert any("no allocator replay of zero1 stages" in n for n in p["zero1"].memory.notes)
+    mixed3 = plan("llama-3-8b", gpus=8, strategies=["zero3"], pp=2, precision="bf16-mixed")
+    assert mixed3["zero3"].memory.reserved_source == "allocator replay"  # FSDP2's mixed precision: no autocast
+    one = plan("llama-3-8b", gpus=2, strategies=["zero3"], pp=2, precision="bf16")
+    assert one["zero3"].memory.reserved_source == "10% margin"
+    assert any("no allocator replay of zero3 stages on one data-parallel rank" in n for n in one["zero3"].memory.notes)
     mixed = plan("llama-3-8b", gpus=8, strategies=["ddp"], pp=2, precision="bf16-mixed")
     assert mixed["ddp"].memory.reserved_source == "10% margin"
     inter = plan("llama-3-8b", gpus=8, strategies=["ddp"], pp=2, precision="bf16", pp_schedule="interleaved-1f1b")
