@@ -82,9 +82,9 @@ class Snapshot:
 
 RESERVED_MARGIN = 0.10
 """Where no allocation trace is written (`--module`, `--hf-config` traces the analytic front end cannot
-pair, see module_plan.analytic_twins; DeepSpeed, pipeline stages under ZeRO/FSDP,
-interleaved schedules or autocast, models over alloc_trace.MAX_LAYERS): the reserved peak is the
-allocated peak plus this margin, and `reserved_source` says so."""
+pair, see module_plan.analytic_twins; DeepSpeed, ZeRO-1 pipeline stages and FSDP2 stages on one rank,
+interleaved and zero-bubble schedules, autocast under pipelining, models over alloc_trace.MAX_LAYERS):
+the reserved peak is the allocated peak plus this margin, and `reserved_source` says so."""
 
 
 @dataclass(slots=True)
