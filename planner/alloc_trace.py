@@ -65,7 +65,7 @@ from functools import lru_cache
 from math import prod
 
 from .activations import activations_in, regime_for, sp_tokens
-from .allocator import replay_peaks
+from .allocator import replay_fit, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig
 from .model import unit_sizes
@@ -570,27 +570,30 @@ def reserved_peak(train: TrainConfig, strategy, world: int, shard: int, device: 
 
 def reserved_peak_within(limit: int, train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
                          backend: str = "nccl", workspace: int = 0, expandable_segments: bool = False,
-                         init: str = "device", max_split_size: int | None = None) -> tuple[int, int] | None:
-    """`reserved_peak`, or None when the reserved peak is above `limit` bytes: a replay not made yet stops
-    at the first segment that passes it (segments are never released, allocator.replay's `stop_above`),
-    so a fits-or-not question answered no costs part of a replay."""
+                         init: str = "device", max_split_size: int | None = None) -> tuple[int, int, int] | None:
+    """The run on a device where the caching allocator can reserve `limit` bytes: (reserved peak, allocated
+    peak, retries), or None when it runs out of memory there. The allocator releases its cached segments and
+    retries a cudaMalloc that fails before it gives up (allocator.CachingAllocator.capacity), so a run
+    whose reserved peak without a limit (`reserved_peak`) is above `limit` may still fit, at `retries`
+    releases of the cache."""
     args = (train, get_strategy(strategy).name, world, shard, device, backend, workspace, expandable_segments,
             init, max_split_size)
     got = _REPLAYED.get(args)
-    if got is None:
-        if _ABOVE.get(args, -1) >= limit:  # an earlier replay stopped above this limit or a higher one
-            return None
-        got = replay_peaks(allocation_events(train, args[1], world, shard, device, backend, workspace, init),
-                           expandable_segments=expandable_segments, max_split_size=max_split_size, stop_above=limit)
-        if got is None:
-            _remember(args, limit, _ABOVE)
-            return None
-        _remember(args, got)
-    return None if got[0] > limit else got
+    if got is not None and got[0] <= limit:  # fits without reaching the limit
+        return got + (0,)
+    key = args + (limit,)
+    fit = _FIT.get(key, _FIT)
+    if fit is _FIT:
+        fit = replay_fit(allocation_events(train, args[1], world, shard, device, backend, workspace, init), limit,
+                         expandable_segments=expandable_segments, max_split_size=max_split_size)
+        _remember(key, fit, _FIT)
+        if fit is not None and not fit[2]:  # never reached the limit: the run without one
+            _remember(args, fit[:2])
+    return fit
 
 
 _REPLAYED: dict = {}  # reserved_peak's arguments -> its result, from either function above
-_ABOVE: dict = {}  # reserved_peak's arguments -> a limit its reserved peak is known to be above
+_FIT: dict = {}  # reserved_peak_within's arguments (the limit last) -> its result
 
 
 def _remember(args, got, into: dict = _REPLAYED) -> None:
@@ -601,7 +604,7 @@ def _remember(args, got, into: dict = _REPLAYED) -> None:
 
 def _forget() -> None:
     _REPLAYED.clear()
-    _ABOVE.clear()
+    _FIT.clear()
 
 
 _remember.cache_clear = _forget  # api.clear_caches finds it
@@ -913,6 +916,21 @@ def _stage_reserved_peak(train, name, stage, world, shard, device, workspace, ex
                          max_split_size):
     return replay_peaks(stage_allocation_events(train, name, stage, world, shard, device, workspace),
                         expandable_segments=expandable_segments, max_split_size=max_split_size)
+
+
+def stage_reserved_peak_within(limit: int, train: TrainConfig, strategy, stage: int, world: int, shard: int,
+                               device: str = "cuda", workspace: int = 0, expandable_segments: bool = False,
+                               max_split_size: int | None = None) -> tuple[int, int, int] | None:
+    """`reserved_peak_within` for pipeline stage `stage` (`stage_reserved_peak`'s run)."""
+    return _stage_reserved_peak_within(limit, train, get_strategy(strategy).name, stage, world, shard, device,
+                                       workspace, expandable_segments, max_split_size)
+
+
+@lru_cache(maxsize=256)
+def _stage_reserved_peak_within(limit, train, name, stage, world, shard, device, workspace, expandable_segments,
+                                max_split_size):
+    return replay_fit(stage_allocation_events(train, name, stage, world, shard, device, workspace), limit,
+                      expandable_segments=expandable_segments, max_split_size=max_split_size)
 
 
 CHECKPOINT_REPLAY_STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp", "fsdp-grad-op")

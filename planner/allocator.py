@@ -20,9 +20,15 @@ c10/cuda/CUDAAllocatorConfig.h in recent releases):
   (large pool); otherwise the whole block is handed out (and counted as allocated: a cached large block
   up to 1 MiB larger than the request is used whole). Blocks of `max_split_size_mb` or more are never split.
 - `free_block` merges the freed block with free neighbours of the same segment (`try_merge_blocks`).
-  Segments are returned to the driver only on `empty_cache()` or when a cudaMalloc fails
-  (`release_cached_blocks`), which this model does not do: it assumes the device has room, so its
-  reserved peak is what `torch.cuda.max_memory_reserved` reads when the run does not come near OOM.
+  Segments are returned to the driver only on `empty_cache()` or when a cudaMalloc fails: then
+  `release_cached_blocks` frees every cached block that is a whole segment, in every pool and stream, and
+  the allocation is retried once (`num_alloc_retries`), out of memory if that fails too ("If the cudaMalloc
+  fails, the allocator will free all cached blocks that are not split and retry the allocation", the
+  file's header). With `capacity` (the device's memory less what else the process holds) the model does
+  the same; without it the device has room, and its reserved peak is what `torch.cuda.max_memory_reserved`
+  reads on a device the run does not fill. Not modelled: `release_available_cached_blocks` (with
+  `max_split_size_mb`, oversize blocks are released first) and an expandable segment's release of its free
+  pages (with `expandable_segments` a limit reached is out of memory: the safe side).
 - `expandable_segments:True` (`ExpandableSegment`): one segment per pool and stream that grows by
   mapping pages of the pool's segment size (2 MiB small, 20 MiB large) at its end, so a request that
   does not fit a cached block maps only what the free tail lacks.
@@ -44,7 +50,7 @@ the previous, plainer model (tests/reference_allocator.py).
 
 Known limitations: cross-stream uses (`record_stream`) that delay a free until the other stream's work
 is done are not modelled (events give the order the host frees in); `garbage_collection_threshold` and
-`roundup_power2_divisions` are not modelled; OOM-time cache flushing is not modelled.
+`roundup_power2_divisions` are not modelled.
 """
 
 from __future__ import annotations
@@ -109,16 +115,23 @@ SIZE, OFFSET, ALLOCATED, PREV, NEXT, SEGMENT = range(6)
 class CachingAllocator:
     """The allocator's state; `malloc` returns a handle (a block), `free` takes it back."""
 
-    __slots__ = ("expandable_segments", "max_split_size", "stop_above", "reserved", "allocated", "peak_reserved",
-                 "peak_allocated", "segments", "_pools", "_expandable")
+    __slots__ = ("expandable_segments", "max_split_size", "stop_above", "capacity", "retries", "oom", "reserved",
+                 "allocated", "peak_reserved", "peak_allocated", "segments", "_pools", "_expandable")
 
     def __init__(self, expandable_segments: bool = False, max_split_size: int | None = None,
-                 stop_above: int | None = None) -> None:
+                 stop_above: int | None = None, capacity: int | None = None) -> None:
         self.expandable_segments = expandable_segments
         self.max_split_size = max_split_size
         """`max_split_size_mb` in bytes; None: unlimited (the default)."""
         self.stop_above = stop_above
         """A malloc that takes the reserved bytes above this raises `ReservedAbove` (after growing)."""
+        self.capacity = capacity
+        """The bytes cudaMalloc can give the allocator (the device's memory less what else the process holds);
+        None: unlimited. A new segment beyond it first releases every cached segment that is wholly free
+        and retries (`release_cached_blocks`; `retries` counts them, as `num_alloc_retries` does), then
+        raises `OutOfMemory`."""
+        self.retries = 0
+        self.oom = False
         self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = self.segments = 0
         self._pools: dict = {}  # 2 * stream + small -> _Pool
         self._expandable: dict = {}  # (small, stream) -> _Segment
@@ -219,6 +232,8 @@ class CachingAllocator:
     def _new_block(self, size: int, small: bool, stream: int, pool: _Pool) -> list:
         if not self.expandable_segments:
             seg_size = allocation_size(size)
+            if self.capacity is not None and self.reserved + seg_size > self.capacity:
+                self._release_cached(seg_size)
             seg = self._new_segment(seg_size, small, stream, pool)
             self._grow(seg_size)
             return [seg_size, 0, False, None, None, seg]
@@ -230,6 +245,9 @@ class CachingAllocator:
         tail = self._tail_free(seg)
         have = tail[0] if tail is not None else 0
         grow = page * -(-(size - have) // page)
+        if self.capacity is not None and self.reserved + grow > self.capacity:
+            # releasing an expandable segment's free pages (unmapping them) is not modelled: out of memory
+            raise OutOfMemory(self.reserved + grow)
         self._check_size(seg.size + grow)
         self._grow(grow)
         if tail is not None:  # off the free list, grown by the pages mapped after it
@@ -255,6 +273,21 @@ class CachingAllocator:
             seg.last = last
         return last if last is not None and not last[2] else None
 
+    def _release_cached(self, need: int) -> None:
+        """A cudaMalloc of `need` bytes failed (beyond `capacity`): `release_cached_blocks` frees every
+        cached block that is a whole segment (not split), in every pool and stream, and the allocation is
+        retried once; if it fails again, out of memory."""
+        for pool in self._pools.values():
+            whole = [k for k, b in pool.blocks.items() if b[3] is None and b[4] is None]
+            for k in whole:
+                self.reserved -= pool.blocks.pop(k)[0]
+            if whole:
+                gone = set(whole)
+                pool.keys[:] = [k for k in pool.keys if k not in gone]
+        self.retries += 1
+        if self.reserved + need > self.capacity:
+            raise OutOfMemory(self.reserved + need)
+
     def _grow(self, nbytes: int) -> None:
         self.reserved += nbytes
         if self.reserved > self.peak_reserved:
@@ -265,6 +298,11 @@ class CachingAllocator:
 
 class ReservedAbove(Exception):
     """The replay passed `stop_above` reserved bytes (args[0]: the reserved bytes then)."""
+
+
+class OutOfMemory(Exception):
+    """A segment did not fit in `capacity` even after releasing the cache (args[0]: the bytes it needed
+    reserved)."""
 
 
 ALLOC_CONF_KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
@@ -315,15 +353,16 @@ def comm_streams(events) -> list:
 
 
 def replay(events, *, expandable_segments: bool = False, max_split_size: int | None = None,
-           stop_above: int | None = None) -> CachingAllocator:
+           stop_above: int | None = None, capacity: int | None = None) -> CachingAllocator:
     """Replay `events`: ("alloc", key, nbytes[, stream]) and ("free", key) in order (("comm", ...) events are
     skipped; `comm_streams` turns them into streams). Returns the allocator (peak_reserved,
     peak_allocated: what max_memory_reserved / max_memory_allocated would read). With `stop_above`, the
     replay ends at the first malloc that takes the reserved bytes above it (segments are never released,
     so the reserved peak is above it too): then `a.reserved > stop_above`, and the peaks are the
-    partial run's."""
+    partial run's. With `capacity` (CachingAllocator.capacity), a run that does not fit ends with
+    `a.oom` set."""
     a = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
-                         stop_above=stop_above)
+                         stop_above=stop_above, capacity=capacity)
     live: dict = {}
     malloc, free, pop = a.malloc, a.free, live.pop
     # The blocks link both ways (cycles the collector would walk again and again while they pile up):
@@ -344,6 +383,8 @@ def replay(events, *, expandable_segments: bool = False, max_split_size: int | N
                 raise ValueError(f"event {kind!r}: accepted: 'alloc', 'free', 'comm'")
     except ReservedAbove:
         pass
+    except OutOfMemory:
+        a.oom = True
     finally:
         if gc_was_on:
             gc.enable()
@@ -392,13 +433,37 @@ def replay_peaks(events, *, expandable_segments: bool = False, max_split_size: i
         return None
     if key is None:
         return a.peak_reserved, a.peak_allocated
-    _PEAKS[key] = hit = (a.peak_reserved, a.peak_allocated)
+    hit = (a.peak_reserved, a.peak_allocated)
+    _remember_peaks(key, hit)
+    return hit
+
+
+def _remember_peaks(key: _EventsKey, hit: tuple) -> None:
+    _PEAKS[key] = hit
     _PEAKS_EVENTS[0] += len(key.events)
     while _PEAKS_EVENTS[0] > PEAKS_CACHE_EVENTS and len(_PEAKS) > 1:
         old = next(iter(_PEAKS))
         del _PEAKS[old]
         _PEAKS_EVENTS[0] -= len(old.events)
-    return hit
+
+
+def replay_fit(events, capacity: int, *, expandable_segments: bool = False,
+               max_split_size: int | None = None) -> tuple[int, int, int] | None:
+    """(peak_reserved, peak_allocated, retries) of the run on a device where the allocator can reserve
+    `capacity` bytes (CachingAllocator.capacity: the cache is released and the allocation retried before
+    an out-of-memory), or None when it runs out of memory. Remembered as `replay_peaks`."""
+    try:
+        key = _EventsKey(tuple(events), (expandable_segments, max_split_size, capacity))
+    except TypeError:
+        key = None
+    hit = _PEAKS.get(key) if key is not None else None
+    if hit is None:
+        a = replay(events, expandable_segments=expandable_segments, max_split_size=max_split_size,
+                   capacity=capacity)
+        hit = () if a.oom else (a.peak_reserved, a.peak_allocated, a.retries)
+        if key is not None:
+            _remember_peaks(key, hit)
+    return hit or None
 
 
 def _clear_peaks() -> None:

@@ -347,6 +347,12 @@ class StrategyResult:
         return self.memory.fits and (self.checkpoint is None or self.checkpoint.fits)
 
     @property
+    def fits_cleanly(self) -> bool:
+        """`fits`, without the caching allocator releasing its cache (memory.MemoryEstimate.alloc_retries):
+        what the recommendation asks of a pick."""
+        return self.fits and not self.memory.alloc_retries
+
+    @property
     def comm_bytes_per_gpu(self) -> int:
         return sum(c.bytes_per_gpu for c in self.collectives)
 

@@ -219,6 +219,7 @@ def _candidate_dict(c: Candidate, best) -> dict:
     r = best or c.closest()
     m = r.memory
     return {"layout": c.layout.to_dict(), "strategy": r.name, "fits": best is not None,
+            "alloc_retries": int(m.alloc_retries),
             "peak_allocated": int(m.peak_allocated),
             "device_total": int(m.device_total) if best is not None or m.reserved_replay is None else None,
             "device_lower_bound": int(m.peak_allocated + m.process_overhead),
@@ -244,7 +245,7 @@ def _pick(rows: list, nodes: int | None = None):
         return None
     live.sort(key=lambda x: (_time(x[1]), x[0].layout.simplicity))
     n = nodes if nodes is not None else live[0][0].nodes
-    for ok in (_headroom_ok, lambda r: r.fits):
+    for ok in (_headroom_ok, lambda r: r.fits_cleanly):
         fastest = next((x for x in live if ok(x[1])), None)
         if fastest is None:
             continue

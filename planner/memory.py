@@ -116,7 +116,12 @@ class MemoryEstimate:
     """The trace front end of a Hugging Face model (module_plan.py): the analytic front end's estimate of
     the same model and run, whose replayed cached-but-free bytes at the reserved peak (its peak_reserved -
     peak_allocated) this estimate adds to its own allocated peak; None: not used."""
+    alloc_retries: int = 0
+    """Times the replayed run releases the caching allocator's cache to fit on this GPU (what
+    `torch.cuda.memory_stats()["num_alloc_retries"]` counts; each a synchronize and cudaFree/cudaMalloc):
+    0 where the reserved peak fits without it (allocator.CachingAllocator.capacity)."""
     _reserved: int | None = None
+    _fit: bool | None = None
 
     @property
     def reserved_source(self) -> str:
@@ -140,10 +145,36 @@ class MemoryEstimate:
             elif self.reserved_replay is None:
                 self._reserved = int((1 + RESERVED_MARGIN) * self.peak_allocated)
             else:
-                from .alloc_trace import reserved_peak, stage_reserved_peak
-                args = self.reserved_replay
-                self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage" else reserved_peak(*args)))
+                if self._fit is None and self.allocated_fits:
+                    self._replay_on_device()  # the run on this GPU: its reserved peak where it fits
+                if self._reserved is None:  # does not fit: what it would reserve on a device without a limit
+                    from .alloc_trace import reserved_peak, stage_reserved_peak
+                    args = self.reserved_replay
+                    self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage"
+                                         else reserved_peak(*args)))
         return self._reserved
+
+    def _replay_on_device(self) -> None:
+        """Replay the run with the caching allocator limited to this GPU less the process overhead
+        (alloc_trace.reserved_peak_within): where it fits, possibly by releasing its cache, the reserved peak
+        is that run's, as `max_memory_reserved` would read it on this GPU; else `_fit` is False."""
+        from .alloc_trace import reserved_peak_within, stage_reserved_peak_within
+        args = self.reserved_replay
+        limit = self.gpu_memory_bytes - self.process_overhead
+        got = (stage_reserved_peak_within(limit, *args[1:]) if args[0] == "pp-stage"
+               else reserved_peak_within(limit, *args))
+        self._fit = got is not None
+        if got is not None:
+            self._set_replayed(got[0], got[1])
+            if self.device_total > self.gpu_memory_bytes:  # the walk's excess over the trace passes the line
+                self._fit, self._reserved = False, None
+                return
+            self.alloc_retries = got[2]
+            if got[2]:
+                self.notes.append(f"{self.strategy}: fits by the caching allocator releasing its cached segments "
+                                  f"{got[2]} time(s) in the replayed warm-up and measured steps (a cudaMalloc "
+                                  f"that fails is retried after release_cached_blocks; "
+                                  f"torch.cuda.memory_stats()['num_alloc_retries']): slower steps")
 
     def _set_replayed(self, replayed: int, allocated: int) -> None:
         # The trace is written from the same sizes as this walk, but not byte for byte: where it
@@ -163,17 +194,22 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool:
+        """The run fits this GPU: the allocated peak and the overhead do, and the replayed run does not run
+        out of memory with the allocator limited to the GPU (a run whose reserved peak would pass the line
+        may fit by releasing the allocator's cache: `alloc_retries`)."""
         if not self.allocated_fits:
             return False
-        if self._reserved is None and self.reserved_replay is not None and self.reserved_replay[0] != "pp-stage":
-            # A no needs no whole replay: the replayed reserved bytes only grow, and the reported reserved
-            # peak is never below them, so the replay may stop once they alone leave the overhead no room.
-            from .alloc_trace import reserved_peak_within
-            got = reserved_peak_within(self.gpu_memory_bytes - self.process_overhead, *self.reserved_replay)
-            if got is None:
+        if self.reserved_replay is not None:
+            if self._fit is None:
+                self._replay_on_device()
+            if not self._fit:
                 return False
-            self._set_replayed(*got)
         return self.device_total <= self.gpu_memory_bytes
+
+    @property
+    def fits_cleanly(self) -> bool:
+        """Fits without the allocator releasing its cache (`alloc_retries` 0): what `recommend` asks."""
+        return self.fits and not self.alloc_retries
 
     @property
     def total_required(self) -> int:
@@ -187,6 +223,7 @@ class MemoryEstimate:
         d = {k: int(self.components[k]) for k in COMPONENTS}
         d.update(workspace=int(self.workspace), peak_allocated=int(self.peak_allocated),
                  peak_reserved=int(self.peak_reserved), reserved_source=self.reserved_source,
+                 alloc_retries=int(self.alloc_retries),
                  process_overhead=int(self.process_overhead), device_total=int(self.device_total))
         if self.footprint is not None:
             d["device_footprint"] = self.footprint.to_dict()

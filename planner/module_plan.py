@@ -886,7 +886,7 @@ def module_recommend(plan: ModulePlan):
     from .recommend import TIE_FRACTION, Recommendation, _headroom_ok, _rank, _reasons
     from .units import fmt_gib
     results = plan.results
-    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits]
+    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits_cleanly]
 
     def fits(name: str, batch: int) -> bool:
         st = get_strategy(name)
@@ -894,7 +894,7 @@ def module_recommend(plan: ModulePlan):
         mem = estimate_module_memory(desc, plan.train, plan.cluster, st, workspaces=plan.workspaces)
         if plan.twin is not None and mem.allocated_fits:
             pair_reserved(mem, plan.twin(name, batch))
-        return mem.fits
+        return mem.fits_cleanly
 
     if not ok:
         names = [r.name for r in results]

@@ -82,7 +82,7 @@ def _rank(name: str, nodes: int | None = None) -> int:
 
 
 def _headroom_ok(r) -> bool:
-    return r.fits and r.memory.headroom >= HEADROOM_FRACTION * r.memory.gpu_memory_bytes
+    return r.fits_cleanly and r.memory.headroom >= HEADROOM_FRACTION * r.memory.gpu_memory_bytes
 
 
 def _largest(fits, lo: int, hi: int) -> int:
@@ -110,11 +110,11 @@ def max_micro_batch(train: TrainConfig, cluster: Cluster, strategy: str, limit: 
     while hi <= limit and alloc_fits(hi):
         lo, hi = hi, hi * 2
     bound = _largest(alloc_fits, lo, min(hi, limit + 1))
-    if mem(bound).fits:
+    if mem(bound).fits_cleanly:  # without the allocator releasing its cache every step
         return bound
-    if not mem(1).fits:
+    if not mem(1).fits_cleanly:
         return 0
-    return _largest(lambda b: mem(b).fits, 1, bound)
+    return _largest(lambda b: mem(b).fits_cleanly, 1, bound)
 
 
 def _fitter(plan):
@@ -122,13 +122,13 @@ def _fitter(plan):
     (`plan.checkpoint`), so does the save (checkpoint.py)."""
     mode = getattr(plan, "checkpoint", None)
     if not mode:
-        return lambda t, c, n: estimate_memory(t, c, n).fits
+        return lambda t, c, n: estimate_memory(t, c, n).fits_cleanly
 
     from .checkpoint import estimate_checkpoint
 
     def fits(t, c, n) -> bool:
         mem = estimate_memory(t, c, n)
-        if not mem.fits:
+        if not mem.fits_cleanly:
             return False
         ck = estimate_checkpoint(t, c, n, mode, plan.storage_bytes_per_s or 1.0, mem=mem)
         return ck is None or ck.fits
@@ -225,7 +225,7 @@ def recommend(plan, _depth: int = 0) -> Recommendation:
     if search is not None:
         return _recommend_searched(plan, search)
     results = plan.results
-    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits]
+    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits_cleanly]
     if not ok:
         words, train, cluster = _smallest_change(plan)
         first = (f"nothing fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB per GPU as given; "
@@ -274,7 +274,7 @@ def _recommend_searched(plan, search) -> Recommendation:
         rec.search = search
         return rec
     cand, best = search.pick
-    ok = [r for r in plan.results if _headroom_ok(r)] or [r for r in plan.results if r.fits]
+    ok = [r for r in plan.results if _headroom_ok(r)] or [r for r in plan.results if r.fits_cleanly]
     timed = all(r.step_time_s for r in ok)
     reasons = layout_reasons(search, plan.cluster, gpu)
     strat = _reasons(plan, best, ok, timed)
@@ -315,6 +315,11 @@ def _reasons(plan, best, ok, timed) -> list[str]:
                 return f"{r.name} (its {r.checkpoint.mode} save: {fmt_gib(r.checkpoint.device_peak_bytes)} GiB)"
             return f"{r.name} ({fmt_gib(r.memory.total_required)} GiB)"
         out.append("does not fit: " + ", ".join(why(r) for r in sorted(too_big, key=lambda r: _rank(r.name))))
+    retry = [r for r in plan.results if r.fits and r.memory.alloc_retries]
+    if retry:
+        out.append("fit only by the caching allocator releasing its cached segments and retrying (slower steps; "
+                   "not picked): " + ", ".join(f"{r.name} ({r.memory.alloc_retries} retries)"
+                                               for r in sorted(retry, key=lambda r: _rank(r.name))))
     ddp = by.get("ddp")
     sharded = best.name in ("zero3", "fsdp", "hsdp")
     if timed and sharded and ddp is not None and ddp.comm_bytes_per_gpu and best.comm_bytes_per_gpu:
@@ -362,11 +367,11 @@ def _comm_bound(plan, best) -> list[str]:
 
     def step_of(train_, cluster_, name):
         r = evaluate(train_, cluster_, name, catalog_dirs=cl.catalog_dirs)
-        return r if r.fits and r.time is not None else None
+        return r if r.fits_cleanly and r.time is not None else None
 
     by = {r.name: r for r in plan.results}
     hs = by.get("hsdp")
-    if cl.nodes > 1 and best.name != "hsdp" and hs is not None and hs.fits and hs.step_time_s < best.step_time_s:
+    if cl.nodes > 1 and best.name != "hsdp" and hs is not None and hs.fits_cleanly and hs.step_time_s < best.step_time_s:
         options.append(f"hsdp: {fmt_seconds(hs.step_time_s)}")
     if cl.nodes > 1 and cl.nics_per_node < cl.gpus_per_node and not cl.inter_bytes_per_s:
         r = step_of(train, replace(cl, nics_per_node=cl.gpus_per_node), best.name)

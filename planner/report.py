@@ -105,7 +105,7 @@ def memory_table(plan, table_format: str = "simple", results=None, title: str | 
         row = [r.name] + [fmt_gib(mem.components[k]) for k, _ in MEM_COLUMNS]
         row += [fmt_gib(getattr(mem, "workspace", 0)), fmt_gib(mem.peak_allocated), mem.peak_phase,
                 fmt_gib(mem.peak_reserved), fmt_gib(mem.device_total),
-                "yes" if mem.fits else "NO", fmt_gib(mem.headroom)]
+                ("retry" if mem.alloc_retries else "yes") if mem.fits else "NO", fmt_gib(mem.headroom)]
         rows.append(row)
     # reserved: the caching allocator's segments (max_memory_reserved); device: + CUDA context and NCCL
     headers = ["strategy"] + [h for _, h in MEM_COLUMNS] + ["cublas", "peak", "phase", "reserved", "device",
@@ -193,7 +193,8 @@ def layout_table(plan, table_format: str = "simple", rows: int = LAYOUT_ROWS) ->
         lay = c.layout
         out.append([f"{lay.dp} x {lay.tp} x {lay.pp}", "on" if lay.sequence_parallel else "off",
                     str(lay.micro_steps), r.name, fmt_gib(m.peak_allocated), dev,
-                    "yes" if best is not None else "NO", fmt_seconds(st) if st is not None else "-", vs])
+                    "yes" if best is not None else ("retry" if r.fits else "NO"),
+                    fmt_seconds(st) if st is not None else "-", vs])
     more = len(s.candidates) - len(out)
     title = (f"layout search: {len(s.candidates)} layouts, {s.evaluated} configurations, {s.seconds:.2f} s "
              f"({s.cpu_seconds:.2f} s CPU)"

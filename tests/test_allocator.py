@@ -55,6 +55,25 @@ def test_free_merges_and_best_fit_reuses():
     assert e.reserved == 40 * M  # expandable: 30 MiB maps two 20 MiB pages, the 40 MiB request reuses them
 
 
+def test_out_of_memory_releases_the_cache_and_retries():
+    """A cudaMalloc that fails releases every cached segment that is wholly free (in every pool and stream)
+    and is retried once (CUDACachingAllocator.cpp `release_cached_blocks`; `num_alloc_retries`): a run whose
+    reserved peak without a limit is above the device's memory may still fit; out of memory only when the
+    retry fails too."""
+    ev = [("alloc", 1, 30 * M, 2), ("free", 1), ("alloc", 2, 24 * M), ("alloc", 3, 40 * M)]
+    free = replay(ev)
+    assert free.reserved == 30 * M + 24 * M + 40 * M and free.retries == 0  # no limit: all three cached
+    a = replay(ev, capacity=70 * M)
+    assert not a.oom and a.retries == 1  # the free 30 MiB segment of stream 2 released for the 40 MiB one
+    assert a.reserved == 64 * M and a.peak_reserved == 64 * M
+    # a split segment is not released: 24 MiB still allocated in the 30 MiB block, no room for 40 MiB
+    split = [("alloc", 1, 30 * M), ("free", 1), ("alloc", 2, 24 * M), ("alloc", 3, 40 * M)]
+    b = replay(split, capacity=69 * M)
+    assert b.oom and b.retries == 1
+    c = replay(split, capacity=70 * M)  # 30 + 40 MiB fit without a retry
+    assert not c.oom and c.retries == 0 and c.peak_reserved == 70 * M
+
+
 def test_streams_do_not_share_blocks():
     a = replay([("alloc", 1, 5 * M, 0), ("free", 1), ("alloc", 2, 5 * M, 1)])
     assert a.reserved == 2 * LARGE_BUFFER

@@ -243,8 +243,9 @@ def test_reported_reserved_and_fits_match_the_reference(model, gpus, kw):
 
 
 def test_tight_memory_fits_matches_the_reference():
-    """GPU memory set around each strategy's device total: `fits` decided by a replay that may stop
-    early agrees with the full reference replay on both sides of the line."""
+    """GPU memory set around each strategy's device total: at or above it the run fits with the reference
+    replay's reserved peak; below it the run either does not fit (then the reported peak is the unlimited
+    run's) or fits by releasing the allocator's cache (allocator.CachingAllocator.capacity), below the line."""
     from distplan.planner.api import clear_caches
     from distplan.planner.config import Cluster
     p = _plan("mistral-7b", 8)
@@ -257,10 +258,13 @@ def test_tight_memory_fits_matches_the_reference():
             cluster = replace(p.cluster, gpu_memory_bytes=total + delta)
             assert isinstance(cluster, Cluster)
             mem = estimate_memory(p.train, cluster, name)
-            assert mem.fits == (mem.allocated_fits and delta >= 0), (name, delta)
-            stopped += bool(alloc_trace._ABOVE)
-            assert mem.peak_reserved + mem.process_overhead == total, (name, delta)  # the value, after `fits`
-    assert stopped >= 4  # the early-stopping replay answered some of them
+            if delta >= 0 or not mem.fits:
+                assert mem.fits == (mem.allocated_fits and delta >= 0), (name, delta)
+                assert mem.alloc_retries == 0
+                assert mem.peak_reserved + mem.process_overhead == total, (name, delta)  # the value, after `fits`
+            else:
+                stopped += 1
+                assert mem.alloc_retries > 0 and mem.device_total <= cluster.gpu_memory_bytes, (name, delta)
 
 
 def test_the_wide_matrix_covers_every_strategy_and_conf():

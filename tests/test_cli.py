@@ -11,7 +11,7 @@ from distplan.planner.cli import main
 from distplan.planner.strategies import NAMES
 
 CONTRACT_MEMORY = {"params", "grads", "optimizer", "activations", "comm_buffers", "temporaries",
-                   "peak_allocated", "peak_reserved", "reserved_source", "process_overhead", "device_total"}
+                   "peak_allocated", "peak_reserved", "reserved_source", "alloc_retries", "process_overhead", "device_total"}
 
 
 def run(*args):

@@ -145,10 +145,11 @@ def test_estimate_overhead_json_and_fits(monkeypatch):
     card = (off.device_total + m.device_total) // 2
     monkeypatch.delenv("NCCL_NVLS_ENABLE")
     on = estimate_memory(train, Cluster(gpus=8, gpu_name="h100-sxm", intra_link="nvlink4", gpu_memory_bytes=card), "fsdp")
-    assert not on.fits
+    # (with NVLS the allocator must release its cache to fit: `fits` with retries, not cleanly)
+    assert not on.fits_cleanly and (not on.fits or on.alloc_retries > 0)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     off = estimate_memory(train, Cluster(gpus=8, gpu_name="h100-sxm", intra_link="nvlink4", gpu_memory_bytes=card), "fsdp")
-    assert off.fits
+    assert off.fits_cleanly
 
 
 # -- validate: NVML's per-process figure (no GPU needed: a fake pynvml) ------------------------------

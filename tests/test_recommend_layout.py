@@ -301,7 +301,7 @@ def test_pick_rule_simpler_layout_wins_ties():
     """Within TIE_FRACTION of the fastest, the smaller tp x pp wins; beyond it, the faster."""
     def row(tp, pp, step, name="zero3", fits=True):
         mem = SimpleNamespace(allocated_fits=fits, fits=fits, headroom=40 * 2**30, gpu_memory_bytes=80 * 2**30)
-        r = SimpleNamespace(memory=mem, time=object(), step_time_s=step, name=name, fits=fits)
+        r = SimpleNamespace(memory=mem, time=object(), step_time_s=step, name=name, fits=fits, fits_cleanly=fits)
         cand = SimpleNamespace(layout=Layout(64 // (tp * pp), tp, pp), nodes=8)
         return cand, r
     fast = row(8, 4, 10.0)
