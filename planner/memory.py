@@ -142,6 +142,7 @@ class MemoryEstimate:
                 f, seg = self.reserved_from, 2 << 20
                 shift = seg * round((self.peak_allocated - f.peak_allocated) / seg)
                 self._reserved = max(f.peak_reserved + shift, seg * -(-self.peak_allocated // seg))
+                self.alloc_retries = f.alloc_retries  # the analytic run's, on the same GPU
             elif self.reserved_replay is None:
                 self._reserved = int((1 + RESERVED_MARGIN) * self.peak_allocated)
             else:
