@@ -546,7 +546,13 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         for a in loss_fwd:
             snap("forward", **base, comm_buffers=kept_fwd + ag_tail, activations=a)
         snap("forward", **base, comm_buffers=kept_fwd + ag_tail, activations=all_acts, temporaries=out_tmp)
-        snap("backward", **base, comm_buffers=kept_fwd, activations=all_acts, temporaries=2 * out_tmp)
+        # The root's pre-backward hook (on its outputs: it fires as backward starts) prefetches the last unit
+        # when the root has parameters of its own: FSDP2 `FSDPParamGroup.pre_backward` -> `_backward_prefetch`,
+        # FSDP1 `_pre_backward_hook` -> `_prefetch_handle` (BACKWARD_PRE). A root without parameters has no
+        # group or handle: the last unit is all-gathered in its own hook.
+        root_prefetch = unsh.get(order[-1], 0) if reshard and root and order else 0
+        snap("backward", **base, comm_buffers=kept_fwd + root_prefetch, activations=all_acts,
+             temporaries=2 * out_tmp)
         reached = set()
         resharded: set = set()  # FSDP2 reshards each unit in its post-backward, before reducing
         # FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward replaces it
@@ -581,7 +587,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 # parameters) the next unit's prefetched all-gather output is what is alive. The first
                 # unit of the backward is all-gathered in its own hook, not prefetched.
                 nxt = u if u in order else next((s[0] for s in reversed(segs[:k]) if s[0] in order), None)
-                unsharded_before = root + (unsh[nxt] if nxt and nxt != order[-1] else 0)
+                unsharded_before = root + (unsh[nxt] if nxt and (nxt != order[-1] or root_prefetch) else 0)
                 if u not in order:
                     unsharded = unsharded_before
             # During the segment's backward, at its measured peaks: its saved tensors not yet freed,
