@@ -592,8 +592,31 @@ def reserved_peak_within(limit: int, train: TrainConfig, strategy, world: int, s
     return fit
 
 
-_REPLAYED: dict = {}  # reserved_peak's arguments -> its result, from either function above
+def reserved_peak_below(limit: int, train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
+                        backend: str = "nccl", workspace: int = 0, expandable_segments: bool = False,
+                        init: str = "device", max_split_size: int | None = None) -> tuple[int, int] | None:
+    """`reserved_peak` where it is at most `limit` bytes, else None: a replay not made yet stops at the
+    first segment that passes the limit (allocator.replay's `stop_above`; the reserved bytes only grow
+    without one), so the question "fits without the allocator releasing its cache" answered no costs part
+    of a replay (the micro-batch and layout searches ask it most)."""
+    args = (train, get_strategy(strategy).name, world, shard, device, backend, workspace, expandable_segments,
+            init, max_split_size)
+    got = _REPLAYED.get(args)
+    if got is None:
+        if _ABOVE.get(args, -1) >= limit:  # an earlier replay stopped above this limit or a higher one
+            return None
+        got = replay_peaks(allocation_events(train, args[1], world, shard, device, backend, workspace, init),
+                           expandable_segments=expandable_segments, max_split_size=max_split_size, stop_above=limit)
+        if got is None:
+            _remember(args, limit, _ABOVE)
+            return None
+        _remember(args, got)
+    return None if got[0] > limit else got
+
+
+_REPLAYED: dict = {}  # reserved_peak's arguments -> its result, from any function above
 _FIT: dict = {}  # reserved_peak_within's arguments (the limit last) -> its result
+_ABOVE: dict = {}  # reserved_peak's arguments -> a limit its reserved peak is known to be above
 
 
 def _remember(args, got, into: dict = _REPLAYED) -> None:
@@ -605,6 +628,7 @@ def _remember(args, got, into: dict = _REPLAYED) -> None:
 def _forget() -> None:
     _REPLAYED.clear()
     _FIT.clear()
+    _ABOVE.clear()
 
 
 _remember.cache_clear = _forget  # api.clear_caches finds it

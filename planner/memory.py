@@ -209,7 +209,22 @@ class MemoryEstimate:
 
     @property
     def fits_cleanly(self) -> bool:
-        """Fits without the allocator releasing its cache (`alloc_retries` 0): what `recommend` asks."""
+        """Fits without the allocator releasing its cache (`alloc_retries` 0): what `recommend` asks. Where
+        the run has not been replayed on this GPU yet, a replay that stops at the first segment past the
+        line answers a no (alloc_trace.reserved_peak_below) without finding out whether retries would save
+        it."""
+        if not self.allocated_fits:
+            return False
+        if self._fit is None and self.reserved_replay is not None and self.reserved_replay[0] != "pp-stage":
+            from .alloc_trace import reserved_peak_below
+            got = reserved_peak_below(self.gpu_memory_bytes - self.process_overhead, *self.reserved_replay)
+            if got is None:
+                return False
+            self._set_replayed(*got)  # the run without a limit stays below it: the run on this GPU
+            self._fit = self.device_total <= self.gpu_memory_bytes
+            if not self._fit:
+                self._reserved = None
+                return False
         return self.fits and not self.alloc_retries
 
     @property

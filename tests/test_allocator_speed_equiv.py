@@ -273,3 +273,24 @@ def test_the_wide_matrix_covers_every_strategy_and_conf():
     kws = set(itertools.chain.from_iterable(r[2] for r in FAST_ROWS + SLOW_ROWS))
     assert {"micro_batch", "seq_len", "activation_checkpointing", "precision", "optimizer", "tp", "grad_accum"} <= kws
     assert {"expandable_segments:True", "max_split_size_mb:128"} <= set(ALLOC_CONFS)
+
+
+def test_fits_cleanly_early_answer_matches_the_whole_replay():
+    """`fits_cleanly` asked first (a replay that stops at the line) and after `fits` (the run replayed on the
+    GPU with retries) give the same answer, on both sides of the line and where retries save the run."""
+    from distplan.planner.api import clear_caches
+    p = _plan("mistral-7b", 8)
+    seen = set()
+    for name in ("zero2", "zero3", "fsdp"):
+        full = estimate_memory(p.train, p.cluster, name)
+        total = _reference_reserved(full) + full.process_overhead
+        for delta in (-600 * M, -100 * M, -3 * M, 0, 3 * M):
+            cluster = replace(p.cluster, gpu_memory_bytes=total + delta)
+            clear_caches(catalog=False)
+            early = estimate_memory(p.train, cluster, name).fits_cleanly
+            clear_caches(catalog=False)
+            mem = estimate_memory(p.train, cluster, name)
+            fits = mem.fits
+            assert mem.fits_cleanly == early == (fits and not mem.alloc_retries), (name, delta)
+            seen.add((fits, bool(mem.alloc_retries)))
+    assert {(True, False), (True, True)} <= seen  # both kinds of fit occur in this sweep
