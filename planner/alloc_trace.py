@@ -797,16 +797,23 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
         """One micro-batch's forward: (embedding output, each block's saved tensors, the head's), and the
         stage output (not on the last stage)."""
         ag = gather("root", root_shapes, None)
-        emb = E.a(n * m.hidden * r) if first else None  # the embedding's output
+        # The embedding's output (sequence-sharded with SP: torchtitan's RowwiseParallel(output_layouts=
+        # Shard(1)) on the embedding) is block 0's input, as the receive buffer is on a later stage: what
+        # checkpointing keeps of block 0, and in fp32/autocast the tensor the first norm's x.float() saves.
+        # In 16-bit the norm saves a new fp32 copy and the output is dropped after block 0.
+        emb = E.a(nh) if first else None
         blocks = []
         for j in range(L):
             ag = gather(j, block_shapes, ag)
-            if ckpt:  # run without saving, keep the block's input (the receive buffer for block 0)
+            if ckpt:  # run without saving, keep the block's input (the receive buffer or the embedding's output)
                 E.f(*[E.a(s) for s in blk_saved])
-                shapes = kept_saved if (j or first) else []
+                shapes = kept_saved if j else []
             else:
-                shapes = blk_saved if (j or first) else blk_saved[1:]
+                shapes = blk_saved if (j or (first and r == 2)) else blk_saved[1:]
             blocks.append([E.a(s) for s in shapes])
+            if j == 0 and first and r == 2 and not ckpt:
+                E.f(emb)
+                emb = None
         E.f(ag)
         head = []
         if last:
