@@ -57,6 +57,7 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
         rec = p.recommendation.strategy
         for r in p.results:
             rows.append({key: value, "strategy": r.name, "fits": r.fits,
+                         "alloc_retries": int(r.memory.alloc_retries),
                          "peak_allocated": int(r.memory.peak_allocated),
                          "total_required": int(r.memory.total_required),
                          "comm_bytes_per_gpu": int(r.comm_bytes_per_gpu),
@@ -74,7 +75,8 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
         return "(no rows)"
     key = next(iter(rows[0]))
     table = [[r[key], r["strategy"] + (" *" if r["recommended"] else ""), fmt_gib(r["peak_allocated"]),
-              fmt_gib(r["total_required"]), "yes" if r["fits"] else "NO",
+              fmt_gib(r["total_required"]),
+              ("retry" if r.get("alloc_retries") else "yes") if r["fits"] else "NO",
               fmt_seconds(r["step_time_s"]) if r["step_time_s"] else "-",
               f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"]
              + ([fmt_seconds(r["time_to_train_s"]) if r["time_to_train_s"] else "-"] if "time_to_train_s" in r else [])
