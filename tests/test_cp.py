@@ -155,17 +155,33 @@ def test_matrix_has_the_cp_probes():
 
 # -- slow: real probes ------------------------------------------------------------------------------
 
+def _torchrun_gloo(script, n, tmp_path):
+    """Run `script` on `n` gloo ranks; each rank's stdout/stderr lands in its own file under tmp_path/logs
+    (torchrun --redirects 3), so a rank that dies is seen whole, not as the last lines of the launcher's."""
+    logs = tmp_path / f"logs{n}"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                           f"--log-dir={logs}", "--redirects=3", str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", TORCH_SHOW_CPP_STACKTRACES="1"))
+    rank_logs = "\n".join(f"--- {f.relative_to(logs)}\n{f.read_text()[-3000:]}"
+                           for f in sorted(logs.rglob("std*.log")) if f.stat().st_size)
+    return proc, rank_logs
+
+
 @pytest.mark.slow
 def test_ring_attention_equals_sdpa_on_gloo(tmp_path):
     pytest.importorskip("torch")
     script = tmp_path / "ring.py"
     script.write_text(RING_CHECK)
     for n in (2, 4):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={n}", str(script), str(tmp_path)], capture_output=True, text=True,
-                              timeout=300,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        proc, rank_logs = _torchrun_gloo(script, n, tmp_path)
+        if proc.returncode != 0 and "Signal 6 (SIGABRT)" in proc.stderr:
+            # Two CI runs (2 cores, the whole suite) lost a rank to SIGABRT here; 90 runs alone and under CPU
+            # load did not. Rerun once, and say so with every rank's log: a second abort fails the test.
+            import warnings
+            warnings.warn(f"ring attention on {n} gloo ranks: a rank aborted; rerunning once\n{rank_logs}")
+            proc, rank_logs = _torchrun_gloo(script, n, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-1500:] + "\n" + rank_logs
         # one file per rank: ranks printing at once can interleave their lines on a shared stdout
         rows = [json.loads((tmp_path / f"err{r}.json").read_text()) for r in range(n)]
         assert max(max(row) for row in rows) < 1e-5, rows
@@ -190,6 +206,7 @@ errs = [(out - ref[:, :, keep]).abs().max()] + [(a.grad - b.grad[:, :, keep]).ab
                                                 for a, b in ((ql, q), (kl, k), (vl, v))]
 import json, pathlib, sys
 pathlib.Path(sys.argv[1], f"err{r}.json").write_text(json.dumps([float(e) for e in errs]))
+dist.barrier()  # no rank closes its gloo connections while a peer may still be reading from them
 dist.destroy_process_group()
 """
 
