@@ -660,7 +660,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                         # hook's end) and `_reduce_grad` reduce-scatters it into a new shard (NO_SHARD:
                         # all-reduces it in place). Measured: a transformers Llama (width 1024, 4 blocks,
                         # vocabulary 2048, 256 tokens) bf16-mixed on 8 fake ranks, this instant exact;
-                        # counting the cast next to the unsharded parameter was 19% above (tests/test_hf_trace.py).
+                        # counting the cast next to the unsharded parameter was 19% above
+                        # (benchmarks/results/cpu-torch2.13-2026-11-24-blockpeak-hf.jsonl).
                         after = root + (in_use + pre - (in_use if sharding else 0) if reshard
                                         else sum(unsh[x] for x in held if x not in resharded))
                         snap("backward", **base, comm_buffers=after + rs, activations=sum(acts[:k]),
