@@ -808,10 +808,20 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                  activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
             # End of the first block's backward: its view gradients and their concatenation (which is
             # the reduce-scatter's input, a comm buffer, unless mixed precision casts it first).
+            # Every block ends so (run L-1 .. 0); as at its reduce-scatter below, blocks L-1, 1 and 0
+            # bound it (measured: fp32 with full checkpointing peaks here at block 1, next to the
+            # gradient shards of the blocks after it; the first block alone was 7.9% under).
             flat = lay.unshard_block * ud
-            snap("backward", comm_buffers=ur + blocks_unsharded + (0 if prec.mixed else flat), grads=carry(L - 1),
-                 activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
-                 temporaries=n_tok * h * r + head_g + flat + (flat if prec.mixed else 0))
+            for j in sorted({j for j in (0, 1, L - 1) if 0 <= j < L}):
+                if reshard:
+                    unsharded_j = ub + (prefetch if j > 0 else 0)
+                else:
+                    unsharded_j = held * ub if keep_all else min(j + 1, held) * ub
+                done = 0 if later and every else (L - 1 - j) * lay.shard_block * gsh
+                snap("backward", comm_buffers=ur + unsharded_j + (0 if prec.mixed else flat),
+                     grads=(done if sharding else 0) + carry(L - 1 if every else j),
+                     activations=act.blocks_total - (L - j) * per_block_act + act.inputs + j * act.block_cache,
+                     temporaries=n_tok * h * r + head_g + flat + (flat if prec.mixed else 0))
             snap("backward", comm_buffers=ur + blocks_unsharded_last,
                  activations=last_acts + outside_last - freed, grads=shards + carry(0),
                  temporaries=blk_tmp + head_g + cur_g)
@@ -819,18 +829,32 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # The first block's reduce-scatter: its flat gradient (the input, unless mixed precision
                 # casts it to reduce_dtype first), the output shard (flat_param.grad; on gloo a buffer
                 # the collective writes) and, on gloo, the split copy of the input.
+                # Every block j reduce-scatters so (run L-1 .. 0): the gradient shards of the blocks
+                # after it are alive, the activations of the blocks before it; with resharding the
+                # block before it is prefetched (none at block 0), without, blocks 0..j-1 are still
+                # unsharded from forward. Linear in j between those, so blocks L-1, 1 and 0 bound it:
+                # the first where activations dominate (no checkpointing), block 1 where the gradient
+                # shards do (checkpointing: measured, a transformers Llama of 8 wide blocks, fsdp full
+                # checkpointing on 8 fake ranks; the first block alone was 11% under).
                 flat = lay.unshard_block * ud
                 cast = lay.unshard_block * rb if prec.mixed else 0
                 out_shard = lay.shard_block * rb
                 split = lay.unshard_block * rb if backend == "gloo" else 0
-                snap("backward",
-                     comm_buffers=ur + at_rs + cast + (0 if prec.mixed else flat)
-                     + (out_shard if backend == "gloo" else 0),
-                     # without sync the block's accumulated gradient is the input; synced every
-                     # micro-step its `_saved_grad_shard` waits for the new shard
-                     grads=(0 if backend == "gloo" else out_shard) + carry(L - 1 if every else L - 2),
-                     activations=max(0, first_acts - per_block_act) + outside_first - act.block_cache,
-                     temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
+                for j in sorted({j for j in (0, 1, L - 1) if 0 <= j < L}):
+                    if reshard:
+                        unsharded_j = prefetch if j > 0 else 0
+                    else:
+                        unsharded_j = held * ub if keep_all else min(j, max(0, held - 1)) * ub
+                    # without sync the block's accumulated gradient is the input (blocks 0..j-1 still
+                    # carry theirs); synced every micro-step each block's `_saved_grad_shard` is kept
+                    # (the blocks after j have added their new shard into it) and waits for the new one
+                    done = 0 if later and every else (L - 1 - j) * lay.shard_block * gsh
+                    snap("backward",
+                         comm_buffers=ur + unsharded_j + cast + (0 if prec.mixed else flat)
+                         + (out_shard if backend == "gloo" else 0),
+                         grads=(0 if backend == "gloo" else out_shard) + done + carry(L - 1 if every else j - 1),
+                         activations=act.blocks_total - (L - j) * per_block_act + act.inputs + j * act.block_cache,
+                         temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
             if sharding:
                 # The root at the end (its post-backward runs last): its view gradients and their
                 # concatenation (flat_param.grad) next to the unsharded flat parameter; then

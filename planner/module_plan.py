@@ -664,8 +664,12 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                         # (benchmarks/results/cpu-torch2.13-2026-11-24-blockpeak-hf.jsonl).
                         after = root + (in_use + pre - (in_use if sharding else 0) if reshard
                                         else sum(unsh[x] for x in held if x not in resharded))
-                        snap("backward", **base, comm_buffers=after + rs, activations=sum(acts[:k]),
-                             grads=grads + (sizes[u][0] * red if sharding else 0),
+                        # the new shard: the unit's gradient shard, unless an earlier micro-step's is kept
+                        # (`_accumulate_sharded_grad` adds it into `_saved_grad_shard`, and it goes)
+                        out = sizes[u][0] * red if sharding else 0
+                        added = later and every_sync
+                        snap("backward", **base, comm_buffers=after + rs + (out if added else 0),
+                             activations=sum(acts[:k]), grads=grads + (0 if added else out),
                              temporaries=ends[k] + g_unit + rg)
                 else:
                     # FSDP2 `foreach_reduce` (_fsdp_collectives.py): the unsharded gradients are copied

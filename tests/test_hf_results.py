@@ -33,6 +33,13 @@ KNOWN_GAPS = {
     "fsdp-grad-op/hf:examples/hf/qwen2-8l.json/w2/none/bf16-mixed",
     # Gemma-2 (eager attention, soft-capping): the walk's peak is another instant, +0.43%
     "zero3/hf:examples/hf/gemma2-8l.json/w2/none/fp32",
+    # full checkpointing, wide blocks (peak within 0.2%): at the peak the probe counts the RoPE tables
+    # (cos and sin, 256 x 128 each; fp32, or bf16 under autocast) as activations, the walk elsewhere:
+    # 0.13-0.25 MiB, past the 64 KiB floor of a component of about 1 MiB
+    "fsdp/hf:examples/hf/llama-w1024-8l-v2k.json/w8-fake/full/fp32",
+    "zero3/hf:examples/hf/llama-w1024-8l-v2k.json/w8-fake/full/fp32",
+    "fsdp/hf:examples/hf/llama-w1024-8l-v2k.json/w8-fake/full/bf16-mixed",
+    "zero3/hf:examples/hf/llama-w1024-8l-v2k.json/w8-fake/full/bf16-mixed",
 }
 
 
