@@ -812,16 +812,23 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # bound it (measured: fp32 with full checkpointing peaks here at block 1, next to the
             # gradient shards of the blocks after it; the first block alone was 7.9% under).
             flat = lay.unshard_block * ud
-            for j in sorted({j for j in (0, 1, L - 1) if 0 <= j < L}):
+            walked = sorted({j for j in (0, 1, L - 1) if 0 <= j < L})
+
+            def acts_before(j: int) -> int:
+                """Activations at block j's end: blocks 0..j-1's and their caches, the batch's inputs."""
+                return act.blocks_total - (L - j) * per_block_act + act.inputs + j * act.block_cache
+
+            def shards_after(j: int) -> int:
+                """Gradient shards of blocks j+1..L-1 (synced every micro-step: inside the carried ones)."""
+                return 0 if later and every else (L - 1 - j) * lay.shard_block * gsh
+            for j in walked:
                 if reshard:
                     unsharded_j = ub + (prefetch if j > 0 else 0)
                 else:
                     unsharded_j = held * ub if keep_all else min(j + 1, held) * ub
-                done = 0 if later and every else (L - 1 - j) * lay.shard_block * gsh
                 snap("backward", comm_buffers=ur + unsharded_j + (0 if prec.mixed else flat),
-                     grads=(done if sharding else 0) + carry(L - 1 if every else j),
-                     activations=act.blocks_total - (L - j) * per_block_act + act.inputs + j * act.block_cache,
-                     temporaries=n_tok * h * r + head_g + flat + (flat if prec.mixed else 0))
+                     grads=(shards_after(j) if sharding else 0) + carry(L - 1 if every else j),
+                     activations=acts_before(j), temporaries=n_tok * h * r + head_g + flat + (flat if prec.mixed else 0))
             snap("backward", comm_buffers=ur + blocks_unsharded_last,
                  activations=last_acts + outside_last - freed, grads=shards + carry(0),
                  temporaries=blk_tmp + head_g + cur_g)
@@ -840,7 +847,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 cast = lay.unshard_block * rb if prec.mixed else 0
                 out_shard = lay.shard_block * rb
                 split = lay.unshard_block * rb if backend == "gloo" else 0
-                for j in sorted({j for j in (0, 1, L - 1) if 0 <= j < L}):
+                for j in walked:
                     if reshard:
                         unsharded_j = prefetch if j > 0 else 0
                     else:
@@ -848,13 +855,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                     # without sync the block's accumulated gradient is the input (blocks 0..j-1 still
                     # carry theirs); synced every micro-step each block's `_saved_grad_shard` is kept
                     # (the blocks after j have added their new shard into it) and waits for the new one
-                    done = 0 if later and every else (L - 1 - j) * lay.shard_block * gsh
                     snap("backward",
                          comm_buffers=ur + unsharded_j + cast + (0 if prec.mixed else flat)
                          + (out_shard if backend == "gloo" else 0),
-                         grads=(0 if backend == "gloo" else out_shard) + done + carry(L - 1 if every else j - 1),
-                         activations=act.blocks_total - (L - j) * per_block_act + act.inputs + j * act.block_cache,
-                         temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
+                         grads=(0 if backend == "gloo" else out_shard) + shards_after(j)
+                         + carry(L - 1 if every else j - 1),
+                         activations=acts_before(j), temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
             if sharding:
                 # The root at the end (its post-backward runs last): its view gradients and their
                 # concatenation (flat_param.grad) next to the unsharded flat parameter; then

@@ -662,8 +662,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                         # vocabulary 2048, 256 tokens) bf16-mixed on 8 fake ranks, this instant exact;
                         # counting the cast next to the unsharded parameter was 19% above
                         # (benchmarks/results/cpu-torch2.13-2026-11-24-blockpeak-hf.jsonl).
-                        after = root + (in_use + pre - (in_use if sharding else 0) if reshard
-                                        else sum(unsh[x] for x in held if x not in resharded))
+                        after = root + (pre if reshard else sum(unsh[x] for x in held if x not in resharded))
                         # the new shard: the unit's gradient shard, unless an earlier micro-step's is kept
                         # (`_accumulate_sharded_grad` adds it into `_saved_grad_shard`, and it goes)
                         out = sizes[u][0] * red if sharding else 0

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from distplan.planner.api import predict_probe
-from distplan.planner.hf_config import read_hf_config
+from test_analytic_on_hf import _analytic_peak  # the record's config through the formulas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "cpu-*-hf-vocab64k.jsonl")))
@@ -37,16 +37,11 @@ def test_records_cover_the_matrix():
     assert all(r["status"] == "ok" and r["inputs"]["world_size"] == 8 for r in recs)
 
 
-def _analytic(r):
-    spec = dict(r["inputs"])
-    spec.pop("module")
-    spec["model"] = read_hf_config(os.path.join(ROOT, r["inputs"]["module"]["hf_config"]), implementation=True)
-    return predict_probe(spec)["memory"]["peak_allocated"]
 
 
 def test_analytic_front_end_repredicts_the_peaks():
     """The decoder formulas (what --params/--model/--front-end analytic use) at the root's instants."""
-    errors = {r["id"]: _analytic(r) / r["measurement"]["memory"]["peak_allocated"] - 1 for r in records()}
+    errors = {r["id"]: _analytic_peak(r) / r["measurement"]["memory"]["peak_allocated"] - 1 for r in records()}
     bad = {i: round(100 * e, 2) for i, e in errors.items() if abs(e) > 0.01}
     assert not bad, bad
 
