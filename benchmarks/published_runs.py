@@ -91,7 +91,8 @@ def predict(run: dict) -> dict:
 
 
 def config_text(run: dict) -> str:
-    ac = {"none": "noAC", "selective": "selAC", "selective-op": "opAC", "full": "fullAC"}[run["distplan_checkpointing"]]
+    ck = run["distplan_checkpointing"]
+    ac = {"none": "noAC", "selective": "selAC", "selective-op": "opAC", "full": "fullAC"}.get(ck) or ck.replace("every-", "AC/")
     return (f"{run['model']} {run['gpus']}x{run['gpu']} {run['distplan_strategy']} s{run['seq_len']} "
             f"mb{run['micro_batch']} ga{run['grad_accum']} {ac}{' compile' if run['compile'] else ''}")
 

@@ -79,7 +79,8 @@ output, where Megatron-LM saves the shard and all-gathers it again in backward (
 vocabulary (torchtitan's loss parallel: logits and log_softmax n x V/t).
 
 Checkpointing: `full` (`torch.utils.checkpoint`, non-reentrant, per block) keeps each block's input
-and recomputes the block inside backward; `selective` is op-level selective checkpointing
+and recomputes the block inside backward; `every-K` does so for blocks 0, K, 2K, ... and the others keep
+all they save (`ActivationBreakdown.kept`: ceil(L/K) inputs and L - ceil(L/K) whole blocks); `selective` is op-level selective checkpointing
 (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that saves the outputs of `mm`/`addmm`
 and SDPA and recomputes everything else (norms, RoPE, activations, the eager attention core).
 """
@@ -89,7 +90,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .config import TrainConfig
+from .config import TrainConfig, checkpoint_every
 
 
 def regime_for(train: TrainConfig, family: str) -> str:
@@ -125,11 +126,52 @@ class ActivationBreakdown:
     inputs: int = 0
     """Part of `outside` alive until the embedding's backward: token ids, targets, position ids."""
     block_cache: int = 0
-    """Part of `weight_cache` that belongs to one block (freed with that block's backward)."""
+    """Part of `weight_cache` that belongs to one block (freed with that block's backward); with every-K
+    checkpointing, what one block that is not checkpointed keeps."""
+    every: int = 0
+    """Every-K checkpointing (K >= 2): blocks 0, K, 2K, ... are checkpointed (`config.checkpoint_every`),
+    the others keep `per_block`; 0 when every block keeps the same (`blocks_total // layers` each)."""
+    ckpt_kept: int = 0
+    """With `every`: what a checkpointed block keeps through forward (its input)."""
+    layers: int = 0
 
     @property
     def total(self) -> int:
         return self.blocks_total + self.outside + self.loss_saved + self.weight_cache
+
+    def checkpointed(self, j: int, mode: str) -> bool:
+        """Block j is recomputed in its backward (`mode`: the training config's checkpointing)."""
+        return j % self.every == 0 if self.every else mode in ("full", "selective", "selective-op")
+
+    def kept(self, j: int) -> int:
+        """What block j keeps through forward."""
+        if not self.every:
+            return self.blocks_total // self.layers
+        return self.ckpt_kept if j % self.every == 0 else self.per_block
+
+    def below(self, j: int) -> int:
+        """Activations of blocks 0..j-1 (the RoPE tables the blocks share with them): the blocks' total
+        less what blocks j..L-1 keep."""
+        L = self.layers
+        if not self.every:
+            return self.blocks_total - (L - j) * (self.blocks_total // L)
+        n_ck = len(range(-(-j // self.every) * self.every, L, self.every))  # checkpointed among j..L-1
+        return self.blocks_total - n_ck * self.ckpt_kept - (L - j - n_ck) * self.per_block
+
+    def through(self, j: int) -> int:
+        """Activations of blocks 0..j while block j's backward runs (its own kept bytes included). Uniform
+        blocks: from one block's (j = 0) to every block's (j = L-1) in equal steps."""
+        L = self.layers
+        if not self.every:
+            kb = self.blocks_total // L
+            return kb + j * (self.blocks_total - kb) // (L - 1) if L > 1 else self.blocks_total
+        return self.below(j + 1)
+
+    def cache_below(self, j: int) -> int:
+        """autocast's weight casts kept by blocks 0..j-1 (blocks that are not checkpointed)."""
+        if not self.every:
+            return j * self.block_cache
+        return (j - len(range(0, j, self.every))) * self.block_cache
 
 
 def sp_tokens(train: TrainConfig, n: int) -> int:
@@ -404,6 +446,7 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     shared_rope, _ = _rope_tables(train, regime)
 
     per_block = block_saved(train, regime, device)
+    every = checkpoint_every(train.checkpointing)
     if train.checkpointing != "none" and m.position == "rope" and not shared_rope:
         # Checkpointed blocks keep their inputs, the fp32 cos/sin tables among them (2 * s * hd * 4).
         shared_rope = 2 * train.seq_len * m.head_dim * 4
@@ -412,6 +455,11 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
         recompute = 0
     elif train.checkpointing == "full":
         blocks_total = m.layers * n_res * res * h + shared_rope  # each block's input
+        recompute = per_block
+    elif every > 1:
+        # blocks 0, K, 2K, ... keep their input, the others all they save
+        n_ck = len(range(0, m.layers, every))
+        blocks_total = n_ck * n_res * res * h + (m.layers - n_ck) * per_block + shared_rope
         recompute = per_block
     else:
         blocks_total = m.layers * (_selective_block_saved(train, regime) + n_res * res * h) + shared_rope
@@ -440,10 +488,14 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     head_cache = 2 * v * h if regime == "autocast" else 0
     weight_cache = cache_all if train.checkpointing == "none" else head_cache
     block_cache = (weight_cache - head_cache) // m.layers if m.layers else 0
+    if every > 1 and m.layers:  # the blocks that are not checkpointed keep their casts to their backward
+        block_cache = (cache_all - head_cache) // m.layers
+        weight_cache = head_cache + (m.layers - len(range(0, m.layers, every))) * block_cache
     logits_transient = n * v * e + (0 if e == 4 else n * v * 4)
     if train.tp > 1:
         # loss parallel's `_log_softmax` (`tensor/parallel/loss.py`) keeps `shifted = x - x_max` alive
         # while `result = shifted - logsumexp` is made: one more n x V/t fp32 tensor at the loss
         logits_transient += n * v * 4
     return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache, cache_all,
-                               recompute, logits_transient, inputs, block_cache)
+                               recompute, logits_transient, inputs, block_cache,
+                               every if every > 1 else 0, n_res * res * h if every > 1 else 0, m.layers)

@@ -307,6 +307,14 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     blk_saved = _split(act.per_block, _block_saved_shapes(train, regime, n))
     kept = act.blocks_total // L if L else 0  # per block through forward (checkpointing: its input)
     kept_saved = blk_saved if not ckpt else _split(kept, [n * m.hidden * r])
+    if act.every:  # every-K: blocks 0, K, 2K, ... keep their input, the others all they save
+        kept_saved = _split(act.ckpt_kept, [n * m.hidden * r])
+
+    def ck(j: int) -> bool:
+        return j % act.every == 0 if act.every else ckpt
+
+    def kept_by(j: int) -> list:
+        return kept_saved if ck(j) else blk_saved
     _, blk_tmp, _ = _block_backward_peak(train, regime, n, device)
     tmp_shapes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden * e] * 3)
     weight_casts = [prod(s) * 2 for s in block_shapes if len(s) == 2] if regime == "autocast" else []
@@ -444,14 +452,14 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             elif family == "fsdp1" and (sharding or prec.mixed) and j not in held:
                 held[j] = fsdp1_unshard(lay.shard_block)
             casts = [E.a(c) for c in weight_casts]
-            if ckpt:  # the block runs without saving, then keeps its input
+            if ck(j):  # the block runs without saving, then keeps its input
                 tr = [E.a(s) for s in blk_saved]
                 E.f(*tr)
                 casts_kept = []
                 E.f(*casts)
             else:
                 casts_kept = casts
-            blocks.append(([E.a(s) for s in kept_saved], casts_kept))
+            blocks.append(([E.a(s) for s in kept_by(j)], casts_kept))
             tp_reduce()
             # resharded after forward: FULL_SHARD / zero3; NO_SHARD under mixed precision frees its 16-bit
             # copy (`_runtime_utils._post_forward` -> `_reshard` -> `handle.post_reshard`)
@@ -495,7 +503,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                     if k >= 0 and k not in held:
                         held[k] = fsdp1_unshard(lay.shard_block)
             keys, casts = blocks[j]
-            if ckpt:
+            if ck(j):
                 rec_casts = [E.a(c) for c in weight_casts]
                 E.f(*keys)
                 keys = [E.a(s) for s in blk_saved]

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from .comm import collective_schedule
 from .compute import _gpu, required_inter_bandwidth, step_time
-from .config import ANALYTIC_CHECKPOINTING, CHECKPOINTING, Cluster, TrainConfig
+from .config import CHECKPOINTING, Cluster, TrainConfig
 from .memory import COMPONENTS, MemoryEstimate, estimate_memory
 from .model import ModelSpec
 from .strategies import NAMES, Strategy, get_strategy
@@ -572,10 +572,6 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}; model overrides accepted: "
                          + ", ".join(_OVERRIDE_FIELDS))
-    if activation_checkpointing not in ANALYTIC_CHECKPOINTING and activation_checkpointing in CHECKPOINTING:
-        raise ValueError(f"--activation-checkpointing={short_repr(activation_checkpointing)}: the analytic front end models "
-                         f"{', '.join(ANALYTIC_CHECKPOINTING)}; checkpointing every K-th block needs the trace "
-                         f"(--hf-config with transformers installed, or --module)")
     spec, notes = resolve_model(model if not isinstance(model, ModelSpec) else model, params, hf_config,
                                 overrides, catalog_dirs)
     cluster, cnotes = resolve_cluster(gpus, gpus_per_node, gpu, gpu_mem, node, intra, inter, nics_per_node,

@@ -77,10 +77,13 @@ def step_flops(train: TrainConfig, forward: tuple[float, float] | None = None) -
     """FLOPs per rank per optimizer step, recompute included.
 
     forward F = L x block + head; backward 2F (Narayanan Eq. 3); full checkpointing re-runs the
-    blocks' forward (+ L x block); selective recomputes only non-matmul ops (~0 matmul FLOPs).
+    blocks' forward (+ L x block), every-K that of blocks 0, K, 2K, ... (+ ceil(L / K) x block);
+    selective recomputes only non-matmul ops (~0 matmul FLOPs).
     """
+    from .config import checkpoint_every
     block, head = forward or _forward_flops(train)
-    recompute = train.model.layers * block if train.checkpointing == "full" else 0.0
+    every = checkpoint_every(train.checkpointing)
+    recompute = len(range(0, train.model.layers, every)) * block if every else 0.0
     return (3.0 * (train.model.layers * block + head) + recompute) * train.grad_accum
 
 

@@ -18,8 +18,6 @@ keeping its input; every-K: every K-th block from the first (transformers' `ever
 keep all they save; selective: an op-level policy that saves the outputs of every matmul and of SDPA and
 recomputes the rest (the reference decoder's); selective-op: torchtitan's op policy, the same but every
 second mm of a block is recomputed too (torchtitan `selective_ac_option = "op"`)."""
-ANALYTIC_CHECKPOINTING = ("none", "selective", "selective-op", "full")
-"""The modes the analytic front end models (every-K needs the trace: --hf-config or --module)."""
 
 
 def checkpoint_every(mode: str) -> int:
@@ -81,7 +79,7 @@ class TrainConfig:
     """foreach (PyTorch's default on CUDA), fused, for-loop."""
     checkpointing: str = "none"
     """Activation checkpointing (CHECKPOINTING): none, selective (save matmul/SDPA outputs), full (per
-    block); every-K only with the trace front end."""
+    block), every-K (blocks 0, K, 2K, ...; not with pipeline parallelism in the analytic front end)."""
     attention: str = "sdpa"
     cpu_offload: str = "none"
     framework: str = "pytorch"

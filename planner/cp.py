@@ -129,7 +129,7 @@ def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:
         steps = train.pp_microbatches
     calls = layers * steps
     every = checkpoint_every(train.checkpointing)
-    recompute = (layers // every) * steps if every else 0
+    recompute = len(range(0, layers, every)) * steps if every else 0  # blocks 0, K, 2K, ... recomputed
     return (("all_gather", "cp", c, dt, c * 2 * n * kv * e, calls, "forward", "cp_kv"),
             ("all_gather", "cp", c, dt, c * 2 * n * kv * e, calls + recompute, "backward", "cp_kv"),
             ("all_to_all", "cp", c, "float32", 2 * n * kv * 4, c * calls, "backward", "cp_dkv"))

@@ -204,7 +204,9 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     block_bwd = 2 * gemm_fwd + attn_bwd + 2 * mem_fwd - cast + 2 * fwd_kernels * k_over
     recompute_mem = 0.0
     if train.checkpointing == "full" or train.checkpointing.startswith("every-"):
-        per = 1.0 if train.checkpointing == "full" else 1.0 / int(train.checkpointing.split("-")[1])
+        # the share of blocks recomputed: blocks 0, K, 2K, ... (ceil(L / K) of L)
+        k = 1 if train.checkpointing == "full" else int(train.checkpointing.split("-")[1])
+        per = len(range(0, train.model.layers, k)) / train.model.layers if train.model.layers else 0.0
         block_bwd += per * block_fwd
         recompute_mem = per * mem_fwd
         recompute_gemm = per * gemm_fwd
@@ -240,7 +242,8 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
 
     L = m.layers
     recompute_kernels = (fwd_kernels if train.checkpointing == "full" else
-                         fwd_kernels / int(train.checkpointing.split("-")[1]) if train.checkpointing.startswith("every-")
+                         fwd_kernels * len(range(0, L, int(train.checkpointing.split("-")[1]))) / L
+                         if train.checkpointing.startswith("every-")
                          else fwd_kernels - gemms - attn_kernels if train.checkpointing.startswith("selective")
                          else 0)
     host = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op

@@ -524,6 +524,14 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok, device)
     head_elems = v * h + h * (2 if m.norm == "layernorm" else 1)  # LM head (or tied) + final norm
     per_block_act = act.blocks_total // L
+    ev = act.every  # every-K checkpointing: blocks differ (activations.ActivationBreakdown.kept)
+    plain_freed, plain_tmp = freed, blk_tmp
+
+    def blk_bwd(j: int) -> tuple[int, int]:
+        """Every-K: (saved bytes freed, transient bytes) at block j's backward peak, recomputed or not."""
+        if j % ev == 0:
+            return 0, plain_tmp + act.recompute_block - plain_freed
+        return plain_freed, plain_tmp
     if train.checkpointing != "none":
         # A checkpointed block is recomputed inside its backward: what it rebuilds is made in the
         # backward phase (a temporary to the probes), and the freed tensor is one of those.
@@ -562,13 +570,19 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
         # AccumulateGrad runs; so does a tied head's, until the embedding's half arrives.
         head_in_buf = head_elems * gb if m.tie_embeddings else 0
-        snap("backward", activations=first_acts + outside_first - freed,
-             grads=head_elems * gb - head_in_buf, temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
         # Last block (block 0): every gradient but the embedding's and most of block 0's.
         emb = v * h + (m.max_positions * h if m.position == "learned" else 0)
         grads_last = (lay.total - emb - lay.block) * gb
-        snap("backward", activations=last_acts + outside_last - freed, grads=grads_last,
-             temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
+        if not ev:
+            snap("backward", activations=first_acts + outside_first - freed,
+                 grads=head_elems * gb - head_in_buf, temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
+            snap("backward", activations=last_acts + outside_last - freed, grads=grads_last,
+                 temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
+        for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
+            fr, tmp = blk_bwd(j)
+            snap("backward", activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
+                 grads=grads_last if j == 0 else head_elems * gb - head_in_buf + (L - 1 - j) * lay.block * gb,
+                 temporaries=tmp + wgrad_elems * gb + head_in_buf)
         # Tensor parallelism: the vocabulary-sharded embedding's gradient is the whole vocabulary on every
         # TP rank, a Replicate DTensor: DTensor's `embedding_dense_backward` strategies
         # (`tensor/_ops/_embedding_ops.py`) have no row-sharded output, so the replicated incoming
@@ -648,7 +662,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             for j in sorted({0, L - 1}):
                 prev_flat = ur if j == 0 else ub
                 snap("forward", comm_buffers=ur + (0 if reshard else j * ub) + prev_flat + 2 * ub, grads=acc,
-                     activations=act.inputs + act.blocks_total - (L - j) * kept_block)
+                     activations=act.inputs + (act.below(j) if ev else act.blocks_total - (L - j) * kept_block))
         snap("forward", comm_buffers=fwd_comm + ag_tail, grads=acc, activations=acts_fwd)
         prefetch = ub if reshard and L > 1 else 0  # backward prefetch of the next block's all-gather
         # At the loss: the root is unsharded; the last block's all-gather is prefetched.
@@ -678,12 +692,20 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         if family == "fsdp2":
             tied_buf = head_g if m.tie_embeddings else 0
             head_new = fresh * (head_g - tied_buf)  # the head's gradient not yet added to an accumulator
-            snap("backward", comm_buffers=ur + blocks_unsharded,
-                 activations=first_acts + outside_first - freed, grads=head_new + carry(L - 1),
-                 temporaries=blk_tmp + fresh * cur_g + tied_buf)
-            snap("backward", comm_buffers=ur + blocks_unsharded_last + rs_held,
-                 activations=last_acts + outside_last - freed, grads=shards + head_new + carry(0),
-                 temporaries=blk_tmp + fresh * cur_g + tied_buf)
+            shard_unit = lay.shard_block * gsh if sharding else lay.block * gb
+            for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
+                fr, tmp = blk_bwd(j)
+                snap("backward", comm_buffers=ur + unsharded_during(j) + (rs_held if j < L - 1 else 0),
+                     activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
+                     grads=(L - 1 - j) * shard_unit + head_new + carry(j),
+                     temporaries=tmp + fresh * cur_g + tied_buf)
+            if not ev:
+                snap("backward", comm_buffers=ur + blocks_unsharded,
+                     activations=first_acts + outside_first - freed, grads=head_new + carry(L - 1),
+                     temporaries=blk_tmp + fresh * cur_g + tied_buf)
+                snap("backward", comm_buffers=ur + blocks_unsharded_last + rs_held,
+                     activations=last_acts + outside_last - freed, grads=shards + head_new + carry(0),
+                     temporaries=blk_tmp + fresh * cur_g + tied_buf)
             # A middle block j (0 < j < L-1) is the only one that has all three at once: its
             # unsharded parameters, the prefetched all-gather of block j-1, and block j+1's
             # reduce-scatter input, which FSDP2 keeps until the next reduce-scatter
@@ -691,7 +713,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # unsharded (`unsharded_during`). Activations, gradient shards and unsharded blocks are
             # linear in j, so the two middle blocks next to the ends bound it. (Measured on the H100
             # with 4 blocks.)
-            for j in sorted({1, L - 2}) if L >= 3 else ():
+            for j in sorted({1, L - 2}) if L >= 3 and not ev else ():
                 snap("backward", comm_buffers=ur + unsharded_during(j) + rs_held,
                      activations=last_acts + j * (first_acts - last_acts) // (L - 1)
                      + act.inputs + (j + 1) * act.block_cache - freed,
@@ -707,13 +729,13 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 block_elems = lay.block
                 shard_g = lay.shard_block * gsh
                 kept_block = act.per_block if train.checkpointing == "none" else act.blocks_total // L
-                ckpt = train.checkpointing != "none"
                 e = 4 if regime == "fp32" else 2
 
                 def below(j: int) -> int:
                     """Activations saved by blocks 0..j-1 (each block's by itself under checkpointing;
                     the RoPE tables with them), and the batch's inputs."""
-                    return act.inputs + act.blocks_total - (L - j) * kept_block + j * act.block_cache
+                    return act.inputs + (act.below(j) if ev else act.blocks_total - (L - j) * kept_block) \
+                        + act.cache_below(j)
 
                 def rs_prev(j: int) -> int:
                     return rs_held if j < L - 1 else 0
@@ -726,7 +748,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # Activations, gradient shards and unsharded blocks are linear in j between the steps
                 # at j = 0 (nothing prefetched) and j = L-1 (no reduce-scatter input kept): those, and
                 # the blocks next to them, bound every block.
-                ends = sorted({j for j in (0, 1, L - 2, L - 1) if 0 <= j < L})
+                ends = walked_blocks((0, 1, L - 2, L - 1), L, ev)
                 # 1. `pre_backward` -> `wait_for_unshard` (resharding after forward): the all-gather
                 #    output (prefetched by block j+1's `_backward_prefetch`, by the root's for the last
                 #    block) and the parameters `foreach_all_gather_copy_out` copies it into, both alive
@@ -757,6 +779,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 pending = in_buffer + sum(prod(s) for s in shapes[:first])
                 norm_kept = _first_norm_saved(train, regime, n_tok, device)
                 for j in ends:
+                    ckpt = act.checkpointed(j, train.checkpointing)
                     snap("backward", comm_buffers=ur + unsharded_during(j) + rs_prev(j),
                          activations=below(j) + (0 if ckpt else norm_kept),
                          grads=shards_after(j) + fresh * (block_elems - pending) * ud,
@@ -804,19 +827,29 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                      temporaries=rs_root if backend == "gloo" else 0)
         else:
             # (with accumulation, the new flat gradient is added in place to the kept one: a transient)
-            snap("backward", comm_buffers=ur + blocks_unsharded, grads=carry(L - 1),
-                 activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
+            if not ev:
+                snap("backward", comm_buffers=ur + blocks_unsharded, grads=carry(L - 1),
+                     activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
+            for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
+                fr, tmp = blk_bwd(j)
+                in_bwd = (ub + (prefetch if j > 0 else 0) if reshard
+                          else held * ub if keep_all else min(j + 1, held) * ub)
+                snap("backward", comm_buffers=ur + in_bwd,
+                     grads=(L - 1 - j) * (lay.shard_block * gsh if sharding else lay.block * gb) + carry(j),
+                     activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
+                     temporaries=tmp + head_g + cur_g)
             # End of the first block's backward: its view gradients and their concatenation (which is
             # the reduce-scatter's input, a comm buffer, unless mixed precision casts it first).
             # Every block ends so (run L-1 .. 0); as at its reduce-scatter below, blocks L-1, 1 and 0
             # bound it (measured: fp32 with full checkpointing peaks here at block 1, next to the
             # gradient shards of the blocks after it; the first block alone was 7.9% under).
             flat = lay.unshard_block * ud
-            walked = sorted({j for j in (0, 1, L - 1) if 0 <= j < L})
+            walked = walked_blocks((0, 1, L - 1), L, ev)
 
             def acts_before(j: int) -> int:
                 """Activations at block j's end: blocks 0..j-1's and their caches, the batch's inputs."""
-                return act.blocks_total - (L - j) * per_block_act + act.inputs + j * act.block_cache
+                return ((act.below(j) if ev else act.blocks_total - (L - j) * per_block_act) + act.inputs
+                        + act.cache_below(j))
 
             def shards_after(j: int) -> int:
                 """Gradient shards of blocks j+1..L-1 (synced every micro-step: inside the carried ones)."""
@@ -829,9 +862,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 snap("backward", comm_buffers=ur + unsharded_j + (0 if prec.mixed else flat),
                      grads=(shards_after(j) if sharding else 0) + carry(L - 1 if every else j),
                      activations=acts_before(j), temporaries=n_tok * h * r + head_g + flat + (flat if prec.mixed else 0))
-            snap("backward", comm_buffers=ur + blocks_unsharded_last,
-                 activations=last_acts + outside_last - freed, grads=shards + carry(0),
-                 temporaries=blk_tmp + head_g + cur_g)
+            if not ev:
+                snap("backward", comm_buffers=ur + blocks_unsharded_last,
+                     activations=last_acts + outside_last - freed, grads=shards + carry(0),
+                     temporaries=blk_tmp + head_g + cur_g)
             if sharding:
                 # The first block's reduce-scatter: its flat gradient (the input, unless mixed precision
                 # casts it to reduce_dtype first), the output shard (flat_param.grad; on gloo a buffer
@@ -907,6 +941,17 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         replay_args = (train, st.name, world, shard, device, backend, workspace, expandable, init, max_split)
     return MemoryEstimate(st.name, comps, peak_allocated, phase, overhead, cluster.gpu_memory_bytes, notes,
                           workspace, replay_args, footprint=fp)
+
+
+def walked_blocks(base, layers: int, every: int) -> list[int]:
+    """The blocks whose backward the walk takes: `base` (the ends and their neighbours, which bound blocks
+    that are all alike: every term is linear in the block's index), and under every-K checkpointing the
+    first two and last two periods of K blocks. Then each term is a function of j mod K plus a linear one
+    of j, so over each residue class its maximum is at the class's first or last block."""
+    js = {j for j in base if 0 <= j < layers}
+    if every > 1:
+        js.update(j for j in range(layers) if j < 2 * every or j >= layers - 2 * every)
+    return sorted(js)
 
 
 def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> tuple[int, int, int]:

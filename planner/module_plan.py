@@ -1091,11 +1091,9 @@ def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: st
     does not model the checkpointing. `device`, `backend`, `init` as memory.estimate_memory's; on the CPU
     (the probes' check, tests/test_alloc_trace.py) the replay is of the CPU run, which a plan never makes."""
     from .api import resolve_model
-    from .config import ANALYTIC_CHECKPOINTING, TrainConfig
+    from .config import TrainConfig
     from .memory import estimate_memory
     ckpt = kw.get("activation_checkpointing") or "none"
-    if ckpt not in ANALYTIC_CHECKPOINTING:
-        return None, f"--activation-checkpointing={ckpt} (the analytic front end assumes identical blocks)"
     try:
         spec, _ = resolve_model(hf_config=kw["hf_config"], overrides={"layers": kw.get("layers")},
                                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()))
@@ -1105,7 +1103,8 @@ def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: st
                        grad_accum=kw.get("grad_accum") or 1, grad_sync=kw.get("grad_sync") or "last",
                        precision=kw.get("precision") or "bf16-mixed", optimizer=kw.get("optimizer") or "adamw",
                        optimizer_impl=kw.get("optimizer_impl") or "foreach",
-                       checkpointing="full" if ckpt == "full" else "none",  # the trace plans selective as none
+                       # the trace plans selective (and selective-op) as none
+                       checkpointing=ckpt if checkpoint_every(ckpt) else "none",
                        alloc_conf=kw.get("alloc_conf") or "")
     cache: dict = {}
 

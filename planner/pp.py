@@ -261,6 +261,10 @@ def check_pp(train, flag: str = "--pp") -> None:
     if train.model.tie_embeddings:
         raise ValueError(f"{flag}={p} with a tied embedding ({train.model.name}): the first and last stages "
                          f"would hold two copies; accepted: {flag}=1 for tied models")
+    if train.checkpointing.startswith("every-"):
+        ck = "--activation-checkpointing" if cli else "checkpointing"
+        raise ValueError(f"{ck}={train.checkpointing} with {flag}={p}: a stage's walk assumes its blocks alike; "
+                         f"accepted: {ck} none, selective, selective-op or full")
     if train.grad_accum != 1:
         raise ValueError(f"{ga}={train.grad_accum} with {flag}={p}: the pipeline's micro-batches are the "
                          f"accumulation; accepted: {ga} 1 and {mb} M")

@@ -118,7 +118,7 @@ def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
         n = train.micro_batch * train.seq_len
         res = "float32" if regime_for(train, family) in ("fp32", "autocast") else _HALF[train.precision]
         out_dt = "float32" if regime_for(train, family) == "fp32" else _HALF[train.precision]
-        k = (m.layers // every) * train.grad_accum
+        k = len(range(0, m.layers, every)) * train.grad_accum  # blocks 0, K, 2K, ... recomputed
         size = {"float32": 4, "bfloat16": 2, "float16": 2}
         if train.sequence_parallel:
             out += (("all_gather", "tp", train.tp, res, n * m.hidden * size[res], 2 * k, "backward", "tp_recompute"),

@@ -329,10 +329,6 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                        f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
                        f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
     else:
-        if checkpointing.startswith("every-"):
-            raise click.BadParameter(f"{checkpointing!r} needs the trace front end: --hf-config (with transformers "
-                                     f"installed) or --module; the reference decoder runs none, selective, full",
-                                     param_hint="'--activation-checkpointing'")
         spec_model = _resolve_model(model, params, hf_config, overrides, device)
         if precision is None:
             precision = mx.matrix_precisions(hw)[0]

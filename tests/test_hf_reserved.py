@@ -103,9 +103,10 @@ def test_trace_keeps_the_margin_where_the_formulas_do_not_read_the_model():
     p = _plan(EXAMPLES / "gemma2-8l.json")
     assert all(r.memory.reserved_source == "10% margin" for r in p.results)
     assert any("10% margin instead for this model_type" in n and "llama" in n for n in p.notes), p.notes
+    # every-K: the formulas plan it (blocks 0, K, 2K, ... keep their input), so the trace pairs with them
     p = _plan(EXAMPLES / "llama-8l.json", activation_checkpointing="every-2")
-    assert all(r.memory.reserved_source == "10% margin" for r in p.results)
-    assert any("--activation-checkpointing=every-2" in n for n in p.notes), p.notes
+    assert all(r.memory.reserved_source == "allocator replay of the analytic front end" for r in p.results), \
+        [(r.name, r.memory.reserved_source) for r in p.results]
 
 
 def test_cpu_kernels_gap_is_stated():

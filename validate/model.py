@@ -4,7 +4,8 @@ Parameter names, shapes and registration order match `distplan.planner.model.Mod
 (a test asserts it for every catalog architecture at small scale), and the forward pass is the one the
 planner's activation table (`distplan.planner.activations`) was derived from, op by op.
 
-Activation checkpointing per block: `full` is `torch.utils.checkpoint` (non-reentrant); `selective` is
+Activation checkpointing per block: `full` is `torch.utils.checkpoint` (non-reentrant), `every-K` the same
+on blocks 0, K, 2K, ... (transformers' `every_n_layers`); `selective` is
 op-level selective checkpointing that saves the outputs of mm/addmm and SDPA and recomputes the rest;
 `selective-op` is torchtitan's op policy (torchtitan/models/llama3/infra/parallelize.py
 `_apply_ac_to_transformer_block`, `selective_ac_option = "op"`): save the outputs of `aten.mm` and SDPA,
@@ -204,8 +205,9 @@ class Decoder(nn.Module):
             x = x + self.pos_embeddings(torch.arange(S, device=tokens.device))
         else:
             cos, sin = rope_tables(S, self.spec.head_dim, device=tokens.device, positions=self.cp_positions)
-        for block in self.layers:
-            if self.checkpointing == "full":
+        every = int(self.checkpointing.split("-")[1]) if self.checkpointing.startswith("every-") else 0
+        for i, block in enumerate(self.layers):
+            if self.checkpointing == "full" or (every and i % every == 0):  # every-K: blocks 0, K, 2K, ...
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             elif self.checkpointing == "selective":
                 x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=_selective_contexts)
