@@ -507,7 +507,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     if offload_params:
         opt = 0
         opt_tmp = 0
-        notes.append("parameters, gradients and optimizer state live in CPU memory (CPU offload)")
+        notes.append("CPU offload: parameters and optimizer state live in CPU memory, and each gradient shard is "
+                     "copied there once reduced (FSDP2 frees the GPU copy at once; FSDP1 keeps it until the end "
+                     "of backward); the step time leaves out the optimizer step on the CPU and the PCIe copies")
 
     h = m.hidden
     r = 4 if regime in ("fp32", "autocast") else 2  # residual stream bytes
@@ -593,6 +595,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         ud = cb if prec.mixed else pb  # dtype of unsharded parameters and of their gradients
         rb = 4 if prec.mixed else gb  # reduce_dtype
         gsh = 4 if prec.mixed else gb  # sharded gradient dtype (the fp32 parameter's)
+        # Sharded gradients on the GPU through backward. FSDP2 with CPUOffloadPolicy copies each new shard to
+        # the CPU in `foreach_reduce` (`new_sharded_grad.to(torch.device("cpu"))`, _fsdp_collectives.py) and
+        # accumulates it there: none stays. FSDP1 with CPUOffload keeps the GPU shard in `_saved_grad_shard`
+        # after copying it to `_cpu_grad` (`_runtime_utils._offload_grad`) until the end-of-backward callback
+        # deletes it (`FlatParamHandle.prepare_gradient_for_optim`).
+        gsh_gpu = 0 if offload_params and family == "fsdp2" else gsh
         params = 0 if offload_params else lay.shard_total * pb
         sharding = shard > 1 and st.shards_params
         reshard = st.reshard_after_forward and sharding
@@ -630,7 +638,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             g_b = rb if every else ud
             unit_root, unit_block = lay.root * g_b, lay.block * g_b
         elif every:
-            unit_root, unit_block = lay.shard_root * gsh, lay.shard_block * gsh
+            unit_root, unit_block = lay.shard_root * gsh_gpu, lay.shard_block * gsh_gpu
         else:
             unit_root, unit_block = lay.unshard_root * acc_bytes, lay.unshard_block * acc_bytes
 
@@ -678,7 +686,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # SHARD_GRAD_OP keeps its parameters unsharded between no_sync micro-steps (`_should_free_in_backward`)
         keep_all = family == "fsdp1" and not st.reshard_after_forward and later and not every
         blocks_unsharded = ub + prefetch if reshard else held * ub
-        shards = max(0, L - 1) * lay.shard_block * gsh if sharding else max(0, L - 1) * lay.block * gb
+        shards = max(0, L - 1) * lay.shard_block * gsh_gpu if sharding else max(0, L - 1) * lay.block * gb
         rs_held = lay.unshard_block * rb if (sharding and family == "fsdp2" and L > 1) else 0
         blocks_unsharded_last = (held * ub if keep_all else ub)
         at_rs = prefetch if reshard else (held * ub if keep_all else max(0, held - 1) * ub)
@@ -692,7 +700,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         if family == "fsdp2":
             tied_buf = head_g if m.tie_embeddings else 0
             head_new = fresh * (head_g - tied_buf)  # the head's gradient not yet added to an accumulator
-            shard_unit = lay.shard_block * gsh if sharding else lay.block * gb
+            shard_unit = lay.shard_block * gsh_gpu if sharding else lay.block * gb
             for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
                 fr, tmp = blk_bwd(j)
                 snap("backward", comm_buffers=ur + unsharded_during(j) + (rs_held if j < L - 1 else 0),
@@ -717,7 +725,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 snap("backward", comm_buffers=ur + unsharded_during(j) + rs_held,
                      activations=last_acts + j * (first_acts - last_acts) // (L - 1)
                      + act.inputs + (j + 1) * act.block_cache - freed,
-                     grads=(L - 1 - j) * (lay.shard_block * gsh if sharding else lay.block * gb)
+                     grads=(L - 1 - j) * (lay.shard_block * gsh_gpu if sharding else lay.block * gb)
                      + head_new + carry(j),
                      temporaries=blk_tmp + fresh * cur_g + tied_buf)
             if sharding:
@@ -727,7 +735,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # activations of blocks 0..j-1, and block j+1's reduce-scatter input, which
                 # `comm_ctx.reduce_scatter_states` keeps until block j's `post_backward` pops it.
                 block_elems = lay.block
-                shard_g = lay.shard_block * gsh
+                shard_g = lay.shard_block * gsh_gpu
                 kept_block = act.per_block if train.checkpointing == "none" else act.blocks_total // L
                 e = 4 if regime == "fp32" else 2
 
@@ -820,10 +828,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # output shard; gloo's reduce_scatter_tensor splits the input once more.
                 rs_root = lay.unshard_root * rb
                 root_old = unit_root if every else 0  # the root's accumulated shard (sync every micro-step)
-                snap("backward", comm_buffers=rs_root, grads=L * lay.shard_block * gsh + root_old,
+                snap("backward", comm_buffers=rs_root, grads=L * lay.shard_block * gsh_gpu + root_old,
                      temporaries=lay.unshard_root * ud)
                 snap("backward", comm_buffers=rs_root + lay.shard_root * rb,
-                     grads=L * lay.shard_block * gsh + root_old,
+                     grads=L * lay.shard_block * gsh_gpu + root_old,
                      temporaries=rs_root if backend == "gloo" else 0)
         else:
             # (with accumulation, the new flat gradient is added in place to the kept one: a transient)
@@ -932,7 +940,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     if device == "cuda" and train.model.layers > MAX_LAYERS:
         notes.append(f"reserved peak: the allocated peak + {RESERVED_MARGIN:.0%} (no allocator replay beyond "
                      f"{MAX_LAYERS} layers)")
-    if device == "cuda" and train.model.layers <= MAX_LAYERS:
+    if device == "cuda" and offload_params:
+        notes.append(f"reserved peak: the allocated peak + {RESERVED_MARGIN:.0%} (the allocator replay does not "
+                     f"follow CPU offload)")
+    if device == "cuda" and train.model.layers <= MAX_LAYERS and not offload_params:
         # The most loaded rank's allocations replayed through the caching allocator. `init`: the probes
         # build the model on the device and wrap it; a plan assumes FSDP runs materialize shards from the
         # meta device (torchtitan's way); see alloc_trace.allocation_events.

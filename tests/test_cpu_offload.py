@@ -1,0 +1,27 @@
+"""CPU offload (`--cpu-offload params`) as FSDP1 and FSDP2 implement it, from torch's source: FSDP2's
+`foreach_reduce` (_fsdp_collectives.py) copies each new gradient shard to the CPU and keeps none on the
+GPU; FSDP1's `_offload_grad` (fsdp/_runtime_utils.py) copies it to `_cpu_grad` and keeps the GPU shard in
+`_saved_grad_shard` until `prepare_gradient_for_optim` at the end of backward. Not probed (on a CPU device
+host and device memory are one): these check that the walk follows the two implementations apart."""
+
+from __future__ import annotations
+
+from distplan.planner.api import resolve_model
+from distplan.planner.config import Cluster, TrainConfig
+from distplan.planner.memory import estimate_memory
+
+
+def test_cpu_offload_gradient_shards_follow_the_implementation():
+    """--cpu-offload params: FSDP2 (zero3) keeps no gradient shard on the GPU (foreach_reduce copies each to
+    the CPU), FSDP1 (fsdp) keeps them in `_saved_grad_shard` to the end of backward. Llama-3-8B, 8 GPUs."""
+    t = TrainConfig(resolve_model("llama-3-8b")[0], seq_len=4096, precision="bf16-mixed", checkpointing="full",
+                    cpu_offload="params")
+    z3 = estimate_memory(t, Cluster(gpus=8), "zero3")
+    f1 = estimate_memory(t, Cluster(gpus=8), "fsdp")
+    m = t.model
+    head_grad = m.vocab * m.hidden * 2  # the LM head's bf16 gradient, unsharded until the root reduces
+    assert z3.components["params"] == 0 and z3.components["optimizer"] == 0
+    assert z3.components["grads"] <= head_grad
+    shards = m.param_count() * 4 // 8  # fp32 gradient shards of one rank
+    assert f1.components["grads"] >= 0.9 * shards
+    assert z3.reserved_source == "10% margin" and any("CPU offload" in n for n in z3.notes)
