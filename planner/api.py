@@ -728,7 +728,8 @@ def predict_probe(spec: dict) -> dict:
                         precision=t["precision"],
                         optimizer=t.get("optimizer", "adamw"), optimizer_impl=t.get("optimizer_impl", "foreach"),
                         checkpointing=t.get("checkpointing", "none"), attention=t.get("attention", "sdpa"),
-                        alloc_conf=t.get("alloc_conf", ""), tp=int(spec.get("tp", 1)),
+                        alloc_conf=t.get("alloc_conf", ""), cpu_offload=t.get("cpu_offload", "none"),
+                        tp=int(spec.get("tp", 1)),
                         sequence_parallel=bool(spec.get("sequence_parallel", False)), cp=int(spec.get("cp", 1)))
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)

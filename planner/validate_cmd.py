@@ -20,7 +20,7 @@ import sys
 
 import click
 
-from .config import ATTENTION, CHECKPOINTING, GRAD_SYNC
+from .config import ATTENTION, CHECKPOINTING, GRAD_SYNC, OFFLOAD
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .strategies import NAMES, get_strategy
 from .units import fmt_bytes, fmt_seconds
@@ -141,6 +141,9 @@ def _timeout(ctx, param, value):
 @click.option("--activation-checkpointing", "checkpointing", type=click.Choice(CHECKPOINTING), default="none",
               show_default=True)
 @click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True)
+@click.option("--cpu-offload", "cpu_offload", type=click.Choice(OFFLOAD), default="none", show_default=True,
+              help="params: FSDP1 CPUOffload(offload_params=True), FSDP2 CPUOffloadPolicy (the other strategies "
+                   "have none). GPU only (on the CPU, host and device memory are one); the reference decoder.")
 @click.option("--alloc-conf", "alloc_conf", default=None, metavar="CONF",
               help="PYTORCH_CUDA_ALLOC_CONF for the probes (e.g. expandable_segments:True); the prediction's "
                    "reserved peak follows it. Default: the probes inherit this shell's.")
@@ -192,7 +195,7 @@ def _timeout(ctx, param, value):
 @click.pass_context
 def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl,
-                     checkpointing, attention, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule, pp_microbatches,
+                     checkpointing, attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule, pp_microbatches,
                      matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
@@ -377,7 +380,18 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             parse_alloc_conf(alloc_conf, "--alloc-conf")
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
+    if cpu_offload != "none":
+        if not hw.get("gpus"):
+            raise click.BadParameter(f"{cpu_offload!r} needs a GPU: on the CPU, host and device memory are one, so "
+                                     f"no probe can see what offload moves", param_hint="'--cpu-offload'")
+        if module_spec is not None or pp > 1 or tp > 1 or cp > 1:
+            raise click.BadParameter(f"{cpu_offload!r}: probed on the reference decoder without --tp/--pp/--cp "
+                                     f"(the trace front end and the parallel layouts do not model offload)",
+                                     param_hint="'--cpu-offload'")
     for s in specs:  # fake-process-group probes run on the GPU when there is one
+        if cpu_offload != "none":
+            s["train"]["cpu_offload"] = cpu_offload
+            s["id"] += f"/offload={cpu_offload}"
         if alloc_conf:  # runner.ProbeRun exports it to the probe; the id tells the records apart
             s["train"]["alloc_conf"] = alloc_conf
             s["id"] += f"/alloc={alloc_conf}"

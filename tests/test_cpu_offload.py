@@ -25,3 +25,24 @@ def test_cpu_offload_gradient_shards_follow_the_implementation():
     shards = m.param_count() * 4 // 8  # fp32 gradient shards of one rank
     assert f1.components["grads"] >= 0.9 * shards
     assert z3.reserved_source == "10% margin" and any("CPU offload" in n for n in z3.notes)
+
+
+def test_validate_wires_offload_for_gpu_probes_and_refuses_it_on_the_cpu(tmp_path, monkeypatch):
+    """`distplan validate --cpu-offload params`: on a machine without a GPU a one-line refusal (exit 2);
+    a probe spec carrying it is predicted with the offload (no parameter or optimizer bytes on the GPU)."""
+    from click.testing import CliRunner
+
+    from distplan.planner.api import predict_probe
+    from distplan.planner.cli import main
+    from distplan.validate import matrix as mx
+
+    r = CliRunner().invoke(main, ["validate", "--strategy", "zero3", "--cpu-offload", "params",
+                                  "--out", str(tmp_path / "r.jsonl")])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "--cpu-offload" in r.output and "needs a GPU" in r.output
+    spec = mx.make_spec("zero3", resolve_model("llama-3-8b", overrides={"layers": 2})[0], 8, "fake")
+    spec["train"]["cpu_offload"] = "params"
+    got = predict_probe(spec)["memory"]
+    assert got["params"] == 0 and got["optimizer"] == 0
+    spec["train"]["cpu_offload"] = "none"
+    assert predict_probe(spec)["memory"]["params"] > 0

@@ -28,7 +28,8 @@ optimizer state, measured by the same tracker, and reports every rank's save pea
 (validate/checkpoint.py).
 
 Known limitations: one batch of random tokens is reused every step; `checkpointing='selective'` runs as
-the reference decoder implements it (see `unmeasured`); CPU offload is not wired.
+the reference decoder implements it (see `unmeasured`); CPU offload (`train.cpu_offload`, wrap.py) means
+something only on a GPU, where `max_memory_allocated` leaves the host's memory out.
 """
 
 from __future__ import annotations

@@ -9,8 +9,11 @@ Precision: fp32 (all fp32); bf16-mixed / fp16-mixed (fp32 params; autocast for s
 `MixedPrecision(param, reduce=fp32, buffer)` for FSDP1, `MixedPrecisionPolicy(param, reduce=fp32)`
 for FSDP2; a GradScaler for fp16 on GPU); bf16 (the model cast to bf16, no autocast).
 
-Known limitations: `adamw-8bit` (bitsandbytes) is not run; CPU offload is not wired; `fused` needs an
-optimizer that has a fused kernel for the device.
+CPU offload (`train["cpu_offload"] == "params"`): FSDP2 `CPUOffloadPolicy()`, FSDP1
+`CPUOffload(offload_params=True)`; the other strategies have none and run without it.
+
+Known limitations: `adamw-8bit` (bitsandbytes) is not run; `fused` needs an optimizer that has a fused
+kernel for the device (under offload the optimizer runs on the CPU).
 """
 
 from __future__ import annotations
@@ -186,6 +189,9 @@ def _fsdp2(reshard: bool):
         low = _LOW.get(train["precision"])
         if low is not None:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        if train.get("cpu_offload") == "params":
+            from torch.distributed.fsdp import CPUOffloadPolicy
+            kw["offload_policy"] = CPUOffloadPolicy()  # pinned host memory (its default)
         for block in (train["_units"] if train.get("_units") is not None else model.layers):
             fully_shard(block, **kw)
         # The root: for zero3 FSDP2's default (reshard_after_forward=None: the root is not resharded after
@@ -229,6 +235,9 @@ def _fsdp1(strategy: str):
             kw["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32,
                                                    buffer_dtype=low)
         kw["device_id"] = device  # explicit, so that FSDP1 accepts CPU (gloo) as the compute device
+        if train.get("cpu_offload") == "params":
+            from torch.distributed.fsdp import CPUOffload
+            kw["cpu_offload"] = CPUOffload(offload_params=True)
         if train.get("_units") is not None:  # an arbitrary module: wrap exactly its units
             chosen = set(map(id, train["_units"]))
             policy = lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen  # noqa: E731
