@@ -230,6 +230,9 @@ class Node:
     """Assumptions and caveats."""
     path: str = ""
     """The file this entry was read from."""
+    host_memory_bytes: int = 0
+    """The node's CPU memory (what CPU offload holds parameters, gradients and optimizer state in);
+    0 where the catalog does not say."""
 
     def to_dict(self) -> dict:
         return _to_dict(self)
@@ -322,7 +325,8 @@ _SCHEMA: dict[str, _Kind] = {
         bools=("simple_protocol_only", "ring_only"),
     ),
     "nodes": _Kind(
-        numeric={"gpus_per_node": ("count", True), "nics_per_node": ("count", True)},
+        numeric={"gpus_per_node": ("count", True), "nics_per_node": ("count", True),
+                 "host_memory": ("bytes", False)},
         text={**_COMMON_TEXT, "gpu": True, "intra_link": True, "inter_link": True},
     ),
     "models": _Kind(
@@ -616,7 +620,7 @@ def _build(kind: str, f: dict[str, Any]) -> Any:
     if kind == "nodes":
         return Node(gpu=f["gpu"].lower(), gpus_per_node=f["gpus_per_node"],
                     intra_link=f["intra_link"].lower(), inter_link=f["inter_link"].lower(),
-                    nics_per_node=f["nics_per_node"], **common)
+                    nics_per_node=f["nics_per_node"], host_memory_bytes=int(f.get("host_memory", 0)), **common)
     path = Path(f["path"])
     if f["hidden"] % f["heads"]:
         raise _err(path, "heads_count", f"{f['heads']} does not divide hidden_count={f['hidden']}")

@@ -308,6 +308,7 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
                           gpu_name=gpu_e.name, intra_link=intra_name, inter_link=inter_name,
                           nics_per_node=nics,
                           inter_bytes_per_s=inter_gbps * 1e9 / 8 if inter_gbps else None,
+                          host_memory_bytes=node_e.host_memory_bytes if node_e else 0,
                           notes=tuple(notes), catalog_dirs=catalog_dirs)
     except ValueError as exc:
         raise ValueError(f"cluster: {exc}") from None

@@ -232,6 +232,8 @@ class Cluster:
     nics_per_node: int = 8
     inter_bytes_per_s: float | None = None
     """Override of the per-node inter-node bandwidth (from --inter-gbps)."""
+    host_memory_bytes: int = 0
+    """CPU memory per node (the catalog node's; 0: not known, so CPU offload's host bytes are not checked)."""
     notes: tuple = field(default=())
     catalog_dirs: tuple = field(default=())
     """User catalog directories layered over ours (links and GPUs are looked up there too)."""

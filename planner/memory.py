@@ -116,6 +116,10 @@ class MemoryEstimate:
     """The trace front end of a Hugging Face model (module_plan.py): the analytic front end's estimate of
     the same model and run, whose replayed cached-but-free bytes at the reserved peak (its peak_reserved -
     peak_allocated) this estimate adds to its own allocated peak; None: not used."""
+    host_bytes: int = 0
+    """CPU offload: the node's CPU memory that its ranks' parameters, gradients and optimizer state take."""
+    host_memory_bytes: int = 0
+    """The node's CPU memory (Cluster.host_memory_bytes); 0: not known, `host_bytes` not checked."""
     alloc_retries: int = 0
     """Times the replayed run releases the caching allocator's cache to fit on this GPU (what
     `torch.cuda.memory_stats()["num_alloc_retries"]` counts; each a synchronize and cudaFree/cudaMalloc):
@@ -191,7 +195,8 @@ class MemoryEstimate:
     def allocated_fits(self) -> bool:
         """The allocated peak and the process overhead fit: necessary for `fits` (reserved >= allocated),
         and known without an allocator replay."""
-        return self.peak_allocated + self.process_overhead <= self.gpu_memory_bytes
+        return (self.peak_allocated + self.process_overhead <= self.gpu_memory_bytes
+                and not (self.host_memory_bytes and self.host_bytes > self.host_memory_bytes))
 
     @property
     def fits(self) -> bool:
@@ -504,7 +509,20 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         if total > best[0]:
             best[:] = total, phase, (activations, comm_buffers, grads, temporaries)
 
+    host_bytes = 0
     if offload_params:
+        # What the node's ranks hold in CPU memory: the fp32 parameter shards, the gradient shards
+        # (FSDP1 `_cpu_grad`, FSDP2 `sharded_param.grad` on the CPU; the parameter's dtype) and the
+        # optimizer states, which step on the CPU.
+        local = min(cluster.gpus_per_node, world)
+        host_bytes = local * (lay.shard_total * (pb + (4 if prec.mixed else prec.grad_bytes)) + opt)
+        if cluster.host_memory_bytes:
+            notes.append(f"{st.name}: CPU offload holds {host_bytes / 2**30:,.0f} GiB of CPU memory per node "
+                         f"(of {cluster.host_memory_bytes / 2**30:,.0f} GiB"
+                         + ("" if host_bytes <= cluster.host_memory_bytes else ": does not fit") + ")")
+        else:
+            notes.append(f"{st.name}: CPU offload holds {host_bytes / 2**30:,.0f} GiB of CPU memory per node "
+                         f"(not checked: the node's memory is not in the catalog; --node names one that has it)")
         opt = 0
         opt_tmp = 0
         notes.append("CPU offload: parameters and optimizer state live in CPU memory, and each gradient shard is "
@@ -951,7 +969,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
         replay_args = (train, st.name, world, shard, device, backend, workspace, expandable, init, max_split)
     return MemoryEstimate(st.name, comps, peak_allocated, phase, overhead, cluster.gpu_memory_bytes, notes,
-                          workspace, replay_args, footprint=fp)
+                          workspace, replay_args, footprint=fp, host_bytes=host_bytes,
+                          host_memory_bytes=cluster.host_memory_bytes)
 
 
 def walked_blocks(base, layers: int, every: int) -> list[int]:

@@ -6,6 +6,8 @@ host and device memory are one): these check that the walk follows the two imple
 
 from __future__ import annotations
 
+import pytest
+
 from distplan.planner.api import resolve_model
 from distplan.planner.config import Cluster, TrainConfig
 from distplan.planner.memory import estimate_memory
@@ -46,3 +48,26 @@ def test_validate_wires_offload_for_gpu_probes_and_refuses_it_on_the_cpu(tmp_pat
     assert got["params"] == 0 and got["optimizer"] == 0
     spec["train"]["cpu_offload"] = "none"
     assert predict_probe(spec)["memory"]["params"] > 0
+
+
+def test_offload_must_fit_the_nodes_cpu_memory():
+    """Offload moves parameters, gradients and optimizer state to the node's CPU memory, which is finite:
+    Llama-3-405B (16 bytes per parameter: 6.5 TB) does not fit one DGX H100's 2 TB even where each GPU
+    would hold its share, and fits over 4 nodes (1.6 TB each). Where the catalog has no memory for the
+    node the plan says it did not check."""
+    from distplan.planner.api import plan
+
+    def zero3(gpus, node="dgx-h100"):
+        p = plan("llama-3-405b", gpus=gpus, node=node, cpu_offload="params", activation_checkpointing="full",
+                 strategies=["zero3"], comm=False)
+        return p["zero3"].memory
+    one, four = zero3(8), zero3(32)
+    assert one.host_memory_bytes == 2048 * 2**30
+    # fp32 parameter + fp32 gradient + AdamW's two fp32 states per parameter, over the node's 8 ranks
+    assert one.host_bytes == pytest.approx(405_853_388_800 * 16, rel=0.01)
+    assert one.host_bytes > one.host_memory_bytes and not one.allocated_fits and not one.fits
+    assert four.host_bytes * 4 == pytest.approx(one.host_bytes, rel=0.01)
+    assert four.host_bytes < four.host_memory_bytes
+    assert any("does not fit" in n for n in one.notes)
+    unknown = zero3(8, node="gcp-a3")
+    assert unknown.host_memory_bytes == 0 and any("not checked" in n for n in unknown.notes)
