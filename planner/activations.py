@@ -80,9 +80,10 @@ vocabulary (torchtitan's loss parallel: logits and log_softmax n x V/t).
 
 Checkpointing: `full` (`torch.utils.checkpoint`, non-reentrant, per block) keeps each block's input
 and recomputes the block inside backward; `every-K` does so for blocks 0, K, 2K, ... and the others keep
-all they save (`ActivationBreakdown.kept`: ceil(L/K) inputs and L - ceil(L/K) whole blocks); `selective` is op-level selective checkpointing
-(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that saves the outputs of `mm`/`addmm`
-and SDPA and recomputes everything else (norms, RoPE, activations, the eager attention core).
+all they save (`ActivationBreakdown.kept`: ceil(L/K) inputs and L - ceil(L/K) whole blocks); `selective`
+is op-level selective checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) that
+saves the outputs of `mm`/`addmm` and SDPA and recomputes everything else (norms, RoPE, activations, the
+eager attention core).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class ActivationBreakdown:
     ckpt_kept: int = 0
     """With `every`: what a checkpointed block keeps through forward (its input)."""
     layers: int = 0
+    """The model's blocks (the per-block accessors below index 0 .. layers-1)."""
 
     @property
     def total(self) -> int:
