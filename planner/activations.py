@@ -60,8 +60,16 @@ the real model, `validate.module_probe.profile_hf`, byte for byte on CPU):
 - Loss (`loss/loss_utils.py` ForCausalLMLoss): logits `.float()`, labels padded and shifted into a new
   int64 tensor: the same bytes as the reference decoder's targets and fp32 log_softmax, except with one
   sequence per micro-batch, where the shifted slice is contiguous and the padded (s+1) labels are kept.
-Not followed for transformers' models: `attention="eager"` (the reference decoder's eager terms are
-used), op-level selective checkpointing (its saved set is the reference decoder's), the philox state
+- Gemma-2 (`modeling_gemma2.py`; `ModelSpec.sandwich_norms`, `attn_softcap`, `final_softcap`,
+  `head_dim_override`): four `Gemma2RMSNorm`s per block, each keeping x.float(), rsqrt, the fp32 x*rstd
+  and its fp32 (1 + weight) vector (8h + 4 bytes per token and 4h per norm, in every regime); the two
+  post-norms' outputs are saved by nothing (the residual add). Its eager attention keeps q, K and V
+  repeated to every head, the soft-capped scores (`tanh`'s output), the fp32 softmax output, its cast to
+  q's dtype (16-bit regimes) and o_proj's input copy; the head keeps the final soft-cap's `tanh` output
+  (n x V) and the embedding's 0-dim scale when the weight is 16-bit. Checkpointed layers keep the
+  additive masks they are given (one (B, 1, S, S) mask per layer type).
+Not followed for transformers' models: `attention="eager"` outside Gemma-2 (the reference decoder's
+eager terms are used), op-level selective checkpointing (its saved set is the reference decoder's), the philox state
 CUDA's flash kernel keeps with dropout (16 bytes), and the bool mask a full-checkpointed layer keeps as
 an input when a sliding window materializes it (s*s bytes).
 
@@ -192,7 +200,10 @@ def _norm_saved(train: TrainConfig, regime: str, n: int, consumers: int, device:
     h = train.model.hidden
     res = 4 if regime in ("fp32", "autocast") else 2
     e = 4 if regime == "fp32" else 2
-    if train.model.norm == "rmsnorm":
+    const = 0
+    if train.model.sandwich_norms:
+        body, const = _gemma_norm_body(h)
+    elif train.model.norm == "rmsnorm":
         body = 4 * h + 4 + (2 * h if regime == "lowp" else 4 * h)  # x.float(), rsqrt, x*rstd
     else:
         # native_layer_norm saves input, mean, rstd; mean/rstd are fp32 on CUDA (accumulate type,
@@ -203,7 +214,15 @@ def _norm_saved(train: TrainConfig, regime: str, n: int, consumers: int, device:
         out = consumers * 2 * h  # each Linear saves its own 16-bit cast of the fp32 output
     else:
         out = e * h
-    return sp_tokens(train, n) * body + n * out
+    return sp_tokens(train, n) * body + n * out + const
+
+
+def _gemma_norm_body(h: int) -> tuple[int, int]:
+    """(bytes per token, bytes per norm) a `Gemma2RMSNorm` keeps (modeling_gemma2.py): x.float() (a new
+    fp32 copy of a 16-bit input, the input itself in fp32; saved by pow and mul), rsqrt's output, x*rstd
+    in fp32 (saved by the `* (1 + weight.float())` mul, which runs in fp32 in every regime, where Llama's
+    norm multiplies the downcast), and that (1 + weight) vector: 4h bytes per norm, not per token."""
+    return 8 * h + 4, 4 * h
 
 
 def _dropout_elem(device: str, elem: int) -> int:
@@ -272,15 +291,52 @@ def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) ->
     return saved
 
 
+def _gemma2_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
+    """Gemma-2's eager attention (`modeling_gemma2.py` eager_attention_forward), from the q/k/v
+    projections' outputs to o_proj's input: q after RoPE, K and V repeated to every head (`repeat_kv`;
+    a copy with GQA, the rotated k itself without) as the two matmuls save them, the soft-capped scores
+    (`tanh` saves its output; the divisions and products by Python scalars save nothing), the softmax's
+    fp32 output (`dtype=torch.float32`), its cast back to q's dtype that the second matmul saves (none in
+    fp32: `.to` returns the same tensor), and the `.transpose(1, 2).contiguous()` copy o_proj reads. The
+    additive mask is not saved (`add` keeps no input)."""
+    m = train.model
+    q, a, _ = attention_widths(train)
+    e = 4 if regime == "fp32" else 2
+    probs = train.micro_batch * a * train.seq_len ** 2
+    saved = 3 * n * e * q + n * e * q  # q, K and V at all heads; o_proj's input copy
+    if m.attn_softcap:
+        saved += probs * e
+    saved += probs * 4
+    if m.attn_dropout > 0:
+        # the dropout's mask (CUDA) or noise, and the dropped probabilities the second matmul saves
+        saved += probs * (_dropout_elem(device, e) + e)
+    elif e != 4:
+        saved += probs * e
+    return saved
+
+
+def _gemma2_masks_kept(train: TrainConfig, regime: str, every: int) -> int:
+    """The additive masks checkpointed Gemma-2 layers keep as inputs: `Gemma2Model.forward` makes one
+    (B, 1, S, S) mask per layer type in the embeddings' dtype (`masking_utils` eager masks; full and
+    sliding), and a layer `torch.utils.checkpoint` wraps keeps the one it was given until its backward.
+    Layer i slides when i is even (`Gemma2Config` layer_types); `every` (0: full) picks the layers."""
+    m = train.model
+    layers = range(0, m.layers, every) if every > 1 else range(m.layers)
+    kinds = len({i % 2 for i in layers})
+    return kinds * train.micro_batch * train.seq_len ** 2 * (2 if regime == "lowp" else 4)
+
+
 def attention_widths(train: TrainConfig) -> tuple[int, int, int]:
     """(q width, heads, k/v width) of one tensor-parallel rank: the whole model's divided by tp
     (`TrainConfig` checks that tp divides heads and kv_heads)."""
     m, t = train.model, train.tp
-    return m.hidden // t, m.heads // t, m.kv_dim // t
+    return m.q_dim // t, m.heads // t, m.kv_dim // t
 
 
 def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
     m = train.model
+    if m.hf_model_type == "gemma2":
+        return _gemma2_attention_saved(train, regime, n, device)
     if m.hf_model_type and train.attention == "sdpa":
         return _hf_attention_saved(train, regime, n, device)
     h, a, kv = attention_widths(train)
@@ -376,9 +432,13 @@ def block_saved(train: TrainConfig, regime: str, device: str = "cuda") -> int:
     mlp_consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
     attn_consumers = 1 if m.fused_qkv else 3
     _, rope_per_block = _rope_tables(train, regime)
+    post = 0
+    if m.sandwich_norms:  # post_attention_layernorm, post_feedforward_layernorm: nothing saves their output
+        body, const = _gemma_norm_body(m.hidden)
+        post = 2 * (sp_tokens(train, n) * body + const)
     return (_norm_saved(train, regime, n, attn_consumers, device) + _attention_saved(train, regime, n, device)
             + _norm_saved(train, regime, n, mlp_consumers, device) + _mlp_saved(train, regime, n)
-            + _resid_dropout_saved(train, regime, n, device) + rope_per_block)
+            + _resid_dropout_saved(train, regime, n, device) + rope_per_block + post)
 
 
 def block_linears(model, tp: int = 1) -> list[tuple[int, int, bool]]:
@@ -387,7 +447,7 @@ def block_linears(model, tp: int = 1) -> list[tuple[int, int, bool]]:
     With `tp` > 1 one tensor-parallel rank's shapes: colwise q/k/v, gate/up (fc) produce out/tp
     columns, rowwise o and down (proj) read in/tp (their partial sums are h wide)."""
     h, kv, f = model.hidden, model.kv_dim, model.ffn_hidden
-    hq, kv, f = h // tp, kv // tp, f // tp
+    hq, kv, f = model.q_dim // tp, kv // tp, f // tp
     qb = model.linear_bias or model.qkv_bias
     lin = ([(h, hq + 2 * kv, qb)] if model.fused_qkv else [(h, hq, qb), (h, kv, qb), (h, kv, qb)])
     lin.append((hq, h, model.linear_bias))
@@ -452,6 +512,8 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     if train.checkpointing != "none" and m.position == "rope" and not shared_rope:
         # Checkpointed blocks keep their inputs, the fp32 cos/sin tables among them (2 * s * hd * 4).
         shared_rope = 2 * train.seq_len * m.head_dim * 4
+    if train.checkpointing != "none" and m.hf_model_type == "gemma2":
+        shared_rope += _gemma2_masks_kept(train, regime, every)
     if train.checkpointing == "none":
         blocks_total = m.layers * per_block + shared_rope
         recompute = 0
@@ -478,6 +540,13 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
         outside += n_res * h * _dropout_elem(device, res)  # GPT2Model.drop on the embedding sum
     # Final norm and the LM head's input (the norm's output, or autocast's 16-bit cast of it).
     outside += _norm_saved(train, regime, n, 1, device)
+    if m.sandwich_norms:
+        # Gemma2TextScaledWordEmbedding: `* embed_scale.to(weight.dtype)` saves that 0-dim tensor, a new
+        # one when the weight is 16-bit (the fp32 buffer itself, model state, with fp32 weights)
+        outside += 2 if regime == "lowp" else 0
+    if m.final_softcap:
+        # Gemma2ForCausalLM: logits / cap, tanh (saves its output, n x V in the logits' dtype), * cap
+        outside += n * v * e
     # `x = tok_embeddings(tokens)`: fp32 when the embedding is fp32, saved by the first RMSNorm only
     # through x.float() (regime fp32/autocast: the same tensor; lowp: a new fp32 copy counted there).
     loss_saved = n * v * 4

@@ -120,9 +120,9 @@ def _block_saved_shapes(train: TrainConfig, regime: str, n: int) -> list[int]:
     """The tensors one block keeps for backward, in the order forward makes them (bytes of each)."""
     m = train.model
     e = 4 if regime == "fp32" else 2
-    h, kv, f, a = m.hidden, m.kv_dim, m.ffn_hidden, m.heads
+    h, q, kv, f, a = m.hidden, m.q_dim, m.kv_dim, m.ffn_hidden, m.heads
     norm = [n * h * 4, n * 4, n * h * e] if regime != "fp32" else [n * h * 4, n * 4]
-    attn = [n * h * e, n * kv * e, n * kv * e, n * h * e, n * a * 4]
+    attn = [n * q * e, n * kv * e, n * kv * e, n * q * e, n * a * 4]
     mlp = [n * f * e] * (4 if m.mlp == "swiglu" else 2)
     return norm + attn + norm + mlp
 

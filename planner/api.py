@@ -655,6 +655,10 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         raise ValueError(f"tokens={short_repr(tokens)}: must be positive")
     front = ("front end: analytic (decoder formulas"
              + ("; --front-end trace runs the transformers model itself on fake tensors)" if hf_config else ")"))
+    if spec.attn_softcap:
+        notes.append("attention: eager, as transformers runs Gemma-2 by default (no SDPA path: SDPA cannot "
+                     "soft-cap the scores), keeping B x heads x S^2 scores per layer; flash_attention_2 (the "
+                     "flash-attn package) soft-caps without them and is not modelled")
     return Plan(train, cluster, results, notes + cnotes + [front], tokens, checkpoint, storage)
 
 

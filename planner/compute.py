@@ -57,7 +57,7 @@ def _forward_flops(train: TrainConfig) -> tuple[float, float]:
     tokens = b * s
     # Narayanan et al. 2021 Eq. 3: 4*b*s^2*h per layer (QK^T and AV); halved for causal SDPA; a
     # tensor-parallel rank runs heads / tp of them (`block_w`, `head_w` are its weights already).
-    attn = 4.0 * b * s * s * h * (0.5 if train.attention == "sdpa" else 1.0) / train.tp
+    attn = 4.0 * b * s * s * m.q_dim * (0.5 if train.attention == "sdpa" else 1.0) / train.tp
     if train.cp > 1:  # a context-parallel rank's s/cp queries attend over the whole sequence (cp.py)
         from .cp import attention_flops_factor
         attn *= attention_flops_factor(train)

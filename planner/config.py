@@ -124,6 +124,14 @@ class TrainConfig:
                 and type(self.pp_microbatches) is int and 0 < self.pp_microbatches <= _MAX_ACCUM
                 and type(self.cp) is int and self.cp >= 1):  # one test for the common case; below names the culprit
             self._check_fields()
+        if self.model.attn_softcap and self.attention != "eager":
+            # transformers' Gemma-2 has no SDPA path (`Gemma2PreTrainedModel._supports_sdpa = False`: SDPA
+            # cannot soft-cap the scores): its attention is the eager one whatever was asked
+            object.__setattr__(self, "attention", "eager")
+        if self.model.sandwich_norms and (self.tp > 1 or self.pp > 1):
+            flag, value = ("tp", self.tp) if self.tp > 1 else ("pp", self.pp)
+            raise ValueError(f"{flag}={value} with a Gemma-2 model: its sandwich norms and soft-capped eager "
+                             f"attention are modelled without tensor or pipeline parallelism; accepted: {flag}=1")
         if self.model.position == "learned" and self.seq_len > self.model.max_positions:
             raise ValueError(
                 f"seq_len={self.seq_len} exceeds the model's {self.model.max_positions} learned positions")

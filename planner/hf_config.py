@@ -1,12 +1,13 @@
 """Read a Hugging Face `config.json` into ModelSpec keyword arguments (`--hf-config PATH`).
 
-Owns the mapping from the transformers config keys of five decoder families to the planner's
+Owns the mapping from the transformers config keys of six decoder families to the planner's
 `ModelSpec` fields. Pure Python (json only): no transformers, no torch, no network.
 
 | model_type | layers | hidden | heads | kv heads | MLP width | notes |
 |---|---|---|---|---|---|---|
 | llama, mistral, qwen2, phi3 | num_hidden_layers | hidden_size | num_attention_heads | num_key_value_heads (default: heads) | intermediate_size | SwiGLU, RMSNorm, RoPE, untied unless tie_word_embeddings |
 | gpt2 | n_layer | n_embd | n_head | = heads | n_inner (null: 4 x n_embd) | GELU, LayerNorm, learned positions (n_positions), biases, tied |
+| gemma2 | num_hidden_layers | hidden_size | num_attention_heads | num_key_value_heads | intermediate_size | gated GELU, sandwich RMSNorms, RoPE, head_dim (may differ from hidden/heads), tied, soft-capped attention and logits; `Gemma2Config` defaults for absent keys |
 
 Biases: Qwen2 has q/k/v biases only (transformers `Qwen2Attention`); Llama's optional
 `attention_bias` + `mlp_bias` map to `linear_bias` only when both are true. Phi-3's fused qkv_proj and
@@ -21,8 +22,9 @@ unused by `Phi3Model`; Llama/Mistral/Qwen2 attention_dropout, default 0), `slidi
 default 4096; Phi-3; Qwen2 when use_sliding_window covers every layer) and `rotary_dim` (Phi-3's
 partial_rotary_factor). Without it the keys are the architecture only (what the catalog's entries hold).
 
-Known limitations: an explicit `head_dim` that differs from hidden_size / num_attention_heads, a
-non-gated activation in a Llama-family config, and Llama `attention_bias` without `mlp_bias` (or the
+Known limitations: an explicit `head_dim` that differs from hidden_size / num_attention_heads outside
+Gemma-2, a non-gated activation in a Llama-family config, Gemma-2 with attention biases or bidirectional
+attention, and Llama `attention_bias` without `mlp_bias` (or the
 reverse) are rejected, because ModelSpec cannot describe them exactly. With implementation=True also
 a GPT-2 activation_function other than gelu_new/gelu/gelu_pytorch_tanh and a Qwen2 sliding window on
 some layers only.
@@ -39,10 +41,13 @@ from .units import LIMITS, short_repr
 
 __all__ = ["read_hf_config", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi3", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gpt2", "llama", "mistral", "phi3", "qwen2")
 """The `model_type` values read_hf_config understands."""
 
 _GATED_ACTS = ("silu", "swish")
+_GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu")
+"""Gemma-2 `hidden_activation`: transformers' ACT2FN maps both to one `F.gelu` op (tanh or erf), which
+saves only its input, as SiLU does: the gated MLP saves what SwiGLU's does."""
 
 
 def _fail(msg: str) -> ValueError:
@@ -160,6 +165,8 @@ def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, 
             # GPT2Config inherits PretrainedConfig's tie_word_embeddings=True
             tie_embeddings=get_bool("tie_word_embeddings", True), linear_bias=True, qkv_bias=False,
         )
+    elif model_type == "gemma2":
+        out = _gemma2(cfg, p, get_int, get_bool)
     else:
         hidden = get_int("hidden_size")
         heads = get_int("num_attention_heads")
@@ -191,12 +198,48 @@ def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, 
         )
     if implementation:
         out.update(_implementation(cfg, model_type, out, p, get_int, get_bool))
-    if out["hidden"] % out["heads"]:
+    if out["hidden"] % out["heads"] and not out.get("head_dim_override"):
         raise _fail(f"'{p}': {out['heads']} heads do not divide hidden size {out['hidden']}")
     if out["heads"] % out["kv_heads"]:
         raise _fail(f"'{p}': {out['kv_heads']} key/value heads do not divide {out['heads']} heads")
     return {"name": f"hf:{path}", **out,
             "source": f"{p} (Hugging Face config.json, model_type {model_type})"}
+
+
+def _gemma2(cfg: dict, p: Path, get_int, get_bool) -> dict[str, Any]:
+    """Gemma-2 (transformers `Gemma2Config` defaults, configuration_gemma2.py): a gated GELU MLP, RMSNorm
+    with sandwich norms, RoPE, tied embeddings, an explicit head_dim, eager attention with logit
+    soft-capping (`Gemma2PreTrainedModel._supports_sdpa = False`), final logit soft-capping."""
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in _GEMMA_ACTS:
+        raise _fail(f"'{p}' key 'hidden_activation' is {short_repr(act)}; accepted for gemma2: "
+                    f"{', '.join(_GEMMA_ACTS)} (one GELU op in the gated MLP)")
+    if get_bool("attention_bias", False):
+        raise _fail(f"'{p}' has attention_bias=true; the planner supports gemma2 without attention biases")
+    if get_bool("use_bidirectional_attention", False):
+        raise _fail(f"'{p}' has use_bidirectional_attention=true; the planner supports causal attention only")
+    hidden, heads = get_int("hidden_size", 2304), get_int("num_attention_heads", 8)
+    head_dim = get_int("head_dim", 256)
+    if head_dim > LIMITS["hidden"][1]:
+        raise _fail(f"'{p}' key 'head_dim' is {short_repr(head_dim)}; accepted: {_bound_text('hidden')}")
+
+    def cap(key: str, default: float) -> float:
+        v = cfg.get(key, default)
+        if v is None:
+            return 0.0
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise _fail(f"'{p}' key '{key}' is {short_repr(v)}; accepted: a positive number or null")
+        return float(v)
+
+    return dict(
+        layers=get_int("num_hidden_layers", 26), hidden=hidden, heads=heads,
+        kv_heads=get_int("num_key_value_heads", 4), ffn_hidden=get_int("intermediate_size", 9216),
+        vocab=get_int("vocab_size", 256000), max_positions=get_int("max_position_embeddings", 8192),
+        mlp="swiglu", norm="rmsnorm", position="rope", tie_embeddings=get_bool("tie_word_embeddings", True),
+        linear_bias=False, qkv_bias=False, sandwich_norms=True,
+        head_dim_override=0 if head_dim * heads == hidden else head_dim,
+        attn_softcap=cap("attn_logit_softcapping", 50.0), final_softcap=cap("final_logit_softcapping", 30.0),
+    )
 
 
 _GPT2_ACTS = {"gelu_new": "gelu_new", "gelu": "", "gelu_pytorch_tanh": ""}
@@ -230,6 +273,10 @@ def _implementation(cfg: dict, model_type: str, arch: dict, p: Path, get_int, ge
                    resid_dropout=prob("resid_pdrop", 0.1), embed_dropout=prob("embd_pdrop", 0.1))
         return out
     out["attn_dropout"] = prob("attention_dropout", 0.0)
+    if model_type == "gemma2":
+        # eager attention computes every score whatever the window (the sliding layers only mask more):
+        # the window changes no saved tensor and no FLOP, so it is not carried
+        return out
     if model_type == "phi3":
         # Phi3DecoderLayer.resid_attn_dropout/resid_mlp_dropout; Phi3Model has no embedding dropout.
         out["resid_dropout"] = prob("resid_pdrop", 0.0)

@@ -131,7 +131,8 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     t = train.tp
     b, s, h, f, V = train.micro_batch, train.seq_len, m.hidden, m.ffn_hidden // t, -(-m.vocab // t)
     n = b * s
-    d = h // m.heads
+    d = m.head_dim
+    q = m.q_dim // t
     kv = m.kv_heads * d // t
     heads = m.heads // t
     n_res = sp_tokens(train, n)
@@ -146,7 +147,7 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     gemms = len(linears)
 
     # -- attention
-    attn_flops = 4.0 * b * s * s * h / t  # QK^T and AV (Narayanan et al. 2021, Eq. 3)
+    attn_flops = 4.0 * b * s * s * m.q_dim / t  # QK^T and AV (Narayanan et al. 2021, Eq. 3; h = heads x head_dim)
     if train.cp > 1:  # a context-parallel rank's s/cp queries against the whole sequence (cp.py)
         from .cp import attention_flops_factor
         attn_flops *= attention_flops_factor(train)
@@ -163,6 +164,9 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         # scores (c) -> + mask -> fp32 softmax -> downcast: ~ write c, r/w 4+4 (mask add), r 4 w 4, r 4 w c
         attn_mem_fwd = scores * (c + 8 + 8 + 4 + c)
         attn_kernels = 6
+        if m.attn_softcap:  # Gemma-2: / cap, tanh, * cap over the scores, each a read and a write
+            attn_mem_fwd += scores * 6 * c
+            attn_kernels += 3
 
     # -- memory-bound bytes of one block forward
     def norm_bytes(elems: int) -> float:
@@ -174,11 +178,13 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
 
     nh = n * h
     nh_res = n_res * h
-    mem = 2 * norm_bytes(nh_res)
+    # Gemma-2's sandwich norms: four per block; its RMSNorm multiplies by (1 + weight) in fp32 before the
+    # downcast, the same passes as Llama's in another order
+    mem = (4 if m.sandwich_norms else 2) * norm_bytes(nh_res)
     if m.position == "rope":
-        rot = n * (h // t + kv) * (m.rotary_dim / d if m.rotary_dim else 1.0)
+        rot = n * (q + kv) * (m.rotary_dim / d if m.rotary_dim else 1.0)
         mem += rot * (2 * c if compiled else 10 * c)  # neg, cat, 2 mul, add on q and k (rotate_half)
-    mem += nh // t * 2 * c  # attention output transpose(1, 2).contiguous()
+    mem += n * q * 2 * c  # attention output transpose(1, 2).contiguous()
     mem += 2 * nh_res * (2 * r + c)  # two residual adds: read residual and branch, write residual
     nf = n * f
     if m.mlp == "swiglu":
@@ -226,10 +232,13 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     up = 0 if c == 4 else c + 4  # logits.float() and its backward
     head_mem_fwd = norm_bytes(nh_res) + nh_res * (c + r) + logits * (up + 8)  # norm, embedding gather, cast + log_softmax
     head_mem_fwd += 6.0 * V * h if regime == "autocast" else 0.0  # the head weight's cast (as the blocks')
+    if m.final_softcap:  # Gemma-2: / cap, tanh, * cap over the logits (backward: the tanh's and two scalings)
+        head_mem_fwd += logits * 6 * c
     grad_b = train.prec.grad_bytes
     head_mem_bwd = (2 * norm_bytes(nh_res) + logits * (4 + 12 + up)  # nll grad fill, log_softmax bwd, cast bwd
                     + V * h * grad_b + nh_res * r                  # embedding grad: zero fill + index add
-                    + (6.0 * V * h if regime == "autocast" else 0.0))  # the head weight gradient's cast
+                    + (6.0 * V * h if regime == "autocast" else 0.0)  # the head weight gradient's cast
+                    + (logits * 8 * c if m.final_softcap else 0.0))
     head_kernels = 20
     head_fwd = head_gemm + head_mem_fwd / bw + head_kernels * k_over
     head_bwd = 2 * head_gemm + head_mem_bwd / bw + 2 * head_kernels * k_over

@@ -603,6 +603,14 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             snap("backward", activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
                  grads=grads_last if j == 0 else head_elems * gb - head_in_buf + (L - 1 - j) * lay.block * gb,
                  temporaries=tmp + wgrad_elems * gb + head_in_buf)
+        if m.tie_embeddings:
+            # The embedding's backward, the step's last: its dense (V x h) gradient is made while the tied
+            # head's half still waits in autograd's input buffer, and the two are summed there
+            # (`InputBuffer::accumulate`) before the parameter's one AccumulateGrad runs. Measured (CPU
+            # probe of a tied Gemma-2 with a 64k vocabulary, torch 2.13, and the trace on fake tensors):
+            # three V x h gradients alive at once beside every other parameter's, the peak of a
+            # large-vocabulary model (-13% without this instant).
+            snap("backward", activations=act.inputs, grads=(lay.total - emb) * gb, temporaries=3 * v * h * gb)
         # Tensor parallelism: the vocabulary-sharded embedding's gradient is the whole vocabulary on every
         # TP rank, a Replicate DTensor: DTensor's `embedding_dense_backward` strategies
         # (`tensor/_ops/_embedding_ops.py`) have no row-sharded output, so the replicated incoming
@@ -838,6 +846,15 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                     snap("backward", comm_buffers=ur + held_at_rs + rs_in + rs_out,
                          activations=below(j), grads=shards_after(j) - carry(j) + carry(j - 1 if not every else j),
                          temporaries=n_tok * h * r + split + last_g + tied_buf)
+            if m.tie_embeddings:
+                # The embedding's backward, before the root's post_backward: three V x h gradients in the
+                # unsharded dtype (its dense gradient, the tied head's half waiting in autograd's input
+                # buffer, their sum; the DDP walk above says where this was measured) next to the
+                # unsharded root and the last block's reduce-scatter input (`reduce_scatter_states`).
+                snap("backward", comm_buffers=ur + (rs_held if sharding else 0), activations=act.inputs,
+                     grads=carry(L - 1) if later and (every or not sharding)
+                     else (L * lay.shard_block * gsh_gpu if sharding else L * lay.block * gb) + unit_root,
+                     temporaries=3 * v * h * ud)
             if sharding:
                 # The root's post_backward, last: it reshards first (the root too: FSDP2 keeps it
                 # unsharded from forward to backward only, `_auto_reshard_after_forward`), then
@@ -848,9 +865,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 root_old = unit_root if every else 0  # the root's accumulated shard (sync every micro-step)
                 snap("backward", comm_buffers=rs_root, grads=L * lay.shard_block * gsh_gpu + root_old,
                      temporaries=lay.unshard_root * ud)
+                # As at the blocks' (`last_g`), the root's last parameter's unsharded gradient (an untied
+                # LM head's, V x h) is kept by the loop variable until `foreach_reduce` returns.
+                last_root_g = prod(unit_sizes(m)[0][-1]) * ud
                 snap("backward", comm_buffers=rs_root + lay.shard_root * rb,
                      grads=L * lay.shard_block * gsh_gpu + root_old,
-                     temporaries=rs_root if backend == "gloo" else 0)
+                     temporaries=(rs_root if backend == "gloo" else 0) + last_root_g)
         else:
             # (with accumulation, the new flat gradient is added in place to the kept one: a transient)
             if not ev:
@@ -921,6 +941,13 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                          grads=(0 if backend == "gloo" else out_shard) + shards_after(j)
                          + carry(L - 1 if every else j - 1),
                          activations=acts_before(j), temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
+            if m.tie_embeddings:
+                # The embedding's backward (as FSDP2's above): three V x h gradients in the unsharded dtype
+                # next to the unsharded root.
+                snap("backward", comm_buffers=ur, activations=act.inputs,
+                     grads=carry(L - 1) if later and (every or not sharding)
+                     else (L * lay.shard_block * gsh if sharding else L * lay.block * gb) + unit_root,
+                     temporaries=3 * v * h * ud)
             if sharding:
                 # The root at the end (its post-backward runs last): its view gradients and their
                 # concatenation (flat_param.grad) next to the unsharded flat parameter; then
@@ -931,8 +958,13 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 shards_done = L * lay.shard_block * gsh
                 root_old = unit_root if every else 0  # the root's `_saved_grad_shard` (synced every micro-step)
                 snap("backward", comm_buffers=ur + g_root, grads=shards_done + root_old, temporaries=g_root)
-                snap("backward", comm_buffers=lay.unshard_root * rb,
-                     grads=shards_done + lay.shard_root * rb + root_old, temporaries=g_root if prec.mixed else 0)
+                # On gloo, as at the blocks' reduce-scatter: the output shard is a buffer the collective
+                # writes, and it splits the input once more (measured: CPU probes of a 64k-vocabulary
+                # Gemma-2 under bf16-mixed, tied head and untied, the root being the largest unit).
+                gloo = backend == "gloo"
+                snap("backward", comm_buffers=lay.unshard_root * rb + (lay.shard_root * rb if gloo else 0),
+                     grads=shards_done + (0 if gloo else lay.shard_root * rb) + root_old,
+                     temporaries=(g_root if prec.mixed else 0) + (lay.unshard_root * rb if gloo else 0))
             else:
                 # The root at the end: its view gradients, their concatenation, then the cast.
                 root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if prec.mixed else 0)
@@ -1002,9 +1034,21 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         mlp = (n * f * e, resid + 3 * n * f * e, h * f)
     else:
         mlp = (n * f * e, resid + 2 * n * f * e, h * f)
-    if train.attention == "eager" or sdpa_math(train, regime, device):
+    if m.hf_model_type == "gemma2":
+        # Gemma-2's eager attention backward, at the softmax's: the score gradient in q's dtype and the fp32
+        # one (`softmax(..., dtype=torch.float32)`), the MLP, its two norms, the post-attention norm and
+        # o_proj's input already freed by then (their backward ran first)
+        from .activations import _gemma_norm_body, _mlp_saved, _norm_saved
+        probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2
+        body, const = _gemma_norm_body(h)
+        freed = (_mlp_saved(train, regime, n) + _norm_saved(train, regime, n, 2, device)
+                 + 2 * (sp_tokens(train, n) * body + const) + n * (m.q_dim // t) * e)
+        att = (freed, resid + probs * (4 + e), h * f * 3 + h * m.q_dim // t)
+        if att[1] - att[0] > mlp[1] - mlp[0]:
+            return att
+    elif train.attention == "eager" or sdpa_math(train, regime, device):
         probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2 * e
-        att = (0, resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * h // t)
+        att = (0, resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * m.q_dim // t)
         if att[1] > mlp[1]:
             return att
     if train.cp > 1:
@@ -1013,7 +1057,7 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         from .activations import _mlp_saved
         from .cp import ring_backward_bytes
         ring = ring_backward_bytes(train, regime)
-        att = (_mlp_saved(train, regime, n), resid + n * (h // t) * e + ring, h * h // t)
+        att = (_mlp_saved(train, regime, n), resid + n * (m.q_dim // t) * e + ring, h * m.q_dim // t)
         if att[1] - att[0] > mlp[1] - mlp[0]:  # what each instant adds to the saved activations
             return att
     return mlp

@@ -43,7 +43,7 @@ def state_without_hash(self) -> dict:
 
 MLP = Literal["swiglu", "gelu"]
 NORM = Literal["rmsnorm", "layernorm"]
-HF_MODEL_TYPES = ("", "gpt2", "llama", "mistral", "phi3", "qwen2")
+HF_MODEL_TYPES = ("", "gemma2", "gpt2", "llama", "mistral", "phi3", "qwen2")
 """`hf_model_type` values: "" is the reference decoder (`distplan.validate.model.Decoder`)."""
 ACTIVATIONS = ("", "gelu_new")
 """`activation` values: "" the MLP's one native op (SiLU, or GELU: erf or tanh, `F.gelu` saves only its
@@ -62,7 +62,7 @@ class ModelSpec:
     hidden: int
     """Model width (h)."""
     heads: int
-    """Query heads (a); head dim is hidden // heads."""
+    """Query heads (a); head dim is hidden // heads unless `head_dim_override` says otherwise."""
     kv_heads: int
     """Key/value heads (GQA when < heads, MHA when == heads)."""
     ffn_hidden: int
@@ -101,13 +101,26 @@ class ModelSpec:
     transformers materializes the attention mask."""
     rotary_dim: int = 0
     """Rotated dimensions per head, 0 for all of head_dim (Phi-3's partial_rotary_factor < 1)."""
+    head_dim_override: int = 0
+    """Width of one attention head when it is not hidden // heads (Gemma-2's `head_dim`: 256 for the 9B
+    at hidden 3584 and 16 heads); 0: hidden // heads. q and o then project to and from heads x head_dim."""
+    attn_softcap: float = 0.0
+    """Gemma-2's `attn_logit_softcapping`: scores = cap * tanh(scores / cap) before the softmax (eager
+    attention only: transformers' Gemma2 has no SDPA path); 0 for none."""
+    final_softcap: float = 0.0
+    """Gemma-2's `final_logit_softcapping`: logits = cap * tanh(logits / cap) before the loss; 0 for none."""
+    sandwich_norms: bool = False
+    """Four norms per block (Gemma-2's `Gemma2DecoderLayer`): input_layernorm, post_attention_layernorm on
+    the attention's output before the residual add, pre_feedforward_layernorm, post_feedforward_layernorm
+    on the MLP's output; each `Gemma2RMSNorm` multiplies by (1 + weight) in fp32 before casting back
+    (`modeling_gemma2.py`)."""
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_positions"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field}={value!r}: must be a positive integer")
-        if self.hidden % self.heads:
+        if self.hidden % self.heads and not self.head_dim_override:
             raise ValueError(
                 f"heads={self.heads} does not divide hidden={self.hidden}: "
                 f"choose heads so that hidden/heads is a whole head dimension")
@@ -133,20 +146,30 @@ class ModelSpec:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"{field}={value!r}: must be a probability in [0, 1)")
-        for field in ("sliding_window", "rotary_dim"):
+        for field in ("sliding_window", "rotary_dim", "head_dim_override"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field}={value!r}: must be a non-negative integer (0: none)")
-        if self.rotary_dim > self.hidden // self.heads or self.rotary_dim % 2:
+        for field in ("attn_softcap", "final_softcap"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{field}={value!r}: must be a non-negative number (0: none)")
+        if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim={self.rotary_dim}: must be even and at most head_dim "
-                             f"{self.hidden // self.heads}")
+                             f"{self.head_dim}")
 
     __hash__ = cached_hash  # keys the planner's caches
     __getstate__ = state_without_hash
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim_override or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of q and of o_proj's input: heads x head_dim (hidden unless `head_dim_override`)."""
+        return self.heads * self.head_dim
+
 
     @property
     def kv_dim(self) -> int:
@@ -205,12 +228,15 @@ class ModelSpec:
             return out
 
         qkvb = self.linear_bias or self.qkv_bias
+        q = self.q_dim
         p = "layers.0"
         params = norm(f"{p}.attn_norm")
-        params += linear(f"{p}.attn.wq", h, h, qkvb)
+        params += linear(f"{p}.attn.wq", q, h, qkvb)
         params += linear(f"{p}.attn.wk", kv, h, qkvb)
         params += linear(f"{p}.attn.wv", kv, h, qkvb)
-        params += linear(f"{p}.attn.wo", h, h, self.linear_bias)
+        params += linear(f"{p}.attn.wo", h, q, self.linear_bias)
+        if self.sandwich_norms:
+            params += norm(f"{p}.post_attn_norm")
         params += norm(f"{p}.mlp_norm")
         if self.mlp == "swiglu":
             params += linear(f"{p}.mlp.w_gate", f, h, self.linear_bias)
@@ -219,6 +245,8 @@ class ModelSpec:
         else:
             params += linear(f"{p}.mlp.fc", f, h, self.linear_bias)
             params += linear(f"{p}.mlp.proj", h, f, self.linear_bias)
+        if self.sandwich_norms:
+            params += norm(f"{p}.post_mlp_norm")
 
         head = norm("norm")
         if not self.tie_embeddings:
@@ -252,12 +280,13 @@ class ModelSpec:
         h, f, v, kv = self.hidden, self.ffn_hidden, self.vocab, self.kv_dim
         n_norm = h * (2 if self.norm == "layernorm" else 1)
         qkvb = self.linear_bias or self.qkv_bias
-        attn = h * h + 2 * kv * h + h * h + (h + 2 * kv if qkvb else 0) + (h if self.linear_bias else 0)
+        q = self.q_dim
+        attn = q * h + 2 * kv * h + h * q + (q + 2 * kv if qkvb else 0) + (h if self.linear_bias else 0)
         if self.mlp == "swiglu":
             mlp = 3 * h * f + ((2 * f + h) if self.linear_bias else 0)
         else:
             mlp = 2 * h * f + ((f + h) if self.linear_bias else 0)
-        block = 2 * n_norm + attn + mlp
+        block = (4 if self.sandwich_norms else 2) * n_norm + attn + mlp
         embed = v * h + (self.max_positions * h if self.position == "learned" else 0)
         head = n_norm + (0 if self.tie_embeddings else v * h)
         return embed + self.layers * block + head

@@ -157,7 +157,8 @@ class ModuleDesc:
 
         segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]), backward(s),
                       int(s["forward_bytes"]), int(s["activation_bytes"]) - int(s.get("unit_bytes", 0)),
-                      int(s.get("backward_end", s["input_bytes"])), int(s.get("grads_made", -1)))
+                      int(s.get("backward_end", s["input_bytes"])), int(s.get("grads_made", -1)),
+                      tuple((int(i), int(b)) for i, b in s.get("shared_inputs", ())))
                      for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
@@ -176,8 +177,9 @@ class ModuleDesc:
         def bwd(b):
             return int(b[0] * k), b[1], int(b[2] * k)
 
-        segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k), int(o * k), int(e * k), g)
-                     for u, a, i, b, f, o, e, g in self.segments)
+        segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k), int(o * k), int(e * k), g,
+                      tuple((j, int(n * k)) for j, n in sh))
+                     for u, a, i, b, f, o, e, g, sh in self.segments)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
                        forward_flops=int(self.forward_flops * k), batch=batch,
@@ -275,6 +277,17 @@ def _shard_group(st: Strategy, cluster: Cluster) -> tuple[int, int]:
     return world, shard
 
 
+def _autocast_cast_bytes(desc: ModuleDesc) -> dict:
+    """Per unit, the bytes of autocast's 16-bit casts of its matmul and convolution weights (the
+    parameters of two or more dimensions) and of their modules' biases: what `torch.autocast` caches
+    for the region (`at::autocast::cached_cast`: leaf tensors that require grad)."""
+    out = {}
+    for u, params in desc.units:
+        mats = {n.rsplit(".", 1)[0] for n, s in params if len(s) >= 2}
+        out[u] = 2 * sum(prod(s) for n, s in params if len(s) >= 2 or (n.endswith(".bias") and n.rsplit(".", 1)[0] in mats))
+    return out
+
+
 def _unit_sizes(desc: ModuleDesc, family: str, shard: int, sharding: bool) -> dict:
     """{unit: (shard elems, unsharded elems)} per FSDP family (memory.layout's rules, per unit)."""
     out = {}
@@ -363,8 +376,18 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         # Each checkpointed unit (every one for full, every K-th from the first for every-K: transformers'
         # `every_n_layers`) keeps its input; what the root's own ops after it saved (a decoder's final
         # norm, LM head and loss) stays; the unit's own saved tensors are recomputed in its backward.
-        # A segment without a unit (the root's first ops: embedding) is not checkpointed.
-        acts = [s[2] + s[5] if c else s[1] for s, c in zip(segs, ckpt)]
+        # A segment without a unit (the root's first ops: embedding) is not checkpointed. Its other tensor
+        # inputs (a decoder layer's masks, RoPE tables, position ids: shared by the units) stay alive with
+        # it, each counted once, at the first checkpointed unit given it.
+        kept: set = set()
+        acts = []
+        for s, c in zip(segs, ckpt):
+            if not c:
+                acts.append(s[1])
+                continue
+            shared = s[8] if len(s) > 8 else ()
+            acts.append(s[2] + s[5] + sum(b for i, b in shared if i not in kept))
+            kept.update(i for i, _ in shared)
     elif train.checkpointing in ("selective", "selective-op"):
         notes.append(f"{train.checkpointing} checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
@@ -434,7 +457,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     # Segment k's forward at its measured peak: the earlier segments' saved tensors plus what its own
     # forward holds (saved so far, its input, intermediates: a block's two branches before their sum);
     # the probes' tracker counts all of it as activations. Checkpointed: its input and its output.
-    fwd_act = [sum(acts[:k + 1]) if c else sum(acts[:k]) + s[4] for k, (s, c) in enumerate(zip(segs, ckpt))]
+    # Checkpointed, the transient its forward holds beyond what it saves and its input (the root's ops
+    # after a decoder's last block: logits and their fp32 copy at the loss) is there too; and under
+    # autocast the 16-bit casts of every checkpointed unit's weights so far stay in autocast's cache until
+    # the forward ends (`autocast_mode.cpp` cached_casts), though the unit saves none of them.
+    casts = _autocast_cast_bytes(desc) if every and _regime(train.precision, family).startswith("autocast") else {}
+    cached = [sum(casts.get(x[0], 0) for x, c in zip(segs[:k + 1], ckpt) if c) for k in range(len(segs))]
+    fwd_act = [sum(acts[:k + 1]) + max(0, s[4] - s[1] - s[2]) + cached[k] if c else sum(acts[:k]) + s[4] + cached[k]
+               for k, (s, c) in enumerate(zip(segs, ckpt))]
     fwd_tmp = [inputs[k + 1] if c else 0 for k, c in enumerate(ckpt)]
     loss_fwd = [] if every else [sum(acts) + s[4] for s in desc.segments if s[0] == "loss"]
 
@@ -516,11 +546,18 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         def snap(phase, workspace=0, grads=0, **parts):  # noqa: F811
             plain(phase, workspace, grads=grads + (carry_now[0] if phase != "optimizer" else 0), **parts)
         held: list = []  # units unsharded and kept to backward (no reshard)
+        # NO_SHARD under mixed precision frees each unit's 16-bit copy when it "reshards" after its forward
+        # (`FlatParamHandle.post_reshard` -> `_free_low_precision_sharded_param`) and casts it again for
+        # its backward: one unit's copy at a time, as memory.estimate_memory's `held`
+        one_copy = not sharding and prec.mixed
         copied: set = set()  # FSDP2 units past their pre-forward copy-out
         for k, (u, *_) in enumerate(segs):
             cur = unsh.get(u, 0) if u != "root" else 0
             if u in sizes and u != "root" and not reshard and u not in held:
-                held.append(u)
+                if one_copy:
+                    held[:] = [u]
+                else:
+                    held.append(u)
             nxt = next((x for x in order[order.index(u) + 1:]), None) if u in order else None
             pre = unsh.get(nxt, 0) if reshard and nxt else 0
             kept = sum(unsh[x] for x in held)
@@ -562,6 +599,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             u = segs[k][0]
             first = u not in reached
             reached.add(u)
+            if one_copy and u in sizes and u != "root":
+                held[:] = [u]  # its 16-bit copy made again for its backward, the previous one freed
             in_use = unsh.get(u, 0) if u != "root" else 0
             prev = next((x for x in reversed(order[:order.index(u)])), None) if u in order else None
             pre = unsh.get(prev, 0) if reshard and prev else 0
@@ -641,8 +680,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     out = sizes[u][0] * red if sharding else 0
                     if not every_sync:  # the accumulated flat gradient is the reduction's input
                         carry_now[0] = carried(done + [u])
-                    snap("backward", **base, comm_buffers=unsharded - root + rs, activations=sum(acts[:k]),
-                         grads=grads + out, temporaries=ends[k] + (g_unit if prec.mixed else 0))
+                    # on gloo the output shard is a buffer the collective writes and the input is split once
+                    # more (memory.estimate_memory's root reduce-scatter; measured on gloo, 2 ranks)
+                    gloo = backend == "gloo" and sharding
+                    # (the tied head's gradient, in `ends` at the embedding's last op, is summed into the
+                    # flat gradient by now)
+                    snap("backward", **base, comm_buffers=unsharded - root + rs + (out if gloo else 0),
+                         activations=sum(acts[:k]), grads=grads + (0 if gloo else out),
+                         temporaries=(g_unit if prec.mixed else 0) + (rs if gloo else 0))
                 elif fsdp1:
                     # The view gradients are concatenated into flat_param.grad (both alive), which is
                     # the reduce-scatter (NO_SHARD: all-reduce) input unless mixed precision casts it
@@ -675,11 +720,15 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     # into the reduce-scatter input and freed only then (`unsharded_grads.clear()`);
                     # next the output (one shard of the input) is allocated and the collective runs,
                     # gloo's reduce-scatter copying its input once more.
+                    end = 0 if u == "root" else ends[k]  # a tied head's gradient is summed in by then
                     snap("backward", **base, comm_buffers=unsharded + rs, activations=sum(acts[:k]),
-                         grads=grads + rg, temporaries=ends[k] + g_unit)
+                         grads=grads + rg, temporaries=end + g_unit)
                     split = rs if backend == "gloo" else 0
+                    # the last parameter's unsharded gradient stays, held by `foreach_reduce`'s loop
+                    # variable until it returns (an untied LM head's, V x h, at the root)
+                    last_g = prod(desc.unit_shapes(u)[-1]) * udt if u in sizes else 0
                     snap("backward", **base, comm_buffers=unsharded + rs + sizes[u][0] * red,
-                         activations=sum(acts[:k]), grads=grads + rg, temporaries=ends[k] + split)
+                         activations=sum(acts[:k]), grads=grads + rg, temporaries=end + split + last_g)
                     rs_held = rs
         grads_end = shard_params * sg if sharding else total * gb
         snap("optimizer", **base, grads=grads_end, temporaries=opt_tmp)
@@ -1050,16 +1099,20 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
 
     from distplan.catalog.loader import load_catalog
     gpu = load_catalog(tuple(kw.get("catalog_dirs") or ())).gpu(cluster.gpu_name)
+    twin, why = analytic_twins(kw, cluster) if hf else (None, None)
     results = []
     for n in names:
         st = get_strategy(n)
         d = descs[_regime(precision, st.family)]
         mem = estimate_module_memory(d, train, cluster, st, workspaces=workspaces)
         colls = module_collectives(d, train, cluster, n)
-        results.append(StrategyResult(st, mem, colls, module_time(d, train, cluster, colls, gpu)))
-    twin = None
+        timed = twin_time(twin, n, desc.batch, cluster) if twin is not None else None
+        results.append(StrategyResult(st, mem, colls, timed or module_time(d, train, cluster, colls, gpu)))
+    if twin is not None:
+        notes.append("step time: the analytic front end's per-kernel model of the same run (GEMMs by shape, "
+                     "attention by kernel, memory-bound ops by bytes, communication overlap), as --front-end "
+                     "analytic prints it")
     if hf:
-        twin, why = analytic_twins(kw, cluster)
         if twin is not None:
             unpaired = [r.name for r in results if not pair_reserved(r.memory, twin(r.name, desc.batch))]
             why = (f"{', '.join(unpaired)}: the analytic front end's allocated peak differs from the trace's by "
@@ -1105,7 +1158,8 @@ def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: st
                        optimizer_impl=kw.get("optimizer_impl") or "foreach",
                        # the trace plans selective (and selective-op) as none
                        checkpointing=ckpt if checkpoint_every(ckpt) else "none",
-                       alloc_conf=kw.get("alloc_conf") or "")
+                       alloc_conf=kw.get("alloc_conf") or "",
+                       compile=bool(kw.get("compile") or kw.get("compile_")))
     cache: dict = {}
 
     def twin(strategy: str, batch: int):
@@ -1119,6 +1173,17 @@ def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: st
         return cache[key]
     twin.train = base
     return twin, None
+
+
+def twin_time(twin, strategy: str, batch: int, cluster: Cluster) -> ModuleTime | None:
+    """The step time of the analytic twin's run (`compute.step_time`: the per-kernel model, one time model
+    for both front ends) as a ModuleTime; None where that model does not take the run."""
+    from .compute import step_time
+    try:
+        t = step_time(replace(twin.train, micro_batch=batch), cluster, strategy)
+    except (ValueError, KeyError):
+        return None
+    return ModuleTime(t.compute_s, t.comm_s, t.exposed_comm_s, t.step_time_s, t.tokens_per_s, t.mfu)
 
 
 def kernel_device_gap(train) -> int:

@@ -1,7 +1,7 @@
 """The analytic front end (the decoder formulas that `--model`, `--params` and `--hf-config --front-end
 analytic` use) against what CPU probes measured on the transformers models themselves: every committed
-`benchmarks/results/cpu-*-hf*.jsonl` record of a model type it reads (llama, mistral, qwen2, phi3, gpt2;
-not gemma2, which only the trace front end plans), re-predicted from the record's config.
+`benchmarks/results/cpu-*-hf*.jsonl` record of a model type it reads (llama, mistral, qwen2, phi3, gpt2,
+gemma2), re-predicted from the record's config.
 
 The probes ran the Hugging Face modules, not the reference decoder the formulas were derived from, so
 this is the check that the formulas hold for the model a user trains. No tracing: fast tier.
@@ -19,7 +19,7 @@ from distplan.planner.hf_config import read_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "cpu-*-hf*.jsonl")))
-ANALYTIC_TYPES = {"llama", "mistral", "qwen2", "phi3", "gpt2"}
+ANALYTIC_TYPES = {"llama", "mistral", "qwen2", "phi3", "gpt2", "gemma2"}
 
 
 def _records():

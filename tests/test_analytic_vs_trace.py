@@ -32,7 +32,7 @@ from distplan.planner.model import ModelSpec  # noqa: E402
 from distplan.validate.module_probe import profile_hf  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
-MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gpt2")
+MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gpt2", "gemma2")
 DTYPES = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "lowp"), "autocast-bfloat16": ("bf16-mixed", "autocast")}
 # The second point (the same 128 tokens as one sequence) traces the 15 models and regimes again: slow
 # tier; the fast tier keeps the first, which takes every code path of the formulas and the trace.
@@ -77,6 +77,12 @@ VARIANTS = {
     # Qwen2 with a sliding window on every layer and attention dropout
     "qwen2-window-dropout": ("qwen2", dict(use_sliding_window=True, max_window_layers=0, sliding_window=64,
                                            attention_dropout=0.1), "float32"),
+    # Gemma-2 without soft-capping, MHA (repeat_kv returns k itself), head_dim = hidden / heads, attention
+    # dropout on the cast probabilities
+    "gemma2-mha-nocap-dropout": ("gemma2", dict(num_key_value_heads=4, head_dim=64, attn_logit_softcapping=None,
+                                                final_logit_softcapping=None, attention_dropout=0.1), "bfloat16"),
+    # Gemma-2 with a head wider than hidden / heads (as gemma-2-9b: 16 x 256 > 3584) in fp32
+    "gemma2-wide-heads": ("gemma2", dict(head_dim=96, query_pre_attn_scalar=96), "float32"),
 }
 
 

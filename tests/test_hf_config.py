@@ -169,3 +169,36 @@ def test_invalid_values(tmp_path):
     cfg["num_key_value_heads"] = 5
     with pytest.raises(ValueError, match="do not divide"):
         read_hf_config(_write(tmp_path, cfg))
+
+
+def test_gemma2_published_config():
+    """google/gemma-2-9b's config.json: head_dim 256 over 16 heads at hidden 3584 (q is 4096 wide), sandwich
+    norms, tied head, soft-capping; 9,241,705,984 parameters as transformers' Gemma2ForCausalLM counts them
+    (`sum(p.numel())`, built on the meta device)."""
+    model = pytest.importorskip("distplan.planner.model")
+    kw = read_hf_config(DATA / "gemma-2-9b.json")
+    spec = model.ModelSpec(**kw)
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.q_dim) == (42, 3584, 16, 8, 256, 4096)
+    assert spec.sandwich_norms and spec.tie_embeddings and spec.mlp == "swiglu"
+    assert (spec.attn_softcap, spec.final_softcap) == (50.0, 30.0)
+    assert spec.param_count() == 9_241_705_984
+    impl = model.ModelSpec(**read_hf_config(DATA / "gemma-2-9b.json", implementation=True))
+    assert impl.hf_model_type == "gemma2" and impl.param_count() == spec.param_count()
+
+
+def test_gemma2_defaults_and_refusals(tmp_path):
+    """Absent keys take `Gemma2Config`'s defaults (gemma-2-2b's shape); what ModelSpec cannot describe is
+    refused in one line naming the key."""
+    model = pytest.importorskip("distplan.planner.model")
+    spec = model.ModelSpec(**read_hf_config(_write(tmp_path, {"model_type": "gemma2"})))
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.vocab) == (26, 2304, 8, 4, 256, 256000)
+    assert spec.param_count() == 2_614_341_888  # transformers' Gemma2ForCausalLM with the defaults
+    nocap = read_hf_config(_write(tmp_path, {"model_type": "gemma2", "attn_logit_softcapping": None,
+                                             "final_logit_softcapping": None}))
+    assert (nocap["attn_softcap"], nocap["final_softcap"]) == (0.0, 0.0)
+    for bad, key in (({"hidden_activation": "relu"}, "hidden_activation"), ({"attention_bias": True}, "attention_bias"),
+                     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+                     ({"final_logit_softcapping": -1}, "final_logit_softcapping"), ({"head_dim": 0}, "head_dim")):
+        with pytest.raises(ValueError) as e:
+            read_hf_config(_write(tmp_path, {"model_type": "gemma2", **bad}))
+        assert key in _one_line(e)

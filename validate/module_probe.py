@@ -576,10 +576,25 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
         bwd = _SegmentTracker(torch)
         bwd.forward_segment = lambda: len(segments) - 1
 
+        shared_ids: dict = {}
+
         def pre_hook(name):
-            def hook(_mod, args):
+            def hook(_mod, args, kwargs):
                 inp = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-                segments.append({"unit": name, "activation_bytes": 0, "input_bytes": int(inp)})
+                # The unit's other tensor inputs (a decoder layer's attention mask, RoPE cos/sin and
+                # position ids, passed by keyword): shared by the units, and what a checkpointed unit's
+                # recompute closure keeps alive (`torch.utils.checkpoint`, non-reentrant) until its backward.
+                first = {_storage_key(a) for a in args[:1] if isinstance(a, torch.Tensor)}
+                shared = []
+                for t in tree_leaves((args[1:], kwargs)):
+                    if isinstance(t, torch.Tensor):
+                        k = _storage_key(t)
+                        if k not in not_activations and k not in first:
+                            idx = shared_ids.setdefault(k, len(shared_ids))
+                            if all(i != idx for i, _ in shared):
+                                shared.append([idx, int(_storage_nbytes(t))])
+                segments.append({"unit": name, "activation_bytes": 0, "input_bytes": int(inp),
+                                 "shared_inputs": shared})
                 bwd.mark_input(args, len(segments) - 1)
             return hook
 
@@ -590,7 +605,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
             segments[-1]["unit_bytes"] = segments[-1]["activation_bytes"]
 
         seg_modules = work.segment_modules(model)
-        handles = [m.register_forward_pre_hook(pre_hook(name)) for name, m in seg_modules]
+        handles = [m.register_forward_pre_hook(pre_hook(name), with_kwargs=True) for name, m in seg_modules]
         handles += [m.register_forward_hook(post_hook) for _, m in seg_modules]
 
         # The input batch is not an activation: it exists before the forward and after it (the probes'
