@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -191,3 +192,15 @@ def test_every_command_is_in_the_readme():
     readme = open("README.md", encoding="utf-8").read()
     for name in main.commands:
         assert f"distplan {name}" in readme, name
+
+
+def test_gemma2_analytic_front_end_limits():
+    """Gemma-2 plans with the formulas, but neither under tensor parallelism (the plan is torchtitan's Llama)
+    nor as a reference-decoder probe (which has no sandwich norms or soft-capping): one line each, exit 2."""
+    cfg = str(Path(__file__).parent / "data" / "hf" / "gemma-2-9b.json")
+    r = CliRunner().invoke(main, ["estimate", "--hf-config", cfg, "--front-end", "analytic", "--gpus", "16"])
+    assert r.exit_code == 0 and "attention eager" in r.output and "soft-cap" in r.output, r.output[-600:]
+    r = CliRunner().invoke(main, ["estimate", "--hf-config", cfg, "--front-end", "analytic", "--gpus", "16", "--tp", "2"])
+    assert r.exit_code == 2 and "tp=2 with a Gemma-2 model" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["validate", "--hf-config", cfg, "--front-end", "analytic", "--strategy", "zero3"])
+    assert r.exit_code == 2 and "reference decoder" in r.output and "--front-end trace" in r.output
