@@ -170,7 +170,6 @@ class ModelSpec:
         """Width of q and of o_proj's input: heads x head_dim (hidden unless `head_dim_override`)."""
         return self.heads * self.head_dim
 
-
     @property
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim

@@ -49,9 +49,10 @@ allocated); a deep transformers model is traced at a few layers and its middle l
   an arbitrary module: treated as `none`, with a note.
 
 Collectives follow `comm.py`'s schedules with the units' real sizes, plus DDP's broadcast of the
-module's buffers (BatchNorm statistics) once per step; the step time is FLOPs (forward x 3,
-x 4 with full checkpointing) over the GPU's achievable FLOP/s plus the communication that backward or
-forward compute cannot hide. For `--module` a "token" in `tokens_per_s` is one sample (one row of
+module's buffers (BatchNorm statistics) once per step. The step time of a Hugging Face model the analytic
+front end reads is the analytic twin's (`compute.step_time`, the per-kernel model: one time model for both
+front ends); otherwise FLOPs (forward x 3, x 4 with full checkpointing) over the GPU's achievable FLOP/s
+plus the communication that backward or forward compute cannot hide. For `--module` a "token" in `tokens_per_s` is one sample (one row of
 the batch dimension).
 
 Known limitations: activations and outputs scale linearly with the batch (used for the largest batch
@@ -94,9 +95,10 @@ class ModuleDesc:
     units: tuple
     """((unit, ((param name, shape), ...)), ...) in registration order; 'root' = the root's own."""
     segments: tuple
-    """((unit, saved activation bytes, input bytes, backward, forward, outside, end, grads made), ...) in
-    forward order, 'loss' last. grads made: the bytes of parameter gradients its backward made (-1: not
-    measured). outside: the saved bytes of the root's ops that ran after the unit's own call;
+    """((unit, saved activation bytes, input bytes, backward, forward, outside, end, grads made, shared
+    inputs), ...) in forward order, 'loss' last. grads made: the bytes of parameter gradients its backward
+    made (-1: not measured). shared inputs: ((id, bytes), ...) of the unit's other tensor inputs (a
+    decoder layer's masks, RoPE tables, position ids), the same id where units share a tensor. outside: the saved bytes of the root's ops that ran after the unit's own call;
     end: the transient bytes alive at the segment's last backward op (the input's gradient, and what
     waits in autograd's buffers: a tied head's gradient).
     forward: the highest bytes alive during the segment's forward of what the forward created, less the
