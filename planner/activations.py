@@ -68,6 +68,10 @@ the real model, `validate.module_probe.profile_hf`, byte for byte on CPU):
   q's dtype (16-bit regimes) and o_proj's input copy; the head keeps the final soft-cap's `tanh` output
   (n x V) and the embedding's 0-dim scale when the weight is 16-bit. Checkpointed layers keep the
   additive masks they are given (one (B, 1, S, S) mask per layer type).
+- Qwen3 (`modeling_qwen3.py`; `ModelSpec.qk_norm`): Qwen2's layer without q/k/v biases, plus a
+  `Qwen3RMSNorm(head_dim)` on q and on k before RoPE, each keeping its fp32 input (the projection's output
+  itself in fp32, a new copy otherwise), the normalized x*rstd as the weight's mul saves it (fp32, or
+  its 16-bit cast) and rsqrt's output per head and token (`_qk_norm_saved`).
 Not followed for transformers' models: `attention="eager"` outside Gemma-2 (the reference decoder's
 eager terms are used), op-level selective checkpointing (its saved set is the reference decoder's), the philox state
 CUDA's flash kernel keeps with dropout (16 bytes), and the bool mask a full-checkpointed layer keeps as
@@ -223,6 +227,20 @@ def _gemma_norm_body(h: int) -> tuple[int, int]:
     in fp32 (saved by the `* (1 + weight.float())` mul, which runs in fp32 in every regime, where Llama's
     norm multiplies the downcast), and that (1 + weight) vector: 4h bytes per norm, not per token."""
     return 8 * h + 4, 4 * h
+
+
+def _qk_norm_saved(train: TrainConfig, regime: str, n: int) -> int:
+    """Qwen3's per-head RMSNorms on q and k (`Qwen3Attention.q_norm`/`k_norm`, a `Qwen3RMSNorm(head_dim)`
+    over the (B, S, heads, head_dim) projection outputs, `modeling_qwen3.py`): per element, `x.to(float32)`
+    (saved by pow and mul: the projection's output itself in fp32, a new fp32 copy of the 16-bit output
+    in lowp and under autocast, whose Linears return 16 bits) and the normalized x*rstd as `weight *`
+    saves it (fp32: 4 bytes; else its cast back to the 16-bit input dtype: 2); per head and token,
+    rsqrt's fp32 output. What reads their outputs (RoPE, SDPA) saves what it saves in Llama."""
+    if not train.model.qk_norm:
+        return 0
+    q, a, kv = attention_widths(train)
+    kv_heads = train.model.kv_heads // train.tp
+    return n * ((q + kv) * (8 if regime == "fp32" else 6) + 4 * (a + kv_heads))
 
 
 def _dropout_elem(device: str, elem: int) -> int:
@@ -438,7 +456,8 @@ def block_saved(train: TrainConfig, regime: str, device: str = "cuda") -> int:
         post = 2 * (sp_tokens(train, n) * body + const)
     return (_norm_saved(train, regime, n, attn_consumers, device) + _attention_saved(train, regime, n, device)
             + _norm_saved(train, regime, n, mlp_consumers, device) + _mlp_saved(train, regime, n)
-            + _resid_dropout_saved(train, regime, n, device) + rope_per_block + post)
+            + _resid_dropout_saved(train, regime, n, device) + _qk_norm_saved(train, regime, n)
+            + rope_per_block + post)
 
 
 def block_linears(model, tp: int = 1) -> list[tuple[int, int, bool]]:

@@ -47,7 +47,7 @@ def model_options(fn):
         click.option("--model", "model", metavar="NAME", help="A catalog model (distplan catalog list models)."),
         click.option("--params", metavar="COUNT", help="Parameter count: 7B, 125M, 1.3e9, 350_000_000. "
                      "Assumes a Llama-style decoder scaled from the nearest catalog model."),
-        click.option("--hf-config", metavar="PATH", help="A Hugging Face config.json (llama, mistral, qwen2, gpt2, phi3)."),
+        click.option("--hf-config", metavar="PATH", help="A Hugging Face config.json: any causal LM with the trace front end; the analytic one reads llama, mistral, qwen2, qwen3, phi3, gpt2, gemma2."),
         click.option("--front-end", "front_end", type=click.Choice(FRONT_ENDS), default="auto", show_default=True,
                      help="How --hf-config is planned: 'trace' runs the transformers model on fake tensors "
                           "(needs torch and transformers: pip install 'distplan[hf]'), 'analytic' uses the "

@@ -1,12 +1,13 @@
 """Read a Hugging Face `config.json` into ModelSpec keyword arguments (`--hf-config PATH`).
 
-Owns the mapping from the transformers config keys of six decoder families to the planner's
+Owns the mapping from the transformers config keys of seven decoder families to the planner's
 `ModelSpec` fields. Pure Python (json only): no transformers, no torch, no network.
 
 | model_type | layers | hidden | heads | kv heads | MLP width | notes |
 |---|---|---|---|---|---|---|
 | llama, mistral, qwen2, phi3 | num_hidden_layers | hidden_size | num_attention_heads | num_key_value_heads (default: heads) | intermediate_size | SwiGLU, RMSNorm, RoPE, untied unless tie_word_embeddings |
 | gpt2 | n_layer | n_embd | n_head | = heads | n_inner (null: 4 x n_embd) | GELU, LayerNorm, learned positions (n_positions), biases, tied |
+| qwen3 | num_hidden_layers | hidden_size | num_attention_heads | num_key_value_heads | intermediate_size | Qwen2 without q/k/v biases, RMSNorm over head_dim on q and k, head_dim (may differ from hidden/heads); `Qwen3Config` defaults for absent keys |
 | gemma2 | num_hidden_layers | hidden_size | num_attention_heads | num_key_value_heads | intermediate_size | gated GELU, sandwich RMSNorms, RoPE, head_dim (may differ from hidden/heads), tied, soft-capped attention and logits; `Gemma2Config` defaults for absent keys |
 
 Biases: Qwen2 has q/k/v biases only (transformers `Qwen2Attention`); Llama's optional
@@ -19,11 +20,11 @@ code then): `hf_model_type`, `activation` (GPT-2 `activation_function`: gelu_new
 `NewGELUActivation`, gelu/gelu_pytorch_tanh one native op), the dropout probabilities (GPT-2
 attn_pdrop/resid_pdrop/embd_pdrop, default 0.1; Phi-3 attention_dropout/resid_pdrop, its embd_pdrop
 unused by `Phi3Model`; Llama/Mistral/Qwen2 attention_dropout, default 0), `sliding_window` (Mistral,
-default 4096; Phi-3; Qwen2 when use_sliding_window covers every layer) and `rotary_dim` (Phi-3's
+default 4096; Phi-3; Qwen2 and Qwen3 when use_sliding_window covers every layer) and `rotary_dim` (Phi-3's
 partial_rotary_factor). Without it the keys are the architecture only (what the catalog's entries hold).
 
 Known limitations: an explicit `head_dim` that differs from hidden_size / num_attention_heads outside
-Gemma-2, a non-gated activation in a Llama-family config, Gemma-2 with attention biases or bidirectional
+Gemma-2 and Qwen3, Qwen3 with attention biases, a non-gated activation in a Llama-family config, Gemma-2 with attention biases or bidirectional
 attention, and Llama `attention_bias` without `mlp_bias` (or the
 reverse) are rejected, because ModelSpec cannot describe them exactly. With implementation=True also
 a GPT-2 activation_function other than gelu_new/gelu/gelu_pytorch_tanh and a Qwen2 sliding window on
@@ -41,7 +42,7 @@ from .units import LIMITS, short_repr
 
 __all__ = ["read_hf_config", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("gemma2", "gpt2", "llama", "mistral", "phi3", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")
 """The `model_type` values read_hf_config understands."""
 
 _GATED_ACTS = ("silu", "swish")
@@ -167,6 +168,8 @@ def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, 
         )
     elif model_type == "gemma2":
         out = _gemma2(cfg, p, get_int, get_bool)
+    elif model_type == "qwen3":
+        out = _qwen3(cfg, p, get_int, get_bool)
     else:
         hidden = get_int("hidden_size")
         heads = get_int("num_attention_heads")
@@ -242,6 +245,32 @@ def _gemma2(cfg: dict, p: Path, get_int, get_bool) -> dict[str, Any]:
     )
 
 
+def _qwen3(cfg: dict, p: Path, get_int, get_bool) -> dict[str, Any]:
+    """Qwen3 (transformers `Qwen3Config` defaults, configuration_qwen3.py): Qwen2's decoder without the q/k/v
+    biases, with an RMSNorm over head_dim on q and on k (`Qwen3Attention.q_norm`/`k_norm`) and an explicit
+    head_dim (default 128, which may differ from hidden_size / num_attention_heads: Qwen3-0.6B has 16 heads
+    of 128 at width 1024)."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in _GATED_ACTS:
+        raise _fail(f"'{p}' key 'hidden_act' is {short_repr(act)}; accepted for qwen3: "
+                    f"{', '.join(_GATED_ACTS)} (a gated SwiGLU MLP)")
+    if get_bool("attention_bias", False):
+        # q/k/v and o_proj all take the bias: ModelSpec has q/k/v-only (qkv_bias) or every Linear (linear_bias)
+        raise _fail(f"'{p}' has attention_bias=true; the planner supports qwen3 without attention biases")
+    hidden, heads = get_int("hidden_size", 4096), get_int("num_attention_heads", 32)
+    head_dim = get_int("head_dim", 128)
+    if head_dim > LIMITS["hidden"][1]:
+        raise _fail(f"'{p}' key 'head_dim' is {short_repr(head_dim)}; accepted: {_bound_text('hidden')}")
+    return dict(
+        layers=get_int("num_hidden_layers", 32), hidden=hidden, heads=heads,
+        kv_heads=get_int("num_key_value_heads", heads), ffn_hidden=get_int("intermediate_size", 22016),
+        vocab=get_int("vocab_size", 151936), max_positions=get_int("max_position_embeddings", 32768),
+        mlp="swiglu", norm="rmsnorm", position="rope", tie_embeddings=get_bool("tie_word_embeddings", False),
+        linear_bias=False, qkv_bias=False, qk_norm=True,
+        head_dim_override=0 if head_dim * heads == hidden else head_dim,
+    )
+
+
 _GPT2_ACTS = {"gelu_new": "gelu_new", "gelu": "", "gelu_pytorch_tanh": ""}
 """GPT-2 activation_function -> ModelSpec.activation: transformers' `ACT2FN` maps gelu_new to
 `NewGELUActivation` (activations.py; the tanh formula in Python ops), gelu to `GELUActivation`
@@ -291,8 +320,8 @@ def _implementation(cfg: dict, model_type: str, arch: dict, p: Path, get_int, ge
     elif model_type == "mistral":
         # MistralConfig: sliding_window defaults to 4096; null means full attention
         out["sliding_window"] = 4096 if "sliding_window" not in cfg else get_int("sliding_window", 0)
-    elif model_type == "qwen2":
-        # Qwen2Config.__post_init__: sliding_window only with use_sliding_window, then on the layers
+    elif model_type in ("qwen2", "qwen3"):
+        # Qwen2Config.__post_init__ (and Qwen3Config's, the same): sliding_window only with use_sliding_window, then on the layers
         # from max_window_layers (default 28) on, unless layer_types names each layer's kind.
         window = 4096 if "sliding_window" not in cfg else get_int("sliding_window", 0)
         if get_bool("use_sliding_window", False) and window:

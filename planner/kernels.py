@@ -169,18 +169,24 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
             attn_kernels += 3
 
     # -- memory-bound bytes of one block forward
-    def norm_bytes(elems: int) -> float:
+    def norm_bytes(elems: int, x: int = r) -> float:
+        """An RMSNorm over `elems` elements of `x` bytes (the residual stream's, or q/k's for Qwen3's q_norm
+        and k_norm, which read the projections' outputs)."""
         if compiled or m.norm == "layernorm":
-            return elems * 2.0 * r  # one fused kernel (or ATen's native layer_norm): read x, write y
-        upcast = 0 if r == 4 else r + 4
-        downcast = 0 if r == 4 else 4 + r
-        return elems * (upcast + 8 + 4 + 8 + downcast + 2 * r)  # to fp32, pow, mean, mul, to, weight mul
+            return elems * 2.0 * x  # one fused kernel (or ATen's native layer_norm): read x, write y
+        upcast = 0 if x == 4 else x + 4
+        downcast = 0 if x == 4 else 4 + x
+        return elems * (upcast + 8 + 4 + 8 + downcast + 2 * x)  # to fp32, pow, mean, mul, to, weight mul
 
     nh = n * h
     nh_res = n_res * h
     # Gemma-2's sandwich norms: four per block; its RMSNorm multiplies by (1 + weight) in fp32 before the
     # downcast, the same passes as Llama's in another order
     mem = (4 if m.sandwich_norms else 2) * norm_bytes(nh_res)
+    qk_kernels = 0
+    if m.qk_norm:  # Qwen3's q_norm and k_norm over head_dim, on the projections' outputs (c bytes)
+        mem += norm_bytes(n * (q + kv), c)
+        qk_kernels = 0 if compiled else 14
     if m.position == "rope":
         rot = n * (q + kv) * (m.rotary_dim / d if m.rotary_dim else 1.0)
         mem += rot * (2 * c if compiled else 10 * c)  # neg, cat, 2 mul, add on q and k (rotate_half)
@@ -200,7 +206,7 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     mem += drop * (3 * c + 1)  # mask generation, mul
     mem += attn_mem_fwd
 
-    fwd_kernels = (_COMPILED_FWD_KERNELS if compiled else _EAGER_FWD_KERNELS) - 1 + attn_kernels
+    fwd_kernels = (_COMPILED_FWD_KERNELS if compiled else _EAGER_FWD_KERNELS) - 1 + attn_kernels + qk_kernels
     mem_fwd = mem / bw
     # autocast casts each fp32 weight to 16-bit in forward (read 4, write 2 bytes per element; cached for the
     # region, so once per micro-step) and casts its 16-bit gradient back to fp32 in backward (read 2, write 4)

@@ -43,7 +43,7 @@ def state_without_hash(self) -> dict:
 
 MLP = Literal["swiglu", "gelu"]
 NORM = Literal["rmsnorm", "layernorm"]
-HF_MODEL_TYPES = ("", "gemma2", "gpt2", "llama", "mistral", "phi3", "qwen2")
+HF_MODEL_TYPES = ("", "gemma2", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")
 """`hf_model_type` values: "" is the reference decoder (`distplan.validate.model.Decoder`)."""
 ACTIVATIONS = ("", "gelu_new")
 """`activation` values: "" the MLP's one native op (SiLU, or GELU: erf or tanh, `F.gelu` saves only its
@@ -87,7 +87,7 @@ class ModelSpec:
     """Where the figures come from."""
     hf_model_type: str = ""
     """"" (the reference decoder) or the transformers model_type whose modeling code the activation
-    formulas follow (llama, mistral, qwen2, phi3, gpt2)."""
+    formulas follow (llama, mistral, qwen2, qwen3, phi3, gpt2, gemma2)."""
     activation: str = ""
     """"" (one native op) or "gelu_new" (GPT-2's `NewGELUActivation`, five n x f tensors saved)."""
     attn_dropout: float = 0.0
@@ -114,6 +114,10 @@ class ModelSpec:
     the attention's output before the residual add, pre_feedforward_layernorm, post_feedforward_layernorm
     on the MLP's output; each `Gemma2RMSNorm` multiplies by (1 + weight) in fp32 before casting back
     (`modeling_gemma2.py`)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's head_dim on q and on k, after their projections and before RoPE
+    (transformers' `Qwen3Attention.q_norm`/`k_norm`, a `Qwen3RMSNorm(head_dim)` each, `modeling_qwen3.py`):
+    two head_dim weights per block."""
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_positions"):
@@ -234,6 +238,8 @@ class ModelSpec:
         params += linear(f"{p}.attn.wk", kv, h, qkvb)
         params += linear(f"{p}.attn.wv", kv, h, qkvb)
         params += linear(f"{p}.attn.wo", h, q, self.linear_bias)
+        if self.qk_norm:  # Qwen3Attention registers q_norm and k_norm after o_proj
+            params += [(f"{p}.attn.q_norm.weight", (self.head_dim,)), (f"{p}.attn.k_norm.weight", (self.head_dim,))]
         if self.sandwich_norms:
             params += norm(f"{p}.post_attn_norm")
         params += norm(f"{p}.mlp_norm")
@@ -285,7 +291,7 @@ class ModelSpec:
             mlp = 3 * h * f + ((2 * f + h) if self.linear_bias else 0)
         else:
             mlp = 2 * h * f + ((f + h) if self.linear_bias else 0)
-        block = (4 if self.sandwich_norms else 2) * n_norm + attn + mlp
+        block = (4 if self.sandwich_norms else 2) * n_norm + attn + mlp + (2 * self.head_dim if self.qk_norm else 0)
         embed = v * h + (self.max_positions * h if self.position == "learned" else 0)
         head = n_norm + (0 if self.tie_embeddings else v * h)
         return embed + self.layers * block + head

@@ -1114,6 +1114,11 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
         notes.append("step time: the analytic front end's per-kernel model of the same run (GEMMs by shape, "
                      "attention by kernel, memory-bound ops by bytes, communication overlap), as --front-end "
                      "analytic prints it")
+    else:
+        notes.append("step time: the traced FLOPs x 3 at the GPU's achievable matmul rate, plus exposed "
+                     "communication; norms, elementwise ops, attention kernels and launches are not timed here "
+                     "(the per-kernel model takes the decoders --front-end analytic reads), so it is optimistic: "
+                     "on the models both read, the FLOPs-only time was 1.8-2.2x shorter")
     if hf:
         if twin is not None:
             unpaired = [r.name for r in results if not pair_reserved(r.memory, twin(r.name, desc.batch))]
@@ -1213,7 +1218,7 @@ def pair_reserved(mem: MemoryEstimate, analytic: MemoryEstimate) -> bool:
 
 def check_hf_config(path, seq_len: int | None = None) -> None:
     """The analytic front end's one-line errors for a config.json it cannot read; a model_type it does
-    not describe (gemma2, ...) is left to the trace, which takes any causal LM transformers knows. A
+    not describe (mixtral, gemma3, ...) is left to the trace, which takes any causal LM transformers knows. A
     sequence longer than learned position embeddings (GPT-2's n_positions) fails in a real run; the
     fake tensors would not notice, so it is refused here."""
     from .hf_config import read_hf_config

@@ -601,10 +601,11 @@ def _resolve_model(model, params, hf_config, overrides: dict, device: str) -> di
         raise click.UsageError(str(e))
     if isinstance(spec, tuple):  # (ModelSpec, notes)
         spec = spec[0]
-    if spec.sandwich_norms or spec.attn_softcap or spec.final_softcap or spec.head_dim_override:
+    if spec.sandwich_norms or spec.attn_softcap or spec.final_softcap or spec.head_dim_override or spec.qk_norm:
         raise click.UsageError(f"--hf-config={hf_config}: --front-end analytic probes distplan's reference "
-                               f"decoder, which has no Gemma-2 sandwich norms, soft-capping or head_dim other "
-                               f"than hidden/heads; validate it with --front-end trace (needs transformers)")
+                               f"decoder, which has no Gemma-2 sandwich norms, soft-capping, Qwen3 q/k norms or "
+                               f"head_dim other than hidden/heads; validate it with --front-end trace (needs "
+                               f"transformers)")
     return mx.model_dict(spec)
 
 

@@ -19,7 +19,7 @@ from distplan.planner.hf_config import read_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "cpu-*-hf*.jsonl")))
-ANALYTIC_TYPES = {"llama", "mistral", "qwen2", "phi3", "gpt2", "gemma2"}
+ANALYTIC_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gemma2"}
 
 
 def _records():

@@ -32,7 +32,7 @@ from distplan.planner.model import ModelSpec  # noqa: E402
 from distplan.validate.module_probe import profile_hf  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
-MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gpt2", "gemma2")
+MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gpt2", "gemma2", "qwen3")
 DTYPES = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "lowp"), "autocast-bfloat16": ("bf16-mixed", "autocast")}
 # The second point (the same 128 tokens as one sequence) traces the 15 models and regimes again: slow
 # tier; the fast tier keeps the first, which takes every code path of the formulas and the trace.
@@ -83,6 +83,11 @@ VARIANTS = {
                                                 final_logit_softcapping=None, attention_dropout=0.1), "bfloat16"),
     # Gemma-2 with a head wider than hidden / heads (as gemma-2-9b: 16 x 256 > 3584) in fp32
     "gemma2-wide-heads": ("gemma2", dict(head_dim=96, query_pre_attn_scalar=96), "float32"),
+    # Qwen3 with heads wider than hidden / heads (as Qwen3-0.6B: 16 x 128 at width 1024), untied, under autocast
+    "qwen3-wide-heads-untied": ("qwen3", dict(head_dim=128, tie_word_embeddings=False), "autocast-bfloat16"),
+    # Qwen3 with a sliding window on every layer, MHA and attention dropout (CPU SDPA's math composite)
+    "qwen3-window-mha-dropout": ("qwen3", dict(use_sliding_window=True, max_window_layers=0, sliding_window=64,
+                                               num_key_value_heads=4, attention_dropout=0.1), "bfloat16"),
 }
 
 

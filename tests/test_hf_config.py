@@ -202,3 +202,32 @@ def test_gemma2_defaults_and_refusals(tmp_path):
         with pytest.raises(ValueError) as e:
             read_hf_config(_write(tmp_path, {"model_type": "gemma2", **bad}))
         assert key in _one_line(e)
+
+
+def test_qwen3_published_configs():
+    """Qwen/Qwen3-8B and Qwen/Qwen3-0.6B config.json: q/k norms over head_dim, no biases; the 0.6B's 16
+    heads of 128 make q 2048 wide at width 1024, and its head is tied. Parameter counts as transformers'
+    Qwen3ForCausalLM counts them (`sum(p.numel())`, built on the meta device, transformers 5.24)."""
+    model = pytest.importorskip("distplan.planner.model")
+    big = model.ModelSpec(**read_hf_config(DATA / "qwen3-8b.json", implementation=True))
+    assert (big.layers, big.hidden, big.heads, big.kv_heads, big.head_dim, big.q_dim) == (36, 4096, 32, 8, 128, 4096)
+    assert big.qk_norm and not (big.qkv_bias or big.linear_bias or big.tie_embeddings)
+    assert (big.hf_model_type, big.sliding_window) == ("qwen3", 0)
+    assert big.param_count() == 8_190_735_360
+    small = model.ModelSpec(**read_hf_config(DATA / "qwen3-0.6b.json"))
+    assert (small.head_dim, small.q_dim, small.kv_dim, small.tie_embeddings) == (128, 2048, 1024, True)
+    assert small.param_count() == 596_049_920
+
+
+def test_qwen3_defaults_and_refusals(tmp_path):
+    """Absent keys take `Qwen3Config`'s defaults; attention biases (on q/k/v and o_proj alike, which
+    ModelSpec cannot describe) and a non-gated activation are refused in one line naming the key."""
+    model = pytest.importorskip("distplan.planner.model")
+    spec = model.ModelSpec(**read_hf_config(_write(tmp_path, {"model_type": "qwen3"})))
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, spec.vocab) == (32, 4096, 32, 32, 128, 151936)
+    assert spec.param_count() == 12_049_461_248  # transformers' Qwen3ForCausalLM with the defaults
+    for bad, key in (({"hidden_act": "gelu"}, "hidden_act"), ({"attention_bias": True}, "attention_bias"),
+                     ({"head_dim": 0}, "head_dim")):
+        with pytest.raises(ValueError) as e:
+            read_hf_config(_write(tmp_path, {"model_type": "qwen3", **bad}))
+        assert key in _one_line(e)

@@ -100,7 +100,7 @@ def test_trace_plan_takes_the_analytic_replay():
 
 
 def test_trace_keeps_the_margin_where_the_formulas_do_not_read_the_model():
-    p = _plan(EXAMPLES / "qwen3-8l.json")  # q/k norms: a model_type only the trace plans
+    p = _plan(EXAMPLES / "olmo2-8l.json")  # q/k norms over the whole width: a model_type only the trace plans
     assert all(r.memory.reserved_source == "10% margin" for r in p.results)
     assert any("10% margin instead for this model_type" in n and "llama" in n for n in p.notes), p.notes
     # Gemma-2: the formulas read it (sandwich norms, soft-capped eager attention), so the trace pairs with them
@@ -168,5 +168,5 @@ def test_gpu_probe_prediction_judges_reserved_where_paired():
 
     llama = predicted("llama-8l.json", "cuda")
     assert llama["peak_reserved"] % (2 * MiB) == 0 and llama["peak_reserved"] > llama["peak_allocated"]
-    assert "peak_reserved" not in predicted("qwen3-8l.json", "cuda")
+    assert "peak_reserved" not in predicted("olmo2-8l.json", "cuda")
     assert "peak_reserved" not in predicted("llama-8l.json", "cpu")

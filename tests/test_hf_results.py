@@ -62,7 +62,7 @@ def repredicted():
 def test_results_are_real_runs_of_every_model_type(repredicted):
     assert len(repredicted) >= 90
     types = {r["inputs"]["module"]["hf_config"].split("/")[-1].split("-")[0] for r, _ in repredicted}
-    assert types >= {"llama", "qwen2", "gpt2", "mistral", "phi3", "gemma2"}
+    assert types >= {"llama", "qwen2", "gpt2", "mistral", "phi3", "gemma2", "qwen3"}
     for r, _ in repredicted:
         assert r["status"] == "ok", r["id"]
         assert int(r["inputs"]["module"].get("layers") or 8) >= 8
