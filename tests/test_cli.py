@@ -204,3 +204,13 @@ def test_gemma2_analytic_front_end_limits():
     assert r.exit_code == 2 and "tp=2 with a Gemma-2 model" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["validate", "--hf-config", cfg, "--front-end", "analytic", "--strategy", "zero3"])
     assert r.exit_code == 2 and "reference decoder" in r.output and "--front-end trace" in r.output
+
+
+def test_qwen3_plans_with_the_formulas_but_is_no_reference_probe():
+    """Qwen3's q/k norms are in the formulas (estimate --front-end analytic), not in the reference decoder
+    that `validate --front-end analytic` runs: that is refused in one line, exit 2."""
+    cfg = str(Path(__file__).parent / "data" / "hf" / "qwen3-8b.json")
+    r = CliRunner().invoke(main, ["estimate", "--hf-config", cfg, "--front-end", "analytic", "--gpus", "8"])
+    assert r.exit_code == 0 and "8,190,735,360 params" in r.output, r.output[-600:]
+    r = CliRunner().invoke(main, ["validate", "--hf-config", cfg, "--front-end", "analytic", "--strategy", "zero3"])
+    assert r.exit_code == 2 and "q/k norms" in r.output and "Traceback" not in r.output, r.output

@@ -118,6 +118,21 @@ def module_loss(out):
     return out.sum(), "sum"
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """A kernel that rejects its fake inputs (e.g. `_grouped_mm` in fp32) is also logged at ERROR, with its
+    traceback, by torch's fake-tensor dispatch (`torch/_subclasses/fake_tensor.py`); the trace reports the
+    failure in one line itself, so that log is silenced while the model runs."""
+    import logging
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class _SegmentTracker:
     """What the forward and the backward hold, per segment, measured on fake tensors.
 
@@ -623,7 +638,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
             return t
 
         try:
-            with work.trace_context(), FlopCounterMode(display=False) as flops, bwd.forward_mode, \
+            with work.trace_context(), _quiet_fake_tensor_log(), FlopCounterMode(display=False) as flops, bwd.forward_mode, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=tdtype, enabled=autocast):
                 loss, loss_kind, out = work.loss(model, inputs)
