@@ -209,6 +209,20 @@ def read_hf_config(path: str | Path, implementation: bool = False) -> dict[str, 
             "source": f"{p} (Hugging Face config.json, model_type {model_type})"}
 
 
+def _explicit_heads(model_type: str, p: Path, get_int, get_bool, hidden: int, heads: int,
+                    head_dim: int) -> tuple[int, int, int]:
+    """(hidden_size, num_attention_heads, head_dim) of a config with an explicit head_dim (the defaults are
+    its config class's). Attention biases are refused: Gemma-2's and Qwen3's `attention_bias` puts one on
+    q/k/v and o_proj alike, which ModelSpec (q/k/v only, or every Linear) cannot describe."""
+    if get_bool("attention_bias", False):
+        raise _fail(f"'{p}' has attention_bias=true; the planner supports {model_type} without attention biases")
+    hidden, heads = get_int("hidden_size", hidden), get_int("num_attention_heads", heads)
+    head_dim = get_int("head_dim", head_dim)
+    if head_dim > LIMITS["hidden"][1]:
+        raise _fail(f"'{p}' key 'head_dim' is {short_repr(head_dim)}; accepted: {_bound_text('hidden')}")
+    return hidden, heads, head_dim
+
+
 def _gemma2(cfg: dict, p: Path, get_int, get_bool) -> dict[str, Any]:
     """Gemma-2 (transformers `Gemma2Config` defaults, configuration_gemma2.py): a gated GELU MLP, RMSNorm
     with sandwich norms, RoPE, tied embeddings, an explicit head_dim, eager attention with logit
@@ -217,14 +231,9 @@ def _gemma2(cfg: dict, p: Path, get_int, get_bool) -> dict[str, Any]:
     if act not in _GEMMA_ACTS:
         raise _fail(f"'{p}' key 'hidden_activation' is {short_repr(act)}; accepted for gemma2: "
                     f"{', '.join(_GEMMA_ACTS)} (one GELU op in the gated MLP)")
-    if get_bool("attention_bias", False):
-        raise _fail(f"'{p}' has attention_bias=true; the planner supports gemma2 without attention biases")
     if get_bool("use_bidirectional_attention", False):
         raise _fail(f"'{p}' has use_bidirectional_attention=true; the planner supports causal attention only")
-    hidden, heads = get_int("hidden_size", 2304), get_int("num_attention_heads", 8)
-    head_dim = get_int("head_dim", 256)
-    if head_dim > LIMITS["hidden"][1]:
-        raise _fail(f"'{p}' key 'head_dim' is {short_repr(head_dim)}; accepted: {_bound_text('hidden')}")
+    hidden, heads, head_dim = _explicit_heads("gemma2", p, get_int, get_bool, 2304, 8, 256)
 
     def cap(key: str, default: float) -> float:
         v = cfg.get(key, default)
@@ -254,13 +263,7 @@ def _qwen3(cfg: dict, p: Path, get_int, get_bool) -> dict[str, Any]:
     if act not in _GATED_ACTS:
         raise _fail(f"'{p}' key 'hidden_act' is {short_repr(act)}; accepted for qwen3: "
                     f"{', '.join(_GATED_ACTS)} (a gated SwiGLU MLP)")
-    if get_bool("attention_bias", False):
-        # q/k/v and o_proj all take the bias: ModelSpec has q/k/v-only (qkv_bias) or every Linear (linear_bias)
-        raise _fail(f"'{p}' has attention_bias=true; the planner supports qwen3 without attention biases")
-    hidden, heads = get_int("hidden_size", 4096), get_int("num_attention_heads", 32)
-    head_dim = get_int("head_dim", 128)
-    if head_dim > LIMITS["hidden"][1]:
-        raise _fail(f"'{p}' key 'head_dim' is {short_repr(head_dim)}; accepted: {_bound_text('hidden')}")
+    hidden, heads, head_dim = _explicit_heads("qwen3", p, get_int, get_bool, 4096, 32, 128)
     return dict(
         layers=get_int("num_hidden_layers", 32), hidden=hidden, heads=heads,
         kv_heads=get_int("num_key_value_heads", heads), ffn_hidden=get_int("intermediate_size", 22016),
