@@ -44,7 +44,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .activations import ActivationBreakdown, _norm_saved, activations_in, regime_for, sdpa_math, sp_tokens
+from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in,
+                          regime_for, sdpa_math, sp_tokens)
 from .config import Cluster, TrainConfig
 from .footprint import CUDA_CONTEXT_BYTES, DeviceFootprint, device_footprint  # noqa: F401 (re-exported)
 from .model import ModelSpec, unit_sizes
@@ -671,6 +672,16 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         def carry(j: int) -> int:
             """Gradients accumulated by earlier micro-steps, held by the root and blocks 0..j."""
             return unit_root + min(j + 1, L) * unit_block if j >= 0 else 0
+
+        def snap_tied_embedding(comm_buffers: int, shard_bytes: int) -> None:
+            """A tied embedding's backward, before the root's post-backward: three V x h gradients in the
+            unsharded dtype (its dense gradient, the tied head's half waiting in autograd's input buffer,
+            their sum; the DDP walk says where this was measured) next to `comm_buffers` and every block's
+            gradient (shards of `shard_bytes` each when sharded)."""
+            snap("backward", comm_buffers=comm_buffers, activations=act.inputs,
+                 grads=carry(L - 1) if later and (every or not sharding)
+                 else (L * lay.shard_block * shard_bytes if sharding else L * lay.block * gb) + unit_root,
+                 temporaries=3 * v * h * ud)
         acc = carry(L)
         # FSDP2 in fp32 without sync: a later micro-step's gradients are added in place into the kept
         # .grad (AccumulateGrad), so the block's and head's new gradients are not extra, and the weight
@@ -846,15 +857,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                     snap("backward", comm_buffers=ur + held_at_rs + rs_in + rs_out,
                          activations=below(j), grads=shards_after(j) - carry(j) + carry(j - 1 if not every else j),
                          temporaries=n_tok * h * r + split + last_g + tied_buf)
-            if m.tie_embeddings:
-                # The embedding's backward, before the root's post_backward: three V x h gradients in the
-                # unsharded dtype (its dense gradient, the tied head's half waiting in autograd's input
-                # buffer, their sum; the DDP walk above says where this was measured) next to the
-                # unsharded root and the last block's reduce-scatter input (`reduce_scatter_states`).
-                snap("backward", comm_buffers=ur + (rs_held if sharding else 0), activations=act.inputs,
-                     grads=carry(L - 1) if later and (every or not sharding)
-                     else (L * lay.shard_block * gsh_gpu if sharding else L * lay.block * gb) + unit_root,
-                     temporaries=3 * v * h * ud)
+            if m.tie_embeddings:  # next to the unsharded root and the last block's reduce-scatter input
+                snap_tied_embedding(ur + (rs_held if sharding else 0), gsh_gpu)  # (`reduce_scatter_states`)
             if sharding:
                 # The root's post_backward, last: it reshards first (the root too: FSDP2 keeps it
                 # unsharded from forward to backward only, `_auto_reshard_after_forward`), then
@@ -941,13 +945,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                          grads=(0 if backend == "gloo" else out_shard) + shards_after(j)
                          + carry(L - 1 if every else j - 1),
                          activations=acts_before(j), temporaries=n_tok * h * r + head_g + split + (flat if prec.mixed else 0))
-            if m.tie_embeddings:
-                # The embedding's backward (as FSDP2's above): three V x h gradients in the unsharded dtype
-                # next to the unsharded root.
-                snap("backward", comm_buffers=ur, activations=act.inputs,
-                     grads=carry(L - 1) if later and (every or not sharding)
-                     else (L * lay.shard_block * gsh if sharding else L * lay.block * gb) + unit_root,
-                     temporaries=3 * v * h * ud)
+            if m.tie_embeddings:  # next to the unsharded root
+                snap_tied_embedding(ur, gsh)
             if sharding:
                 # The root at the end (its post-backward runs last): its view gradients and their
                 # concatenation (flat_param.grad) next to the unsharded flat parameter; then
@@ -1038,7 +1037,6 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         # Gemma-2's eager attention backward, at the softmax's: the score gradient in q's dtype and the fp32
         # one (`softmax(..., dtype=torch.float32)`), the MLP, its two norms, the post-attention norm and
         # o_proj's input already freed by then (their backward ran first)
-        from .activations import _gemma_norm_body, _mlp_saved, _norm_saved
         probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2
         body, const = _gemma_norm_body(h)
         freed = (_mlp_saved(train, regime, n) + _norm_saved(train, regime, n, 2, device)
@@ -1054,7 +1052,6 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
     if train.cp > 1:
         # Context parallelism: inside the attention's ring backward (cp.py), the MLP's saved tensors freed,
         # the output projection's input gradient (n x h/t) and weight gradient alive.
-        from .activations import _mlp_saved
         from .cp import ring_backward_bytes
         ring = ring_backward_bytes(train, regime)
         att = (_mlp_saved(train, regime, n), resid + n * (m.q_dim // t) * e + ring, h * m.q_dim // t)

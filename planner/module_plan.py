@@ -387,9 +387,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             if not c:
                 acts.append(s[1])
                 continue
-            shared = s[8] if len(s) > 8 else ()
-            acts.append(s[2] + s[5] + sum(b for i, b in shared if i not in kept))
-            kept.update(i for i, _ in shared)
+            acts.append(s[2] + s[5] + sum(b for i, b in s[8] if i not in kept))
+            kept.update(i for i, _ in s[8])
     elif train.checkpointing in ("selective", "selective-op"):
         notes.append(f"{train.checkpointing} checkpointing is not defined for an arbitrary module: planned as none")
     inputs = [s[2] for s in segs] + [desc.output_bytes]
