@@ -30,8 +30,11 @@ Every op of a decoder block is timed by what bounds it:
 Kernel and op counts per block are those of transformers' Llama (forward ~45 kernels eager, ~12
 compiled; backward about twice), an assumption stated here, not traced.
 
-Known limitations: no SM contention between NCCL kernels and compute; grouped-query attention's
-`repeat_kv` copies are not counted (transformers skips them when SDPA has `enable_gqa`); dropout masks
+A sliding window no longer than the sequence makes transformers pass SDPA a mask (`activations._hf_mask`):
+the attention kernel then computes every tile (no causal halving) and GQA's K/V are repeated to every head
+first (`repeat_kv`), as the traced kernel census (`module_plan.census_seconds`) shows.
+
+Known limitations: no SM contention between NCCL kernels and compute; dropout masks
 are counted as one extra elementwise pass; fp32 GEMMs use the same efficiency as 16-bit ones.
 """
 
@@ -40,7 +43,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from .activations import block_linears, saved_linears, sp_tokens
+from .activations import _hf_mask, block_linears, saved_linears, sp_tokens
 from .config import TrainConfig
 
 _EAGER_FWD_KERNELS, _COMPILED_FWD_KERNELS = 45, 12
@@ -151,12 +154,18 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     if train.cp > 1:  # a context-parallel rank's s/cp queries against the whole sequence (cp.py)
         from .cp import attention_flops_factor
         attn_flops *= attention_flops_factor(train)
+    masked = _hf_mask(train)
     if train.attention == "sdpa":
-        attn_flops *= 0.5  # causal: the flash / memory-efficient kernels skip masked tiles
+        if not masked:
+            attn_flops *= 0.5  # is_causal: the flash / memory-efficient kernels skip masked tiles
+        # a materialized mask (a sliding window no longer than the sequence): SDPA's memory-efficient kernel
+        # adds it to every tile of scores, skipping none; GQA's K/V are first repeated to every head
+        # (transformers' `repeat_kv`: `use_gqa_in_sdpa` is False with a mask), a copy each
         attn_fwd = attn_flops / (peak * att_eff)
         attn_bwd = 2.5 * attn_flops / (peak * att_bwd_eff)
-        attn_mem_fwd = 0.0
-        attn_kernels = 1
+        repeat = masked and m.kv_heads < m.heads
+        attn_mem_fwd = 2.0 * n * (q + kv) * c if repeat else 0.0
+        attn_kernels = 3 if repeat else 1
     else:
         scores = b * heads * s * s
         attn_fwd = _gemm(attn_flops, rate, half)

@@ -51,13 +51,18 @@ allocated); a deep transformers model is traced at a few layers and its middle l
 Collectives follow `comm.py`'s schedules with the units' real sizes, plus DDP's broadcast of the
 module's buffers (BatchNorm statistics) once per step. The step time of a Hugging Face model the analytic
 front end reads is the analytic twin's (`compute.step_time`, the per-kernel model: one time model for both
-front ends); otherwise FLOPs (forward x 3, x 4 with full checkpointing) over the GPU's achievable FLOP/s
-plus the communication that backward or forward compute cannot hide. For `--module` a "token" in `tokens_per_s` is one sample (one row of
-the batch dimension).
+front ends); otherwise that of the kernels the traced step launched (`ModuleDesc.census`, counted by the
+trace: every ATen op of the forward and the backward that is not a view, by FLOPs for GEMMs, convolutions
+and fused attention, by bytes moved for the rest, with the launch and host costs `kernels.py` uses; the
+checkpointed units' forward again in backward), plus the optimizer step and the communication that backward
+or forward compute cannot hide. On the models both front ends read the two compute times agree within 10%
+(tests/test_census.py). For `--module` a "token" in `tokens_per_s` is one sample (one row of the batch
+dimension).
 
 Known limitations: activations and outputs scale linearly with the batch (used for the largest batch
-that fits; cuDNN workspaces are only known at the measured batch); the CUDA launch overhead that
-dominates small models' step time is not modelled; BatchNorm under FSDP with 16-bit mixed precision is
+that fits; cuDNN workspaces are only known at the measured batch); a traced model's step time is of its
+eager kernels (torch.compile's fusion is not modelled for it), and where the CPU trace ran SDPA's math
+composite (dropout_p > 0) CUDA runs one fused kernel; BatchNorm under FSDP with 16-bit mixed precision is
 not modelled (FSDP1 wraps BatchNorm modules apart in fp32, `MixedPrecision._module_classes_to_ignore`;
 FSDP2 fails in PyTorch); `--micro-batch` and `--seq-len` are ignored (the batch is the input shape's
 first dimension); CPU offload and `--framework deepspeed` are not supported here.
@@ -76,6 +81,7 @@ from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
 from .config import CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every
 from .footprint import device_footprint
+from .kernels import peak_flops
 from .memory import (COMPONENTS, RESERVED_MARGIN, MemoryEstimate, Snapshot,
                      library_workspace_bytes, zero1_partition)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
@@ -130,6 +136,11 @@ class ModuleDesc:
     grad_ready: tuple = ()
     """Parameter numels in the order their gradients became ready in the traced backward (hooks on
     AccumulateGrad): the order DDP rebuilds its buckets in. Empty: derived from the names."""
+    census: tuple = ()
+    """Per segment of `segments`, the kernels its forward and backward launched and its unit's own forward
+    (what a checkpointed unit runs again): ((forward, backward, unit forward), ...), each a tuple of
+    `module_probe.CENSUS_FIELDS` (gemm FLOPs, gemms, attention FLOPs, bytes of the memory-bound kernels,
+    kernels, ATen ops). Empty: a profile without one (the step time is then FLOPs only)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -162,13 +173,17 @@ class ModuleDesc:
                       int(s.get("backward_end", s["input_bytes"])), int(s.get("grads_made", -1)),
                       tuple((int(i), int(b)) for i, b in s.get("shared_inputs", ())))
                      for s in prof["segments"])
+        census = ()
+        if all("census" in s for s in prof["segments"]):
+            census = tuple((tuple(s["census"][0]), tuple(s["census"][1]), tuple(s.get("unit_census") or (0,) * 6))
+                           for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
                    int(prof["buffers_bytes"]), int(prof["forward_flops"]), int(prof["input_shape"][0]),
                    prof.get("loss", "sum"), kernels=kernels, linear_bias=bool(prof.get("linear_bias", False)),
                    batch_bytes=int(prof.get("batch_bytes", 0)),
-                   grad_ready=tuple(int(n) for _, n in prof.get("grad_ready", ())),
+                   grad_ready=tuple(int(n) for _, n in prof.get("grad_ready", ())), census=census,
                    buffers=tuple((d, tuple(int(n) for n in sizes)) for d, sizes in prof.get("buffers", ())),
                    kernel_args=tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
                                              for s in prof["segments"] for k in s.get("kernels", ())})))
@@ -182,8 +197,11 @@ class ModuleDesc:
         segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k), int(o * k), int(e * k), g,
                       tuple((j, int(n * k)) for j, n in sh))
                      for u, a, i, b, f, o, e, g, sh in self.segments)
+        # the kernels' FLOPs and bytes scale with the batch, their counts do not (weights' casts and
+        # gradients' do not scale either: a small error, as the activations')
+        census = tuple(tuple((c[0] * k, c[1], c[2] * k, c[3] * k, c[4], c[5]) for c in seg) for seg in self.census)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
-        return replace(self, segments=segs, output_bytes=int(self.output_bytes * k),
+        return replace(self, segments=segs, output_bytes=int(self.output_bytes * k), census=census,
                        forward_flops=int(self.forward_flops * k), batch=batch,
                        batch_bytes=int(self.batch_bytes * k),
                        kernels=() if batch != self.batch else self.kernels)
@@ -267,6 +285,8 @@ class ModuleTime:
     tokens_per_s: float
     """Samples per second, all GPUs (a sample counts as a token for --module)."""
     mfu: float
+    optimizer_s: float = 0.0
+    """The optimizer step's passes over this rank's parameters (memory bound)."""
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -845,11 +865,51 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
                               for (op, group, n, dtype, msg, phase, unit), calls in raw.items()], cluster)
 
 
+def census_seconds(c: tuple, gpu, precision: str, backward: bool) -> float:
+    """GPU seconds of the kernels one census entry counts (`ModuleDesc.census`), by what bounds each, as
+    `kernels.kernel_times` times a decoder's: GEMMs and convolutions by FLOPs at the matmul rate of the
+    precision plus the fixed time each GEMM loses to tiles and waves, fused attention at the GPU's forward or
+    backward attention efficiency, every other kernel by the bytes it moves at the achievable HBM bandwidth,
+    and each kernel's launch overhead."""
+    gemm_flops, gemms, attention, nbytes, kernels = c[:5]
+    peak = peak_flops(gpu.flops, precision)
+    rate = peak * gpu.matmul_efficiency
+    fixed = gpu.matmul_half_efficiency_flop / (max(gpu.flops.get("bf16", 0.0), gpu.flops.get("fp16", 0.0), peak)
+                                                * gpu.matmul_efficiency)
+    att = peak * (gpu.attention_backward_efficiency if backward else gpu.attention_efficiency)
+    return (gemm_flops / rate + gemms * fixed + attention / att + nbytes / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency)
+            + kernels * gpu.kernel_overhead_s)
+
+
+def traced_compute(desc: ModuleDesc, train: ModuleTrain, gpu) -> tuple[float, float, float]:
+    """(forward, backward with its recompute, host) seconds of one micro-step from the traced kernels: the
+    forward and backward of every segment, the forward of each checkpointed unit again in backward, and the
+    host's time to issue every ATen op (`gpu.host_op_s` each: a step is never faster than its host)."""
+    every = checkpoint_every(train.checkpointing)
+    unit_names = [s[0] for s in desc.segments if s[0] not in ("root", "loss")]
+    again = set(unit_names[::every]) if every else set()
+    fwd = bwd = ops = 0.0
+    for seg, (f, b, own) in zip(desc.segments, desc.census):
+        fwd += census_seconds(f, gpu, train.precision, False)
+        bwd += census_seconds(b, gpu, train.precision, True)
+        ops += f[5] + b[5]
+        if seg[0] in again:
+            bwd += census_seconds(own, gpu, train.precision, False)
+            ops += own[5]
+    return fwd, bwd, ops * gpu.host_op_s
+
+
 def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collectives: list,
-                gpu) -> ModuleTime:
-    """Forward FLOPs x 3 (x 4 with full checkpointing, x 3 + 1/K for every-K) at the GPU's achievable FLOP/s; communication in
-    forward/backward hides behind that phase's compute (1/3 and 2/3 of it), except the last bucket
-    or unit of backward and the optimizer-phase broadcasts, which nothing follows."""
+                gpu, st: Strategy | None = None) -> ModuleTime:
+    """One optimizer step: compute, the communication it cannot hide, and the optimizer step.
+
+    Compute, with a kernel census in the profile (`ModuleDesc.census`): `traced_compute` per micro-step (the
+    longer of the GPU's time and the host's), plus the optimizer step's passes over this rank's parameters by
+    bytes (compute._optimizer_bytes). Without one (an older profile): forward FLOPs x 3 (x 4 with full
+    checkpointing, x 3 + 1/K for every-K) at the GPU's achievable FLOP/s.
+    Communication in forward/backward hides behind that phase's compute, except the last bucket or unit of
+    backward and the optimizer-phase broadcasts, which nothing follows."""
+    from .compute import _optimizer_bytes, _owned_elems
     dtype = "fp32" if train.precision == "fp32" else ("fp16" if train.precision == "fp16-mixed" else "bf16")
     try:
         flops_s = gpu.achievable_flops(dtype)
@@ -860,7 +920,19 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
     share = (len(range(0, n_units, every)) / n_units) if every and n_units else 0.0
     mult = 3 + share  # a checkpointed unit runs its forward again in backward
     train_flops = mult * desc.forward_flops * train.grad_accum
-    compute = train_flops / flops_s
+    optimizer = 0.0
+    if desc.census:
+        fwd_s, bwd_s, host_s = traced_compute(desc, train, gpu)
+        gpu_s = fwd_s + bwd_s
+        micro = max(gpu_s, host_s)
+        compute = train.grad_accum * micro
+        fwd_share = fwd_s / gpu_s if gpu_s > 0 else 1 / mult
+        if st is not None:
+            optimizer = _optimizer_bytes(train, _owned_elems(train, cluster, st)) / (gpu.hbm_bytes_per_s
+                                                                                     * gpu.hbm_efficiency)
+    else:
+        compute = train_flops / flops_s
+        fwd_share = 1 / mult
     fwd = sum(c.time_s for c in collectives if c.phase == "forward")
     # the last bucket's or the root's reduction, exposed on each micro-step that reduces
     reducing = train.grad_accum if train.sync_every else 1
@@ -868,13 +940,14 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
                    if c.phase == "backward" and c.unit in ("last_bucket", "root"))
     bwd = sum(c.time_s for c in collectives if c.phase == "backward") - bwd_tail
     opt = sum(c.time_s for c in collectives if c.phase == "optimizer")
-    exposed = max(0.0, fwd - compute / mult) + max(0.0, bwd - compute * (mult - 1) / mult) + bwd_tail + opt
-    step = compute + exposed
+    exposed = max(0.0, fwd - compute * fwd_share) + max(0.0, bwd - compute * (1 - fwd_share)) + bwd_tail + opt
+    step = compute + exposed + optimizer
     samples = desc.batch * train.grad_accum * cluster.gpus * train.tokens_per_sample
     peak = gpu.peak_flops(dtype) if dtype in getattr(gpu, "flops", {}) else flops_s
+    model_flops = 3 * desc.forward_flops * train.grad_accum  # no recompute: MFU, as compute.model_flops
     return ModuleTime(compute, sum(c.time_s for c in collectives), exposed, step,
                       samples / step if step > 0 else 0.0,
-                      train_flops / (step * peak) if step > 0 else 0.0)
+                      model_flops / (step * peak) if step > 0 else 0.0, optimizer)
 
 
 # -- the plan ----------------------------------------------------------------------------------
@@ -1108,16 +1181,21 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
         mem = estimate_module_memory(d, train, cluster, st, workspaces=workspaces)
         colls = module_collectives(d, train, cluster, n)
         timed = twin_time(twin, n, desc.batch, cluster) if twin is not None else None
-        results.append(StrategyResult(st, mem, colls, timed or module_time(d, train, cluster, colls, gpu)))
+        results.append(StrategyResult(st, mem, colls, timed or module_time(d, train, cluster, colls, gpu, st)))
     if twin is not None:
         notes.append("step time: the analytic front end's per-kernel model of the same run (GEMMs by shape, "
                      "attention by kernel, memory-bound ops by bytes, communication overlap), as --front-end "
                      "analytic prints it")
     else:
-        notes.append("step time: the traced FLOPs x 3 at the GPU's achievable matmul rate, plus exposed "
-                     "communication; norms, elementwise ops, attention kernels and launches are not timed here "
-                     "(the per-kernel model takes the decoders --front-end analytic reads), so it is optimistic: "
-                     "on the models both read, the FLOPs-only time was 1.8-2.2x shorter")
+        if all(d.census for d in descs.values()):
+            notes.append("step time: every kernel the traced step launched, timed by its FLOPs (GEMMs, attention) or "
+                         "the bytes it moves (the rest), with launch and host costs, plus exposed communication"
+                         + (" (eager kernels: torch.compile's fusion is not modelled for a traced model)"
+                            if kw.get("compile") else ""))
+        else:
+            notes.append("step time: the traced FLOPs x 3 at the GPU's achievable matmul rate, plus exposed "
+                         "communication; norms, elementwise ops, attention kernels and launches are not timed here, "
+                         "so it is optimistic")
     if hf:
         if twin is not None:
             unpaired = [r.name for r in results if not pair_reserved(r.memory, twin(r.name, desc.batch))]
@@ -1189,7 +1267,7 @@ def twin_time(twin, strategy: str, batch: int, cluster: Cluster) -> ModuleTime |
         t = step_time(replace(twin.train, micro_batch=batch), cluster, strategy)
     except (ValueError, KeyError):
         return None
-    return ModuleTime(t.compute_s, t.comm_s, t.exposed_comm_s, t.step_time_s, t.tokens_per_s, t.mfu)
+    return ModuleTime(t.compute_s, t.comm_s, t.exposed_comm_s, t.step_time_s, t.tokens_per_s, t.mfu, t.optimizer_s)
 
 
 def kernel_device_gap(train) -> int:

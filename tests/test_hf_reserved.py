@@ -103,11 +103,11 @@ def test_trace_keeps_the_margin_where_the_formulas_do_not_read_the_model():
     p = _plan(EXAMPLES / "olmo2-8l.json")  # q/k norms over the whole width: a model_type only the trace plans
     assert all(r.memory.reserved_source == "10% margin" for r in p.results)
     assert any("10% margin instead for this model_type" in n and "llama" in n for n in p.notes), p.notes
-    # no analytic twin: the step time is FLOPs only, and the plan says so
-    assert any(n.startswith("step time: the traced FLOPs") and "optimistic" in n for n in p.notes), p.notes
+    # no analytic twin: the step time is the traced kernels', and the plan says so
+    assert any(n.startswith("step time: every kernel the traced step launched") for n in p.notes), p.notes
     # Gemma-2: the formulas read it (sandwich norms, soft-capped eager attention), so the trace pairs with them
     p = _plan(EXAMPLES / "gemma2-8l.json")
-    assert not any(n.startswith("step time: the traced FLOPs") for n in p.notes), p.notes
+    assert not any(n.startswith("step time: every kernel the traced") for n in p.notes), p.notes
     assert all(r.memory.reserved_source == "allocator replay of the analytic front end" for r in p.results), \
         [(r.name, r.memory.reserved_source) for r in p.results]
     # every-K: the formulas plan it (blocks 0, K, 2K, ... keep their input), so the trace pairs with them

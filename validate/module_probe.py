@@ -17,6 +17,8 @@ weights touched), and runs one forward pass plus the loss on a fake input of tha
   all outputs. What the loss saves (log_softmax's output) is part of the activations; the output's
   bytes are returned apart (`output_bytes`) because the planner counts them as a temporary.
 - FLOPs of the forward pass (`torch.utils.flop_counter.FlopCounterMode`; matmuls and convolutions).
+- per segment, the kernels its forward and backward launch (`census`; `unit_census`: the unit's own
+  forward), by FLOPs or bytes moved (`_KernelCensus`): what the planner times a traced step by.
 - per segment, what its forward and its backward hold at their peaks (`forward_bytes`;
   `backward_bytes`, `backward_grad_bytes`, `backward_saved_bytes`): the backward runs too, on the same
   fake tensors, and a dispatch mode follows every storage created (`_SegmentTracker`).
@@ -133,6 +135,94 @@ def _quiet_fake_tensor_log():
         log.setLevel(level)
 
 
+CENSUS_FIELDS = ("gemm_flops", "gemms", "attention_flops", "bytes", "kernels", "ops")
+"""What `_KernelCensus` adds up per segment and phase: the FLOPs of the matmuls and convolutions (counted by
+`torch.utils.flop_counter`'s formulas) and how many ran; the FLOPs of the fused attention kernels (causal ones
+halved: the kernels skip masked tiles; a backward at 2.5x its forward's: Dao 2023, FlashAttention-2, sec.
+3.1); the bytes every other kernel reads and writes; the kernels launched (ATen ops that are not views);
+the ATen ops dispatched (views included: the host issues them all)."""
+
+_NO_KERNEL = frozenset(("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+                        "_unsafe_view", "alias", "_local_scalar_dense", "set_", "resize_", "_reshape_alias"))
+"""ATen ops that launch no kernel though `OpOverload.is_view` is False: allocation, metadata and reshapes."""
+_WRITE_ONLY = frozenset(("zeros", "ones", "full", "arange", "zeros_like", "ones_like", "full_like", "new_zeros",
+                         "new_ones", "new_full", "zero_", "fill_", "scalar_tensor", "rand_like", "randn_like",
+                         "bernoulli_", "uniform_", "normal_", "randint", "randint_like"))
+"""Kernels that only write their output (a tensor argument gives its shape, not data)."""
+_GATHERS = frozenset(("embedding", "index_select", "gather", "index", "nll_loss_forward", "nll_loss2d_forward"))
+"""Kernels that read only the rows they gather (as many bytes as they write), not their whole source."""
+
+
+class _KernelCensus:
+    """Per segment and phase, the kernels a training step launches, as the time model reads them
+    (`CENSUS_FIELDS`): every ATen op the forward and the backward dispatch on the fake tensors is one kernel
+    (a view, an allocation or a reshape none), timed by the planner from its FLOPs (matmuls, convolutions,
+    fused attention) or from the bytes it reads and writes (everything else: norms, activations, adds, casts,
+    the loss, copies). A tensor's bytes are its elements' or, for a broadcast view, its storage's. CUDA and
+    the CPU dispatch the same ATen ops for a transformers model, except where SDPA picks another backend
+    (the CPU runs the math composite when dropout_p > 0, CUDA a fused kernel) and where CPU autocast casts
+    other ops than CUDA's (a known limitation: `profile_workload`)."""
+
+    def __init__(self, torch):
+        from torch.utils._pytree import tree_leaves
+        from torch.utils.flop_counter import flop_registry
+
+        self._torch, self._leaves, self._flops = torch, tree_leaves, flop_registry
+        self.counts: dict = {}  # (segment, phase) -> [CENSUS_FIELDS]
+
+    def _bytes(self, t) -> int:
+        n = t.numel() * t.element_size()
+        try:
+            return min(n, int(t.untyped_storage().nbytes()))
+        except Exception:  # pragma: no cover - a tensor without storage
+            return n
+
+    def count(self, seg, phase: str, func, args, kwargs, out) -> None:
+        if func.namespace != "aten":  # prim.device and other metadata queries
+            return
+        c = self.counts.setdefault((seg, phase), [0, 0, 0, 0, 0, 0])
+        c[5] += 1
+        name = func._overloadpacket.__name__
+        if func.is_view or name in _NO_KERNEL:
+            return
+        c[4] += 1
+        Tensor = self._torch.Tensor
+        if "attention" in name and ("scaled_dot_product" in name or name.startswith(("_flash", "_efficient"))):
+            names = [a.name for a in func._schema.arguments]
+            given = dict(zip(names, args), **kwargs)
+            q, k = given.get("query", given.get("q")), given.get("key", given.get("k"))
+            if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == 4:
+                # (batch, heads, seq, head_dim); the flash-forward family takes (batch, seq, heads, dim)
+                b, hq, sq, d = q.shape if "scaled_dot_product" in name else (q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+                sk = k.shape[2] if "scaled_dot_product" in name else k.shape[1]
+                f = 4.0 * b * hq * sq * sk * d
+                causal = bool(given.get("is_causal", False)) or given.get("custom_mask_type", 0) == 1
+                c[2] += f * (0.5 if causal else 1.0) * (2.5 if name.endswith("backward") else 1.0)
+                return
+        formula = self._flops.get(func._overloadpacket)
+        if formula is not None:
+            c[0] += formula(*args, **kwargs, out_val=out)
+            c[1] += 1
+            return
+        outs = [t for t in self._leaves(out) if isinstance(t, Tensor)]
+        written = sum(map(self._bytes, outs))
+        ins = [t for t in self._leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if name in _WRITE_ONLY:
+            c[3] += written
+        elif name in _GATHERS:
+            c[3] += 2 * written + sum(self._bytes(t) for t in ins if not t.is_floating_point())
+        elif name in ("nll_loss_backward", "nll_loss2d_backward", "copy_"):
+            # the input gradient is written whole (zeros, then the targets' entries); `self` only gives it
+            # its shape; copy_ reads its source and writes its destination
+            src = ins[1:] if name == "copy_" else [t for t in ins if not t.is_floating_point()] + ins[:1]
+            c[3] += written + sum(map(self._bytes, src))
+        else:
+            c[3] += written + sum(map(self._bytes, ins))
+
+    def of(self, seg, phase: str) -> list:
+        return list(self.counts.get((seg, phase), [0, 0, 0, 0, 0, 0]))
+
+
 class _SegmentTracker:
     """What the forward and the backward hold, per segment, measured on fake tensors.
 
@@ -157,6 +247,7 @@ class _SegmentTracker:
         from torch.utils._pytree import tree_leaves
 
         self._torch, self._ref = torch, StorageWeakRef
+        self.census = _KernelCensus(torch)
         self.live: dict = {}  # storage key -> (weak ref, bytes, unique id)
         self.born: dict = {}  # unique id -> segment it was created in
         self.saved: dict = {}  # segment -> [(weak ref, bytes)] of the storages it saved for backward
@@ -170,6 +261,8 @@ class _SegmentTracker:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
+                tracker.census.count(tracker.segment if tracker.segment is not None else tracker._last, "backward",
+                                     func, args, kwargs or {}, out)
                 tracker._after(tree_leaves(out), tree_leaves((args, kwargs)))
                 if func is torch.ops.aten.convolution_backward.default:
                     tracker._kernel(conv_args(args, "backward"))
@@ -189,6 +282,7 @@ class _SegmentTracker:
                 if func is torch.ops.aten.addmm.default:
                     tracker.linear_bias = True
                 out = func(*args, **(kwargs or {}))
+                tracker.census.count(tracker.forward_segment(), "forward", func, args, kwargs or {}, out)
                 alive = tracker._forward_after(tree_leaves(out), tree_leaves((args, kwargs)))
                 if func is torch.ops.aten.convolution.default:  # with its output alive, as cuDNN runs
                     tracker.kernels.setdefault(tracker.forward_segment(), []).append(
@@ -618,6 +712,9 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
             # what the unit's own call saved; the rest of the segment's saved bytes are the root's ops
             # after it (kept under a unit's activation checkpointing)
             segments[-1]["unit_bytes"] = segments[-1]["activation_bytes"]
+            # the unit's own kernels (what a checkpointed unit runs again in backward), before the root's ops
+            # after it join its segment
+            segments[-1]["unit_census"] = bwd.census.of(len(segments) - 1, "forward")
 
         seg_modules = work.segment_modules(model)
         handles = [m.register_forward_pre_hook(pre_hook(name), with_kwargs=True) for name, m in seg_modules]
@@ -681,6 +778,16 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
         split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
         ends = bwd.segment_ends()
         made = bwd.segment_grads()
+        # each kept segment's kernels, with those of the segments dropped below (a parameter-free child that
+        # saved nothing: a ReLU module) folded into the kept one before it
+        census: dict = {}
+        kept = 0
+        for i, seg in enumerate(segments):
+            if i == 0 or seg["activation_bytes"] or seg["unit"] in units or seg["unit"] == "loss":
+                kept = i
+            both = census.setdefault(kept, [[0] * len(CENSUS_FIELDS), [0] * len(CENSUS_FIELDS)])
+            for mine, theirs in zip(both, (bwd.census.of(i, "forward"), bwd.census.of(i, "backward"))):
+                mine[:] = [a + b for a, b in zip(mine, theirs)]
         del loss, out
     return {
         "factory": factory_path,
@@ -701,6 +808,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
                                           peaks.get(i, (0, 0, 0)))),
                           backward_split=[list(p.get(i, (0, 0, 0))) for p in split],
                           backward_end=int(ends.get(i, 0)), grads_made=int(made.get(i, 0)),
+                          census=census.get(i, [[0] * len(CENSUS_FIELDS)] * 2),
                           kernels=bwd.segment_kernels(i, sum(x["activation_bytes"] for x in segments[:i])),
                           forward_bytes=max(0, bwd.fwd_peak.get(i, 0)
                                             - sum(x["activation_bytes"] for x in segments[:i])))
