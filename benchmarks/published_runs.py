@@ -126,11 +126,11 @@ def summary(table: list[dict]) -> dict:
 def format_table(table: list[dict]) -> str:
     def pct(x):
         return "   -  " if x is None else f"{100 * x:5.1f}%"
-    head = (f"{'source':<34} {'config':<58} {'published':>9} {'predicted':>9} {'error':>7} "
+    head = (f"{'source':<34} {'config':<66} {'published':>9} {'predicted':>9} {'error':>7} "
             f"{'MFU pub':>7} {'MFU pred':>8} {'fits':>4}")
     lines = [head, "-" * len(head)]
     for r in table:
-        lines.append(f"{r['source']:<34} {r['config']:<58} {r['published']:>9,.0f} {r['predicted']:>9,.0f} "
+        lines.append(f"{r['source']:<34} {r['config']:<66} {r['published']:>9,.0f} {r['predicted']:>9,.0f} "
                      f"{100 * r['error']:>+6.1f}% {pct(r['published_mfu']):>7} {pct(r['predicted_mfu']):>8} "
                      f"{'yes' if r['fits'] else 'NO':>4}")
     s = summary(table)

@@ -59,7 +59,10 @@ def test_table_is_the_issues_scope():
         assert 8 <= r["gpus"] <= 128 and r["gpus"] == r["nodes"] * r["gpus_per_node"], r["id"]
         assert r["global_batch"] == r["micro_batch"] * r["grad_accum"] * r["gpus"], r["id"]
         assert r["distplan_strategy"] in IMPLEMENTATION[r["source"]["repo"]], r["id"]
-        assert r["gpu"] in ("a100-80gb", "h100-sxm"), r["id"]
+        # the issue's A100 80GB and H100 SXM; torchtitan's 2024-12 rows name their H100's HBM2e and 500 W
+        assert r["gpu"] in ("a100-80gb", "h100-sxm", "h100-sxm-96gb-hbm2e"), r["id"]
+        if r["gpu"] == "h100-sxm-96gb-hbm2e":
+            assert "HBM2e" in r["gpu_published"] and "500 W" in r["gpu_published"], r["id"]
         params = pr._spec(r["model"]).param_count()
         assert 6e9 <= params <= 75e9, f"{r['id']}: {params:,} parameters"
         assert r["mfu_definition"] in DOC["mfu_definitions"], r["id"]
@@ -87,8 +90,9 @@ def test_llm_foundry_catalog_model_is_the_benchmarked_one(run):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 12's target is not met yet: median |error| 25.8%, max 47.9% (2026-11-24), every run but two "
-    "predicted faster than published; the H100 rows (+26% to +48%) far more than the A100 rows (-2% to +26%). "
+    "issue 12's target is not met yet: median |error| 25.8%, max 41.9% (2026-11-24), every run but two "
+    "predicted faster than published; the H100 rows (-2.5% to +42%, all but fms-fsdp's 7B +26% or more) far "
+    "more than the A100 rows (-2% to +26%). "
     "strict: when the model meets the target this xfail fails and must go"))
 def test_published_runs_within_issue_targets():
     """Issue 12: median |error| <= 15%, max |error| <= 30% over the whole table."""
@@ -100,8 +104,8 @@ def test_published_runs_within_issue_targets():
 
 
 def test_published_runs_no_worse_than_today():
-    """Where the model stands (2026-11-24: median 25.8%, max 47.9%): a change that moves the time model
+    """Where the model stands (2026-11-24: median 25.8%, max 41.9%): a change that moves the time model
     away from the published runs fails here; the issue's target is the xfail above."""
     table = pr.rows(DOC)
     errs = [abs(r["error"]) for r in table]
-    assert statistics.median(errs) <= 0.26 and max(errs) <= 0.49, "\n" + pr.format_table(table)
+    assert statistics.median(errs) <= 0.26 and max(errs) <= 0.43, "\n" + pr.format_table(table)
