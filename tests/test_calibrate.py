@@ -20,12 +20,6 @@ from distplan.validate import calibrate as cal
 
 MIB = 2**20
 
-needs_gflop_loader = pytest.mark.xfail(
-    "flop" not in loader._DIM_MAX, strict=True,
-    reason="catalog/loader.py: _DIM_MAX has no 'flop' bound, so any matmul_half_efficiency_gflop key raises "
-           "KeyError in _upper (not a calibrate bug; one line in the loader fixes it)")
-
-
 def run(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
@@ -183,7 +177,6 @@ def _h100_result(**over):
     return r
 
 
-@needs_gflop_loader
 def test_overlay_round_trips_through_load_catalog(tmp_path):
     r = _h100_result()
     written = cal.write_overlay(tmp_path, r)
@@ -216,7 +209,6 @@ def test_overlay_round_trips_through_load_catalog(tmp_path):
     assert g2.notes.count("Calibrated:") == 1
 
 
-@needs_gflop_loader
 def test_overlay_peak_flag_replaces_catalog_peak(tmp_path):
     r = _h100_result(peak_flops=700e12)
     cal.write_overlay(tmp_path, r)
@@ -224,7 +216,6 @@ def test_overlay_peak_flag_replaces_catalog_peak(tmp_path):
     assert load_catalog([tmp_path]).gpu("h100-sxm").flops["bf16"] == 700e12
 
 
-@needs_gflop_loader
 def test_overlay_new_gpu_entry(tmp_path):
     r = _h100_result(device_name="NVIDIA RTX 6000 Ada Generation", catalog_gpu=None, interconnect=None,
                      interconnect_keys=None, memory_bytes=48 * 2**30, hbm_bytes_per_s=960e9, peak_flops=364e12)
@@ -236,7 +227,6 @@ def test_overlay_new_gpu_entry(tmp_path):
     assert g.vendor == "nvidia" and g.matmul_efficiency == r["gpu_keys"]["matmul_efficiency_fraction"]
 
 
-@needs_gflop_loader
 def test_overlay_fp16_gpu_writes_its_fp16_peak(tmp_path):
     """A GPU without bf16 (V100) is measured in fp16 against its fp16 peak; --peak-tflops replaces that."""
     r = _h100_result(device_name="Tesla V100-SXM2-16GB", catalog_gpu="v100-16gb", dtype="fp16",
@@ -263,7 +253,6 @@ def test_overlay_yaml_has_no_anchors_and_only_unit_keys(tmp_path):
 
 # -- the measurements and the command on the CPU ----------------------------------------------------
 
-@needs_gflop_loader
 def test_cli_cpu_quick_end_to_end(tmp_path):
     out = tmp_path / "calib"
     r = CliRunner().invoke(main, ["calibrate", "--device", "cpu", "--quick", "--peak-tflops", "1",
@@ -393,7 +382,6 @@ def _fake_gpu_machine(monkeypatch, world=8, algos_fail=()):
     return calls, (busbw, lat, half)
 
 
-@needs_gflop_loader
 def test_gpu_orchestration_on_a_fake_node(monkeypatch, tmp_path):
     """The GPU-only glue (identification, peaks from the catalog, collectives per algorithm, the link fit,
     both overlay files) with the measurements replaced by known parameters."""
@@ -421,7 +409,6 @@ def test_gpu_orchestration_on_a_fake_node(monkeypatch, tmp_path):
     assert "interconnect nvlink4:" in text and "Ring/all_reduce on 8" in text and "(catalog: 0.803)" in text
 
 
-@needs_gflop_loader
 def test_cli_on_a_fake_gpu_node(monkeypatch, tmp_path):
     _fake_gpu_machine(monkeypatch, world=2)
     r = CliRunner().invoke(main, ["calibrate", "--quick", "--out", str(tmp_path), "--json"])

@@ -287,8 +287,8 @@ def match_gpu(device_name: str, memory_bytes: int, gpus: Sequence[Any]) -> Any |
     torch.cuda.get_device_name says it, e.g. 'NVIDIA H100 80GB HBM3') and its memory describe, or None.
 
     Candidates share the model token (h100, a100, mi300x, ...) with the entry's name or an alias; a
-    'PCIe' device prefers a '-pcie' entry and any other prefers one without; memory must agree within 10%
-    and the closest wins."""
+    'PCIe' device prefers a '-pcie' entry and any other prefers one without; an 'NVL' device takes only an
+    '-nvl' entry; memory must agree within 10% and the closest wins."""
     model = _model_token(device_name)
     if model is None:
         return None
@@ -301,6 +301,8 @@ def match_gpu(device_name: str, memory_bytes: int, gpus: Sequence[Any]) -> Any |
     pcie = "pcie" in toks
     same_form = [g for g in cands if ("pcie" in g.name) == pcie]
     cands = same_form or cands
+    if "nvl" in toks:  # an NVL card (H100 NVL: 94 GB) is neither the SXM part nor the PCIe one
+        cands = [g for g in cands if "nvl" in _tokens(g.name)]
     fits = [g for g in cands if abs(g.memory_bytes - memory_bytes) <= 0.10 * max(memory_bytes, 1)]
     if not fits:
         return None
