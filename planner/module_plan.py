@@ -1125,15 +1125,27 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
         names = ["single"]
 
     descs: dict[str, ModuleDesc] = {}
+    failed: dict[str, str] = {}  # regime -> the trace's one-line error
     profile_s = 0.0
     batchnorm = False
     for n in names:
         regime = _regime(precision, get_strategy(n).family)
-        if regime not in descs:
-            prof = profile(work, regime)
+        if regime not in descs and regime not in failed:
+            try:
+                prof = profile(work, regime)
+            except ValueError as exc:
+                # a model that traces in one regime and not another (transformers 5's MoE experts call
+                # grouped_mm, whose kernel takes bf16 only: fp32 weights under autocast fail, FSDP's bf16
+                # compute runs): the strategies of the regime that ran are planned, the others named
+                failed[regime] = str(exc)
+                continue
             descs[regime] = ModuleDesc.from_profile(prof)
             batchnorm = prof.get("batchnorm", False)
             profile_s += prof["profile_s"]
+    if not descs:
+        raise ValueError(next(iter(failed.values())))
+    dropped = [n for n in names if _regime(precision, get_strategy(n).family) in failed]
+    names = [n for n in names if n not in dropped]
     desc = next(iter(descs.values()))
     model = ModuleModel(desc.name, work.label, desc.param_count(), desc.units, layers=len(desc.units))
     train = ModuleTrain(model, precision=precision, optimizer=kw.get("optimizer") or "adamw",
@@ -1143,6 +1155,9 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                         input_shape=shape,
                         seq_len=shape[1] if hf else "-")
     notes = list(notes)
+    for regime, why in failed.items():
+        left = [n for n in dropped if _regime(precision, get_strategy(n).family) == regime]
+        notes.append(f"{', '.join(left)} not planned: the trace in {regime} failed ({why.split(': ', 2)[-1]})")
     flag = "--hf-config (trace)" if hf else "--module"
     if not hf and (kw.get("micro_batch") not in (None, 1) or kw.get("seq_len") not in (None, 2048)):
         notes.append("--micro-batch and --seq-len are ignored with --module: the batch is --input-shape's first dim")

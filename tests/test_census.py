@@ -116,3 +116,30 @@ def test_a_trace_only_model_is_timed_by_its_kernels_not_its_flops():
     big = desc.scaled(2 * desc.batch)
     assert mp.traced_compute(big, p.train, H100)[0] > fwd
     assert [c[4] for seg in big.census for c in seg] == [c[4] for seg in desc.census for c in seg]
+
+
+def test_a_mixture_of_experts_counts_each_tokens_experts_and_plans_what_traces():
+    """Mixtral (transformers 5: the experts in one `_grouped_mm`, which flop_counter has no formula for): the
+    census counts top-k experts per token, and a plan keeps the strategies whose regime traces (the kernel takes
+    bf16 only in torch 2.13: DDP's fp32 weights under autocast fail, FSDP's bf16 compute runs)."""
+    import json
+    cfg = EXAMPLES / "mixtral-4l.json"
+    c = json.loads(cfg.read_text())
+    b, s = 1, 512
+    prof = profile_hf(str(cfg), b, s, "bfloat16")
+    h, heads, kv, f = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    d = h // heads
+    attn = h * heads * d * 2 + 2 * h * kv * d  # q, o; k, v
+    router = h * c["num_local_experts"]
+    experts = c["num_experts_per_tok"] * 3 * h * f  # gate, up, down of each chosen expert
+    fwd = dict(zip(CENSUS_FIELDS, prof["segments"][1]["census"][0]))
+    assert fwd["gemm_flops"] == 2 * b * s * (attn + router + experts)
+    p = mp.module_spec_plan(dict(hf_config=str(cfg), gpus=8, gpu="h100-sxm", seq_len=s, micro_batch=b,
+                                 precision="bf16-mixed"), ())
+    planned = {r.name for r in p.results}
+    assert {"zero2", "zero3", "fsdp"} <= planned
+    missing = [n for n in ("ddp", "zero1") if n not in planned]
+    if missing:  # named, with the trace's reason, not silently dropped
+        assert any(n.startswith(f"{', '.join(missing)} not planned: the trace in autocast-bfloat16 failed")
+                   for n in p.notes), p.notes
+    assert all(r.time.compute_s > 0 for r in p.results)
