@@ -123,14 +123,18 @@ def peak_flops(flops: dict, precision: str) -> float:
     return flops.get(_DTYPE[precision]) or flops.get("fp32") or max(flops.values())
 
 
+def matmul_rates(flops: dict, eff: float, half_flop: float, precision: str) -> tuple[float, float, float]:
+    """(dense peak FLOP/s of the precision's matmul dtype, the large-GEMM rate peak x eff, the fixed seconds
+    every GEMM loses to tiles and waves). The half-efficiency size G is a tensor-core figure: a fixed time
+    G / (16-bit peak x eff) per GEMM, whatever its dtype."""
+    peak = peak_flops(flops, precision)
+    return peak, peak * eff, half_flop / (max(flops.get("bf16", 0.0), flops.get("fp16", 0.0), peak) * eff)
+
+
 @lru_cache(maxsize=512)
 def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     (flops, eff, half, hbm, hbm_eff, att_eff, att_bwd_eff, k_over, host_op) = key
-    flops = dict(flops)
-    peak = peak_flops(flops, train.precision)
-    rate = peak * eff
-    # the half-efficiency size G is a tensor-core figure: a fixed time G / (16-bit peak x eff) per GEMM
-    half = half / (max(flops.get("bf16", 0.0), flops.get("fp16", 0.0), peak) * eff)
+    peak, rate, half = matmul_rates(dict(flops), eff, half, train.precision)
     bw = hbm * hbm_eff
     m = train.model
     # One tensor-parallel rank's shapes (tp.py): heads, MLP columns and vocabulary / tp; the norms,

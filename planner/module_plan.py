@@ -81,7 +81,7 @@ from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
 from .config import CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every
 from .footprint import device_footprint
-from .kernels import peak_flops
+from .kernels import matmul_rates
 from .memory import (COMPONENTS, RESERVED_MARGIN, MemoryEstimate, Snapshot,
                      library_workspace_bytes, zero1_partition)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
@@ -872,10 +872,7 @@ def census_seconds(c: tuple, gpu, precision: str, backward: bool) -> float:
     backward attention efficiency, every other kernel by the bytes it moves at the achievable HBM bandwidth,
     and each kernel's launch overhead."""
     gemm_flops, gemms, attention, nbytes, kernels = c[:5]
-    peak = peak_flops(gpu.flops, precision)
-    rate = peak * gpu.matmul_efficiency
-    fixed = gpu.matmul_half_efficiency_flop / (max(gpu.flops.get("bf16", 0.0), gpu.flops.get("fp16", 0.0), peak)
-                                                * gpu.matmul_efficiency)
+    peak, rate, fixed = matmul_rates(gpu.flops, gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop, precision)
     att = peak * (gpu.attention_backward_efficiency if backward else gpu.attention_efficiency)
     return (gemm_flops / rate + gemms * fixed + attention / att + nbytes / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency)
             + kernels * gpu.kernel_overhead_s)
