@@ -98,18 +98,20 @@ what the device reports (an "80GB" H100 shows 79.6 GiB, a "24GB" L4 22.5 GiB, a 
 
 _GPU_PREFERENCE = ("h100-sxm", "h200", "b200", "a100-80gb", "a100-40gb", "l40s", "l4", "a10", "t4",
                    "v100-32gb", "v100-16gb", "mi300x", "mi250x")
+"""The parts a memory size alone names, most common first. Variants (the PCIe cards, whose SXM twins have the
+same memory; torchtitan's 96 GB HBM2e H100 at 500 W) are planned only when `--gpu` names them."""
 
 
 def gpu_for_memory(cat, memory_bytes: int, default: str) -> tuple[str, bool]:
     """(catalog GPU, matched) for `--gpu-mem` given without `--gpu`: the default GPU when its memory
-    matches, else the closest catalog GPU within GPU_MEMORY_MATCH (ties: the more common part), else
+    matches, else the closest of `_GPU_PREFERENCE` within GPU_MEMORY_MATCH (ties: the more common part), else
     (default, False): the default's FLOP/s and links with the given memory."""
     def off(e) -> float:
         return abs(e.memory_bytes - memory_bytes) / memory_bytes
     if off(cat.gpu(default)) <= GPU_MEMORY_MATCH:
         return cat.gpu(default).name, True
     rank = {n: i for i, n in enumerate(_GPU_PREFERENCE)}
-    near = [e for e in cat.entries("gpus") if off(e) <= GPU_MEMORY_MATCH]
+    near = [e for e in cat.entries("gpus") if off(e) <= GPU_MEMORY_MATCH and e.name in rank]
     if not near:
         return cat.gpu(default).name, False
     best = min(near, key=lambda e: (round(off(e), 2), rank.get(e.name, len(rank)), e.name))
