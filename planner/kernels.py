@@ -32,7 +32,7 @@ compiled; backward about twice), a round figure: the trace's kernel census (`mod
 counts 34 (fp32), 48 (bf16 autocast) and 38 (bf16) kernels in LlamaDecoderLayer's forward and 67 / 87 / 71
 in its backward, and for the memory-bound bytes of a block forward it agrees with the formulas below
 within 12% (backward 2.1-2.2x the forward's bytes, not 2x); on the step's compute time the two agree within
--3% to +8% at real width (tests/test_census.py).
+-6% to +8% at real width (tests/test_census.py).
 
 A sliding window no longer than the sequence makes transformers pass SDPA a mask (`activations._hf_mask`):
 the attention kernel then computes every tile (no causal halving) and GQA's K/V are repeated to every head
