@@ -140,7 +140,7 @@ class ModuleDesc:
     """Per segment of `segments`, the kernels its forward and backward launched and its unit's own forward
     (what a checkpointed unit runs again): ((forward, backward, unit forward), ...), each a tuple of
     `module_probe.CENSUS_FIELDS` (gemm FLOPs, gemms, attention FLOPs, bytes of the memory-bound kernels,
-    kernels, ATen ops). Empty: a profile without one (the step time is then FLOPs only)."""
+    kernels, ATen ops)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -173,10 +173,8 @@ class ModuleDesc:
                       int(s.get("backward_end", s["input_bytes"])), int(s.get("grads_made", -1)),
                       tuple((int(i), int(b)) for i, b in s.get("shared_inputs", ())))
                      for s in prof["segments"])
-        census = ()
-        if all("census" in s for s in prof["segments"]):
-            census = tuple((tuple(s["census"][0]), tuple(s["census"][1]), tuple(s.get("unit_census") or (0,) * 6))
-                           for s in prof["segments"])
+        census = tuple((tuple(s["census"][0]), tuple(s["census"][1]), tuple(s.get("unit_census") or (0,) * 6))
+                       for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
@@ -897,39 +895,18 @@ def traced_compute(desc: ModuleDesc, train: ModuleTrain, gpu) -> tuple[float, fl
 
 
 def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collectives: list,
-                gpu, st: Strategy | None = None) -> ModuleTime:
+                gpu, st: Strategy) -> ModuleTime:
     """One optimizer step: compute, the communication it cannot hide, and the optimizer step.
 
-    Compute, with a kernel census in the profile (`ModuleDesc.census`): `traced_compute` per micro-step (the
-    longer of the GPU's time and the host's), plus the optimizer step's passes over this rank's parameters by
-    bytes (compute._optimizer_bytes). Without one (an older profile): forward FLOPs x 3 (x 4 with full
-    checkpointing, x 3 + 1/K for every-K) at the GPU's achievable FLOP/s.
+    Compute: `traced_compute` per micro-step (the longer of the GPU's time and the host's), plus the
+    optimizer step's passes over this rank's parameters by bytes (compute._optimizer_bytes).
     Communication in forward/backward hides behind that phase's compute, except the last bucket or unit of
     backward and the optimizer-phase broadcasts, which nothing follows."""
     from .compute import _optimizer_bytes, _owned_elems
-    dtype = "fp32" if train.precision == "fp32" else ("fp16" if train.precision == "fp16-mixed" else "bf16")
-    try:
-        flops_s = gpu.achievable_flops(dtype)
-    except Exception:
-        flops_s = gpu.achievable_flops("bf16")
-    every = checkpoint_every(train.checkpointing)
-    n_units = len(desc.units) - any(u == "root" for u, _ in desc.units)
-    share = (len(range(0, n_units, every)) / n_units) if every and n_units else 0.0
-    mult = 3 + share  # a checkpointed unit runs its forward again in backward
-    train_flops = mult * desc.forward_flops * train.grad_accum
-    optimizer = 0.0
-    if desc.census:
-        fwd_s, bwd_s, host_s = traced_compute(desc, train, gpu)
-        gpu_s = fwd_s + bwd_s
-        micro = max(gpu_s, host_s)
-        compute = train.grad_accum * micro
-        fwd_share = fwd_s / gpu_s if gpu_s > 0 else 1 / mult
-        if st is not None:
-            optimizer = _optimizer_bytes(train, _owned_elems(train, cluster, st)) / (gpu.hbm_bytes_per_s
-                                                                                     * gpu.hbm_efficiency)
-    else:
-        compute = train_flops / flops_s
-        fwd_share = 1 / mult
+    fwd_s, bwd_s, host_s = traced_compute(desc, train, gpu)
+    compute = train.grad_accum * max(fwd_s + bwd_s, host_s)
+    fwd_share = fwd_s / (fwd_s + bwd_s) if fwd_s + bwd_s > 0 else 1 / 3
+    optimizer = _optimizer_bytes(train, _owned_elems(train, cluster, st)) / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency)
     fwd = sum(c.time_s for c in collectives if c.phase == "forward")
     # the last bucket's or the root's reduction, exposed on each micro-step that reduces
     reducing = train.grad_accum if train.sync_every else 1
@@ -940,7 +917,7 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
     exposed = max(0.0, fwd - compute * fwd_share) + max(0.0, bwd - compute * (1 - fwd_share)) + bwd_tail + opt
     step = compute + exposed + optimizer
     samples = desc.batch * train.grad_accum * cluster.gpus * train.tokens_per_sample
-    peak = gpu.peak_flops(dtype) if dtype in getattr(gpu, "flops", {}) else flops_s
+    peak = matmul_rates(gpu.flops, gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop, train.precision)[0]
     model_flops = 3 * desc.forward_flops * train.grad_accum  # no recompute: MFU, as compute.model_flops
     return ModuleTime(compute, sum(c.time_s for c in collectives), exposed, step,
                       samples / step if step > 0 else 0.0,
@@ -1199,15 +1176,10 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                      "attention by kernel, memory-bound ops by bytes, communication overlap), as --front-end "
                      "analytic prints it")
     else:
-        if all(d.census for d in descs.values()):
-            notes.append("step time: every kernel the traced step launched, timed by its FLOPs (GEMMs, attention) or "
-                         "the bytes it moves (the rest), with launch and host costs, plus exposed communication"
-                         + (" (eager kernels: torch.compile's fusion is not modelled for a traced model)"
-                            if kw.get("compile") else ""))
-        else:
-            notes.append("step time: the traced FLOPs x 3 at the GPU's achievable matmul rate, plus exposed "
-                         "communication; norms, elementwise ops, attention kernels and launches are not timed here, "
-                         "so it is optimistic")
+        notes.append("step time: every kernel the traced step launched, timed by its FLOPs (GEMMs, attention) or "
+                     "the bytes it moves (the rest), with launch and host costs, plus exposed communication"
+                     + (" (eager kernels: torch.compile's fusion is not modelled for a traced model)"
+                        if kw.get("compile") else ""))
     if hf:
         if twin is not None:
             unpaired = [r.name for r in results if not pair_reserved(r.memory, twin(r.name, desc.batch))]
