@@ -131,6 +131,11 @@ class GPU:
     host_op_s: float = 12e-6
     """CPU time of one eager PyTorch op (dispatch + launch): the step cannot run faster than its ops can
     be issued."""
+    sm_count: int | None = None
+    """Streaming multiprocessors (NVIDIA) or compute units (AMD) of one device, as
+    `torch.cuda.get_device_properties(i).multi_processor_count` reads it: the SMs an NCCL kernel's CTAs
+    (one per channel) take from the GEMMs it overlaps (planner/compute.py `sm_shares`). None: unknown, no
+    contention modelled."""
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype`; CatalogError naming the dtypes this GPU has."""
@@ -303,6 +308,7 @@ _SCHEMA: dict[str, _Kind] = {
             "attention_backward_efficiency": ("fraction", False),
             "kernel_overhead": ("seconds", False),
             "host_op": ("seconds", False),
+            "sm": ("count", False),
         },
         text={**_COMMON_TEXT, "vendor": True, "scale_up_link": True},
         enums={"vendor": (("nvidia", "amd", "intel", "other"), True)},
@@ -592,7 +598,7 @@ def _convert(path: Path, key: str, value: Any, suffix: str,
 _GPU_KERNEL_KEYS = {"matmul_half_efficiency": "matmul_half_efficiency_flop", "hbm_efficiency": "hbm_efficiency",
                     "attention_efficiency": "attention_efficiency",
                     "attention_backward_efficiency": "attention_backward_efficiency",
-                    "kernel_overhead": "kernel_overhead_s", "host_op": "host_op_s"}
+                    "kernel_overhead": "kernel_overhead_s", "host_op": "host_op_s", "sm": "sm_count"}
 """Optional GPU keys of the per-kernel time model -> GPU fields (defaults on the dataclass)."""
 
 

@@ -41,6 +41,7 @@ def clear_caches(catalog: bool = True) -> None:
         for obj in vars(mod).values():
             if callable(getattr(obj, "cache_clear", None)):
                 obj.cache_clear()
+    compute._WEIGHTED.clear()
     import sys
     traced = sys.modules.get(f"{__package__}.module_plan")  # traces, if any were made (needs torch)
     if traced is not None:

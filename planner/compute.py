@@ -30,8 +30,17 @@ Compute is the per-kernel model of `kernels.py` (GEMMs by shape, attention by ke
 by bytes, launches, the host's floor); the overlap model above hides communication behind its per-block
 forward and backward times.
 
-Known limitations: collectives that overlap compute are assumed not to slow it (SM contention
-ignored); no data-loader overhead.
+What overlap costs (`contention`, `sm_shares`): an NCCL collective's kernel holds one CTA per channel on
+as many SMs for as long as its data takes to move (`src/enqueue.cc` `ncclLaunchKernel`); the GEMMs and
+attention it overlaps run on the remaining SMs, so a window of compute w that overlaps communication c
+ends at max(c, w + phi x c), phi = channels / SMs x the share of compute in GEMMs and attention. The
+measured range: "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+Learning" (arXiv:2507.03114, abstract): overlapped compute 18.9% slower on average, 40% at most, on
+A100/H100/MI250/MI210; here 1 / (1 - phi) - 1 is 18% for an H100 under an inter-node collective (24
+channels of 132 SMs, phi = 0.155 at 85% GEMM time) and 8% inside one DGX H100 (12 channels).
+
+Known limitations: the contention counts SMs only (HBM traffic of NCCL's copies, wave-quantization tails
+and memory-bound kernels are not slowed); no data-loader overhead.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from .comm import _DTYPE_BYTES, Collective, Schedule, collective_schedule, schedule_totals
 from .activations import regime_for
@@ -157,11 +167,90 @@ def _owned_elems(train: TrainConfig, cluster: Cluster, s: Strategy) -> float:
     return math.ceil(P / n)
 
 
-def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Collective],
-                 compute: KernelTimes) -> float:
-    """Seconds of communication not hidden by compute, per optimizer step (module docstring model).
+@lru_cache(maxsize=1024)
+def sm_shares(cluster: Cluster, sm_count: int | None, shard_group: str, environ_key: tuple = ()) -> tuple:
+    """((collective group, share), ...): the fraction of a GPU's SMs that an NCCL kernel of that
+    data-parallel group holds while it runs. NCCL launches one CTA per channel
+    (`src/enqueue.cc` `ncclLaunchKernel`: `dim3 grid = {nChannels, 1, 1}`, up to NCCL_MAX_NTHREADS = 640
+    threads each) and the CTAs stay resident until the collective's data has moved, waiting on the network
+    included; a GEMM or flash-attention CTA needs most of an SM's shared memory, so it runs on the other
+    SMs. Channels: `footprint.ring_channels` per communicator (NCCL's topology search; NCCL_MAX_NCHANNELS
+    and NCCL_MIN_NCHANNELS apply). () where the GPU's SM count is unknown or nothing communicates."""
+    if not sm_count or cluster.gpus <= 1:
+        return ()
+    from .footprint import _footprint_for
+    groups = {"data_parallel": ("world", "dp", "dp_cp"), "shard": ("intra_node",), "replicate": ("inter_node",)}
+    out = []
+    for c in _footprint_for(cluster, cluster.gpus, shard_group, 1, environ_key).nccl:
+        share = min(1.0, c.channels / sm_count)
+        out += [(g, share) for g in groups.get(c.name, ())]
+    return tuple(out)
 
-    `compute`: the per-kernel times of one micro-step (`kernels.kernel_times`)."""
+
+def sm_bound_share(compute: KernelTimes) -> float:
+    """The share of a micro-step's GPU time in kernels that need whole SMs: GEMMs and attention (a
+    memory-bound kernel is limited by HBM and shares an SM with an NCCL CTA)."""
+    busy = compute.matmul_s + compute.attention_s
+    total = busy + compute.memory_bound_s + compute.launch_s
+    return busy / total if total > 0 else 0.0
+
+
+class Contention(NamedTuple):
+    """What the collectives that overlap compute take from it (`contention`)."""
+
+    shares: tuple
+    """((collective group, share of the GPU's SMs its NCCL kernel holds), ...) (`sm_shares`)."""
+    sm_bound: float
+    """Share of the compute that needs whole SMs (`sm_bound_share`)."""
+
+    def lost(self, group: str) -> float:
+        """Fraction of compute throughput lost while a collective of `group` runs."""
+        return dict(self.shares).get(group, 0.0) * self.sm_bound
+
+
+def contention(cluster: Cluster, strategy: str | Strategy, gpu, sm_bound: float) -> Contention | None:
+    """The SM shares of the strategy's communicators on `gpu` with `sm_bound` (`sm_bound_share`): a
+    collective of a group with share f slows the compute it overlaps by f x sm_bound. None where the GPU's
+    SM count is unknown."""
+    from .footprint import nccl_env
+    shares = sm_shares(cluster, getattr(gpu, "sm_count", None), get_strategy(strategy).shard_group, nccl_env())
+    return Contention(shares, sm_bound) if shares else None
+
+
+_WEIGHTED: dict = {}
+"""(id(schedule totals), shares) -> (the totals, {(op, phase, unit): SM-share-weighted seconds per call})."""
+
+
+def _share_weighted(schedule: list[Collective], sums, c: Contention) -> dict:
+    """{(op, phase, unit): seconds per call x its group's SM share}; x the SM-bound share, the compute
+    seconds lost per call while it overlaps compute. Kept per cached schedule (a sweep reuses them across
+    sequence lengths and micro-batches)."""
+    key = (id(sums), c.shares)
+    hit = _WEIGHTED.get(key)
+    if hit is None or hit[0] is not sums:
+        shares = dict(c.shares)
+        acc: dict[tuple, list] = {}
+        for col in schedule:
+            f = shares.get(col.group, 0.0)
+            if f:
+                a = acc.setdefault((col.op, col.phase, col.unit), [0.0, 0])
+                a[0] += f * col.time_s
+                a[1] += col.calls
+        if len(_WEIGHTED) > 8192:
+            _WEIGHTED.clear()
+        hit = _WEIGHTED[key] = (sums, {k: t / n for k, (t, n) in acc.items() if n})
+    return hit[1]
+
+
+def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Collective],
+                 compute: KernelTimes, lost: Contention | None = None) -> float:
+    """Seconds of communication not hidden by compute, per optimizer step (module docstring model), plus
+    the compute it slows while it overlaps.
+
+    `compute`: the per-kernel times of one micro-step (`kernels.kernel_times`). `lost`: what a collective
+    takes from the compute it overlaps (`contention`; None: nothing). A
+    window of compute w that overlaps communication c, during which compute runs at 1 - phi, ends at
+    max(c, w + phi x c): it costs max(c - w, phi x c) beyond w."""
     if not schedule:
         return 0.0
     s = get_strategy(strategy)
@@ -173,12 +262,20 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
     sums = schedule_totals(schedule)
     by_phase = sums.time_by_phase
     opt_comm = by_phase.get("optimizer", 0.0)
+    lpc, g = (_share_weighted(schedule, sums, lost), lost.sm_bound) if lost else ({}, 0.0)
+
+    def slowed(key: tuple) -> float:
+        """Compute seconds lost per call of the collectives of `key` while they overlap."""
+        return lpc.get(key, 0.0) * g
 
     if train.framework == "deepspeed" and strategy in ("zero1", "zero2", "zero3"):
         if strategy != "zero3":
             return sums.time_s
         fwd, bwd = by_phase.get("forward", 0.0), by_phase.get("backward", 0.0)
-        return max(0.0, fwd - A * (L * F_blk + F_head)) + max(0.0, bwd - A * bwd_total) + opt_comm
+        lf = g * sum(t * sums.per_call[k][1] for k, t in lpc.items() if k[1] == "forward")
+        lb = g * sum(t * sums.per_call[k][1] for k, t in lpc.items() if k[1] == "backward")
+        return (max(0.0, fwd - A * (L * F_blk + F_head), lf) + max(0.0, bwd - A * bwd_total, lb)
+                + opt_comm)
 
     # Micro-steps that reduce: the last one, or each with grad_sync='every' (the schedule's reductions
     # count all of them; each backward hides its own).
@@ -188,7 +285,8 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
         # overlap that micro-step's backward (DDP's Reducer launches each bucket when it is ready).
         last = sums.time_by_unit.get("last_bucket", 0.0) / R
         rest = sums.time_by_unit.get("bucket", 0.0) / R
-        return R * (last + max(0.0, rest - bwd_total)) + opt_comm
+        rest_lost = g * sum(t * sums.per_call[k][1] for k, t in lpc.items() if k[2] == "bucket") / R
+        return R * (last + max(0.0, rest - bwd_total, rest_lost)) + opt_comm
 
     # FSDP1 / FSDP2: per-unit walk with uniform blocks (closed form over L).
     pc, none = sums.per_call, (0.0, 0)
@@ -204,16 +302,19 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
     bwd_ag_steps = max(n_rb, n_bb // L if L else 0)
     total = 0.0
     # forward of a micro-step that all-gathers: root AG, block 0 AG exposed; block i hides AG(i+1)
-    fwd_exp = ag_rf + ag_bf + max(0, L - 1) * max(0.0, ag_bf - F_blk)
+    fwd_exp = ag_rf + ag_bf + max(0, L - 1) * max(0.0, ag_bf - F_blk, slowed(("all_gather", "forward", "block")))
     total += fwd_steps * fwd_exp
+    lag = slowed(("all_gather", "backward", "block"))
+    lred = (slowed(("reduce_scatter", "backward", "block")) + slowed(("all_reduce", "backward", "block")))
 
     def bwd_exposed(ag: float, agr: float, red: float, redr: float) -> float:
         """One micro-step's backward: its all-gathers (ag, agr) and, on the last, the reductions."""
         if ag == 0.0 and red == 0.0 and agr == 0.0:
             return 0.0
+        la, lr = (lag if ag else 0.0), (lred if red else 0.0)
         # root AG (if resharded) is needed before the head backward: exposed
-        exp = agr + max(0.0, ag - B_head)
-        exp += max(0, L - 1) * max(0.0, ag + red - B_blk)
+        exp = agr + max(0.0, ag - B_head, la)
+        exp += max(0, L - 1) * max(0.0, ag + red - B_blk, la + lr)
         exp += red + redr  # last block's and the root's reductions
         return exp
 
@@ -295,7 +396,7 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
     compute = train.grad_accum * kt.micro_step_s(train.model.layers) + kt.per_step_s
     sums = schedule_totals(schedule)
     comm = sums.time_s + tp_exposed
-    exposed = exposed_comm(train, s, schedule, kt) + tp_exposed
+    exposed = exposed_comm(train, s, schedule, kt, contention(cluster, s, gpu, sm_bound_share(kt))) + tp_exposed
     bw = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
     opt = _optimizer_bytes(train, _owned_elems(train, cluster, s)) / bw
     # Copies around the collectives (memory bound) and the host cost of each call; added, not overlapped.
@@ -383,10 +484,11 @@ def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str
     kt = kernel_times(train, gpu, regime_for(train, s.family))
     compute = train.grad_accum * kt.micro_step_s(train.model.layers) + kt.per_step_s
     target = target_fraction * compute
+    lost = contention(cluster, s, gpu, sm_bound_share(kt))  # the SMs NCCL holds do not depend on the bandwidth
 
     def exposed(bw: float) -> float:
         cl = replace(cluster, inter_bytes_per_s=bw)
-        return exposed_comm(train, strategy, collective_schedule(train, cl, strategy), kt)
+        return exposed_comm(train, strategy, collective_schedule(train, cl, strategy), kt, lost)
 
     if exposed(hi) > target:
         return math.inf

@@ -38,8 +38,9 @@ A sliding window no longer than the sequence makes transformers pass SDPA a mask
 the attention kernel then computes every tile (no causal halving) and GQA's K/V are repeated to every head
 first (`repeat_kv`), as the traced kernel census (`module_plan.census_seconds`) shows.
 
-Known limitations: no SM contention between NCCL kernels and compute; dropout masks
-are counted as one extra elementwise pass; fp32 GEMMs use the same efficiency as 16-bit ones.
+Known limitations: SM contention with NCCL's kernels is charged where communication overlaps compute
+(compute.py `contention`), not here; dropout masks are counted as one extra elementwise pass; fp32
+GEMMs use the same efficiency as 16-bit ones.
 """
 
 from __future__ import annotations

@@ -863,33 +863,37 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
                               for (op, group, n, dtype, msg, phase, unit), calls in raw.items()], cluster)
 
 
-def census_seconds(c: tuple, gpu, precision: str, backward: bool) -> float:
+def census_seconds(c: tuple, gpu, precision: str, backward: bool, sm_bound: bool = False) -> float:
     """GPU seconds of the kernels one census entry counts (`ModuleDesc.census`), by what bounds each, as
     `kernels.kernel_times` times a decoder's: GEMMs and convolutions by FLOPs at the matmul rate of the
     precision plus the fixed time each GEMM loses to tiles and waves, fused attention at the GPU's forward or
     backward attention efficiency, every other kernel by the bytes it moves at the achievable HBM bandwidth,
-    and each kernel's launch overhead."""
+    and each kernel's launch overhead. `sm_bound`: the GEMMs' and attention's seconds only (the kernels
+    that need whole SMs, `compute.sm_bound_share`)."""
     gemm_flops, gemms, attention, nbytes, kernels = c[:5]
     peak, rate, fixed = matmul_rates(gpu.flops, gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop, precision)
     att = peak * (gpu.attention_backward_efficiency if backward else gpu.attention_efficiency)
-    return (gemm_flops / rate + gemms * fixed + attention / att + nbytes / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency)
-            + kernels * gpu.kernel_overhead_s)
+    busy = gemm_flops / rate + gemms * fixed + attention / att
+    if sm_bound:
+        return busy
+    return busy + nbytes / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency) + kernels * gpu.kernel_overhead_s
 
 
-def traced_compute(desc: ModuleDesc, train: ModuleTrain, gpu) -> tuple[float, float, float]:
+def traced_compute(desc: ModuleDesc, train: ModuleTrain, gpu, sm_bound: bool = False) -> tuple[float, float, float]:
     """(forward, backward with its recompute, host) seconds of one micro-step from the traced kernels: the
     forward and backward of every segment, the forward of each checkpointed unit again in backward, and the
-    host's time to issue every ATen op (`gpu.host_op_s` each: a step is never faster than its host)."""
+    host's time to issue every ATen op (`gpu.host_op_s` each: a step is never faster than its host).
+    `sm_bound`: forward and backward count GEMMs and attention only (`census_seconds`)."""
     every = checkpoint_every(train.checkpointing)
     unit_names = [s[0] for s in desc.segments if s[0] not in ("root", "loss")]
     again = set(unit_names[::every]) if every else set()
     fwd = bwd = ops = 0.0
     for seg, (f, b, own) in zip(desc.segments, desc.census):
-        fwd += census_seconds(f, gpu, train.precision, False)
-        bwd += census_seconds(b, gpu, train.precision, True)
+        fwd += census_seconds(f, gpu, train.precision, False, sm_bound)
+        bwd += census_seconds(b, gpu, train.precision, True, sm_bound)
         ops += f[5] + b[5]
         if seg[0] in again:
-            bwd += census_seconds(own, gpu, train.precision, False)
+            bwd += census_seconds(own, gpu, train.precision, False, sm_bound)
             ops += own[5]
     return fwd, bwd, ops * gpu.host_op_s
 
@@ -901,8 +905,9 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
     Compute: `traced_compute` per micro-step (the longer of the GPU's time and the host's), plus the
     optimizer step's passes over this rank's parameters by bytes (compute._optimizer_bytes).
     Communication in forward/backward hides behind that phase's compute, except the last bucket or unit of
-    backward and the optimizer-phase broadcasts, which nothing follows."""
-    from .compute import _optimizer_bytes, _owned_elems
+    backward and the optimizer-phase broadcasts, which nothing follows; while it overlaps, the SMs NCCL
+    holds slow the GEMMs and attention (`compute.contention`, as `compute.exposed_comm` charges it)."""
+    from .compute import _optimizer_bytes, _owned_elems, contention
     fwd_s, bwd_s, host_s = traced_compute(desc, train, gpu)
     compute = train.grad_accum * max(fwd_s + bwd_s, host_s)
     fwd_share = fwd_s / (fwd_s + bwd_s) if fwd_s + bwd_s > 0 else 1 / 3
@@ -914,7 +919,18 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
                    if c.phase == "backward" and c.unit in ("last_bucket", "root"))
     bwd = sum(c.time_s for c in collectives if c.phase == "backward") - bwd_tail
     opt = sum(c.time_s for c in collectives if c.phase == "optimizer")
-    exposed = max(0.0, fwd - compute * fwd_share) + max(0.0, bwd - compute * (1 - fwd_share)) + bwd_tail + opt
+    lost_f = lost_b = 0.0
+    if fwd + bwd > 0 and fwd_s + bwd_s > 0:
+        busy = sum(traced_compute(desc, train, gpu, sm_bound=True)[:2]) / (fwd_s + bwd_s)
+        cont = contention(cluster, st, gpu, busy)
+        if cont is not None:
+            lost_f = sum(cont.lost(c.group) * c.time_s for c in collectives if c.phase == "forward")
+            # the tail (last bucket, root) runs after the backward's compute: it slows nothing
+            lost_b = sum(cont.lost(c.group) * c.time_s * (1 - min(c.calls, reducing) / max(1, c.calls)
+                                                          if c.unit in ("last_bucket", "root") else 1)
+                         for c in collectives if c.phase == "backward")
+    exposed = (max(0.0, fwd - compute * fwd_share, lost_f) + max(0.0, bwd - compute * (1 - fwd_share), lost_b)
+               + bwd_tail + opt)
     step = compute + exposed + optimizer
     samples = desc.batch * train.grad_accum * cluster.gpus * train.tokens_per_sample
     peak = matmul_rates(gpu.flops, gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop, train.precision)[0]

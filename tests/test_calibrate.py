@@ -354,7 +354,7 @@ def _fake_gpu_machine(monkeypatch, world=8, algos_fail=()):
     """calibrate('cuda') on this CPU: a fake 8x H100 node whose measurements follow known parameters."""
     info = {"device": "cuda", "torch": "2.13.0", "cuda": "12.8", "hip": None, "date": "2026-01-02",
             "device_name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85_045_000_000, "device_count": world,
-            "uuid": "", "nccl": "2.27.3", "nccl_algo": None}
+            "uuid": "", "nccl": "2.27.3", "nccl_algo": None, "sm_count": 132}
     meas = _synthetic_meas()
     calls = []
     busbw, lat, half = 0.8 * 450e9, 1.5e-6, 4 * MIB
@@ -405,8 +405,10 @@ def test_gpu_orchestration_on_a_fake_node(monkeypatch, tmp_path):
     assert link.busbw_efficiency == 0.8 and link.half_efficiency_bytes == pytest.approx(4 * MIB, rel=0.01)
     assert any("8 GPUs, all_reduce, NCCL_ALGO=Ring" in s and cal.MEASURED_TAG in s for s in link.source)
     assert len(written) == 2 and cat.gpu("h100").matmul_efficiency == 0.75
+    assert r["gpu_keys"]["sm_count"] == 132 and cat.gpu("h100").sm_count == 132  # the device's own count
     text = cal.render(r, written, str(tmp_path))
     assert "interconnect nvlink4:" in text and "Ring/all_reduce on 8" in text and "(catalog: 0.803)" in text
+    assert "sm_count: 132   (catalog: 132)" in text
 
 
 def test_cli_on_a_fake_gpu_node(monkeypatch, tmp_path):
@@ -446,6 +448,7 @@ def test_gpu_quick_calibration(tmp_path):
     assert 0.2 < k["matmul_efficiency_fraction"] <= 1 and 0.3 < k["hbm_efficiency_fraction"] <= 1
     assert 0.05 < k["attention_efficiency_fraction"] <= 1 and 0.05 < k["attention_backward_efficiency_fraction"] <= 1
     assert 0.5 < k["kernel_overhead_us"] < 50 and 1 < k["host_op_us"] < 200
+    assert k["sm_count"] == torch.cuda.get_device_properties(0).multi_processor_count
     assert r["measurements"]["matmul_fit"]["rel_rms"] < 0.3
     if "flop" in loader._DIM_MAX:
         written = cal.write_overlay(tmp_path, r)

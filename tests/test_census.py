@@ -118,6 +118,23 @@ def test_a_trace_only_model_is_timed_by_its_kernels_not_its_flops():
     assert [c[4] for seg in big.census for c in seg] == [c[4] for seg in desc.census for c in seg]
 
 
+def test_a_traced_models_overlapped_collectives_slow_its_kernels():
+    """module_time charges what overlapping costs as compute.exposed_comm does: NCCL's CTAs hold SMs the
+    GEMMs and attention would use (compute.contention), by the census's share of GEMM and attention time."""
+    kw = dict(hf_config=str(EXAMPLES / "olmo2-8l.json"), gpus=16, gpu="h100-sxm", seq_len=2048, micro_batch=4,
+              precision="bf16-mixed")
+    p = mp.module_spec_plan(kw, ["zero3"])
+    r = p.results[0]
+    desc = p.descs[mp._regime("bf16-mixed", "fsdp2")]
+    plain = mp.module_time(desc, p.train, p.cluster, r.collectives, replace(H100, sm_count=None), r.strategy)
+    assert r.time.compute_s == plain.compute_s and r.time.step_time_s > plain.step_time_s
+    fwd, bwd, _ = mp.traced_compute(desc, p.train, H100)
+    busy = sum(mp.traced_compute(desc, p.train, H100, sm_bound=True)[:2])
+    assert 0 < busy < fwd + bwd
+    overlapped = sum(c.time_s for c in r.collectives if c.phase != "optimizer")
+    assert r.time.exposed_comm_s - plain.exposed_comm_s <= 24 / 132 * busy / (fwd + bwd) * overlapped + 1e-12
+
+
 def test_a_mixture_of_experts_counts_each_tokens_experts_and_plans_what_traces():
     """Mixtral (transformers 5: the experts in one `_grouped_mm`, which flop_counter has no formula for): the
     census counts top-k experts per token, and a plan keeps the strategies whose regime traces (the kernel takes

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from distplan.planner.comm import collective_schedule
-from distplan.planner.compute import (exposed_comm, model_flops, required_inter_bandwidth, step_flops,
-                                      step_time)
+from distplan.planner.compute import (contention, exposed_comm, model_flops, required_inter_bandwidth,
+                                      sm_bound_share, step_flops, step_time)
 from distplan.catalog.loader import load_catalog
 from distplan.planner.activations import regime_for
 from distplan.planner.config import Cluster, TrainConfig
@@ -81,6 +81,58 @@ def test_step_time_parts():
     assert single.exposed_comm_s == 0 and single.comm_s == 0
 
 
+def test_nccl_holds_one_sm_per_channel():
+    """sm_shares: NCCL's channels (footprint.ring_channels, one CTA each) over the GPU's SMs, per group."""
+    from distplan.planner.compute import sm_shares
+    from distplan.planner.footprint import ring_channels, Topology
+    assert H100.sm_count == 132  # the H100 whitepaper's SXM5 figure
+    one = dict(sm_shares(_cluster(1), 132, "world", ()))
+    assert one["world"] == pytest.approx(12 / 132)  # 6 channels at 60 GB/s over 18 NVLink4 links, doubled
+    two = dict(sm_shares(_cluster(2), 132, "world", ()))
+    assert two["world"] == pytest.approx(24 / 132)  # sm90 across nodes: doubled again
+    # NCCL_MAX_NCHANNELS caps them, as NCCL does
+    assert dict(sm_shares(_cluster(2), 132, "world", (("NCCL_MAX_NCHANNELS", "4"),)))["world"] == pytest.approx(4 / 132)
+    # HSDP: the shard group inside the node and the replica group across nodes, each its own communicator
+    h = dict(sm_shares(_cluster(2), 132, "node", ()))
+    assert h["intra_node"] == pytest.approx(12 / 132) and "inter_node" in h and "world" not in h
+    topo = Topology(8, 8, 90, "nvlink", 18 * 20.6, True)
+    assert ring_channels(topo, {}, 0)[0] == 12
+    # an unknown SM count or a single GPU: no contention
+    assert sm_shares(_cluster(2), None, "world", ()) == () and sm_shares(Cluster(gpus=1), 132, "world", ()) == ()
+    assert contention(_cluster(2), "zero3", replace(H100, sm_count=None), 0.9) is None
+
+
+def test_overlapped_communication_slows_the_compute_it_overlaps():
+    """A window of compute w overlapping communication c, compute running at 1 - phi meanwhile, ends at
+    max(c, w + phi c): DDP's buckets (all but the last) overlap the backward."""
+    tr = TrainConfig(model=L7, seq_len=4096, micro_batch=2, precision="bf16-mixed")
+    kt = kernel_times(tr, H100, regime_for(tr, "ddp"))
+    g = sm_bound_share(kt)
+    assert 0.5 < g < 1  # a 7B model's step is mostly GEMMs and attention (autocast: 67%)
+    fast = _cluster(2, 400e9)
+    sched = collective_schedule(tr, fast, "ddp")
+    lost = contention(fast, "ddp", H100, g)
+    phi = lost.lost("world")
+    assert phi == pytest.approx(24 / 132 * g)
+    rest = sum(c.time_s for c in sched if c.unit == "bucket")
+    bwd = tr.model.layers * kt.block_backward_s + kt.head_backward_s
+    assert 0 < rest < bwd * (1 - phi)  # hidden: the buckets only slow the backward
+    assert (exposed_comm(tr, "ddp", sched, kt, lost) - exposed_comm(tr, "ddp", sched, kt)
+            == pytest.approx(phi * rest))
+    # a slow network: the communication outlasts the slowed compute, the window is the communication
+    slow = _cluster(2, 1e9)
+    sched = collective_schedule(tr, slow, "ddp")
+    assert sum(c.time_s for c in sched if c.unit == "bucket") * (1 - phi) > bwd
+    assert exposed_comm(tr, "ddp", sched, kt, lost) == pytest.approx(exposed_comm(tr, "ddp", sched, kt))
+    # FSDP: every block's prefetch and reduce-scatter slow the block they overlap; step_time charges it
+    st = step_time(tr, fast, "fsdp", gpu=H100)
+    plain = step_time(tr, fast, "fsdp", gpu=replace(H100, sm_count=None))
+    assert plain.compute_s == st.compute_s and plain.comm_s == st.comm_s
+    extra = st.exposed_comm_s - plain.exposed_comm_s
+    hidden = st.comm_s - plain.exposed_comm_s  # what overlapped
+    assert 0 < extra <= 24 / 132 * hidden
+
+
 def test_required_bandwidth_makes_exposure_5_percent():
     tr = TrainConfig(model=L7, seq_len=2048, micro_batch=8, precision="bf16-mixed")
     cl = _cluster(4)
@@ -90,9 +142,12 @@ def test_required_bandwidth_makes_exposure_5_percent():
         kt = kernel_times(tr, H100, regime_for(tr, "fsdp1" if strategy != "ddp" else "ddp"))
         compute = kt.micro_step_s(tr.model.layers) + kt.per_step_s
 
+        lost = contention(cl, strategy, H100, sm_bound_share(kt))  # NCCL's CTAs slow the compute they overlap
+        assert lost
+
         def exp(b):
             c = replace(cl, inter_bytes_per_s=b)
-            return exposed_comm(tr, strategy, collective_schedule(tr, c, strategy), kt)
+            return exposed_comm(tr, strategy, collective_schedule(tr, c, strategy), kt, lost)
 
         assert exp(bw) <= 0.05 * compute * (1 + 1e-9)
         assert exp(bw / 1.01) > 0.05 * compute  # just below it, more than 5%

@@ -90,9 +90,9 @@ def test_llm_foundry_catalog_model_is_the_benchmarked_one(run):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 12's target is not met yet: median |error| 25.8%, max 41.9% (2026-11-24), every run but two "
-    "predicted faster than published; the H100 rows (-2.5% to +42%, all but fms-fsdp's 7B +26% or more) far "
-    "more than the A100 rows (-2% to +26%). "
+    "issue 12's target is not met yet: median |error| 17.8%, max 38.4% (2026-11-25), every run but four "
+    "predicted faster than published; the H100 rows (-2.8% to +38%; torchtitan's and llm-foundry's +24% to "
+    "+38%) far more than the A100 rows (-2% to +22%). "
     "strict: when the model meets the target this xfail fails and must go"))
 def test_published_runs_within_issue_targets():
     """Issue 12: median |error| <= 15%, max |error| <= 30% over the whole table."""
@@ -104,8 +104,9 @@ def test_published_runs_within_issue_targets():
 
 
 def test_published_runs_no_worse_than_today():
-    """Where the model stands (2026-11-24: median 25.8%, max 41.9%): a change that moves the time model
-    away from the published runs fails here; the issue's target is the xfail above."""
+    """Where the model stands (2026-11-25: median 17.8%, max 38.4%, since overlapped collectives slow the
+    compute they overlap): a change that moves the time model away from the published runs fails here; the
+    issue's target is the xfail above."""
     table = pr.rows(DOC)
     errs = [abs(r["error"]) for r in table]
-    assert statistics.median(errs) <= 0.26 and max(errs) <= 0.43, "\n" + pr.format_table(table)
+    assert statistics.median(errs) <= 0.18 and max(errs) <= 0.39, "\n" + pr.format_table(table)

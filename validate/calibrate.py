@@ -520,7 +520,8 @@ def _device_info(device: str) -> dict:
     if device == "cuda":
         p = torch.cuda.get_device_properties(0)
         info.update(device_name=torch.cuda.get_device_name(0), memory_bytes=int(p.total_memory),
-                    device_count=torch.cuda.device_count(), uuid=str(getattr(p, "uuid", "") or ""))
+                    device_count=torch.cuda.device_count(), uuid=str(getattr(p, "uuid", "") or ""),
+                    sm_count=int(p.multi_processor_count))
         try:
             info["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
         except Exception:  # no NCCL in this build (ROCm: RCCL reports the same way, or not)
@@ -714,6 +715,8 @@ def calibrate(device: str = "cuda", quick: bool = False, peak_tflops: float | No
     finally:
         torch.set_num_threads(threads)
     keys, notes = fit_gpu(meas, peak, hbm)
+    if info.get("sm_count"):  # the SMs NCCL's CTAs share with the GEMMs (planner/compute.py sm_shares)
+        keys["sm_count"] = info["sm_count"]
 
     link_keys, link_fits, coll = None, {}, {}
     link = cat.interconnect(entry.scale_up_link) if entry is not None else None
@@ -964,7 +967,8 @@ def render(result: dict, written: Sequence[str], out_dir: str) -> str:
         "attention_efficiency_fraction": old.attention_efficiency,
         "attention_backward_efficiency_fraction": old.attention_backward_efficiency,
         "matmul_half_efficiency_gflop": old.matmul_half_efficiency_flop / 1e9,
-        "kernel_overhead_us": old.kernel_overhead_s * 1e6, "host_op_us": old.host_op_s * 1e6}
+        "kernel_overhead_us": old.kernel_overhead_s * 1e6, "host_op_us": old.host_op_s * 1e6,
+        **({"sm_count": old.sm_count} if old.sm_count else {})}
     lines.append(f"catalog gpu: {result['catalog_gpu'] or '(none: a new entry)'}")
     m = result["measurements"]
     lines.append(f"  large GEMM {m['matmul_fit']['rate_flops'] / 1e12:.4g} TFLOP/s, memory "
