@@ -334,7 +334,8 @@ class StrategyResult:
 
     @property
     def required_inter_bytes_per_s(self) -> float | None:
-        """Per-node inter-node bandwidth (bytes/s) at which this strategy's communication would hide."""
+        """Per-node inter-node bandwidth (bytes/s) at which this strategy's communication would hide: what it
+        exposes, and the compute it slows while it overlaps, at most 5% of compute."""
         if callable(self._required):
             self._required = (self._required(),)
         return self._required[0] if isinstance(self._required, tuple) else self._required

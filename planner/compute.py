@@ -460,7 +460,8 @@ def _gpu(name: str, catalog_dirs: tuple = ()):
 def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str, *, gpu=None,
                              target_fraction: float = 0.05, lo: float = 1e6, hi: float = 1e14,
                              rel_tol: float = 1e-3) -> float | None:
-    """Per-node inter-node bandwidth (bytes/s) at which exposed comm <= target_fraction x compute.
+    """Per-node inter-node bandwidth (bytes/s) at which exposed comm (with the compute that overlapped
+    collectives slow, `contention`) <= target_fraction x compute.
 
     Bisection on `cluster.inter_bytes_per_s` (geometric, exposure is non-increasing in it). None for a
     single-node cluster or a strategy with no inter-node traffic; math.inf when even `hi` does not
