@@ -230,15 +230,13 @@ def _share_weighted(schedule: list[Collective], sums, c: Contention) -> dict:
     if hit is None or hit[0] is not sums:
         shares = dict(c.shares)
         acc: dict[tuple, list] = {}
-        for col in schedule:
-            f = shares.get(col.group, 0.0)
-            if f:
-                a = acc.setdefault((col.op, col.phase, col.unit), [0.0, 0])
-                a[0] += f * col.time_s
-                a[1] += col.calls
+        for col in schedule:  # per call of the key, over all its calls (as sums.per_call averages)
+            a = acc.setdefault((col.op, col.phase, col.unit), [0.0, 0])
+            a[0] += shares.get(col.group, 0.0) * col.time_s
+            a[1] += col.calls
         if len(_WEIGHTED) > 8192:
             _WEIGHTED.clear()
-        hit = _WEIGHTED[key] = (sums, {k: t / n for k, (t, n) in acc.items() if n})
+        hit = _WEIGHTED[key] = (sums, {k: t / n for k, (t, n) in acc.items() if n and t})
     return hit[1]
 
 
