@@ -128,9 +128,14 @@ class GPU:
     """Flash-attention backward FLOP/s / dense peak (the backward does 2.5x the forward's matmuls)."""
     kernel_overhead_s: float = 4e-6
     """GPU time a kernel costs beyond its work (launch gap, ramp-up and tail), seconds."""
-    host_op_s: float = 12e-6
-    """CPU time of one eager PyTorch op (dispatch + launch): the step cannot run faster than its ops can
-    be issued."""
+    host_op_s: float = 16.7e-6
+    """Host time per ATen op of an eager training step (Python, dispatch, launch; `kernels.host_ops`
+    counts the ops): the step cannot run faster than its ops can be issued. A property of the host and
+    the PyTorch build more than of the GPU. Default: measured on the H100 machine of
+    benchmarks/results/h100-torch2.11-2026-11-23.jsonl (torch 2.11, CUDA 13): its six host-bound
+    single-GPU probes (the reference decoder, 4 layers, 512 tokens) took 15.2-23.1 ms per step for
+    kernels.host_ops' 0.85-1.26 thousand ops, 14.2-19.0 us per op, geometric mean 16.7 us.
+    `distplan calibrate` measures it the same way on the user's machine."""
     sm_count: int | None = None
     """Streaming multiprocessors (NVIDIA) or compute units (AMD) of one device, as
     `torch.cuda.get_device_properties(i).multi_processor_count` reads it: the SMs an NCCL kernel's CTAs

@@ -54,7 +54,7 @@ from .comm import _DTYPE_BYTES, Collective, Schedule, collective_schedule, sched
 from .activations import regime_for
 from .config import Cluster, TrainConfig
 from .model import TPRankSpec
-from .kernels import KernelTimes, kernel_times, peak_flops
+from .kernels import KernelTimes, kernel_times, optimizer_host_ops, param_tensors, peak_flops
 
 from .strategies import Strategy, get_strategy
 
@@ -397,6 +397,8 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
     exposed = exposed_comm(train, s, schedule, kt, contention(cluster, s, gpu, sm_bound_share(kt))) + tp_exposed
     bw = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
     opt = _optimizer_bytes(train, _owned_elems(train, cluster, s)) / bw
+    # the optimizer's ops are issued by the host too: a small model's step waits for them
+    opt = max(opt, optimizer_host_ops(train, param_tensors(train.model, s.family)) * gpu.host_op_s)
     # Copies around the collectives (memory bound) and the host cost of each call; added, not overlapped.
     overhead = copy_bytes(train, s, schedule) / bw
     overhead += COLLECTIVE_LAUNCH_S * (sums.calls + tp_calls)

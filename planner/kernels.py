@@ -24,8 +24,10 @@ Every op of a decoder block is timed by what bounds it:
   inputs and writes its outputs once; GEMMs, attention and the loss (outside the compiled blocks, as
   torchtitan compiles per block) are unchanged.
 - **Launches**: every kernel costs `gpu.kernel_overhead_s` of GPU time beyond its work, and the step
-  cannot be faster than the host issues its ops (`gpu.host_op_s` per eager op; the CPU-bound floor of
-  small models).
+  cannot be faster than the host issues its ops (`gpu.host_op_s` per dispatched ATen op; the CPU-bound
+  floor of small models). The ops are counted per block from the reference decoder's forward and
+  backward (`host_ops`: every ATen op a TorchDispatchMode sees, views included, as the traced census
+  counts them), the optimizer's per step (`optimizer_host_ops`).
 
 Kernel and op counts per block are those of transformers' Llama (forward ~45 kernels eager, ~12
 compiled; backward about twice), a round figure: the trace's kernel census (`module_probe._KernelCensus`)
@@ -56,7 +58,7 @@ _EAGER_FWD_KERNELS, _COMPILED_FWD_KERNELS = 45, 12
 norms, ~10 for rotary, the casts and adds); compiled, the 7 GEMMs, attention and ~4 fused pointwise
 kernels. Backward issues about twice as many."""
 _HOST_OPS_PER_KERNEL = 1.3
-"""Eager ops (views, transposes, reshapes included) per kernel launched: host cost of ops that launch nothing."""
+"""Compiled blocks: host calls per kernel the Inductor wrapper launches (the eager count is `host_ops`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,9 +281,129 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
                          if train.checkpointing.startswith("every-")
                          else fwd_kernels - gemms - attn_kernels if train.checkpointing.startswith("selective")
                          else 0)
-    host = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
+    if compiled:
+        host = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
+    else:
+        ops_fwd, ops_bwd, out_fwd, out_bwd = host_ops(train, regime)
+        host = (L * (ops_fwd + ops_bwd) + out_fwd + out_bwd) * host_op
     matmul = L * (3 * gemm_fwd + recompute_gemm) + 3 * head_gemm
     attention = L * (attn_fwd + attn_bwd + recompute_attn)
     memory = (L * (3 * mem_fwd + recompute_mem) + (head_mem_fwd + head_mem_bwd) / bw)
     launch = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * k_over
     return KernelTimes(block_fwd, block_bwd, head_fwd, head_bwd, per_step, host, matmul, attention, memory, launch)
+
+
+_RECOMPUTE_OPS = {"full": 1.9, "selective": 1.6, "selective-op": 1.8}
+"""Ops a checkpointed block's backward dispatches again per op of its forward: the forward's ops re-run
+plus `torch.utils.checkpoint`'s own (the saved-tensor unpacking, the policy's detaches), counted on the
+reference decoder: full 1.76-2.13 (1.9 for Llama-style fp32 blocks), op-level selective 1.53-1.71,
+torchtitan's every-other-mm policy 1.70-1.98."""
+_POLICY_FWD_OPS = {"selective": 6, "selective-op": 3}
+"""Ops an op-level policy adds to a block's forward (the saved outputs' detaches): counted 5-8 and 1-5."""
+
+
+def host_ops(train: TrainConfig, regime: str) -> tuple[float, float, float, float]:
+    """ATen ops the host dispatches for one micro-step in eager mode: (one block's forward, one block's
+    backward with its recompute, the forward and the backward outside the blocks), every op that a
+    `TorchDispatchMode` sees, views and reshapes included (each costs the host a dispatch).
+
+    Counted on the reference decoder (`validate.model.Decoder`, torch 2.13, CPU: the ops are the device's)
+    by varying one feature at a time (benchmarks/host_ops.py prints the counts; tests/test_kernels.py
+    checks this function against a live count): a block's forward is 4 ops per Linear (view, t, mm,
+    _unsafe_view), 7 per RMSNorm (pow, mean, add, rsqrt, two muls, the fp32 cast where it is one) or 1 per
+    LayerNorm, 12 for RoPE on q and k, 12 around attention (q/k/v views and transposes, SDPA, the output's
+    transpose and reshape, two residual adds) and the MLP's activation (SwiGLU 2, GELU 1); its backward 8
+    per Linear and 3 more per bias, 17 per RMSNorm or 2 per LayerNorm, 16 for RoPE, 22 around attention,
+    5 for SwiGLU or 1 for GELU. Autocast casts each Linear's input and weight (and bias) in forward and
+    their gradients in backward: 2 ops per Linear and 1 per bias each way; in 16 bits each RMSNorm's two
+    casts (and RoPE's cos/sin casts in forward) are real ops; autocast's forward counts 2 fewer than its
+    backward (measured) and RoPE's casts. Eager attention (matmul, scale, mask,
+    softmax, matmul, and GQA's repeat_interleave) adds 21 ops each way, 6 and 4 more with GQA.
+    Transformers' modeling code (`ModelSpec.hf_model_type`) dispatches more: `_HF_EXTRA_OPS`.
+
+    Not modelled (estimates): Qwen3's q/k RMSNorms and Gemma-2's sandwich norms count as RMSNorms, GPT-2's
+    `gelu_new` as 8 forward and 15 backward elementwise ops, each dropout as one op each way.
+    """
+    m = train.model
+    lin = block_linears(m)
+    n_lin, n_bias = len(lin), sum(1 for _, _, b in lin if b)
+    rms = m.norm != "layernorm"
+    norms = (4 if m.sandwich_norms else 2) + (2 if m.qk_norm else 0)
+    rope = m.position == "rope"
+    fwd = 4 * n_lin + norms * (7 if rms else 1) + (12 if rope else 0) + 12
+    bwd = 8 * n_lin + 3 * n_bias + norms * (17 if rms else 2) + (16 if rope else 0) + 22
+    if m.mlp == "swiglu":
+        fwd, bwd = fwd + 2, bwd + 5
+    elif m.activation == "gelu_new":
+        fwd, bwd = fwd + 8, bwd + 15
+    else:
+        fwd, bwd = fwd + 1, bwd + 1
+    drops = 2 * (m.resid_dropout > 0) + (m.attn_dropout > 0 and train.attention != "sdpa")
+    fwd, bwd = fwd + drops, bwd + drops
+    if train.attention != "sdpa":
+        gqa = m.kv_heads < m.heads
+        fwd, bwd = fwd + 21 + 6 * gqa, bwd + 21 + 4 * gqa
+    if regime == "autocast":
+        fwd, bwd = fwd + 2 * (n_lin - 1) + n_bias + 2 * rope, bwd + 2 * n_lin + n_bias
+    elif regime == "lowp":
+        fwd, bwd = fwd + 2 * norms * rms + 2 * rope, bwd + 2 * norms * rms
+    ck = train.checkpointing
+    fwd += _POLICY_FWD_OPS.get(ck, 0)
+    if ck in _RECOMPUTE_OPS:
+        bwd += _RECOMPUTE_OPS[ck] * fwd
+    elif ck.startswith("every-"):  # blocks 0, K, 2K, ... fully checkpointed
+        k = int(ck.split("-")[1])
+        bwd += _RECOMPUTE_OPS["full"] * fwd * (len(range(0, m.layers, k)) / m.layers if m.layers else 0.0)
+    # outside the blocks: embedding(s), RoPE tables, the final norm, the head, the loss
+    out_fwd = 13 + (7 if rms else 1) + (8 if rope else 0)
+    out_bwd = 17 + (17 if rms else 2) + (0 if rope else 4)
+    if regime == "autocast" or (regime == "lowp" and rms):
+        out_fwd, out_bwd = out_fwd + 3, out_bwd + 3
+    elif regime == "lowp":
+        out_fwd, out_bwd = out_fwd + 1, out_bwd + 1
+    if m.embed_dropout > 0:
+        out_fwd, out_bwd = out_fwd + 1, out_bwd + 1
+    if m.hf_model_type:
+        extra = _HF_EXTRA_OPS.get(m.hf_model_type, _HF_EXTRA_OPS["llama"])
+        fwd += extra[0] + (extra[2] if regime == "autocast" else 0)
+        bwd += extra[1] + (extra[3] if regime == "autocast" else 0)
+        out_fwd += extra[4]
+    return float(fwd), float(bwd), float(out_fwd), float(out_bwd)
+
+
+_HF_EXTRA_OPS = {"llama": (9, 9, 0, 6, 4), "qwen2": (9, 9, 0, 6, 4), "gpt2": (36, 12, 5, 4, 11)}
+"""Ops transformers' modeling code dispatches beyond the reference decoder's (block forward, block backward,
+and under autocast each again, outside-the-blocks forward), counted as `host_ops` counts (transformers
+5.24, torch 2.13, CPU, AdamW foreach): LlamaDecoderLayer and Qwen2DecoderLayer 77 / 142 ops fp32 against
+the reference's 68 / 133 (its attention interface's views and transposes, the cache-position and mask
+logic outside); GPT2Block 76 / 99 (Conv1D's views, the fused qkv's split and head reshapes, the dropouts).
+Other model types take Llama's offsets (their modeling code derives from it; not counted)."""
+
+
+def optimizer_host_ops(train: TrainConfig, tensors: int) -> float:
+    """ATen ops the host dispatches for one optimizer step over `tensors` parameter tensors, counted on
+    torch.optim (torch 2.13): foreach Adam/AdamW 10 `_foreach_*` ops plus two scalar reads of each
+    tensor's step count (`_get_value`: `_local_scalar_dense`), the for-loop implementation 10 ops per
+    tensor, the fused kernel 2 in all. Other optimizers are taken as Adam's (an estimate)."""
+    impl = train.optimizer_impl
+    if impl == "fused":
+        return 2.0
+    if impl == "for-loop":
+        return 10.0 * tensors
+    return 10.0 + 2.0 * tensors
+
+
+@lru_cache(maxsize=256)
+def param_tensors(model, family: str = "single") -> int:
+    """Parameter tensors the optimizer steps over on one rank: every Linear's weight and bias, each norm's
+    weight (and LayerNorm's bias), the embeddings and the head (as `ModelSpec.param_inventory` registers
+    them); FSDP1 (`use_orig_params=False`) steps one flat parameter per wrapped unit (the blocks and
+    the root). ZeroRedundancyOptimizer's rank steps its share of them: counted as all (an upper bound)."""
+    if family == "fsdp1":
+        return model.layers + 1
+    lin = block_linears(model)
+    ln = model.norm == "layernorm"
+    norms = (4 if model.sandwich_norms else 2) + (2 if model.qk_norm else 0)
+    block = len(lin) + sum(1 for _, _, b in lin if b) + norms * (1 + ln)
+    outside = 1 + (model.position == "learned") + 1 + ln + (not model.tie_embeddings)
+    return model.layers * block + outside

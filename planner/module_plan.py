@@ -908,10 +908,14 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
     backward and the optimizer-phase broadcasts, which nothing follows; while it overlaps, the SMs NCCL
     holds slow the GEMMs and attention (`compute.contention`, as `compute.exposed_comm` charges it)."""
     from .compute import _optimizer_bytes, _owned_elems, contention
+    from .kernels import optimizer_host_ops
     fwd_s, bwd_s, host_s = traced_compute(desc, train, gpu)
     compute = train.grad_accum * max(fwd_s + bwd_s, host_s)
     fwd_share = fwd_s / (fwd_s + bwd_s) if fwd_s + bwd_s > 0 else 1 / 3
     optimizer = _optimizer_bytes(train, _owned_elems(train, cluster, st)) / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency)
+    # the host issues the optimizer's ops too (kernels.optimizer_host_ops): FSDP1 steps a flat parameter per unit
+    tensors = (len(desc.units) if st.family == "fsdp1" else sum(len(params) for _, params in desc.units))
+    optimizer = max(optimizer, optimizer_host_ops(train, tensors) * gpu.host_op_s)
     fwd = sum(c.time_s for c in collectives if c.phase == "forward")
     # the last bucket's or the root's reduction, exposed on each micro-step that reduces
     reducing = train.grad_accum if train.sync_every else 1

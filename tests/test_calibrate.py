@@ -375,6 +375,9 @@ def _fake_gpu_machine(monkeypatch, world=8, algos_fail=()):
     monkeypatch.setattr(cal, "_device_info", lambda device: dict(info))
     monkeypatch.setattr(cal, "_dtype_name", lambda device: "bf16")
     monkeypatch.setattr(cal, "measure_launch", lambda *a, step=None, **k: step("launch") or meas["launch"])
+    monkeypatch.setattr(cal, "measure_host_step", lambda *a, step=None, **k: step("host") or {
+        "host_op_s": meas["launch"]["host_op_s"], "host_step_s": 1e3 * meas["launch"]["host_op_s"],
+        "host_step_ops": 1000})
     monkeypatch.setattr(cal, "measure_matmul", lambda *a, step=None, **k: step("matmul") or meas["matmul"])
     monkeypatch.setattr(cal, "measure_bandwidth", lambda *a, step=None, **k: step("bw") or meas["bandwidth"])
     monkeypatch.setattr(cal, "measure_attention", lambda *a, step=None, **k: step("attn") or meas["attention"])

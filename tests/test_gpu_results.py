@@ -158,16 +158,22 @@ def test_live_gpu_probe(tmp_path):
 
 
 def test_step_time_predicted_where_measured(repredicted):
-    """Step time is predicted for GPU probes (the per-kernel model, planner/kernels.py). These probes are
-    tiny (4 layers of width 512, 512 tokens): the planner calls them host-bound, so their time is
-    reported, not judged; the host floor it predicts (12 us per eager op) is below the measurement
-    (README, Validation). The fake-PG records of this file were not timed (probes before 2026-11-23)."""
+    """Step time of the GPU probes (the per-kernel model, planner/kernels.py). These probes are tiny (4
+    layers of width 512, 512 tokens): host-bound, so their time is the host floor, the ATen ops the step
+    dispatches (kernels.host_ops, optimizer_host_ops: the reference decoder's own counts, exact without
+    checkpointing) x the catalog's host time per op. That per-op time (16.7 us) is the geometric mean of
+    these same six probes (catalog/loader.py GPU.host_op_s), so this is a check of the op counts' shape
+    across models, precisions and checkpointing, not an independent validation: each within 20%, the
+    median within 10%. The fake-PG records of this file were not timed (probes before 2026-11-23)."""
+    errors = []
     for r, _ in repredicted:
         p = predict_probe(dict(r["inputs"]))
         pred = p["step_time_s"]
         assert pred is not None and pred > 0, r["id"]
         assert p["step_time_bound"] == "host", r["id"]
         if r["inputs"]["mode"] == "gpu":
-            assert pred < r["measurement"]["step_time_s"], r["id"]
+            errors.append(pred / r["measurement"]["step_time_s"] - 1)
+            assert abs(errors[-1]) <= 0.20, (r["id"], errors[-1])
         else:
             assert r["measurement"].get("step_time_s") is None, r["id"]
+    assert len(errors) == 6 and sorted(map(abs, errors))[len(errors) // 2] <= 0.10, errors

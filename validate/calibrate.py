@@ -49,7 +49,8 @@ from typing import Any, Callable, Sequence
 __all__ = [
     "CalibrationError", "MatmulFit", "CollectiveFit", "linear_fit", "fit_matmul", "fit_collective",
     "attention_flops", "fit_gpu", "match_gpu", "catalog_slug", "check_device", "measure_matmul",
-    "measure_bandwidth", "measure_attention", "measure_launch", "measure_collectives", "calibrate",
+    "measure_bandwidth", "measure_attention", "measure_launch", "measure_host_step", "measure_collectives",
+    "calibrate",
     "write_overlay", "render", "TextProgress",
 ]
 
@@ -465,6 +466,8 @@ def measure_launch(device: str, ops: int = 256, trials: int = 5,
     GPU: a `torch.cuda._sleep` kernel holds the GPU while the host queues `ops` tiny kernels, so CUDA
     events around them measure back-to-back kernels (no CUDA graph), and perf_counter around the loop the
     host's issue time. The sleep is doubled until it outlasts the issue. CPU: both are the op's time.
+    The catalog's `host_op_us` comes from `measure_host_step` (a whole step's ops cost the host more than
+    a loop of one tiny op); `calibrate` keeps this one's `kernel_overhead_s`.
     """
     import torch
     if step:
@@ -503,6 +506,72 @@ def measure_launch(device: str, ops: int = 256, trials: int = 5,
     if not math.isfinite(gpu_best):
         raise RuntimeError("launch overhead: the sleep kernel never outlasted the host's issue time")
     return {"kernel_overhead_s": gpu_best, "host_op_s": host_best}
+
+
+HOST_STEP_MODEL = dict(layers=4, hidden=256, heads=4, kv_heads=2, ffn_hidden=704, vocab=2048, max_positions=128,
+                       mlp="swiglu", norm="rmsnorm", position="rope", tie_embeddings=False, linear_bias=False,
+                       qkv_bias=False, name="calibrate-host-step")
+"""A Llama-style reference decoder small enough that its training step is host-bound on any GPU."""
+
+
+def measure_host_step(device: str, steps: int = 7, step: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Host time per dispatched ATen op of a whole eager training step, as the planner's host floor
+    counts it (`planner.kernels.host_ops`, `optimizer_host_ops`): the reference decoder (HOST_STEP_MODEL,
+    fp32, 2 x 128 tokens, foreach AdamW, no checkpointing) stepped `steps` times; one step's ATen ops
+    counted with a TorchDispatchMode (views included), the median step timed without it. The GPU work of
+    this model is a small fraction of its host time, so the step measures the host: Python, the
+    dispatcher, autograd and the launches, which a tiny-op loop (`measure_launch`) undercounts."""
+    import statistics
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from distplan.planner.model import ModelSpec
+
+    from .model import Decoder
+    from .wrap import wrap
+
+    if step:
+        step("host time per op (a host-bound training step)")
+    spec = ModelSpec(**HOST_STEP_MODEL)
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    train = dict(seq_len=128, micro_batch=2, grad_accum=1, precision="fp32", optimizer="adamw",
+                 optimizer_impl="foreach", checkpointing="none", attention="sdpa")
+    model = Decoder(spec, "sdpa", "none").to(dev)
+    model, opt, ctx = wrap(model, "single", train, 1, 1, dev)
+    x = torch.randint(0, spec.vocab, (2, 128), device=dev)
+    y = torch.randint(0, spec.vocab, (2, 128), device=dev)
+
+    def one():
+        with ctx.autocast():
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "aten":
+                _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    for _ in range(3):  # optimizer state, the allocator's pools, lazy kernels
+        one()
+    with _Count():
+        one()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        one()
+        sync()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"host_op_s": med / max(1, _Count.ops), "host_step_s": med, "host_step_ops": _Count.ops}
 
 
 def _timeit(fn: Callable[[], Any]) -> float:
@@ -692,7 +761,7 @@ def calibrate(device: str = "cuda", quick: bool = False, peak_tflops: float | No
         collectives = device == "cuda" and world >= 2
     algos = [None] if info["nccl_algo"] else list(sw["algorithms"])
     n_coll = (len(algos) if collectives else 0)
-    total = len(sw["matmul"]) + 2 + len(sw["attention"]) + 1 + n_coll
+    total = len(sw["matmul"]) + 3 + len(sw["attention"]) + 1 + n_coll
     done = 0
 
     def step(label: str) -> None:
@@ -709,6 +778,9 @@ def calibrate(device: str = "cuda", quick: bool = False, peak_tflops: float | No
         torch.set_num_threads(1)
     try:
         meas["launch"] = measure_launch(device, sw["launch_ops"], step=step)
+        host = measure_host_step(device, step=step)
+        meas["launch"].update(host_op_s=host["host_op_s"], host_step_s=host["host_step_s"],
+                              host_step_ops=host["host_step_ops"])
         meas["matmul"] = measure_matmul(device, sw["matmul"], sw["target_s"], step=step)
         meas["bandwidth"] = measure_bandwidth(device, sw["bandwidth_bytes"], sw["target_s"], step=step)
         meas["attention"] = measure_attention(device, sw["attention"], sw["target_s"], step=step)
