@@ -284,7 +284,7 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     if compiled:
         host = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
     else:
-        ops_fwd, ops_bwd, out_fwd, out_bwd = host_ops(train, regime)
+        ops_fwd, ops_bwd, out_fwd, out_bwd = host_ops(train, regime, linears)
         host = (L * (ops_fwd + ops_bwd) + out_fwd + out_bwd) * host_op
     matmul = L * (3 * gemm_fwd + recompute_gemm) + 3 * head_gemm
     attention = L * (attn_fwd + attn_bwd + recompute_attn)
@@ -302,7 +302,7 @@ _POLICY_FWD_OPS = {"selective": 6, "selective-op": 3}
 """Ops an op-level policy adds to a block's forward (the saved outputs' detaches): counted 5-8 and 1-5."""
 
 
-def host_ops(train: TrainConfig, regime: str) -> tuple[float, float, float, float]:
+def host_ops(train: TrainConfig, regime: str, linears: list | None = None) -> tuple[float, float, float, float]:
     """ATen ops the host dispatches for one micro-step in eager mode: (one block's forward, one block's
     backward with its recompute, the forward and the backward outside the blocks), every op that a
     `TorchDispatchMode` sees, views and reshapes included (each costs the host a dispatch).
@@ -314,18 +314,20 @@ def host_ops(train: TrainConfig, regime: str) -> tuple[float, float, float, floa
     LayerNorm, 12 for RoPE on q and k, 12 around attention (q/k/v views and transposes, SDPA, the output's
     transpose and reshape, two residual adds) and the MLP's activation (SwiGLU 2, GELU 1); its backward 8
     per Linear and 3 more per bias, 17 per RMSNorm or 2 per LayerNorm, 16 for RoPE, 22 around attention,
-    5 for SwiGLU or 1 for GELU. Autocast casts each Linear's input and weight (and bias) in forward and
-    their gradients in backward: 2 ops per Linear and 1 per bias each way; in 16 bits each RMSNorm's two
-    casts (and RoPE's cos/sin casts in forward) are real ops; autocast's forward counts 2 fewer than its
-    backward (measured) and RoPE's casts. Eager attention (matmul, scale, mask,
-    softmax, matmul, and GQA's repeat_interleave) adds 21 ops each way, 6 and 4 more with GQA.
+    5 for SwiGLU or 1 for GELU. Autocast casts Linear inputs and weights (and biases) in forward and the
+    gradients back in backward: backward 2 ops per Linear and 1 per bias, forward the same less 2 plus
+    RoPE's cos/sin casts (as counted). In 16 bits each RMSNorm's two casts (and RoPE's cos/sin casts in
+    forward) are real ops. Eager attention (matmul, scale, mask, softmax, matmul, and GQA's
+    repeat_interleave) adds 21 ops each way, 6 and 4 more with GQA.
     Transformers' modeling code (`ModelSpec.hf_model_type`) dispatches more: `_HF_EXTRA_OPS`.
+
+    `linears`: the block's `block_linears` when the caller has them (only their number and biases count).
 
     Not modelled (estimates): Qwen3's q/k RMSNorms and Gemma-2's sandwich norms count as RMSNorms, GPT-2's
     `gelu_new` as 8 forward and 15 backward elementwise ops, each dropout as one op each way.
     """
     m = train.model
-    lin = block_linears(m)
+    lin = block_linears(m) if linears is None else linears
     n_lin, n_bias = len(lin), sum(1 for _, _, b in lin if b)
     rms = m.norm != "layernorm"
     norms = (4 if m.sandwich_norms else 2) + (2 if m.qk_norm else 0)
