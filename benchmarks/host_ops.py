@@ -12,18 +12,14 @@ Run: python benchmarks/host_ops.py   (CPU, about a minute; needs torch)
 
 from __future__ import annotations
 
-import collections
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from distplan.planner.activations import regime_for
 from distplan.planner.config import TrainConfig
 from distplan.planner.kernels import host_ops, optimizer_host_ops, param_tensors
 from distplan.planner.model import ModelSpec
+from distplan.validate.calibrate import count_aten_ops, reference_step
 from distplan.validate.matrix import SHAPES_CPU
-from distplan.validate.model import Decoder
-from distplan.validate.wrap import wrap
 
 VARIANTS = {
     "llama": {}, "mha": dict(kv_heads=4), "gelu": dict(mlp="gelu"), "layernorm": dict(norm="layernorm"),
@@ -34,42 +30,11 @@ VARIANTS = {
 }
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.by_phase = collections.Counter()
-        self.phase = ""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "aten":
-            self.by_phase[self.phase] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def counted(shape: dict, precision: str, checkpointing: str) -> collections.Counter:
-    """ATen ops per phase ('fwd', 'bwd', 'opt') of the third training step of the reference decoder."""
-    spec = ModelSpec(**shape)
-    train = dict(seq_len=32, micro_batch=2, grad_accum=1, precision=precision, optimizer="adamw",
-                 optimizer_impl="foreach", checkpointing=checkpointing, attention="sdpa")
-    torch.manual_seed(0)
-    model, opt, ctx = wrap(Decoder(spec, "sdpa", checkpointing), "single", train, 1, 1, torch.device("cpu"))
-    x, y = torch.randint(0, spec.vocab, (2, 32)), torch.randint(0, spec.vocab, (2, 32))
-    c = _Count()
-
-    def step():
-        with ctx.autocast():
-            c.phase = "fwd"
-            loss = model(x, y)
-        c.phase = "bwd"
-        loss.backward()
-        c.phase = "opt"
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step(), step()
-    with c:
-        step()
-    return c.by_phase
+def counted(shape: dict, precision: str, checkpointing: str) -> dict:
+    """ATen ops per phase ('fwd', 'bwd', 'opt') of a training step of the reference decoder."""
+    forward, backward, optimizer = reference_step(shape, precision=precision, checkpointing=checkpointing)
+    loss, fwd = count_aten_ops(forward)
+    return {"fwd": fwd, "bwd": count_aten_ops(lambda: backward(loss))[1], "opt": count_aten_ops(optimizer)[1]}
 
 
 def main() -> None:

@@ -72,38 +72,12 @@ def test_small_model_is_host_bound():
 
 def _dispatched_ops(shape: dict, precision: str, checkpointing: str) -> int:
     """ATen ops one eager training step of the reference decoder dispatches (forward, backward, foreach
-    AdamW, zero_grad), counted with a TorchDispatchMode after two warm-up steps."""
-    torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
+    AdamW, zero_grad), after three warm-up steps (`validate.calibrate.reference_step`, `count_aten_ops`)."""
+    pytest.importorskip("torch")
+    from distplan.validate.calibrate import count_aten_ops, reference_step
 
-    from distplan.validate.model import Decoder
-    from distplan.validate.wrap import wrap
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += func.namespace == "aten"
-            return func(*args, **(kwargs or {}))
-
-    spec = ModelSpec(**shape)
-    train = dict(seq_len=32, micro_batch=2, grad_accum=1, precision=precision, optimizer="adamw",
-                 optimizer_impl="foreach", checkpointing=checkpointing, attention="sdpa")
-    torch.manual_seed(0)
-    model, opt, ctx = wrap(Decoder(spec, "sdpa", checkpointing), "single", train, 1, 1, torch.device("cpu"))
-    x, y = torch.randint(0, spec.vocab, (2, 32)), torch.randint(0, spec.vocab, (2, 32))
-
-    def step():
-        with ctx.autocast():
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step(), step()
-    with Count():
-        step()
-    return Count.n
+    forward, backward, optimizer = reference_step(shape, precision=precision, checkpointing=checkpointing)
+    return count_aten_ops(lambda: (backward(forward()), optimizer()))[1]
 
 
 def _planned_ops(shape, precision: str, checkpointing: str) -> float:
@@ -149,9 +123,8 @@ def test_host_ops_of_transformers_models(config, precision):
     transformers = pytest.importorskip("transformers")
     from pathlib import Path
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from distplan.planner.hf_config import read_hf_config
+    from distplan.validate.calibrate import count_aten_ops
 
     path = Path(__file__).resolve().parent.parent / "examples" / "hf" / f"{config}.json"
     spec = ModelSpec(**dict(read_hf_config(path, implementation=True), layers=2))
@@ -162,13 +135,6 @@ def test_host_ops_of_transformers_models(config, precision):
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     x = torch.randint(0, cfg.vocab_size, (2, 32))
 
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += func.namespace == "aten"
-            return func(*args, **(kwargs or {}))
-
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
             loss = model(input_ids=x, labels=x).loss
@@ -177,9 +143,7 @@ def test_host_ops_of_transformers_models(config, precision):
         opt.zero_grad(set_to_none=True)
 
     step(), step()
-    with Count():
-        step()
-    assert _planned_ops(spec, precision, "none") == Count.n
+    assert _planned_ops(spec, precision, "none") == count_aten_ops(step)[1]
 
 
 def test_adamw_bytes_follow_multi_tensor_adam():

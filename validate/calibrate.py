@@ -49,7 +49,8 @@ from typing import Any, Callable, Sequence
 __all__ = [
     "CalibrationError", "MatmulFit", "CollectiveFit", "linear_fit", "fit_matmul", "fit_collective",
     "attention_flops", "fit_gpu", "match_gpu", "catalog_slug", "check_device", "measure_matmul",
-    "measure_bandwidth", "measure_attention", "measure_launch", "measure_host_step", "measure_collectives",
+    "measure_bandwidth", "measure_attention", "measure_launch", "measure_host_step", "count_aten_ops",
+    "reference_step", "measure_collectives",
     "calibrate",
     "write_overlay", "render", "TextProgress",
 ]
@@ -514,55 +515,79 @@ HOST_STEP_MODEL = dict(layers=4, hidden=256, heads=4, kv_heads=2, ffn_hidden=704
 """A Llama-style reference decoder small enough that its training step is host-bound on any GPU."""
 
 
-def measure_host_step(device: str, steps: int = 7, step: Callable[[str], None] | None = None) -> dict[str, float]:
-    """Host time per dispatched ATen op of a whole eager training step, as the planner's host floor
-    counts it (`planner.kernels.host_ops`, `optimizer_host_ops`): the reference decoder (HOST_STEP_MODEL,
-    fp32, 2 x 128 tokens, foreach AdamW, no checkpointing) stepped `steps` times; one step's ATen ops
-    counted with a TorchDispatchMode (views included), the median step timed without it. The GPU work of
-    this model is a small fraction of its host time, so the step measures the host: Python, the
-    dispatcher, autograd and the launches, which a tiny-op loop (`measure_launch`) undercounts."""
-    import statistics
-
-    import torch
+def count_aten_ops(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn's result, the ATen ops it dispatched), counted with a TorchDispatchMode: every op the
+    dispatcher runs, views and reshapes included, as the planner's host floor counts them."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.ops += func.namespace == "aten"
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        out = fn()
+    return out, _Count.ops
+
+
+def reference_step(shape: dict, device: str = "cpu", precision: str = "fp32", checkpointing: str = "none",
+                   tokens: tuple[int, int] = (2, 32)) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], None]]:
+    """The reference decoder (`shape`: ModelSpec fields) wrapped as the `single` probe runs it (foreach
+    AdamW), after three warm-up steps: (forward -> loss, backward(loss), optimizer step + zero_grad)."""
+    import torch
 
     from distplan.planner.model import ModelSpec
 
     from .model import Decoder
     from .wrap import wrap
 
-    if step:
-        step("host time per op (a host-bound training step)")
-    spec = ModelSpec(**HOST_STEP_MODEL)
+    spec = ModelSpec(**shape)
     dev = torch.device(device)
+    b, s = tokens
+    train = dict(seq_len=s, micro_batch=b, grad_accum=1, precision=precision, optimizer="adamw",
+                 optimizer_impl="foreach", checkpointing=checkpointing, attention="sdpa")
     torch.manual_seed(0)
-    train = dict(seq_len=128, micro_batch=2, grad_accum=1, precision="fp32", optimizer="adamw",
-                 optimizer_impl="foreach", checkpointing="none", attention="sdpa")
-    model = Decoder(spec, "sdpa", "none").to(dev)
-    model, opt, ctx = wrap(model, "single", train, 1, 1, dev)
-    x = torch.randint(0, spec.vocab, (2, 128), device=dev)
-    y = torch.randint(0, spec.vocab, (2, 128), device=dev)
+    model, opt, ctx = wrap(Decoder(spec, "sdpa", checkpointing).to(dev), "single", train, 1, 1, dev)
+    x = torch.randint(0, spec.vocab, (b, s), device=dev)
+    y = torch.randint(0, spec.vocab, (b, s), device=dev)
 
-    def one():
+    def forward():
         with ctx.autocast():
-            loss = model(x, y)
-        loss.backward()
+            return model(x, y)
+
+    def optimizer():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    class _Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "aten":
-                _Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
     for _ in range(3):  # optimizer state, the allocator's pools, lazy kernels
-        one()
-    with _Count():
-        one()
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        forward().backward()
+        optimizer()
+    return forward, lambda loss: loss.backward(), optimizer
+
+
+def measure_host_step(device: str, steps: int = 7, step: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Host time per dispatched ATen op of a whole eager training step, as the planner's host floor
+    counts it (`planner.kernels.host_ops`, `optimizer_host_ops`): the reference decoder (HOST_STEP_MODEL,
+    fp32, 2 x 128 tokens, foreach AdamW, no checkpointing) stepped `steps` times; one step's ATen ops
+    counted (`count_aten_ops`), the median step timed without the counter. The GPU work of this model
+    is a small fraction of its host time, so the step measures the host: Python, the dispatcher, autograd
+    and the launches, which a tiny-op loop (`measure_launch`) undercounts."""
+    import statistics
+
+    import torch
+
+    if step:
+        step("host time per op (a host-bound training step)")
+    forward, backward, optimizer = reference_step(HOST_STEP_MODEL, device, tokens=(2, 128))
+
+    def one():
+        backward(forward())
+        optimizer()
+
+    _, ops = count_aten_ops(one)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
     for _ in range(steps):
         sync()
@@ -571,7 +596,7 @@ def measure_host_step(device: str, steps: int = 7, step: Callable[[str], None] |
         sync()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    return {"host_op_s": med / max(1, _Count.ops), "host_step_s": med, "host_step_ops": _Count.ops}
+    return {"host_op_s": med / max(1, ops), "host_step_s": med, "host_step_ops": ops}
 
 
 def _timeit(fn: Callable[[], Any]) -> float:
