@@ -134,7 +134,7 @@ class GPU:
     the PyTorch build more than of the GPU. Default: measured on the H100 machine of
     benchmarks/results/h100-torch2.11-2026-11-23.jsonl (torch 2.11, CUDA 13): its six host-bound
     single-GPU probes (the reference decoder, 4 layers, 512 tokens) took 15.2-23.1 ms per step for
-    kernels.host_ops' 0.85-1.26 thousand ops, 14.2-19.0 us per op, geometric mean 16.7 us.
+    the 950-1,270 ops kernels.host_ops counts for them, 14.2-19.0 us per op, geometric mean 16.7 us.
     `distplan calibrate` measures it the same way on the user's machine."""
     sm_count: int | None = None
     """Streaming multiprocessors (NVIDIA) or compute units (AMD) of one device, as
