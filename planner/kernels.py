@@ -99,6 +99,17 @@ class KernelTimes:
         return asdict(self)
 
 
+def recomputed_share(train: TrainConfig) -> float:
+    """The share of blocks whose forward runs again in backward: all under `full`, blocks 0, K, 2K, ...
+    (ceil(L / K) of L) under `every-K`, none otherwise."""
+    ck, L = train.checkpointing, train.model.layers
+    if ck == "full":
+        return 1.0
+    if not ck.startswith("every-") or not L:
+        return 0.0
+    return len(range(0, L, int(ck.split("-")[1]))) / L
+
+
 def _gemm(flops: float, rate: float, fixed: float) -> float:
     """Seconds of one GEMM of `flops` = 2*m*n*k at large-GEMM `rate`, plus the `fixed` time a GEMM of any
     size loses to tile and wave quantization (G / tensor-core rate: in 16-bit, (F + G) / rate)."""
@@ -237,8 +248,7 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     recompute_mem = 0.0
     if train.checkpointing == "full" or train.checkpointing.startswith("every-"):
         # the share of blocks recomputed: blocks 0, K, 2K, ... (ceil(L / K) of L)
-        k = 1 if train.checkpointing == "full" else int(train.checkpointing.split("-")[1])
-        per = len(range(0, train.model.layers, k)) / train.model.layers if train.model.layers else 0.0
+        per = recomputed_share(train)
         block_bwd += per * block_fwd
         recompute_mem = per * mem_fwd
         recompute_gemm = per * gemm_fwd
@@ -276,11 +286,8 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         per_step += (train.grad_accum - 1) * m.param_count() * 3 * grad_b / bw
 
     L = m.layers
-    recompute_kernels = (fwd_kernels if train.checkpointing == "full" else
-                         fwd_kernels * len(range(0, L, int(train.checkpointing.split("-")[1]))) / L
-                         if train.checkpointing.startswith("every-")
-                         else fwd_kernels - gemms - attn_kernels if train.checkpointing.startswith("selective")
-                         else 0)
+    recompute_kernels = (fwd_kernels - gemms - attn_kernels if train.checkpointing.startswith("selective")
+                         else fwd_kernels * recomputed_share(train))
     if compiled:
         host = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
     else:
@@ -354,8 +361,7 @@ def host_ops(train: TrainConfig, regime: str, linears: list | None = None) -> tu
     if ck in _RECOMPUTE_OPS:
         bwd += _RECOMPUTE_OPS[ck] * fwd
     elif ck.startswith("every-"):  # blocks 0, K, 2K, ... fully checkpointed
-        k = int(ck.split("-")[1])
-        bwd += _RECOMPUTE_OPS["full"] * fwd * (len(range(0, m.layers, k)) / m.layers if m.layers else 0.0)
+        bwd += _RECOMPUTE_OPS["full"] * fwd * recomputed_share(train)
     # outside the blocks: embedding(s), RoPE tables, the final norm, the head, the loss
     out_fwd = 13 + (7 if rms else 1) + (8 if rope else 0)
     out_bwd = 17 + (17 if rms else 2) + (0 if rope else 4)
@@ -399,7 +405,8 @@ def optimizer_host_ops(train: TrainConfig, tensors: int) -> float:
 def param_tensors(model, family: str = "single") -> int:
     """Parameter tensors the optimizer steps over on one rank: every Linear's weight and bias, each norm's
     weight (and LayerNorm's bias), the embeddings and the head (as `ModelSpec.param_inventory` registers
-    them); FSDP1 (`use_orig_params=False`) steps one flat parameter per wrapped unit (the blocks and
+    them, with transformers' fused projections as one Linear each: `block_linears`, which `units()`
+    does not follow); FSDP1 (`use_orig_params=False`) steps one flat parameter per wrapped unit (the blocks and
     the root). ZeroRedundancyOptimizer's rank steps its share of them: counted as all (an upper bound)."""
     if family == "fsdp1":
         return model.layers + 1
