@@ -202,6 +202,24 @@ def test_torchrun_rendezvous_failure_is_one_line():
     assert runner.check_loopback() is None  # this machine has a loopback
 
 
+def test_crash_reason_names_the_root_of_a_chained_error():
+    """torch.distributed.pipelining re-raises a stage's failure as "Failed to run stage backward" from the
+    real error: the probe's one-line reason carries both; a plain error stays one line of its own."""
+    chained = ("[rank1]: Traceback (most recent call last):\n"
+               "[rank1]:   File \"x.py\", line 1, in f\n"
+               "[rank1]: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
+               "[rank1]: \n"
+               "[rank1]: The above exception was the direct cause of the following exception:\n"
+               "[rank1]: Traceback (most recent call last):\n"
+               "[rank1]: RuntimeError: \n"
+               "[rank1]:         Failed to run stage backward:\n"
+               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    reason = runner._last_error_line(chained)
+    assert reason.startswith("RuntimeError: Failed to run stage backward:") and reason.endswith(
+        "caused by RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert runner._last_error_line("Traceback\nValueError: bad shape\n") == "ValueError: bad shape"
+
+
 def _unshare() -> bool:
     return bool(shutil.which("unshare")) and subprocess.run(["unshare", "-rn", "true"],
                                                             capture_output=True).returncode == 0

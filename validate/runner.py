@@ -228,16 +228,32 @@ def check_loopback(timeout_s: float = 2.0) -> str | None:
 _ERROR_RE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
 
 
+_CAUSE = "The above exception was the direct cause of the following exception"
+
+
 def _last_error_line(text: str) -> str:
     """The most telling line of a crashed run's stderr: the last `SomeError: ...` (not torchrun's
-    ChildFailedError summary), else the last non-rule line."""
+    ChildFailedError summary), else the last non-rule line. When that error was raised from another
+    (`raise ... from e`, as torch.distributed.pipelining wraps a stage's backward), the root error's line
+    follows it after "caused by"."""
     lines = [re.sub(r"^\[(?:default)?rank\d+\]:\s*", "", ln.strip()) for ln in (text or "").splitlines()]
     lines = [ln for ln in lines if ln and not set(ln) <= set("=-*#_ ")]
-    for ln in reversed(lines):
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i]
         if _ERROR_RE.match(ln) and "ChildFailedError" not in ln:
+            if ln.endswith(":") and i + 1 < len(lines):  # pipelining's message starts on the next line
+                ln = f"{ln} {lines[i + 1]}"
+            causes = [j for j in range(i) if lines[j].startswith(_CAUSE)]
+            if causes:
+                root = next((c for c in reversed(lines[:causes[0]]) if _ERROR_RE.match(c)), None)
+                if root and root != ln:
+                    return f"{ln[:300]} caused by {root[:300]}"
             return ln[:500]
     return lines[-1][:500] if lines else ""
 
+
+STDERR_TAIL_CHARS = 6000
+"""How much of a failed probe's stderr its record keeps: enough for a chained traceback from one rank."""
 
 _LIVE: set = set()
 """ProbeRuns started by this process and not yet finished: `abandon_all()` (atexit, SIGTERM) ends them."""
@@ -439,7 +455,7 @@ class ProbeRun:
         result["returncode"] = rc
         result["wall_s"] = round(wall, 3)
         if result["status"] not in ("ok", "remote"):
-            result["stderr_tail"] = stderr[-2000:]
+            result["stderr_tail"] = stderr[-STDERR_TAIL_CHARS:]
         try:
             remove_dir(self.dir)
         finally:
