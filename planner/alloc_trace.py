@@ -67,7 +67,7 @@ from math import prod
 from .activations import activations_in, regime_for, sp_tokens
 from .allocator import replay_fit, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
-from .config import TrainConfig
+from .config import TrainConfig, fsdp2_reduce_keeps_last_grad
 from .model import unit_sizes
 from .strategies import get_strategy
 
@@ -790,7 +790,8 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
                                       else (lay.unshard_block, lay.shard_block, block_shapes))
         return _fsdp2_post_backward(E, u, g, held.pop(u, []) if sync else held.get(u, []), rs_kept, unsharded,
                                     sharded, shapes, sync=sync, reshard=sync, mixed=prec.mixed, rb=rb, acc=acc,
-                                    saved={}, grads=grads, last_grad_late=True)
+                                    saved={}, grads=grads,
+                                    last_grad_late=fsdp2_reduce_keeps_last_grad(train))
 
     def gather(u, shapes, prev):
         """FSDP2 pre_forward: unit u all-gathered and copied out unless it is unsharded; the previous

@@ -525,7 +525,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
          framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
          alloc_conf: str = "", pp: int = 1, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
-         cp: int = 1, strategies: Iterable[str] | None = None,
+         cp: int = 1, torch_version: str = "", strategies: Iterable[str] | None = None,
          tokens: float | None = None, checkpoint: str | None = None, storage_gbps: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
          **overrides) -> Plan:
@@ -551,6 +551,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             micro-batches per step (default 2 * pp) (pp.py).
         cp: context-parallel degree (torchtitan's `context_parallel`: each sequence split over cp ranks,
             ring attention; the strategies run over the dp x cp ranks) (cp.py).
+        torch_version: the PyTorch release the run will use ("2.15"), where the walks follow
+            implementations that changed between releases (config.TrainConfig.torch_version); default
+            the installed torch's.
         strategies: names from the registry (default: all).
         tokens: total training tokens, for the time-to-train figure.
         checkpoint: also plan saving a checkpoint: "full", "full-offload" or "sharded" (checkpoint.py);
@@ -590,6 +593,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         if framework != "pytorch":
             raise ValueError(f"--tp={tp} with --framework={short_repr(framework)}: tensor parallelism is "
                              f"modelled for PyTorch's parallelize_module; accepted: --framework pytorch")
+    if torch_version:
+        from .config import torch_release
+        torch_release(torch_version, "--torch-version")  # one line naming the flag, before anything runs
     if alloc_conf:
         if not isinstance(alloc_conf, str):
             raise ValueError(f"--alloc-conf={short_repr(alloc_conf)}: accepted: a PYTORCH_CUDA_ALLOC_CONF string")
@@ -630,7 +636,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                         checkpointing=activation_checkpointing, attention=attention,
                         cpu_offload=cpu_offload, framework=framework, compile=compile, tp=tp,
                         sequence_parallel=sequence_parallel, alloc_conf=alloc_conf, pp=pp,
-                        pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, cp=cp)
+                        pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, cp=cp,
+                        torch_version=torch_version)
     dp = cluster.gpus // (tp * pp)  # the ranks a strategy runs over (dp x cp)
     if pp > 1:
         from .pp import PP_STRATEGIES
@@ -737,7 +744,8 @@ def predict_probe(spec: dict) -> dict:
                         checkpointing=t.get("checkpointing", "none"), attention=t.get("attention", "sdpa"),
                         alloc_conf=t.get("alloc_conf", ""), cpu_offload=t.get("cpu_offload", "none"),
                         tp=int(spec.get("tp", 1)),
-                        sequence_parallel=bool(spec.get("sequence_parallel", False)), cp=int(spec.get("cp", 1)))
+                        sequence_parallel=bool(spec.get("sequence_parallel", False)), cp=int(spec.get("cp", 1)),
+                        torch_version=spec.get("torch_version") or "")
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15, gpu_name=DEFAULT_GPU,

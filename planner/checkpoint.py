@@ -349,7 +349,8 @@ def predict_checkpoint_probe(spec: dict) -> list[dict]:
     t = spec["train"]
     train = TrainConfig(ModelSpec(**spec["model"]), seq_len=t["seq_len"], micro_batch=t["micro_batch"],
                         precision=t.get("precision", "fp32"), optimizer=t.get("optimizer", "adamw"),
-                        optimizer_impl=t.get("optimizer_impl", "foreach"))
+                        optimizer_impl=t.get("optimizer_impl", "foreach"),
+                        torch_version=spec.get("torch_version") or "")
     world = int(spec["world_size"])
     cluster = Cluster(gpus=world, gpus_per_node=int(spec.get("gpus_per_node") or world), gpu_memory_bytes=10**15,
                       gpu_name=DEFAULT_GPU, intra_link="nvlink4", inter_link="ib-ndr", nics_per_node=world)

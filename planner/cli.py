@@ -94,6 +94,9 @@ def training_options(fn):
         click.option("--alloc-conf", "alloc_conf", envvar="PYTORCH_CUDA_ALLOC_CONF", default="", metavar="CONF",
                      help="The run's PYTORCH_CUDA_ALLOC_CONF (default: this shell's), e.g. "
                           "expandable_segments:True: the reserved peak follows it."),
+        click.option("--torch-version", "torch_version", default="", metavar="X.Y",
+                     help="The PyTorch release the run uses (default: the installed one; 2.15 without "
+                          "torch): FSDP2's gradient reduction frees differently from 2.15 on."),
         click.option("--pp", type=int, default=1, show_default=True,
                      help="Pipeline stages (torch.distributed.pipelining, layers split evenly); the "
                           "strategies run over gpus / (tp x pp) data-parallel ranks."),
@@ -244,7 +247,7 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
                 grad_sync=kw.get("grad_sync") or "last", precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
                 activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
                 cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
-                alloc_conf=kw.get("alloc_conf") or "",
+                alloc_conf=kw.get("alloc_conf") or "", torch_version=kw.get("torch_version") or "",
                 pp_schedule=kw.get("pp_schedule") or "1f1b", pp_microbatches=kw.get("pp_microbatches"),
                 cp=kw.get("cp") or 1, strategies=list(strategies) or None,
                 tokens=kw.get("tokens"), checkpoint=kw.get("checkpoint"), storage_gbps=kw.get("storage_gbps"),

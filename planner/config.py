@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 from .model import ModelSpec, cached_hash, state_without_hash
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
@@ -41,6 +43,57 @@ GRAD_SYNC = ("last", "every")
 the others run under DDP's / FSDP1's `no_sync()` or FSDP2's `set_requires_gradient_sync(False)`, which
 keep UNSHARDED gradients between micro-steps; every: every micro-step reduces (all-reduce or
 reduce-scatter) and the sharded gradient is accumulated (torchtitan's loop, which never disables sync)."""
+
+
+NEWEST_TORCH = (2, 15)
+"""The newest PyTorch release the walks were checked against (benchmarks/results/cpu-torch2.15-*): what a
+plan assumes where no torch is installed, as a user installing one today gets it."""
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)?(?:[a-z+.][0-9A-Za-z+.]*)?")
+
+
+@lru_cache(maxsize=1)
+def installed_torch() -> str:
+    """The installed torch's `__version__` ("2.13.0+cpu"), read from torch/version.py without importing
+    torch (the planner never does); "" when none is installed."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.origin:
+            return ""
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+            m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+    except (OSError, ImportError, ValueError):
+        return ""
+    return m.group(1) if m else ""
+
+
+def torch_release(version: str = "", flag: str = "--torch-version") -> tuple[int, int]:
+    """(major, minor) of `version` ("2.15", "2.13.0+cpu", "2.16.0.dev20261101"); of the installed torch when
+    "", or NEWEST_TORCH when none is installed. A string that is no release number is a one-line
+    ValueError naming `flag`."""
+    v = version or installed_torch()
+    if not v:
+        return NEWEST_TORCH
+    m = _RELEASE.fullmatch(v) if isinstance(v, str) else None
+    if m is None:
+        raise ValueError(f"{flag}={short_repr(version)}: accepted: a PyTorch release such as 2.15 or 2.13.0")
+    return int(m.group(1)), int(m.group(2))
+
+
+def fsdp2_reduce_keeps_last_grad(train: "TrainConfig") -> bool:
+    """Whether FSDP2's `foreach_reduce` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) keeps a
+    unit's last unsharded gradient alive after `unsharded_grads.clear()` until it returns. Through torch
+    2.14 it does: the loop `for i, (fsdp_param, unsharded_grad) in enumerate(zip(fsdp_params,
+    unsharded_grads))` that reorders Shard(dim > 0) gradients runs in `foreach_reduce` itself when the
+    shard group has more than one rank, and its loop variable holds the last gradient (measured: the
+    block's w_down gradient, an untied LM head's at the root). torch 2.15 moved that loop into
+    `_default_reduce_scatter_input_fn`, so the gradient goes with the list (measured: the HF llama with
+    full checkpointing, zero3 on gloo, peaks 3% lower under 2.15 than 2.13,
+    benchmarks/results/cpu-torch2.15-2026-11-26-hf.jsonl)."""
+    return torch_release(train.torch_version) < (2, 15)
 
 
 def _choice(name: str, value: str, accepted: tuple) -> None:
@@ -109,6 +162,10 @@ class TrainConfig:
     (`context_parallel`, torchtitan's layout); the strategies run over gpus / (tp * pp) ranks, dp x cp
     (planner/cp.py)."""
 
+    torch_version: str = ""
+    """The PyTorch release the run uses ("2.15", "2.13.0+cu126"), where the implementations the walks follow
+    differ between releases (`fsdp2_reduce_keeps_last_grad`); "" is the installed torch's (`torch_release`)."""
+
     _cp_local = False  # True on `cp.CPView`: seq_len is one context-parallel rank's share already
 
     def __post_init__(self) -> None:
@@ -124,6 +181,8 @@ class TrainConfig:
                 and type(self.pp_microbatches) is int and 0 < self.pp_microbatches <= _MAX_ACCUM
                 and type(self.cp) is int and self.cp >= 1):  # one test for the common case; below names the culprit
             self._check_fields()
+        if self.torch_version:
+            torch_release(self.torch_version, "torch_version")  # a release number, or a one-line error
         if self.model.attn_softcap and self.attention != "eager":
             # transformers' Gemma-2 has no SDPA path (`Gemma2PreTrainedModel._supports_sdpa = False`: SDPA
             # cannot soft-cap the scores): its attention is the eager one whatever was asked
@@ -197,6 +256,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["model"] = self.model.to_dict()
+        if not self.torch_version:  # the release the walks followed: the installed torch's, or NEWEST_TORCH
+            d["torch_version"] = installed_torch() or "%d.%d" % NEWEST_TORCH
         return d
 
     @property

@@ -46,7 +46,7 @@ from functools import lru_cache
 
 from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in,
                           regime_for, sdpa_math, sp_tokens)
-from .config import Cluster, TrainConfig
+from .config import Cluster, TrainConfig, fsdp2_reduce_keeps_last_grad
 from .footprint import CUDA_CONTEXT_BYTES, DeviceFootprint, device_footprint  # noqa: F401 (re-exported)
 from .model import ModelSpec, unit_sizes
 from .precision import optimizer_state_elems
@@ -839,15 +839,15 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 #    all-gather output; its parameters are copied out only in its own
                 #    `wait_for_unshard`); without, blocks 0..j-1 from forward (`_backward_prefetch` ->
                 #    `unshard` is a no-op on an unsharded group: `if self.is_unsharded: return`).
-                # 4. After the copy-in, `unsharded_grads.clear()` frees the gradients except the last
-                #    parameter's, which the `for i, (fsdp_param, unsharded_grad) in ...` loop variable
-                #    keeps until it returns (measured: the block's w_down gradient); then the output
+                # 4. After the copy-in, `unsharded_grads.clear()` frees the gradients (through torch 2.14
+                #    except the last parameter's, which the `for i, (fsdp_param, unsharded_grad) in ...`
+                #    loop variable keeps until it returns: `fsdp2_reduce_keeps_last_grad`); then the output
                 #    `reduce_output` (one shard) is allocated before the collective; gloo's
                 #    reduce_scatter_tensor also splits its input (one more input-sized copy).
                 split = lay.unshard_block * rb if backend == "gloo" else 0
                 rs_in = lay.unshard_block * rb
                 rs_out = lay.shard_block * rb
-                last_g = prod(shapes[-1]) * ud
+                last_g = prod(shapes[-1]) * ud if fsdp2_reduce_keeps_last_grad(train) else 0
                 for j in ends:
                     held_at_rs = (prefetch if j > 0 else 0) if reshard else j * ub
                     # (without sync, block j's accumulated gradient, in carry(j), is what is collected)
@@ -870,8 +870,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 snap("backward", comm_buffers=rs_root, grads=L * lay.shard_block * gsh_gpu + root_old,
                      temporaries=lay.unshard_root * ud)
                 # As at the blocks' (`last_g`), the root's last parameter's unsharded gradient (an untied
-                # LM head's, V x h) is kept by the loop variable until `foreach_reduce` returns.
-                last_root_g = prod(unit_sizes(m)[0][-1]) * ud
+                # LM head's, V x h) is kept by the loop variable until `foreach_reduce` returns (to 2.14).
+                last_root_g = prod(unit_sizes(m)[0][-1]) * ud if fsdp2_reduce_keeps_last_grad(train) else 0
                 snap("backward", comm_buffers=rs_root + lay.shard_root * rb,
                      grads=L * lay.shard_block * gsh_gpu + root_old,
                      temporaries=(rs_root if backend == "gloo" else 0) + last_root_g)

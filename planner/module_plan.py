@@ -79,7 +79,7 @@ from dataclasses import dataclass, field, replace
 
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
-from .config import CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every
+from .config import CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every, fsdp2_reduce_keeps_last_grad
 from .footprint import device_footprint
 from .kernels import matmul_rates
 from .memory import (COMPONENTS, RESERVED_MARGIN, MemoryEstimate, Snapshot,
@@ -218,6 +218,8 @@ class ModuleTrain:
     grad_sync: str = "last"
     """With grad_accum > 1: 'last' (no_sync before the last micro-step) or 'every' (config.GRAD_SYNC)."""
     input_shape: tuple = ()
+    torch_version: str = ""
+    """As TrainConfig.torch_version: the PyTorch release whose FSDP2 the walk follows ("" = the installed)."""
     # TrainConfig fields that have no meaning for an arbitrary module (kept for report.header):
     seq_len: str = "-"
     attention: str = "-"
@@ -743,9 +745,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     snap("backward", **base, comm_buffers=unsharded + rs, activations=sum(acts[:k]),
                          grads=grads + rg, temporaries=end + g_unit)
                     split = rs if backend == "gloo" else 0
-                    # the last parameter's unsharded gradient stays, held by `foreach_reduce`'s loop
-                    # variable until it returns (an untied LM head's, V x h, at the root)
-                    last_g = prod(desc.unit_shapes(u)[-1]) * udt if u in sizes else 0
+                    # through torch 2.14 the last parameter's unsharded gradient stays, held by
+                    # `foreach_reduce`'s loop variable until it returns (an untied LM head's, V x h, at
+                    # the root; config.fsdp2_reduce_keeps_last_grad)
+                    last_g = (prod(desc.unit_shapes(u)[-1]) * udt
+                              if u in sizes and fsdp2_reduce_keeps_last_grad(train) else 0)
                     snap("backward", **base, comm_buffers=unsharded + rs + sizes[u][0] * red,
                          activations=sum(acts[:k]), grads=grads + rg, temporaries=end + split + last_g)
                     rs_held = rs
@@ -1146,7 +1150,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                         optimizer_impl=kw.get("optimizer_impl") or "foreach",
                         checkpointing=kw.get("activation_checkpointing") or "none",
                         grad_accum=kw.get("grad_accum") or 1, grad_sync=kw.get("grad_sync") or "last",
-                        input_shape=shape,
+                        input_shape=shape, torch_version=kw.get("torch_version") or "",
                         seq_len=shape[1] if hf else "-")
     notes = list(notes)
     for regime, why in failed.items():
@@ -1246,7 +1250,7 @@ def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: st
                        optimizer_impl=kw.get("optimizer_impl") or "foreach",
                        # the trace plans selective (and selective-op) as none
                        checkpointing=ckpt if checkpoint_every(ckpt) else "none",
-                       alloc_conf=kw.get("alloc_conf") or "",
+                       alloc_conf=kw.get("alloc_conf") or "", torch_version=kw.get("torch_version") or "",
                        compile=bool(kw.get("compile") or kw.get("compile_")))
     cache: dict = {}
 
@@ -1377,7 +1381,7 @@ def predict_module_probe(spec: dict) -> dict:
                         optimizer_impl=t.get("optimizer_impl", "foreach"),
                         checkpointing="none" if ckpt in ("selective", "selective-op") else ckpt,
                         grad_accum=int(t.get("grad_accum", 1)), grad_sync=t.get("grad_sync", "last"),
-                        input_shape=shape,
+                        input_shape=shape, torch_version=spec.get("torch_version") or "",
                         seq_len=shape[1] if work.kind == "hf" else "-")
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)

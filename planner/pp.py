@@ -789,7 +789,8 @@ def probe_train(spec: dict):
                        optimizer_impl=t.get("optimizer_impl", "foreach"), attention=t.get("attention", "sdpa"),
                        checkpointing=t.get("checkpointing", "none"),
                        pp=int(spec["pp"]), pp_schedule=spec["schedule"],
-                       pp_microbatches=int(spec["microbatches"]), cp=int(spec.get("cp", 1)))
+                       pp_microbatches=int(spec["microbatches"]), cp=int(spec.get("cp", 1)),
+                       torch_version=spec.get("torch_version") or "")
 
 
 def predict_probe_ranks(spec: dict) -> list[dict]:

@@ -16,6 +16,7 @@ import pytest
 from distplan.planner.alloc_trace import allocation_events, reserved_peak
 from distplan.planner.allocator import replay
 from distplan.planner.api import predict_probe, resolve_model
+from distplan.validate.results import record_spec
 from distplan.planner.config import TrainConfig
 from distplan.planner.strategies import get_strategy
 
@@ -31,7 +32,7 @@ def _records():
 def errors():
     out = {}
     for r in _records():
-        p = predict_probe(dict(r["inputs"]))["memory"]
+        p = predict_probe(record_spec(r))["memory"]
         m = r["measurement"]["memory"]
         fam = get_strategy(r["inputs"]["strategy"]).family
         out[r["id"]] = (fam, p["peak_reserved"] / m["peak_reserved"] - 1,

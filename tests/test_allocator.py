@@ -20,6 +20,7 @@ import statistics
 from distplan.planner.allocator import (LARGE_BUFFER, SMALL_BUFFER, allocation_size, comm_streams, replay,
                                         round_size)
 from distplan.planner.api import predict_probe
+from distplan.validate.results import record_spec
 from distplan.planner.strategies import get_strategy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +97,7 @@ def _h100_records():
 
 
 def _replayed(pid, events, rec):
-    ws = predict_probe(dict(rec["inputs"]))["memory"]["workspace"]
+    ws = predict_probe(record_spec(rec))["memory"]["workspace"]
     if get_strategy(rec["inputs"]["strategy"]).family in ("fsdp1", "fsdp2"):
         events = comm_streams(events)
     first = next(i for i, e in enumerate(events) if e[0] == "alloc")

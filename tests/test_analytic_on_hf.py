@@ -15,6 +15,7 @@ import os
 import statistics
 
 from distplan.planner.api import predict_probe
+from distplan.validate.results import record_spec
 from distplan.planner.hf_config import read_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def _records():
 
 
 def _analytic_peak(r) -> int:
-    spec = dict(r["inputs"])
+    spec = record_spec(r)
     spec.pop("module")
     spec["model"] = read_hf_config(os.path.join(ROOT, r["inputs"]["module"]["hf_config"]), implementation=True)
     return predict_probe(spec)["memory"]["peak_allocated"]
@@ -68,7 +69,7 @@ def test_formulas_repredict_their_own_probes_at_block_peaks():
     with open(REFERENCE) as f:
         recs = [json.loads(line) for line in f if line.strip()]
     assert len(recs) == 20 and all(r["status"] == "ok" for r in recs)
-    errors = {r["id"]: predict_probe(dict(r["inputs"]))["memory"]["peak_allocated"]
+    errors = {r["id"]: predict_probe(record_spec(r))["memory"]["peak_allocated"]
               / r["measurement"]["memory"]["peak_allocated"] - 1 for r in recs}
     bad = {i: round(100 * e, 2) for i, e in errors.items() if abs(e) > 0.01}
     assert not bad, bad

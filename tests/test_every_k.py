@@ -139,10 +139,11 @@ def test_reference_decoder_every_k_records_repredicted():
     import json
 
     from distplan.planner.api import predict_probe
+    from distplan.validate.results import record_spec
     recs = [json.loads(line) for line in REFERENCE.read_text().splitlines() if line.strip()]
     assert len(recs) == 28 and all(r["status"] == "ok" for r in recs)
     assert all(r["inputs"]["train"]["checkpointing"] == "every-3" for r in recs)
-    errors = {r["id"]: predict_probe(dict(r["inputs"]))["memory"]["peak_allocated"]
+    errors = {r["id"]: predict_probe(record_spec(r))["memory"]["peak_allocated"]
               / r["measurement"]["memory"]["peak_allocated"] - 1 for r in recs}
     assert all(abs(e) <= 0.015 for e in errors.values()), errors
     assert all(r["comparison"]["collectives"]["exact"] for r in recs)

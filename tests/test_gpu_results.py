@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from distplan.planner.api import predict_probe
+from distplan.validate.results import record_spec
 from distplan.validate.compare import compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,7 @@ def repredicted():
         pytest.skip("no committed GPU results")
     rows = []
     for r in recs:
-        spec = dict(r["inputs"])
+        spec = record_spec(r)
         rows.append((r, compare(predict_probe(spec), r["measurement"])))
     return rows
 
@@ -72,7 +73,7 @@ def test_workspaces_are_most_of_what_the_tracker_misses(repredicted):
     for r, _ in repredicted:
         m = r["measurement"]["memory"]
         untracked = m["peak_allocated"] - m["tracker_peak_allocated"]
-        ws = predict_probe(dict(r["inputs"]))["memory"]["workspace"]
+        ws = predict_probe(record_spec(r))["memory"]["workspace"]
         assert ws - 2**20 <= untracked <= ws + 16 * 2**20, (r["id"], untracked, ws)
 
 
@@ -81,7 +82,7 @@ def modules_repredicted():
     recs = _records(MODULE_FILES)
     if not recs:
         pytest.skip("no committed --module GPU results")
-    return [(r, None if r["status"] != "ok" else compare(predict_probe(dict(r["inputs"])), r["measurement"]))
+    return [(r, None if r["status"] != "ok" else compare(predict_probe(record_spec(r)), r["measurement"]))
             for r in recs]
 
 
@@ -118,7 +119,7 @@ def test_modules_on_gpu_tensors_match_the_tracker(modules_repredicted):
     for r, c in modules_repredicted:
         if _bn_under_fsdp_mixed(r):
             continue
-        p = predict_probe(dict(r["inputs"]))["memory"]
+        p = predict_probe(record_spec(r))["memory"]
         tensors = p["peak_allocated"] - p["workspace"]
         tracked = r["measurement"]["memory"]["tracker_peak_allocated"]
         assert abs(tensors - tracked) <= 0.03 * tracked, (r["id"], tensors, tracked)
@@ -167,7 +168,7 @@ def test_step_time_predicted_where_measured(repredicted):
     median within 10%. The fake-PG records of this file were not timed (probes before 2026-11-23)."""
     errors = []
     for r, _ in repredicted:
-        p = predict_probe(dict(r["inputs"]))
+        p = predict_probe(record_spec(r))
         pred = p["step_time_s"]
         assert pred is not None and pred > 0, r["id"]
         assert p["step_time_bound"] == "host", r["id"]

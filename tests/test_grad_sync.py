@@ -266,6 +266,7 @@ def _committed_accum():
     import os
 
     from distplan.planner.api import predict_probe
+    from distplan.validate.results import record_spec
     from distplan.validate.compare import compare
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -273,7 +274,7 @@ def _committed_accum():
     for path in sorted(glob.glob(os.path.join(root, "benchmarks", "results", "cpu-*-accum.jsonl"))):
         with open(path) as f:
             recs += [json.loads(line) for line in f if line.strip()]
-    return [(r, compare(predict_probe(dict(r["inputs"])), r["measurement"])) for r in recs]
+    return [(r, compare(predict_probe(record_spec(r)), r["measurement"])) for r in recs]
 
 
 def test_committed_accumulation_probes_repredicted():

@@ -189,6 +189,8 @@ def _answer(job: dict) -> dict:
     (["estimate", "--params", "7B", "--gpus-per-node", "100000"], "--gpus-per-node"),
     (["estimate", "--params", "7B", "--nics-per-node", "100000"], "--nics-per-node"),
     (["estimate", "--params", "1e16"], "--params"),
+    (["estimate", "--params", "7B", "--torch-version", "9" * 100_000], "--torch-version"),
+    (["estimate", "--params", "7B", "--torch-version", "latest"], "--torch-version='latest'"),
 ])
 def test_huge_flag_is_one_line_error(args, flag):
     line = _error({"cli": args}, flag)

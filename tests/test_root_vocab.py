@@ -14,6 +14,7 @@ import os
 import pytest
 
 from distplan.planner.api import predict_probe
+from distplan.validate.results import record_spec
 from test_analytic_on_hf import _analytic_peak  # the record's config through the formulas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,7 @@ def test_trace_front_end_repredicts_the_peaks_and_collectives():
     cwd = os.getcwd()
     os.chdir(ROOT)  # the records name examples/hf/... relative to the repository
     try:
-        results = [(r, compare(predict_probe(dict(r["inputs"])), r["measurement"])) for r in records()]
+        results = [(r, compare(predict_probe(record_spec(r)), r["measurement"])) for r in records()]
     finally:
         os.chdir(cwd)
     bad = {r["id"]: round(100 * c["peak"]["error"], 2) for r, c in results if abs(c["peak"]["error"]) > 0.01}

@@ -16,6 +16,7 @@ import pytest
 from distplan.catalog.loader import load_catalog
 from distplan.planner.activations import activations_in, block_linears, saved_linears
 from distplan.planner.api import predict_probe
+from distplan.validate.results import record_spec
 from distplan.planner.config import TrainConfig
 from distplan.planner.kernels import kernel_times
 from distplan.planner.model import ModelSpec
@@ -67,7 +68,7 @@ def test_committed_probes_repredicted():
     assert {r["inputs"]["strategy"] for r in recs} >= {"single", "ddp", "zero2", "zero3", "fsdp"}
     for r in recs:
         assert r["inputs"]["train"]["checkpointing"] == "selective-op" and r["measurement"]["status"] == "ok"
-        pred = predict_probe(dict(r["inputs"]))["memory"]["peak_allocated"]
+        pred = predict_probe(record_spec(r))["memory"]["peak_allocated"]
         assert pred / r["measurement"]["memory"]["peak_allocated"] - 1 == pytest.approx(0, abs=0.05), r["id"]
 
 

@@ -44,6 +44,18 @@ def read_records(path: str) -> list[dict]:
     return records
 
 
+def record_spec(rec: dict) -> dict:
+    """The probe spec of a record, to predict it again: its inputs with the torch it ran on (records
+    before 2026-11-26 name it only in `torch_version` beside the inputs), so the prediction follows that
+    release whatever torch is installed where it is re-predicted."""
+    spec = dict(rec["inputs"])
+    if not spec.get("torch_version"):
+        version = rec.get("torch_version") or (rec.get("measurement") or {}).get("torch_version")
+        if version:
+            spec["torch_version"] = version
+    return spec
+
+
 def latest(records: list[dict]) -> dict[str, dict]:
     """The newest record per id, in first-seen order."""
     out: dict[str, dict] = {}

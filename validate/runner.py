@@ -558,6 +558,10 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
     predict = predict or default_predict
     on_event = on_event or (lambda *a: None)
     results = results or ResultsFile(out_path)
+    from distplan.planner.config import installed_torch
+    # the torch the probes run (this interpreter's) is part of their inputs: the prediction follows its
+    # release where PyTorch's implementations differ, and a record re-predicted later does the same
+    specs = [s if s.get("torch_version") else dict(s, torch_version=installed_torch()) for s in specs]
     existing = read_records(out_path) if resume else []
     records: dict[int, dict] = {}
     todo: list[int] = []
