@@ -83,6 +83,12 @@ def torch_release(version: str = "", flag: str = "--torch-version") -> tuple[int
     return int(m.group(1)), int(m.group(2))
 
 
+def torch_followed(version: str = "") -> str:
+    """The release a plan follows, as its JSON writes it: `version`, else the installed torch's, else
+    NEWEST_TORCH."""
+    return version or installed_torch() or "%d.%d" % NEWEST_TORCH
+
+
 def fsdp2_reduce_keeps_last_grad(train: "TrainConfig") -> bool:
     """Whether FSDP2's `foreach_reduce` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) keeps a
     unit's last unsharded gradient alive after `unsharded_grads.clear()` until it returns. Through torch
@@ -256,8 +262,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["model"] = self.model.to_dict()
-        if not self.torch_version:  # the release the walks followed: the installed torch's, or NEWEST_TORCH
-            d["torch_version"] = installed_torch() or "%d.%d" % NEWEST_TORCH
+        d["torch_version"] = torch_followed(self.torch_version)
         return d
 
     @property

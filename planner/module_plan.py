@@ -79,7 +79,8 @@ from dataclasses import dataclass, field, replace
 
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
-from .config import CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every, fsdp2_reduce_keeps_last_grad
+from .config import (CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every, fsdp2_reduce_keeps_last_grad,
+                     torch_followed)
 from .footprint import device_footprint
 from .kernels import matmul_rates
 from .memory import (COMPONENTS, RESERVED_MARGIN, MemoryEstimate, Snapshot,
@@ -247,7 +248,8 @@ class ModuleTrain:
     def to_dict(self) -> dict:
         return {"input_shape": list(self.input_shape), "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "grad_sync": self.grad_sync, "precision": self.precision, "optimizer": self.optimizer,
-                "optimizer_impl": self.optimizer_impl, "checkpointing": self.checkpointing}
+                "optimizer_impl": self.optimizer_impl, "checkpointing": self.checkpointing,
+                "torch_version": torch_followed(self.torch_version)}
 
 
 @dataclass(frozen=True)
