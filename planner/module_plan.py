@@ -1394,16 +1394,51 @@ def predict_module_probe(spec: dict) -> dict:
     mem = estimate_module_memory(d, train, cluster, st, device=device, backend=backend, workspaces=workspaces)
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
+    twin = None
     if device == "cuda" and work.kind == "hf":
         # judged on a GPU where the analytic front end's replay pairs with the trace (the probes build the
         # model on the device, then wrap it: init "device"); a margin is not a prediction to judge
         kw = {"hf_config": mod["hf_config"], "layers": mod.get("layers"), "seq_len": shape[1],
               "micro_batch": shape[0], "precision": precision, "optimizer": train.optimizer,
               "optimizer_impl": train.optimizer_impl, "activation_checkpointing": ckpt,
-              "grad_accum": train.grad_accum, "grad_sync": train.grad_sync, "alloc_conf": t.get("alloc_conf", "")}
+              "grad_accum": train.grad_accum, "grad_sync": train.grad_sync, "alloc_conf": t.get("alloc_conf", ""),
+              "torch_version": spec.get("torch_version") or ""}
         twin, _ = analytic_twins(kw, cluster, device, backend, init="device")
         if twin is not None and pair_reserved(mem, twin(st.name, shape[0])):
             out["peak_reserved"] = int(mem.peak_reserved)
     colls = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype, "message_bytes": int(c.message_bytes),
               "calls": int(c.calls)} for c in module_collectives(d, train, cluster, st.name)]
-    return {"memory": out, "collectives": colls, "step_time_s": None}
+    step, bound = _probe_step_time(spec, d, train, cluster, st, twin, shape[0]) if device == "cuda" else (None, None)
+    return {"memory": out, "collectives": colls, "step_time_s": step, "step_time_bound": bound}
+
+
+def _probe_step_time(spec: dict, d: ModuleDesc, train: ModuleTrain, cluster: Cluster, st: Strategy, twin,
+                     batch: int) -> tuple[float | None, str | None]:
+    """(step seconds, 'gpu' or 'host') a GPU probe of a traced model should measure, as `module_spec_plan`
+    times the same run: the analytic twin's per-kernel model where the analytic front end reads the config,
+    else the traced step's kernel census (`module_time`). On the fake process group the collectives return
+    at once, so the exposed communication is left out (as api.predict_probe does for the reference decoder).
+    'host' where the host issuing eager ops outlasts the GPU's kernels: reported by `validate`, not judged.
+    (None, None) for a GPU the catalog does not name."""
+    from .compute import _gpu
+    from .hardware import catalog_name
+    if spec.get("mode") not in ("gpu", "fake") or not spec.get("gpu_name"):
+        return None, None
+    cat = catalog_name(spec["gpu_name"])
+    if not cat:
+        return None, None
+    cl = replace(cluster, gpu_name=cat)
+    gpu = _gpu(cat)
+    timed = twin_time(twin, st.name, batch, cl) if twin is not None else None
+    if timed is not None:
+        from .activations import regime_for
+        from .kernels import kernel_times
+        tt = replace(twin.train, micro_batch=batch)
+        kt = kernel_times(tt, gpu, regime_for(tt, st.family))
+        host_bound = kt.host_s >= kt.gpu_s(tt.model.layers)
+    else:
+        timed = module_time(d, train, cl, module_collectives(d, train, cl, st.name), gpu, st)
+        fwd_s, bwd_s, host_s = traced_compute(d, train, gpu)
+        host_bound = host_s >= fwd_s + bwd_s
+    step = timed.step_time_s - (timed.exposed_comm_s if spec.get("mode") == "fake" else 0.0)
+    return step, "host" if host_bound else "gpu"

@@ -191,13 +191,21 @@ def _timeout(ctx, param, value):
               help="CPU slots for concurrent probes (a gloo probe takes one per rank; default: CPU cores, "
                    "1 on GPU machines).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON object.")
+@click.option("--plan", "plan_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+              help="A YAML list of probe groups, each a mapping of this command's options (hf-config, strategy, "
+                   "precision, activation-checkpointing, simulate-world-size, alloc-conf, ...) over the ones "
+                   "given here: every group is checked first, then all probes run as one session in the file's "
+                   "order (--out, --resume, --jobs, --timeout, --tolerance, --json are the session's).")
+@click.option("--dry-run", "dry_run", is_flag=True,
+              help="Check the options (and every --plan group, including that each probe fits this machine) and "
+                   "list the probes with the device memory each is predicted to need; run nothing.")
 @click.option("--probe-cmd", default=None, hidden=True, help="Replace the probe launcher (tests).")
 @click.pass_context
 def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl,
                      checkpointing, attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule, pp_microbatches,
                      matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
-                     tolerance, out_path, resume, timeout_s, steps, jobs, as_json, probe_cmd):
+                     tolerance, out_path, resume, timeout_s, steps, jobs, as_json, plan_path, dry_run, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
 
     Where probes run: 2 GPUs or more here -> torchrun + NCCL, one rank per GPU; --simulate-world-size N
@@ -217,6 +225,122 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         check_results_path(out_path)  # before anything runs: a probe's result must have somewhere to go
     except ValueError as e:
         raise UserError(str(e))
+    if nnodes > 1 and not rdzv_endpoint:
+        raise click.BadParameter(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)",
+                                 param_hint="'--rdzv-endpoint'")
+    hw_cache: dict = {}
+
+    def get_hw() -> dict:
+        if not hw_cache:
+            hw = runner.detect_hardware()
+            if hw.get("error"):
+                raise click.ClickException(f"distplan validate needs torch ({hw['error']}); "
+                                           f"install it with: pip install 'distplan[validate]'")
+            hw_cache.update(hw)
+        return hw_cache
+
+    given = dict(zip(GROUP_OPTIONS, (strategies, model, params, hf_config, front_end, module_factory, input_shape,
+                                     layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len, micro_batch,
+                                     grad_accum, grad_sync, precision, optimizer, optimizer_impl, checkpointing,
+                                     attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule,
+                                     pp_microbatches, matrix, simulate_world_size, nproc, nnodes, steps, probe_cmd)))
+    if plan_path is not None:
+        groups = _plan_groups(ctx, plan_path, given, get_hw)
+    else:
+        groups = [_build(given, get_hw)]
+    specs = [s for g in groups for s in g["specs"]]
+    matrix = any(g["matrix"] for g in groups)
+    hw = get_hw()
+    if jobs is None:
+        jobs = 1 if hw.get("gpus") else max(1, min(8, int(hw.get("cpu_count") or os.cpu_count() or 1)))
+    tol = tolerance / 100.0
+    err = sys.stderr
+    modes = list(dict.fromkeys((s["mode"], s["world_size"]) for s in specs))
+    if not probe_cmd and nnodes == 1 and any(s["mode"] in ("cpu", "gpu") for s in specs):
+        why = runner.check_loopback()  # milliseconds; a torchrun probe without it waits for its timeout
+        if why:
+            raise click.ClickException(why)
+    count = f"{len(specs)} probe{'s' if len(specs) != 1 else ''}"
+    if plan_path is not None:
+        header = [f"distplan validate --plan {plan_path}: {count} in {len(groups)} groups"]
+        header += [f"  group {i}: {len(g['specs'])} probe{'s' if len(g['specs']) != 1 else ''}, model "
+                   f"{g['model_label']}" for i, g in enumerate(groups, 1)]
+    else:
+        header = [f"distplan validate: {count}, model {groups[0]['model_label']}"]
+        if groups[0]["model_about"]:
+            header.append(f"  {groups[0]['model_about']}")
+    notes = list(dict.fromkeys(g["mode_note"] for g in groups if g["mode_note"] and
+                               any(s["mode"] == "fake" for s in g["specs"])))
+    header += [f"  {n}" for n in notes]
+    header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]
+    header.append(f"  {rule_text(tol)}")
+    header.append(f"  results -> {out_path}" + (" (resume)" if resume else ""))
+    click.echo("\n".join(header), file=err if as_json else None)
+    if dry_run:
+        _list_probes(specs, hw)
+        ctx.exit(0)
+
+    progress = _Progress(len(specs), err)
+    results = ResultsFile(out_path)
+    restore = runner.handle_termination()
+    try:
+        records = runner.run_validation(
+            specs, out_path, tolerance=tol, timeout_s=timeout_s,
+            probe_cmd=shlex.split(probe_cmd) if probe_cmd else None, nnodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint, resume=resume, jobs=jobs, on_event=progress.event, results=results,
+            device_memory_bytes=min(hw.get("gpu_memory_bytes") or [0]) or None)
+    except (KeyboardInterrupt, runner.Terminated) as e:
+        progress.clear()
+        what = "terminated" if isinstance(e, runner.Terminated) else "interrupted"
+        click.echo(f"{what}: {results.appended} probe{'s' if results.appended != 1 else ''} saved to "
+                   f"{out_path}; run again with --resume to continue", file=err)
+        ctx.exit(128 + e.signum if isinstance(e, runner.Terminated) else 130)
+    finally:
+        restore()
+    progress.clear()
+
+    failed = [r for r in records if r.get("verdict") not in ("PASS", "SKIP")]
+    if as_json:
+        report = {"out": out_path, "tolerance": tol, "rule": rule_text(tol),
+                  "where": [runner.describe_mode(m, w, hw) for m, w in modes],
+                  "probes": records, "summary": summarize(records) if len(records) > 1 else None,
+                  "passed": sum(r.get("verdict") == "PASS" for r in records), "failed": len(failed),
+                  "ok": not failed}
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        click.echo(render_table(records))
+        why = render_why(records)
+        if why:
+            click.echo(why)
+        detail = render_detail(records[0]) if len(records) == 1 else ""
+        if detail:
+            click.echo(detail)
+        if matrix or len(records) > 1:
+            click.echo(render_summary(records))
+        skipped = sum(r.get("verdict") == "SKIP" for r in records)
+        if failed:
+            click.echo("\n" + FAIL_MEANS.format(tol=tol, ctol=2 * tol))
+        click.echo(f"{len(records) - len(failed) - skipped}/{len(records)} PASS"
+                   + (f"; {skipped} SKIP (rank 0 on another node)" if skipped else "")
+                   + (f"; {len(failed)} FAIL" if failed else "") + f"; records in {out_path}")
+    ctx.exit(1 if failed else 0)
+
+
+GROUP_OPTIONS = ('strategies', 'model', 'params', 'hf_config', 'front_end', 'module_factory', 'input_shape', 'layers', 'hidden', 'heads', 'kv_heads', 'ffn_hidden', 'vocab', 'seq_len', 'micro_batch', 'grad_accum', 'grad_sync', 'precision', 'optimizer', 'optimizer_impl', 'checkpointing', 'attention', 'cpu_offload', 'alloc_conf', 'tp', 'sequence_parallel', 'cp', 'pp', 'pp_schedule', 'pp_microbatches', 'matrix', 'simulate_world_size', 'nproc', 'nnodes', 'steps', 'probe_cmd')
+"""The command's parameters that describe probes (the rest are the session's: --out, --resume, --jobs,
+--timeout, --tolerance, --json, --plan): what one group of a --plan file may set."""
+
+
+def _build(p: dict, get_hw) -> dict:
+    """The probe specs of one set of the command's options `p` (the command line, or a --plan group):
+    {"specs", "model_label", "model_about", "mode_note", "matrix"}. Every check of the options is made
+    here, before any probe runs; `get_hw()` is the machine (runner.detect_hardware, asked once)."""
+    from distplan.validate import matrix as mx
+    from distplan.validate import runner
+
+    from .cli import UserError
+
+    (strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl, checkpointing, attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule, pp_microbatches, matrix, simulate_world_size, nproc, nnodes, steps, probe_cmd) = (p[k] for k in GROUP_OPTIONS)
     overrides = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
                      vocab=vocab)
     user_model = any(v is not None for v in (model, params, hf_config, *overrides.values()))
@@ -238,9 +362,6 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                                                               **overrides).items() if v is not None]
         raise click.UsageError(f"{', '.join(given)}: --matrix runs its own model shapes; drop "
                                f"{'it' if len(given) == 1 else 'them'} or drop --matrix")
-    if nnodes > 1 and not rdzv_endpoint:
-        raise click.BadParameter(f"--nnodes={nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)",
-                                 param_hint="'--rdzv-endpoint'")
     if sequence_parallel and tp == 1:
         raise click.BadParameter("needs --tp > 1 (it shards along the tensor-parallel group)",
                                  param_hint="'--sequence-parallel'")
@@ -286,16 +407,9 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
                                      f"data-parallel strategy", param_hint="'--strategy'")
         strategies = strategies or tuple(n for n in NAMES if n != "single")
     strategies = strategies or tuple(NAMES)
-    tol = tolerance / 100.0
-    err = sys.stderr
 
-    hw = runner.detect_hardware()
-    if hw.get("error"):
-        raise click.ClickException(f"distplan validate needs torch ({hw['error']}); "
-                                   f"install it with: pip install 'distplan[validate]'")
+    hw = get_hw()
     device = "gpu" if hw.get("gpus") else "cpu"
-    if jobs is None:
-        jobs = 1 if device == "gpu" else max(1, min(8, int(hw.get("cpu_count") or os.cpu_count() or 1)))
     try:
         mode, world, mode_note = runner.choose_mode(hw, simulate_world_size, nproc, nnodes, explain=True)
     except ValueError as e:
@@ -402,65 +516,87 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         # cuDNN's convolution workspaces, measured here once per call (validate/kernel_workspace.py).
         from .module_plan import probe_kernel_workspaces
         module_spec["kernel_workspaces"] = probe_kernel_workspaces(module_spec, precision, strategies)
-    modes = list(dict.fromkeys((s["mode"], s["world_size"]) for s in specs))
-    if not probe_cmd and nnodes == 1 and any(s["mode"] in ("cpu", "gpu") for s in specs):
-        why = runner.check_loopback()  # milliseconds; a torchrun probe without it waits for its timeout
-        if why:
-            raise click.ClickException(why)
-    header = ["distplan validate: " + f"{len(specs)} probe{'s' if len(specs) != 1 else ''}, model {model_label}"]
-    if model_about:
-        header.append(f"  {model_about}")
-    if mode_note and any(s["mode"] == "fake" for s in specs):
-        header.append(f"  {mode_note}")
-    header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]
-    header.append(f"  {rule_text(tol)}")
-    header.append(f"  results -> {out_path}" + (" (resume)" if resume else ""))
-    click.echo("\n".join(header), file=err if as_json else None)
+    return {"specs": specs, "model_label": model_label, "model_about": model_about, "mode_note": mode_note,
+            "matrix": matrix}
 
-    progress = _Progress(len(specs), err)
-    results = ResultsFile(out_path)
-    restore = runner.handle_termination()
+
+def _list_probes(specs: list[dict], hw: dict) -> None:
+    """--dry-run: one line per probe, in the order they would run, with the device bytes the scheduler
+    reserves for it beside other probes on a GPU (runner.gpu_need_bytes), and the total."""
+    from tabulate import tabulate
+
+    from distplan.planner.api import predict_probe
+    from distplan.validate import runner
+
+    rows = []
+    for s in specs:
+        try:
+            pred = predict_probe(s)
+            peak = fmt_bytes(int(pred["memory"]["peak_allocated"]))
+        except Exception as e:  # noqa: BLE001 - listed, not fatal: validate records the planner's failure too
+            pred, peak = None, f"not predicted ({type(e).__name__})"
+        need = fmt_bytes(runner.gpu_need_bytes(s, pred)) if hw.get("gpus") and s["mode"] == "fake" else "-"
+        rows.append([s["id"], s["mode"], peak, need])
+    click.echo(tabulate(rows, headers=["probe", "mode", "predicted peak", "GPU need beside others"],
+                        disable_numparse=True))
+    click.echo(f"{len(specs)} probe{'s' if len(specs) != 1 else ''} (dry run: nothing ran)")
+
+
+SESSION_OPTIONS = ("out", "resume", "jobs", "timeout", "tolerance", "json", "plan", "dry-run", "nnodes",
+                   "rdzv-endpoint", "probe-cmd")
+"""Options a --plan group may not set: they belong to the whole session (one results file, one scheduler)."""
+
+
+def _plan_groups(ctx, plan_path: str, given: dict, get_hw) -> list[dict]:
+    """Every group of a --plan file built into probe specs (`_build`), before any probe runs. A group is
+    a mapping of the command's long option names (without the dashes) to values: a list joins with
+    commas (strategy), true sets a flag; the options given on the command line apply where a group is
+    silent. Errors are one line naming the file, the group (from 1) and the option."""
+    import yaml
+
+    from .cli import UserError
+
+    where = f"--plan={plan_path!r}"
     try:
-        records = runner.run_validation(
-            specs, out_path, tolerance=tol, timeout_s=timeout_s,
-            probe_cmd=shlex.split(probe_cmd) if probe_cmd else None, nnodes=nnodes,
-            rdzv_endpoint=rdzv_endpoint, resume=resume, jobs=jobs, on_event=progress.event, results=results,
-            device_memory_bytes=min(hw.get("gpu_memory_bytes") or [0]) or None)
-    except (KeyboardInterrupt, runner.Terminated) as e:
-        progress.clear()
-        what = "terminated" if isinstance(e, runner.Terminated) else "interrupted"
-        click.echo(f"{what}: {results.appended} probe{'s' if results.appended != 1 else ''} saved to "
-                   f"{out_path}; run again with --resume to continue", file=err)
-        ctx.exit(128 + e.signum if isinstance(e, runner.Terminated) else 130)
-    finally:
-        restore()
-    progress.clear()
-
-    failed = [r for r in records if r.get("verdict") not in ("PASS", "SKIP")]
-    if as_json:
-        report = {"out": out_path, "tolerance": tol, "rule": rule_text(tol),
-                  "where": [runner.describe_mode(m, w, hw) for m, w in modes],
-                  "probes": records, "summary": summarize(records) if len(records) > 1 else None,
-                  "passed": sum(r.get("verdict") == "PASS" for r in records), "failed": len(failed),
-                  "ok": not failed}
-        click.echo(json.dumps(report, indent=2, default=str))
-    else:
-        click.echo(render_table(records))
-        why = render_why(records)
-        if why:
-            click.echo(why)
-        detail = render_detail(records[0]) if len(records) == 1 else ""
-        if detail:
-            click.echo(detail)
-        if matrix or len(records) > 1:
-            click.echo(render_summary(records))
-        skipped = sum(r.get("verdict") == "SKIP" for r in records)
-        if failed:
-            click.echo("\n" + FAIL_MEANS.format(tol=tol, ctol=2 * tol))
-        click.echo(f"{len(records) - len(failed) - skipped}/{len(records)} PASS"
-                   + (f"; {skipped} SKIP (rank 0 on another node)" if skipped else "")
-                   + (f"; {len(failed)} FAIL" if failed else "") + f"; records in {out_path}")
-    ctx.exit(1 if failed else 0)
+        with open(plan_path) as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise UserError(f"{where}: cannot read it ({e.strerror or e})")
+    except yaml.YAMLError as e:
+        raise UserError(f"{where}: not valid YAML ({' '.join(str(e).split())})")
+    if not isinstance(doc, list) or not doc or not all(isinstance(g, dict) for g in doc):
+        raise UserError(f"{where}: expected a non-empty YAML list of mappings (one per probe group), e.g. "
+                        f"- {{hf-config: config.json, strategy: all}}")
+    defaults = {k: v for k, v in given.items() if k != "probe_cmd"}
+    out = []
+    for i, group in enumerate(doc, 1):
+        argv = []
+        for key, value in group.items():
+            key = str(key)
+            flag = key.replace("_", "-")
+            if flag in SESSION_OPTIONS:
+                raise UserError(f"{where}: group {i}: {flag!r} is set for the whole session, on the command "
+                                f"line, not in a group")
+            if isinstance(value, bool):
+                if value:
+                    argv.append(f"--{flag}")
+                continue
+            if value is None:
+                continue
+            argv += [f"--{flag}", ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+        try:
+            sub = validate_command.make_context("validate", argv, parent=ctx)
+        except click.UsageError as e:
+            raise UserError(f"{where}: group {i}: {_one_line(e).format_message()}")
+        flags = {o.lstrip("-"): param.name for param in validate_command.params for o in param.opts}
+        named = {flags[str(k).replace("_", "-")] for k in group}
+        p = {k: (sub.params[k] if k in named else defaults.get(k)) for k in GROUP_OPTIONS}
+        p["probe_cmd"] = given["probe_cmd"]
+        try:
+            out.append(_build(p, get_hw))
+        except click.UsageError as e:
+            raise UserError(f"{where}: group {i}: {_one_line(e).format_message()}")
+    return out
 
 
 def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, world: int, hw: dict) -> None:
@@ -833,6 +969,8 @@ def render_detail(rec: dict) -> str:
         err = f", error {_pct(st['error'])}" if st.get("error") is not None else ""
         if st.get("judged"):
             why = f"judged: within {st.get('tolerance', 0.15):.0%} for a GPU-bound step"
+        elif st.get("shared_gpu"):
+            why = "reported, not judged: other probes ran on the GPU beside it (--jobs > 1)"
         elif st.get("bound") == "host":
             why = "reported, not judged: predicted host-bound, the time is the host issuing eager ops"
         else:

@@ -62,7 +62,10 @@ def test_param_counts_of_samples():
     model = pytest.importorskip("distplan.planner.model")
     published = {"gpt2": 124_439_808, "llama-2-7b": 6_738_415_616, "llama-3-8b": 8_030_261_248,
                  "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512,
-                 "phi-3-mini": 3_821_079_552}
+                 "phi-3-mini": 3_821_079_552,
+                 # the small real models the GPU plan probes at full depth (.ci/gpu-issues)
+                 "llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "gpt2-medium": 354_823_168,
+                 "gemma-2-2b": 2_614_341_888, "qwen3-0.6b": 596_049_920}
     for stem, n in published.items():
         spec = model.ModelSpec(**read_hf_config(DATA / f"{stem}.json"))
         assert spec.param_count() == n, stem

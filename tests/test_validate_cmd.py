@@ -22,6 +22,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import fake_probe  # noqa: E402
 
+from distplan.planner.footprint import CUDA_CONTEXT_BYTES  # noqa: E402
+from distplan.planner.model import ModelSpec  # noqa: E402
 from distplan.planner.strategies import NAMES  # noqa: E402
 from distplan.planner.validate_cmd import validate_command  # noqa: E402
 from distplan.validate import matrix as mx  # noqa: E402
@@ -215,6 +217,60 @@ def test_oom_probe_recorded_and_compared_with_fits(tmp_path):
     assert [r["status"] for r in recs] == ["oom", "oom"]
     assert [r["verdict"] for r in recs] == ["PASS", "FAIL"]
     assert len(read_records(str(out))) == 2
+
+
+def _gpu_fake_specs(n, sleep):
+    specs = [_spec(i, behavior="ok", sleep=sleep) for i in range(n)]
+    for s in specs:
+        s["device_type"] = "cuda"  # fake process group on a GPU: probes that may share it
+    return specs
+
+
+def _starts_and_ends(specs, out, device_memory_bytes):
+    events = []
+    recs = runner.run_validation(specs, str(out), probe_cmd=FAKE, predict=_exact_prediction, jobs=3,
+                                 device_memory_bytes=device_memory_bytes,
+                                 on_event=lambda kind, i, *_: events.append((kind, i)))
+    return recs, [e for e in events if e[0] in ("start", "done")]
+
+
+def test_probes_share_a_gpu_only_while_their_predicted_needs_fit(tmp_path):
+    """Each fake probe needs its predicted peak or the whole fp32 model, plus a CUDA context: on a GPU
+    too small for two, --jobs 3 runs them one after another; on a large one, side by side, and a probe
+    that shared the GPU is marked so its time is not judged."""
+    specs = _gpu_fake_specs(3, sleep=0.3)
+    need = runner.gpu_need_bytes(specs[0], _exact_prediction(specs[0]))
+    params = 4 * ModelSpec(**specs[0]["model"]).param_count()
+    assert need == max(params, fake_probe.result_for(specs[0])["memory"]["peak_allocated"]) + CUDA_CONTEXT_BYTES
+    # room for one (90% of the device is the budget): strictly one after another
+    recs, ev = _starts_and_ends(specs, tmp_path / "one.jsonl", int(1.5 * need / runner.GPU_SHARE))
+    assert ev == [("start", 0), ("done", 0), ("start", 1), ("done", 1), ("start", 2), ("done", 2)]
+    assert [r["verdict"] for r in recs] == ["PASS"] * 3
+    assert not any(r["measurement"].get("shared_gpu") for r in recs)
+    # room for all three: they start together and every one is marked
+    recs, ev = _starts_and_ends(specs, tmp_path / "all.jsonl", int(3.5 * need / runner.GPU_SHARE))
+    assert [e for e in ev[:3]] == [("start", 0), ("start", 1), ("start", 2)]
+    assert all(r["measurement"].get("shared_gpu") for r in recs)
+    # room for two: the third waits for a slot in memory, not in --jobs
+    recs, ev = _starts_and_ends(specs, tmp_path / "two.jsonl", int(2.5 * need / runner.GPU_SHARE))
+    assert ev[:2] == [("start", 0), ("start", 1)] and ev[2][0] == "done" and ev.index(("start", 2)) >= 3
+    # a probe bigger than the GPU still runs (alone), and CPU probes ignore the GPU budget
+    recs, ev = _starts_and_ends(_gpu_fake_specs(2, 0.1), tmp_path / "big.jsonl", need // 2)
+    assert ev == [("start", 0), ("done", 0), ("start", 1), ("done", 1)]
+    cpu = [_spec(i, behavior="ok", sleep=0.3) for i in range(3)]
+    recs, ev = _starts_and_ends(cpu, tmp_path / "cpu.jsonl", need // 2)
+    assert ev[:3] == [("start", 0), ("start", 1), ("start", 2)]
+
+
+def test_step_time_of_a_probe_that_shared_its_gpu_is_not_judged():
+    spec = _spec()
+    pred = dict(_exact_prediction(spec), step_time_s=0.10, step_time_bound="gpu")
+    meas = dict(fake_probe.result_for(spec), step_time_s=0.20)
+    alone = compare(pred, meas)
+    assert alone["verdict"] == "FAIL" and alone["step_time"]["judged"] and "step time" in alone["reasons"][0]
+    beside = compare(pred, dict(meas, shared_gpu=True))
+    assert beside["verdict"] == "PASS" and not beside["step_time"]["judged"]
+    assert beside["step_time"]["shared_gpu"] and beside["step_time"]["error"] == pytest.approx(-0.5)
 
 
 def test_truncated_last_line_is_tolerated_and_cut_before_appending(tmp_path):

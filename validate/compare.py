@@ -22,7 +22,9 @@ On a GPU the reserved peak (`torch.cuda.max_memory_reserved`) is judged too, wit
 
 Step time is judged on a GPU only, within TIME_TOLERANCE (15%), and only where the planner predicts a
 GPU-bound step (`step_time_bound == "gpu"`): a host-bound step (the small probes, whose time is the
-host issuing eager ops) is reported, not judged. On the fake process group the probe times the compute
+host issuing eager ops) is reported, not judged, and so is the time of a probe that shared its GPU with
+other probes (`measurement.shared_gpu`: `validate --jobs N` runs fake-process-group probes side by side
+on one GPU, and each slows the others). On the fake process group the probe times the compute
 part (its collectives return at once) and the planner predicts the step without exposed communication.
 On the CPU nothing is timed.
 
@@ -205,10 +207,11 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
 
     ps, ms = prediction.get("step_time_s"), measurement.get("step_time_s")
     bound = prediction.get("step_time_bound")
-    judged = ps is not None and ms is not None and bound == "gpu"
+    shared = bool(measurement.get("shared_gpu"))
+    judged = ps is not None and ms is not None and bound == "gpu" and not shared
     err = rel_error(ps, ms)
     out["step_time"] = {"predicted": ps, "measured": ms, "error": err, "judged": judged, "bound": bound,
-                        "tolerance": TIME_TOLERANCE}
+                        "tolerance": TIME_TOLERANCE, "shared_gpu": shared}
     if judged and abs(err) > TIME_TOLERANCE:
         reasons.append(f"step time {err:+.1%} off (predicted {ps * 1e3:.1f} ms, measured {ms * 1e3:.1f} ms; "
                        f"tolerance {TIME_TOLERANCE:.0%})")

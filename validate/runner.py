@@ -19,7 +19,10 @@ Owns the process side of `distplan validate`:
   `crashed` (reason: a failed rendezvous in one line, else the last meaningful stderr line) or `timeout`.
 - `run_validation()` runs a list of specs (fake probes several at a time, torchrun probes alone), asks
   the planner for each prediction (`distplan.planner.api.predict_probe`), compares, and appends one record
-  per probe to the JSON-lines file the moment it ends.
+  per probe to the JSON-lines file the moment it ends. Fake probes on one GPU run side by side only while
+  their predicted device needs (`gpu_need_bytes`) fit in 90% of its memory together, so `--jobs` cannot
+  turn a probe that fits into a measured OOM; a probe that shared the GPU is marked `shared_gpu` and its
+  step time is reported, not judged.
 
 Known limitations: across nodes, only the node that hosts rank 0 gets the result file; the other nodes
 record status `remote` (verdict SKIP) when their launcher exits cleanly. No retry of failed probes (use `--resume` after fixing).
@@ -535,6 +538,48 @@ def with_fits(prediction: dict | None, device_memory_bytes: int | None) -> dict 
                 fits_source=f"predicted peak_allocated <= device memory {device_memory_bytes} B")
 
 
+GPU_SHARE = 0.90
+"""Fraction of the GPU's memory that probes running side by side on one GPU may be predicted to need
+together (`run_validation`); the rest is slack for what the prediction does not hold (other processes'
+CUDA contexts are counted per probe)."""
+
+
+def _shares_gpu(spec: dict) -> bool:
+    """A fake-process-group probe on a GPU: one process, which `--jobs` may run beside others on the same
+    device (a torchrun probe, mode 'gpu', takes every GPU and runs alone)."""
+    return spec.get("mode") == "fake" and spec.get("device_type") == "cuda"
+
+
+def _full_param_bytes(spec: dict) -> int:
+    """fp32 bytes of the probe's model, all of it: the probes build it whole on the device (the reference
+    decoder in place, a module on the CPU then `.to(device)`) before any wrapper shards it. 0 where the
+    planner does not read the model's size from its spec (an `nn.Module` factory, a config the analytic
+    front end does not read)."""
+    try:
+        from distplan.planner.api import resolve_model
+        from distplan.planner.model import ModelSpec
+        module = spec.get("module") or {}
+        if module.get("hf_config"):
+            model, _ = resolve_model(hf_config=module["hf_config"], overrides={"layers": module.get("layers")})
+        elif module:
+            return 0
+        else:
+            model = ModelSpec(**spec["model"])
+        return 4 * int(model.param_count())
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
+def gpu_need_bytes(spec: dict, prediction: dict | None) -> int:
+    """Device bytes a probe sharing a GPU is expected to hold at most: the larger of its predicted reserved
+    peak (else its allocated peak) and the whole model built before wrapping, plus a CUDA context
+    (planner.footprint.CUDA_CONTEXT_BYTES). With no prediction, only the model and the context."""
+    from distplan.planner.footprint import CUDA_CONTEXT_BYTES
+    mem = (prediction or {}).get("memory") or {}
+    peak = int(mem.get("peak_reserved") or mem.get("peak_allocated") or 0)
+    return max(peak, _full_param_bytes(spec)) + CUDA_CONTEXT_BYTES
+
+
 def spec_cost(spec: dict, capacity: int) -> int:
     """Slots a probe takes: one per local process on CPU; a GPU probe takes the machine."""
     if spec.get("mode") == "gpu":
@@ -574,17 +619,33 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
             todo.append(i)
     capacity = max(1, int(jobs))
     running: list[tuple[int, ProbeRun, dict | None, str | None]] = []
+    predicted: dict[int, tuple[dict | None, str | None]] = {}
+    gpu_budget = GPU_SHARE * device_memory_bytes if device_memory_bytes else None
+    need: dict[int, int] = {}  # device bytes of each running probe that shares the GPU
+    shared: set[int] = set()  # probes that had another one beside them on the GPU
     try:
         while todo or running:
             used = sum(spec_cost(specs[i], capacity) for i, *_ in running)
             while todo and (not running or used + spec_cost(specs[todo[0]], capacity) <= capacity):
-                i = todo.pop(0)
+                i = todo[0]
                 spec = specs[i]
-                try:
-                    prediction, perr = predict(spec), None
-                    prediction = with_fits(prediction, device_memory_bytes)
-                except Exception as e:  # the planner's failure is recorded, the probe still runs
-                    prediction, perr = None, f"{type(e).__name__}: {e}"
+                if i not in predicted:
+                    try:
+                        prediction, perr = predict(spec), None
+                        prediction = with_fits(prediction, device_memory_bytes)
+                    except Exception as e:  # the planner's failure is recorded, the probe still runs
+                        prediction, perr = None, f"{type(e).__name__}: {e}"
+                    predicted[i] = (prediction, perr)
+                prediction, perr = predicted.pop(i)
+                if gpu_budget and _shares_gpu(spec):
+                    # side by side on one GPU only while their predicted needs fit together; a probe that
+                    # needs more than the GPU has still runs, alone (its OOM is what validate judges)
+                    n = gpu_need_bytes(spec, prediction)
+                    if need and sum(need.values()) + n > gpu_budget:
+                        predicted[i] = (prediction, perr)
+                        break
+                    need[i] = n
+                todo.pop(0)
                 on_event("start", i, spec, None)
                 running.append((i, ProbeRun(spec, probe_cmd, timeout_s, nnodes, rdzv_endpoint),
                                 prediction, perr))
@@ -596,11 +657,16 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
                 if measurement is None:
                     still.append(item)
                     continue
+                need.pop(i, None)
+                if i in shared:
+                    measurement = dict(measurement, shared_gpu=True)
                 rec = make_record(specs[i], prediction, perr, measurement, tolerance)
                 results.append(rec)
                 records[i] = rec
                 on_event("done", i, specs[i], rec)
             running = still
+            if len(need) > 1:  # still running together after this round's ends (starts are not GPU work)
+                shared.update(need)
             if running:
                 time.sleep(0.05)
     except BaseException:
