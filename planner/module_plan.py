@@ -1132,7 +1132,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
         regime = _regime(precision, get_strategy(n).family)
         if regime not in descs and regime not in failed:
             try:
-                prof = profile(work, regime)
+                prof = profile(work, regime, "cuda")  # a plan is for GPUs: the bytes CUDA's kernels keep
             except ValueError as exc:
                 # a model that traces in one regime and not another (transformers 5's MoE experts call
                 # grouped_mm, whose kernel takes bf16 only: fp32 weights under autocast fail, FSDP's bf16
@@ -1211,13 +1211,6 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
             unpaired = [r.name for r in results if not pair_reserved(r.memory, twin(r.name, desc.batch))]
             why = (f"{', '.join(unpaired)}: the analytic front end's allocated peak differs from the trace's by "
                    f"more than {TWIN_TOLERANCE:.0%}" if unpaired else None)
-        if twin is not None:
-            gap = kernel_device_gap(twin.train)
-            if abs(gap) >= 0.01 * min(r.memory.peak_allocated for r in results):
-                notes.append(f"the trace ran on the CPU, whose kernels keep {fmt_gib(abs(gap))} GiB "
-                             f"{'less' if gap > 0 else 'more'} per micro-batch than CUDA's for this config "
-                             f"(attention dropout or a materialized mask changes SDPA's kernel; activations.py): "
-                             f"--front-end analytic models CUDA's kernels")
         notes.append("reserved peak: the trace's allocated peak plus the cached-but-free bytes of the analytic "
                      "front end's allocator replay of the same run" + (f"; {RESERVED_MARGIN:.0%} margin instead "
                                                                       f"for {why}" if why else ""))
@@ -1280,17 +1273,6 @@ def twin_time(twin, strategy: str, batch: int, cluster: Cluster) -> ModuleTime |
     return ModuleTime(t.compute_s, t.comm_s, t.exposed_comm_s, t.step_time_s, t.tokens_per_s, t.mfu, t.optimizer_s)
 
 
-def kernel_device_gap(train) -> int:
-    """Bytes per micro-batch that the analytic front end's activations on CUDA exceed those on the CPU by
-    (negative: CUDA keeps less), the larger gap of the regimes the strategies run in: the trace runs on
-    CPU fake tensors, so it keeps what the CPU's kernels save (SDPA's backend choice, dropout's mask,
-    LayerNorm's statistics; activations.py), not what a GPU's do."""
-    from .activations import activations_in, regime_for
-    gaps = [activations_in(train, r, "cuda").total - activations_in(train, r, "cpu").total
-            for r in sorted({regime_for(train, f) for f in ("ddp", "fsdp2")})]
-    return max(gaps, key=abs)
-
-
 def pair_reserved(mem: MemoryEstimate, analytic: MemoryEstimate) -> bool:
     """Give the trace's estimate `mem` the reserved peak of the analytic one's replay (memory.MemoryEstimate
     `reserved_from`) where that replay exists and the two allocated peaks agree within TWIN_TOLERANCE."""
@@ -1341,21 +1323,21 @@ def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
         sys.path.insert(0, module["path"])
     work = from_spec(module)
     regimes = {_regime(precision, get_strategy(s).family) for s in strategies}
-    descs = [ModuleDesc.from_profile(profile(work, r)) for r in sorted(regimes)]
+    descs = [_traced(work, r, "cuda") for r in sorted(regimes)]
     return kernel_workspaces(descs)[0]
 
 
 _TRACES: dict = {}
 
 
-def _traced(work, regime: str) -> ModuleDesc:
-    """The workload's ModuleDesc in a regime, traced once per process (a validation run predicts many
-    probes of one model)."""
+def _traced(work, regime: str, device: str = "cpu") -> ModuleDesc:
+    """The workload's ModuleDesc in a regime with `device`'s kernels (module_probe.KERNEL_DEVICES), traced
+    once per process (a validation run predicts many probes of one model)."""
     from distplan.validate.module_probe import profile
 
-    key = (json.dumps(work.to_spec(), sort_keys=True), regime)
+    key = (json.dumps(work.to_spec(), sort_keys=True), regime, device)
     if key not in _TRACES:
-        _TRACES[key] = ModuleDesc.from_profile(profile(work, regime))
+        _TRACES[key] = ModuleDesc.from_profile(profile(work, regime, device))
     return _TRACES[key]
 
 
@@ -1375,7 +1357,8 @@ def predict_module_probe(spec: dict) -> dict:
     t = spec["train"]
     st = get_strategy(spec["strategy"])
     precision = t.get("precision", "fp32")
-    d = _traced(work, _regime(precision, st.family))
+    device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
+    d = _traced(work, _regime(precision, st.family), "cuda" if device == "cuda" else "cpu")
     workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
     model = ModuleModel(d.name, work.label, d.param_count(), d.units, layers=len(d.units))
     ckpt = t.get("checkpointing", "none")
@@ -1389,7 +1372,6 @@ def predict_module_probe(spec: dict) -> dict:
     gpn = int(spec.get("gpus_per_node") or world)
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15,
                       gpu_name=spec.get("gpu_name") or "h100-sxm", nics_per_node=gpn)
-    device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
     backend = {"gpu": "nccl", "cpu": "gloo", "fake": "fake"}.get(spec.get("mode"), "nccl")
     mem = estimate_module_memory(d, train, cluster, st, device=device, backend=backend, workspaces=workspaces)
     out = {k: int(mem.components[k]) for k in COMPONENTS}

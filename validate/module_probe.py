@@ -135,6 +135,60 @@ def _quiet_fake_tensor_log():
         log.setLevel(level)
 
 
+KERNEL_DEVICES = ("cpu", "cuda")
+"""Whose kernels a trace keeps the bytes of (`device` of `profile`). The trace always runs on the CPU, on fake
+tensors; "cuda" makes the two calls whose CPU kernel saves other tensors than CUDA's run as on a GPU
+(`_cuda_kernels`), so a plan for GPUs is the trace of what a GPU keeps."""
+
+
+@contextlib.contextmanager
+def _cuda_kernels(torch):
+    """While tracing for a GPU, the two choices where CPU and CUDA kernels keep different tensors:
+
+    - `scaled_dot_product_attention`: CUDA picks flash (16-bit, no mask, head_dim <= 256, grouped KV heads
+      allowed) or memory-efficient attention (any dtype and a mask, but no grouped KV heads:
+      `check_batch_size_and_num_heads_dense<false>` in `can_use_mem_efficient_attention`,
+      aten/src/ATen/native/transformers/cuda/sdp_utils.cpp), else the math composite. A fused kernel keeps
+      its output and log-sum-exp (and, with dropout, the RNG seed and offset), never the probabilities:
+      CPU's flash kernel keeps the same but takes no dropout, where the CPU would run the math composite
+      and keep the probabilities and the dropout mask; so the trace runs it without dropout. Where CUDA
+      runs the math composite (fp32 with grouped KV heads, which transformers passes as `enable_gqa`), the
+      trace runs that composite too (`sdpa_kernel(MATH)`), keeping what CUDA keeps.
+    - `dropout` (`nn.Dropout`, `F.dropout`): CUDA's fused `native_dropout` keeps a bool mask; the CPU's
+      composite keeps the scaled mask in the input's dtype. The trace calls `native_dropout`.
+
+    The LayerNorm statistics remain the CPU's (16-bit under 16-bit inputs, fp32 on CUDA): 4 bytes per token
+    per LayerNorm under pure bf16, a known limitation (planner/activations.py `_norm_saved`)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    F = torch.nn.functional
+    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
+    lowp = (torch.float16, torch.bfloat16)
+
+    def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        grouped = bool(enable_gqa) and query.size(-3) != key.size(-3)
+        # under autocast (CPU's stands in for CUDA's), CUDA casts SDPA's inputs to the 16-bit dtype
+        # (`scaled_dot_product_attention` is in autocast_mode.cpp's lower_precision_fp list)
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+        flash = dtype in lowp and attn_mask is None and query.size(-1) <= 256
+        if grouped and not flash:  # no fused CUDA kernel takes it: the math composite, as on a GPU
+            with sdpa_kernel([SDPBackend.MATH]):
+                return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+
+    def cuda_dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return input
+        return torch.native_dropout(input, p, True)[0]
+
+    F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+
+
 CENSUS_FIELDS = ("gemm_flops", "gemms", "attention_flops", "bytes", "kernels", "ops")
 """What `_KernelCensus` adds up per segment and phase: the FLOPs of the matmuls and convolutions (counted by
 `torch.utils.flop_counter`'s formulas) and how many ran; the FLOPs of the fused attention kernels (causal ones
@@ -474,24 +528,25 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
 
 
 def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "float32",
-               layers: int | None = None) -> dict:
+               layers: int | None = None, device: str = "cpu") -> dict:
     """`profile_workload` of a Hugging Face causal LM's config.json at micro_batch x seq_len tokens."""
     from .workload import HFWorkload
 
     work = HFWorkload(hf_config, micro_batch, seq_len, layers)
     depth = work.depth()
     if depth <= TRACE_LAYERS:
-        return profile_workload(work, dtype)
+        return profile_workload(work, dtype, device=device)
     shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS)
-    return expand_layers(profile_workload(shallow, dtype), depth, work)
+    return expand_layers(profile_workload(shallow, dtype, device=device), depth, work)
 
 
-def profile(work, dtype: str = "float32") -> dict:
+def profile(work, dtype: str = "float32", device: str = "cpu") -> dict:
     """The profile of a workload: a Hugging Face model through `profile_hf` (traced at TRACE_LAYERS
-    layers and expanded), anything else through `profile_workload`."""
+    layers and expanded), anything else through `profile_workload`; keeping the bytes `device`'s kernels
+    keep (KERNEL_DEVICES)."""
     if work.kind == "hf":
-        return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers)
-    return profile_workload(work, dtype)
+        return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers, device)
+    return profile_workload(work, dtype, device=device)
 
 
 TRACE_LAYERS = 4
@@ -610,11 +665,11 @@ def _check_model(torch, model, flag: str, label: str) -> None:
                          f"synchronise")
 
 
-def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
+def profile_workload(work, dtype: str = "float32", fake: bool = True, device: str = "cpu") -> dict:
     """`_profile_workload`, with user code that ends the process (`sys.exit`) or raises a
     BaseException turned into a one-line ValueError naming the flag (KeyboardInterrupt passes)."""
     try:
-        return _profile_workload(work, dtype, fake)
+        return _profile_workload(work, dtype, fake, device)
     except (KeyboardInterrupt, Exception):
         raise
     except BaseException as exc:  # SystemExit, GeneratorExit, a user's BaseException subclass
@@ -622,7 +677,7 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
         raise user_code_error(flag, work.label, "the model", exc) from None
 
 
-def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
+def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: str = "cpu") -> dict:
     """Parameters (per wrapping unit), saved-activation bytes, output bytes and forward FLOPs of a
     workload (`validate.workload`: a factory's module, or a Hugging Face causal LM).
 
@@ -639,6 +694,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: accepted values are {', '.join(_DTYPES)}")
+    if device not in KERNEL_DEVICES:
+        raise ValueError(f"device={device!r}: accepted values are {', '.join(KERNEL_DEVICES)}")
     factory_path = work.label
     shape = tuple(work.input_shape)
     t0 = time.perf_counter()
@@ -752,7 +809,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
             return t
 
         try:
-            with work.trace_context(), _quiet_fake_tensor_log(), FlopCounterMode(display=False) as flops, bwd.forward_mode, \
+            with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
+                    _quiet_fake_tensor_log(), FlopCounterMode(display=False) as flops, bwd.forward_mode, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=tdtype, enabled=autocast):
                 loss, loss_kind, out = work.loss(model, inputs)
@@ -812,6 +870,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True) -> dict:
         "module_class": type(model).__name__,
         "input_shape": list(shape),
         "dtype": dtype,
+        "kernels_of": device,
         "params": int(n_params),
         "param_bytes_dtype": int(pbytes),
         "units": list(units.values()),
