@@ -32,12 +32,11 @@ KNOWN_GAPS = {
     # Gemma-2 (eager attention, soft-capping) at 2 x 64 tokens: the walk's peak is another instant, +0.43%
     # (the same run at 2 x 512 tokens, cpu-torch2.13-2026-11-24-gemma2-hf.jsonl, passes)
     "zero3/hf:examples/hf/gemma2-8l.json/w2/none/fp32",
-    # FSDP1 in fp32 with a tied 64k-vocabulary head: the peak within 0.1%, but the probe peaks at the
-    # embedding's backward (three V x h gradients, temporaries) and the walk at the root's flat-gradient
-    # concatenation (comm buffers), instants of equal size
-    "fsdp/hf:examples/hf/gemma2-vocab64k-2l.json/w2/none/fp32",
-    "fsdp-grad-op/hf:examples/hf/gemma2-vocab64k-2l.json/w2/none/fp32",
 }
+# Closed on 2026-11-27: FSDP1 in fp32 with a tied 64k-vocabulary head (gemma2-vocab64k-2l, fsdp and
+# fsdp-grad-op), where the walk's root concatenation counted the tied head's and the embedding's gradients
+# beside the view gradient they are summed into, and peaked there instead of at the embedding's backward
+# (cpu-torch2.13-2026-11-27-tied64k-hf.jsonl: the same in a tied Llama, +13.7% before).
 # Closed on 2026-11-24: full checkpointing of the wide llama blocks (fsdp and zero3, w8-fake, fp32 and
 # bf16-mixed), where the walk left out the RoPE tables a checkpointed layer keeps as inputs (the trace now
 # records each unit's shared tensor inputs, module_probe `shared_inputs`); and zero3 of llama-8l with full
