@@ -194,8 +194,9 @@ def _timeout(ctx, param, value):
 @click.option("--plan", "plan_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
               help="A YAML list of probe groups, each a mapping of this command's options (hf-config, strategy, "
                    "precision, activation-checkpointing, simulate-world-size, alloc-conf, ...) over the ones "
-                   "given here: every group is checked first, then all probes run as one session in the file's "
-                   "order (--out, --resume, --jobs, --timeout, --tolerance, --json are the session's).")
+                   "given here (paths relative to the working directory): every group is checked first, then all "
+                   "probes run as one session in the file's order (--out, --resume, --jobs, --timeout, "
+                   "--tolerance, --json are the session's).")
 @click.option("--dry-run", "dry_run", is_flag=True,
               help="Check the options (and every --plan group, including that each probe fits this machine) and "
                    "list the probes with the device memory each is predicted to need; run nothing.")
@@ -239,11 +240,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             hw_cache.update(hw)
         return hw_cache
 
-    given = dict(zip(GROUP_OPTIONS, (strategies, model, params, hf_config, front_end, module_factory, input_shape,
-                                     layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len, micro_batch,
-                                     grad_accum, grad_sync, precision, optimizer, optimizer_impl, checkpointing,
-                                     attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule,
-                                     pp_microbatches, matrix, simulate_world_size, nproc, nnodes, steps, probe_cmd)))
+    given = {k: ctx.params[k] for k in GROUP_OPTIONS}  # what a --plan group may set, as given here
     if plan_path is not None:
         groups = _plan_groups(ctx, plan_path, given, get_hw)
     else:
@@ -326,9 +323,15 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
     ctx.exit(1 if failed else 0)
 
 
-GROUP_OPTIONS = ('strategies', 'model', 'params', 'hf_config', 'front_end', 'module_factory', 'input_shape', 'layers', 'hidden', 'heads', 'kv_heads', 'ffn_hidden', 'vocab', 'seq_len', 'micro_batch', 'grad_accum', 'grad_sync', 'precision', 'optimizer', 'optimizer_impl', 'checkpointing', 'attention', 'cpu_offload', 'alloc_conf', 'tp', 'sequence_parallel', 'cp', 'pp', 'pp_schedule', 'pp_microbatches', 'matrix', 'simulate_world_size', 'nproc', 'nnodes', 'steps', 'probe_cmd')
-"""The command's parameters that describe probes (the rest are the session's: --out, --resume, --jobs,
---timeout, --tolerance, --json, --plan): what one group of a --plan file may set."""
+GROUP_OPTIONS = (
+    "strategies", "model", "params", "hf_config", "front_end", "module_factory", "input_shape", "layers",
+    "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "micro_batch", "grad_accum", "grad_sync",
+    "precision", "optimizer", "optimizer_impl", "checkpointing", "attention", "cpu_offload", "alloc_conf",
+    "tp", "sequence_parallel", "cp", "pp", "pp_schedule", "pp_microbatches", "matrix", "simulate_world_size",
+    "nproc", "nnodes", "steps", "probe_cmd")
+"""The command's parameters that describe probes, what `_build` reads (the rest are the session's: --out,
+--resume, --jobs, --timeout, --tolerance, --json, --plan, --dry-run); a --plan group sets any of them but
+the session's --nnodes and the tests' --probe-cmd (SESSION_OPTIONS)."""
 
 
 def _build(p: dict, get_hw) -> dict:
@@ -340,7 +343,11 @@ def _build(p: dict, get_hw) -> dict:
 
     from .cli import UserError
 
-    (strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl, checkpointing, attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule, pp_microbatches, matrix, simulate_world_size, nproc, nnodes, steps, probe_cmd) = (p[k] for k in GROUP_OPTIONS)
+    (strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads,
+     kv_heads, ffn_hidden, vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer,
+     optimizer_impl, checkpointing, attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp,
+     pp_schedule, pp_microbatches, matrix, simulate_world_size, nproc, nnodes, steps, probe_cmd) = \
+        (p[k] for k in GROUP_OPTIONS)
     overrides = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
                      vocab=vocab)
     user_model = any(v is not None for v in (model, params, hf_config, *overrides.values()))
