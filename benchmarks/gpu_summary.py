@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_summary.py RESULTS.jsonl [MORE.jsonl ...] [--json]
     python benchmarks/gpu_summary.py RESULTS.jsonl --relativize ROOT --write OUT.jsonl
+    python benchmarks/gpu_summary.py COMMITTED.jsonl --absolutize ROOT --write RESUME.jsonl   # the inverse
     python benchmarks/gpu_summary.py benchmarks/results/h100-*.jsonl --repredict   # the planner as it is now
 
 The records are judged by `distplan validate` itself (validate/compare.py); this only gathers them the way
@@ -87,6 +88,25 @@ def repredict(recs: list[dict]) -> list[dict]:
                       (r.get("comparison") or {}).get("tolerance") or 0.05)
         out.append(dict(r, comparison=cmp, verdict=cmp["verdict"]))
     return out
+
+
+def absolutize(rec: dict, root: str) -> dict:
+    """`relativize`'s inverse on what the CLI writes absolute: `hf:PATH` in ids and model names and the
+    spec's `hf_config` (so that `--resume` on another machine matches committed records by id and inputs)."""
+    import re
+    root = os.path.abspath(root)
+
+    def fix(obj, key=None):
+        if isinstance(obj, str):
+            if key == "hf_config" and not os.path.isabs(obj):
+                return os.path.join(root, obj)
+            return re.sub(r"hf:(?!/)", f"hf:{root}/", obj)
+        if isinstance(obj, list):
+            return [fix(v) for v in obj]
+        if isinstance(obj, dict):
+            return {k: fix(v, k) for k, v in obj.items()}
+        return obj
+    return fix(rec)
 
 
 def _config(rec: dict) -> dict:
@@ -208,12 +228,14 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--relativize", metavar="ROOT")
-    ap.add_argument("--write", metavar="OUT", help="with --relativize: the rewritten records")
+    ap.add_argument("--write", metavar="OUT", help="with --relativize or --absolutize: the rewritten records")
     ap.add_argument("--repredict", action="store_true", help="judge against the planner as it is now")
+    ap.add_argument("--absolutize", metavar="ROOT", help="the inverse of --relativize (to --resume from a "
+                    "committed file on another machine)")
     a = ap.parse_args(argv)
     recs = load(a.results)
-    if a.relativize:
-        recs = [relativize(r, a.relativize) for r in recs]
+    if a.relativize or a.absolutize:
+        recs = [relativize(r, a.relativize) if a.relativize else absolutize(r, a.absolutize) for r in recs]
         if a.write:
             with open(a.write, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in recs)

@@ -205,6 +205,16 @@ def test_gpu_issues_script_runs_end_to_end_on_the_cpu(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "issue 11, Hugging Face models: 2 probes (2 PASS)" in summary
     assert "issue 13, tensor parallel: 1 probes" in summary and "collectives exact 1/1" in summary
+    # a later session goes on from the committed (relative) records: nothing that ran runs again
+    committed = tmp_path / "committed.jsonl"
+    committed.write_text((out / "gpu-issues-relative.jsonl").read_text())
+    again = tmp_path / "again"
+    cp = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-issues"), str(again), "300"],
+                        env=dict(env, RESUME_FROM=str(committed), CALIBRATE="--help"),
+                        capture_output=True, text=True, timeout=600)
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    assert "0/3" not in cp.stdout and "3 records" in cp.stdout
+    assert (again / "validate.txt").read_text().count("(resumed)") == 3, (again / "validate.txt").read_text()
 
 
 # -- benchmarks/gpu_summary.py and the time of a traced model's GPU probe ------------------------------
@@ -243,6 +253,12 @@ def test_summary_gathers_the_issues_figures_from_the_records(tmp_path):
     assert gs.relativize(rec, str(ROOT)) == {"id": "zero3/hf:tests/data/hf/gpt2.json/w8-fake/none/fp32",
                                              "inputs": {"module": {"hf_config": "tests/data/hf/gpt2.json"},
                                                         "x": ["a", 3]}}
+    # and back (what --resume from a committed file needs), for every record of a real file
+    for r in recs:  # committed records are relative
+        moved = gs.absolutize(r, "/elsewhere/repo")
+        assert gs.relativize(moved, "/elsewhere/repo") == r
+        assert moved["inputs"]["module"]["hf_config"].startswith("/elsewhere/repo/examples/hf/")
+        assert "hf:/elsewhere/repo/examples/hf/" in moved["id"]
 
 
 def test_a_traced_models_gpu_probe_is_predicted_a_step_time():
