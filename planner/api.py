@@ -770,12 +770,10 @@ def predict_probe(spec: dict) -> dict:
         from .hardware import catalog_name
         cat = catalog_name(spec["gpu_name"])
         if cat:
-            from .activations import regime_for
-            from .kernels import kernel_times
+            from .kernels import step_bound
             cl = replace(cluster, gpu_name=cat)
             gpu = _gpu(cat)
             st = step_time(train, cl, spec["strategy"], collective_schedule(train, cl, spec["strategy"]), gpu)
             step = st.step_time_s - (st.exposed_comm_s if mode == "fake" else 0.0)
-            kt = kernel_times(train, gpu, regime_for(train, get_strategy(spec["strategy"]).family))
-            bound = "host" if kt.host_s >= kt.gpu_s(model.layers) else "gpu"
+            bound = step_bound(train, gpu, get_strategy(spec["strategy"]).family)
     return {"memory": out, "collectives": collectives, "step_time_s": step, "step_time_bound": bound}

@@ -116,6 +116,14 @@ def _gemm(flops: float, rate: float, fixed: float) -> float:
     return flops / rate + fixed
 
 
+def step_bound(train: TrainConfig, gpu, family: str) -> str:
+    """'host' where the host issuing one micro-step's eager ops outlasts the GPU's kernels, else 'gpu' (what
+    `distplan validate` judges a probe's step time by: a host-bound time is reported, not judged)."""
+    from .activations import regime_for
+    kt = kernel_times(train, gpu, regime_for(train, family))
+    return "host" if kt.host_s >= kt.gpu_s(train.model.layers) else "gpu"
+
+
 def kernel_times(train: TrainConfig, gpu, regime: str) -> KernelTimes:
     """Per-kernel times of one micro-step of `train` on `gpu` (a catalog GPU) under `regime`
     (activations.regime_for: 'fp32', 'autocast' (fp32 params, 16-bit matmuls), 'lowp' (16-bit params))."""

@@ -1417,11 +1417,8 @@ def _probe_step_time(spec: dict, d: ModuleDesc, train: ModuleTrain, cluster: Clu
     gpu = _gpu(cat)
     timed = twin_time(twin, st.name, batch, cl) if twin is not None else None
     if timed is not None:
-        from .activations import regime_for
-        from .kernels import kernel_times
-        tt = replace(twin.train, micro_batch=batch)
-        kt = kernel_times(tt, gpu, regime_for(tt, st.family))
-        host_bound = kt.host_s >= kt.gpu_s(tt.model.layers)
+        from .kernels import step_bound
+        host_bound = step_bound(replace(twin.train, micro_batch=batch), gpu, st.family) == "host"
     else:
         timed = module_time(d, train, cl, module_collectives(d, train, cl, st.name), gpu, st)
         fwd_s, bwd_s, host_s = traced_compute(d, train, gpu)
