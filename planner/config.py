@@ -53,19 +53,31 @@ _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)?(?:[a-z+.][0-9A-Za-z+.]*)?")
 
 
 @lru_cache(maxsize=1)
-def installed_torch() -> str:
-    """The installed torch's `__version__` ("2.13.0+cpu"), read from torch/version.py without importing
-    torch (the planner never does); "" when none is installed."""
+def torch_version_file() -> str | None:
+    """The installed torch's torch/version.py, found without importing torch (the planner never does);
+    None when torch is not installed."""
     import importlib.util
     import os
 
     try:
         spec = importlib.util.find_spec("torch")
-        if spec is None or not spec.origin:
-            return ""
-        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return os.path.join(os.path.dirname(spec.origin), "version.py")
+
+
+def installed_torch() -> str:
+    """The installed torch's `__version__` ("2.13.0+cpu"), read from torch/version.py without importing
+    torch (the planner never does); "" when none is installed."""
+    path = torch_version_file()
+    if path is None:
+        return ""
+    try:
+        with open(path) as f:
             m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
-    except (OSError, ImportError, ValueError):
+    except OSError:
         return ""
     return m.group(1) if m else ""
 

@@ -323,3 +323,71 @@ def test_user_errors_are_one_line(cli, args, words):
     assert len(lines) == 1 and lines[0].startswith("Error: "), r.output
     for w in words:
         assert w in lines[0], r.output
+
+
+# -- the hardware record without importing torch where no GPU can be seen ---------------------------------
+
+def _fake_torch(tmp_path, monkeypatch, cuda: str | None, hip: str | None = None):
+    """An installed torch as `runner.gpu_free_hardware` sees it: its version.py."""
+    (tmp_path / "version.py").write_text(textwrap.dedent(f"""\
+        from typing import Optional
+        __version__ = '2.99.0+test'
+        debug = False
+        cuda: Optional[str] = {cuda!r}
+        hip: Optional[str] = {hip!r}
+        """))
+    monkeypatch.setattr(runner, "_torch_version_file", lambda: str(tmp_path / "version.py"))
+    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_gpu_free_hardware_cpu_build(tmp_path, monkeypatch):
+    _fake_torch(tmp_path, monkeypatch, cuda=None)
+    hw = runner.gpu_free_hardware()
+    assert hw == {"torch_version": "2.99.0+test", "gpus": 0, "gpu_names": [], "gpu_memory_bytes": [],
+                  "bf16": True, "cpu_count": os.cpu_count()}
+
+
+@pytest.mark.parametrize("visible, hidden", [("", True), (" ", True), ("-1", True), ("-1,0", True),
+                                             ("0", False), ("0,1", False), ("GPU-1234", False)])
+def test_gpu_free_hardware_cuda_build_follows_visible_devices(tmp_path, monkeypatch, visible, hidden):
+    _fake_torch(tmp_path, monkeypatch, cuda="13.0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(runner.os.path, "exists", lambda p: True)  # a driver is there
+    hw = runner.gpu_free_hardware()
+    assert (hw is not None) == hidden
+    if hidden:
+        assert hw["gpus"] == 0 and hw["torch_version"] == "2.99.0+test"
+
+
+def test_gpu_free_hardware_cuda_build_without_driver(tmp_path, monkeypatch):
+    _fake_torch(tmp_path, monkeypatch, cuda="13.0")
+    real_exists = os.path.exists
+    monkeypatch.setattr(runner.os.path, "exists", lambda p: False if p == "/dev/nvidiactl" else real_exists(p))
+    assert (runner.gpu_free_hardware() is not None) == sys.platform.startswith("linux")
+    monkeypatch.setattr(runner.os.path, "exists", lambda p: True if p == "/dev/nvidiactl" else real_exists(p))
+    assert runner.gpu_free_hardware() is None  # torch must be asked
+
+
+def test_gpu_free_hardware_rocm_build(tmp_path, monkeypatch):
+    _fake_torch(tmp_path, monkeypatch, cuda=None, hip="6.2")
+    assert runner.gpu_free_hardware() is None
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "")
+    assert runner.gpu_free_hardware()["gpus"] == 0
+
+
+def test_gpu_free_hardware_no_torch(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "_torch_version_file", lambda: None)
+    assert runner.gpu_free_hardware() is None  # the subprocess says why torch cannot be imported
+    monkeypatch.setattr(runner, "_torch_version_file", lambda: str(tmp_path / "missing.py"))
+    assert runner.gpu_free_hardware() is None
+
+
+def test_gpu_free_hardware_agrees_with_torch_here():
+    """Where the shortcut applies on this machine, it says what torch itself says (the subprocess)."""
+    pytest.importorskip("torch")
+    fast = runner.gpu_free_hardware()
+    if fast is None:
+        pytest.skip("torch may see a GPU here: the subprocess answers")
+    proc = subprocess.run([sys.executable, "-c", runner._HW_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert json.loads(proc.stdout.splitlines()[-1]) == fast

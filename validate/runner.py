@@ -3,7 +3,8 @@
 Owns the process side of `distplan validate`:
 
 - `detect_hardware()` asks a subprocess what torch sees (GPUs, names, memory, bf16), so the CLI process
-  never initialises CUDA; `choose_mode()` turns that into where probes run: GPUs -> `gpu` (NCCL, one rank
+  never initialises CUDA (where torch can see no GPU, torch/version.py and the environment answer
+  without the 4-second import: `gpu_free_hardware`); `choose_mode()` turns that into where probes run: GPUs -> `gpu` (NCCL, one rank
   per GPU); `--simulate-world-size N` -> `fake` (one process, rank 0 of N on the fake process group);
   no GPU -> `cpu` (gloo, 2 processes).
 - `ProbeRun` / `run_probe()` launch one probe under a guard (`python -m distplan.validate.guard`, in a
@@ -82,12 +83,73 @@ print(json.dumps(out))
 _hw_cache: dict | None = None
 
 
+def _torch_version_file() -> str | None:
+    from distplan.planner.config import torch_version_file
+
+    return torch_version_file()
+
+
+def _torch_build() -> dict | None:
+    """torch/version.py's fields (`__version__`, `cuda`, `hip`) read as text, without importing torch (a
+    4-second import on a small CPU machine); None when torch is not installed or the file is unreadable."""
+    path = _torch_version_file()
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    out = {}
+    for key in ("__version__", "cuda", "hip"):
+        m = re.search(rf"^{key}\s*(?::[^=]*)?=\s*(?:'([^']*)'|\"([^\"]*)\"|None)", text, re.M)
+        if m is None:
+            return None
+        out[key] = m.group(1) if m.group(1) is not None else m.group(2)
+    return out
+
+
+def _hidden_devices(var: str) -> bool:
+    """True when `var` (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES) hides every device: set and empty, or
+    its first entry invalid (the runtime stops at the first invalid entry: "-1" means none)."""
+    value = os.environ.get(var)
+    return value is not None and (not value.strip() or value.split(",")[0].strip().startswith("-"))
+
+
+def gpu_free_hardware() -> dict | None:
+    """The hardware record without the subprocess, where torch can see no GPU whatever it would do: a CPU
+    build of torch (torch/version.py: `cuda` and `hip` None), every device hidden by
+    CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or a CUDA build on a Linux machine with no NVIDIA driver
+    (no /dev/nvidiactl: `torch.cuda.is_available()` is False there). None otherwise (ask torch)."""
+    build = _torch_build()
+    if build is None:
+        return None
+    if build["hip"] is not None:
+        gpu_free = _hidden_devices("HIP_VISIBLE_DEVICES") or _hidden_devices("CUDA_VISIBLE_DEVICES")
+    elif build["cuda"] is not None:
+        gpu_free = _hidden_devices("CUDA_VISIBLE_DEVICES") or (
+            sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"))
+    else:
+        gpu_free = True
+    if not gpu_free:
+        return None
+    return {"torch_version": build["__version__"], "gpus": 0, "gpu_names": [], "gpu_memory_bytes": [],
+            "bf16": True, "cpu_count": os.cpu_count()}
+
+
 def detect_hardware(timeout_s: float = 120.0) -> dict:
     """{"torch_version", "gpus", "gpu_names", "gpu_memory_bytes", "bf16", "cpu_count", "ram_bytes"} or
-    {"error": ...} when torch cannot be imported. Runs in a subprocess; cached per process."""
+    {"error": ...} when torch cannot be imported. Where no GPU can be seen (`gpu_free_hardware`) from
+    torch's files; else torch answers in a subprocess, so this process never initialises CUDA. Cached per
+    process."""
     global _hw_cache
     if _hw_cache is not None:
         return dict(_hw_cache)
+    hw = gpu_free_hardware()
+    if hw is not None:
+        hw["ram_bytes"] = available_ram_bytes()
+        _hw_cache = hw
+        return dict(hw)
     try:
         cp = subprocess.run([sys.executable, "-c", _HW_SCRIPT], capture_output=True, text=True,
                             timeout=timeout_s)
