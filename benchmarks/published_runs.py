@@ -74,6 +74,8 @@ def plan_kwargs(run: dict) -> dict:
               seq_len=run["seq_len"], micro_batch=run["micro_batch"], grad_accum=run["grad_accum"],
               precision="bf16-mixed", activation_checkpointing=run["distplan_checkpointing"],
               strategies=[run["distplan_strategy"]])
+    if run.get("distplan_grad_sync"):  # the trainer's own rule for gradient accumulation (the YAML says why)
+        kw["grad_sync"] = run["distplan_grad_sync"]
     if run.get("distplan_gpu_mem"):
         kw["gpu_mem"] = run["distplan_gpu_mem"]
     if "compile" in inspect.signature(plan).parameters:
