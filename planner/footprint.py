@@ -165,6 +165,7 @@ def _env_int(env: dict, name: str, default: int) -> int:
 
 
 _ENCODED: tuple | None = None
+_ENCODED_KEYS: frozenset = frozenset()
 
 
 def nccl_env(environ=None) -> tuple:
@@ -172,14 +173,18 @@ def nccl_env(environ=None) -> tuple:
 
     Every memory estimate asks, so os.environ is read through its underlying dict (CPython's
     `os._Environ._data`, encoded keys): ~1 us instead of ~15 for fourteen `in os.environ` tests."""
-    global _ENCODED
+    global _ENCODED, _ENCODED_KEYS
     if environ is None:
         data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
         if isinstance(data, dict) and encode is not None:
             if _ENCODED is None:
                 _ENCODED = tuple((k, encode(k)) for k in ENV_VARS)
+                _ENCODED_KEYS = frozenset(b for _, b in _ENCODED)
+            hits = data.keys() & _ENCODED_KEYS  # one C-level pass; usually none is set
+            if not hits:
+                return ()
             decode = os.environ.decodevalue
-            return tuple((k, decode(data[b])) for k, b in _ENCODED if b in data)
+            return tuple((k, decode(data[b])) for k, b in _ENCODED if b in hits)
         environ = os.environ
     return tuple((k, environ[k]) for k in ENV_VARS if k in environ)
 
