@@ -52,7 +52,6 @@ plan assumes where no torch is installed, as a user installing one today gets it
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)?(?:[a-z+.][0-9A-Za-z+.]*)?")
 
 
-@lru_cache(maxsize=1)
 def torch_version_file() -> str | None:
     """The installed torch's torch/version.py, found without importing torch (the planner never does);
     None when torch is not installed."""
@@ -68,20 +67,10 @@ def torch_version_file() -> str | None:
     return os.path.join(os.path.dirname(spec.origin), "version.py")
 
 
-_INSTALLED_TORCH: str | None = None
-
-
+@lru_cache(maxsize=1)
 def installed_torch() -> str:
     """The installed torch's `__version__` ("2.13.0+cpu"), read from torch/version.py without importing
-    torch (the planner never does); "" when none is installed. Read once per process: every plan asks
-    (`torch_release("")`), and the file read was a tenth of the planner's time."""
-    global _INSTALLED_TORCH
-    if _INSTALLED_TORCH is None:
-        _INSTALLED_TORCH = _read_installed_torch()
-    return _INSTALLED_TORCH
-
-
-def _read_installed_torch() -> str:
+    torch (the planner never does); "" when none is installed. Read once per process: every plan asks."""
     path = torch_version_file()
     if path is None:
         return ""
