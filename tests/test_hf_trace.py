@@ -109,8 +109,7 @@ def test_hf_models_validate_on_cpu(name, world, tmp_path):
     """The CPU matrix's HF rows: the transformers model itself, 8 layers, every strategy. Llama on gloo
     (2 processes, real collectives), Qwen2 (tied head) and GPT-2 as rank 0 of 8 on the fake process group
     (one process each: the CI's two cores do them in 35 s, not 80 s, and the shards are eighths)."""
-    # fake-process-group probes are one process each: two at a time on the CI's two cores
-    extra = ("--simulate-world-size", str(world), "--jobs", "2") if world else ()
+    extra = ("--simulate-world-size", str(world)) if world else ()
     probes = _validate_hf(name, tmp_path / "r.jsonl", *extra)["probes"]
     if world:
         assert all(p["inputs"]["world_size"] == world or p["inputs"]["strategy"] == "single" for p in probes)
