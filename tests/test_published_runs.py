@@ -7,7 +7,9 @@ fms-fsdp (README), each with its source (URL, file, commit, table and row) and c
 
 The issue's targets, asserted exactly: over the table, median |predicted / published - 1| <= 15% and
 max <= 30%, tokens/s per GPU, each prediction from the public `plan()` with the source's own
-implementation (torchtitan: FSDP2 -> "zero3"; llm-foundry and fms-fsdp: FSDP1 -> "fsdp" / "hsdp").
+implementation (torchtitan: FSDP2 -> "zero3"; llm-foundry and fms-fsdp: FSDP1 -> "fsdp" / "hsdp") and
+the trainer's gradient sync under accumulation (`distplan_grad_sync`: Composer reduces FSDP gradients
+after every micro-batch).
 
 MFU definitions used (quoted in the YAML's mfu_definitions): every source's MFU is
 (6 x N + 12 x L x W x T) x tokens/s per GPU / bf16 dense peak (A100 312, H100 SXM 989 TFLOP/s), with
