@@ -67,19 +67,29 @@ def torch_version_file() -> str | None:
     return os.path.join(os.path.dirname(spec.origin), "version.py")
 
 
+_VERSION_FIELD = re.compile(r"""^(__version__|cuda|hip)\s*(?::[^=]*)?=\s*(?:'([^']*)'|"([^"]*)"|None)""", re.M)
+
+
+def torch_build(path: str | None = None) -> dict:
+    """The fields `__version__`, `cuda` and `hip` that torch/version.py (`path`, default the installed
+    torch's) assigns, read as text without importing torch; None where it assigns None ("cuda: None" is
+    a CPU build). Only the fields found; {} without torch or a readable file."""
+    path = path or torch_version_file()
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    return {m.group(1): m.group(2) if m.group(2) is not None else m.group(3) for m in _VERSION_FIELD.finditer(text)}
+
+
 @lru_cache(maxsize=1)
 def installed_torch() -> str:
     """The installed torch's `__version__` ("2.13.0+cpu"), read from torch/version.py without importing
     torch (the planner never does); "" when none is installed. Read once per process: every plan asks."""
-    path = torch_version_file()
-    if path is None:
-        return ""
-    try:
-        with open(path) as f:
-            m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
-    except OSError:
-        return ""
-    return m.group(1) if m else ""
+    return torch_build().get("__version__") or ""
 
 
 def torch_release(version: str = "", flag: str = "--torch-version") -> tuple[int, int]:

@@ -90,23 +90,14 @@ def _torch_version_file() -> str | None:
 
 
 def _torch_build() -> dict | None:
-    """torch/version.py's fields (`__version__`, `cuda`, `hip`) read as text, without importing torch (a
-    4-second import on a small CPU machine); None when torch is not installed or the file is unreadable."""
+    """torch/version.py's `__version__`, `cuda` and `hip` (planner.config.torch_build), without importing
+    torch (a 4-second import on a small CPU machine); None when torch is not installed or a field is
+    missing (then torch is asked)."""
+    from distplan.planner.config import torch_build
+
     path = _torch_version_file()
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
-        return None
-    out = {}
-    for key in ("__version__", "cuda", "hip"):
-        m = re.search(rf"^{key}\s*(?::[^=]*)?=\s*(?:'([^']*)'|\"([^\"]*)\"|None)", text, re.M)
-        if m is None:
-            return None
-        out[key] = m.group(1) if m.group(1) is not None else m.group(2)
-    return out
+    build = torch_build(path) if path else {}
+    return build if all(k in build for k in ("__version__", "cuda", "hip")) else None
 
 
 def _hidden_devices(var: str) -> bool:
