@@ -66,10 +66,19 @@ def private_tmp(tmp_path):
     return d
 
 
+def _interruptible() -> None:
+    """In the child before exec: SIGINT back to its default, as in a terminal where a user presses Ctrl-C.
+    A shell without job control starts background commands with SIGINT ignored (`nohup pytest ... &`), the
+    ignored disposition survives exec, and Python then installs no KeyboardInterrupt handler, so the
+    Ctrl-C cases would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_validate(tmp: Path, out: Path, *args) -> subprocess.Popen:
     env = dict(os.environ, TMPDIR=str(tmp))
     return subprocess.Popen([*DISTPLAN, "validate", "--strategy", "ddp", "--out", str(out), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(out.parent))
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(out.parent),
+                            preexec_fn=_interruptible)
 
 
 def workers_running(tmp: Path):
