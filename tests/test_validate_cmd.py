@@ -359,6 +359,9 @@ def test_cli_ctrl_c_kills_probe_and_leaves_parseable_file(cli, tmp_path):
                 return
             time.sleep(0.05)
 
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, also where this process was started with SIGINT
+    # ignored (a background command of a shell without job control: `nohup pytest ... &`, xdist workers of it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher = threading.Thread(target=interrupt_when_hanging, daemon=True)
     watcher.start()
     try:
@@ -366,6 +369,7 @@ def test_cli_ctrl_c_kills_probe_and_leaves_parseable_file(cli, tmp_path):
                 env=env)
     finally:
         stop.set()
+        signal.signal(signal.SIGINT, previous)
     assert r.exit_code == 130, r.output
     assert "interrupted: 2 probes saved" in r.output and "--resume" in r.output
     lines = out.read_text().splitlines()
