@@ -178,7 +178,8 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         spec = ModelSpec(**entry.spec_kwargs())
         check_spec_bounds(spec, f"--model={short_repr(model)} ({entry.path})")
     elif hf_config is not None:
-        from .hf_config import read_hf_config
+        from .hf_config import read_hf_config, resolve_hf_config
+        hf_config = resolve_hf_config(hf_config)  # a Hub id: its config.json in the Hugging Face cache
         kwargs = read_hf_config(hf_config, implementation=implementation)
         try:
             spec = ModelSpec(**kwargs)
@@ -533,7 +534,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
 
     Args:
         model: a catalog model name ("llama-3-8b") or a ModelSpec; or give `params` ("7B") or
-            `hf_config` (path to a Hugging Face config.json).
+            `hf_config` (path to a Hugging Face config.json, or a Hub id "org/name[@revision]": its
+            config.json from the Hugging Face cache, downloaded there if missing).
         gpus, gpus_per_node, gpu, gpu_mem, node, intra, inter, nics_per_node, inter_gbps: the cluster
             (catalog names; `gpu_mem` as 80, "80GB" or "80GiB").
         seq_len, micro_batch, grad_accum, precision, optimizer, optimizer_impl,

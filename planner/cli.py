@@ -41,13 +41,28 @@ def _fail_on_value_error(fn):
     return wrapper
 
 
+def _hub_config(ctx, param, value):
+    """--hf-config: a Hub id that names no local file becomes its cached config.json (hf_config.py)."""
+    if value is None:
+        return None
+    from .hf_config import resolve_hf_config
+    try:
+        return resolve_hf_config(value)
+    except ValueError as exc:
+        raise UserError(str(exc).splitlines()[0]) from None
+
+
 def model_options(fn):
     """--model/--params/--hf-config/--module and the architecture overrides."""
     opts = [
         click.option("--model", "model", metavar="NAME", help="A catalog model (distplan catalog list models)."),
         click.option("--params", metavar="COUNT", help="Parameter count: 7B, 125M, 1.3e9, 350_000_000. "
                      "Assumes a Llama-style decoder scaled from the nearest catalog model."),
-        click.option("--hf-config", metavar="PATH", help="A Hugging Face config.json: any causal LM with the trace front end; the analytic one reads llama, mistral, qwen2, qwen3, phi3, gpt2, gemma2."),
+        click.option("--hf-config", metavar="PATH|ID", callback=_hub_config,
+                     help="A Hugging Face config.json (or a folder holding one, or a Hub id such as "
+                          "Qwen/Qwen2.5-0.5B[@revision]: its config.json from the Hugging Face cache, downloaded "
+                          "if missing): any causal LM with the trace front end; the analytic one reads llama, "
+                          "mistral, qwen2, qwen3, phi3, gpt2, gemma2."),
         click.option("--front-end", "front_end", type=click.Choice(FRONT_ENDS), default="auto", show_default=True,
                      help="How --hf-config is planned: 'trace' runs the transformers model on fake tensors "
                           "(needs torch and transformers: pip install 'distplan[hf]'), 'analytic' uses the "

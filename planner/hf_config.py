@@ -1,7 +1,11 @@
 """Read a Hugging Face `config.json` into ModelSpec keyword arguments (`--hf-config PATH`).
 
 Owns the mapping from the transformers config keys of seven decoder families to the planner's
-`ModelSpec` fields. Pure Python (json only): no transformers, no torch, no network.
+`ModelSpec` fields. Pure Python (json only): no transformers, no torch, no network, except that
+`resolve_hf_config` turns a Hugging Face Hub id (`org/name`, `org/name@revision`) that names no local
+file into the path of its config.json, from the local Hugging Face cache or downloaded by
+`huggingface_hub.hf_hub_download` (which transformers installs; HF_TOKEN, HF_HOME, HF_HUB_CACHE and
+HF_HUB_OFFLINE apply as they do to transformers' `from_pretrained`).
 
 | model_type | layers | hidden | heads | kv heads | MLP width | notes |
 |---|---|---|---|---|---|---|
@@ -35,12 +39,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from .units import LIMITS, short_repr
 
-__all__ = ["read_hf_config", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["read_hf_config", "load_hf_config", "resolve_hf_config", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("gemma2", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")
 """The `model_type` values read_hf_config understands."""
@@ -76,6 +81,68 @@ def _bound_text(limit: str) -> str:
 def _short_path(path) -> str:
     text = str(path)
     return text if len(text) <= 200 else text[:97] + "..." + text[-100:]
+
+
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95})"
+                     r"(?:@(?P<revision>[A-Za-z0-9][A-Za-z0-9._/-]{0,199}))?")
+"""A Hub model id as `from_pretrained` takes it (`namespace/name`, each at most 96 characters of letters,
+digits, '.', '_', '-'), with an optional `@revision` (a branch, tag or commit)."""
+
+
+def resolve_hf_config(value):
+    """`value` itself when it names a local file or folder, or is no Hub id; a Hub id `org/name[@revision]`
+    that names nothing local: the path of the repository's config.json in the local Hugging Face cache
+    (a cached copy is used as it is, without asking the Hub for a newer one), fetched there first when it
+    is missing (`huggingface_hub.hf_hub_download`). A failure is one
+    ValueError line naming --hf-config and what to do (a gated or private repository, offline, ...)."""
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        return value
+    try:
+        if Path(value).expanduser().exists():
+            return value
+    except (OSError, ValueError):
+        return value  # load_hf_config says why it cannot be read
+    m = _HUB_ID.fullmatch(value.strip())
+    if m is None:
+        return value
+    repo, revision = m["repo"], m["revision"]
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise _fail(f"file '{_short_path(value)}' not found; as a Hugging Face Hub id it needs huggingface_hub "
+                    f"(pip install huggingface_hub, or 'distplan[hf]')") from None
+    try:
+        from huggingface_hub import errors as hub_errors
+    except ImportError:  # huggingface_hub < 0.20 kept them in utils
+        from huggingface_hub import utils as hub_errors
+    gated, missing_repo, missing_revision, missing_entry, offline = (
+        getattr(hub_errors, n, ()) for n in ("GatedRepoError", "RepositoryNotFoundError", "RevisionNotFoundError",
+                                             "EntryNotFoundError", "LocalEntryNotFoundError"))
+    at = f"{repo}@{revision}" if revision else repo
+    try:
+        try:  # the cached copy first: no network where the model was used before
+            path = hf_hub_download(repo, "config.json", revision=revision, local_files_only=True)
+        except offline:
+            path = hf_hub_download(repo, "config.json", revision=revision)
+    except gated:
+        raise _fail(f"'{at}' is a gated repository: accept its terms on huggingface.co/{repo} and set "
+                    f"HF_TOKEN (or run `hf auth login`)") from None
+    except offline:  # before missing_entry: a subclass of it
+        raise _fail(f"'{at}' is neither a local path nor in the Hugging Face cache, and the Hub cannot be "
+                    f"reached (HF_HUB_OFFLINE set, or no network); accepted: a config.json path, or a Hub "
+                    f"id once online") from None
+    except missing_repo:
+        raise _fail(f"'{at}' is neither a local path nor a Hugging Face Hub repository (a private one needs "
+                    f"HF_TOKEN)") from None
+    except missing_revision:
+        raise _fail(f"'{at}': repository {repo} has no revision '{revision}'") from None
+    except missing_entry:
+        raise _fail(f"'{at}': the repository has no config.json") from None
+    except Exception as e:  # network and HTTP errors of the installed huggingface_hub / its HTTP client
+        first = " ".join(str(e).split())[:200]
+        raise _fail(f"cannot fetch the config.json of '{at}' from the Hugging Face Hub: "
+                    f"{type(e).__name__}{': ' + first if first else ''}") from None
+    return str(path)
 
 
 def load_hf_config(path: str | Path) -> tuple[dict, Path]:

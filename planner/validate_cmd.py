@@ -108,13 +108,20 @@ def _timeout(ctx, param, value):
     return value
 
 
+def _hub_config(ctx, param, value):
+    """--hf-config: a Hub id that names no local file becomes its cached config.json (as estimate's)."""
+    from .cli import _hub_config as resolve  # here: cli imports this module while it registers the command
+    return resolve(ctx, param, value)
+
+
 @click.command("validate", cls=_OneLineErrors)
 @click.option("--strategy", "strategies", multiple=True, callback=_strategies, metavar="NAME",
               help=f"Strategy to probe (repeatable, comma-separated, or 'all'; default all): {', '.join(NAMES)}.")
 @click.option("--model", default=None, help="Catalog model name (must fit this machine).")
 @click.option("--params", default=None, help="Parameter count such as 50M (scaled Llama shape; must fit this machine).")
-@click.option("--hf-config", default=None, type=click.Path(dir_okay=False),
-              help="A Hugging Face config.json to read the architecture from.")
+@click.option("--hf-config", default=None, type=click.Path(dir_okay=False), callback=_hub_config, metavar="PATH|ID",
+              help="A Hugging Face config.json to read the architecture from, or a Hub id such as "
+                   "Qwen/Qwen2.5-0.5B[@revision] (its config.json from the Hugging Face cache, downloaded if missing).")
 @click.option("--front-end", "front_end", type=click.Choice(("auto", "analytic", "trace")), default="auto",
               show_default=True, help="--hf-config: 'trace' probes the transformers model itself against the "
               "trace's plan (needs transformers); 'analytic' probes the reference decoder of that shape; "
