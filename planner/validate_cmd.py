@@ -119,8 +119,8 @@ def _hub_config(ctx, param, value):
               help=f"Strategy to probe (repeatable, comma-separated, or 'all'; default all): {', '.join(NAMES)}.")
 @click.option("--model", default=None, help="Catalog model name (must fit this machine).")
 @click.option("--params", default=None, help="Parameter count such as 50M (scaled Llama shape; must fit this machine).")
-@click.option("--hf-config", default=None, type=click.Path(dir_okay=False), callback=_hub_config, metavar="PATH|ID",
-              help="A Hugging Face config.json to read the architecture from, or a Hub id such as "
+@click.option("--hf-config", default=None, callback=_hub_config, metavar="PATH|ID",
+              help="A Hugging Face config.json to read the architecture from (or the folder holding one), or a Hub id such as "
                    "Qwen/Qwen2.5-0.5B[@revision] (its config.json from the Hugging Face cache, downloaded if missing).")
 @click.option("--front-end", "front_end", type=click.Choice(("auto", "analytic", "trace")), default="auto",
               show_default=True, help="--hf-config: 'trace' probes the transformers model itself against the "
@@ -778,6 +778,8 @@ def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = Non
             from distplan.planner.api import predict_probe
             peak = int(predict_probe(spec)["memory"]["peak_allocated"])
         except Exception:
+            if spec.get("module"):  # a traced model that cannot be predicted: the probe's record says why
+                continue
             n = _param_count(spec["model"])
             peak = 16 * n  # fp32 params + grads + Adam's two states, unsharded
         if spec["mode"] == "gpu" or (spec["mode"] == "fake" and hw.get("gpus")):

@@ -151,6 +151,8 @@ def test_a_mixture_of_experts_counts_each_tokens_experts_and_plans_what_traces()
     experts = c["num_experts_per_tok"] * 3 * h * f  # gate, up, down of each chosen expert
     fwd = dict(zip(CENSUS_FIELDS, prof["segments"][1]["census"][0]))
     assert fwd["gemm_flops"] == 2 * b * s * (attn + router + experts)
+    # the forward FLOPs that MFU counts include the experts' grouped GEMMs (FlopCounterMode's custom formula)
+    assert prof["forward_flops"] == sum(seg["census"][0][0] for seg in prof["segments"])
     p = mp.module_spec_plan(dict(hf_config=str(cfg), gpus=8, gpu="h100-sxm", seq_len=s, micro_batch=b,
                                  precision="bf16-mixed"), ())
     planned = {r.name for r in p.results}
@@ -160,3 +162,20 @@ def test_a_mixture_of_experts_counts_each_tokens_experts_and_plans_what_traces()
         assert any(n.startswith(f"{', '.join(missing)} not planned: the trace in autocast-bfloat16 failed")
                    for n in p.notes), p.notes
     assert all(r.time.compute_s > 0 for r in p.results)
+
+
+def test_a_mixture_of_experts_traces_in_fp32_for_the_cpu_not_for_the_gpu():
+    """The CPU's `_grouped_mm` kernel takes fp32 (the probes' CPU regime), CUDA's takes bf16 only: the trace for
+    the CPU counts the same experts in fp32 as in bf16, the trace for a GPU refuses fp32 as the GPU would."""
+    cfg = str(EXAMPLES / "mixtral-4l.json")
+    fp32 = profile_hf(cfg, 1, 64, "float32")
+    bf16 = profile_hf(cfg, 1, 64, "bfloat16")
+    assert fp32["forward_flops"] == bf16["forward_flops"] > 0
+    assert fp32["params"] == bf16["params"] and (fp32["param_bytes_dtype"], bf16["param_bytes_dtype"]) == (4, 2)
+    with pytest.raises(ValueError, match="Expected inputs of BF16 type"):
+        profile_hf(cfg, 1, 64, "float32", device="cuda")
+    # outside a CPU trace the meta function refuses fp32, as torch has it
+    torch = pytest.importorskip("torch")
+    a, w = torch.empty(8, 16, device="meta"), torch.empty(2, 16, 32, device="meta")
+    with pytest.raises(RuntimeError, match="BF16"):
+        torch._grouped_mm(a, w, offs=torch.tensor([3, 8], dtype=torch.int32, device="meta"))

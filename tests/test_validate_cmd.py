@@ -493,3 +493,24 @@ def test_snapshot_peak_replays_alloc_and_free():
              ev("alloc", 3, 120), ev("alloc", 4, 10), ev("free_completed", 3, 120)]
     peak, at, blocks = peak_blocks({"device_traces": [trace]})
     assert peak == 180 and at == 5 and sorted(b["addr"] for b in blocks) == [2, 3, 4]
+
+
+def test_fit_check_skips_a_traced_model_it_cannot_predict(monkeypatch):
+    """`validate --hf-config` whose trace fails (here: the planner raises) is not a traceback in the fit check:
+    the traced spec has no architecture to fall back on, so the probe runs and its record says why it has no
+    prediction. A spec of the reference decoder still falls back to 16 bytes per parameter."""
+    from distplan.planner import api
+    from distplan.planner.validate_cmd import _check_fits
+
+    def fail(spec):
+        raise ValueError("--hf-config='x': the forward of x failed: RuntimeError: boom")
+    monkeypatch.setattr(api, "predict_probe", fail)
+    traced = mx.make_spec("zero3", {"name": "hf:x.json"}, 8, "fake")
+    traced["module"] = {"hf_config": "x.json", "micro_batch": 1, "seq_len": 64, "layers": None}
+    hw = {"gpus": 0, "ram_bytes": 2**30}
+    _check_fits([traced], hw, 1)  # no exception
+    big = mx.make_spec("ddp", ModelSpec("big", layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008,
+                                        vocab=32000), 2, "cpu")
+    import click
+    with pytest.raises(click.UsageError, match="needs about"):
+        _check_fits([big], hw, 1)

@@ -43,6 +43,7 @@ import importlib
 import os
 import sys
 import time
+import warnings
 
 _DTYPES = ("float32", "bfloat16", "float16", "autocast-bfloat16", "autocast-float16")
 
@@ -189,6 +190,61 @@ def _cuda_kernels(torch):
         F.scaled_dot_product_attention, F.dropout = sdpa, dropout
 
 
+_CPU_TRACE = [0]
+"""How many CPU traces are running (`_cpu_kernels`): while one is, the grouped GEMM's Meta kernel takes fp32."""
+_GROUPED_MM_META: list = []
+"""The Library that holds the grouped GEMM's Meta kernel (`_cpu_kernels`): registered once per process."""
+
+
+@contextlib.contextmanager
+def _cpu_kernels(torch):
+    """While tracing for the CPU: the grouped GEMM of a MoE's experts (`aten._grouped_mm`, transformers'
+    `grouped_mm` experts implementation) takes fp32 on the CPU, but its meta function in torch 2.13
+    (`_meta_grouped_mm_common`, torch/_meta_registrations.py) implements the CUDA kernel's checks and
+    refuses anything but bf16, so a fake-tensor trace of an fp32 or autocast MoE would fail where the CPU
+    probe runs. During a CPU trace the Meta kernel takes the inputs' dtype (the CPU kernel's output dtype)
+    with the CUDA meta's shape rules; outside one (a GPU trace) it is torch's own, so fp32 fails there as it
+    does on the GPU. The kernel is registered once per process and reads `_CPU_TRACE` (a registration
+    removed again, `Library._destroy`, restores the dispatcher's table but fake tensors keep the override),
+    and FakeTensorMode's dispatch cache, which every trace of the process shares, is cleared on the way in
+    and out so that no result of one rule stands in for the other."""
+    try:
+        from torch._meta_registrations import meta_grouped_mm
+    except ImportError:
+        yield
+        return
+    if not _GROUPED_MM_META:
+        bf16 = torch.bfloat16
+
+        def grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+            if not _CPU_TRACE[0] or (mat_a.dtype == bf16 and mat_b.dtype == bf16):
+                return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+            out = meta_grouped_mm(mat_a.to(bf16), mat_b.to(bf16), offs=offs, bias=bias)
+            return out.to(out_dtype or torch.promote_types(mat_a.dtype, mat_b.dtype))
+
+        try:
+            lib = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                lib.impl("_grouped_mm", grouped_mm_meta, "Meta")
+            _GROUPED_MM_META.append(lib)
+        except (AttributeError, RuntimeError, ValueError):
+            _GROUPED_MM_META.append(None)  # not this torch's op: traced as torch has it
+
+    def forget_cached_results():
+        mode = getattr(getattr(torch._subclasses, "fake_tensor", None), "FakeTensorMode", None)
+        if mode is not None and hasattr(mode, "cache_clear"):
+            mode.cache_clear()
+
+    forget_cached_results()
+    _CPU_TRACE[0] += 1
+    try:
+        yield
+    finally:
+        _CPU_TRACE[0] -= 1
+        forget_cached_results()
+
+
 CENSUS_FIELDS = ("gemm_flops", "gemms", "attention_flops", "bytes", "kernels", "ops")
 """What `_KernelCensus` adds up per segment and phase: the FLOPs of the matmuls and convolutions (counted by
 `torch.utils.flop_counter`'s formulas) and how many ran; the FLOPs of the fused attention kernels (causal ones
@@ -218,6 +274,33 @@ def _grouped_mm_flops(a, b, out) -> float:
     if a.dim() == 3 and b.dim() == 3:
         return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
     return 2.0 * out.numel() * a.shape[-1]
+
+
+_GROUPED_MM = frozenset(("_grouped_mm", "grouped_mm", "grouped_mm_fallback"))
+"""The grouped GEMMs of a MoE's experts: ATen's `_grouped_mm` (what `torch.nn.functional.grouped_mm` and
+transformers' `grouped_mm` experts run) and transformers' own `torch.ops.transformers.grouped_mm_fallback`
+(`integrations/moe.py`, where ATen's cannot run)."""
+
+
+def _grouped_mm_flop_formula(a, b, *args, out_val=None, **kwargs) -> int:
+    """`FlopCounterMode`'s formula for the grouped GEMMs (given the tensors: `_get_raw`)."""
+    return int(_grouped_mm_flops(a, b, out_val))
+
+
+_grouped_mm_flop_formula._get_raw = True
+
+
+def _flop_counter_mapping(torch) -> dict:
+    """`FlopCounterMode(custom_mapping=...)`: the grouped GEMMs, which torch.utils.flop_counter has no
+    formula for (torch 2.13), so that a MoE's forward FLOPs (its MFU) count its experts' GEMMs."""
+    out = {}
+    for ns, name in (("aten", "_grouped_mm"), ("aten", "grouped_mm"), ("transformers", "grouped_mm_fallback")):
+        try:
+            packet = getattr(getattr(torch.ops, ns), name)
+        except (AttributeError, RuntimeError):
+            continue
+        out[packet] = _grouped_mm_flop_formula
+    return out
 
 
 class _KernelCensus:
@@ -271,7 +354,7 @@ class _KernelCensus:
             c[0] += formula(*args, **kwargs, out_val=out)
             c[1] += 1
             return
-        if name == "_grouped_mm":  # a MoE's experts in one kernel; flop_counter has no formula for it
+        if name in _GROUPED_MM:  # a MoE's experts in one kernel; flop_counter has no formula for it
             c[0] += _grouped_mm_flops(args[0], args[1], out)
             c[1] += 1
             return
@@ -808,9 +891,12 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                 bwd.mark_saved(t.untyped_storage(), saved[k], len(segments) - 1)
             return t
 
+        cpu_kernels = _cpu_kernels(torch) if device != "cuda" else contextlib.nullcontext()
+        cpu_kernels.__enter__()  # over the forward and the backward (the grouped GEMMs' gradients)
         try:
             with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
-                    _quiet_fake_tensor_log(), FlopCounterMode(display=False) as flops, bwd.forward_mode, \
+                    _quiet_fake_tensor_log(), FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping(torch)) \
+                    as flops, bwd.forward_mode, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=tdtype, enabled=autocast):
                 loss, loss_kind, out = work.loss(model, inputs)
@@ -843,6 +929,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             what = "--input-shape=" + ",".join(map(str, shape)) if work.kind != "hf" else f"--hf-config={factory_path!r}"
             raise ValueError(f"{what}: the forward of {factory_path} "
                              f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        finally:
+            cpu_kernels.__exit__(None, None, None)
         out_bytes = out.numel() * out.element_size()
         out_shape = list(out.shape)
         fwd_flops = int(flops.get_total_flops())
