@@ -204,10 +204,10 @@ def _cpu_kernels(torch):
     refuses anything but bf16, so a fake-tensor trace of an fp32 or autocast MoE would fail where the CPU
     probe runs. During a CPU trace the Meta kernel takes the inputs' dtype (the CPU kernel's output dtype)
     with the CUDA meta's shape rules; outside one (a GPU trace) it is torch's own, so fp32 fails there as it
-    does on the GPU. The kernel is registered once per process and reads `_CPU_TRACE` (a registration
-    removed again, `Library._destroy`, restores the dispatcher's table but fake tensors keep the override),
-    and FakeTensorMode's dispatch cache, which every trace of the process shares, is cleared on the way in
-    and out so that no result of one rule stands in for the other."""
+    does on the GPU. The kernel is registered once per process and reads `_CPU_TRACE` (with torch 2.13 a
+    registration removed again by `Library._destroy` restored direct meta calls, but fake tensors kept
+    running the removed kernel), and FakeTensorMode's dispatch cache, which every trace of the process
+    shares, is cleared on the way in and out so that no result of one rule stands in for the other."""
     try:
         from torch._meta_registrations import meta_grouped_mm
     except ImportError:
