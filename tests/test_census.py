@@ -151,8 +151,12 @@ def test_a_mixture_of_experts_counts_each_tokens_experts_and_plans_what_traces()
     experts = c["num_experts_per_tok"] * 3 * h * f  # gate, up, down of each chosen expert
     fwd = dict(zip(CENSUS_FIELDS, prof["segments"][1]["census"][0]))
     assert fwd["gemm_flops"] == 2 * b * s * (attn + router + experts)
-    # the forward FLOPs that MFU counts include the experts' grouped GEMMs (FlopCounterMode's custom formula)
-    assert prof["forward_flops"] == sum(seg["census"][0][0] for seg in prof["segments"])
+    # the forward FLOPs that MFU counts include the experts' grouped GEMMs (FlopCounterMode's custom formula):
+    # every GEMM of the census, plus SDPA where the installed flop_counter has a formula for the CPU's kernel
+    # (torch 2.15 counts it unhalved for causality, 2.13 does not count it)
+    gemm = sum(seg["census"][0][0] for seg in prof["segments"])
+    attention = sum(seg["census"][0][2] for seg in prof["segments"])  # causal: half the score FLOPs
+    assert prof["forward_flops"] in (gemm, gemm + 2 * attention), (prof["forward_flops"], gemm, attention)
     p = mp.module_spec_plan(dict(hf_config=str(cfg), gpus=8, gpu="h100-sxm", seq_len=s, micro_batch=b,
                                  precision="bf16-mixed"), ())
     planned = {r.name for r in p.results}
