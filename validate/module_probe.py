@@ -16,7 +16,8 @@ weights touched), and runs one forward pass plus the loss on a fake input of tha
 - loss: cross-entropy against class 0 when the output is 2-D (N, C) (a classifier), else the sum of
   all outputs. What the loss saves (log_softmax's output) is part of the activations; the output's
   bytes are returned apart (`output_bytes`) because the planner counts them as a temporary.
-- FLOPs of the forward pass (`torch.utils.flop_counter.FlopCounterMode`; matmuls and convolutions).
+- FLOPs of the forward pass, from the census below: matmuls and convolutions by `torch.utils.flop_counter`'s
+  formulas, a MoE's grouped GEMMs, fused attention (halved when causal).
 - per segment, the kernels its forward and backward launch (`census`; `unit_census`: the unit's own
   forward), by FLOPs or bytes moved (`_KernelCensus`): what the planner times a traced step by.
 - per segment, what its forward and its backward hold at their peaks (`forward_bytes`;
@@ -280,27 +281,6 @@ _GROUPED_MM = frozenset(("_grouped_mm", "grouped_mm", "grouped_mm_fallback"))
 """The grouped GEMMs of a MoE's experts: ATen's `_grouped_mm` (what `torch.nn.functional.grouped_mm` and
 transformers' `grouped_mm` experts run) and transformers' own `torch.ops.transformers.grouped_mm_fallback`
 (`integrations/moe.py`, where ATen's cannot run)."""
-
-
-def _grouped_mm_flop_formula(a, b, *args, out_val=None, **kwargs) -> int:
-    """`FlopCounterMode`'s formula for the grouped GEMMs (given the tensors: `_get_raw`)."""
-    return int(_grouped_mm_flops(a, b, out_val))
-
-
-_grouped_mm_flop_formula._get_raw = True
-
-
-def _flop_counter_mapping(torch) -> dict:
-    """`FlopCounterMode(custom_mapping=...)`: the grouped GEMMs, which torch.utils.flop_counter has no
-    formula for (torch 2.13), so that a MoE's forward FLOPs (its MFU) count its experts' GEMMs."""
-    out = {}
-    for ns, name in (("aten", "_grouped_mm"), ("aten", "grouped_mm"), ("transformers", "grouped_mm_fallback")):
-        try:
-            packet = getattr(getattr(torch.ops, ns), name)
-        except (AttributeError, RuntimeError):
-            continue
-        out[packet] = _grouped_mm_flop_formula
-    return out
 
 
 class _KernelCensus:
@@ -773,7 +753,6 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_leaves
-    from torch.utils.flop_counter import FlopCounterMode
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: accepted values are {', '.join(_DTYPES)}")
@@ -895,8 +874,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         cpu_kernels.__enter__()  # over the forward and the backward (the grouped GEMMs' gradients)
         try:
             with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
-                    _quiet_fake_tensor_log(), FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping(torch)) \
-                    as flops, bwd.forward_mode, \
+                    _quiet_fake_tensor_log(), bwd.forward_mode, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=tdtype, enabled=autocast):
                 loss, loss_kind, out = work.loss(model, inputs)
@@ -933,10 +911,6 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             cpu_kernels.__exit__(None, None, None)
         out_bytes = out.numel() * out.element_size()
         out_shape = list(out.shape)
-        fwd_flops = int(flops.get_total_flops())
-        per_module = flops.get_flop_counts()
-        cls = type(model).__name__
-        unit_flops = {name: int(sum(per_module.get(f"{cls}.{name}", {}).values())) for name, _ in unit_modules}
         peaks = bwd.segment_peaks()
         split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
         ends = bwd.segment_ends()
@@ -952,6 +926,16 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             for mine, theirs in zip(both, (bwd.census.of(i, "forward"), bwd.census.of(i, "backward"))):
                 mine[:] = [a + b for a, b in zip(mine, theirs)]
         del loss, out
+        # The forward's FLOPs (MFU's numerator: x 3, no recompute) from the census: the GEMMs and convolutions
+        # by torch.utils.flop_counter's formulas, a MoE's grouped GEMMs, and fused attention halved when causal,
+        # as the analytic front end counts it (compute.model_flops; Narayanan et al. 2021, Eq. 3). Not
+        # FlopCounterMode's total: it has no grouped GEMM, and counts the CPU's SDPA in torch 2.15 (unhalved)
+        # but not in 2.13, so the same model's MFU moved with the installed torch.
+        fwd = {i: both[0] for i, both in census.items()}
+        fwd_flops = int(sum(f[0] + f[2] for f in fwd.values()))
+        layer = next((i for i, seg in enumerate(segments) if seg["unit"] == unit_modules[1][0]), None) \
+            if len(unit_modules) > 2 else None
+        layer_flops = int(fwd[layer][0] + fwd[layer][2]) if layer in fwd else 0
     return {
         "factory": factory_path,
         "workload": work.to_spec(),
@@ -983,6 +967,6 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         "linear_bias": bwd.linear_bias,
         "batchnorm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         "forward_flops": fwd_flops,
-        "layer_flops": unit_flops.get(unit_modules[1][0], 0) if len(unit_modules) > 2 else 0,
+        "layer_flops": layer_flops,
         "profile_s": time.perf_counter() - t0,
     }
