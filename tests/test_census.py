@@ -171,7 +171,7 @@ def test_a_mixture_of_experts_counts_each_tokens_experts_and_plans_what_traces()
 def test_a_mixture_of_experts_traces_in_fp32_for_the_cpu_not_for_the_gpu():
     """The CPU's `_grouped_mm` kernel takes fp32 (the probes' CPU regime), CUDA's takes bf16 only: the trace for
     the CPU counts the same experts in fp32 as in bf16; the trace for a GPU follows torch's own meta function
-    (torch 2.13: CUDA's checks, so fp32 fails as it would on the GPU)."""
+    (torch 2.13: CUDA's checks, so fp32 fails as it would on the GPU; torch 2.15's takes fp32)."""
     torch = pytest.importorskip("torch")
     cfg = str(EXAMPLES / "mixtral-4l.json")
     fp32 = profile_hf(cfg, 1, 64, "float32")
@@ -188,8 +188,9 @@ def test_a_mixture_of_experts_traces_in_fp32_for_the_cpu_not_for_the_gpu():
     if refuses:
         with pytest.raises(ValueError, match="Expected inputs of BF16 type"):
             profile_hf(cfg, 1, 64, "float32", device="cuda")
-    else:
-        assert profile_hf(cfg, 1, 64, "float32", device="cuda")["forward_flops"] == fp32["forward_flops"]
+    else:  # torch 2.15: the meta function takes fp32, so the GPU trace runs; CUDA runs fp32 attention with
+        # grouped KV heads as the math composite, whose score GEMMs count whole (the CPU's flash kernel: halved)
+        assert profile_hf(cfg, 1, 64, "float32", device="cuda")["forward_flops"] > fp32["forward_flops"]
 
 
 def test_traced_forward_flops_are_the_analytic_ones_for_llama():
