@@ -870,45 +870,43 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                 bwd.mark_saved(t.untyped_storage(), saved[k], len(segments) - 1)
             return t
 
-        cpu_kernels = _cpu_kernels(torch) if device != "cuda" else contextlib.nullcontext()
-        cpu_kernels.__enter__()  # over the forward and the backward (the grouped GEMMs' gradients)
-        try:
-            with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
-                    _quiet_fake_tensor_log(), bwd.forward_mode, \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    torch.autocast("cpu", dtype=tdtype, enabled=autocast):
-                loss, loss_kind, out = work.loss(model, inputs)
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"the forward returned {type(out).__name__}; profile needs a tensor output")
-                for h in handles:
+        # over the forward and the backward (the grouped GEMMs' gradients)
+        with _cpu_kernels(torch) if device != "cuda" else contextlib.nullcontext():
+            try:
+                with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
+                        _quiet_fake_tensor_log(), bwd.forward_mode, \
+                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                        torch.autocast("cpu", dtype=tdtype, enabled=autocast):
+                    loss, loss_kind, out = work.loss(model, inputs)
+                    if not isinstance(out, torch.Tensor):
+                        raise TypeError(f"the forward returned {type(out).__name__}; profile needs a tensor output")
+                    for h in handles:
+                        h.remove()
+                    segments.append({"unit": "loss", "activation_bytes": 0,
+                                     "input_bytes": out.numel() * out.element_size()})
+                    bwd.mark_input((out,), len(segments) - 1)
+                # The backward on the same fake tensors: the peak of the bytes it creates and frees within
+                # each segment (activation gradients; parameters' gradients, which outlive it, excluded).
+                # The order the parameters' gradients become ready in is recorded too: DDP rebuilds its
+                # buckets in that order after the first iteration (`Reducer::rebuild_buckets`).
+                ready: list = []
+                hooks = []
+                seen_ready: set = set()
+                for name, p in model.named_parameters():
+                    if p.requires_grad and id(p) not in seen_ready:
+                        seen_ready.add(id(p))
+                        hooks.append(p.register_post_accumulate_grad_hook(
+                            lambda t, name=name: ready.append([name, int(t.numel())])))
+                if loss.requires_grad:
+                    bwd.run(loss, len(segments))
+                for h in hooks:
                     h.remove()
-                segments.append({"unit": "loss", "activation_bytes": 0,
-                                 "input_bytes": out.numel() * out.element_size()})
-                bwd.mark_input((out,), len(segments) - 1)
-            # The backward on the same fake tensors: the peak of the bytes it creates and frees within
-            # each segment (activation gradients; parameters' gradients, which outlive it, excluded).
-            # The order the parameters' gradients become ready in is recorded too: DDP rebuilds its
-            # buckets in that order after the first iteration (`Reducer::rebuild_buckets`).
-            ready: list = []
-            hooks = []
-            seen_ready: set = set()
-            for name, p in model.named_parameters():
-                if p.requires_grad and id(p) not in seen_ready:
-                    seen_ready.add(id(p))
-                    hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda t, name=name: ready.append([name, int(t.numel())])))
-            if loss.requires_grad:
-                bwd.run(loss, len(segments))
-            for h in hooks:
-                h.remove()
-        except ValueError:
-            raise
-        except Exception as exc:
-            what = "--input-shape=" + ",".join(map(str, shape)) if work.kind != "hf" else f"--hf-config={factory_path!r}"
-            raise ValueError(f"{what}: the forward of {factory_path} "
-                             f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-        finally:
-            cpu_kernels.__exit__(None, None, None)
+            except ValueError:
+                raise
+            except Exception as exc:
+                what = "--input-shape=" + ",".join(map(str, shape)) if work.kind != "hf" else f"--hf-config={factory_path!r}"
+                raise ValueError(f"{what}: the forward of {factory_path} "
+                                 f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
         out_bytes = out.numel() * out.element_size()
         out_shape = list(out.shape)
         peaks = bwd.segment_peaks()
