@@ -440,6 +440,11 @@ class Plan:
                 return r
         raise KeyError(f"{short_repr(name)} was not evaluated; evaluated: {', '.join(r.name for r in self.results)}")
 
+    def evaluate_on(self, cluster: Cluster, name: str) -> StrategyResult:
+        """This plan's training run under strategy `name` on another cluster (the remedies `recommend`
+        weighs: more NICs, RDMA, fewer nodes), by the same front end as the plan's own results."""
+        return evaluate(self.train, cluster, name, catalog_dirs=cluster.catalog_dirs)
+
     @property
     def recommendation(self):
         from .recommend import recommend

@@ -330,6 +330,40 @@ def _unit_sizes(desc: ModuleDesc, family: str, shard: int, sharding: bool) -> di
     return out
 
 
+PADDING_NOTE_FRACTION = 0.10
+"""FSDP2's dim-0 padding is named in a note once it adds this fraction to a rank's parameter shard."""
+
+
+def fsdp2_padding_note(desc: ModuleDesc, names, shard: int) -> str | None:
+    """A note where FSDP2's dim-0 sharding pads the shards well beyond 1/shard of the parameters: a
+    parameter with fewer rows than the shard group (a mixture-of-experts layer's stacked experts, whose
+    dim 0 is the number of experts) gives every rank ceil(rows / shard) rows, the all-gathers move
+    shard x that, and ranks past the last row hold padding (`FSDPParam._init_sharded_param`: `torch.chunk`
+    on dim 0, padded to `padded_sharded_param_size`). None when the padding is under
+    PADDING_NOTE_FRACTION or no FSDP2 strategy is planned."""
+    names = [n for n in names if get_strategy(n).family == "fsdp2"]
+    if not names or shard <= 1:
+        return None
+    padded = exact = 0
+    worst = (0, "", ())
+    for _, ps in desc.units:
+        for pname, s in ps:
+            rows = -(-s[0] // shard) * prod(s[1:]) if s else 1
+            padded += rows
+            exact += prod(s) / shard
+            extra = rows - prod(s) / shard
+            if extra > worst[0]:
+                worst = (extra, pname, s)
+    if not exact or padded <= (1 + PADDING_NOTE_FRACTION) * exact:
+        return None
+    _, pname, s = worst
+    return (f"{', '.join(names)}: FSDP2 shards each parameter on dim 0, and {pname} ({'x'.join(map(str, s))}) has "
+            f"{s[0]} rows for {shard} ranks, so each rank holds {-(-s[0] // shard)} row(s) and the all-gathers "
+            f"move {shard} x that: the parameter shards come to {padded / exact:.1f}x 1/{shard} of the model. "
+            f"fully_shard(shard_placement_fn=...) can shard such parameters on another dim (not planned), or "
+            f"FSDP1's flat parameters (fsdp) avoid it")
+
+
 def _zero1_owned(shapes: list, shard: int) -> list:
     """ZeroRedundancyOptimizer._partition_parameters (`memory.zero1_partition`): the shapes of the most
     loaded rank."""
@@ -991,6 +1025,24 @@ class ModulePlan(Plan):
     def recommendation(self):
         return module_recommend(self)
 
+    def evaluate_on(self, cluster: Cluster, name: str) -> StrategyResult:
+        """The traced workload under strategy `name` on another cluster (Plan.evaluate_on), as the plan's own
+        results were made; the reserved peak paired with the analytic twin's on that cluster."""
+        from distplan.catalog.loader import load_catalog
+        gpu = load_catalog(tuple(cluster.catalog_dirs)).gpu(cluster.gpu_name)
+        twin = None
+        if self.twin is not None:
+            from .memory import estimate_memory
+            base = self.twin.train
+
+            def twin(strategy: str, batch: int):
+                return estimate_memory(replace(base, micro_batch=batch), cluster, strategy)
+            twin.train = base
+        r = module_result(self.descs, self.train, cluster, name, gpu, self.workspaces, twin, self.desc.batch)
+        if twin is not None:
+            pair_reserved(r.memory, twin(name, self.desc.batch))
+        return r
+
     def to_dict(self) -> dict:
         rec = self.recommendation
         d = self.desc
@@ -1193,14 +1245,11 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     from distplan.catalog.loader import load_catalog
     gpu = load_catalog(tuple(kw.get("catalog_dirs") or ())).gpu(cluster.gpu_name)
     twin, why = analytic_twins(kw, cluster) if hf else (None, None)
-    results = []
-    for n in names:
-        st = get_strategy(n)
-        d = descs[_regime(precision, st.family)]
-        mem = estimate_module_memory(d, train, cluster, st, workspaces=workspaces)
-        colls = module_collectives(d, train, cluster, n)
-        timed = twin_time(twin, n, desc.batch, cluster) if twin is not None else None
-        results.append(StrategyResult(st, mem, colls, timed or module_time(d, train, cluster, colls, gpu, st)))
+    results = [module_result(descs, train, cluster, n, gpu, workspaces, twin, desc.batch) for n in names]
+    fsdp2 = [n for n in names if get_strategy(n).family == "fsdp2"]
+    padding = fsdp2_padding_note(desc, fsdp2, _shard_group(get_strategy(fsdp2[0]), cluster)[1]) if fsdp2 else None
+    if padding:
+        notes.append(padding)
     if twin is not None:
         notes.append("step time: the analytic front end's per-kernel model of the same run (GEMMs by shape, "
                      "attention by kernel, memory-bound ops by bytes, communication overlap), as --front-end "
@@ -1220,6 +1269,18 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                                                                       f"for {why}" if why else ""))
     return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s,
                       workspaces=workspaces, twin=twin)
+
+
+def module_result(descs: dict, train: ModuleTrain, cluster: Cluster, name: str, gpu, workspaces: dict, twin,
+                  batch: int) -> StrategyResult:
+    """One strategy's prediction for a traced workload: the memory walk and collectives of the trace in the
+    strategy's precision regime, the step time of the analytic twin where there is one, else the trace's."""
+    st = get_strategy(name)
+    d = descs[_regime(train.precision, st.family)]
+    mem = estimate_module_memory(d, train, cluster, st, workspaces=workspaces)
+    colls = module_collectives(d, train, cluster, name)
+    timed = twin_time(twin, name, batch, cluster) if twin is not None else None
+    return StrategyResult(st, mem, colls, timed or module_time(d, train, cluster, colls, gpu, st))
 
 
 TWIN_TOLERANCE = 0.02

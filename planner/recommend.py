@@ -361,12 +361,12 @@ def _comm_bound(plan, best) -> list[str]:
     t = best.time
     if t is None or t.exposed_comm_s <= COMM_BOUND_FRACTION * t.compute_s:
         return []
-    from .api import _catalog, evaluate
-    cl, train = plan.cluster, plan.train
+    from .api import _catalog
+    cl = plan.cluster
     options = []
 
-    def step_of(train_, cluster_, name):
-        r = evaluate(train_, cluster_, name, catalog_dirs=cl.catalog_dirs)
+    def step_of(cluster_, name):
+        r = plan.evaluate_on(cluster_, name)  # a traced model's plan evaluates its own workload
         return r if r.fits_cleanly and r.time is not None else None
 
     by = {r.name: r for r in plan.results}
@@ -374,19 +374,19 @@ def _comm_bound(plan, best) -> list[str]:
     if cl.nodes > 1 and best.name != "hsdp" and hs is not None and hs.fits_cleanly and hs.step_time_s < best.step_time_s:
         options.append(f"hsdp: {fmt_seconds(hs.step_time_s)}")
     if cl.nodes > 1 and cl.nics_per_node < cl.gpus_per_node and not cl.inter_bytes_per_s:
-        r = step_of(train, replace(cl, nics_per_node=cl.gpus_per_node), best.name)
+        r = step_of(replace(cl, nics_per_node=cl.gpus_per_node), best.name)
         if r is not None:
             options.append(f"--nics-per-node {cl.gpus_per_node}: {fmt_seconds(r.step_time_s)}")
     if cl.nodes > 1 and cl.inter_link.endswith("-tcp") and not cl.inter_bytes_per_s:
         rdma = cl.inter_link[:-len("-tcp")] + "-roce"
         if rdma in _catalog(cl.catalog_dirs).names("interconnects"):
-            r = step_of(train, replace(cl, inter_link=rdma), best.name)
+            r = step_of(replace(cl, inter_link=rdma), best.name)
             if r is not None:
                 options.append(f"--inter {rdma} (RDMA): {fmt_seconds(r.step_time_s)}")
     nodes = cl.nodes // 2
     while nodes >= 1 and cl.nodes > 1:
         c = replace(cl, gpus=nodes * cl.gpus_per_node)
-        r = step_of(train, c, best.name)
+        r = step_of(c, best.name)
         if r is None:
             break
         if r.time.mfu > t.mfu * 1.5:

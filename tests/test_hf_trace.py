@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import subprocess
 import sys
@@ -143,3 +144,41 @@ def test_every_k_checkpointing_lies_between_none_and_full():
             peaks[fe, mode] = json.loads(r.output)["strategies"][0]["memory"]["peak_allocated"]
         assert peaks[fe, "full"] < peaks[fe, "every-2"] < peaks[fe, "none"], peaks
     assert peaks["analytic", "every-2"] == pytest.approx(peaks["trace", "every-2"], rel=0.005), peaks
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_traced_plan_evaluates_another_cluster_as_its_own(name):
+    """`recommend` weighs remedies (fewer nodes, more NICs, RDMA) by re-planning the pick on another cluster:
+    for a traced model that is the trace's walk, not the analytic decoder's (it took a ModuleTrain and
+    raised AttributeError). On the plan's own cluster it reproduces the plan's results exactly; llama has an
+    analytic twin (step time, reserved peak), mixtral has none."""
+    from distplan.planner.module_plan import module_spec_plan
+    p = module_spec_plan({"hf_config": str(HF / f"{name}-8l.json"), "gpus": 16, "gpu": "h100-sxm", "seq_len": 64,
+                          "micro_batch": 2, "detect_local": False})
+    assert (p.twin is not None) == (name == "llama")
+    for r in p.results:
+        again = p.evaluate_on(p.cluster, r.name)
+        assert again.memory.components == r.memory.components
+        assert again.memory.peak_reserved == r.memory.peak_reserved
+        assert [c.to_dict() for c in again.collectives] == [c.to_dict() for c in r.collectives]
+        assert again.step_time_s == r.step_time_s
+    two = p.evaluate_on(replace(p.cluster, gpus=8), "zero3")
+    assert two.memory.components["params"] > p["zero3"].memory.components["params"]  # 8 shards, not 16
+
+
+def test_comm_bound_traced_moe_recommends_and_names_fsdp2_padding():
+    """A mixture-of-experts model on 64 GPUs over 1 Gbit/s: the pick is communication-bound (the remedies, one
+    node here, are planned with the trace), and FSDP2's dim-0 shards of the stacked experts (4 rows for 64 ranks) are named; both
+    measured on 16 fake ranks (benchmarks/results/cpu-torch2.13-2026-11-27-moe-padding-hf.jsonl)."""
+    r = _cli("recommend", "--hf-config", str(HF / "mixtral-8l.json"), "--gpus", "64", "--gpu", "h100-sxm",
+             "--seq-len", "64", "--micro-batch", "2", "--inter-gbps", "1", "--json")
+    assert r.exit_code == 0, r.output[-2000:]
+    out = json.loads(r.output)
+    bound = [x for x in out["recommendation"]["reasons"] if x.startswith("communication-bound")]
+    assert len(bound) == 1 and "--gpus 8 (1 node)" in bound[0], out["recommendation"]["reasons"]
+    pad = [n for n in out["inputs"]["notes"] if "FSDP2 shards each parameter on dim 0" in n]
+    assert len(pad) == 1 and "experts" in pad[0] and "4 rows for 64 ranks" in pad[0], out["inputs"]["notes"]
+    llama = _cli("estimate", "--hf-config", str(HF / "llama-8l.json"), "--gpus", "64", "--gpu", "h100-sxm",
+                 "--seq-len", "64", "--micro-batch", "2", "--front-end", "trace", "--json")
+    assert llama.exit_code == 0
+    assert not any("FSDP2 shards each parameter" in n for n in json.loads(llama.output)["inputs"]["notes"])
