@@ -40,6 +40,14 @@ KNOWN_GAPS = {
     "zero3/hf:examples/hf/qwen2moe-8l.json/w8-fake/none/fp32",
     "zero3/hf:examples/hf/qwen2moe-8l.json/w8-fake/none/bf16-mixed",
     "zero3/hf:examples/hf/qwen2moe-8l.json/w2/none/fp32",
+    # FSDP2's dim-0 padding of the stacked experts (more ranks than experts: 16 and 32 fake ranks,
+    # cpu-torch2.13-2026-11-27-moe-padding-hf.jsonl), bf16-mixed. Mixtral zero2: peak +0.04% and +0.6%, but
+    # the walk's instant holds 512 KiB of gradients the measured one does not. Qwen2-MoE zero3 at 16 ranks:
+    # +3.1% (the safe side), the measured instant has 2 MiB of temporaries the walk's has not; at 32 ranks
+    # and in fp32 the same probe is exact.
+    "zero2/hf:examples/hf/mixtral-8l.json/w16-fake/none/bf16-mixed",
+    "zero2/hf:examples/hf/mixtral-8l.json/w32-fake/none/bf16-mixed",
+    "zero3/hf:examples/hf/qwen2moe-8l.json/w16-fake/none/bf16-mixed",
 }
 # Closed on 2026-11-27: FSDP1 in fp32 with a tied 64k-vocabulary head (gemma2-vocab64k-2l, fsdp and
 # fsdp-grad-op), where the walk's root concatenation counted the tied head's and the embedding's gradients
