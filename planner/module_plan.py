@@ -1000,6 +1000,9 @@ class ModulePlan(Plan):
     profile_s: float = 0.0
     workspaces: dict = field(default_factory=dict)
     """cuDNN workspace per convolution call, measured on the local GPU ({} without one)."""
+    kw: dict | None = None
+    """The options the plan was made from (`module_spec_plan`'s `kw`): the recommendation re-plans with a
+    change (activation checkpointing) when nothing fits."""
     twin: object = None
     """A Hugging Face model the analytic front end also reads: `twin(strategy, batch)`, the analytic
     estimate of the same run at `batch` sequences (analytic_twins), whose replay gives the reserved
@@ -1106,7 +1109,10 @@ def module_recommend(plan: ModulePlan):
             if hit:
                 change = f"use a batch of {b} per GPU with {hit} (--input-shape {b},...; raise --grad-accum to keep the batch)"
                 break
-        return Recommendation(None, [f"no strategy fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB per GPU"],
+        if change is None:
+            change = _checkpointing_change(plan, names)
+        first = f"no strategy fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB per GPU"
+        return Recommendation(None, [first + (f" as given; smallest change: {change}" if change else "")],
                               None, change or "use more GPUs with a sharded strategy (zero3, fsdp) or larger GPUs")
     timed = all(r.step_time_s for r in ok)
     if timed:
@@ -1124,6 +1130,23 @@ def module_recommend(plan: ModulePlan):
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(best.name, mid) else (lo, mid)
     return Recommendation(best.name, reasons, lo)
+
+
+def _checkpointing_change(plan: ModulePlan, names: list[str]) -> str | None:
+    """When nothing fits at any batch: the same workload traced again with full activation checkpointing
+    (each wrapping unit recomputed in backward), and the first strategy that fits so, or None."""
+    if plan.kw is None or plan.train.checkpointing == "full":
+        return None
+    try:
+        again = module_spec_plan(dict(plan.kw, activation_checkpointing="full"), names)
+    except ValueError:
+        return None
+    fit = [r for r in again.results if r.memory.fits_cleanly]
+    if not fit:
+        return None
+    r = min(fit, key=lambda r: r.memory.device_total)
+    return (f"--activation-checkpointing full (about 1/3 more compute; traced so: {r.name} needs "
+            f"{fmt_gib(r.memory.device_total)} GiB)")
 
 
 def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
@@ -1268,7 +1291,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                      "front end's allocator replay of the same run" + (f"; {RESERVED_MARGIN:.0%} margin instead "
                                                                       f"for {why}" if why else ""))
     return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s,
-                      workspaces=workspaces, twin=twin)
+                      workspaces=workspaces, twin=twin, kw=dict(kw))
 
 
 def module_result(descs: dict, train: ModuleTrain, cluster: Cluster, name: str, gpu, workspaces: dict, twin,

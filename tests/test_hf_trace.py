@@ -182,3 +182,18 @@ def test_comm_bound_traced_moe_recommends_and_names_fsdp2_padding():
                  "--seq-len", "64", "--micro-batch", "2", "--front-end", "trace", "--json")
     assert llama.exit_code == 0
     assert not any("FSDP2 shards each parameter" in n for n in json.loads(llama.output)["inputs"]["notes"])
+
+
+def test_traced_nothing_fits_names_checkpointing_when_it_fits():
+    """A traced model that fits nowhere at micro-batch 1 (16K tokens in 3 GiB) is traced again with full
+    activation checkpointing, and the change is named with what it needs (it printed no advice before)."""
+    base = ["--hf-config", str(HF / "llama-8l.json"), "--front-end", "trace", "--gpus", "2", "--gpu-mem", "3",
+            "--seq-len", "16384", "--micro-batch", "1", "--json"]
+    r = _cli("recommend", *base)
+    assert r.exit_code == 0, r.output[-2000:]
+    rec = json.loads(r.output)["recommendation"]
+    assert rec["strategy"] is None and rec["change"].startswith("--activation-checkpointing full")
+    assert rec["reasons"][0].endswith(rec["change"])
+    full = json.loads(_cli("estimate", *base, "--activation-checkpointing", "full").output)
+    needs = min(s["memory"]["device_total"] for s in full["strategies"])
+    assert f"needs {needs / 2**30:.2f} GiB" in rec["change"] and needs < 3 * 2**30
