@@ -214,6 +214,8 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
     flags the user did not give (`kw["given"]`, the set of flag names given; layout.py)."""
     from .api import plan
     from .units import check_count, short_repr
+    # repeatable or comma-separated, as validate takes them (`--strategy zero3,fsdp`)
+    strategies = [x.strip() for s in strategies for x in s.split(",")]
     for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum", "tp", "pp",
                  "pp_microbatches", "cp",
                  "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
@@ -306,7 +308,7 @@ def main():
 @training_options
 @cluster_options
 @click.option("--strategy", "strategies", multiple=True, metavar="NAME",
-              help=f"Limit to these strategies (repeatable): {', '.join(NAMES)}.")
+              help=f"Limit to these strategies (repeatable or comma-separated): {', '.join(NAMES)}.")
 @click.option("--tokens", type=str, help="Total training tokens (e.g. 2T): adds the time to train.")
 @click.option("--plot", "plot_path", metavar="FILE", help="Write the memory chart: FILE.svg (no dependency), "
               "FILE.png or FILE.pdf (matplotlib: pip install 'distplan[plot]').")
@@ -338,7 +340,8 @@ def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
 @model_options
 @training_options
 @cluster_options
-@click.option("--strategy", "strategies", multiple=True, metavar="NAME", help="Consider only these.")
+@click.option("--strategy", "strategies", multiple=True, metavar="NAME",
+              help="Consider only these (repeatable or comma-separated).")
 @click.option("--tokens", type=str, help="Total training tokens (e.g. 2T): adds the time to train.")
 @output_options
 @_fail_on_value_error
@@ -365,7 +368,8 @@ def recommend(strategies, tokens, as_json, table_format, **kw):
 @model_options
 @training_options
 @cluster_options
-@click.option("--strategy", "strategies", multiple=True, metavar="NAME", help="Limit to these strategies.")
+@click.option("--strategy", "strategies", multiple=True, metavar="NAME",
+              help="Limit to these strategies (repeatable or comma-separated).")
 @click.option("--sweep-gpus", "sweep_gpus", metavar="LIST", help="GPU counts, e.g. 8,16,32,64.")
 @click.option("--sweep-micro-batch", metavar="LIST", help="Micro-batch sizes, e.g. 1,2,4,8.")
 @click.option("--sweep-seq-len", metavar="LIST", help="Sequence lengths, e.g. 2048,4096,8192.")

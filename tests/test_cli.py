@@ -215,3 +215,15 @@ def test_qwen3_plans_with_the_formulas_but_is_no_reference_probe():
     assert r.exit_code == 0 and "8,190,735,360 params" in " ".join(r.output.split()), r.output[-600:]
     r = CliRunner().invoke(main, ["validate", "--hf-config", cfg, "--front-end", "analytic", "--strategy", "zero3"])
     assert r.exit_code == 2 and "q/k norms" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_strategy_takes_a_comma_list_as_validate_does():
+    """`--strategy zero3,fsdp` (validate's form) and `--strategy zero3 --strategy fsdp` plan the same two; an
+    empty or unknown name in the list is the one-line error naming it."""
+    a = json.loads(run("estimate", "--params", "1B", "--gpus", "8", "--strategy", "zero3,fsdp", "--json").output)
+    b = json.loads(run("estimate", "--params", "1B", "--gpus", "8", "--strategy", "zero3", "--strategy", "fsdp",
+                       "--json").output)
+    assert [s["name"] for s in a["strategies"]] == [s["name"] for s in b["strategies"]] == ["zero3", "fsdp"]
+    for bad, name in (("zero3,", "''"), ("zero3,fdsp", "'fdsp'")):
+        r = CliRunner().invoke(main, ["estimate", "--params", "1B", "--gpus", "8", "--strategy", bad])
+        assert r.exit_code == 2 and f"--strategy={name}: accepted:" in r.output and len(r.output.splitlines()) == 1

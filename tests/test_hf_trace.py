@@ -210,3 +210,33 @@ def test_fp32_moe_on_the_gpu_is_one_line_naming_the_precisions_that_trace():
     else:
         assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
         assert r.output.startswith("Error: --precision='fp32'") and "accepted here: bf16-mixed, bf16" in r.output
+
+
+def test_mixtral_8x7b_on_64_gpus_pads_fsdp2_expert_shards():
+    """Mixtral-8x7B as published (mistralai/Mixtral-8x7B-v0.1 config.json) on 64 H100s: FSDP2 (zero3) gives
+    each rank ceil(rows / 64) rows of every parameter, so 1 of the 8 stacked experts' rows; FSDP1 (fsdp) one
+    flat parameter per layer padded to a multiple of 64. Both closed forms from the config, in fp32 (the
+    sharded parameters under bf16-mixed)."""
+    r = _cli("estimate", "--hf-config", str(ROOT / "tests" / "data" / "hf" / "mixtral-8x7b.json"), "--gpus", "64",
+             "--gpu", "h100-sxm", "--strategy", "zero3,fsdp", "--json")
+    assert r.exit_code == 0, r.output[-2000:]
+    out = json.loads(r.output)
+    h, f, kv, e, v, w = 4096, 14336, 1024, 8, 32000, 64
+    layer = [(h, h), (kv, h), (kv, h), (h, h), (e, h), (e, 2 * f, h), (e, h, f), (h,), (h,)]  # q k v o router experts norms
+    root = [(v, h), (h,), (v, h)]  # embedding, final norm, LM head
+
+    def numel(s):
+        n = 1
+        for d in s:
+            n *= d
+        return n
+
+    def dim0(shapes):
+        return sum(-(-s[0] // w) * numel(s[1:]) for s in shapes)
+    rope = 2 * (h // 32 // 2) * 4  # the rotary embedding's fp32 buffers, inv_freq and original_inv_freq, unsharded
+    zero3 = 4 * (32 * dim0(layer) + dim0(root)) + rope
+    fsdp = 4 * (32 * -(-sum(map(numel, layer)) // w) + -(-sum(map(numel, root)) // w)) + rope
+    got = {s["name"]: s["memory"]["params"] for s in out["strategies"]}
+    assert got == {"zero3": zero3, "fsdp": fsdp}
+    assert zero3 > 7 * fsdp  # 1 of 8 expert rows per rank instead of 1/64 of them
+    assert any("(8x28672x4096) has 8 rows for 64 ranks" in n for n in out["inputs"]["notes"]), out["inputs"]["notes"]
