@@ -534,7 +534,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          cp: int = 1, torch_version: str = "", strategies: Iterable[str] | None = None,
          tokens: float | None = None, checkpoint: str | None = None, storage_gbps: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
-         **overrides) -> Plan:
+         front_end: str = "analytic", **overrides) -> Plan:
     """Plan a training run: every strategy's per-GPU memory, communication and step time.
 
     Args:
@@ -567,9 +567,34 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             its device peak counts in `fits`.
         storage_gbps: write bandwidth per writing rank for the save time, GB/s (default
             checkpoint.DEFAULT_STORAGE_GBPS).
+        front_end: with `hf_config`, "analytic" (the formulas, no torch), "trace" (the transformers model run
+            on fake tensors: any causal LM transformers builds, mixture-of-experts included; needs torch and
+            transformers; returns a module_plan.ModulePlan, without tp/pp/cp or checkpoint saves) or "auto"
+            (the trace when torch and transformers are installed), as the CLI's --front-end (whose default
+            is auto).
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
     """
     catalog_dirs = catalog_dirs_tuple(catalog_dirs)
+    if front_end != "analytic":
+        from .cli import FRONT_ENDS, build_plan, use_trace
+        if front_end not in FRONT_ENDS:
+            raise ValueError(f"--front-end={short_repr(front_end)}: accepted: {', '.join(FRONT_ENDS)}")
+        if hf_config is None:
+            raise ValueError(f"--front-end={front_end}: the trace front end reads a Hugging Face model; give "
+                             f"hf_config (a config.json, its folder or a Hub id)")
+        if use_trace({"hf_config": hf_config, "front_end": front_end}):
+            kw = dict(overrides, model=model, params=params, hf_config=hf_config, front_end=front_end, gpus=gpus,
+                      gpus_per_node=gpus_per_node, gpu=gpu, gpu_mem=gpu_mem, node=node, intra=intra, inter=inter,
+                      nics_per_node=nics_per_node, inter_gbps=inter_gbps, seq_len=seq_len, micro_batch=micro_batch,
+                      grad_accum=grad_accum, grad_sync=grad_sync, precision=precision, optimizer=optimizer,
+                      optimizer_impl=optimizer_impl, activation_checkpointing=activation_checkpointing,
+                      attention=attention, cpu_offload=cpu_offload, framework=framework, compile_=compile,
+                      alloc_conf=alloc_conf, torch_version=torch_version, tp=tp, pp=pp, cp=cp,
+                      sequence_parallel=sequence_parallel, checkpoint=checkpoint, storage_gbps=storage_gbps,
+                      tokens=tokens, catalog_dirs=catalog_dirs, detect_local=detect_local)
+            if isinstance(strategies, str):
+                strategies = [strategies]
+            return build_plan(kw, list(strategies or ()), detect_local=detect_local, comm=comm)
     seq_len, micro_batch, grad_accum = (check_count(k, v) for k, v in (
         ("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum)))
     if isinstance(strategies, str):

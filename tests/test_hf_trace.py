@@ -240,3 +240,22 @@ def test_mixtral_8x7b_on_64_gpus_pads_fsdp2_expert_shards():
     assert got == {"zero3": zero3, "fsdp": fsdp}
     assert zero3 > 7 * fsdp  # 1 of 8 expert rows per rank instead of 1/64 of them
     assert any("(8x28672x4096) has 8 rows for 64 ranks" in n for n in out["inputs"]["notes"]), out["inputs"]["notes"]
+
+
+def test_api_plans_with_the_trace_as_the_cli_does():
+    """`plan(hf_config=..., front_end="trace")` in a notebook is the CLI's `estimate --front-end trace`: the
+    same strategies, memory, collectives and times (a model the analytic front end refuses, Mixtral, too)."""
+    from distplan.planner import plan
+    args = dict(hf_config=str(HF / "mixtral-8l.json"), gpus=16, gpu="h100-sxm", seq_len=64, micro_batch=2,
+                precision="bf16", activation_checkpointing="full")
+    p = plan(**args, front_end="trace")
+    cli = _cli("estimate", "--hf-config", args["hf_config"], "--gpus", "16", "--gpu", "h100-sxm", "--seq-len", "64",
+               "--micro-batch", "2", "--precision", "bf16", "--activation-checkpointing", "full",
+               "--front-end", "trace", "--json")
+    assert cli.exit_code == 0, cli.output[-1000:]
+    assert p.to_dict()["strategies"] == json.loads(cli.output)["strategies"]
+    assert {r.name for r in p.results} >= {"ddp", "zero3", "fsdp"}  # bf16 weights: every strategy traces
+    with pytest.raises(ValueError, match="model_type 'mixtral'"):
+        plan(**args)  # the default front end is the analytic one, which has no MoE formulas
+    with pytest.raises(ValueError, match=r"--tp=2: tensor parallelism is modelled by the analytic front end only"):
+        plan(**args, front_end="trace", tp=2)
