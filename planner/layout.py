@@ -438,6 +438,21 @@ def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, *
 
 # -- words -------------------------------------------------------------------------------------------
 
+def _simpler_words(lay: "Layout", other: "Layout", name: str, other_name: str) -> str:
+    """What made `lay` simpler than `other`: the first entry of `Layout.simplicity` that differs (then the
+    strategy's rank, recommend._rank)."""
+    a, b = lay.simplicity, other.simplicity
+    if a[0] != b[0]:
+        return f"fewer model-parallel GPUs (tp x pp x cp = {a[0]} vs {b[0]})"
+    if a[1] != b[1]:
+        return "no pipeline stages" if a[1] == 1 else f"fewer pipeline stages (pp {a[1]} vs {b[1]})"
+    if a[2] != b[2]:
+        return "no context parallelism" if a[2] == 1 else f"less context parallelism (cp {a[2]} vs {b[2]})"
+    if a[3] != b[3]:
+        return "no sequence parallelism"
+    return f"the same mesh size with a simpler strategy ({name} vs {other_name})"
+
+
 def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int) -> list[str]:
     """Why this layout: its mesh, why TP stays in a node and PP spans nodes, the bubble, the memory
     headroom, the runners-up, and what was searched."""
@@ -458,10 +473,9 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
     fitting = [(c, b) for c, b in bests if b is not None]
     fastest = fitting[0] if fitting else None
     if fastest is not None and fastest[0] is not cand and _time(fastest[1]) < _time(r):
-        fl = fastest[0].layout
         out.append(f"the simplest layout within {100 * TIE_FRACTION:.0f}% of the fastest that fits "
-                   f"({fastest[0].layout.words()}, {fastest[1].name}, {fmt_seconds(_time(fastest[1]))}): fewer "
-                   f"model-parallel GPUs (tp x pp = {lay.tp * lay.pp} vs {fl.tp * fl.pp})")
+                   f"({fastest[0].layout.words()}, {fastest[1].name}, {fmt_seconds(_time(fastest[1]))}): "
+                   + _simpler_words(lay, fastest[0].layout, r.name, fastest[1].name))
     intra, inter = cluster_links(cluster)
     ratio = intra.busbw_bytes_per_s / inter.busbw_bytes_per_s if inter.busbw_bytes_per_s else float("inf")
     link_words = (f"{cluster.intra_link} gives each GPU {intra.busbw_bytes_per_s / 1e9:,.0f} GB/s inside the "

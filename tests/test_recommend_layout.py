@@ -328,3 +328,20 @@ def test_bad_inputs_one_line_exit_2(args, needle):
     assert r.exit_code == 2, r.output
     line = r.output.strip()
     assert "\n" not in line and needle in line and "Traceback" not in line, line
+
+
+def test_simpler_layout_words_name_what_decided():
+    """The reason a layout beat a faster one names the first simplicity criterion that differs (Llama-3-8B at
+    128K tokens on 256 H100s picked tp 8 x pp 1 over tp 4 x pp 2 and said "fewer model-parallel GPUs (tp x
+    pp = 8 vs 8)")."""
+    from distplan.planner.layout import Layout, _simpler_words
+
+    def lay(tp, pp, cp=1, sp=False):
+        return Layout(dp=256 // (tp * pp * cp), tp=tp, pp=pp, sequence_parallel=sp, pp_schedule="1f1b",
+                      pp_microbatches=2 * pp if pp > 1 else 1, micro_batch=1, grad_accum=1, cp=cp)
+    assert _simpler_words(lay(8, 1, 4, True), lay(4, 2, 4, True), "zero2", "zero2") == "no pipeline stages"
+    assert _simpler_words(lay(4, 2), lay(2, 4), "zero2", "zero2") == "fewer pipeline stages (pp 2 vs 4)"
+    assert _simpler_words(lay(2, 1), lay(4, 2), "zero2", "zero2") == "fewer model-parallel GPUs (tp x pp x cp = 2 vs 8)"
+    assert _simpler_words(lay(8, 1, 1), lay(4, 1, 2), "fsdp", "fsdp") == "no context parallelism"
+    assert _simpler_words(lay(8, 1), lay(8, 1, sp=True), "fsdp", "fsdp") == "no sequence parallelism"
+    assert _simpler_words(lay(8, 1), lay(8, 1), "ddp", "zero3") == "the same mesh size with a simpler strategy (ddp vs zero3)"
