@@ -48,7 +48,17 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
                          "(a comma-separated list)")
     key, values = axes[0]
     if kw.get("front_end") in (None, "auto"):
-        kw = dict(kw, front_end="analytic")  # one trace per point would take seconds each
+        # one trace per point would take seconds each: the analytic front end where it reads the model type;
+        # the trace (when torch and transformers are installed) for the types it does not (MoE models, ...)
+        analytic = True
+        if kw.get("hf_config"):
+            from .cli import use_trace
+            from .hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
+            cfg, _ = load_hf_config(kw["hf_config"])
+            analytic = cfg.get("model_type") in SUPPORTED_MODEL_TYPES or not use_trace(kw)
+        kw = dict(kw, front_end="analytic" if analytic else "trace")
+    from .cli import use_trace
+    front_end = "trace" if use_trace(kw) else "analytic"  # stated on every row, as estimate's notes state it
     rows = []
     for value in values:
         args = dict(kw)
@@ -63,7 +73,7 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
                          "comm_bytes_per_gpu": int(r.comm_bytes_per_gpu),
                          "step_time_s": r.step_time_s,
                          "tokens_per_s": r.time.tokens_per_s if r.time is not None else None,
-                         "recommended": r.name == rec})
+                         "recommended": r.name == rec, "front_end": front_end})
             if kw.get("tokens"):
                 tps = rows[-1]["tokens_per_s"]
                 rows[-1]["time_to_train_s"] = kw["tokens"] / tps if tps else None
@@ -84,4 +94,7 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
     headers = [key, "strategy", "peak GiB", "total GiB", "fits", "step", "tokens/s"]
     if "time_to_train_s" in rows[0]:
         headers.append("time to train")
-    return tabulate(table, headers, tablefmt=table_format, disable_numparse=True) + "\n* recommended"
+    front = rows[0].get("front_end", "analytic")
+    return (tabulate(table, headers, tablefmt=table_format, disable_numparse=True) + "\n* recommended; front end: "
+            + ("trace (the model run on fake tensors, traced again at each point)" if front == "trace"
+               else "analytic (the formulas)"))

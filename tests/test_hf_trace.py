@@ -259,3 +259,19 @@ def test_api_plans_with_the_trace_as_the_cli_does():
         plan(**args)  # the default front end is the analytic one, which has no MoE formulas
     with pytest.raises(ValueError, match=r"--tp=2: tensor parallelism is modelled by the analytic front end only"):
         plan(**args, front_end="trace", tp=2)
+
+
+def test_sweep_traces_what_the_analytic_front_end_does_not_read():
+    """`sweep`'s default front end is the analytic one (a trace per point takes seconds); a model type it
+    does not read (an MoE) is traced instead of refused, and every row says which front end made it."""
+    def rows(path):
+        r = _cli("sweep", "--hf-config", str(path), "--gpus", "8", "--gpu", "h100-sxm", "--seq-len", "64",
+                 "--sweep-micro-batch", "1,2", "--strategy", "zero3", "--json")
+        assert r.exit_code == 0, r.output[-1000:]
+        return json.loads(r.output)
+    moe, llama = rows(HF / "mixtral-8l.json"), rows(HF / "llama-8l.json")
+    assert {r["front_end"] for r in moe} == {"trace"} and {r["front_end"] for r in llama} == {"analytic"}
+    assert [r["micro_batch"] for r in moe] == [1, 2] and moe[1]["peak_allocated"] > moe[0]["peak_allocated"]
+    text = _cli("sweep", "--hf-config", str(HF / "mixtral-8l.json"), "--gpus", "8", "--gpu", "h100-sxm",
+                "--seq-len", "64", "--sweep-micro-batch", "1", "--strategy", "zero3")
+    assert text.output.rstrip().endswith("front end: trace (the model run on fake tensors, traced again at each point)")
