@@ -1107,7 +1107,9 @@ def module_recommend(plan: ModulePlan):
         for b in range(plan.desc.batch - 1, 0, -1):
             hit = next((n for n in names if fits(n, b)), None)
             if hit:
-                change = f"use a batch of {b} per GPU with {hit} (--input-shape {b},...; raise --grad-accum to keep the batch)"
+                flag = (f"--micro-batch {b}" if plan.kw and plan.kw.get("hf_config") and not plan.kw.get("module")
+                        else f"--input-shape {b},...")
+                change = f"use a batch of {b} per GPU with {hit} ({flag}; raise --grad-accum to keep the batch)"
                 break
         if change is None:
             change = _checkpointing_change(plan, names)

@@ -47,17 +47,16 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
         raise ValueError("sweep: give exactly one of --sweep-gpus, --sweep-micro-batch, --sweep-seq-len "
                          "(a comma-separated list)")
     key, values = axes[0]
+    from .cli import use_trace
     if kw.get("front_end") in (None, "auto"):
         # one trace per point would take seconds each: the analytic front end where it reads the model type;
         # the trace (when torch and transformers are installed) for the types it does not (MoE models, ...)
         analytic = True
         if kw.get("hf_config"):
-            from .cli import use_trace
             from .hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
             cfg, _ = load_hf_config(kw["hf_config"])
             analytic = cfg.get("model_type") in SUPPORTED_MODEL_TYPES or not use_trace(kw)
         kw = dict(kw, front_end="analytic" if analytic else "trace")
-    from .cli import use_trace
     front_end = "trace" if use_trace(kw) else "analytic"  # stated on every row, as estimate's notes state it
     rows = []
     for value in values:

@@ -275,3 +275,12 @@ def test_sweep_traces_what_the_analytic_front_end_does_not_read():
     text = _cli("sweep", "--hf-config", str(HF / "mixtral-8l.json"), "--gpus", "8", "--gpu", "h100-sxm",
                 "--seq-len", "64", "--sweep-micro-batch", "1", "--strategy", "zero3")
     assert text.output.rstrip().endswith("front end: trace (the model run on fake tensors, traced again at each point)")
+
+
+def test_traced_nothing_fits_names_the_smaller_micro_batch_flag():
+    """A traced HF model's smaller-batch change names --micro-batch (it named --module's --input-shape)."""
+    r = _cli("recommend", "--hf-config", str(HF / "llama-8l.json"), "--front-end", "trace", "--gpus", "2",
+             "--gpu-mem", "3", "--seq-len", "8192", "--micro-batch", "4", "--json")
+    assert r.exit_code == 0, r.output[-2000:]
+    change = json.loads(r.output)["recommendation"]["change"]
+    assert "(--micro-batch 1; raise --grad-accum" in change and "--input-shape" not in change, change
