@@ -11,10 +11,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -168,8 +168,9 @@ def test_traced_plan_evaluates_another_cluster_as_its_own(name):
 
 def test_comm_bound_traced_moe_recommends_and_names_fsdp2_padding():
     """A mixture-of-experts model on 64 GPUs over 1 Gbit/s: the pick is communication-bound (the remedies, one
-    node here, are planned with the trace), and FSDP2's dim-0 shards of the stacked experts (4 rows for 64 ranks) are named; both
-    measured on 16 fake ranks (benchmarks/results/cpu-torch2.13-2026-11-27-moe-padding-hf.jsonl)."""
+    node here, are planned with the trace), and FSDP2's dim-0 shards of the stacked experts (4 rows for 64
+    ranks) are named; the padding is measured at 16 and 32 fake ranks
+    (benchmarks/results/cpu-torch2.13-2026-11-27-moe-padding-hf.jsonl)."""
     r = _cli("recommend", "--hf-config", str(HF / "mixtral-8l.json"), "--gpus", "64", "--gpu", "h100-sxm",
              "--seq-len", "64", "--micro-batch", "2", "--inter-gbps", "1", "--json")
     assert r.exit_code == 0, r.output[-2000:]
