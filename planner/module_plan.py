@@ -1039,14 +1039,7 @@ class ModulePlan(Plan):
         results were made; the reserved peak paired with the analytic twin's on that cluster."""
         from distplan.catalog.loader import load_catalog
         gpu = load_catalog(tuple(cluster.catalog_dirs)).gpu(cluster.gpu_name)
-        twin = None
-        if self.twin is not None:
-            from .memory import estimate_memory
-            base = self.twin.train
-
-            def twin(strategy: str, batch: int):
-                return estimate_memory(replace(base, micro_batch=batch), cluster, strategy)
-            twin.train = base
+        twin = analytic_twins(self.kw, cluster)[0] if self.twin is not None and self.kw else None
         r = module_result(self.descs, self.train, cluster, name, gpu, self.workspaces, twin, self.desc.batch)
         if twin is not None:
             pair_reserved(r.memory, twin(name, self.desc.batch))
