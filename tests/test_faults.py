@@ -81,10 +81,22 @@ def start_validate(tmp: Path, out: Path, *args) -> subprocess.Popen:
                             preexec_fn=_interruptible)
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def workers_running(tmp: Path):
-    """The torchrun workers of the probe (their command line names the probe's folder in `tmp`)."""
-    return [p for p in processes_naming(str(tmp)) if "distplan.validate.probe" in p[1]
-            and "torch.distributed.run" not in p[1] and "distplan.validate.guard" not in p[1]]
+    """The torchrun workers of the probe: the children of its launcher (torchrun, or validate/launch.py's
+    torchrun whose workers are forks of it and share its command line, which names the probe's folder in
+    `tmp`)."""
+    procs = processes_naming(str(tmp))
+    launchers = {pid for pid, cmd in procs if "torch.distributed.run" in cmd or "distplan.validate.launch" in cmd}
+    return [p for p in procs if "distplan.validate.probe" in p[1] and "distplan.validate.guard" not in p[1]
+            and _ppid(p[0]) in launchers]
 
 
 def assert_clean(tmp: Path, timeout: float = 20.0) -> None:

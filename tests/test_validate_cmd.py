@@ -159,12 +159,13 @@ def test_fake_mode_launches_probe_module_and_torchrun_for_ranks():
     assert runner.probe_argv(s, "s.json", "r.json")[:3] == [sys.executable, "-m", "distplan.validate.probe"]
     s = _spec(mode="cpu", world=2)
     argv = runner.probe_argv(s, "s.json", "r.json")
-    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert argv[:3] == [sys.executable, "-m", "distplan.validate.launch"]  # torchrun, workers forked
     # one node: a rendezvous that never leaves the machine (no --standalone: it names this host)
     assert "--standalone" not in argv and "--nproc-per-node=2" in argv
     assert "--rdzv-endpoint=127.0.0.1:0" in argv and "--local-addr=127.0.0.1" in argv
     argv = runner.probe_argv(s, "s.json", "r.json", nnodes=2, rdzv_endpoint="h:29500")
     assert "--nproc-per-node=1" in argv and "h:29500" in argv and "--local-addr=127.0.0.1" not in argv
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]  # several nodes: torchrun as users run it
     assert runner.probe_argv(s, "s.json", "r.json", probe_cmd=FAKE) == FAKE + ["--spec", "s.json", "--out", "r.json"]
 
 

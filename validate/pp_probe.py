@@ -299,6 +299,16 @@ def run(spec: dict) -> dict:
                            "allocator peak (CPU: live tensor storages from the storage tracker, no caching allocator)"]}
 
 
+def preload(argv: list[str]) -> None:
+    """What a stage's run imports, before the launcher forks the stages (validate/launch.py)."""
+    import importlib
+
+    from .probe import preload as probe_preload
+
+    probe_preload(argv)
+    importlib.import_module("torch.distributed.pipelining")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distplan.validate.pp_probe")
     ap.add_argument("--spec", required=True)
@@ -326,8 +336,8 @@ if __name__ == "__main__":
 
 def probe_cmd(pp: int) -> list[str]:
     """torchrun with one process per stage on this machine (`runner.local_rendezvous`)."""
-    from .runner import local_rendezvous
-    return [sys.executable, "-m", "torch.distributed.run", *local_rendezvous(), f"--nproc-per-node={pp}",
+    from .runner import launcher, local_rendezvous
+    return [sys.executable, "-m", launcher("cpu"), *local_rendezvous(), f"--nproc-per-node={pp}",
             "-m", "distplan.validate.pp_probe"]
 
 

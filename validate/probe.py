@@ -491,6 +491,39 @@ class Probe:
         })
 
 
+PRELOAD_MODULES = (
+    "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+    "torch.distributed.optim", "torch.nn.parallel", "torch.distributed.device_mesh",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "torch.utils.checkpoint",
+    "distplan.validate.measure", "distplan.validate.model", "distplan.validate.wrap",
+    "distplan.validate.workload", "distplan.planner.config", "distplan.planner.model",
+)
+"""What a probe's run imports (lazily, in `Probe.run` and `wrap.py`): `preload` imports it before the
+launcher forks the workers (`validate/launch.py`)."""
+
+
+def preload(argv: list[str]) -> None:
+    """Import what the probe of `argv` (`--spec PATH ...`) will import, so that workers forked from this
+    process (validate/launch.py) start with it; transformers too when the spec is a Hugging Face model.
+    Importing only: no tensor is made, no thread or CUDA context started."""
+    import importlib
+
+    for name in PRELOAD_MODULES:
+        importlib.import_module(name)
+    try:
+        spec_path = argv[argv.index("--spec") + 1]
+        with open(spec_path) as f:
+            spec = json.load(f)
+    except (ValueError, IndexError, OSError):
+        return  # the worker reports it
+    if ((spec or {}).get("module") or {}).get("hf_config"):
+        try:
+            importlib.import_module("transformers")
+            from transformers import AutoModelForCausalLM  # noqa: F401 - the lazy module's real import
+        except ImportError:
+            pass  # the worker reports it
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distplan.validate.probe", description=__doc__.split("\n")[0])
     ap.add_argument("--spec", required=True, help="probe spec JSON file")

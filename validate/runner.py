@@ -10,9 +10,11 @@ Owns the process side of `distplan validate`:
 - `ProbeRun` / `run_probe()` launch one probe under a guard (`python -m distplan.validate.guard`, in a
   session of its own) that kills the probe if distplan dies, even by SIGKILL, and removes its temp
   folder: `python -m torch.distributed.run --nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0
-  --local-addr=127.0.0.1 --nproc-per-node=W -m distplan.validate.probe --spec S --out R` (cpu/gpu: a
+  --local-addr=127.0.0.1 --nproc-per-node=W -m distplan.validate.probe --spec S --out R` (gpu: a
   rendezvous that never leaves the machine, so no network is needed; `--nnodes N --rdzv-endpoint E
-  --rdzv-backend c10d` across nodes) or `python -m distplan.validate.probe ...` (fake). TMPDIR points
+  --rdzv-backend c10d` across nodes), the same through `python -m distplan.validate.launch` on the CPU
+  (torchrun in a process that has imported the probe's modules, its workers forked from it: `launcher`),
+  or `python -m distplan.validate.probe ...` (fake). TMPDIR points
   inside the probe's temp folder (torchelastic's `torchelastic_*` goes with it). A timeout, an error,
   Ctrl-C or SIGTERM kill the whole probe: the guard's group, its descendants, and the torchrun workers
   (sessions of their own) found by the temp folder on their command lines (SIGTERM, then SIGKILL after
@@ -240,8 +242,18 @@ def probe_argv(spec: dict, spec_path: str, out_path: str, probe_cmd: list[str] |
     else:
         rdzv = local_rendezvous()
         per_node = world
-    return ([sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc-per-node={per_node}",
+    return ([sys.executable, "-m", launcher(mode, nnodes), *rdzv, f"--nproc-per-node={per_node}",
              "-m", module] + tail)
+
+
+LAUNCH_MODULE = "distplan.validate.launch"
+
+
+def launcher(mode: str, nnodes: int = 1) -> str:
+    """The module that launches a torchrun probe: on the CPU on one node `validate/launch.py` (torchrun
+    itself, its workers forked from a process that has imported torch and the probe: ~5 s of imports
+    saved per worker); on GPUs and across nodes torchrun as users run it."""
+    return LAUNCH_MODULE if mode == "cpu" and nnodes == 1 else "torch.distributed.run"
 
 
 LOOPBACK = "127.0.0.1"

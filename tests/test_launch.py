@@ -1,0 +1,89 @@
+"""validate/launch.py: torchrun with workers forked from a launcher that has imported what they run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distplan.validate import launch
+from distplan.validate.runner import launcher, local_rendezvous, probe_argv
+
+WORKER = '''
+import json, os, signal, sys
+PRELOADED = None
+
+def preload(argv):
+    global PRELOADED
+    import torch.distributed  # noqa: F401 - what a probe's workers use
+    PRELOADED = os.getpid()
+
+def main(argv):
+    out, fail_rank = argv[0], int(argv[1])
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(rank=rank, world=int(os.environ["WORLD_SIZE"]), local_rank=int(os.environ["LOCAL_RANK"]),
+                       master=os.environ["MASTER_ADDR"], preloaded_by=PRELOADED, pid=os.getpid(),
+                       ppid=os.getppid(), argv=argv, sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                       sigint=signal.getsignal(signal.SIGINT) is signal.default_int_handler), f)
+    return 3 if rank == fail_rank else 0
+'''
+
+
+def test_split_and_torchrun_argv():
+    opts, mod, args = launch.split_argv(["--nnodes=1", "--nproc-per-node=2", "-m", "pkg.mod", "--spec", "x"])
+    assert (opts, mod, args) == (["--nnodes=1", "--nproc-per-node=2"], "pkg.mod", ["--spec", "x"])
+    argv = launch.torchrun_argv(opts, mod, args)
+    assert argv[:4] == ["--nnodes=1", "--nproc-per-node=2", "--start-method=fork", "--run-path"]
+    assert os.path.isabs(argv[4]) and argv[4].endswith("launch.py")
+    assert argv[5:] == [launch.WORKER_FLAG, "pkg.mod", "--spec", "x"]
+    with pytest.raises(ValueError):
+        launch.split_argv(["--nnodes=1"])
+
+
+def test_cpu_probes_use_the_launcher_and_gpus_torchrun():
+    assert launcher("cpu") == launch.__name__ and launcher("gpu") == "torch.distributed.run"
+    assert launcher("cpu", nnodes=2) == "torch.distributed.run"
+    cpu = probe_argv({"mode": "cpu", "world_size": 2}, "s.json", "o.json")
+    assert cpu[1:3] == ["-m", launch.__name__] and "--nproc-per-node=2" in cpu
+    gpu = probe_argv({"mode": "gpu", "world_size": 2}, "s.json", "o.json")
+    assert gpu[1:3] == ["-m", "torch.distributed.run"]
+
+
+def _launch(tmp_path, fail_rank: int) -> tuple[subprocess.CompletedProcess, dict]:
+    pytest.importorskip("torch")
+    (tmp_path / "fork_worker_mod.py").write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", launch.__name__, *local_rendezvous(), "--nproc-per-node=2", "-m",
+           "fork_worker_mod", str(out), str(fail_rank)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    ranks = {}
+    for p in out.glob("rank*.json"):
+        r = json.loads(p.read_text())
+        ranks[r["rank"]] = r
+    return proc, ranks
+
+
+def test_workers_are_forks_of_the_preloaded_launcher_with_torchruns_environment(tmp_path):
+    proc, ranks = _launch(tmp_path, fail_rank=-1)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(ranks) == [0, 1]
+    for rank, r in ranks.items():
+        assert (r["world"], r["local_rank"], r["master"]) == (2, rank, "127.0.0.1")
+        assert r["argv"] == [str(tmp_path / "out"), "-1"]
+        # forked from the process that ran preload() (torchrun's agent, this launcher), not a new interpreter
+        assert r["preloaded_by"] == r["ppid"] != r["pid"]
+        # a new interpreter's signal handlers, not the agent's (which turn SIGTERM into an exception)
+        assert r["sigterm"] and r["sigint"]
+
+
+def test_a_failing_worker_fails_the_launch_as_torchrun_does(tmp_path):
+    proc, ranks = _launch(tmp_path, fail_rank=1)
+    assert proc.returncode != 0
+    assert "ChildFailedError" in proc.stderr and "exitcode" in proc.stderr and ": 3" in proc.stderr
