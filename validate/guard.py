@@ -176,7 +176,9 @@ def remove_dir(path: str, attempts: int = 5) -> None:
 
 # -- the guard ---------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, start=None) -> int:
+    """The guard. `start(cmd)` starts the child and returns a `subprocess.Popen`-like object (pid, poll,
+    wait); the default is a new process (`subprocess.Popen`), validate/warm.py's a fork."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 4 or argv[2] != "--":
         print("usage: python -m distplan.validate.guard PARENT_PID PROBE_DIR -- ARGV...", file=sys.stderr)
@@ -208,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != parent:  # the parent died before prctl took effect
         end(signal.SIGTERM)
     try:
-        state["child"] = subprocess.Popen(cmd, preexec_fn=_preexec_child if sys.platform.startswith("linux")
-                                          else None)
+        state["child"] = (start(cmd) if start is not None else
+                          subprocess.Popen(cmd, preexec_fn=_preexec_child if sys.platform.startswith("linux")
+                                           else None))
     except OSError as e:
         print(f"cannot start the probe: {e}", file=sys.stderr)
         return 127

@@ -14,7 +14,8 @@ Owns the process side of `distplan validate`:
   rendezvous that never leaves the machine, so no network is needed; `--nnodes N --rdzv-endpoint E
   --rdzv-backend c10d` across nodes), the same through `python -m distplan.validate.launch` on the CPU
   (torchrun in a process that has imported the probe's modules, its workers forked from it: `launcher`),
-  or `python -m distplan.validate.probe ...` (fake). TMPDIR points
+  or `python -m distplan.validate.probe ...` (fake; on the CPU, with two or more in a run, a fork of one
+  warm process that has imported the probe: `start_warm`, validate/warm.py). TMPDIR points
   inside the probe's temp folder (torchelastic's `torchelastic_*` goes with it). A timeout, an error,
   Ctrl-C or SIGTERM kill the whole probe: the guard's group, its descendants, and the torchrun workers
   (sessions of their own) found by the temp folder on their command lines (SIGTERM, then SIGKILL after
@@ -388,7 +389,8 @@ class ProbeRun:
     session."""
 
     def __init__(self, spec: dict, probe_cmd: list[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 nnodes: int = 1, rdzv_endpoint: str | None = None, env: dict | None = None):
+                 nnodes: int = 1, rdzv_endpoint: str | None = None, env: dict | None = None,
+                 warm=None):
         from .guard import remove_dir
 
         self.spec = spec
@@ -396,6 +398,7 @@ class ProbeRun:
         self.nnodes = nnodes
         self.result: dict | None = None
         self.proc = None
+        self.warm_started = False
         self.dir = tempfile.mkdtemp(prefix="distplan-probe-")
         try:
             self.spec_path = os.path.join(self.dir, "spec.json")
@@ -420,8 +423,16 @@ class ProbeRun:
             self._stderr = open(os.path.join(self.dir, "stderr.log"), "wb")
             guard = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), self.dir, "--"]
             self.t0 = time.monotonic()
-            self.proc = subprocess.Popen(guard + self.argv, stdin=subprocess.DEVNULL, stdout=self._stdout,
-                                         stderr=self._stderr, env=full_env, start_new_session=True)
+            if warm is not None and warm_startable(spec) and probe_cmd is None:
+                try:  # a fork of the warm process (validate/warm.py), else a new process below
+                    self.proc = warm.start([self.dir, "--", *self.argv], full_env, self._stdout.name,
+                                           self._stderr.name)
+                    self.warm_started = True
+                except OSError:
+                    self.proc = None
+            if self.proc is None:
+                self.proc = subprocess.Popen(guard + self.argv, stdin=subprocess.DEVNULL, stdout=self._stdout,
+                                             stderr=self._stderr, env=full_env, start_new_session=True)
         except BaseException:
             for f in (getattr(self, "_stdout", None), getattr(self, "_stderr", None)):
                 if f is not None:
@@ -521,6 +532,8 @@ class ProbeRun:
                       "mode": self.spec.get("mode"), "world_size": self.spec.get("world_size")}
         result.setdefault("status", "error")
         result["returncode"] = rc
+        if self.warm_started:
+            result["warm_start"] = True  # a fork of validate/warm.py's process, not a new interpreter
         result["wall_s"] = round(wall, 3)
         if result["status"] not in ("ok", "remote"):
             result["stderr_tail"] = stderr[-STDERR_TAIL_CHARS:]
@@ -645,6 +658,34 @@ def gpu_need_bytes(spec: dict, prediction: dict | None) -> int:
     return max(peak, _full_param_bytes(spec)) + CUDA_CONTEXT_BYTES
 
 
+def warm_startable(spec: dict) -> bool:
+    """A probe the warm process (validate/warm.py) can start: one process (the fake process group), not
+    on a GPU (the caller also checks that this machine shows the probe none: `gpu_free_hardware`)."""
+    return spec.get("mode") == "fake" and spec.get("device_type", "cpu") == "cpu" and int(spec.get("pp", 1)) == 1
+
+
+WARM_MIN_PROBES = 2
+"""A validation run with this many warm-startable probes or more starts the warm process: its imports
+are one probe's, so it pays from the second probe on."""
+
+
+def start_warm(specs: list[dict], probe_cmd: list[str] | None):
+    """A `warm.WarmStarter` for this run's one-process CPU probes, or None (too few of them, a GPU in
+    sight, a custom launcher, or it could not start)."""
+    if probe_cmd is not None or os.environ.get("DISTPLAN_WARM_START", "1") == "0":
+        return None
+    if sum(warm_startable(s) for s in specs) < WARM_MIN_PROBES or gpu_free_hardware() is None:
+        return None
+    from .warm import WarmStarter
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # as every probe gets it (ProbeRun): libgomp reads it at load
+    env["PYTHONUNBUFFERED"] = "1"
+    try:
+        return WarmStarter(env)
+    except OSError:
+        return None
+
+
 def spec_cost(spec: dict, capacity: int) -> int:
     """Slots a probe takes: one per local process on CPU; a GPU probe takes the machine."""
     if spec.get("mode") == "gpu":
@@ -688,6 +729,7 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
     gpu_budget = GPU_SHARE * device_memory_bytes if device_memory_bytes else None
     need: dict[int, int] = {}  # device bytes of each running probe that shares the GPU
     shared: set[int] = set()  # probes that had another one beside them on the GPU
+    warm = start_warm([specs[i] for i in todo], probe_cmd)
     try:
         while todo or running:
             used = sum(spec_cost(specs[i], capacity) for i, *_ in running)
@@ -712,7 +754,7 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
                     need[i] = n
                 todo.pop(0)
                 on_event("start", i, spec, None)
-                running.append((i, ProbeRun(spec, probe_cmd, timeout_s, nnodes, rdzv_endpoint),
+                running.append((i, ProbeRun(spec, probe_cmd, timeout_s, nnodes, rdzv_endpoint, warm=warm),
                                 prediction, perr))
                 used += spec_cost(spec, capacity)
             still = []
@@ -738,5 +780,8 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
         for _, run, *_ in running:
             run.abandon()
         raise
+    finally:
+        if warm is not None:
+            warm.close()
     return [records[i] for i in sorted(records)]
 
