@@ -100,12 +100,21 @@ def fork_module(cmd: list[str]):
     pid = os.fork()
     if pid:
         return Forked(pid)
-    rc = 1
-    try:
+
+    def body() -> int:
         set_pdeathsig(signal.SIGKILL)
         _fresh_signals()
         sys.argv = [module, *args]
-        rc = int(importlib.import_module(module).main(args) or 0)
+        return importlib.import_module(module).main(args)
+    _exit_with(body)
+
+
+def _exit_with(body) -> None:
+    """The end of a forked child: run `body()` and exit with its status as the interpreter would (a
+    SystemExit's code; 1 and the traceback for an exception), without the parent's atexit handlers."""
+    rc = 1
+    try:
+        rc = int(body() or 0)
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - a traceback, as the interpreter would print
@@ -138,8 +147,8 @@ def _start_guard(req: dict, proto_fds: tuple[int, int]) -> int:
     pid = os.fork()
     if pid:
         return pid
-    rc = 1
-    try:
+
+    def body() -> int:
         for fd in proto_fds:
             os.close(fd)
         os.setsid()
@@ -154,17 +163,9 @@ def _start_guard(req: dict, proto_fds: tuple[int, int]) -> int:
         import tempfile
         tempfile.tempdir = None  # computed again from the probe's TMPDIR (inside its folder)
         _fresh_signals()
-        rc = guard.main(argv, start=fork_module)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(rc)
+        return guard.main(argv, start=fork_module)
+    _exit_with(body)
+    return -1  # not reached: the child exits in _exit_with
 
 
 def serve(parent: int) -> int:
