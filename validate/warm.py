@@ -172,7 +172,7 @@ def serve(parent: int) -> int:
     if not set_pdeathsig(signal.SIGKILL) or os.getppid() != parent:
         return 1  # no way to die with the runner (not Linux), or it is already gone
     proto_in, proto_out = os.dup(0), os.dup(1)
-    os.dup2(2, 1)  # stray prints go to the log, never into the protocol
+    os.dup2(2, 1)  # stray prints go to stderr (the runner discards it), never into the protocol
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     from .probe import preload
