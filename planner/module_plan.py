@@ -501,7 +501,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     # gradients at its before-hook instant, which misses a root gradient still autograd's transient at
     # that instant (a 16-bit LM head's at long sequences: Llama-3-8B's 1 GiB at 1024 tokens).
     traced_gb = 2 if _regime(train.precision, family) in ("bfloat16", "float16") else 4
-    own_g = {u: sum(prod(s) for _, s in ps) * traced_gb for u, ps in desc.units}
+    numel = {u: sum(prod(s) for _, s in ps) for u, ps in desc.units}  # each unit's parameters, real shapes
+    own_g = {u: n * traced_gb for u, n in numel.items()}
     root_g = [0 if s[0] == "root" else max(0, s[7] - own_g.get(s[0], 0)) if s[7] >= 0 else s[3][0][1]
               for s in segs]
 
@@ -533,7 +534,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             yield (fwd_act[k], fwd_tmp[k], w) if ckpt[k] else (sum(acts[:k]) + at[0], 0, w)
     later, every_sync = train.grad_accum > 1, train.sync_every  # as memory.estimate_memory
     if family in ("single", "ddp", "zero1"):
-        unit_grad = {u: sum(prod(s) for _, s in ps) * gb for u, ps in desc.units}
+        unit_grad = {u: n * gb for u, n in numel.items()}
         base = dict(params=total * pb + buffers, optimizer=opt,
                     comm_buffers=0 if family == "single" else total * gb)
         if later:
@@ -588,14 +589,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             unit_carry = {u: v[1] * (red if every_sync else udt) for u, v in sizes.items()}
         elif every_sync:
             unit_carry = {u: v[0] * sg for u, v in sizes.items()}
+        elif family == "fsdp1":  # the padded flat gradient
+            unit_carry = {u: v[1] * udt for u, v in sizes.items()}
         else:
-            # FSDP1's is the padded flat gradient; FSDP2's are the unsharded parameters' own .grad, of their
-            # real shapes (`FSDPParam.to_accumulated_grad_if_needed`), not the dim-0-padded all-gather size
-            # (measured: Mixtral's experts at 16 fake ranks, 4 rows padded to 16, accumulating over 2
-            # micro-steps: +62% before)
-            real = {u: sum(prod(s) for _, s in ps) for u, ps in desc.units}
-            unit_carry = {u: (v[1] if family == "fsdp1" else real[u]) * (udt if family == "fsdp1" else red)
-                          for u, v in sizes.items()}
+            # FSDP2's are the unsharded parameters' own .grad, of their real shapes
+            # (`FSDPParam.to_accumulated_grad_if_needed`), not the dim-0-padded all-gather size (measured:
+            # Mixtral's experts at 16 fake ranks, 4 rows padded to 16, accumulating over 2 micro-steps: +62%
+            # before)
+            unit_carry = {u: numel[u] * red for u in sizes}
         in_place = later and not every_sync and sharding and family == "fsdp2" and not prec.mixed
         if later:
             notes.append("gradient accumulation keeps " + ("sharded" if every_sync and sharding else "unsharded")
