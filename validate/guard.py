@@ -50,6 +50,16 @@ def set_pdeathsig(sig: int) -> bool:
         return False
 
 
+def fresh_signals() -> None:
+    """A new interpreter's signal handlers, for a process forked without exec (validate/launch.py's
+    workers, validate/warm.py's guards and probes): a fork keeps its parent's (torchelastic's agent turns
+    SIGTERM, SIGINT, SIGHUP and SIGQUIT into an exception), so it would not die of a SIGTERM as a new
+    interpreter does."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _preexec_child() -> None:  # runs in the child between fork and exec
     set_pdeathsig(signal.SIGKILL)
 

@@ -65,14 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _worker(module: str, args: list[str]) -> int:
-    # A fork keeps the agent's signal handlers (torchelastic's PContext.start turns SIGTERM, SIGINT, SIGHUP
-    # and SIGQUIT into a SignalException): give the worker a new interpreter's, so that it dies of a SIGTERM
-    # as torchrun's exec'd workers do, and a SIGINT is a KeyboardInterrupt.
-    import signal
+    # the agent's signal handlers (torchelastic's PContext.start) replaced by a new interpreter's, so that
+    # the worker dies of a SIGTERM as torchrun's exec'd workers do (run as a script: absolute import)
+    from distplan.validate.guard import fresh_signals
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    fresh_signals()
     return int(importlib.import_module(module).main(args) or 0)
 
 

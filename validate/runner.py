@@ -408,9 +408,7 @@ class ProbeRun:
             self.argv = probe_argv(spec, self.spec_path, self.out_path, probe_cmd, nnodes, rdzv_endpoint)
             tmp = os.path.join(self.dir, "tmp")
             os.mkdir(tmp)
-            full_env = dict(os.environ)
-            full_env.setdefault("OMP_NUM_THREADS", "1")
-            full_env["PYTHONUNBUFFERED"] = "1"
+            full_env = probe_base_env()
             full_env["TMPDIR"] = tmp  # torchelastic's torchelastic_* folder, the probe's temp files
             full_env[PROBE_DIR_ENV] = self.dir
             if spec.get("mode") == "cpu" and nnodes == 1 and os.path.isdir("/sys/class/net/lo"):
@@ -658,6 +656,15 @@ def gpu_need_bytes(spec: dict, prediction: dict | None) -> int:
     return max(peak, _full_param_bytes(spec)) + CUDA_CONTEXT_BYTES
 
 
+def probe_base_env() -> dict:
+    """Every probe's environment before its own variables (`ProbeRun`): one thread per process unless
+    told, as torchrun sets it, and unbuffered output."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
 def warm_startable(spec: dict) -> bool:
     """A probe the warm process (validate/warm.py) can start: one process (the fake process group), not
     on a GPU (the caller also checks that this machine shows the probe none: `gpu_free_hardware`)."""
@@ -677,11 +684,8 @@ def start_warm(specs: list[dict], probe_cmd: list[str] | None):
     if sum(warm_startable(s) for s in specs) < WARM_MIN_PROBES or gpu_free_hardware() is None:
         return None
     from .warm import WarmStarter
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # as every probe gets it (ProbeRun): libgomp reads it at load
-    env["PYTHONUNBUFFERED"] = "1"
-    try:
-        return WarmStarter(env)
+    try:  # started with the probes' environment: libgomp reads OMP_NUM_THREADS when it loads
+        return WarmStarter(probe_base_env())
     except OSError:
         return None
 

@@ -38,18 +38,11 @@ import threading
 import time
 import traceback
 
-from .guard import set_pdeathsig
+from .guard import _preexec_child, fresh_signals, set_pdeathsig
 
 START_TIMEOUT_S = 300.0
 """How long the runner waits for the warm process's answer to a request (its first answer follows the
 imports: seconds; minutes on a machine under load)."""
-
-
-def _fresh_signals() -> None:
-    """A new interpreter's signal handlers (the fork keeps its parent's)."""
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Forked:
@@ -63,8 +56,8 @@ class Forked:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, flags)
-            except ChildProcessError:  # reaped elsewhere: nothing more to learn
-                self.returncode = self.returncode if self.returncode is not None else -signal.SIGKILL
+            except ChildProcessError:  # reaped elsewhere: ended, its status unknown
+                self.returncode = -signal.SIGKILL
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
@@ -73,7 +66,7 @@ class Forked:
     def poll(self) -> int | None:
         return self._status(os.WNOHANG)
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self) -> int:
         while True:
             try:
                 rc = self._status(0)
@@ -93,7 +86,7 @@ def fork_module(cmd: list[str]):
     child: it dies with the guard, `PR_SET_PDEATHSIG(SIGKILL)`, as `guard._preexec_child` makes it);
     any other command as a new process."""
     if not is_module_command(cmd):
-        return subprocess.Popen(cmd, preexec_fn=lambda: set_pdeathsig(signal.SIGKILL))
+        return subprocess.Popen(cmd, preexec_fn=_preexec_child)
     module, args = cmd[2], list(cmd[3:])
     sys.stdout.flush()
     sys.stderr.flush()
@@ -103,7 +96,7 @@ def fork_module(cmd: list[str]):
 
     def body() -> int:
         set_pdeathsig(signal.SIGKILL)
-        _fresh_signals()
+        fresh_signals()
         sys.argv = [module, *args]
         return importlib.import_module(module).main(args)
     _exit_with(body)
@@ -162,7 +155,7 @@ def _start_guard(req: dict, proto_fds: tuple[int, int]) -> int:
         os.environ.update(req["env"])
         import tempfile
         tempfile.tempdir = None  # computed again from the probe's TMPDIR (inside its folder)
-        _fresh_signals()
+        fresh_signals()
         return guard.main(argv, start=fork_module)
     _exit_with(body)
     return -1  # not reached: the child exits in _exit_with
@@ -323,7 +316,7 @@ class WarmProc:
             self.returncode = self.starter.returncode(self.pid)
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self) -> int:
         if self.returncode is None:
             self.returncode = self.starter.wait_rc(self.pid, timeout)
             if self.returncode is None:
