@@ -34,10 +34,10 @@ def clear_caches(catalog: bool = True) -> None:
     the planner from cold."""
     from distplan.catalog.loader import clear_cache
 
-    from . import activations, alloc_trace, comm, compute, footprint, memory, model
+    from . import activations, alloc_trace, comm, compute, footprint, kernels, memory, model, pp, tp
     if catalog:
         clear_cache()
-    for mod in (activations, alloc_trace, comm, compute, footprint, memory, model):
+    for mod in (activations, alloc_trace, comm, compute, footprint, kernels, memory, model, pp, tp):
         for obj in vars(mod).values():
             if callable(getattr(obj, "cache_clear", None)):
                 obj.cache_clear()

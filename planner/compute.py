@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 from .comm import _DTYPE_BYTES, Collective, Schedule, collective_schedule, schedule_totals
 from .activations import regime_for
+from .footprint import _footprint_for, nccl_env
 from .config import Cluster, TrainConfig
 from .model import TPRankSpec
 from .kernels import KernelTimes, kernel_times, optimizer_host_ops, param_tensors, peak_flops
@@ -178,7 +179,6 @@ def sm_shares(cluster: Cluster, sm_count: int | None, shard_group: str, environ_
     and NCCL_MIN_NCHANNELS apply). () where the GPU's SM count is unknown or nothing communicates."""
     if not sm_count or cluster.gpus <= 1:
         return ()
-    from .footprint import _footprint_for
     groups = {"data_parallel": ("world", "dp", "dp_cp"), "shard": ("intra_node",), "replicate": ("inter_node",)}
     out = []
     for c in _footprint_for(cluster, cluster.gpus, shard_group, 1, environ_key).nccl:
@@ -212,7 +212,6 @@ def contention(cluster: Cluster, strategy: str | Strategy, gpu, sm_bound: float)
     """The SM shares of the strategy's communicators on `gpu` with `sm_bound` (`sm_bound_share`): a
     collective of a group with share f slows the compute it overlaps by f x sm_bound. None where the GPU's
     SM count is unknown."""
-    from .footprint import nccl_env
     shares = sm_shares(cluster, getattr(gpu, "sm_count", None), get_strategy(strategy).shard_group, nccl_env())
     return Contention(shares, sm_bound) if shares else None
 

@@ -153,7 +153,7 @@ def matmul_rates(flops: dict, eff: float, half_flop: float, precision: str) -> t
     return peak, peak * eff, half_flop / (max(flops.get("bf16", 0.0), flops.get("fp16", 0.0), peak) * eff)
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=4096)
 def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     (flops, eff, half, hbm, hbm_eff, att_eff, att_bwd_eff, k_over, host_op) = key
     peak, rate, half = matmul_rates(dict(flops), eff, half, train.precision)

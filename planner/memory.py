@@ -44,6 +44,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .alloc_trace import MAX_LAYERS
+from .allocator import parse_alloc_conf
 from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in,
                           regime_for, sdpa_math, sp_tokens)
 from .config import Cluster, TrainConfig, fsdp2_reduce_keeps_last_grad
@@ -985,7 +987,6 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                           train.tp if backend == "nccl" else 1)
     overhead = fp.total
     replay_args = None
-    from .alloc_trace import MAX_LAYERS
     if device == "cuda" and train.model.layers > MAX_LAYERS:
         notes.append(f"reserved peak: the allocated peak + {RESERVED_MARGIN:.0%} (no allocator replay beyond "
                      f"{MAX_LAYERS} layers)")
@@ -996,12 +997,17 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # The most loaded rank's allocations replayed through the caching allocator. `init`: the probes
         # build the model on the device and wrap it; a plan assumes FSDP runs materialize shards from the
         # meta device (torchtitan's way); see alloc_trace.allocation_events.
-        from .allocator import parse_alloc_conf
-        expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
+        expandable, max_split, _ = _alloc_conf(train.alloc_conf)
         replay_args = (train, st.name, world, shard, device, backend, workspace, expandable, init, max_split)
     return MemoryEstimate(st.name, comps, peak_allocated, phase, overhead, cluster.gpu_memory_bytes, notes,
                           workspace, replay_args, footprint=fp, host_bytes=host_bytes,
                           host_memory_bytes=cluster.host_memory_bytes)
+
+
+@lru_cache(maxsize=64)
+def _alloc_conf(conf: str) -> tuple:
+    """allocator.parse_alloc_conf of a TrainConfig's alloc_conf (validated when the config was made)."""
+    return parse_alloc_conf(conf, "alloc_conf")
 
 
 def walked_blocks(base, layers: int, every: int) -> list[int]:
