@@ -495,6 +495,10 @@ PRELOAD_MODULES = (
     "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
     "torch.distributed.optim", "torch.nn.parallel", "torch.distributed.device_mesh",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "torch.utils.checkpoint",
+    # nn.Embedding's reset_parameters and the other nn.init calls made while building the model run through
+    # `torch._disable_dynamo` (torch/_compile.py), whose first call imports torch._dynamo: about 1 s alone,
+    # half of a 2-rank gloo probe's worker time when each worker imported it after the fork
+    "torch._dynamo",
     "distplan.validate.measure", "distplan.validate.model", "distplan.validate.wrap",
     "distplan.validate.workload", "distplan.planner.config", "distplan.planner.model",
 )
