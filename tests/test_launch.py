@@ -87,3 +87,19 @@ def test_a_failing_worker_fails_the_launch_as_torchrun_does(tmp_path):
     proc, ranks = _launch(tmp_path, fail_rank=1)
     assert proc.returncode != 0
     assert "ChildFailedError" in proc.stderr and "exitcode" in proc.stderr and ": 3" in proc.stderr
+
+
+def test_method_name_is_torchs_get_method_name_without_inspect_stack():
+    """launch.py replaces the rendezvous's event-name helper (its two inspect.stack() calls walk sys.modules
+    for every frame: ~1 s per probe with torch._dynamo imported); the names must stay the same."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import get_method_name
+
+    def caller(depth):
+        return get_method_name(depth), launch.method_name(depth)
+
+    def outer():
+        return caller(2)
+
+    assert outer() == ("outer", "outer")
+    assert caller(1) == ("caller", "caller")
+    assert caller(10_000) == ("no_method_name", "no_method_name")

@@ -59,9 +59,24 @@ def main(argv: list[str] | None = None) -> int:
     if preload is not None:
         preload(args)
     from torch.distributed import run
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
+    if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+        dynamic_rendezvous.get_method_name = method_name
     run.main(torchrun_argv(options, module, args))
     return 0
+
+
+def method_name(depth: int = 2) -> str:
+    """`torch.distributed.elastic.rendezvous.dynamic_rendezvous.get_method_name`, the name each rendezvous
+    event is recorded under, without its two `inspect.stack()` calls: those look up every frame's source
+    file through `inspect.getmodule`, which walks `sys.modules`, and with torch, FSDP and torch._dynamo
+    imported here (the preload) the rendezvous's event records took about 1 s of each probe (py-spy of a
+    2-rank gloo probe). Frame 0 is this function, as `inspect.stack()[0]` is get_method_name."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # a shorter stack, as get_method_name's `len(inspect.stack()) > depth` check
+        return "no_method_name"
 
 
 def _worker(module: str, args: list[str]) -> int:
@@ -73,7 +88,21 @@ def _worker(module: str, args: list[str]) -> int:
     return int(importlib.import_module(module).main(args) or 0)
 
 
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown: with torch, FSDP and torch._dynamo imported (the preload),
+    finalizing their modules took about 1.5 s after the workers had exited (strace of a 2-rank gloo probe:
+    the workers' exit_group to the launcher's). Nothing is left to do by then: torchrun has stopped its
+    workers and closed the rendezvous; logging's handlers and the standard streams are flushed here (a
+    forked worker leaves the same way: multiprocessing's `Popen._launch` ends in `os._exit`)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == WORKER_FLAG:  # in a worker, via torchrun's run_script_path
         sys.exit(_worker(sys.argv[2], sys.argv[3:]))
-    sys.exit(main())
+    exit_now(main())  # a failure (torchrun's ChildFailedError) raises out of main() and exits as usual
