@@ -40,21 +40,26 @@ def test_fork_module_runs_main_and_reports_its_status(tmp_path, monkeypatch):
     assert isinstance(other, subprocess.Popen) and other.wait() == 3
 
 
-def test_only_one_process_cpu_probes_are_warm_started():
+def test_cpu_probes_are_warm_started_on_one_node():
     assert warm_startable({"mode": "fake", "device_type": "cpu"})
     assert warm_startable({"mode": "fake"})
     assert not warm_startable({"mode": "fake", "device_type": "cuda"})
-    assert not warm_startable({"mode": "cpu", "world_size": 2})
     assert not warm_startable({"mode": "fake", "pp": 2})
+    # gloo: the launcher (validate/launch.py) is the fork, its torchrun workers forks of it; one node only
+    assert warm_startable({"mode": "cpu", "world_size": 2})
+    assert warm_startable({"mode": "cpu", "world_size": 2, "pp": 2})
+    assert not warm_startable({"mode": "cpu", "world_size": 4}, nnodes=2)
+    assert not warm_startable({"mode": "gpu", "world_size": 2})
 
 
 DISTPLAN = [sys.executable, "-m", "distplan.planner"]
 
 
-def _validate(tmp_path, name: str, env: dict, *args) -> list[dict]:
+def _validate(tmp_path, name: str, env: dict, *args, world=("--simulate-world-size", "8"),
+              strategies="zero2,zero3,fsdp") -> list[dict]:
     out = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run([*DISTPLAN, "validate", "--strategy", "zero2,zero3,fsdp", "--layers", "2",
-                           "--simulate-world-size", "8", "--out", str(out), *args], capture_output=True,
+    proc = subprocess.run([*DISTPLAN, "validate", "--strategy", strategies, "--layers", "2", *world,
+                           "--out", str(out), *args], capture_output=True,
                           text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", **env), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
@@ -71,6 +76,24 @@ def test_warm_started_probes_measure_what_new_interpreters_measure(tmp_path):
         assert h["status"] == c["status"] == "ok"
         hm, cm = h["measurement"]["memory"], c["measurement"]["memory"]
         assert hm["peak_allocated"] == cm["peak_allocated"] and hm["peak_phase"] == cm["peak_phase"]
+        assert h["measurement"]["collectives"] == c["measurement"]["collectives"]
+
+
+@pytest.mark.slow
+def test_warm_started_gloo_probes_measure_what_new_interpreters_measure(tmp_path):
+    """2-rank gloo probes whose launcher is a fork of the warm process (and its torchrun workers forks of
+    that): every rank's peak, phase and collectives as with `python -m distplan.validate.launch`."""
+    pytest.importorskip("torch")
+    hot = _validate(tmp_path, "warm", {}, world=(), strategies="ddp,zero3")
+    cold = _validate(tmp_path, "cold", {"DISTPLAN_WARM_START": "0"}, world=(), strategies="ddp,zero3")
+    assert [r["id"] for r in hot] == [r["id"] for r in cold] and len(hot) == 2
+    for h, c in zip(hot, cold):
+        assert h["inputs"]["mode"] == "cpu" and h["inputs"]["world_size"] == 2
+        assert h["measurement"].get("warm_start") is True and "warm_start" not in c["measurement"]
+        assert h["status"] == c["status"] == "ok" and h["verdict"] == c["verdict"] == "PASS"
+        hm, cm = h["measurement"]["memory"], c["measurement"]["memory"]
+        assert hm["peak_allocated"] == cm["peak_allocated"] and hm["peak_phase"] == cm["peak_phase"]
+        assert h["measurement"]["measured_ranks"] == c["measurement"]["measured_ranks"]
         assert h["measurement"]["collectives"] == c["measurement"]["collectives"]
 
 
@@ -93,24 +116,28 @@ def _naming(marker: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find processes")
-def test_killed_distplan_leaves_no_warm_process_probe_or_folder(tmp_path):
+@pytest.mark.parametrize("world, forks", [(["--simulate-world-size", "8"], 3), ([], 5)], ids=["fake-pg", "gloo"])
+def test_killed_distplan_leaves_no_warm_process_probe_or_folder(tmp_path, world, forks):
     """SIGKILL to distplan while a warm-started probe runs: the warm process dies with it (its
-    PR_SET_PDEATHSIG), each guard then kills its probe and removes the probe's folder."""
+    PR_SET_PDEATHSIG), each guard then kills its probe (a gloo probe: the launcher and its torchrun
+    workers, all forks) and removes the probe's folder."""
     pytest.importorskip("torch")
     private = tmp_path / "tmp"
     private.mkdir()
     out = tmp_path / "r.jsonl"
     p = subprocess.Popen([*DISTPLAN, "validate", "--strategy", "zero2,zero3", "--layers", "4", "--hidden", "512",
                           "--heads", "8", "--kv-heads", "8", "--ffn-hidden", "2048", "--seq-len", "512",
-                          "--micro-batch", "4", "--simulate-world-size", "8", "--out", str(out)],
+                          "--micro-batch", "4", *world, "--out", str(out)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env=dict(os.environ, TMPDIR=str(private), CUDA_VISIBLE_DEVICES=""))
     marker = f"distplan.validate.warm {p.pid}"
     try:
+        # every fork shows the warm process's command line: warm process, guard, probe (gloo: the launcher
+        # and its 2 workers)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(_naming(marker)) < 3:  # warm process, guard, probe
+        while time.monotonic() < deadline and len(_naming(marker)) < forks:
             time.sleep(0.1)
-        assert len(_naming(marker)) >= 3, "no warm-started probe ran"
+        assert len(_naming(marker)) >= forks, "no warm-started probe ran"
         assert list(private.glob("distplan-probe-*"))
         p.kill()
         p.wait()

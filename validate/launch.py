@@ -47,6 +47,25 @@ def torchrun_argv(options: list[str], module: str, args: list[str]) -> list[str]
     return [*options, "--start-method=fork", "--run-path", os.path.abspath(__file__), WORKER_FLAG, module, *args]
 
 
+def preload(argv: list[str]) -> None:
+    """Import what `[torchrun options] -m MODULE ARGS` will run (`MODULE.preload(ARGS)`, where MODULE has
+    one): validate/warm.py calls it before forking a launcher, so that a launcher forked from the warm
+    process starts with it too."""
+    try:
+        _, module, args = split_argv(list(argv))
+    except ValueError:
+        return  # main() reports it
+    _preload_module(module, args)
+    importlib.import_module("torch.distributed.run")  # torchrun itself, and its elastic agent
+    importlib.import_module("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+
+
+def _preload_module(module: str, args: list[str]) -> None:
+    mod = importlib.import_module(module)
+    if hasattr(mod, "preload"):
+        mod.preload(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -54,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    mod = importlib.import_module(module)
-    preload = getattr(mod, "preload", None)
-    if preload is not None:
-        preload(args)
+    _preload_module(module, args)
     from torch.distributed import run
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 

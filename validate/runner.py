@@ -14,8 +14,9 @@ Owns the process side of `distplan validate`:
   rendezvous that never leaves the machine, so no network is needed; `--nnodes N --rdzv-endpoint E
   --rdzv-backend c10d` across nodes), the same through `python -m distplan.validate.launch` on the CPU
   (torchrun in a process that has imported the probe's modules, its workers forked from it: `launcher`),
-  or `python -m distplan.validate.probe ...` (fake; on the CPU, with two or more in a run, a fork of one
-  warm process that has imported the probe: `start_warm`, validate/warm.py). TMPDIR points
+  or `python -m distplan.validate.probe ...` (fake). On the CPU, with two or more in a run, a fake probe or
+  a one-node gloo probe's launcher is a fork of one warm process that has imported the probe
+  (`start_warm`, validate/warm.py). TMPDIR points
   inside the probe's temp folder (torchelastic's `torchelastic_*` goes with it). A timeout, an error,
   Ctrl-C or SIGTERM kill the whole probe: the guard's group, its descendants, and the torchrun workers
   (sessions of their own) found by the temp folder on their command lines (SIGTERM, then SIGKILL after
@@ -421,7 +422,7 @@ class ProbeRun:
             self._stderr = open(os.path.join(self.dir, "stderr.log"), "wb")
             guard = [sys.executable, "-m", GUARD_MODULE, str(os.getpid()), self.dir, "--"]
             self.t0 = time.monotonic()
-            if warm is not None and warm_startable(spec) and probe_cmd is None:
+            if warm is not None and warm_startable(spec, nnodes) and probe_cmd is None:
                 try:  # a fork of the warm process (validate/warm.py), else a new process below
                     self.proc = warm.start([self.dir, "--", *self.argv], full_env, self._stdout.name,
                                            self._stderr.name)
@@ -665,10 +666,16 @@ def probe_base_env() -> dict:
     return env
 
 
-def warm_startable(spec: dict) -> bool:
-    """A probe the warm process (validate/warm.py) can start: one process (the fake process group), not
-    on a GPU (the caller also checks that this machine shows the probe none: `gpu_free_hardware`)."""
-    return spec.get("mode") == "fake" and spec.get("device_type", "cpu") == "cpu" and int(spec.get("pp", 1)) == 1
+def warm_startable(spec: dict, nnodes: int = 1) -> bool:
+    """A probe the warm process (validate/warm.py) can start, not on a GPU (the caller also checks that
+    this machine shows the probe none: `gpu_free_hardware`): one process on the fake process group, or a
+    one-node gloo probe, whose launcher (validate/launch.py: torchrun, its workers forks of it) is then
+    itself a fork of the warm process."""
+    if spec.get("device_type", "cpu") != "cpu":
+        return False
+    if spec.get("mode") == "fake":
+        return int(spec.get("pp", 1)) == 1
+    return spec.get("mode") == "cpu" and nnodes == 1
 
 
 WARM_MIN_PROBES = 2
@@ -676,12 +683,12 @@ WARM_MIN_PROBES = 2
 are one probe's, so it pays from the second probe on."""
 
 
-def start_warm(specs: list[dict], probe_cmd: list[str] | None):
-    """A `warm.WarmStarter` for this run's one-process CPU probes, or None (too few of them, a GPU in
-    sight, a custom launcher, or it could not start)."""
+def start_warm(specs: list[dict], probe_cmd: list[str] | None, nnodes: int = 1):
+    """A `warm.WarmStarter` for this run's CPU probes, or None (too few of them, a GPU in sight, a custom
+    launcher, or it could not start)."""
     if probe_cmd is not None or os.environ.get("DISTPLAN_WARM_START", "1") == "0":
         return None
-    if sum(warm_startable(s) for s in specs) < WARM_MIN_PROBES or gpu_free_hardware() is None:
+    if sum(warm_startable(s, nnodes) for s in specs) < WARM_MIN_PROBES or gpu_free_hardware() is None:
         return None
     from .warm import WarmStarter
     try:  # started with the probes' environment: libgomp reads OMP_NUM_THREADS when it loads
@@ -733,7 +740,7 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
     gpu_budget = GPU_SHARE * device_memory_bytes if device_memory_bytes else None
     need: dict[int, int] = {}  # device bytes of each running probe that shares the GPU
     shared: set[int] = set()  # probes that had another one beside them on the GPU
-    warm = start_warm([specs[i] for i in todo], probe_cmd)
+    warm = start_warm([specs[i] for i in todo], probe_cmd, nnodes)
     try:
         while todo or running:
             used = sum(spec_cost(specs[i], capacity) for i, *_ in running)

@@ -1,5 +1,6 @@
-"""A warm start for one-process CPU probes: one process imports torch and the probe once, and each
-fake-process-group probe of a validation run is a fork of it instead of a new interpreter.
+"""A warm start for CPU probes: one process imports torch and the probe once, and each fake-process-group
+probe of a validation run, or one-node gloo probe's launcher (validate/launch.py, whose torchrun workers
+are forks of it in turn), is a fork of it instead of a new interpreter.
 
     python -m distplan.validate.warm PARENT_PID      # started by the runner (`WarmStarter`), pipes on 0/1
 
@@ -21,8 +22,12 @@ one level down: runner -> this process -> guard -> probe.
   starts no thread and never touches CUDA, so a fork is safe; a worker gets a new interpreter's signal
   handlers.
 
-Known limitations: CPU probes only (GPU fake-process-group probes start a new interpreter, as validated
-on the GPU); a probe inherits this process's imported modules and `warnings` filters.
+A gloo probe's `python -m distplan.validate.launch ...` is such a module command: its fork runs the
+launcher's `main`, which runs torchrun in-process (the agent's threads and the c10d store start in that
+fork, never here); `launch.preload` has this process import what its workers will.
+
+Known limitations: CPU probes only (GPU probes start a new interpreter, as validated on the GPU); a probe
+inherits this process's imported modules and `warnings` filters.
 """
 
 from __future__ import annotations
