@@ -509,23 +509,27 @@ launcher forks the workers (`validate/launch.py`)."""
 def preload(argv: list[str]) -> None:
     """Import what the probe of `argv` (`--spec PATH ...`) will import, so that workers forked from this
     process (validate/launch.py) start with it; transformers too when the spec is a Hugging Face model.
-    Importing only: no tensor is made, no thread or CUDA context started."""
+    Importing only: no tensor is made, no thread or CUDA context started. The imports run with the garbage
+    collector paused and are frozen after (`workload.frozen_imports`): a worker's collections, and its
+    copy-on-write pages, leave torch's ~10^5 module objects alone."""
     import importlib
 
-    for name in PRELOAD_MODULES:
-        importlib.import_module(name)
+    from .workload import _preload_hf, frozen_imports, from_spec
+
     try:
         spec_path = argv[argv.index("--spec") + 1]
         with open(spec_path) as f:
-            spec = json.load(f)
-    except (ValueError, IndexError, OSError):
-        return  # the worker reports it
-    if ((spec or {}).get("module") or {}).get("hf_config"):
-        try:
-            importlib.import_module("transformers")
-            from transformers import AutoModelForCausalLM  # noqa: F401 - the lazy module's real import
-        except ImportError:
-            pass  # the worker reports it
+            module = (json.load(f) or {}).get("module") or {}
+    except (ValueError, IndexError, OSError, AttributeError):
+        module = {}  # the worker reports it
+    with frozen_imports():
+        for name in PRELOAD_MODULES:
+            importlib.import_module(name)
+        if module.get("hf_config"):
+            try:  # transformers and the model type's modeling module (the worker reports what fails)
+                _preload_hf(from_spec(module))
+            except Exception:  # noqa: BLE001 - an optimisation only
+                pass
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 HF_LAYER_KEYS = ("num_hidden_layers", "n_layer")
@@ -297,18 +298,28 @@ def preload(work=None) -> None:
 
     torch's ImportError propagates (the callers name the extra to install); anything transformers raises
     here is left to `HFWorkload.build`, which imports the same modules and reports it as it did."""
-    import gc
     import warnings
+
+    with frozen_imports(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns at import when numpy is absent; not our user's concern
+        import torch  # noqa: F401
+        if getattr(work, "kind", None) == "hf":
+            _preload_hf(work)
+
+
+@contextmanager
+def frozen_imports():
+    """The body's imports with the cyclic garbage collector paused (its previous state restored after
+    them), then, where the body imported anything, every object alive moved to the collector's permanent
+    generation (`gc.freeze`): see `preload`. The probes' launcher and warm process (`probe.preload`) import
+    this way before they fork, as the `gc.freeze` documentation advises before a fork."""
+    import gc
 
     before = len(sys.modules)
     was_on = gc.isenabled()
     gc.disable()
     try:
-        with warnings.catch_warnings():  # torch warns at import when numpy is absent; not our user's concern
-            warnings.simplefilter("ignore")
-            import torch  # noqa: F401
-            if getattr(work, "kind", None) == "hf":
-                _preload_hf(work)
+        yield
     finally:
         if was_on:
             gc.enable()
