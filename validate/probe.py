@@ -525,11 +525,8 @@ def preload(argv: list[str]) -> None:
     with frozen_imports():
         for name in PRELOAD_MODULES:
             importlib.import_module(name)
-        if module.get("hf_config"):
-            try:  # transformers and the model type's modeling module (the worker reports what fails)
-                _preload_hf(from_spec(module))
-            except Exception:  # noqa: BLE001 - an optimisation only
-                pass
+        if module.get("hf_config"):  # transformers and the model type's modeling module (never raises:
+            _preload_hf(from_spec(module))  # the worker imports them again and reports what fails)
 
 
 def main(argv=None) -> int:
