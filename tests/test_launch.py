@@ -21,13 +21,21 @@ def preload(argv):
     import torch.distributed  # noqa: F401 - what a probe's workers use
     PRELOADED = os.getpid()
 
+def _proc(pid, field):
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith(field + ":")))
+
 def main(argv):
     out, fail_rank = argv[0], int(argv[1])
     rank = int(os.environ["RANK"])
+    if fail_rank == -2:  # hang
+        import time
+        time.sleep(3600)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, world=int(os.environ["WORLD_SIZE"]), local_rank=int(os.environ["LOCAL_RANK"]),
                        master=os.environ["MASTER_ADDR"], preloaded_by=PRELOADED, pid=os.getpid(),
-                       ppid=os.getppid(), argv=argv, sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                       ppid=os.getppid(), parent_threads=_proc(os.getppid(), "Threads"),
+                       grandparent=_proc(os.getppid(), "PPid"), argv=argv, sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                        sigint=signal.getsignal(signal.SIGINT) is signal.default_int_handler), f)
     return 3 if rank == fail_rank else 0
 '''
@@ -77,8 +85,11 @@ def test_workers_are_forks_of_the_preloaded_launcher_with_torchruns_environment(
     for rank, r in ranks.items():
         assert (r["world"], r["local_rank"], r["master"]) == (2, rank, "127.0.0.1")
         assert r["argv"] == [str(tmp_path / "out"), "-1"]
-        # forked from the process that ran preload() (torchrun's agent, this launcher), not a new interpreter
-        assert r["preloaded_by"] == r["ppid"] != r["pid"]
+        # forked from a fork of the process that ran preload() (torchrun's agent, this launcher), not a new
+        # interpreter: multiprocessing's fork server, forked by the launcher before torchrun started any
+        # thread, so that the worker's fork copies one thread and no lock another thread held
+        assert r["preloaded_by"] == r["grandparent"] != r["ppid"] != r["pid"]
+        assert r["parent_threads"] == 1
         # a new interpreter's signal handlers, not the agent's (which turn SIGTERM into an exception)
         assert r["sigterm"] and r["sigint"]
 
@@ -103,3 +114,25 @@ def test_method_name_is_torchs_get_method_name_without_inspect_stack():
     assert outer() == ("outer", "outer")
     assert caller(1) == ("caller", "caller")
     assert caller(10_000) == ("no_method_name", "no_method_name")
+
+
+@pytest.mark.slow
+def test_a_hung_probe_ends_with_every_workers_stack(tmp_path):
+    """A worker that never returns: the runner's timeout ends the probe, and shortly before it each worker
+    printed its Python stack (faulthandler, runner.STACKS_AT_ENV), so the record says where it waited."""
+    pytest.importorskip("torch")
+    from distplan.validate.runner import run_probe, stacks_after_s
+
+    (tmp_path / "fork_worker_mod.py").write_text(WORKER)
+    (tmp_path / "out").mkdir()
+    cmd = [sys.executable, "-m", launch.__name__, *local_rendezvous(), "--nproc-per-node=2", "-m",
+           "fork_worker_mod", str(tmp_path / "out"), "-2"]
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    assert stacks_after_s(300) == 280 and stacks_after_s(20) == 18
+    result = run_probe({"id": "hang", "mode": "cpu", "world_size": 2}, cmd, timeout_s=20, env=env)
+    assert result["status"] == "timeout", result
+    stacks = result["hung_stacks"]
+    assert stacks.count("\n--\n") == 1, stacks  # two workers' dumps
+    for dump in stacks.split("\n--\n"):
+        innermost = dump.splitlines()[1]  # the thread's line, then its most recent call
+        assert 'fork_worker_mod.py", line' in innermost and innermost.endswith("in main"), dump

@@ -63,7 +63,7 @@ def test_pp_probe_matches_stage_walk(case):
     spec = spec_of(*case)
     world = spec["pp"] * spec["dp"] * spec["cp"]
     result = run_pp_probe(spec)
-    assert result["status"] == "ok", result
+    assert result["status"] == "ok", result.get("hung_stacks") or result  # a hang: where each rank waited
     predicted = predict(spec)
     assert len(result["ranks"]) == world
     # ZeRO-1: the planner predicts the most loaded rank of each stage's partition (ZeroRedundancyOptimizer's
@@ -127,7 +127,7 @@ def test_peak_and_collectives_match_stage_walk(case):
     its collectives exact (with cp > 1 the ring's all-to-alls among them)."""
     spec = spec_of(*case)
     result = run_pp_probe(spec)
-    assert result["status"] == "ok", result
+    assert result["status"] == "ok", result.get("hung_stacks") or result  # a hang: where each rank waited
     predicted = predict(spec)
     assert len(result["ranks"]) == len(predicted) == spec["pp"] * spec["dp"] * spec["cp"]
     for meas, pred in zip(result["ranks"], predicted):

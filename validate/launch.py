@@ -42,9 +42,81 @@ def split_argv(argv: list[str]) -> tuple[list[str], str, list[str]]:
     return argv[:i], argv[i + 1], argv[i + 2:]
 
 
-def torchrun_argv(options: list[str], module: str, args: list[str]) -> list[str]:
+def torchrun_argv(options: list[str], module: str, args: list[str], start_method: str = "fork") -> list[str]:
     """torchrun's own command line: run this file in forked workers, which run MODULE."""
-    return [*options, "--start-method=fork", "--run-path", os.path.abspath(__file__), WORKER_FLAG, module, *args]
+    return [*options, f"--start-method={start_method}", "--run-path", os.path.abspath(__file__), WORKER_FLAG,
+            module, *args]
+
+
+def start_forkserver() -> bool:
+    """Start `multiprocessing`'s fork server as a fork of this process, now, while it runs one thread.
+
+    torchrun forks its workers (`--start-method=fork`) after its rendezvous, when the launcher runs
+    other threads too: the c10d store's server thread, the rendezvous keep-alive timer. A fork copies
+    whatever locks those threads hold at that instant, and a worker that then needs one waits forever (the
+    hazard `os.fork`'s documentation warns of, and Python 3.12 warns about at run time). With the fork
+    server (`--start-method=forkserver`) each worker is instead a fork of the server, a process with one
+    thread that holds no lock. `multiprocessing.forkserver` starts that server as a new interpreter
+    (`util.spawnv_passfds`), which would import torch and the probe once more; here its start runs as a
+    fork of this launcher, taken before torchrun starts anything: the server's code
+    (`forkserver.main`, with the listening socket and the "alive" pipe of `ForkServer.ensure_running`)
+    runs in the fork, with every file descriptor but those two and the standard streams closed (the
+    write end of the "alive" pipe among them: the server exits when every client has closed it). The
+    server dies with this launcher (PR_SET_PDEATHSIG), and the workers with the server (probe.py's
+    `_die_with_launcher`). False, and nothing started, where this Python's `multiprocessing` differs (the
+    workers are then forked by torchrun as before)."""
+    import multiprocessing.forkserver as forkserver
+    import multiprocessing.resource_tracker as resource_tracker
+    import multiprocessing.util as util
+
+    spawn = getattr(util, "spawnv_passfds", None)
+    if spawn is None or not hasattr(forkserver, "ensure_running") or getattr(forkserver, "_forkserver", None) is None:
+        return False
+    resource_tracker.ensure_running()  # a new (small) interpreter, as multiprocessing starts it
+    util.spawnv_passfds = _fork_passfds
+    try:
+        forkserver.ensure_running()
+    except Exception:  # noqa: BLE001 - this Python's forkserver is not what _fork_passfds expects
+        return False
+    finally:
+        util.spawnv_passfds = spawn
+    return True
+
+
+def _fork_passfds(path: str, args: list[str], passfds) -> int:
+    """`multiprocessing.util.spawnv_passfds` for the fork server only (`start_forkserver`): a fork that
+    runs the `-c` code of `args` (the server's `main(...)` call) instead of exec'ing a new interpreter."""
+    if "-c" not in args:
+        raise ValueError("not a `python -c` command")
+    code = args[args.index("-c") + 1]
+    keep = sorted({0, 1, 2, *map(int, passfds)})
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        from distplan.validate.guard import fresh_signals, set_pdeathsig
+        import signal
+
+        fresh_signals()
+        if set_pdeathsig(signal.SIGKILL) and os.getppid() != parent:
+            os._exit(1)  # the launcher died before prctl took effect
+        lo = 0
+        for fd in keep + [1 << 20]:
+            if fd > lo:
+                os.closerange(lo, fd)
+            lo = fd + 1
+        exec(code, {"__name__": "__forkserver__"})
+        status = 0
+    except SystemExit as e:  # forkserver.main's way out: every client closed the "alive" pipe
+        status = e.code if isinstance(e.code, int) else 0
+    except BaseException:  # noqa: BLE001 - a fork must never return into its parent's code
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(status)
 
 
 def preload(argv: list[str]) -> None:
@@ -79,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
         dynamic_rendezvous.get_method_name = method_name
-    run.main(torchrun_argv(options, module, args))
+    method = "forkserver" if start_forkserver() else "fork"
+    run.main(torchrun_argv(options, module, args, method))
     return 0
 
 
@@ -101,6 +174,12 @@ def _worker(module: str, args: list[str]) -> int:
     from distplan.validate.guard import fresh_signals
 
     fresh_signals()
+    at = os.environ.get("DISTPLAN_STACKS_AT")  # validate/runner.py's STACKS_AT_ENV: a hung worker prints
+    if at:  # where it waits, once, shortly before the runner's timeout kills it
+        import faulthandler
+        import time
+
+        faulthandler.dump_traceback_later(max(float(at) - time.time(), 0.1))
     return int(importlib.import_module(module).main(args) or 0)
 
 

@@ -56,6 +56,16 @@ GUARD_MODULE = "distplan.validate.guard"
 PROBE_DIR_ENV = "DISTPLAN_PROBE_DIR"
 """Set for a probe's processes: its temp folder (the probe's workers watch for their launcher's end)."""
 DEFAULT_TIMEOUT_S = 300.0
+STACKS_AT_ENV = "DISTPLAN_STACKS_AT"
+"""The time (`time.time()`) at which a CPU probe's worker that is still running prints every thread's Python
+stack to its stderr (`faulthandler.dump_traceback_later`, validate/launch.py's `_worker`) and goes on: a
+probe that hangs ends, at the runner's timeout, with where each rank waited in its `stderr_tail`."""
+
+
+def stacks_after_s(timeout_s: float) -> float:
+    """How long after its launch a probe's workers print their stacks (`STACKS_AT_ENV`): shortly before
+    the runner's timeout (20 s, or a tenth of a shorter one)."""
+    return timeout_s - min(20.0, timeout_s / 10)
 KILL_GRACE_S = 3.0
 DEFAULT_CPU_RANKS = 2
 MODES = ("cpu", "gpu", "fake")
@@ -412,6 +422,7 @@ class ProbeRun:
             full_env = probe_base_env()
             full_env["TMPDIR"] = tmp  # torchelastic's torchelastic_* folder, the probe's temp files
             full_env[PROBE_DIR_ENV] = self.dir
+            full_env[STACKS_AT_ENV] = f"{time.time() + stacks_after_s(timeout_s):.3f}"
             if spec.get("mode") == "cpu" and nnodes == 1 and os.path.isdir("/sys/class/net/lo"):
                 full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one node: gloo on the loopback
             full_env.update(env or {})
@@ -530,6 +541,10 @@ class ProbeRun:
             result = {"id": self.spec.get("id"), "status": status, "error": reason,
                       "mode": self.spec.get("mode"), "world_size": self.spec.get("world_size")}
         result.setdefault("status", "error")
+        if timed_out:  # where each worker waited (their faulthandler dumps, STACKS_AT_ENV)
+            stacks = hung_stacks(_read_tail(os.path.join(self.dir, "stderr.log"), 4 << 20))
+            if stacks:
+                result["hung_stacks"] = stacks
         result["returncode"] = rc
         if self.warm_started:
             result["warm_start"] = True  # a fork of validate/warm.py's process, not a new interpreter
@@ -558,6 +573,31 @@ def _rendezvous_failure(stderr: str) -> str | None:
     if m:
         return f"rendezvous failed: {m.group(0)[:200]}"
     return None
+
+
+_STACKS_HEADER = re.compile(r"^Timeout \(\d+:\d\d:\d\d(?:\.\d+)?\)!$", re.M)
+
+
+def hung_stacks(stderr: str, frames: int = 8) -> str:
+    """The stacks a hung probe's workers printed (`STACKS_AT_ENV`; faulthandler's format: a "Timeout
+    (H:MM:SS.ffffff)!" line, then per thread a "Thread 0x... (most recent call first):" line and its frames),
+    each thread cut to its innermost `frames` frames: where it waited. "" when there are none."""
+    out = []
+    for block in _STACKS_HEADER.split(stderr)[1:]:
+        lines, kept = block.strip("\n").splitlines(), []
+        depth = 0
+        for line in lines:
+            if line.startswith(("Thread 0x", "Current thread 0x")):
+                kept.append(line)
+                depth = 0
+            elif line.startswith("  File ") and kept:
+                depth += 1
+                if depth <= frames:
+                    kept.append(line)
+            elif kept:
+                break  # the end of the dump: what the process printed next
+        out.append("\n".join(kept))
+    return "\n--\n".join(b for b in out if b)
 
 
 def _read_tail(path: str, nbytes: int = 20000) -> str:
