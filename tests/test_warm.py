@@ -151,3 +151,29 @@ def test_killed_distplan_leaves_no_warm_process_probe_or_folder(tmp_path, world,
             p.kill()
         for pid in _naming(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_warm_proc_waits_as_popen_does(tmp_path):
+    """`WarmProc.wait(timeout)`, which the runner's reap calls after killing a probe's stragglers: Popen's
+    TimeoutExpired while the guard runs, its return code once it has ended. (Without the parameter, a
+    gloo probe whose fork server outlived its launcher by a moment ended `distplan validate` in a
+    TypeError: 2026-11-28, the live HF Llama in CI.)"""
+    pytest.importorskip("torch")
+    from distplan.validate.warm import WarmStarter
+
+    (tmp_path / "sleepy_mod.py").write_text("import time\n\ndef main(argv):\n    time.sleep(float(argv[0]))\n"
+                                           "    return 3\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    starter = WarmStarter(env)
+    try:
+        probe_dir = tmp_path / "probe"
+        probe_dir.mkdir()
+        proc = starter.start([str(probe_dir), "--", sys.executable, "-m", "sleepy_mod", "3"], env,
+                             str(tmp_path / "out.log"), str(tmp_path / "err.log"))
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+        assert proc.wait(timeout=120) == 3, (tmp_path / "err.log").read_text()[-2000:]
+        assert proc.poll() == 3
+    finally:
+        starter.close()

@@ -321,7 +321,9 @@ class WarmProc:
             self.returncode = self.starter.returncode(self.pid)
         return self.returncode
 
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int:
+        """As `Popen.wait`: the return code, or `subprocess.TimeoutExpired` after `timeout` seconds (the
+        runner's reap after a kill waits 5 s, `ProbeRun._reap`)."""
         if self.returncode is None:
             self.returncode = self.starter.wait_rc(self.pid, timeout)
             if self.returncode is None:
