@@ -61,13 +61,13 @@ def test_cpu_probes_use_the_launcher_and_gpus_torchrun():
     assert gpu[1:3] == ["-m", "torch.distributed.run"]
 
 
-def _launch(tmp_path, fail_rank: int) -> tuple[subprocess.CompletedProcess, dict]:
+def _launch(tmp_path, fail_rank: int, **env_extra) -> tuple[subprocess.CompletedProcess, dict]:
     pytest.importorskip("torch")
     (tmp_path / "fork_worker_mod.py").write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **env_extra)
     cmd = [sys.executable, "-m", launch.__name__, *local_rendezvous(), "--nproc-per-node=2", "-m",
            "fork_worker_mod", str(out), str(fail_rank)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -92,6 +92,15 @@ def test_workers_are_forks_of_the_preloaded_launcher_with_torchruns_environment(
         assert r["parent_threads"] == 1
         # a new interpreter's signal handlers, not the agent's (which turn SIGTERM into an exception)
         assert r["sigterm"] and r["sigint"]
+
+
+def test_without_the_fork_server_torchrun_forks_the_workers(tmp_path):
+    """DISTPLAN_FORK_SERVER=0: the launcher itself (torchrun's agent, its threads running) is the parent."""
+    proc, ranks = _launch(tmp_path, fail_rank=-1, DISTPLAN_FORK_SERVER="0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(ranks) == [0, 1]
+    for r in ranks.values():
+        assert r["preloaded_by"] == r["ppid"] != r["pid"] and r["parent_threads"] > 1
 
 
 def test_a_failing_worker_fails_the_launch_as_torchrun_does(tmp_path):

@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
         dynamic_rendezvous.get_method_name = method_name
-    method = "forkserver" if start_forkserver() else "fork"
+    # DISTPLAN_FORK_SERVER=0: torchrun forks the workers itself, as before 2026-11-28 (for comparisons)
+    method = "forkserver" if os.environ.get("DISTPLAN_FORK_SERVER") != "0" and start_forkserver() else "fork"
     run.main(torchrun_argv(options, module, args, method))
     return 0
 
