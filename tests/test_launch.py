@@ -35,7 +35,8 @@ def main(argv):
         json.dump(dict(rank=rank, world=int(os.environ["WORLD_SIZE"]), local_rank=int(os.environ["LOCAL_RANK"]),
                        master=os.environ["MASTER_ADDR"], preloaded_by=PRELOADED, pid=os.getpid(),
                        ppid=os.getppid(), parent_threads=_proc(os.getppid(), "Threads"),
-                       grandparent=_proc(os.getppid(), "PPid"), argv=argv, sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                       grandparent=_proc(os.getppid(), "PPid"), argv=argv,
+                       sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                        sigint=signal.getsignal(signal.SIGINT) is signal.default_int_handler), f)
     return 3 if rank == fail_rank else 0
 '''

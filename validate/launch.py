@@ -7,10 +7,12 @@ interpreter, which imports torch, FSDP and DTensor once more: about 5 s of CPU p
 machine, most of a small gloo probe's 9-13 s. This launcher imports MODULE and what its run imports
 (`MODULE.preload(argv)`, where MODULE has one) once, then runs torchrun itself, in this process
 (`torch.distributed.run.main`), with `--run-path` (torchrun's own option: the training script runs as a
-function in the worker, `run_script_path`) and `--start-method=fork` (torchrun's option: the workers
-are `multiprocessing` forks of this process). Everything else is torchrun's: the elastic agent, the c10d
-rendezvous, each worker's RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, failure detection
-(a worker that exits non-zero stops the others and torchrun exits 1 with its ChildFailedError).
+function in the worker, `run_script_path`) and `--start-method=forkserver` (torchrun's option: the
+workers are forks of `multiprocessing`'s fork server, which here is itself a fork of this process,
+taken before torchrun starts its threads: `start_forkserver`). Everything else is torchrun's: the elastic
+agent, the c10d rendezvous, each worker's RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT,
+failure detection (a worker that exits non-zero stops the others and torchrun exits 1 with its
+ChildFailedError).
 
 The script torchrun runs in each worker is this file (`_worker` below, chosen by `argv[1] == "--worker"`):
 it calls `MODULE.main(ARGS)` and exits with its return code, as `python -m MODULE` would.

@@ -59,13 +59,16 @@ DEFAULT_TIMEOUT_S = 300.0
 STACKS_AT_ENV = "DISTPLAN_STACKS_AT"
 """The time (`time.time()`) at which a CPU probe's worker that is still running prints every thread's Python
 stack to its stderr (`faulthandler.dump_traceback_later`, validate/launch.py's `_worker`) and goes on: a
-probe that hangs ends, at the runner's timeout, with where each rank waited in its `stderr_tail`."""
+probe that hangs ends, at the runner's timeout, with where each rank waited in its record's `hung_stacks`
+(`hung_stacks` below)."""
 
 
 def stacks_after_s(timeout_s: float) -> float:
     """How long after its launch a probe's workers print their stacks (`STACKS_AT_ENV`): shortly before
     the runner's timeout (20 s, or a tenth of a shorter one)."""
     return timeout_s - min(20.0, timeout_s / 10)
+
+
 KILL_GRACE_S = 3.0
 DEFAULT_CPU_RANKS = 2
 MODES = ("cpu", "gpu", "fake")
