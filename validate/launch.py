@@ -175,10 +175,11 @@ def _worker(module: str, args: list[str]) -> int:
     # the agent's signal handlers (torchelastic's PContext.start) replaced by a new interpreter's, so that
     # the worker dies of a SIGTERM as torchrun's exec'd workers do (run as a script: absolute import)
     from distplan.validate.guard import fresh_signals
+    from distplan.validate.runner import STACKS_AT_ENV
 
     fresh_signals()
-    at = os.environ.get("DISTPLAN_STACKS_AT")  # validate/runner.py's STACKS_AT_ENV: a hung worker prints
-    if at:  # where it waits, once, shortly before the runner's timeout kills it
+    at = os.environ.get(STACKS_AT_ENV)  # a hung worker prints where it waits, once, shortly before the
+    if at:  # runner's timeout kills it
         import faulthandler
         import time
 

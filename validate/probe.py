@@ -520,13 +520,14 @@ def preload(argv: list[str]) -> None:
         spec_path = argv[argv.index("--spec") + 1]
         with open(spec_path) as f:
             module = (json.load(f) or {}).get("module") or {}
-    except (ValueError, IndexError, OSError, AttributeError):
-        module = {}  # the worker reports it
+        hf = from_spec(module) if module.get("hf_config") else None
+    except (ValueError, IndexError, OSError, AttributeError, TypeError, KeyError):
+        hf = None  # the worker reports it
     with frozen_imports():
         for name in PRELOAD_MODULES:
             importlib.import_module(name)
-        if module.get("hf_config"):  # transformers and the model type's modeling module (never raises:
-            _preload_hf(from_spec(module))  # the worker imports them again and reports what fails)
+        if hf is not None:  # transformers and the model type's modeling module (never raises: the worker
+            _preload_hf(hf)  # imports them again and reports what fails)
 
 
 def main(argv=None) -> int:
