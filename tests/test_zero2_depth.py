@@ -19,6 +19,8 @@ from distplan.planner.config import Cluster, TrainConfig
 from distplan.planner.memory import estimate_memory, layout
 from distplan.planner.model import ModelSpec
 
+pytestmark = pytest.mark.newest  # CI runs the depth probes on the newest torch too (.ci/run)
+
 TINY = dict(hidden=128, heads=4, kv_heads=2, ffn_hidden=352, vocab=512, max_positions=128)  # llama-tiny
 LLAMA2_7B = dict(hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab=32000, max_positions=4096)
 PHI3_MINI = dict(hidden=3072, heads=32, kv_heads=32, ffn_hidden=8192, vocab=32064, max_positions=4096)
