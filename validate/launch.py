@@ -183,7 +183,11 @@ def _worker(module: str, args: list[str]) -> int:
         import faulthandler
         import time
 
-        faulthandler.dump_traceback_later(max(float(at) - time.time(), 0.1))
+        # one rank after another, 0.25 s apart: the ranks share the probe's stderr, and dumps written at the
+        # same instant interleave there (faulthandler writes a line in several pieces), which loses a rank's
+        # block in `runner.hung_stacks`
+        at = float(at) + 0.25 * int(os.environ.get("LOCAL_RANK", "0"))
+        faulthandler.dump_traceback_later(max(at - time.time(), 0.1))
     return int(importlib.import_module(module).main(args) or 0)
 
 
