@@ -99,10 +99,17 @@ def torch_release(version: str = "", flag: str = "--torch-version") -> tuple[int
     v = version or installed_torch()
     if not v:
         return NEWEST_TORCH
-    m = _RELEASE.fullmatch(v) if isinstance(v, str) else None
-    if m is None:
+    got = _parse_release(v) if isinstance(v, str) else None
+    if got is None:
         raise ValueError(f"{flag}={short_repr(version)}: accepted: a PyTorch release such as 2.15 or 2.13.0")
-    return int(m.group(1)), int(m.group(2))
+    return got
+
+
+@lru_cache(maxsize=64)
+def _parse_release(v: str) -> tuple[int, int] | None:
+    """(major, minor) of a release string, None if it is none (the walk asks on every estimate)."""
+    m = _RELEASE.fullmatch(v)
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
 
 
 def torch_followed(version: str = "") -> str:

@@ -674,6 +674,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         def carry(j: int) -> int:
             """Gradients accumulated by earlier micro-steps, held by the root and blocks 0..j."""
             return unit_root + min(j + 1, L) * unit_block if j >= 0 else 0
+        if not later:  # nothing accumulated: the walk asks dozens of times per estimate
+            def carry(j: int) -> int:  # noqa: F811
+                return 0
 
         def snap_tied_embedding(comm_buffers: int, shard_bytes: int) -> None:
             """A tied embedding's backward, before the root's post-backward: three V x h gradients in the
