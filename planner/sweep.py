@@ -63,7 +63,10 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
         args = dict(kw)
         args[key] = value
         p = build_plan(args, strategies, detect_local=False)
-        rec = p.recommendation.strategy
+        rec = p.recommendation
+        # Where nothing fits as given, the recommendation is of a changed run (`rec.change`, e.g. a smaller
+        # micro-batch): no row of this point is it, so none is marked; the change is on every row.
+        picked = None if rec.change else rec.strategy
         for r in p.results:
             rows.append({key: value, "strategy": r.name, "fits": r.fits,
                          "alloc_retries": int(r.memory.alloc_retries),
@@ -72,7 +75,10 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
                          "comm_bytes_per_gpu": int(r.comm_bytes_per_gpu),
                          "step_time_s": r.step_time_s,
                          "tokens_per_s": r.time.tokens_per_s if r.time is not None else None,
-                         "recommended": r.name == rec, "front_end": front_end})
+                         "recommended": r.name == picked,
+                         "smallest_change": rec.change and (f"{rec.change}; then {rec.strategy}" if rec.strategy
+                                                            else rec.change),
+                         "front_end": front_end})
             if kw.get("tokens"):
                 tps = rows[-1]["tokens_per_s"]
                 rows[-1]["time_to_train_s"] = kw["tokens"] / tps if tps else None
@@ -94,6 +100,11 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
     if "time_to_train_s" in rows[0]:
         headers.append("time to train")
     front = rows[0].get("front_end", "analytic")
+    changes = {}  # point -> its smallest change, where nothing fits there as given
+    for r in rows:
+        if r.get("smallest_change"):
+            changes.setdefault(r[key], r["smallest_change"])
     return (tabulate(table, headers, tablefmt=table_format, disable_numparse=True) + "\n* recommended; front end: "
             + ("trace (the model run on fake tensors, traced again at each point)" if front == "trace"
-               else "analytic (the formulas)"))
+               else "analytic (the formulas)")
+            + "".join(f"\n{key} {v}: nothing fits as given; smallest change: {c}" for v, c in changes.items()))

@@ -164,6 +164,27 @@ def test_sweep_json_rows():
     assert {(x["gpus"], x["strategy"]) for x in rows} == {(8, "fsdp"), (8, "ddp"), (16, "fsdp"), (16, "ddp")}
 
 
+def test_sweep_marks_no_row_where_nothing_fits_and_names_the_change():
+    """Llama-3-8B on 8 x 80 GB: micro-batch 1 fits, 8 does not under any strategy. The recommendation at 8 is
+    of a changed run (a smaller micro-batch), so no row of that point is marked, and the change is given."""
+    r = run("sweep", "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "2048",
+            "--sweep-micro-batch", "1,8", "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    fit = [x for x in rows if x["micro_batch"] == 1]
+    big = [x for x in rows if x["micro_batch"] == 8]
+    assert any(x["fits"] for x in fit) and not any(x["fits"] for x in big)
+    marked = [x for x in fit if x["recommended"]]
+    assert len(marked) == 1 and marked[0]["fits"] and all(x["smallest_change"] is None for x in fit)
+    assert not any(x["recommended"] for x in big)
+    assert {x["smallest_change"] for x in big} == {big[0]["smallest_change"]}
+    assert big[0]["smallest_change"].startswith("--micro-batch ")
+    text = run("sweep", "--model", "llama-3-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "2048",
+               "--sweep-micro-batch", "1,8").output
+    assert text.count(" *") == 1
+    assert f"micro_batch 8: nothing fits as given; smallest change: {big[0]['smallest_change']}" in text
+
+
 def test_sweep_bad_list():
     r = CliRunner().invoke(main, ["sweep", "--params", "7B", "--sweep-gpus", "8,x"])
     assert r.exit_code == 2 and "--sweep-gpus" in r.output
