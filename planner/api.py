@@ -273,8 +273,16 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
         gpus = local.count if local is not None else (node_e.gpus_per_node if node_e else 8)
         if local is None and gpu is None and gpu_mem is None and node is None:
             notes.append(f"no --gpus given: assuming {gpus}")
+    per_node_from = f"--gpus-per-node {gpus_per_node}"
     if gpus_per_node is None:
         gpus_per_node = node_e.gpus_per_node if node_e else min(8, gpus)
+        per_node_from = f"--node {node_e.name}" if node_e else "assumed without --node or --gpus-per-node"
+    if (isinstance(gpus, int) and isinstance(gpus_per_node, int) and 0 < gpus_per_node < gpus
+            and gpus % gpus_per_node):
+        raise ValueError(f"--gpus={gpus}: not a multiple of the {gpus_per_node} GPUs per node ({per_node_from}); "
+                         f"accepted: up to {gpus_per_node}, or a multiple of {gpus_per_node} "
+                         f"({gpus // gpus_per_node * gpus_per_node} or {(gpus // gpus_per_node + 1) * gpus_per_node}"
+                         f" here); --gpus-per-node sets the node's size")
     intra_name = intra or (node_e.intra_link if node_e else None)
     if intra_name is None:
         if local is not None and local.intra_link:
