@@ -220,31 +220,13 @@ def _smallest_change(plan):
             f"or larger GPUs", None, None)
 
 
-def recommend(plan, _depth: int = 0) -> Recommendation:
-    search = getattr(plan, "search", None)
-    if search is not None:
-        return _recommend_searched(plan, search)
+def _choose(plan) -> tuple:
+    """(best, ok, timed): the result `recommend` picks among the plan's (None when nothing fits), the results
+    it picked among (those with the headroom, else those that fit), and whether all of those are timed."""
     results = plan.results
     ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits_cleanly]
     if not ok:
-        words, train, cluster = _smallest_change(plan)
-        first = (f"nothing fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB per GPU as given; "
-                 f"smallest change: {words}")
-        if train is None or _depth > 0:
-            return Recommendation(None, [first], None, words)
-        from .api import Plan, evaluate
-        mode = getattr(plan, "checkpoint", None)
-        if mode and words.startswith("--checkpoint sharded"):
-            mode = "sharded"
-        storage = getattr(plan, "storage_bytes_per_s", None)
-        changed = Plan(train, cluster, [evaluate(train, cluster, r.strategy, checkpoint=mode,
-                                                 storage_bytes_per_s=storage) for r in plan.results],
-                       list(plan.notes), checkpoint=mode, storage_bytes_per_s=storage)
-        rec = recommend(changed, _depth=1)
-        rec.reasons = [first] + [f"with that change: {r}" for r in rec.reasons]
-        rec.change = words
-        rec.changed_plan = changed
-        return rec
+        return None, ok, False
     timed = all(r.step_time_s for r in ok)
     if timed:
         fastest = min(r.step_time_s for r in ok)
@@ -252,6 +234,55 @@ def recommend(plan, _depth: int = 0) -> Recommendation:
         best = min(near, key=lambda r: _rank(r.name, plan.cluster.nodes))
     else:
         best = min(ok, key=lambda r: _rank(r.name, plan.cluster.nodes))
+    return best, ok, timed
+
+
+def _changed_plan(plan, words: str, train, cluster):
+    """The plan under the smallest change `words` (`_smallest_change`): every strategy evaluated again."""
+    from .api import Plan, evaluate
+    mode = getattr(plan, "checkpoint", None)
+    if mode and words.startswith("--checkpoint sharded"):
+        mode = "sharded"
+    storage = getattr(plan, "storage_bytes_per_s", None)
+    return Plan(train, cluster, [evaluate(train, cluster, r.strategy, checkpoint=mode,
+                                          storage_bytes_per_s=storage) for r in plan.results],
+                list(plan.notes), checkpoint=mode, storage_bytes_per_s=storage)
+
+
+def pick(plan) -> tuple:
+    """(strategy, change): what `recommend(plan)` answers in its `strategy` and `change`, without the reasons
+    and the micro-batch search (whose allocator replays a sweep does not need): the strategy picked as
+    given, or, when nothing fits, the smallest change and the strategy picked with it (None if none)."""
+    if getattr(plan, "search", None) is not None:
+        rec = recommend(plan)
+        return rec.strategy, rec.change
+    best, _, _ = _choose(plan)
+    if best is not None:
+        return best.name, None
+    words, train, cluster = _smallest_change(plan)
+    if train is None:
+        return None, words
+    best, _, _ = _choose(_changed_plan(plan, words, train, cluster))
+    return (best.name if best is not None else None), words
+
+
+def recommend(plan, _depth: int = 0) -> Recommendation:
+    search = getattr(plan, "search", None)
+    if search is not None:
+        return _recommend_searched(plan, search)
+    best, ok, timed = _choose(plan)
+    if best is None:
+        words, train, cluster = _smallest_change(plan)
+        first = (f"nothing fits in {fmt_gib(plan.cluster.gpu_memory_bytes)} GiB per GPU as given; "
+                 f"smallest change: {words}")
+        if train is None or _depth > 0:
+            return Recommendation(None, [first], None, words)
+        changed = _changed_plan(plan, words, train, cluster)
+        rec = recommend(changed, _depth=1)
+        rec.reasons = [first] + [f"with that change: {r}" for r in rec.reasons]
+        rec.change = words
+        rec.changed_plan = changed
+        return rec
     reasons = _reasons(plan, best, ok, timed)
     mb = max_micro_batch(plan.train, plan.cluster, best.name)
     from .layout import Layout

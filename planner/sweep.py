@@ -39,6 +39,7 @@ def _parse_list(flag: str, text: str | None) -> list[int]:
 
 def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len) -> list[dict]:
     from .cli import build_plan
+    from .recommend import pick
     axes = [("gpus", _parse_list("--sweep-gpus", sweep_gpus)),
             ("micro_batch", _parse_list("--sweep-micro-batch", sweep_micro_batch)),
             ("seq_len", _parse_list("--sweep-seq-len", sweep_seq_len))]
@@ -63,10 +64,11 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
         args = dict(kw)
         args[key] = value
         p = build_plan(args, strategies, detect_local=False)
-        rec = p.recommendation
-        # Where nothing fits as given, the recommendation is of a changed run (`rec.change`, e.g. a smaller
-        # micro-batch): no row of this point is it, so none is marked; the change is on every row.
-        picked = None if rec.change else rec.strategy
+        # The recommendation's pick (recommend.pick: its strategy and change, not its reasons). Where nothing
+        # fits as given, it is of a changed run (`change`, e.g. a smaller micro-batch): no row of this point
+        # is it, so none is marked; the change is on every row.
+        strategy, change = pick(p)
+        picked = None if change else strategy
         for r in p.results:
             rows.append({key: value, "strategy": r.name, "fits": r.fits,
                          "alloc_retries": int(r.memory.alloc_retries),
@@ -76,8 +78,7 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
                          "step_time_s": r.step_time_s,
                          "tokens_per_s": r.time.tokens_per_s if r.time is not None else None,
                          "recommended": r.name == picked,
-                         "smallest_change": rec.change and (f"{rec.change}; then {rec.strategy}" if rec.strategy
-                                                            else rec.change),
+                         "smallest_change": change and (f"{change}; then {strategy}" if strategy else change),
                          "front_end": front_end})
             if kw.get("tokens"):
                 tps = rows[-1]["tokens_per_s"]

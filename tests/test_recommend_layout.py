@@ -345,3 +345,21 @@ def test_simpler_layout_words_name_what_decided():
     assert _simpler_words(lay(8, 1, 1), lay(4, 1, 2), "fsdp", "fsdp") == "no context parallelism"
     assert _simpler_words(lay(8, 1), lay(8, 1, sp=True), "fsdp", "fsdp") == "no sequence parallelism"
     assert _simpler_words(lay(8, 1), lay(8, 1), "ddp", "zero3") == "the same mesh size with a simpler strategy (ddp vs zero3)"
+
+
+@pytest.mark.parametrize("kw", [
+    dict(model="llama-3-8b", gpus=8, gpu="h100"),  # fits as given
+    dict(model="llama-3-8b", gpus=8, gpu="h100", micro_batch=8),  # a smaller micro-batch
+    dict(model="llama-3-8b", gpus=8, gpu_mem=40, micro_batch=16, activation_checkpointing="full"),  # CPU offload
+    dict(model="mistral-7b", gpus=16, gpu="h100", checkpoint="full"),  # the save does not fit: a sharded one
+    dict(params="7B", gpus=4, gpu_mem=24, seq_len=8192),  # no change tried fits
+], ids=["fits", "micro-batch", "offload", "checkpoint", "nothing"])
+def test_pick_is_recommends_strategy_and_change(kw):
+    """`recommend.pick` (what a sweep marks) gives the strategy and change `recommend` gives, without its reasons."""
+    from distplan.planner.api import plan
+    from distplan.planner.recommend import pick
+    from distplan.planner.recommend import recommend as recommend_plan
+    got = pick(plan(**kw))
+    rec = recommend_plan(plan(**kw))
+    assert got == (rec.strategy, rec.change)
+    assert (got[1] is None) == (got[0] is not None and rec.changed_plan is None)
