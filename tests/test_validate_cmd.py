@@ -515,3 +515,24 @@ def test_fit_check_skips_a_traced_model_it_cannot_predict(monkeypatch):
     import click
     with pytest.raises(click.UsageError, match="needs about"):
         _check_fits([big], hw, 1)
+
+
+def test_fit_check_counts_the_model_built_whole_before_wrapping():
+    """Every probe builds its model whole in fp32 before FSDP shards it: Mistral-7B as rank 0 of 64 needs
+    about 0.5 GB per rank after `fully_shard` but 29 GB while it is built, which a 24 GiB machine cannot hold
+    (it would be killed for memory, not refused). Two layers of it fit."""
+    import click
+
+    from distplan.planner.validate_cmd import _check_fits
+    from distplan.validate.runner import _full_param_bytes as _built_bytes
+    hf = str(Path(__file__).parent / "data" / "hf" / "mistral-7b.json")
+    spec = mx.make_spec("zero3", {"name": "hf:" + hf}, 64, "fake")
+    spec["train"]["precision"] = "bf16-mixed"
+    spec["module"] = {"hf_config": hf, "micro_batch": 1, "seq_len": 256, "layers": None}
+    assert 7.1e9 * 4 < _built_bytes(spec) < 7.3e9 * 4  # 7.24B parameters, fp32
+    hw = {"gpus": 0, "ram_bytes": 24 * 2**30}
+    with pytest.raises(click.UsageError, match=r"while it is built, before it is wrapped\), more than half"):
+        _check_fits([spec], hw, 1, hf_config=hf)
+    spec["module"]["layers"] = 2
+    _check_fits([spec], hw, 1, hf_config=hf)  # 2 of 32 layers: about 2 GB while built
+    assert _built_bytes(dict(spec, module={"hf_config": None})) == 0  # a --module factory: not known
