@@ -575,10 +575,11 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     # nll_loss's gradient are gone, the logits' gradient (n x V) is alive while the head's matmul backward
     # makes the hidden states' gradient (n x h) and the head's weight gradient (V x h). That weight gradient
     # outweighs the two n x V tensors of the loss instant when h > 2n: a wide model at few tokens per
-    # micro-batch. Measured by the trace (Qwen2.5-0.5B, 256 tokens, zero2: -2.96% without this instant).
-    # Not with Gemma-2's soft-capped logits, whose tanh keeps other tensors there (its loss instant bounds it).
-    head_bwd = (n_tok * v * 4 + n_tok * h * 4) if (regime == "fp32" and not later and train.tp == 1
-                                                   and not m.final_softcap) else 0
+    # micro-batch. Measured by the trace (Qwen2.5-0.5B, 256 tokens, zero2: -2.96% without this instant;
+    # Gemma-2-2B at 512 tokens, -1.66%). Gemma-2's soft-capped logits: the tanh's saved output (n x V, in
+    # `outside`) is gone by then too.
+    head_bwd = (n_tok * v * 4 + n_tok * h * 4) if (regime == "fp32" and not later and train.tp == 1) else 0
+    head_acts = acts_bwd - act.loss_saved - (n_tok * v * 4 if m.final_softcap else 0)
     every = train.sync_every
     if family in ("single", "ddp", "zero1"):
         params = lay.total * pb
@@ -599,7 +600,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
         if head_bwd:  # the head's weight gradient: .grad, or (tied) waiting in autograd's input buffer
             w_head = v * h * gb
-            snap("backward", activations=acts_bwd - act.loss_saved, grads=0 if m.tie_embeddings else w_head,
+            snap("backward", activations=head_acts, grads=0 if m.tie_embeddings else w_head,
                  temporaries=head_bwd + (w_head if m.tie_embeddings else 0))
         # First block's MLP backward: the head's gradient exists, every block's activations live.
         # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
@@ -736,7 +737,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             w_head = v * h * ud
             as_grad = family == "fsdp2" and not m.tie_embeddings
             snap("backward", comm_buffers=fwd_comm + (ub if reshard else 0), grads=acc + (w_head if as_grad else 0),
-                 activations=acts_bwd - act.loss_saved, temporaries=head_bwd + (0 if as_grad else w_head))
+                 activations=head_acts, temporaries=head_bwd + (0 if as_grad else w_head))
         # Gradients of the unsharded parameters. FSDP2: each parameter's .grad; the root reduces at the
         # very end, so the head's gradient stays unsharded until then. FSDP1 (use_orig_params=False):
         # the module parameters are views of the FlatParameter, so their gradients wait in autograd's
