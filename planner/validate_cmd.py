@@ -771,9 +771,10 @@ def _checked_model(d: dict) -> dict:
 
 def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = None, **flags) -> None:
     """A user-given model must fit this machine: the predicted peak per rank, or the whole model in fp32
-    while it is built if that is more (`runner._full_param_bytes`: every probe builds its model whole before
-    wrapping shards it; a 7B model is 29 GB then and 0.5 GB per rank of 64 after `fully_shard`), x local ranks <= half the free RAM (CPU ranks, fake
-    rank 0) or <= the GPU's memory (GPU ranks)."""
+    while it is built if that is more (`runner._full_param_bytes`: every probe builds its model whole
+    before wrapping shards it; a 7B model is 29 GB then and 0.5 GB per rank of 64 after `fully_shard`),
+    x local ranks <= half the free RAM (CPU ranks, fake rank 0) or <= the GPU's memory (GPU ranks)."""
+    from distplan.validate.runner import _full_param_bytes
     flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), "the model")
     for spec in specs:
         try:
@@ -795,7 +796,6 @@ def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = Non
             cap = int(RAM_FRACTION * ram)
             local = 1 if spec["mode"] == "fake" else max(1, spec["world_size"] // max(1, nnodes))
             where = f"half the free RAM ({fmt_bytes(cap)}) across {local} local rank{'s' if local > 1 else ''}"
-        from distplan.validate.runner import _full_param_bytes
         built = _full_param_bytes(spec)
         what = ""
         if built > peak:
