@@ -137,6 +137,12 @@ class ModuleDesc:
     grad_ready: tuple = ()
     """Parameter numels in the order their gradients became ready in the traced backward (hooks on
     AccumulateGrad): the order DDP rebuilds its buckets in. Empty: derived from the names."""
+    backward_accumulating: tuple = ()
+    """Per segment of `segments`, its backward in a micro-step after the first of gradient accumulation
+    (every .grad already there, each new gradient added in place and freed): (before, after), each
+    (transient, fresh, saved) at the highest instant, `fresh` the parameters' gradients made and not yet
+    accumulated (`module_probe._SegmentTracker.segment_peaks_accumulating`). Empty: not measured (a profile
+    written before it was; the walk then counts no fresh gradient)."""
     census: tuple = ()
     """Per segment of `segments`, the kernels its forward and backward launched and its unit's own forward
     (what a checkpointed unit runs again): ((forward, backward, unit forward), ...), each a tuple of
@@ -178,11 +184,15 @@ class ModuleDesc:
                        for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
+        accumulating = tuple(tuple(tuple(int(v) for v in part) for part in s["backward_split_accumulating"])
+                             for s in prof["segments"]) if all("backward_split_accumulating" in s
+                                                               for s in prof["segments"]) else ()
         return cls(f"{prof['module_class']} ({prof['factory']})", units, segs, int(prof["output_bytes"]),
                    int(prof["buffers_bytes"]), int(prof["forward_flops"]), int(prof["input_shape"][0]),
                    prof.get("loss", "sum"), kernels=kernels, linear_bias=bool(prof.get("linear_bias", False)),
                    batch_bytes=int(prof.get("batch_bytes", 0)),
                    grad_ready=tuple(int(n) for _, n in prof.get("grad_ready", ())), census=census,
+                   backward_accumulating=accumulating,
                    buffers=tuple((d, tuple(int(n) for n in sizes)) for d, sizes in prof.get("buffers", ())),
                    kernel_args=tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
                                              for s in prof["segments"] for k in s.get("kernels", ())})))
@@ -200,7 +210,9 @@ class ModuleDesc:
         # gradients' do not scale either: a small error, as the activations')
         census = tuple(tuple((c[0] * k, c[1], c[2] * k, c[3] * k, c[4], c[5]) for c in seg) for seg in self.census)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
+        accumulating = tuple(tuple(bwd(x) for x in b) for b in self.backward_accumulating)
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k), census=census,
+                       backward_accumulating=accumulating,
                        forward_flops=int(self.forward_flops * k), batch=batch,
                        batch_bytes=int(self.batch_bytes * k),
                        kernels=() if batch != self.batch else self.kernels)
@@ -492,6 +504,28 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             else:
                 yield (at[0], at[1], at[2]), w, False
 
+    accumulating = desc.backward_accumulating
+
+    def instants_accumulating(k: int):
+        """`instants` of a micro-step after the first of gradient accumulation, every .grad already there:
+        ((transient, fresh, saved), workspace, before), `fresh` the new gradients made and not yet added in
+        place into their .grad (ModuleDesc.backward_accumulating); a profile without them counts none,
+        and a convolution's instant counts none."""
+        if not accumulating:
+            for (tmp, _g, saved), w, before in instants(k):
+                yield (tmp, 0, saved), w, before
+            return
+        for before, (tmp, fresh, saved) in zip((True, False), accumulating[k]):
+            if ckpt[k]:  # as `instants`
+                unit_saved = segs[k][1] - segs[k][5]
+                if before:
+                    saved = segs[k][2] + max(0, saved - unit_saved)
+                else:
+                    tmp, saved = tmp + min(saved, unit_saved), segs[k][2]
+            yield (tmp, fresh, saved), 0, before
+        for w, at in bwd_kernels.get(k, ()):
+            yield ((at[0] + at[2], 0, acts[k]) if ckpt[k] else (at[0], 0, at[2])), w, False
+
     # Gradients of the root's parameters made in another unit's segment: the root's own ops that run
     # after that unit (a decoder's final norm and LM head, after its last block) join its segment,
     # ahead of the unit's output gradient (the "before" instant). They stay alive until the root
@@ -558,7 +592,10 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             own = unit_grad.get(u, 0) if u not in reached else 0
             reached.add(u)
             done = sum(unit_grad.get(x, 0) for x in reached if x != u)
-            for (tmp, g, saved), w, before in instants(k):
+            for (tmp, g, saved), w, before in (instants_accumulating(k) if later else instants(k)):
+                if later:  # every .grad is kept (`snap` above); the new gradients not yet added in: temporaries
+                    snap("backward", w, **base, activations=sum(acts[:k]) + saved, temporaries=tmp + g)
+                    continue
                 rg = root_grads(k, before, g)
                 if u == "root":
                     mine = min(max(0, own - rg), g)
@@ -697,18 +734,23 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # the activation gradients alive, its parameters' gradients made so far (temporaries, as
             # the probes' tracker sees them: FSDP1's are views of the flat parameter waiting in
             # autograd's buffer, FSDP2's the unsharded parameters' .grad, read by no collective).
-            for (tmp, g, saved), w, before in instants(k):
+            for (tmp, g, saved), w, before in (instants_accumulating(k) if in_place else instants(k)):
                 comm = unsharded_before if before else unsharded
-                rg = root_grads(k, before, g)
-                if u == "root":  # its own gradients so far include those made in other segments
-                    mine = min(g_unit, max(g, rg))
-                else:  # after the hook, g also counts the root's gradients made before it
-                    mine = (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg
-                # FSDP2's unsharded parameters' .grad count as grads (the probes' tracker reads them
-                # through FSDPParam._unsharded_param); FSDP1's view gradients wait in autograd's buffer.
-                if in_place:  # added to the kept .grad: nothing new
-                    mine = 0
-                own_grads = mine if family == "fsdp2" else 0
+                if in_place:
+                    # every unit's .grad is kept (`carry_now`): the new gradients made and not yet added
+                    # into it are temporaries (measured: Llama-3.2-1B's width at 2 layers, zero3 fp32 over 2
+                    # micro-steps, the tied embedding's gradient, the head's and their sum alive at once
+                    # next to the kept one: -17% when they were not counted)
+                    mine, own_grads = g, 0
+                else:
+                    rg = root_grads(k, before, g)
+                    if u == "root":  # its own gradients so far include those made in other segments
+                        mine = min(g_unit, max(g, rg))
+                    else:  # after the hook, g also counts the root's gradients made before it
+                        mine = (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg
+                    # FSDP2's unsharded parameters' .grad count as grads (the probes' tracker reads them
+                    # through FSDPParam._unsharded_param); FSDP1's view gradients wait in autograd's buffer.
+                    own_grads = mine if family == "fsdp2" else 0
                 snap("backward", w, **base, comm_buffers=comm + rs_held,
                      activations=sum(acts[:k]) + saved, grads=grads + own_grads,
                      temporaries=tmp + mine - own_grads)

@@ -389,6 +389,8 @@ class _SegmentTracker:
         self.segment = None  # None: the loss (the last segment) until its input's hook fires
         self.started: set = set()  # segments whose unit's output gradient is ready (`mark_output`)
         self.survivors: set = set()
+        self.accumulated_at: dict = {}  # unique id of a parameter's gradient -> timeline length when it was
+        # accumulated (`Tensor.register_post_accumulate_grad_hook`: after its AccumulateGrad)
         self._uid = 0
         tracker = self
 
@@ -469,6 +471,16 @@ class _SegmentTracker:
             if isinstance(a, self._torch.Tensor) and a.requires_grad:
                 a.register_hook(started)
 
+    def mark_accumulated(self, param) -> None:
+        """A parameter's AccumulateGrad has run (its post-accumulate-grad hook): the timeline entries before
+        this instant are those where its new gradient was made and not yet accumulated."""
+        g = param.grad
+        if g is None:
+            return
+        hit = self.live.get(g.untyped_storage()._cdata)
+        if hit is not None:
+            self.accumulated_at.setdefault(hit[2], len(self.timeline))
+
     def mark_saved(self, storage, nbytes: int, index: int) -> None:
         self.saved.setdefault(index, []).append((self._ref(storage), nbytes))
 
@@ -507,6 +519,31 @@ class _SegmentTracker:
             if started is not None and s != started:
                 continue
             t = self._split(seg, alive, saved)
+            if seg not in peaks or sum(t) > sum(peaks[seg]):
+                peaks[seg] = t
+        return peaks
+
+    def segment_peaks_accumulating(self, started: bool | None = None) -> dict:
+        """As `segment_peaks` for a micro-step after the first of gradient accumulation, where every
+        parameter already has a .grad and AccumulateGrad adds each new gradient into it in place
+        (torch/csrc/autograd/functions/accumulate_grad.h `accumulateGrad`: `variable_grad += new_grad`
+        outside grad mode) and frees it: {segment index: (transient, fresh, saved)} at the instant where
+        their sum is highest, `fresh` being the bytes of the parameters' gradients made and not yet
+        accumulated at that instant (all of them: a tied LM head's, summed with the embedding's in
+        autograd's input buffer, is accumulated only after the embedding's backward). The kept .grad
+        itself is the walk's (every unit's, from the first micro-step on)."""
+        peaks: dict = {}
+        never = len(self.timeline) + 1
+        for i, (seg, alive, saved, s) in enumerate(self.timeline):
+            if started is not None and s != started:
+                continue
+            trans = fresh = 0
+            for uid, n in alive:
+                if uid not in self.survivors:
+                    trans += n
+                elif self.accumulated_at.get(uid, never) > i:
+                    fresh += n
+            t = (trans, fresh, saved)
             if seg not in peaks or sum(t) > sum(peaks[seg]):
                 peaks[seg] = t
         return peaks
@@ -895,8 +932,10 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                 for name, p in model.named_parameters():
                     if p.requires_grad and id(p) not in seen_ready:
                         seen_ready.add(id(p))
-                        hooks.append(p.register_post_accumulate_grad_hook(
-                            lambda t, name=name: ready.append([name, int(t.numel())])))
+                        def on_ready(t, name=name) -> None:
+                            ready.append([name, int(t.numel())])
+                            bwd.mark_accumulated(t)
+                        hooks.append(p.register_post_accumulate_grad_hook(on_ready))
                 if loss.requires_grad:
                     bwd.run(loss, len(segments))
                 for h in hooks:
@@ -911,6 +950,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         out_shape = list(out.shape)
         peaks = bwd.segment_peaks()
         split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
+        split_acc = (bwd.segment_peaks_accumulating(started=False), bwd.segment_peaks_accumulating(started=True))
         ends = bwd.segment_ends()
         made = bwd.segment_grads()
         # each kept segment's kernels, with those of the segments dropped below (a parameter-free child that
@@ -953,6 +993,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
                                           peaks.get(i, (0, 0, 0)))),
                           backward_split=[list(p.get(i, (0, 0, 0))) for p in split],
+                          backward_split_accumulating=[list(p.get(i, (0, 0, 0))) for p in split_acc],
                           backward_end=int(ends.get(i, 0)), grads_made=int(made.get(i, 0)),
                           census=census.get(i, [[0] * len(CENSUS_FIELDS)] * 2),
                           kernels=bwd.segment_kernels(i, sum(x["activation_bytes"] for x in segments[:i])),
