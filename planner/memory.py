@@ -577,14 +577,16 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     outside_last = act.inputs + act.block_cache
 
     later = train.grad_accum > 1  # the walk is of a micro-step after the first (the worst one)
-    # The LM head's backward (fp32 runs without accumulation, one TP rank): log_softmax's saved output and
+    # The LM head's backward (fp32 runs, one TP rank): log_softmax's saved output and
     # nll_loss's gradient are gone, the logits' gradient (n x V) is alive while the head's matmul backward
     # makes the hidden states' gradient (n x h) and the head's weight gradient (V x h). That weight gradient
     # outweighs the two n x V tensors of the loss instant when h > 2n: a wide model at few tokens per
     # micro-batch. Measured by the trace (Qwen2.5-0.5B, 256 tokens, zero2: -2.96% without this instant;
     # Gemma-2-2B at 512 tokens, -1.66%). Gemma-2's soft-capped logits: the tanh's saved output (n x V, in
-    # `outside`) is gone by then too.
-    head_bwd = (n_tok * v * 4 + n_tok * h * 4) if (regime == "fp32" and not later and train.tp == 1) else 0
+    # `outside`) is gone by then too. In a later micro-step of accumulation the new weight gradient is alive
+    # until AccumulateGrad adds it into the kept .grad (measured, Qwen2.5-0.5B at 8 and 24 layers and GPT-2
+    # medium at 8, zero2 and zero3 fp32 over 2 micro-steps: -1.6% to -3.75% without this instant there).
+    head_bwd = (n_tok * v * 4 + n_tok * h * 4) if (regime == "fp32" and train.tp == 1) else 0
     head_acts = acts_bwd - act.loss_saved - (n_tok * v * 4 if m.final_softcap else 0)
     every = train.sync_every
     if family in ("single", "ddp", "zero1"):
@@ -604,10 +606,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 snap_inner(phase, grads=max(grads, carried) if phase != "optimizer" else grads, **parts)
         snap("forward", activations=acts_fwd)
         snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
-        if head_bwd:  # the head's weight gradient: .grad, or (tied) waiting in autograd's input buffer
+        if head_bwd:  # the head's weight gradient: .grad, or (tied; or a later micro-step's, before its add)
+            # waiting in autograd's input buffer
             w_head = v * h * gb
-            snap("backward", activations=head_acts, grads=0 if m.tie_embeddings else w_head,
-                 temporaries=head_bwd + (w_head if m.tie_embeddings else 0))
+            pending = m.tie_embeddings or later
+            snap("backward", activations=head_acts, grads=0 if pending else w_head,
+                 temporaries=head_bwd + (w_head if pending else 0))
         # First block's MLP backward: the head's gradient exists, every block's activations live.
         # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
         # AccumulateGrad runs; so does a tied head's, until the embedding's half arrives.
@@ -740,9 +744,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
              activations=acts_bwd, temporaries=loss_bwd_tmp)
         if head_bwd:
             # the head's weight gradient: FSDP2's untied head's .grad; a tied one's (FSDP2) and FSDP1's views'
-            # wait in autograd's input buffer
+            # wait in autograd's input buffer, and so does one a later micro-step adds into the kept .grad
             w_head = v * h * ud
-            as_grad = family == "fsdp2" and not m.tie_embeddings
+            as_grad = family == "fsdp2" and not m.tie_embeddings and fresh
             snap("backward", comm_buffers=fwd_comm + (ub if reshard else 0), grads=acc + (w_head if as_grad else 0),
                  activations=head_acts, temporaries=head_bwd + (0 if as_grad else w_head))
         # Gradients of the unsharded parameters. FSDP2: each parameter's .grad; the root reduces at the
