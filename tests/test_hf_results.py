@@ -58,6 +58,12 @@ KNOWN_GAPS = {
     "zero2/hf:examples/hf/mixtral-8l.json/w16-fake/none/bf16-mixed/accum2-every",
     "zero3/hf:examples/hf/qwen2moe-8l.json/w16-fake/none/fp32/accum2-last",
     "zero3/hf:examples/hf/qwen2moe-8l.json/w16-fake/none/bf16-mixed/accum2-last",
+    # Phi-3-mini at 8 layers, zero3 fp32 over 2 micro-steps, 1024 tokens (cpu-torch2.13-2026-11-28-crosscheck-hf.jsonl):
+    # the peak is a forward instant of a later micro-step; the trace walk's is the last block's forward with its
+    # all-gather output (+1.29%, the safe side; activations +28%, comm buffers -21%), the measured one and the
+    # formulas' (-0.12%) the last block's copy-out, the previous and this block's all-gather outputs beside
+    # its parameters.
+    "zero3/hf:tests/data/hf/phi-3-mini.json/w8-fake/none/fp32/accum2-last",
 }
 # Closed on 2026-11-27: FSDP1 in fp32 with a tied 64k-vocabulary head (gemma2-vocab64k-2l, fsdp and
 # fsdp-grad-op), where the walk's root concatenation counted the tied head's and the embedding's gradients
