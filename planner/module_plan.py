@@ -481,12 +481,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         snaps.append(Snapshot(phase, full))
         extra.append(int(workspace))
 
-    def instants(k: int):
+    def instants(k: int, split: tuple = (), kernel_grads: bool = True):
         """Segment k's backward: its measured peaks before and after its unit's output gradient is
         ready (no workspace), then each convolution's instant with its workspace (after), as
         ((transient, own grads, saved), workspace, before). With full checkpointing the unit's saved
-        tensors are the recomputed ones, made after the hook (temporaries)."""
-        for before, (tmp, g, saved) in zip((True, False), segs[k][3]):
+        tensors are the recomputed ones, made after the hook (temporaries). `split`: other per-segment
+        (before, after) peaks than the profile's `backward` (ModuleDesc.backward_accumulating);
+        `kernel_grads` False: no gradients at the convolutions' instants."""
+        for before, (tmp, g, saved) in zip((True, False), split[k] if split else segs[k][3]):
             if ckpt[k]:
                 # Its input, and before the hook what the root's ops after the unit still hold; the
                 # unit's own saved tensors exist only once the recomputation (after the hook) made
@@ -499,10 +501,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     tmp, saved = tmp + min(saved, unit_saved), segs[k][2]
             yield (tmp, g, saved), 0, before
         for w, at in bwd_kernels.get(k, ()):
+            g = at[1] if kernel_grads else 0
             if ckpt[k]:
-                yield (at[0] + at[2], at[1], acts[k]), w, False
+                yield (at[0] + at[2], g, acts[k]), w, False
             else:
-                yield (at[0], at[1], at[2]), w, False
+                yield (at[0], g, at[2]), w, False
 
     accumulating = desc.backward_accumulating
 
@@ -511,20 +514,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         ((transient, fresh, saved), workspace, before), `fresh` the new gradients made and not yet added in
         place into their .grad (ModuleDesc.backward_accumulating); a profile without them counts none,
         and a convolution's instant counts none."""
-        if not accumulating:
-            for (tmp, _g, saved), w, before in instants(k):
-                yield (tmp, 0, saved), w, before
+        if accumulating:
+            yield from instants(k, accumulating, kernel_grads=False)
             return
-        for before, (tmp, fresh, saved) in zip((True, False), accumulating[k]):
-            if ckpt[k]:  # as `instants`
-                unit_saved = segs[k][1] - segs[k][5]
-                if before:
-                    saved = segs[k][2] + max(0, saved - unit_saved)
-                else:
-                    tmp, saved = tmp + min(saved, unit_saved), segs[k][2]
-            yield (tmp, fresh, saved), 0, before
-        for w, at in bwd_kernels.get(k, ()):
-            yield ((at[0] + at[2], 0, acts[k]) if ckpt[k] else (at[0], 0, at[2])), w, False
+        for (tmp, _g, saved), w, before in instants(k):
+            yield (tmp, 0, saved), w, before
 
     # Gradients of the root's parameters made in another unit's segment: the root's own ops that run
     # after that unit (a decoder's final norm and LM head, after its last block) join its segment,
