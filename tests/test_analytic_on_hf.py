@@ -142,14 +142,16 @@ def test_formulas_where_they_disagreed_most_with_the_trace():
     """The four configurations of an 840-point grid where the formulas and the trace disagreed most, probed
     (benchmarks/results/README.txt). GPT-2 medium under ddp bf16-mixed accumulating 2 micro-steps peaks at the
     backward of the LM head's 16-bit weight cast (its 16-bit and fp32 weight gradients alive): -1.36% before
-    the walk had that instant, now within 0.1%. The other three are asserted as they are: two under by at most
-    1.1% (Phi-3-mini zero3 fp32, Mistral-7B's width fsdp bf16-mixed; the dangerous side, small), one over
-    (GPT-2 medium zero3 fp32 full checkpointing at 1024 tokens, +2.7%)."""
+    the walk had that instant, now within 0.1%. Mistral-7B's width under fsdp (FSDP1) bf16-mixed accumulating
+    peaks at a block's reduce-scatter of the last micro-step, where the new flat gradient, added in place into
+    the kept one, is still held by the post-backward hook (a hook of the FlatParameter's AccumulateGrad):
+    -1.09% before, now within 0.1%. The other two are asserted as they are: Phi-3-mini zero3 fp32 -0.12%, GPT-2
+    medium zero3 fp32 full checkpointing at 1024 tokens +2.7% (the safe side)."""
     with open(CROSSCHECK) as f:
         recs = [json.loads(line) for line in f if line.strip()]
     errors = {r["inputs"]["strategy"] + "/" + os.path.basename(r["inputs"]["module"]["hf_config"])[:-5]:
               _analytic_peak(r) / r["measurement"]["memory"]["peak_allocated"] - 1 for r in recs}
     assert abs(errors["ddp/gpt2-medium"]) < 0.001, errors
     assert -0.002 < errors["zero3/phi-3-mini"] < 0, errors
-    assert -0.012 < errors["fsdp/mistral-7b"] < -0.008, errors
+    assert abs(errors["fsdp/mistral-7b"]) < 0.001, errors
     assert 0.02 < errors["zero3/gpt2-medium"] < 0.03, errors
