@@ -73,9 +73,12 @@ def test_revision_picks_that_snapshot(hub_cache):
 
 
 def test_validate_takes_a_hub_id(hub_cache):
-    """`distplan validate --hf-config ID --dry-run`: the probe is the cached file's."""
+    """`distplan validate --hf-config ID --dry-run`: the probe is the cached file's. (Rank 0 of 8 on the fake
+    process group: one local rank, so the fit check -- half the free RAM -- does not depend on what the
+    other test workers hold; as 2 gloo ranks this 151,936-word vocabulary needs about 3 GiB each, and a
+    CI run where the free RAM had dropped under 12.3 GiB refused it.)"""
     cp = run_cli(hub_cache, "validate", "--hf-config", "Qwen/Qwen2.5-0.5B@v2", "--front-end", "analytic",
-                 "--layers", "2", "--strategy", "zero3", "--dry-run")
+                 "--layers", "2", "--strategy", "zero3", "--simulate-world-size", "8", "--dry-run")
     assert cp.returncode == 0, cp.stderr
     assert f"models--Qwen--Qwen2.5-0.5B/snapshots/{SHA_V2}/config.json: a Llama-style decoder, 2 layers, " \
            f"hidden 896, 14 heads (2 KV)" in cp.stdout, cp.stdout
