@@ -545,10 +545,11 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # the product alive at once (exp(x) is freed by then), three n x V/t fp32 tensors
         loss_bwd_tmp = 3 * n_tok * v * 4
     freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok, device)
-    if (train.grad_accum > 1 and not train.sync_every and family == "fsdp2" and not prec.mixed and shard > 1
-            and st.shards_params):
-        # FSDP2 without sync and without mixed precision: a later micro-step adds each new gradient into
-        # the kept .grad in place, so only the weight gradient just made is alive (`_in_place_block_peak`)
+    # FSDP2 without sync and without mixed precision: a later micro-step adds each new gradient into the
+    # kept .grad in place, so only the weight gradient just made is alive (`_in_place_block_peak`)
+    in_place = (train.grad_accum > 1 and not train.sync_every and family == "fsdp2" and not prec.mixed
+                and shard > 1 and st.shards_params)
+    if in_place:
         freed, blk_tmp, wgrad_elems = _in_place_block_peak(train, regime, n_tok, (freed, blk_tmp, wgrad_elems),
                                                            prec.param_bytes)
     head_elems = v * h + h * (2 if m.norm == "layernorm" else 1)  # LM head (or tied) + final norm
@@ -725,7 +726,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # gradient just made is, until its add (`_in_place_block_peak` picked the block's instant and
         # that gradient, `cur_g`); under mixed precision the bf16 .grad is new and added to the fp32
         # accumulator in `post_backward`.
-        fresh = 0 if (later and not every and sharding and family == "fsdp2" and not prec.mixed) else 1
+        fresh = 0 if in_place else 1
         if later:
             notes.append("gradient accumulation keeps " + ("sharded" if every and sharding else "unsharded")
                          + " gradients of every unit between micro-steps")
