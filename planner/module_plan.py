@@ -147,7 +147,7 @@ class ModuleDesc:
     """Per segment of `segments`, the kernels its forward and backward launched and its unit's own forward
     (what a checkpointed unit runs again): ((forward, backward, unit forward), ...), each a tuple of
     `module_probe.CENSUS_FIELDS` (gemm FLOPs, gemms, attention FLOPs, bytes of the memory-bound kernels,
-    kernels, ATen ops)."""
+    kernels, ATen ops, the fp32 GEMMs' FLOPs; a profile written before the last was counted has 0 there)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -180,7 +180,10 @@ class ModuleDesc:
                       int(s.get("backward_end", s["input_bytes"])), int(s.get("grads_made", -1)),
                       tuple((int(i), int(b)) for i, b in s.get("shared_inputs", ())))
                      for s in prof["segments"])
-        census = tuple((tuple(s["census"][0]), tuple(s["census"][1]), tuple(s.get("unit_census") or (0,) * 6))
+        def entry(c):  # CENSUS_FIELDS, the fields a profile of an older version lacks as 0
+            return tuple(c) + (0,) * (7 - len(c))
+
+        census = tuple((entry(s["census"][0]), entry(s["census"][1]), entry(s.get("unit_census") or ()))
                        for s in prof["segments"])
         kernels = tuple((i, k["phase"], k["key"], tuple(int(v) for v in k["at"]))
                         for i, s in enumerate(prof["segments"]) for k in s.get("kernels", ()))
@@ -208,7 +211,8 @@ class ModuleDesc:
                      for u, a, i, b, f, o, e, g, sh in self.segments)
         # the kernels' FLOPs and bytes scale with the batch, their counts do not (weights' casts and
         # gradients' do not scale either: a small error, as the activations')
-        census = tuple(tuple((c[0] * k, c[1], c[2] * k, c[3] * k, c[4], c[5]) for c in seg) for seg in self.census)
+        census = tuple(tuple((c[0] * k, c[1], c[2] * k, c[3] * k, c[4], c[5], c[6] * k) for c in seg)
+                       for seg in self.census)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         accumulating = tuple(tuple(bwd(x) for x in b) for b in self.backward_accumulating)
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k), census=census,
@@ -956,11 +960,15 @@ def census_seconds(c: tuple, gpu, precision: str, backward: bool, sm_bound: bool
     precision plus the fixed time each GEMM loses to tiles and waves, fused attention at the GPU's forward or
     backward attention efficiency, every other kernel by the bytes it moves at the achievable HBM bandwidth,
     and each kernel's launch overhead. `sm_bound`: the GEMMs' and attention's seconds only (the kernels
-    that need whole SMs, `compute.sm_bound_share`)."""
+    that need whole SMs, `compute.sm_bound_share`). Under a 16-bit precision the GEMMs that ran on fp32
+    inputs (`fp32_gemm_flops`: autocast leaves ops off its lists in fp32) take the fp32 matmul rate."""
     gemm_flops, gemms, attention, nbytes, kernels = c[:5]
     peak, rate, fixed = matmul_rates(gpu.flops, gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop, precision)
     att = peak * (gpu.attention_backward_efficiency if backward else gpu.attention_efficiency)
-    busy = gemm_flops / rate + gemms * fixed + attention / att
+    wide = c[6] if precision != "fp32" else 0.0
+    busy = (gemm_flops - wide) / rate + gemms * fixed + attention / att
+    if wide:
+        busy += wide / matmul_rates(gpu.flops, gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop, "fp32")[1]
     if sm_bound:
         return busy
     return busy + nbytes / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency) + kernels * gpu.kernel_overhead_s
@@ -1253,20 +1261,16 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
             try:
                 prof = profile(work, regime, "cuda")  # a plan is for GPUs: the bytes CUDA's kernels keep
             except ValueError as exc:
-                # a model that traces in one regime and not another (transformers 5's MoE experts call
-                # grouped_mm, whose kernel takes bf16 only: fp32 weights under autocast fail, FSDP's bf16
-                # compute runs): the strategies of the regime that ran are planned, the others named
+                # a model that traces in one regime and not another (an op whose meta function refuses a
+                # dtype; torch 2.13's grouped_mm refused fp32 before module_probe._grouped_mm_any_dtype):
+                # the strategies of the regime that ran are planned, the others named
                 failed[regime] = str(exc)
                 continue
             descs[regime] = ModuleDesc.from_profile(prof)
             batchnorm = prof.get("batchnorm", False)
             profile_s += prof["profile_s"]
     if not descs:
-        why = next(iter(failed.values()))
-        if "Expected inputs of BF16 type" in why:  # aten::_grouped_mm's CUDA check (mixture-of-experts layers)
-            raise ValueError(f"--precision={precision!r}: this model's experts call torch._grouped_mm, which takes "
-                             f"bf16 only on CUDA (fp32 weights fail on the GPU too); accepted here: bf16-mixed, bf16")
-        raise ValueError(why)
+        raise ValueError(next(iter(failed.values())))
     dropped = [n for n in names if _regime(precision, get_strategy(n).family) in failed]
     names = [n for n in names if n not in dropped]
     desc = next(iter(descs.values()))

@@ -202,17 +202,13 @@ def test_traced_nothing_fits_names_checkpointing_when_it_fits():
     assert f"needs {needs / 2**30:.2f} GiB" in rec["change"] and needs < 3 * 2**30
 
 
-def test_fp32_moe_on_the_gpu_is_one_line_naming_the_precisions_that_trace():
-    """torch 2.13's aten::_grouped_mm takes bf16 only on CUDA, so an fp32 plan of an MoE model traces in no
-    regime: one line naming --precision and what it accepts (the raw RuntimeError named --hf-config). Where
-    the installed torch's meta function takes fp32 (2.15), the plan runs."""
+def test_fp32_moe_on_the_gpu_is_planned():
+    """An fp32 plan of an MoE model: the grouped GEMM's CUDA kernel takes fp32 (`_grouped_mm_fallback`), so the
+    trace runs where torch 2.13's meta function alone would refuse it, and every strategy is planned."""
     r = _cli("estimate", "--hf-config", str(HF / "mixtral-8l.json"), "--gpus", "16", "--gpu", "h100-sxm",
              "--precision", "fp32", "--json")
-    if r.exit_code == 0:
-        assert {s["name"] for s in json.loads(r.output)["strategies"]} >= {"ddp", "zero3", "fsdp"}
-    else:
-        assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
-        assert r.output.startswith("Error: --precision='fp32'") and "accepted here: bf16-mixed, bf16" in r.output
+    assert r.exit_code == 0, r.output[-2000:]
+    assert {s["name"] for s in json.loads(r.output)["strategies"]} >= {"ddp", "zero1", "zero3", "fsdp"}
 
 
 def test_mixtral_8x7b_on_64_gpus_pads_fsdp2_expert_shards():

@@ -191,21 +191,26 @@ def _cuda_kernels(torch):
         F.scaled_dot_product_attention, F.dropout = sdpa, dropout
 
 
-_CPU_TRACE = [0]
-"""How many CPU traces are running (`_cpu_kernels`): while one is, the grouped GEMM's Meta kernel takes fp32."""
+_TRACING = [0]
+"""How many traces are running (`_grouped_mm_any_dtype`): while one is, the grouped GEMM's Meta kernel takes
+every dtype its device kernels take."""
 _GROUPED_MM_META: list = []
-"""The Library that holds the grouped GEMM's Meta kernel (`_cpu_kernels`): registered once per process."""
+"""The Library that holds the grouped GEMM's Meta kernel (`_grouped_mm_any_dtype`): registered once per process."""
 
 
 @contextlib.contextmanager
-def _cpu_kernels(torch):
-    """While tracing for the CPU: the grouped GEMM of a MoE's experts (`aten._grouped_mm`, transformers'
-    `grouped_mm` experts implementation) takes fp32 on the CPU, but its meta function in torch 2.13
-    (`_meta_grouped_mm_common`, torch/_meta_registrations.py) implements the CUDA kernel's checks and
-    refuses anything but bf16, so a fake-tensor trace of an fp32 or autocast MoE would fail where the CPU
-    probe runs. During a CPU trace the Meta kernel takes the inputs' dtype (the CPU kernel's output dtype)
-    with the CUDA meta's shape rules; outside one (a GPU trace) it is torch's own, so fp32 fails there as it
-    does on the GPU. The kernel is registered once per process and reads `_CPU_TRACE` (with torch 2.13 a
+def _grouped_mm_any_dtype(torch):
+    """While tracing: the grouped GEMM of a MoE's experts (`aten._grouped_mm`, transformers' `grouped_mm`
+    experts implementation) in the dtype of its inputs, as its device kernels run it. The CPU kernel loops
+    over the groups in any dtype (`_grouped_mm`, aten/src/ATen/native/Blas.cpp: `_grouped_mm_fallback`); CUDA's
+    (`_grouped_mm_cuda`, aten/src/ATen/native/cuda/GroupedBlas.cpp) takes its CUTLASS fast path for bf16
+    inputs on sm90/sm100 and `_grouped_mm_fallback` (mm/bmm per group) for every other dtype. So fp32 runs
+    on both: an fp32 plan, and DDP's autocast, where transformers casts the experts' input to the fp32
+    weight's dtype (`integrations/moe.py` `_grouped_mm`: the op is on no autocast list). But the meta
+    function of torch 2.13 (`_meta_grouped_mm_common`, torch/_meta_registrations.py) refuses anything but
+    bf16, so a fake-tensor trace would fail where the run does not (torch 2.15's takes fp32). During a trace
+    the Meta kernel takes the inputs' dtype (the kernels' output dtype) with the meta's shape rules; outside
+    one it is torch's own. The kernel is registered once per process and reads `_TRACING` (with torch 2.13 a
     registration removed again by `Library._destroy` restored direct meta calls, but fake tensors kept
     running the removed kernel), and FakeTensorMode's dispatch cache, which every trace of the process
     shares, is cleared on the way in and out so that no result of one rule stands in for the other."""
@@ -218,7 +223,7 @@ def _cpu_kernels(torch):
         bf16 = torch.bfloat16
 
         def grouped_mm_meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-            if not _CPU_TRACE[0] or (mat_a.dtype == bf16 and mat_b.dtype == bf16):
+            if not _TRACING[0] or (mat_a.dtype == bf16 and mat_b.dtype == bf16):
                 return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
             out = meta_grouped_mm(mat_a.to(bf16), mat_b.to(bf16), offs=offs, bias=bias)
             return out.to(out_dtype or torch.promote_types(mat_a.dtype, mat_b.dtype))
@@ -238,20 +243,22 @@ def _cpu_kernels(torch):
             mode.cache_clear()
 
     forget_cached_results()
-    _CPU_TRACE[0] += 1
+    _TRACING[0] += 1
     try:
         yield
     finally:
-        _CPU_TRACE[0] -= 1
+        _TRACING[0] -= 1
         forget_cached_results()
 
 
-CENSUS_FIELDS = ("gemm_flops", "gemms", "attention_flops", "bytes", "kernels", "ops")
+CENSUS_FIELDS = ("gemm_flops", "gemms", "attention_flops", "bytes", "kernels", "ops", "fp32_gemm_flops")
 """What `_KernelCensus` adds up per segment and phase: the FLOPs of the matmuls and convolutions (counted by
 `torch.utils.flop_counter`'s formulas) and how many ran; the FLOPs of the fused attention kernels (causal ones
 halved: the kernels skip masked tiles; a backward at 2.5x its forward's: Dao 2023, FlashAttention-2, sec.
 3.1); the bytes every other kernel reads and writes; the kernels launched (ATen ops that are not views);
-the ATen ops dispatched (views included: the host issues them all)."""
+the ATen ops dispatched (views included: the host issues them all); and of the first, the FLOPs of the
+matmuls whose inputs are fp32 (under autocast, the ops on no autocast list: a MoE's grouped GEMMs, which
+transformers runs in the fp32 weight's dtype, time at the fp32 rate, not the 16-bit one)."""
 
 _NO_KERNEL = frozenset(("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh",
                         "_unsafe_view", "alias", "_local_scalar_dense", "set_", "resize_", "_reshape_alias"))
@@ -310,7 +317,7 @@ class _KernelCensus:
     def count(self, seg, phase: str, func, args, kwargs, out) -> None:
         if func.namespace != "aten":  # prim.device and other metadata queries
             return
-        c = self.counts.setdefault((seg, phase), [0, 0, 0, 0, 0, 0])
+        c = self.counts.setdefault((seg, phase), [0] * len(CENSUS_FIELDS))
         c[5] += 1
         name = func._overloadpacket.__name__
         if func.is_view or name in _NO_KERNEL:
@@ -330,13 +337,13 @@ class _KernelCensus:
                 c[2] += f * (0.5 if causal else 1.0) * (2.5 if name.endswith("backward") else 1.0)
                 return
         formula = self._flops.get(func._overloadpacket)
-        if formula is not None:
-            c[0] += formula(*args, **kwargs, out_val=out)
+        grouped = formula is None and name in _GROUPED_MM  # a MoE's experts in one kernel: no flop_counter formula
+        if formula is not None or grouped:
+            f = _grouped_mm_flops(args[0], args[1], out) if grouped else formula(*args, **kwargs, out_val=out)
+            c[0] += f
             c[1] += 1
-            return
-        if name in _GROUPED_MM:  # a MoE's experts in one kernel; flop_counter has no formula for it
-            c[0] += _grouped_mm_flops(args[0], args[1], out)
-            c[1] += 1
+            if isinstance(args[0], Tensor) and args[0].dtype == self._torch.float32:
+                c[6] += f
             return
         outs = [t for t in self._leaves(out) if isinstance(t, Tensor)]
         written = sum(map(self._bytes, outs))
@@ -354,7 +361,7 @@ class _KernelCensus:
             c[3] += written + sum(map(self._bytes, ins))
 
     def of(self, seg, phase: str) -> list:
-        return list(self.counts.get((seg, phase), [0, 0, 0, 0, 0, 0]))
+        return list(self.counts.get((seg, phase), [0] * len(CENSUS_FIELDS)))
 
 
 class _SegmentTracker:
@@ -908,7 +915,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             return t
 
         # over the forward and the backward (the grouped GEMMs' gradients)
-        with _cpu_kernels(torch) if device != "cuda" else contextlib.nullcontext():
+        with _grouped_mm_any_dtype(torch):
             try:
                 with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
                         _quiet_fake_tensor_log(), bwd.forward_mode, \
