@@ -168,3 +168,21 @@ def test_trace_of_a_later_micro_step_counts_the_gradients_not_yet_added():
         os.chdir(cwd)
     assert abs(c["peak"]["error"]) < 0.001, c["peak"]
     assert all(v["ok"] for v in c["components"].values()), c["components"]
+
+
+def test_fsdp1_first_micro_step_without_sync_is_walked(repredicted):
+    """FSDP1 without sync over 2 micro-steps (benchmarks/results/cpu-torch2.13-2026-11-28-fsdp1-accum-hf.jsonl):
+    the first micro-step ends with every unit's unsharded flat gradient kept and, under SHARD_GRAD_OP, every
+    unit still unsharded; the root's last gradients come on top (a tied 152K vocabulary's three V x h). Both
+    walks looked at a later micro-step only: Qwen2.5-0.5B fsdp-grad-op fp32 -4.69% (peak FAIL), Llama-3.2-1B
+    fsdp-grad-op bf16-mixed -1.08% with every component off. Both front ends now exact on all seven; the
+    stored verdicts stay what the runs said."""
+    path = os.path.join(ROOT, "benchmarks", "results", "cpu-torch2.13-2026-11-28-fsdp1-accum-hf.jsonl")
+    with open(path) as f:
+        ids = {(r["id"], r["date"]) for r in map(json.loads, filter(str.strip, f))}
+    picked = [(r, c) for r, c in repredicted if (r["id"], r["date"]) in ids]
+    assert len(picked) == len(ids) == 7
+    assert {r["verdict"] for r, _ in picked} == {"PASS", "FAIL"}
+    for r, c in picked:
+        assert abs(c["peak"]["error"]) < 0.001, (r["id"], c["peak"])
+        assert all(v["ok"] for v in c["components"].values()), (r["id"], c["components"])
