@@ -130,10 +130,20 @@ def kernel_times(train: TrainConfig, gpu, regime: str) -> KernelTimes:
     return _kernel_times(train, regime, _gpu_key(gpu))
 
 
+_GPU_KEYS: dict = {}  # id(gpu) -> (gpu, its key): catalog GPUs are frozen, and a sweep asks per estimate
+
+
 def _gpu_key(gpu) -> tuple:
-    return (tuple(sorted(gpu.flops.items())), gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop,
-            gpu.hbm_bytes_per_s, gpu.hbm_efficiency, gpu.attention_efficiency,
-            gpu.attention_backward_efficiency, gpu.kernel_overhead_s, gpu.host_op_s)
+    hit = _GPU_KEYS.get(id(gpu))
+    if hit is not None and hit[0] is gpu:
+        return hit[1]
+    key = (tuple(sorted(gpu.flops.items())), gpu.matmul_efficiency, gpu.matmul_half_efficiency_flop,
+           gpu.hbm_bytes_per_s, gpu.hbm_efficiency, gpu.attention_efficiency,
+           gpu.attention_backward_efficiency, gpu.kernel_overhead_s, gpu.host_op_s)
+    if len(_GPU_KEYS) > 256:
+        _GPU_KEYS.clear()
+    _GPU_KEYS[id(gpu)] = (gpu, key)
+    return key
 
 
 _DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}

@@ -1079,15 +1079,17 @@ def _alloc_conf(conf: str) -> tuple:
     return parse_alloc_conf(conf, "alloc_conf")
 
 
-def walked_blocks(base, layers: int, every: int) -> list[int]:
+@lru_cache(maxsize=1024)
+def walked_blocks(base: tuple, layers: int, every: int) -> tuple[int, ...]:
     """The blocks whose backward the walk takes: `base` (the ends and their neighbours, which bound blocks
     that are all alike: every term is linear in the block's index), and under every-K checkpointing the
     first two and last two periods of K blocks. Then each term is a function of j mod K plus a linear one
-    of j, so over each residue class its maximum is at the class's first or last block."""
+    of j, so over each residue class its maximum is at the class's first or last block. (Cached: every
+    estimate asks it several times.)"""
     js = {j for j in base if 0 <= j < layers}
     if every > 1:
         js.update(j for j in range(layers) if j < 2 * every or j >= layers - 2 * every)
-    return sorted(js)
+    return tuple(sorted(js))
 
 
 def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> tuple[int, int, int]:

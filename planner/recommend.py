@@ -98,23 +98,40 @@ def max_micro_batch(train: TrainConfig, cluster: Cluster, strategy: str, limit: 
 
     Two searches: first on the allocated peak alone (closed form, microseconds), which bounds the answer
     from above since the reserved peak is never below it; then on the whole device footprint, whose
-    reserved part costs an allocator replay, from that bound down (usually one or two replays)."""
+    reserved part costs an allocator replay. That one starts where the plan's own run (replayed already)
+    puts it: the largest micro-batch whose allocated peak plus that run's reserved-and-overhead excess
+    fits, then steps up or down a micro-batch at a time (one or two replays where a bisection took two
+    or three)."""
     def mem(b: int):
         return estimate_memory(replace(train, micro_batch=b), cluster, strategy)
 
     def alloc_fits(b: int) -> bool:
         return mem(b).allocated_fits
+
+    def fits(b: int) -> bool:  # the whole footprint, without the allocator releasing its cache every step
+        return mem(b).fits_cleanly
     if not alloc_fits(1):
         return 0
     lo, hi = 1, 2
     while hi <= limit and alloc_fits(hi):
         lo, hi = hi, hi * 2
     bound = _largest(alloc_fits, lo, min(hi, limit + 1))
-    if mem(bound).fits_cleanly:  # without the allocator releasing its cache every step
-        return bound
-    if not mem(1).fits_cleanly:
-        return 0
-    return _largest(lambda b: mem(b).fits_cleanly, 1, bound)
+    own = mem(train.micro_batch)
+    excess = max(0, own.device_total - own.peak_allocated)
+    cap = own.gpu_memory_bytes
+
+    def guessed(b: int) -> bool:
+        return mem(b).peak_allocated + excess <= cap
+    b = _largest(guessed, 1, bound + 1) if guessed(1) else 1
+    if fits(b):
+        while b < bound and fits(b + 1):
+            b += 1
+        return b
+    while b > 1:
+        b -= 1
+        if fits(b):
+            return b
+    return 0
 
 
 def _fitter(plan):
