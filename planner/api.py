@@ -404,6 +404,22 @@ class StrategyResult:
         }
 
 
+def drop_conflicts(names: list, optimizer: str, asked: bool) -> tuple[list, list]:
+    """(the strategies to plan, notes): those whose implementation cannot run `optimizer`
+    (precision.optimizer_conflict) leave the default list with a note; asked for by name, they are planned
+    and the note says they fail."""
+    from .precision import optimizer_conflict
+    why = {n: optimizer_conflict(optimizer, get_strategy(n).family) for n in names}
+    bad = [n for n in names if why[n]]
+    if not bad:
+        return names, []
+    reason = why[bad[0]]
+    if asked:
+        return names, [f"{', '.join(bad)} with --optimizer {optimizer}: planned as asked, but {reason}"]
+    kept = [n for n in names if not why[n]]
+    return kept, [f"{', '.join(bad)} not planned with --optimizer {optimizer}: {reason}"]
+
+
 def evaluate(train: TrainConfig, cluster: Cluster, strategy: str | Strategy, *, comm: bool = True,
              device: str = "cuda", catalog_dirs: Sequence[str] = (), checkpoint: str | None = None,
              storage_bytes_per_s: float | None = None, mem: MemoryEstimate | None = None) -> StrategyResult:
@@ -689,6 +705,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                                                  and (pp == 1 or n in PP_STRATEGIES)]
     if dp == 1 and not strategies:
         names = ["single"]
+    names, conflicts = drop_conflicts(names, optimizer, bool(strategies))
+    notes = notes + conflicts
     storage = None
     if checkpoint is not None:
         from .checkpoint import DEFAULT_STORAGE_GBPS, MODES

@@ -93,6 +93,10 @@ from .units import fmt_count, fmt_gib
 
 # -- the measured description ------------------------------------------------------------------
 
+_FLOAT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+"""Element bytes of the floating-point dtypes `Module.to(dtype)` casts (torch names, as the trace records them)."""
+
+
 @dataclass(frozen=True)
 class ModuleDesc:
     """What the planner needs of a module: units of parameter shapes and forward segments."""
@@ -199,6 +203,24 @@ class ModuleDesc:
                    buffers=tuple((d, tuple(int(n) for n in sizes)) for d, sizes in prof.get("buffers", ())),
                    kernel_args=tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
                                              for s in prof["segments"] for k in s.get("kernels", ())})))
+
+    def with_buffers_in(self, dtype: str) -> "ModuleDesc":
+        """The module after `module.to(dtype)`: its floating-point buffers cast too (pure 16-bit training
+        casts the whole module: validate/wrap.py). The trace casts the parameters only (a transformers model's
+        buffers stay as built: FSDP's mixed precision, which shares the 16-bit trace, leaves them), so a
+        pure-bf16 plan casts them here: what DDP broadcasts (one message per dtype) and what they hold.
+        Measured: Qwen2.5-0.5B ddp bf16, its rotary `inv_freq` and `original_inv_freq` broadcast as one
+        128-byte bfloat16 message, not a 256-byte float32 one."""
+        size = _FLOAT_BYTES[dtype]
+        merged: dict = {}
+        for d, sizes in self.buffers:
+            if d in _FLOAT_BYTES and d != dtype:  # floating: the elements in the new dtype
+                merged.setdefault(dtype, []).extend(n // _FLOAT_BYTES[d] * size for n in sizes)
+            else:
+                merged.setdefault(d, []).extend(sizes)
+        buffers = tuple((d, tuple(sizes)) for d, sizes in merged.items())
+        total = self.buffers_bytes - sum(sum(x) for _, x in self.buffers) + sum(sum(x) for _, x in buffers)
+        return replace(self, buffers=buffers, buffers_bytes=total)
 
     def scaled(self, batch: int) -> "ModuleDesc":
         """The same module at another batch: activations, inputs, output, FLOPs scale linearly."""
@@ -1266,6 +1288,9 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     names = list(strategies) or [n for n in NAMES if n != "single" or cluster.gpus == 1]
     if cluster.gpus == 1 and not strategies:
         names = ["single"]
+    from .api import drop_conflicts
+    names, conflicts = drop_conflicts(names, kw.get("optimizer") or "adamw", bool(strategies))
+    notes.extend(conflicts)
 
     descs: dict[str, ModuleDesc] = {}
     failed: dict[str, str] = {}  # regime -> the trace's one-line error
@@ -1283,6 +1308,8 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                 failed[regime] = str(exc)
                 continue
             descs[regime] = ModuleDesc.from_profile(prof)
+            if precision == "bf16":  # `model.to(torch.bfloat16)`: the buffers too
+                descs[regime] = descs[regime].with_buffers_in("bfloat16")
             batchnorm = prof.get("batchnorm", False)
             profile_s += prof["profile_s"]
     if not descs:
@@ -1511,6 +1538,8 @@ def predict_module_probe(spec: dict) -> dict:
     precision = t.get("precision", "fp32")
     device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
     d = _traced(work, _regime(precision, st.family), "cuda" if device == "cuda" else "cpu")
+    if precision == "bf16":  # `model.to(torch.bfloat16)`: the buffers too (module_spec_plan does the same)
+        d = d.with_buffers_in("bfloat16")
     workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
     model = ModuleModel(d.name, work.label, d.param_count(), d.units, layers=len(d.units))
     ckpt = t.get("checkpointing", "none")

@@ -85,3 +85,18 @@ def optimizer_state_elems(optimizer: str, shapes: list[tuple]) -> tuple[int, flo
     raise ValueError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
 
 
+
+
+def optimizer_conflict(optimizer: str, family: str) -> str | None:
+    """Why `optimizer` does not run under a strategy of `family` (strategies.Strategy.family), or None.
+
+    torch.optim.Adafactor on FSDP2's parameters (DTensors sharded on dim 0, zero2/zero3): its factored row
+    and column statistics are norms over the sharded rows, a `_NormPartial` placement that its in-place
+    updates (`mul_`, `pow_`) cannot keep, so the first optimizer step raises (measured with torch 2.13.0,
+    foreach and for-loop: `validate --optimizer adafactor`, Qwen2.5-0.5B and a Llama on 8 fake ranks).
+    FSDP1 runs it on the flat parameters, where it factors nothing (one vector per unit: its second moment
+    is as large as the parameters); DDP and ZeRO-1 on the real shapes."""
+    if optimizer == "adafactor" and family == "fsdp2":
+        return ("torch.optim.Adafactor fails on FSDP2's sharded DTensor parameters (an in-place update of its "
+                "row/column norms, a _NormPartial placement: measured with torch 2.13)")
+    return None

@@ -87,6 +87,15 @@ def default_gpus_per_node(strategy: str, world_size: int, mode: str) -> int:
     return max(1, min(world_size, 8)) if mode == "fake" else max(1, world_size)
 
 
+def optimizer_suffix(optimizer: str, optimizer_impl: str) -> str:
+    """The probe id's part naming the optimizer, empty for the default (AdamW, foreach): probes that differ
+    only there must not share an id (`--resume` skips an id already recorded; summaries keep one record per
+    id)."""
+    if (optimizer, optimizer_impl) == ("adamw", "foreach"):
+        return ""
+    return f"/{optimizer}" + ("" if optimizer_impl == "foreach" else f"-{optimizer_impl}")
+
+
 def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node: int | None = None,
               seq_len: int = 64, micro_batch: int = 2, grad_accum: int = 1, grad_sync: str = "last",
               precision: str = "fp32",
@@ -107,7 +116,7 @@ def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node
     return {
         **tp_keys,
         "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision, tp, sequence_parallel, cp)
-        + (f"/accum{grad_accum}-{grad_sync}" if grad_accum > 1 else ""),
+        + (f"/accum{grad_accum}-{grad_sync}" if grad_accum > 1 else "") + optimizer_suffix(optimizer, optimizer_impl),
         "strategy": strategy, "world_size": int(world_size),
         "gpus_per_node": int(gpus_per_node or default_gpus_per_node(strategy, world_size, mode)),
         "mode": mode, "model": m,
