@@ -201,3 +201,15 @@ def test_clear_caches_picks_up_an_edited_catalog(tmp_path):
     clear_caches()
     # GEMMs and attention (most of the step) take twice as long; memory-bound work does not
     assert 1.4 * before < plan("llama-3-8b", **kw)["ddp"].time.compute_s < 2 * before
+
+
+def test_probe_ids_name_a_non_default_optimizer():
+    """Probes that differ only in their optimizer get different ids (`--resume` skips a recorded id; summaries
+    keep one record per id); AdamW foreach, the default, keeps the ids every committed record has."""
+    from distplan.validate.matrix import make_spec
+    model = {"name": "m", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn_hidden": 128, "vocab": 100}
+    ids = [make_spec("zero3", model, 8, "fake", optimizer=o, optimizer_impl=i, grad_accum=2)["id"]
+           for o, i in [("adamw", "foreach"), ("adamw", "fused"), ("adamw", "for-loop"), ("sgd-momentum", "foreach"),
+                        ("adafactor", "foreach")]]
+    assert ids[0] == "zero3/m/w8-fake/none/fp32/accum2-last"
+    assert ids[1:] == [ids[0] + s for s in ("/adamw-fused", "/adamw-for-loop", "/sgd-momentum", "/adafactor")]
