@@ -41,9 +41,10 @@ TIME_BAR = 0.15
 """Issue 12: each judged single-GPU step time within 15%."""
 
 
-def load(paths: list[str]) -> list[dict]:
-    """The newest record of each probe id over the files, in first-seen order."""
-    out: dict[str, dict] = {}
+def load(paths: list[str], every: bool = False) -> list[dict]:
+    """The newest record of each probe id over the files, in first-seen order (`every`: all of them, as
+    written: what --relativize/--absolutize rewrite, so that a file keeps a probe run twice)."""
+    out: dict = {}
     for path in paths:
         with open(path) as f:
             for line in f:
@@ -54,7 +55,7 @@ def load(paths: list[str]) -> list[dict]:
                     rec = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by a killed run
                     continue
-                out[rec.get("id")] = rec
+                out[len(out) if every else rec.get("id")] = rec
     return list(out.values())
 
 
@@ -235,10 +236,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     recs = load(a.results)
     if a.relativize or a.absolutize:
-        recs = [relativize(r, a.relativize) if a.relativize else absolutize(r, a.absolutize) for r in recs]
-        if a.write:
+        if a.write:  # every record, not the newest of each id (the summary's view)
             with open(a.write, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in recs)
+                f.writelines(json.dumps(relativize(r, a.relativize) if a.relativize else absolutize(r, a.absolutize))
+                             + "\n" for r in load(a.results, every=True))
+        recs = [relativize(r, a.relativize) if a.relativize else absolutize(r, a.absolutize) for r in recs]
     if a.repredict:
         recs = repredict(recs)
     s = summarize(recs)

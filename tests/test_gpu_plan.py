@@ -259,6 +259,11 @@ def test_summary_gathers_the_issues_figures_from_the_records(tmp_path):
         assert gs.relativize(moved, "/elsewhere/repo") == r
         assert moved["inputs"]["module"]["hf_config"].startswith("/elsewhere/repo/examples/hf/")
         assert "hf:/elsewhere/repo/examples/hf/" in moved["id"]
+    # --write keeps every record, two runs of one probe id too (the summary reads the newest of each)
+    src, out = tmp_path / "two.jsonl", tmp_path / "rel.jsonl"
+    src.write_text("".join(json.dumps(dict(rec, n=i)) + "\n" for i in range(2)))
+    assert gs.main([str(src), "--relativize", str(ROOT), "--write", str(out)]) == 0
+    assert [json.loads(line)["n"] for line in out.read_text().splitlines()] == [0, 1]
 
 
 def test_a_traced_models_gpu_probe_is_predicted_a_step_time():
