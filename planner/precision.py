@@ -85,8 +85,6 @@ def optimizer_state_elems(optimizer: str, shapes: list[tuple]) -> tuple[int, flo
     raise ValueError(f"unknown optimizer {optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
 
 
-
-
 def optimizer_conflict(optimizer: str, family: str) -> str | None:
     """Why `optimizer` does not run under a strategy of `family` (strategies.Strategy.family), or None.
 

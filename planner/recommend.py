@@ -100,8 +100,8 @@ def max_micro_batch(train: TrainConfig, cluster: Cluster, strategy: str, limit: 
     from above since the reserved peak is never below it; then on the whole device footprint, whose
     reserved part costs an allocator replay. That one starts where the plan's own run (replayed already)
     puts it: the largest micro-batch whose allocated peak plus that run's reserved-and-overhead excess
-    fits, then steps up or down a micro-batch at a time (one or two replays where a bisection took two
-    or three)."""
+    fits, then gallops up or down from it (two replays where the guess is right, one of them stopping
+    early above the line)."""
     def mem(b: int):
         return estimate_memory(replace(train, micro_batch=b), cluster, strategy)
 
@@ -122,16 +122,25 @@ def max_micro_batch(train: TrainConfig, cluster: Cluster, strategy: str, limit: 
 
     def guessed(b: int) -> bool:
         return mem(b).peak_allocated + excess <= cap
-    b = _largest(guessed, 1, bound + 1) if guessed(1) else 1
-    if fits(b):
-        while b < bound and fits(b + 1):
-            b += 1
-        return b
-    while b > 1:
-        b -= 1
-        if fits(b):
-            return b
-    return 0
+    return _gallop(fits, _largest(guessed, 1, bound + 1) if guessed(1) else 1, bound)
+
+
+def _gallop(fits, start: int, bound: int) -> int:
+    """Largest b in [1, bound] with fits(b) (monotone), 0 if none: from `start`, steps of 1, 2, 4, ... to the
+    first b on the other side, then a bisection. Two calls where `start` is the answer or one above it;
+    never more than about twice a bisection's."""
+    step = 1
+    if fits(start):
+        lo = start
+        while lo + step <= bound and fits(lo + step):
+            lo, step = lo + step, 2 * step
+        return _largest(fits, lo, min(lo + step, bound + 1))
+    hi = start
+    while hi - step >= 1 and not fits(hi - step):
+        hi, step = hi - step, 2 * step
+    if hi - step < 1:
+        return _largest(fits, 1, hi) if fits(1) else 0
+    return _largest(fits, hi - step, hi)
 
 
 def _fitter(plan):
