@@ -862,13 +862,13 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     snap("backward", **base, comm_buffers=unsharded + rs + sizes[u][0] * red,
                          activations=sum(acts[:k]), grads=grads + rg, temporaries=end + split + last_g)
                     rs_held = rs
-        if later and not every_sync and sharding and family == "fsdp1" and "root" in sizes:
+        k = next((i for i, s_ in enumerate(segs) if s_[0] == "root"), None)  # the root's last backward segment
+        if later and not every_sync and sharding and family == "fsdp1" and "root" in sizes and k is not None:
             # The first micro-step, without sync, at the root's last gradients (memory.estimate_memory walks
             # the same instant): every other unit's unsharded flat gradient is kept, none reduced, nothing
             # accumulated yet, and SHARD_GRAD_OP has freed no unit (`_should_free_in_backward` is False
             # without sync). Measured: Qwen2.5-0.5B at 8 layers, fsdp-grad-op fp32 over 2 micro-steps, its
             # tied 152K-vocabulary gradients next to every unit's: -4.69% without it.
-            k = min(i for i, sg_ in enumerate(segs) if sg_[0] == "root")  # the root's last backward segment
             carry_now[0] = 0
             comm = root + (0 if reshard else sum(unsh[x] for x in held))
             kept_grads = sum(v[1] for x, v in sizes.items() if x != "root") * udt
