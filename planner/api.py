@@ -404,11 +404,13 @@ class StrategyResult:
         }
 
 
-def drop_conflicts(names: list, optimizer: str, asked: bool) -> tuple[list, list]:
+def drop_conflicts(names: list, optimizer: str, asked: bool, framework: str = "pytorch") -> tuple[list, list]:
     """(the strategies to plan, notes): those whose implementation cannot run `optimizer`
     (precision.optimizer_conflict) leave the default list with a note; asked for by name, they are planned
-    and the note says they fail."""
+    and the note says they fail. DeepSpeed's ZeRO stages are its own implementation, not FSDP2: not judged."""
     from .precision import optimizer_conflict
+    if framework != "pytorch":
+        return names, []
     why = {n: optimizer_conflict(optimizer, get_strategy(n).family) for n in names}
     bad = [n for n in names if why[n]]
     if not bad:
@@ -705,7 +707,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                                                  and (pp == 1 or n in PP_STRATEGIES)]
     if dp == 1 and not strategies:
         names = ["single"]
-    names, conflicts = drop_conflicts(names, optimizer, bool(strategies))
+    names, conflicts = drop_conflicts(names, optimizer, bool(strategies), framework)
     notes = notes + conflicts
     storage = None
     if checkpoint is not None:

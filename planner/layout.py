@@ -312,7 +312,8 @@ def candidate_layouts(train: TrainConfig, cluster: Cluster, *, fixed_tp: int | N
     return out, refused, tps_seen, tuple(sorted(pps_seen)), tuple(sorted(sps_seen))
 
 
-def layout_strategies(layout: Layout, strategies=None, optimizer: str = "adamw") -> list[str]:
+def layout_strategies(layout: Layout, strategies=None, optimizer: str = "adamw",
+                      framework: str = "pytorch") -> list[str]:
     """The strategies evaluated on a layout: those `api.plan` would (`single` only with dp = 1; the
     pipeline's with pp > 1; none that cannot run `optimizer`, `api.drop_conflicts`), limited to `strategies`
     when given."""
@@ -324,7 +325,7 @@ def layout_strategies(layout: Layout, strategies=None, optimizer: str = "adamw")
         return ["single"]
     from .api import drop_conflicts
     return drop_conflicts([n for n in NAMES if n != "single" and (layout.pp == 1 or n in PP_STRATEGIES)],
-                          optimizer, False)[0]
+                          optimizer, False, framework)[0]
 
 
 def eval_cost_s(layout: Layout, n_strategies: int) -> float:
@@ -349,7 +350,7 @@ def evaluate_layout(layout: Layout, train: TrainConfig, cluster: Cluster, strate
     from .api import evaluate
     from .memory import estimate_memory
     cand = Candidate(layout, train, cluster.nodes)
-    for name in layout_strategies(layout, strategies, train.optimizer):
+    for name in layout_strategies(layout, strategies, train.optimizer, train.framework):
         st = get_strategy(name)
         mem = estimate_memory(train, cluster, st)
         timed = mem.allocated_fits
@@ -372,7 +373,7 @@ def search_layouts(train: TrainConfig, cluster: Cluster, strategies=None, *, fix
     cands, skipped = [], 0
     # simplest first, so that a search cut short by the budget has looked at the likeliest picks
     for lay, t in sorted(layouts, key=lambda x: x[0].simplicity):
-        cost = eval_cost_s(lay, len(layout_strategies(lay, strategies, train.optimizer)))
+        cost = eval_cost_s(lay, len(layout_strategies(lay, strategies, train.optimizer, train.framework)))
         if cost > budget.left_s:
             skipped += 1
             continue

@@ -180,6 +180,9 @@ def test_adafactor_leaves_fsdp2_out_of_a_plan_and_says_why():
     assert [r.name for r in asked.results] == ["zero3", "fsdp"]
     assert any(n.startswith("zero3 with --optimizer adafactor: planned as asked") for n in asked.notes)
     assert not any("adafactor" in n for n in plan("llama-3-8b", gpus=8, gpu="h100-sxm", comm=False).notes)
+    # DeepSpeed's ZeRO stages are its own implementation, not FSDP2's DTensors
+    ds = plan("llama-3-8b", gpus=8, gpu="h100-sxm", optimizer="adafactor", framework="deepspeed", comm=False)
+    assert {"zero2", "zero3"} <= {r.name for r in ds.results}
 
 
 def test_clear_caches_picks_up_an_edited_catalog(tmp_path):
