@@ -204,6 +204,11 @@ class ModuleDesc:
                    kernel_args=tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
                                              for s in prof["segments"] for k in s.get("kernels", ())})))
 
+    def for_precision(self, precision: str) -> "ModuleDesc":
+        """The traced description as a run of `precision` holds it: pure bf16 casts the whole module
+        (`model.to(torch.bfloat16)`), its buffers too (`with_buffers_in`); otherwise as traced."""
+        return self.with_buffers_in("bfloat16") if precision == "bf16" else self
+
     def with_buffers_in(self, dtype: str) -> "ModuleDesc":
         """The module after `module.to(dtype)`: its floating-point buffers cast too (pure 16-bit training
         casts the whole module: validate/wrap.py). The trace casts the parameters only (a transformers model's
@@ -928,7 +933,7 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
     R = A if train.sync_every else 1  # micro-steps that reduce (comm._raw_schedule)
     pdt = {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "bf16": "bfloat16"}[train.precision]
     gdt = "bfloat16" if train.precision == "bf16" else "float32"
-    nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    nbytes = _FLOAT_BYTES
     pb, gb = nbytes[pdt], nbytes[gdt]
     raw: dict[tuple, int] = {}
 
@@ -1307,9 +1312,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                 # the strategies of the regime that ran are planned, the others named
                 failed[regime] = str(exc)
                 continue
-            descs[regime] = ModuleDesc.from_profile(prof)
-            if precision == "bf16":  # `model.to(torch.bfloat16)`: the buffers too
-                descs[regime] = descs[regime].with_buffers_in("bfloat16")
+            descs[regime] = ModuleDesc.from_profile(prof).for_precision(precision)
             batchnorm = prof.get("batchnorm", False)
             profile_s += prof["profile_s"]
     if not descs:
@@ -1537,9 +1540,7 @@ def predict_module_probe(spec: dict) -> dict:
     st = get_strategy(spec["strategy"])
     precision = t.get("precision", "fp32")
     device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
-    d = _traced(work, _regime(precision, st.family), "cuda" if device == "cuda" else "cpu")
-    if precision == "bf16":  # `model.to(torch.bfloat16)`: the buffers too (module_spec_plan does the same)
-        d = d.with_buffers_in("bfloat16")
+    d = _traced(work, _regime(precision, st.family), "cuda" if device == "cuda" else "cpu").for_precision(precision)
     workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
     model = ModuleModel(d.name, work.label, d.param_count(), d.units, layers=len(d.units))
     ckpt = t.get("checkpointing", "none")
