@@ -72,10 +72,15 @@ the real model, `validate.module_probe.profile_hf`, byte for byte on CPU):
   `Qwen3RMSNorm(head_dim)` on q and on k before RoPE, each keeping its fp32 input (the projection's output
   itself in fp32, a new copy otherwise), the normalized x*rstd as the weight's mul saves it (fp32, or
   its 16-bit cast) and rsqrt's output per head and token (`_qk_norm_saved`).
-Not followed for transformers' models: `attention="eager"` outside Gemma-2 (the reference decoder's
-eager terms are used), op-level selective checkpointing (its saved set is the reference decoder's), the philox state
-CUDA's flash kernel keeps with dropout (16 bytes), and the bool mask a full-checkpointed layer keeps as
-an input when a sliding window materializes it (s*s bytes).
+- Eager attention (`attention="eager"`, `attn_implementation="eager"`): the Llama family's
+  `eager_attention_forward` (`_hf_eager_attention_saved`, Gemma-2's with its soft-cap) and GPT-2's
+  (`_gpt2_eager_attention_saved`): the softmax's output in fp32 beside its 16-bit cast, no mask saved per
+  layer; under checkpointing each checkpointed layer keeps the one additive (B, 1, S, S) mask the model made
+  (`_eager_masks_kept`, `ActivationBreakdown.shared`: alive to block 0's backward end).
+  SDPA's bool mask, materialized by a sliding window no longer than the sequence, is kept so too (s*s
+  bytes, expanded over the batch).
+Not followed for transformers' models: op-level selective checkpointing (its saved set is the reference
+decoder's) and the philox state CUDA's flash kernel keeps with dropout (16 bytes).
 
 Tensor parallelism (`TrainConfig.tp` = t, `parallelize_module` with torchtitan's Llama plan): per op,
 what one TP rank saves. Split by t (whole heads and MLP columns per rank): q, k, v, the attention
@@ -148,6 +153,15 @@ class ActivationBreakdown:
     """With `every`: what a checkpointed block keeps through forward (its input)."""
     layers: int = 0
     """The model's blocks (the per-block accessors below index 0 .. layers-1)."""
+    shared: int = 0
+    """Part of `blocks_total` that every block shares rather than keeps its own: the RoPE tables (made once
+    per forward) and, under checkpointing, the inputs every checkpointed block's closure keeps (eager
+    attention's additive masks). Alive until block 0's backward is done, whatever the block."""
+
+    @property
+    def kept_each(self) -> int:
+        """What each block keeps through forward besides `shared`, when every block keeps the same."""
+        return (self.blocks_total - self.shared) // self.layers if self.layers else 0
 
     @property
     def total(self) -> int:
@@ -160,7 +174,7 @@ class ActivationBreakdown:
     def kept(self, j: int) -> int:
         """What block j keeps through forward."""
         if not self.every:
-            return self.blocks_total // self.layers
+            return self.kept_each
         return self.ckpt_kept if j % self.every == 0 else self.per_block
 
     def below(self, j: int) -> int:
@@ -168,7 +182,7 @@ class ActivationBreakdown:
         less what blocks j..L-1 keep."""
         L = self.layers
         if not self.every:
-            return self.blocks_total - (L - j) * (self.blocks_total // L)
+            return self.blocks_total - (L - j) * self.kept_each
         n_ck = len(range(-(-j // self.every) * self.every, L, self.every))  # checkpointed among j..L-1
         return self.blocks_total - n_ck * self.ckpt_kept - (L - j - n_ck) * self.per_block
 
@@ -177,7 +191,7 @@ class ActivationBreakdown:
         blocks: from one block's (j = 0) to every block's (j = L-1) in equal steps."""
         L = self.layers
         if not self.every:
-            kb = self.blocks_total // L
+            kb = self.shared + self.kept_each
             return kb + j * (self.blocks_total - kb) // (L - 1) if L > 1 else self.blocks_total
         return self.below(j + 1)
 
@@ -309,14 +323,25 @@ def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) ->
     return saved
 
 
-def _gemma2_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
-    """Gemma-2's eager attention (`modeling_gemma2.py` eager_attention_forward), from the q/k/v
-    projections' outputs to o_proj's input: q after RoPE, K and V repeated to every head (`repeat_kv`;
-    a copy with GQA, the rotated k itself without) as the two matmuls save them, the soft-capped scores
-    (`tanh` saves its output; the divisions and products by Python scalars save nothing), the softmax's
-    fp32 output (`dtype=torch.float32`), its cast back to q's dtype that the second matmul saves (none in
-    fp32: `.to` returns the same tensor), and the `.transpose(1, 2).contiguous()` copy o_proj reads. The
-    additive mask is not saved (`add` keeps no input)."""
+def hf_eager(train: TrainConfig) -> bool:
+    """Whether the blocks run transformers' `eager_attention_forward` of the Llama family (Llama, Mistral,
+    Qwen2, Qwen3, Phi-3, Gemma-2; `_hf_eager_attention_saved`): asked for (`attention="eager"`), or
+    Gemma-2's, which has no SDPA path. GPT-2's own eager function is `_gpt2_eager_attention_saved`."""
+    m = train.model
+    return m.hf_model_type == "gemma2" or (bool(m.hf_model_type) and m.hf_model_type != "gpt2"
+                                           and train.attention == "eager")
+
+
+def _hf_eager_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
+    """transformers' eager attention of the Llama family (`modeling_llama.py` eager_attention_forward; Mistral,
+    Qwen2, Qwen3, Phi-3 and Gemma-2 have the same function, Gemma-2's with logit soft-capping), from the
+    q/k/v projections' outputs to o_proj's input: q after RoPE, K and V repeated to every head
+    (`repeat_kv`; a copy with GQA, the rotated k itself without) as the two matmuls save them, Gemma-2's
+    soft-capped scores (`tanh` saves its output; the divisions and products by Python scalars save
+    nothing), the softmax's fp32 output (`dtype=torch.float32`), its cast back to q's dtype that the
+    second matmul saves (none in fp32: `.to` returns the same tensor), and the
+    `.transpose(1, 2).contiguous()` copy o_proj reads. The additive mask is not saved (`add` keeps no
+    input), so no (S, S) term per block, where the reference decoder keeps its bool mask."""
     m = train.model
     q, a, _ = attention_widths(train)
     e = 4 if regime == "fp32" else 2
@@ -333,14 +358,16 @@ def _gemma2_attention_saved(train: TrainConfig, regime: str, n: int, device: str
     return saved
 
 
-def _gemma2_masks_kept(train: TrainConfig, regime: str, every: int) -> int:
-    """The additive masks checkpointed Gemma-2 layers keep as inputs: `Gemma2Model.forward` makes one
-    (B, 1, S, S) mask per layer type in the embeddings' dtype (`masking_utils` eager masks; full and
-    sliding), and a layer `torch.utils.checkpoint` wraps keeps the one it was given until its backward.
-    Layer i slides when i is even (`Gemma2Config` layer_types); `every` (0: full) picks the layers."""
+def _eager_masks_kept(train: TrainConfig, regime: str, every: int) -> int:
+    """The additive masks checkpointed layers of a transformers model keep as inputs under eager attention:
+    the model's forward makes one (B, 1, S, S) mask per layer type in the embeddings' dtype
+    (`masking_utils` eager masks), and a layer `torch.utils.checkpoint` wraps keeps the one it was given
+    until its backward. Gemma-2 has two types, layer i sliding when i is even (`Gemma2Config`
+    layer_types); the other models the analytic front end reads, one (a Qwen2 window on some layers only is
+    refused by hf_config). `every` (0: full) picks the layers."""
     m = train.model
     layers = range(0, m.layers, every) if every > 1 else range(m.layers)
-    kinds = len({i % 2 for i in layers})
+    kinds = len({i % 2 for i in layers}) if m.hf_model_type == "gemma2" else 1
     return kinds * train.micro_batch * train.seq_len ** 2 * (2 if regime == "lowp" else 4)
 
 
@@ -353,8 +380,8 @@ def attention_widths(train: TrainConfig) -> tuple[int, int, int]:
 
 def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
     m = train.model
-    if m.hf_model_type == "gemma2":
-        return _gemma2_attention_saved(train, regime, n, device)
+    if hf_eager(train):
+        return _hf_eager_attention_saved(train, regime, n, device)
     if m.hf_model_type and train.attention == "sdpa":
         return _hf_attention_saved(train, regime, n, device)
     h, a, kv = attention_widths(train)
@@ -374,6 +401,8 @@ def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> in
         # v repeated (saved by the second matmul), and the contiguous copy of the (B, nh, S, hd) output
         # that wo's input needs.
         return n * e * 4 * h + probs * e
+    if m.hf_model_type:
+        return _gpt2_eager_attention_saved(train, regime, n, device)
     saved = n * e * (h + 2 * h + h) + s * s  # q, K/V repeated, y copy for wo; bool causal mask
     if regime == "autocast" and device == "cuda":
         saved += probs * (4 + 2)  # softmax in fp32 on CUDA autocast, then cast for the matmul
@@ -383,6 +412,28 @@ def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> in
         # dropout on the probabilities (GPT-2 attn_dropout): its mask (CUDA) or noise, and the dropped
         # probabilities, which the second matmul saves instead of the softmax output softmax keeps
         saved += probs * (_dropout_elem(device, e) + e)
+    return saved
+
+
+def _gpt2_eager_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
+    """GPT-2's eager attention (`modeling_gpt2.py` eager_attention_forward, from c_attn's output to c_proj's
+    input): q and k saved by the first matmul and v by the second (the matmuls fold the transposed
+    (B, nh, S, hd) views into bmm through copies: n*h each), the softmax's output, the dropout's noise or
+    mask and its output (which the second matmul saves), or without dropout the probabilities cast to v's
+    dtype, and the contiguous copy c_proj reads. Under autocast the scores are fp32 once the additive mask
+    (made in the embeddings' dtype, fp32) is added, so the softmax's output is fp32 on the CPU as on CUDA;
+    `attn_weights.type(value.dtype)` casts it back (a copy the dropout's `mul` does not save). The mask
+    itself is not saved (`add` keeps no input). Measured by the trace, tests/test_analytic_vs_trace.py."""
+    m = train.model
+    h, a, _ = attention_widths(train)
+    e = 4 if regime == "fp32" else 2
+    probs = train.micro_batch * a * train.seq_len ** 2
+    soft = 4 if regime == "autocast" else e
+    saved = n * e * 4 * h + probs * soft
+    if m.attn_dropout > 0:
+        saved += probs * (_dropout_elem(device, e) + e)
+    elif soft != e:
+        saved += probs * e
     return saved
 
 
@@ -531,8 +582,13 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     if train.checkpointing != "none" and m.position == "rope" and not shared_rope:
         # Checkpointed blocks keep their inputs, the fp32 cos/sin tables among them (2 * s * hd * 4).
         shared_rope = 2 * train.seq_len * m.head_dim * 4
-    if train.checkpointing != "none" and m.hf_model_type == "gemma2":
-        shared_rope += _gemma2_masks_kept(train, regime, every)
+    if train.checkpointing != "none" and m.hf_model_type:
+        if hf_eager(train) or train.attention == "eager":
+            shared_rope += _eager_masks_kept(train, regime, every)
+        elif _hf_mask(train):
+            # SDPA's materialized mask (a sliding window no longer than the sequence): one bool (1, 1, S, S)
+            # expanded over the batch (`masking_utils.sdpa_mask`), kept by the checkpointed layers
+            shared_rope += train.seq_len ** 2
     if train.checkpointing == "none":
         blocks_total = m.layers * per_block + shared_rope
         recompute = 0
@@ -588,4 +644,5 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
         logits_transient += n * v * 4
     return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache, cache_all,
                                recompute, logits_transient, inputs, block_cache,
-                               every if every > 1 else 0, n_res * res * h if every > 1 else 0, m.layers)
+                               every if every > 1 else 0, n_res * res * h if every > 1 else 0, m.layers,
+                               shared_rope)

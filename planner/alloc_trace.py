@@ -305,7 +305,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
 
     # -- one step -------------------------------------------------------------------------------------
     blk_saved = _split(act.per_block, _block_saved_shapes(train, regime, n))
-    kept = act.blocks_total // L if L else 0  # per block through forward (checkpointing: its input)
+    kept = act.kept_each  # per block through forward (checkpointing: its input)
     kept_saved = blk_saved if not ckpt else _split(kept, [n * m.hidden * r])
     if act.every:  # every-K: blocks 0, K, 2K, ... keep their input, the others all they save
         kept_saved = _split(act.ckpt_kept, [n * m.hidden * r])
@@ -442,6 +442,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         elif family == "fsdp1" and (sharding or prec.mixed) and "root" not in held:
             held["root"] = fsdp1_unshard(lay.shard_root)
         out_emb = E.a(n * m.hidden * r)
+        # what the blocks share (RoPE tables; eager attention's masks that checkpointed blocks keep), to the
+        # end of block 0's backward
+        shared = E.a(act.shared) if act.shared and L else None
         blocks: list = []
         for j in range(L):
             if family == "fsdp2" and sharding:
@@ -520,6 +523,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                     kept_unsharded[j] = u
             else:
                 keep_grads(j, g)
+        if shared is not None:
+            E.f(shared)
         # the embedding's gradient and the root
         emb_g = new_grads("root", emb_shapes)
         E.f(out_emb)

@@ -92,7 +92,9 @@ def training_options(fn):
         click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True),
         click.option("--optimizer-impl", type=click.Choice(OPTIMIZER_IMPLS), default="foreach", show_default=True),
         click.option("--activation-checkpointing", type=click.Choice(CHECKPOINTING), default="none", show_default=True),
-        click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True),
+        click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True,
+                     help="eager: the (B, heads, S, S) scores materialized (transformers' "
+                          "attn_implementation='eager'; Gemma-2 runs it whatever is asked)."),
         click.option("--cpu-offload", type=click.Choice(OFFLOAD), default="none", show_default=True,
                      help="Where the strategy supports it (FSDP: params)."),
         click.option("--framework", type=click.Choice(FRAMEWORKS), default="pytorch", show_default=True,

@@ -46,7 +46,7 @@ from functools import lru_cache
 
 from .alloc_trace import MAX_LAYERS
 from .allocator import parse_alloc_conf
-from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in,
+from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in, hf_eager,
                           regime_for, sdpa_math, sp_tokens)
 from .config import Cluster, TrainConfig, fsdp2_reduce_keeps_last_grad
 from .footprint import CUDA_CONTEXT_BYTES, DeviceFootprint, device_footprint  # noqa: F401 (re-exported)
@@ -559,7 +559,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         freed, blk_tmp, wgrad_elems = _in_place_block_peak(train, regime, n_tok, (freed, blk_tmp, wgrad_elems),
                                                            prec.param_bytes)
     head_elems = v * h + h * (2 if m.norm == "layernorm" else 1)  # LM head (or tied) + final norm
-    per_block_act = act.blocks_total // L
+    per_block_act = act.kept_each  # (the blocks' shared tensors, `act.shared`, stay to block 0's end)
     ev = act.every  # every-K checkpointing: blocks differ (activations.ActivationBreakdown.kept)
     plain_freed, plain_tmp = freed, blk_tmp
 
@@ -572,12 +572,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # A checkpointed block is recomputed inside its backward: what it rebuilds is made in the
         # backward phase (a temporary to the probes), and the freed tensor is one of those.
         first_acts = act.blocks_total
-        last_acts = act.blocks_total // L if L else 0
+        last_acts = act.blocks_total - (L - 1) * act.kept_each if L else 0  # block 0's input and the shared
         blk_tmp = blk_tmp + act.recompute_block - freed
         freed = 0
     else:
         first_acts = act.blocks_total
-        last_acts = per_block_act
+        last_acts = act.blocks_total - (L - 1) * act.kept_each if L else 0
     # Once the head's backward is done its saved tensors (final norm, LM head input, its weight cast)
     # are freed; each block's weight casts go with that block's backward.
     outside_first = act.inputs + L * act.block_cache
@@ -748,7 +748,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # that previous flat output, this block's flat output and its copied-out parameters at once,
             # over the blocks forward keeps unsharded (none when resharding after forward). Block 0's
             # previous group is the root; for j >= 1 everything is linear in j, so block L-1 bounds it.
-            kept_block = act.per_block if train.checkpointing == "none" else act.blocks_total // L
+            kept_block = act.kept_each
             for j in sorted({0, L - 1}):
                 prev_flat = ur if j == 0 else ub
                 snap("forward", comm_buffers=ur + (0 if reshard else j * ub) + prev_flat + 2 * ub, grads=acc,
@@ -825,7 +825,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # `comm_ctx.reduce_scatter_states` keeps until block j's `post_backward` pops it.
                 block_elems = lay.block
                 shard_g = lay.shard_block * gsh_gpu
-                kept_block = act.per_block if train.checkpointing == "none" else act.blocks_total // L
+                kept_block = act.kept_each
                 e = 4 if regime == "fp32" else 2
 
                 def below(j: int) -> int:
@@ -1116,14 +1116,19 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         mlp = (n * f * e, resid + 3 * n * f * e, h * f)
     else:
         mlp = (n * f * e, resid + 2 * n * f * e, h * f)
-    if m.hf_model_type == "gemma2":
-        # Gemma-2's eager attention backward, at the softmax's: the score gradient in q's dtype and the fp32
-        # one (`softmax(..., dtype=torch.float32)`), the MLP, its two norms, the post-attention norm and
-        # o_proj's input already freed by then (their backward ran first)
+    if hf_eager(train):
+        # transformers' eager attention backward (Llama family, Gemma-2), at the softmax's: the score gradient
+        # in q's dtype and the fp32 one (`softmax(..., dtype=torch.float32)`), the MLP, its norm (Gemma-2:
+        # its two norms and the post-attention norm) and o_proj's input already freed by then (their
+        # backward ran first)
         probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2
-        body, const = _gemma_norm_body(h)
-        freed = (_mlp_saved(train, regime, n) + _norm_saved(train, regime, n, 2, device)
-                 + 2 * (sp_tokens(train, n) * body + const) + n * (m.q_dim // t) * e)
+        mlp_consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
+        freed = _mlp_saved(train, regime, n) + n * (m.q_dim // t) * e
+        if m.sandwich_norms:
+            body, const = _gemma_norm_body(h)
+            freed += _norm_saved(train, regime, n, 2, device) + 2 * (sp_tokens(train, n) * body + const)
+        else:
+            freed += _norm_saved(train, regime, n, mlp_consumers, device)
         att = (freed, resid + probs * (4 + e), h * f * 3 + h * m.q_dim // t)
         if att[1] - att[0] > mlp[1] - mlp[0]:
             return att

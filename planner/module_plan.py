@@ -1268,7 +1268,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     if hf:
         check_hf_config(kw["hf_config"], kw.get("seq_len") or 2048)
         work = HFWorkload(hf_path(kw["hf_config"]), kw.get("micro_batch") or 1, kw.get("seq_len") or 2048,
-                          kw.get("layers"))
+                          kw.get("layers"), kw.get("attention") or "sdpa")
         preload(work)
         shape = work.input_shape
     else:
@@ -1326,7 +1326,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                         checkpointing=kw.get("activation_checkpointing") or "none",
                         grad_accum=kw.get("grad_accum") or 1, grad_sync=kw.get("grad_sync") or "last",
                         input_shape=shape, torch_version=kw.get("torch_version") or "",
-                        seq_len=shape[1] if hf else "-")
+                        seq_len=shape[1] if hf else "-", attention=work.attention if hf else "-")
     notes = list(notes)
     for regime, why in failed.items():
         left = [n for n in dropped if _regime(precision, get_strategy(n).family) == regime]
@@ -1340,8 +1340,6 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     if any(kw.get(k) is not None for k in ignored):
         notes.append(f"architecture overrides ({', '.join('--' + k.replace('_', '-') for k in ignored)}) do not "
                      f"apply to {flag}; ignored" + (" (--layers does)" if hf else ""))
-    if hf and kw.get("attention") not in (None, "sdpa"):
-        notes.append(f"--attention={kw['attention']}: the trace builds the model with attn_implementation='sdpa'")
     if batchnorm and precision != "fp32" and any(get_strategy(n).family in ("fsdp1", "fsdp2") for n in names):
         notes.append(f"BatchNorm under FSDP with {precision} is not modelled: FSDP1 wraps BatchNorm modules apart "
                      f"in fp32 (more units, fp32 activations there); FSDP2 fails in PyTorch (running_mean dtype)")
@@ -1428,7 +1426,7 @@ def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: st
                        # the trace plans selective (and selective-op) as none
                        checkpointing=ckpt if checkpoint_every(ckpt) else "none",
                        alloc_conf=kw.get("alloc_conf") or "", torch_version=kw.get("torch_version") or "",
-                       compile=bool(kw.get("compile") or kw.get("compile_")))
+                       compile=bool(kw.get("compile") or kw.get("compile_")), attention=kw.get("attention") or "sdpa")
     cache: dict = {}
 
     def twin(strategy: str, batch: int):
@@ -1566,7 +1564,7 @@ def predict_module_probe(spec: dict) -> dict:
               "micro_batch": shape[0], "precision": precision, "optimizer": train.optimizer,
               "optimizer_impl": train.optimizer_impl, "activation_checkpointing": ckpt,
               "grad_accum": train.grad_accum, "grad_sync": train.grad_sync, "alloc_conf": t.get("alloc_conf", ""),
-              "torch_version": spec.get("torch_version") or ""}
+              "torch_version": spec.get("torch_version") or "", "attention": work.attention}
         twin, _ = analytic_twins(kw, cluster, device, backend, init="device")
         if twin is not None and pair_reserved(mem, twin(st.name, shape[0])):
             out["peak_reserved"] = int(mem.peak_reserved)

@@ -371,6 +371,8 @@ def _build(p: dict, get_hw) -> dict:
         if trace and not matrix:
             module_spec = _hf_spec(hf_config, layers, micro_batch, seq_len,
                                    {k: v for k, v in overrides.items() if k != "layers"}, model, params)
+            if attention != "sdpa":  # the probe builds the model with attn_implementation="eager"
+                module_spec["attention"] = attention
     if matrix and user_model:
         given = [f"--{k.replace('_', '-')}" for k, v in dict(model=model, params=params, hf_config=hf_config,
                                                               **overrides).items() if v is not None]

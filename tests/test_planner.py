@@ -216,3 +216,18 @@ def test_probe_ids_name_a_non_default_optimizer():
                         ("adafactor", "foreach")]]
     assert ids[0] == "zero3/m/w8-fake/none/fp32/accum2-last"
     assert ids[1:] == [ids[0] + s for s in ("/adamw-fused", "/adamw-for-loop", "/sgd-momentum", "/adafactor")]
+    # and so do probes that differ in their attention (SDPA, the default, keeps the committed ids)
+    assert make_spec("zero3", model, 8, "fake", grad_accum=2, attention="eager")["id"] == ids[0] + "/eager"
+
+
+def test_hf_workload_attention_round_trips():
+    """`--attention eager` reaches the transformers model the trace and the probe build (a spec's "module"
+    names it; SDPA's specs stay as every committed record has them), and nothing else is accepted."""
+    from distplan.validate.workload import HFWorkload, from_spec
+    w = HFWorkload("c.json", 2, 64, 4, "eager")
+    assert w.to_spec() == {"hf_config": "c.json", "micro_batch": 2, "seq_len": 64, "layers": 4, "attention": "eager"}
+    assert from_spec(w.to_spec()).attention == "eager"
+    assert "attention" not in HFWorkload("c.json", 2, 64).to_spec()
+    assert from_spec(HFWorkload("c.json", 2, 64).to_spec()).attention == "sdpa"
+    with pytest.raises(ValueError, match="--attention='flash'"):
+        HFWorkload("c.json", 2, 64, attention="flash")

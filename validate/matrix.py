@@ -116,7 +116,8 @@ def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node
     return {
         **tp_keys,
         "id": spec_id(strategy, m["name"], world_size, mode, checkpointing, precision, tp, sequence_parallel, cp)
-        + (f"/accum{grad_accum}-{grad_sync}" if grad_accum > 1 else "") + optimizer_suffix(optimizer, optimizer_impl),
+        + (f"/accum{grad_accum}-{grad_sync}" if grad_accum > 1 else "") + optimizer_suffix(optimizer, optimizer_impl)
+        + ("" if attention == "sdpa" else f"/{attention}"),
         "strategy": strategy, "world_size": int(world_size),
         "gpus_per_node": int(gpus_per_node or default_gpus_per_node(strategy, world_size, mode)),
         "mode": mode, "model": m,

@@ -635,15 +635,16 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
 
 
 def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "float32",
-               layers: int | None = None, device: str = "cpu") -> dict:
-    """`profile_workload` of a Hugging Face causal LM's config.json at micro_batch x seq_len tokens."""
+               layers: int | None = None, device: str = "cpu", attention: str = "sdpa") -> dict:
+    """`profile_workload` of a Hugging Face causal LM's config.json at micro_batch x seq_len tokens
+    (`attention`: the attn_implementation, workload.HFWorkload)."""
     from .workload import HFWorkload
 
-    work = HFWorkload(hf_config, micro_batch, seq_len, layers)
+    work = HFWorkload(hf_config, micro_batch, seq_len, layers, attention)
     depth = work.depth()
     if depth <= TRACE_LAYERS:
         return profile_workload(work, dtype, device=device)
-    shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS)
+    shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS, attention)
     return expand_layers(profile_workload(shallow, dtype, device=device), depth, work)
 
 
@@ -652,7 +653,8 @@ def profile(work, dtype: str = "float32", device: str = "cpu") -> dict:
     layers and expanded), anything else through `profile_workload`; keeping the bytes `device`'s kernels
     keep (KERNEL_DEVICES)."""
     if work.kind == "hf":
-        return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers, device)
+        return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers, device,
+                          work.attention)
     return profile_workload(work, dtype, device=device)
 
 
@@ -869,10 +871,14 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
 
         def pre_hook(name):
             def hook(_mod, args, kwargs):
-                inp = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+                # The unit's input: its first positional tensor (a decoder layer's hidden states).
+                inp = sum(a.numel() * a.element_size() for a in args[:1] if isinstance(a, torch.Tensor))
                 # The unit's other tensor inputs (a decoder layer's attention mask, RoPE cos/sin and
-                # position ids, passed by keyword): shared by the units, and what a checkpointed unit's
-                # recompute closure keeps alive (`torch.utils.checkpoint`, non-reentrant) until its backward.
+                # position ids, passed by keyword, or GPT-2's mask by position): shared by the units, and what
+                # a checkpointed unit's recompute closure keeps alive (`torch.utils.checkpoint`, non-reentrant)
+                # until its backward; counted once, however many units are given them (a positional one was
+                # counted in every unit's input as well: GPT-2 with eager attention's (B, 1, S, S) mask,
+                # one per layer, where the run keeps one).
                 first = {_storage_key(a) for a in args[:1] if isinstance(a, torch.Tensor)}
                 shared = []
                 for t in tree_leaves((args[1:], kwargs)):

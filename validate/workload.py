@@ -8,9 +8,11 @@ plan and the measurement see the same code. Two kinds, both described by a small
   (`--module`). Units: the direct children that own parameters (an FSDP auto-wrap policy on direct
   children). Input: one random float tensor of that shape. Loss: cross-entropy against class 0 for a
   2-D output, else the sum of the outputs.
-- `{"hf_config": path, "micro_batch": B, "seq_len": T, "layers": L or null}`: a Hugging Face causal LM
-  (`--hf-config`) built from its `config.json` with `AutoModelForCausalLM.from_config(config,
-  attn_implementation="sdpa")` -- the model users train, no weights. Units: the decoder layers (the
+- `{"hf_config": path, "micro_batch": B, "seq_len": T, "layers": L or null[, "attention": "eager"]}`: a
+  Hugging Face causal LM (`--hf-config`) built from its `config.json` with
+  `AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")` -- the model users train, no
+  weights -- or with `attn_implementation="eager"` when asked (`--attention eager`: transformers'
+  `eager_attention_forward`, which materializes the scores and probabilities, B x heads x T x T each). Units: the decoder layers (the
   `nn.ModuleList` of `num_hidden_layers` blocks: `model.layers`, `transformer.h`), as torchtitan and
   the FSDP recipes of transformers/accelerate wrap them; embeddings, final norm and head stay with the
   root. Input: B x T random token ids. Loss: what transformers computes when it is given labels
@@ -109,15 +111,20 @@ class HFWorkload:
 
     kind = "hf"
 
-    def __init__(self, hf_config: str, micro_batch: int, seq_len: int, layers: int | None = None):
+    def __init__(self, hf_config: str, micro_batch: int, seq_len: int, layers: int | None = None,
+                 attention: str = "sdpa"):
+        if attention not in ("sdpa", "eager"):
+            raise ValueError(f"--attention={attention!r}: accepted values are sdpa, eager")
         self.hf_config = str(hf_config)
+        self.attention = attention
         self.micro_batch, self.seq_len = int(micro_batch), int(seq_len)
         self.layers = int(layers) if layers else None
         self.input_shape = (self.micro_batch, self.seq_len)
 
     @property
     def label(self) -> str:
-        return f"hf:{self.hf_config}" + (f" ({self.layers} layers)" if self.layers else "")
+        return (f"hf:{self.hf_config}" + (f" ({self.layers} layers)" if self.layers else "")
+                + (" (eager attention)" if self.attention == "eager" else ""))
 
     @property
     def batch(self) -> int:
@@ -161,12 +168,12 @@ class HFWorkload:
             # float32 parameters (the config's torch_dtype is dropped): what training keeps; mixed
             # precision casts copies, not them.
             # SDPA where the architecture has it (what users get by default), else eager (Gemma-2's
-            # logit soft-capping), as transformers itself falls back.
+            # logit soft-capping), as transformers itself falls back; eager when asked.
             cfg = self.config()
             try:
-                model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_config(cfg, attn_implementation=self.attention)
             except ValueError as exc:
-                if "scaled_dot_product_attention" not in str(exc):
+                if self.attention != "sdpa" or "scaled_dot_product_attention" not in str(exc):
                     raise
                 model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
             self.attn_implementation = model.config._attn_implementation
@@ -245,8 +252,11 @@ class HFWorkload:
         return ctx()
 
     def to_spec(self) -> dict:
-        return {"hf_config": self.hf_config, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
+        spec = {"hf_config": self.hf_config, "micro_batch": self.micro_batch, "seq_len": self.seq_len,
                 "layers": self.layers}
+        if self.attention != "sdpa":  # (absent for SDPA: the specs of records made before it was a choice)
+            spec["attention"] = self.attention
+        return spec
 
 
 def _decoder_layers(model) -> list:
@@ -268,7 +278,8 @@ def _decoder_layers(model) -> list:
 def from_spec(spec: dict):
     """The workload of a probe spec's "module" object."""
     if spec.get("hf_config"):
-        return HFWorkload(spec["hf_config"], spec.get("micro_batch", 1), spec.get("seq_len", 64), spec.get("layers"))
+        return HFWorkload(spec["hf_config"], spec.get("micro_batch", 1), spec.get("seq_len", 64), spec.get("layers"),
+                          spec.get("attention", "sdpa"))
     return FactoryWorkload(spec["factory"], spec["input_shape"], spec.get("path"))
 
 
