@@ -109,7 +109,9 @@ class ModuleDesc:
     """((unit, saved activation bytes, input bytes, backward, forward, outside, end, grads made, shared
     inputs), ...) in forward order, 'loss' last. grads made: the bytes of parameter gradients its backward
     made (-1: not measured). shared inputs: ((id, bytes), ...) of the unit's other tensor inputs (a
-    decoder layer's masks, RoPE tables, position ids), the same id where units share a tensor. outside: the saved bytes of the root's ops that ran after the unit's own call;
+    decoder layer's masks, RoPE tables, position ids), the same id where units share a tensor; then the
+    bytes of the unit's input storage that the unit itself saves (0: none; a recomputed checkpointed unit
+    saves the kept input again, not a copy). outside: the saved bytes of the root's ops that ran after the unit's own call;
     end: the transient bytes alive at the segment's last backward op (the input's gradient, and what
     waits in autograd's buffers: a tied head's gradient).
     forward: the highest bytes alive during the segment's forward of what the forward created, less the
@@ -182,7 +184,8 @@ class ModuleDesc:
         segs = tuple((s["unit"], int(s["activation_bytes"]), int(s["input_bytes"]), backward(s),
                       int(s["forward_bytes"]), int(s["activation_bytes"]) - int(s.get("unit_bytes", 0)),
                       int(s.get("backward_end", s["input_bytes"])), int(s.get("grads_made", -1)),
-                      tuple((int(i), int(b)) for i, b in s.get("shared_inputs", ())))
+                      tuple((int(i), int(b)) for i, b in s.get("shared_inputs", ())),
+                      int(s.get("input_saved_bytes", 0)))
                      for s in prof["segments"])
         def entry(c):  # CENSUS_FIELDS, the fields a profile of an older version lacks as 0
             return tuple(c) + (0,) * (7 - len(c))
@@ -234,8 +237,8 @@ class ModuleDesc:
             return int(b[0] * k), b[1], int(b[2] * k)
 
         segs = tuple((u, int(a * k), int(i * k), tuple(bwd(x) for x in b), int(f * k), int(o * k), int(e * k), g,
-                      tuple((j, int(n * k)) for j, n in sh))
-                     for u, a, i, b, f, o, e, g, sh in self.segments)
+                      tuple((j, int(n * k)) for j, n in sh), int(ins * k))
+                     for u, a, i, b, f, o, e, g, sh, ins in self.segments)
         # the kernels' FLOPs and bytes scale with the batch, their counts do not (weights' casts and
         # gradients' do not scale either: a small error, as the activations')
         census = tuple(tuple((c[0] * k, c[1], c[2] * k, c[3] * k, c[4], c[5], c[6] * k) for c in seg)
@@ -529,7 +532,9 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 if before:
                     saved = segs[k][2] + max(0, saved - unit_saved)
                 else:
-                    tmp, saved = tmp + min(saved, unit_saved), segs[k][2]
+                    # (where the unit saves its input itself, the recompute saves the kept input again:
+                    # counted once, in `saved`; its first op's backward, the last, frees it)
+                    tmp, saved = tmp + max(0, min(saved, unit_saved) - segs[k][9]), segs[k][2]
             yield (tmp, g, saved), 0, before
         for w, at in bwd_kernels.get(k, ()):
             g = at[1] if kernel_grads else 0

@@ -26,6 +26,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "cpu-*-hf.jsonl")))
 
 KNOWN_GAPS = {
+    # DDP with eager attention and full checkpointing at 2 x 1024 tokens (cpu-torch2.13-2026-11-28-eager-hf.jsonl):
+    # the peak is inside block 0's recompute, at the attention's backward; the trace walk's instant holds block
+    # 0's kept input (2 MiB of activations) where the run's holds the MLP's and o_proj's new weight gradients
+    # instead (peaks -0.21% to -0.39%; zero3 and fsdp exact; the formulas within +0.7%)
+    "ddp/hf:examples/hf/llama-8l.json/w8-fake/full/fp32/eager",
+    "ddp/hf:examples/hf/llama-8l.json/w8-fake/full/bf16-mixed/eager",
+    "ddp/hf:examples/hf/gpt2-8l.json/w8-fake/full/bf16-mixed/eager",
     # FSDP1 SHARD_GRAD_OP under bf16 mixed precision with a tied head: the peak instant's temporaries
     # (-1.96% peak)
     "fsdp-grad-op/hf:examples/hf/qwen2-8l.json/w2/none/bf16-mixed",

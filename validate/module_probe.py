@@ -868,6 +868,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         bwd.forward_segment = lambda: len(segments) - 1
 
         shared_ids: dict = {}
+        in_keys: dict = {}  # segment index -> the storage of its unit's input (the first positional tensor)
 
         def pre_hook(name):
             def hook(_mod, args, kwargs):
@@ -880,6 +881,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                 # counted in every unit's input as well: GPT-2 with eager attention's (B, 1, S, S) mask,
                 # one per layer, where the run keeps one).
                 first = {_storage_key(a) for a in args[:1] if isinstance(a, torch.Tensor)}
+                in_keys[len(segments)] = first
                 shared = []
                 for t in tree_leaves((args[1:], kwargs)):
                     if isinstance(t, torch.Tensor):
@@ -917,6 +919,11 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             if k not in not_activations and k not in saved:
                 saved[k] = _storage_nbytes(t)
                 segments[-1]["activation_bytes"] += saved[k]
+                if k in in_keys.get(len(segments) - 1, ()):
+                    # the unit saves its own input (an RMSNorm's `x.to(float32)` of fp32 hidden states, a
+                    # LayerNorm's input): under checkpointing the recompute saves the kept input again,
+                    # not a copy of it
+                    segments[-1]["input_saved_bytes"] = segments[-1].get("input_saved_bytes", 0) + saved[k]
                 bwd.mark_saved(t.untyped_storage(), saved[k], len(segments) - 1)
             return t
 
