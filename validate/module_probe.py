@@ -868,7 +868,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         bwd.forward_segment = lambda: len(segments) - 1
 
         shared_ids: dict = {}
-        in_keys: dict = {}  # segment index -> the storage of its unit's input (the first positional tensor)
+        in_keys: dict = {}  # the running unit's segment index -> its input's storage key (first positional tensor)
 
         def pre_hook(name):
             def hook(_mod, args, kwargs):
@@ -881,6 +881,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                 # counted in every unit's input as well: GPT-2 with eager attention's (B, 1, S, S) mask,
                 # one per layer, where the run keeps one).
                 first = {_storage_key(a) for a in args[:1] if isinstance(a, torch.Tensor)}
+                in_keys.clear()  # while the unit runs (its input is alive, so its storage key is its own)
                 in_keys[len(segments)] = first
                 shared = []
                 for t in tree_leaves((args[1:], kwargs)):
@@ -896,6 +897,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             return hook
 
         def post_hook(_mod, _args, out):
+            in_keys.clear()  # the root's ops after the unit: a freed input's key may be another storage's
             bwd.mark_output(tree_leaves(out), len(segments) - 1)
             # what the unit's own call saved; the rest of the segment's saved bytes are the root's ops
             # after it (kept under a unit's activation checkpointing)
