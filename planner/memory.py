@@ -559,7 +559,6 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         freed, blk_tmp, wgrad_elems = _in_place_block_peak(train, regime, n_tok, (freed, blk_tmp, wgrad_elems),
                                                            prec.param_bytes)
     head_elems = v * h + h * (2 if m.norm == "layernorm" else 1)  # LM head (or tied) + final norm
-    per_block_act = act.kept_each  # (the blocks' shared tensors, `act.shared`, stay to block 0's end)
     ev = act.every  # every-K checkpointing: blocks differ (activations.ActivationBreakdown.kept)
     plain_freed, plain_tmp = freed, blk_tmp
 
@@ -568,16 +567,14 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         if j % ev == 0:
             return 0, plain_tmp + act.recompute_block - plain_freed
         return plain_freed, plain_tmp
+    # At the first block's backward every block's activations are alive; at the last's (block 0), block 0's
+    # and what the blocks share (`act.shared`: RoPE tables, the masks checkpointed blocks keep).
+    first_acts, last_acts = act.blocks_total, act.below(1) if L else 0
     if train.checkpointing != "none":
         # A checkpointed block is recomputed inside its backward: what it rebuilds is made in the
         # backward phase (a temporary to the probes), and the freed tensor is one of those.
-        first_acts = act.blocks_total
-        last_acts = act.blocks_total - (L - 1) * act.kept_each if L else 0  # block 0's input and the shared
         blk_tmp = blk_tmp + act.recompute_block - freed
         freed = 0
-    else:
-        first_acts = act.blocks_total
-        last_acts = act.blocks_total - (L - 1) * act.kept_each if L else 0
     # Once the head's backward is done its saved tensors (final norm, LM head input, its weight cast)
     # are freed; each block's weight casts go with that block's backward.
     outside_first = act.inputs + L * act.block_cache
@@ -748,11 +745,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # that previous flat output, this block's flat output and its copied-out parameters at once,
             # over the blocks forward keeps unsharded (none when resharding after forward). Block 0's
             # previous group is the root; for j >= 1 everything is linear in j, so block L-1 bounds it.
-            kept_block = act.kept_each
             for j in sorted({0, L - 1}):
                 prev_flat = ur if j == 0 else ub
                 snap("forward", comm_buffers=ur + (0 if reshard else j * ub) + prev_flat + 2 * ub, grads=acc,
-                     activations=act.inputs + (act.below(j) if ev else act.blocks_total - (L - j) * kept_block))
+                     activations=act.inputs + act.below(j))
         snap("forward", comm_buffers=fwd_comm + ag_tail, grads=acc, activations=acts_fwd)
         prefetch = ub if reshard and L > 1 else 0  # backward prefetch of the next block's all-gather
         # At the loss: the root is unsharded; the last block's all-gather is prefetched.
@@ -825,14 +821,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 # `comm_ctx.reduce_scatter_states` keeps until block j's `post_backward` pops it.
                 block_elems = lay.block
                 shard_g = lay.shard_block * gsh_gpu
-                kept_block = act.kept_each
                 e = 4 if regime == "fp32" else 2
 
                 def below(j: int) -> int:
                     """Activations saved by blocks 0..j-1 (each block's by itself under checkpointing;
                     the RoPE tables with them), and the batch's inputs."""
-                    return act.inputs + (act.below(j) if ev else act.blocks_total - (L - j) * kept_block) \
-                        + act.cache_below(j)
+                    return act.inputs + act.below(j) + act.cache_below(j)
 
                 def rs_prev(j: int) -> int:
                     return rs_held if j < L - 1 else 0
@@ -950,7 +944,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
 
             def acts_before(j: int) -> int:
                 """Activations at block j's end: blocks 0..j-1's and their caches, the batch's inputs."""
-                return ((act.below(j) if ev else act.blocks_total - (L - j) * per_block_act) + act.inputs
+                return (act.below(j) + act.inputs
                         + act.cache_below(j))
 
             def shards_after(j: int) -> int:
@@ -1116,19 +1110,20 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         mlp = (n * f * e, resid + 3 * n * f * e, h * f)
     else:
         mlp = (n * f * e, resid + 2 * n * f * e, h * f)
+    def mlp_freed() -> int:
+        """At the attention's backward: the MLP's saved tensors and its norm's, freed (their backward ran first)."""
+        consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
+        return _mlp_saved(train, regime, n) + _norm_saved(train, regime, n, consumers, device)
     if hf_eager(train):
         # transformers' eager attention backward (Llama family, Gemma-2), at the softmax's: the score gradient
         # in q's dtype and the fp32 one (`softmax(..., dtype=torch.float32)`), the MLP, its norm (Gemma-2:
         # its two norms and the post-attention norm) and o_proj's input already freed by then (their
         # backward ran first)
         probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2
-        mlp_consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
-        freed = _mlp_saved(train, regime, n) + n * (m.q_dim // t) * e
+        freed = mlp_freed() + n * (m.q_dim // t) * e
         if m.sandwich_norms:
             body, const = _gemma_norm_body(h)
-            freed += _norm_saved(train, regime, n, 2, device) + 2 * (sp_tokens(train, n) * body + const)
-        else:
-            freed += _norm_saved(train, regime, n, mlp_consumers, device)
+            freed += 2 * (sp_tokens(train, n) * body + const)
         att = (freed, resid + probs * (4 + e), h * f * 3 + h * m.q_dim // t)
         if att[1] - att[0] > mlp[1] - mlp[0]:
             return att
@@ -1139,9 +1134,7 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         # so the two instants are compared with them (in the compute dtype). Measured against the trace
         # (CUDA's fp32 math composite for grouped KV heads): Mistral-7B's blocks at 2 x 1024 tokens under
         # zero3, -5.6% before (the MLP's saved tensors held and the MLP's instant picked), -0.33% now.
-        mlp_consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
-        freed = _mlp_saved(train, regime, n) + _norm_saved(train, regime, n, mlp_consumers, device)
-        att = (freed, resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * m.q_dim // t)
+        att = (mlp_freed(), resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * m.q_dim // t)
         if att[1] - att[0] + att[2] * e > mlp[1] - mlp[0] + mlp[2] * e:
             return att
     if train.cp > 1:

@@ -113,8 +113,9 @@ class HFWorkload:
 
     def __init__(self, hf_config: str, micro_batch: int, seq_len: int, layers: int | None = None,
                  attention: str = "sdpa"):
-        if attention not in ("sdpa", "eager"):
-            raise ValueError(f"--attention={attention!r}: accepted values are sdpa, eager")
+        from distplan.planner.config import ATTENTION
+        if attention not in ATTENTION:
+            raise ValueError(f"--attention={attention!r}: accepted values are {', '.join(ATTENTION)}")
         self.hf_config = str(hf_config)
         self.attention = attention
         self.micro_batch, self.seq_len = int(micro_batch), int(seq_len)
