@@ -513,7 +513,21 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     # `snap` takes only the parts that vary and the peak is the first snapshot with the largest sum.
     best: list = [-1, "", None]  # total, phase, parts
 
+    # Tensor parallelism with fp32 embeddings (fp32, autocast): the token embedding's output, which the
+    # first block's norm keeps (its fp32 `x.float()` is that tensor) to block 0's backward, is the TP group's
+    # collective output (RowwiseParallel: the all-reduce of the partial embeddings, with SP their
+    # reduce-scatter), so a probe's tracker books it with the communication buffers: same bytes, another
+    # component. With 16-bit embeddings the norm keeps its own fp32 copy and the collective's output dies
+    # after block 0's forward, unless block 0 is checkpointed (full, every-K), which keeps its input.
+    # Measured: transformers Llama and the reference decoder, gloo and the fake process group, tp = 2,
+    # with and without SP.
+    tp_emb = (sp_tokens(train, n_tok) * (2 if regime == "lowp" else 4) * m.hidden
+              if train.tp > 1 and train.cp == 1 and (regime != "lowp" or act.every or train.checkpointing == "full")
+              else 0)
+
     def snap(phase, activations=0, comm_buffers=0, grads=0, temporaries=0):
+        if tp_emb and phase != "optimizer" and activations - tp_emb >= act.inputs:
+            activations, comm_buffers = activations - tp_emb, comm_buffers + tp_emb
         total = activations + comm_buffers + grads + temporaries
         if total > best[0]:
             best[:] = total, phase, (activations, comm_buffers, grads, temporaries)

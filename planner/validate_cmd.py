@@ -381,11 +381,14 @@ def _build(p: dict, get_hw) -> dict:
     if sequence_parallel and tp == 1:
         raise click.BadParameter("needs --tp > 1 (it shards along the tensor-parallel group)",
                                  param_hint="'--sequence-parallel'")
+    hf_tp = None  # --hf-config with --tp: the transformers model split by torchtitan's plan, predicted by
+    if tp > 1 and module_spec is not None and "hf_config" in module_spec:  # the analytic front end
+        hf_tp, module_spec = module_spec, None
     if tp > 1:
         from .tp import TP_STRATEGIES
         if matrix or module_spec is not None:
             raise click.UsageError(f"--tp={tp}: tensor-parallel probes run the reference decoder; drop "
-                                   f"{'--matrix (it has its own tp probes)' if matrix else '--module/--hf-config'}")
+                                   f"{'--matrix (it has its own tp probes)' if matrix else '--module'}")
         bad = [s for s in strategies if s not in TP_STRATEGIES]
         if bad:
             raise click.BadParameter(f"{', '.join(bad)} with --tp={tp}: the probes compose tensor parallelism "
@@ -462,7 +465,7 @@ def _build(p: dict, get_hw) -> dict:
                        f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
                        f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
     else:
-        spec_model = _resolve_model(model, params, hf_config, overrides, device)
+        spec_model = _resolve_model(model, params, hf_config, overrides, device, implementation=hf_tp is not None)
         if precision is None:
             precision = mx.matrix_precisions(hw)[0]
         if precision in ("bf16-mixed", "bf16") and device == "gpu" and not hw.get("bf16", True):
@@ -485,7 +488,7 @@ def _build(p: dict, get_hw) -> dict:
                                         seq_len=train["seq_len"], micro_batch=micro_batch))
             strategies = ()
         if tp > 1:
-            _check_tp(tp, spec_model, train, strategies, mode, world, hw)
+            _check_tp(tp, spec_model, train, strategies, mode, world, hw, hf=hf_tp is not None)
         if cp > 1 and pp == 1:
             _check_cp(cp, tp, spec_model, train, mode, world, hw)
         for s in strategies:
@@ -496,9 +499,18 @@ def _build(p: dict, get_hw) -> dict:
             else:
                 m, w = mode, world
             specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, tp=tp,
-                                      sequence_parallel=sequence_parallel, cp=cp, **train))
+                                      sequence_parallel=sequence_parallel, cp=cp, **train,
+                                      model_name=f"hf:{hf_tp['hf_config']}" if hf_tp else None))
+            if hf_tp:
+                specs[-1]["module"] = dict(hf_tp, seq_len=train["seq_len"], micro_batch=micro_batch,
+                                           **({"attention": attention} if attention != "sdpa" else {}))
         model_label = spec_model["name"]
         model_about = describe_model(spec_model, default=not user_model)
+        if hf_tp:
+            model_label = (f"{hf_config} (transformers, {hf_tp['layers'] or 'all'} layers) at {micro_batch}x"
+                           f"{train['seq_len']} tokens, split by torchtitan's tensor-parallel plan, analytic "
+                           f"front end")
+            model_about = None
         if user_model:
             _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
 
@@ -615,11 +627,21 @@ def _plan_groups(ctx, plan_path: str, given: dict, get_hw) -> list[dict]:
     return out
 
 
-def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, world: int, hw: dict) -> None:
-    """--tp with the reference decoder: a RoPE model with an untied head whose heads, kv heads and MLP
+def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, world: int, hw: dict,
+              hf: bool = False) -> None:
+    """--tp with the reference decoder or a transformers model (`hf`: a type the probe splits,
+    validate/tp_probe.HF_TP_TYPES): a RoPE model with an untied head whose heads, kv heads and MLP
     width tp divides (the planner's check, named by flag), a world that tp divides for zero2/zero3."""
     from .config import TrainConfig
     from .model import ModelSpec
+
+    if hf:
+        from distplan.validate.tp_probe import HF_TP_TYPES
+        kind = spec_model.get("hf_model_type")
+        if kind not in HF_TP_TYPES:
+            raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe splits transformers models of type "
+                                     f"{', '.join(HF_TP_TYPES)} (separate q/k/v and gate/up projections, "
+                                     f"pre-norms), not {kind!r}", param_hint="'--tp'")
 
     if spec_model.get("position", "rope") != "rope" or spec_model.get("tie_embeddings"):
         raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe runs RoPE models with an untied LM head; "
@@ -727,8 +749,10 @@ def _hf_spec(hf_config, layers, micro_batch, seq_len, other_overrides: dict, mod
     return {"hf_config": hf_path(hf_config), "micro_batch": micro_batch, "seq_len": seq_len, "layers": layers}
 
 
-def _resolve_model(model, params, hf_config, overrides: dict, device: str) -> dict:
-    """The spec's model dict: `distplan estimate`'s resolution, or the matrix's small Llama by default."""
+def _resolve_model(model, params, hf_config, overrides: dict, device: str, implementation: bool = False) -> dict:
+    """The spec's model dict: `distplan estimate`'s resolution, or the matrix's small Llama by default.
+    `implementation`: a --hf-config model as transformers implements it (the analytic front end's terms for
+    its modeling code, `ModelSpec.hf_model_type`), for a probe that runs the transformers model itself."""
     from distplan.validate import matrix as mx
 
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -748,11 +772,13 @@ def _resolve_model(model, params, hf_config, overrides: dict, device: str) -> di
         raise click.UsageError("--model/--params/--hf-config need distplan.planner.api.resolve_model, "
                                "which this installation lacks; give --layers/--hidden/... instead")
     try:
-        spec = resolve(model=model, params=params, hf_config=hf_config, overrides=given, implementation=False)
+        spec = resolve(model=model, params=params, hf_config=hf_config, overrides=given, implementation=implementation)
     except ValueError as e:
         raise click.UsageError(str(e))
     if isinstance(spec, tuple):  # (ModelSpec, notes)
         spec = spec[0]
+    if implementation:
+        return mx.model_dict(spec)
     if spec.sandwich_norms or spec.attn_softcap or spec.final_softcap or spec.head_dim_override or spec.qk_norm:
         raise click.UsageError(f"--hf-config={hf_config}: --front-end analytic probes distplan's reference "
                                f"decoder, which has no Gemma-2 sandwich norms, soft-capping, Qwen3 q/k norms or "

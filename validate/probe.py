@@ -305,9 +305,11 @@ class Probe:
                                                                  seq)
                 dp_world = self.world_size // tp  # FSDP/DDP over the flattened (dp, cp) ranks
             elif tp > 1 or spec.get("sequence_parallel"):
-                if module:
-                    raise ValueError("tp: the tensor-parallel probe runs the reference decoder, not --module")
-                model, dp_mesh = self._tensor_parallel(model, tp, bool(spec.get("sequence_parallel")))
+                if module and work.kind != "hf":
+                    raise ValueError("tp: the tensor-parallel probe runs the reference decoder or a transformers "
+                                     "model (--hf-config), not --module")
+                model, dp_mesh = self._tensor_parallel(model, tp, bool(spec.get("sequence_parallel")),
+                                                       hf=bool(module))
                 dp_world = self.world_size // tp
             model, opt, ctx = wrap(model, spec["strategy"], train, dp_world,
                                    int(spec.get("gpus_per_node", self.world_size)), self.device,
@@ -389,13 +391,14 @@ class Probe:
         self._gather()
         self.result["status"] = "ok"
 
-    def _tensor_parallel(self, model, tp: int, sp: bool):
+    def _tensor_parallel(self, model, tp: int, sp: bool, hf: bool = False):
         """(the model split over the tp dimension of a (dp, tp) mesh, the dp dimension's mesh), as
         torchtitan builds it (`ParallelDims.build_mesh`: dp outer, tp inner, so a TP group is tp
-        consecutive ranks) and splits the model (`validate.tp_probe.parallelize_decoder`)."""
+        consecutive ranks) and splits the model (`validate.tp_probe.parallelize_decoder`; a transformers
+        model: `parallelize_hf`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .tp_probe import parallelize_decoder
+        from .tp_probe import parallelize_decoder, parallelize_hf
 
         if tp < 2 or self.world_size % tp:
             raise ValueError(f"tp={tp}: must be >= 2 and divide world_size={self.world_size} (sequence_parallel "
@@ -403,7 +406,7 @@ class Probe:
         mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         if self.spec.get("train", {}).get("precision") == "bf16":
             model = model.to(__import__("torch").bfloat16)  # before the split: DTensor parameters stay bf16
-        parallelize_decoder(model, mesh["tp"], sp)
+        (parallelize_hf if hf else parallelize_decoder)(model, mesh["tp"], sp)
         return model, mesh["dp"]
 
     def _context_parallel(self, model, cp: int, tp: int, sp: bool, seq_len: int):

@@ -154,6 +154,64 @@ def parallelize_decoder(model, mesh, sp: bool):
     return model
 
 
+HF_TP_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""transformers model types the tensor-parallel probe splits: separate q/k/v and gate/up projections
+(Phi-3's fused qkv_proj and GPT-2's Conv1D c_attn would put q, k and v on different ranks under a
+column split), pre-norms only (Gemma-2's sandwich norms are not in torchtitan's plan)."""
+
+
+def parallelize_hf(model, mesh, sp: bool):
+    """Split a transformers causal LM (`HF_TP_TYPES`, untied head) over the 1-D tensor-parallel `mesh` in
+    place, with the plan torchtitan applies to transformers models
+    (`torchtitan/experiments/transformers_modeling_backend/infra/parallelize.py`, `apply_non_moe_tp`): the
+    token embedding `RowwiseParallel` (output Shard(1) with SP, else Replicate), the final norm
+    `SequenceParallel` (with SP), the LM head `ColwiseParallel` with its output kept a DTensor sharded over
+    the vocabulary (loss parallel); per decoder layer input_layernorm / post_attention_layernorm
+    `SequenceParallel` (with SP), self_attn `PrepareModuleInput` of its `hidden_states` keyword to
+    Replicate, q/k/v_proj `ColwiseParallel`, o_proj `RowwiseParallel`, mlp `PrepareModuleInput`,
+    gate/up_proj `ColwiseParallel`, down_proj `RowwiseParallel`; Qwen3's q_norm/k_norm
+    `SequenceParallel(sequence_dim=2)` (the head dimension: a replicated weight over local heads).
+    transformers' attention views its projections with -1 heads, so each rank runs heads / tp.
+    The loss stays transformers' own (`ForCausalLMLoss` on the sharded logits, under `loss_parallel()`:
+    `ctx.loss_context()` enters it because `model.loss_parallel` is set); with SP the embedding's output
+    holds s / tp tokens, so the probe passes the positions (`HFWorkload.loss`, `model.tp_positions`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    cfg, t = model.config, mesh.size()
+    kind = getattr(cfg, "model_type", None)
+    if kind not in HF_TP_TYPES:
+        raise ValueError(f"tp={t}: the tensor-parallel probe splits transformers models of type "
+                         f"{', '.join(HF_TP_TYPES)}, not {kind!r}")
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        raise ValueError(f"tp={t}: the tensor-parallel probe runs models with an untied LM head "
+                         f"(tie_word_embeddings is true in this config)")
+    seq = Shard(1) if sp else Replicate()
+    top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    if sp:
+        top["model.norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for layer in model.model.layers:
+        plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+        if sp:
+            plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
+        if hasattr(layer.self_attn, "q_norm"):
+            plan.update({"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                         "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+        parallelize_module(layer, mesh, plan)
+    model.loss_parallel = True
+    model.tp_positions = sp
+    return model
+
+
 def run_model_case(case: dict) -> dict:
     """The whole reference decoder (RoPE models) under torchtitan's plan: blocks as `run_case`, the
     token embedding `RowwiseParallel` (output Shard(1) with SP, else Replicate), the final norm

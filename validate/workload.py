@@ -195,7 +195,13 @@ class HFWorkload:
         return (torch.randint(0, vocab, self.input_shape, generator=generator).to(device),)
 
     def loss(self, model, inputs):
-        out = model(input_ids=inputs[0], labels=inputs[0], use_cache=False)
+        kw = {}
+        if getattr(model, "tp_positions", False):
+            # sequence parallelism (validate/tp_probe.parallelize_hf): the embedding's output holds s / tp
+            # tokens, from which transformers would derive s / tp positions for the rotary tables
+            import torch
+            kw["position_ids"] = torch.arange(inputs[0].shape[1], device=inputs[0].device)[None]
+        out = model(input_ids=inputs[0], labels=inputs[0], use_cache=False, **kw)
         loss = out.loss
         del out  # logits and the rest go now, as in a loop that keeps only .loss
         return loss, "hf-causal-lm", loss
