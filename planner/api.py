@@ -608,7 +608,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         if hf_config is None:
             raise ValueError(f"--front-end={front_end}: the trace front end reads a Hugging Face model; give "
                              f"hf_config (a config.json, its folder or a Hub id)")
-        if use_trace({"hf_config": hf_config, "front_end": front_end}):
+        if use_trace({"hf_config": hf_config, "front_end": front_end, "tp": tp, "pp": pp, "cp": cp,
+                      "sequence_parallel": sequence_parallel, "checkpoint": checkpoint,
+                      "storage_gbps": storage_gbps}):
             kw = dict(overrides, model=model, params=params, hf_config=hf_config, front_end=front_end, gpus=gpus,
                       gpus_per_node=gpus_per_node, gpu=gpu, gpu_mem=gpu_mem, node=node, intra=intra, inter=inter,
                       nics_per_node=nics_per_node, inter_gbps=inter_gbps, seq_len=seq_len, micro_batch=micro_batch,
@@ -722,8 +724,13 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                         checkpoint=checkpoint, storage_bytes_per_s=storage) for n in names]
     if tokens is not None and not tokens > 0:
         raise ValueError(f"tokens={short_repr(tokens)}: must be positive")
-    front = ("front end: analytic (decoder formulas"
-             + ("; --front-end trace runs the transformers model itself on fake tensors)" if hf_config else ")"))
+    from .cli import analytic_only
+    layout_flag = analytic_only({"tp": tp, "pp": pp, "cp": cp, "sequence_parallel": sequence_parallel,
+                                 "checkpoint": checkpoint, "storage_gbps": storage_gbps})
+    front = ("front end: analytic (decoder formulas" + (
+        "" if not hf_config else
+        f", as transformers implements this model: the trace does not follow {layout_flag.split('=')[0]})"
+        if layout_flag else "; --front-end trace runs the transformers model itself on fake tensors)"))
     if spec.attn_softcap:
         notes.append("attention: eager, as transformers runs Gemma-2 by default (no SDPA path: SDPA cannot "
                      "soft-cap the scores), keeping B x heads x S^2 scores per layer; flash_attention_2 (the "

@@ -197,11 +197,25 @@ def _check_positive(name: str, value) -> None:
 FRONT_ENDS = ("auto", "analytic", "trace")
 
 
+def analytic_only(kw: dict) -> str | None:
+    """The first flag in `kw` that only the analytic front end models (the parallel layouts and the
+    checkpoint save), as the user wrote it; None when there is none."""
+    if (kw.get("tp") or 1) > 1 or kw.get("sequence_parallel"):
+        return f"--tp={kw.get('tp') or 1}"
+    for flag in ("pp", "cp"):
+        if (kw.get(flag) or 1) > 1:
+            return f"--{flag}={kw[flag]}"
+    if kw.get("checkpoint") or kw.get("storage_gbps") is not None:
+        return f"--checkpoint={kw.get('checkpoint')}"
+    return None
+
+
 def use_trace(kw: dict) -> bool:
     """Whether --hf-config is planned by the trace (`--front-end`; 'auto': when torch and transformers
-    are installed, found without importing them)."""
+    are installed, found without importing them, and no flag asks for what only the analytic front end
+    models: --tp, --pp, --cp, --checkpoint)."""
     fe = kw.get("front_end") or "auto"
-    if not kw.get("hf_config") or fe == "analytic":
+    if not kw.get("hf_config") or fe == "analytic" or (fe == "auto" and analytic_only(kw)):
         return False
     import importlib.util
     have = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
@@ -232,16 +246,16 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
     if kw.get("module") or use_trace(kw):
         if (kw.get("pp") or 1) > 1:
             raise ValueError(f"--pp={kw.get('pp')}: pipeline parallelism is modelled by the analytic front end "
-                             f"only; with --hf-config add --front-end analytic (--module: not supported)")
+                             f"only; with --hf-config drop --front-end trace (auto picks the analytic front end for it; --module: not supported)")
         if kw.get("checkpoint") or kw.get("storage_gbps") is not None:
             raise ValueError(f"--checkpoint={kw.get('checkpoint')}: the checkpoint save is modelled by the analytic "
-                             f"front end only; with --hf-config add --front-end analytic (--module: not supported)")
+                             f"front end only; with --hf-config drop --front-end trace (auto picks the analytic front end for it; --module: not supported)")
         if (kw.get("tp") or 1) > 1 or kw.get("sequence_parallel"):
             raise ValueError(f"--tp={kw.get('tp') or 1}: tensor parallelism is modelled by the analytic front end "
-                             f"only; with --hf-config add --front-end analytic (--module: not supported)")
+                             f"only; with --hf-config drop --front-end trace (auto picks the analytic front end for it; --module: not supported)")
         if (kw.get("cp") or 1) > 1:
             raise ValueError(f"--cp={kw.get('cp')}: context parallelism is modelled by the analytic front end "
-                             f"only; with --hf-config add --front-end analytic (--module: not supported)")
+                             f"only; with --hf-config drop --front-end trace (auto picks the analytic front end for it; --module: not supported)")
         from .module_plan import module_spec_plan
         return module_spec_plan(kw, strategies)
     overrides = {k: kw.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",

@@ -127,23 +127,30 @@ def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
         else:
             out += (("all_reduce", "tp", train.tp, out_dt, n * m.hidden * size[out_dt], k, "backward",
                      "tp_recompute"),)
+    # Replicated weights with Partial gradients: with SP the norms (module docstring); Qwen3's q_norm and
+    # k_norm (`Qwen3RMSNorm(head_dim)` over each rank's heads: torchtitan's plan for transformers models makes
+    # them `SequenceParallel(sequence_dim=2)`, replicated weights, with or without SP) always
+    replicated = []  # (parameters, elements each)
     if train.sequence_parallel:
-        # the norms' Partial gradients (module docstring): one all-reduce per norm parameter
-        # in the gradient's dtype: the fp32 parameter's under fp32 and autocast, FSDP2's param_dtype
-        # (the unsharded parameter's) under mixed precision, the model's under pure bf16
+        replicated.append(((2 * m.layers + 1) * (2 if m.norm == "layernorm" else 1), m.hidden))
+    if m.qk_norm:
+        replicated.append((2 * m.layers, m.head_dim))
+    if replicated:
+        # one all-reduce per such parameter in the gradient's dtype: the fp32 parameter's under fp32 and
+        # autocast, FSDP2's param_dtype (the unsharded parameter's) under mixed precision, the model's under
+        # pure bf16
         regime = regime_for(train, family)
         gdt = "float32" if regime in ("fp32", "autocast") else _HALF[train.precision]
-        norms = 2 * m.layers + 1
-        per_norm = 2 if m.norm == "layernorm" else 1
-        if family == "single":
-            if train.optimizer in ("adam", "adamw"):
-                out += (("all_reduce", "tp", train.tp, gdt, m.hidden * (4 if gdt == "float32" else 2),
-                         3 * norms * per_norm, "optimizer", "tp_norm_grad"),)
-        else:
-            if train.grad_accum > 1:  # accumulated across micro-steps in reduce_dtype (fp32), still Partial
-                gdt = "float32" if train.precision != "bf16" else gdt
-            out += (("all_reduce", "tp", train.tp, gdt, m.hidden * (4 if gdt == "float32" else 2),
-                     norms * per_norm, "backward", "tp_norm_grad"),)
+        if family != "single" and train.grad_accum > 1:  # accumulated in reduce_dtype (fp32), still Partial
+            gdt = "float32" if train.precision != "bf16" else gdt
+        for count, elems in replicated:
+            if family == "single":
+                if train.optimizer in ("adam", "adamw"):
+                    out += (("all_reduce", "tp", train.tp, gdt, elems * (4 if gdt == "float32" else 2),
+                             3 * count, "optimizer", "tp_norm_grad"),)
+            else:
+                out += (("all_reduce", "tp", train.tp, gdt, elems * (4 if gdt == "float32" else 2),
+                         count, "backward", "tp_norm_grad"),)
     return out
 
 

@@ -489,6 +489,11 @@ def _build(p: dict, get_hw) -> dict:
             strategies = ()
         if tp > 1:
             _check_tp(tp, spec_model, train, strategies, mode, world, hw, hf=hf_tp is not None)
+            if hf_tp and sequence_parallel and attention == "eager":
+                # transformers sizes its materialized causal mask by the embedding output, s / tp tokens
+                raise click.BadParameter("--attention eager with --sequence-parallel: transformers builds the eager "
+                                         "causal mask from the embedding's s / tp tokens; drop one of them",
+                                         param_hint="'--sequence-parallel'")
         if cp > 1 and pp == 1:
             _check_cp(cp, tp, spec_model, train, mode, world, hw)
         for s in strategies:
@@ -639,9 +644,12 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
         from distplan.validate.tp_probe import HF_TP_TYPES
         kind = spec_model.get("hf_model_type")
         if kind not in HF_TP_TYPES:
-            raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe splits transformers models of type "
-                                     f"{', '.join(HF_TP_TYPES)} (separate q/k/v and gate/up projections, "
-                                     f"pre-norms), not {kind!r}", param_hint="'--tp'")
+            raise click.BadParameter(f"--tp={tp}: model_type {kind!r}: the tensor-parallel probe splits "
+                                     f"{', '.join(HF_TP_TYPES)} (separate q/k/v and gate/up projections)",
+                                     param_hint="'--tp'")
+        if spec_model.get("tie_embeddings"):
+            raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe splits models with an untied LM head; "
+                                     f"this config ties it (tie_word_embeddings)", param_hint="'--tp'")
 
     if spec_model.get("position", "rope") != "rope" or spec_model.get("tie_embeddings"):
         raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe runs RoPE models with an untied LM head; "
