@@ -8,7 +8,11 @@ vocabulary), norms replicated. With `sequence_parallel` (torchtitan's default) t
 `SequenceParallel`, the rowwise outputs Shard(1) (reduce-scatter) and `PrepareModuleInput` all-gathers
 the attention's and the MLP's input once; without it the same plan with Replicate layouts (one
 all-reduce of the rowwise output in forward, one of the module input's gradient in backward: the
-three colwise Linears' partial gradients are summed on the DTensor first).
+three colwise Linears' partial gradients are summed on the DTensor first). Transformers models get the same
+split by their own module names (torchtitan's plan for them,
+`torchtitan/experiments/transformers_modeling_backend/infra/parallelize.py` `apply_non_moe_tp`, which
+`distplan validate --hf-config --tp` applies), plus Qwen3's per-head q_norm/k_norm as replicated weights
+over each rank's heads (`SequenceParallel(sequence_dim=2)`).
 
 The data-parallel strategies (DDP, ZeRO, FSDP, HSDP) then run over the dp = gpus / t ranks of the
 other mesh dimension on the per-TP-rank model (`model.TPRankSpec`): `tp_view` gives the planner's
@@ -35,7 +39,8 @@ exponentials, `_nll_loss_forward` the target's logit through `_MaskPartial._redu
 
 With SP the replicated norm weights (and LayerNorm biases) get Partial gradients: the weight's
 gradient sums over the sequence dimension, which is sharded, and DTensor keeps the Partial placement
-on `.grad` (AccumulateGrad does not redistribute). Where they are all-reduced depends on who reads them:
+on `.grad` (AccumulateGrad does not redistribute). Qwen3's q_norm/k_norm weights (head_dim each, 2 per layer) are such replicated weights with or without SP.
+Where they are all-reduced depends on who reads them:
 - `single` (no data parallelism): torch.optim's AdamW/Adam read each gradient in three DTensor ops
   (`optim/adam.py` `_multi_tensor_adam`: `_foreach_lerp_(exp_avgs, grads)` and
   `_foreach_addcmul_(exp_avg_sqs, grads, grads)`; `_single_tensor_adam` the same `lerp_` and

@@ -155,9 +155,10 @@ def _hub_config(ctx, param, value):
               help="PYTORCH_CUDA_ALLOC_CONF for the probes (e.g. expandable_segments:True); the prediction's "
                    "reserved peak follows it. Default: the probes inherit this shell's.")
 @click.option("--tp", type=int, default=1, show_default=True, callback=_positive_int,
-              help="Tensor-parallel degree: the reference decoder split with torchtitan's Llama plan over a "
-                   "(world / tp, tp) mesh; strategies single (tp ranks), zero2, zero3 (FSDP2 on the dp "
-                   "dimension). Default strategies with --tp: those three.")
+              help="Tensor-parallel degree: the reference decoder split with torchtitan's Llama plan (with "
+                   "--hf-config: the transformers model with torchtitan's plan for transformers models, predicted "
+                   "by the analytic front end) over a (world / tp, tp) mesh; strategies single (tp ranks), "
+                   "zero2, zero3 (FSDP2 on the dp dimension). Default strategies with --tp: those three.")
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, default=False,
               help="With --tp: sequence parallelism (torchtitan's default).")
 @click.option("--cp", type=int, default=1, show_default=True, callback=_positive_int,

@@ -182,6 +182,8 @@ def test_gpu_plan_probes_fit_and_share_the_gpu(gpu_plan):
     assert sum(n <= runner.GPU_SHARE * cap / 2 for n in needs) >= 0.8 * len(needs)
     tp = [s for s, _ in gpu_plan if int(s.get("tp", 1)) > 1]
     assert len(tp) >= 4 and all(s["model"]["hidden"] == 4096 and s["model"]["ffn_hidden"] == 11008 for s in tp)
+    assert all(s["module"]["hf_config"].endswith("llama-2-7b.json") and s["model"]["hf_model_type"] == "llama"
+               for s in tp)  # the transformers model itself, split by validate/tp_probe.parallelize_hf
     assert any(s.get("sequence_parallel") for s in tp)
 
 
