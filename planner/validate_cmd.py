@@ -382,8 +382,9 @@ def _build(p: dict, get_hw) -> dict:
     if sequence_parallel and tp == 1:
         raise click.BadParameter("needs --tp > 1 (it shards along the tensor-parallel group)",
                                  param_hint="'--sequence-parallel'")
-    hf_tp = None  # --hf-config with --tp: the transformers model split by torchtitan's plan, predicted by
-    if tp > 1 and module_spec is not None and "hf_config" in module_spec:  # the analytic front end
+    hf_tp = None  # --hf-config with --tp or --pp: the transformers model split by torchtitan's plan (TP) or
+    # into stages (PP), predicted by the analytic front end
+    if (tp > 1 or pp > 1) and module_spec is not None and "hf_config" in module_spec:
         hf_tp, module_spec = module_spec, None
     if tp > 1:
         from .tp import TP_STRATEGIES
@@ -401,9 +402,12 @@ def _build(p: dict, get_hw) -> dict:
         if pp == 1:
             raise click.BadParameter("needs --pp > 1", param_hint="'--pp-microbatches'")
         if matrix or module_spec is not None or tp > 1:
-            raise click.UsageError(f"--pp={pp}: the pipeline probe runs the reference decoder alone; drop "
-                                   + ("--matrix (it has its own pp probes)" if matrix else
-                                      "--module/--hf-config" if module_spec is not None else "--tp"))
+            raise click.UsageError(f"--pp={pp}: the pipeline probe runs the reference decoder or a transformers "
+                                   f"model alone; drop " + ("--matrix (it has its own pp probes)" if matrix else
+                                                            "--module" if module_spec is not None else "--tp"))
+        if hf_tp and cp > 1:
+            raise click.UsageError(f"--pp={pp} with --cp={cp}: the pipeline probe's context parallelism runs the "
+                                   f"reference decoder; drop --hf-config or --cp")
         if cp > 1 and "single" in strategies:
             raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, zero2 or zero3",
                                      param_hint="'--cp'")
@@ -480,13 +484,18 @@ def _build(p: dict, get_hw) -> dict:
                                      f"learned positions", param_hint="'--seq-len'")
         specs = []
         if pp > 1:
-            _check_pp(pp, pp_schedule, pp_microbatches, spec_model, train, hw)
+            _check_pp(pp, pp_schedule, pp_microbatches, spec_model, train, hw, hf=hf_tp is not None)
             if cp > 1:
                 _check_cp(cp, 1, spec_model, train, "cpu", pp * cp, hw)
             for s in strategies:
                 specs.append(mx.pp_spec(s, spec_model, pp, pp_schedule, pp_microbatches or 2 * pp,
                                         dp=2 if s != "single" and cp == 1 else 1, cp=cp, checkpointing=checkpointing,
                                         seq_len=train["seq_len"], micro_batch=micro_batch))
+                if hf_tp:
+                    name = f"hf:{hf_tp['hf_config']}"
+                    specs[-1]["id"] = specs[-1]["id"].replace(f"/{spec_model['name']}/", f"/{name}/", 1)
+                    specs[-1]["model"]["name"] = name
+                    specs[-1]["module"] = dict(hf_tp, seq_len=train["seq_len"], micro_batch=micro_batch)
             strategies = ()
         if tp > 1:
             _check_tp(tp, spec_model, train, strategies, mode, world, hw, hf=hf_tp is not None)
@@ -514,8 +523,9 @@ def _build(p: dict, get_hw) -> dict:
         model_about = describe_model(spec_model, default=not user_model)
         if hf_tp:
             model_label = (f"{hf_config} (transformers, {hf_tp['layers'] or 'all'} layers) at {micro_batch}x"
-                           f"{train['seq_len']} tokens, split by torchtitan's tensor-parallel plan, analytic "
-                           f"front end")
+                           f"{train['seq_len']} tokens, split " + ("into pipeline stages" if pp > 1 else
+                                                                    "by torchtitan's tensor-parallel plan")
+                           + ", analytic front end")
             model_about = None
         if user_model:
             _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
@@ -667,11 +677,23 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
                                  f"{world} ({mode}); set --simulate-world-size or --nproc", param_hint="'--tp'")
 
 
-def _check_pp(pp: int, schedule: str, microbatches, spec_model: dict, train: dict, hw: dict) -> None:
-    """--pp with the reference decoder: fp32 on the CPU (the pipeline probe runs gloo), an untied RoPE
-    model, the planner's own check of the split (named by flag)."""
+def _check_pp(pp: int, schedule: str, microbatches, spec_model: dict, train: dict, hw: dict,
+              hf: bool = False) -> None:
+    """--pp with the reference decoder or a transformers model (`hf`: a type the probe splits,
+    validate/pp_probe.HF_PP_TYPES, under SDPA): fp32 on the CPU (the pipeline probe runs gloo), an untied
+    RoPE model, the planner's own check of the split (named by flag)."""
     from .config import TrainConfig
     from .model import ModelSpec
+
+    if hf:
+        from distplan.validate.pp_probe import HF_PP_TYPES
+        kind = spec_model.get("hf_model_type")
+        if kind not in HF_PP_TYPES:
+            raise click.BadParameter(f"--pp={pp}: model_type {kind!r}: the pipeline probe splits "
+                                     f"{', '.join(HF_PP_TYPES)}", param_hint="'--pp'")
+        if train.get("attention", "sdpa") != "sdpa":
+            raise click.BadParameter(f"--pp={pp}: the pipeline probe calls transformers' layers without a mask, "
+                                     f"which only SDPA runs causally; drop --attention eager", param_hint="'--pp'")
 
     if int(hw.get("gpus") or 0):
         raise click.BadParameter(f"--pp={pp}: the pipeline probe runs on the CPU only (gloo); set "

@@ -36,6 +36,7 @@ PATH.<rank> (benchmarks/alloc_pp.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -98,6 +99,81 @@ def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointin
             return x
 
     return Stage()
+
+
+HF_PP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+"""transformers model types the pipeline probe splits: `model.embed_tokens`, `model.layers`, `model.rotary_emb`,
+`model.norm`, `lm_head`, decoder layers called with the rotary tables and no mask."""
+
+
+def build_hf_stage(module: dict, stage: int, pp: int, checkpointing: str = "none"):
+    """One pipeline stage of a transformers causal LM (`module`: the probe spec's "module" object,
+    validate/workload.HFWorkload), split as torchtitan splits transformers models
+    (`torchtitan/experiments/transformers_modeling_backend/infra/pipeline.py`: the modules of the other stages
+    dropped from the whole model): the token embedding on the first stage, the decoder layers of
+    `stage_layers`, the final norm and the LM head on the last. Every stage makes the rotary tables in its own
+    forward (`<Type>RotaryEmbedding`, as the model's forward does once) and calls each layer with them and no
+    mask: SDPA then runs causal (`integrations/sdpa_attention.py`: `is_causal` when the mask is None), as the
+    whole model's SDPA path does for a batch without padding. Full checkpointing is transformers' own
+    (`activation_checkpointing_enable`, non-reentrant, per decoder layer) and applies to the layers called
+    here (`GradientCheckpointingLayer`)."""
+    from .workload import from_spec
+
+    work = from_spec(module)
+    model = work.build()
+    kind = getattr(model.config, "model_type", None)
+    if kind not in HF_PP_TYPES:
+        raise ValueError(f"pp={pp}: the pipeline probe splits transformers models of type {', '.join(HF_PP_TYPES)}, "
+                         f"not {kind!r}")
+    if work.attention != "sdpa" or model.config._attn_implementation != "sdpa":
+        raise ValueError(f"pp={pp}: the pipeline probe runs SDPA (its layers are called without a mask)")
+    if checkpointing == "full":
+        work.enable_checkpointing(model, work.units(model))
+    base = model.model
+    out = _HFStage(base.embed_tokens if stage == 0 else None, base.rotary_emb,
+                   {str(i): base.layers[i] for i in stage_layers(len(base.layers), pp, stage)},
+                   (base.norm, model.lm_head) if stage == pp - 1 else None)
+    # the loss as transformers computes it, held apart from the module (a wrapper hides module attributes)
+    out.hf_loss = (model.loss_function, int(model.config.vocab_size))
+    return out  # the other stages' modules go with `model`
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_stage_class():
+    """The stage's class, made once torch is imported (this module imports torch inside its functions)."""
+    import torch
+    from torch import nn
+
+    class HFStage(nn.Module):
+        """A pipeline stage of a transformers causal LM (`build_hf_stage`)."""
+
+        def __init__(self, embed, rotary, layers: dict, head):
+            super().__init__()
+            self.first, self.last = embed is not None, head is not None
+            if self.first:
+                self.embed_tokens = embed
+            self.rotary_emb = rotary
+            self.layers = nn.ModuleDict(layers)
+            if self.last:
+                self.norm, self.lm_head = head
+
+        def forward(self, x):
+            if self.first:
+                x = self.embed_tokens(x)
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+            tables = self.rotary_emb(x, positions)
+            for layer in self.layers.values():
+                x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=tables)
+                x = x[0] if isinstance(x, tuple) else x
+            if self.last:
+                x = self.lm_head(self.norm(x))
+            return x
+
+    return HFStage
+
+
+def _HFStage(*args):
+    return _hf_stage_class()(*args)
 
 
 def loss_fn(logits, targets):
@@ -170,8 +246,15 @@ def run(spec: dict) -> dict:
             if mspec.position != "rope":
                 raise ValueError("cp > 1: context parallelism runs the RoPE decoder (learned positions are not sharded)")
             positions = head_tail_indices(s, cp, cp_idx)
-        models = [build_stage(mspec, j, pp * v, train.get("attention", "sdpa"),
-                              train.get("checkpointing", "none"), cp_group, positions) for j in stage_ids]
+        module = spec.get("module")
+        if module:  # a transformers model (validate --hf-config --pp)
+            if cp > 1:
+                raise ValueError("cp > 1: the pipeline probe's context parallelism runs the reference decoder")
+            models = [build_hf_stage(module, j, pp * v, train.get("checkpointing", "none")) for j in stage_ids]
+            hf_loss = models[0].hf_loss
+        else:
+            models = [build_stage(mspec, j, pp * v, train.get("attention", "sdpa"),
+                                  train.get("checkpointing", "none"), cp_group, positions) for j in stage_ids]
         if strategy in ("ddp", "zero1") and spec["schedule"] != "1f1b":
             raise ValueError(f"{strategy} with schedule={spec['schedule']!r}: {DDP_SCHEDULE_ERROR}")
         if strategy in ("ddp", "zero1"):  # each stage of the rank; PipelineStage runs it under no_sync until the last micro-batch
@@ -193,14 +276,18 @@ def run(spec: dict) -> dict:
         # zero1: DDP and ZeroRedundancyOptimizer over the stage's dp x cp ranks
         opt = make_optimizer(model.parameters(), train, zero=strategy == "zero1", group=dp_group)
         stages = [PipelineStage(mod, j, pp * v, device, group=pp_group) for j, mod in zip(stage_ids, models)]
+        lf = loss_fn
+        if module:  # transformers' own loss (`loss_utils.ForCausalLMLoss`: shifted labels, fp32 logits)
+            def lf(logits, labels, _f=hf_loss[0], _v=hf_loss[1]):
+                return _f(logits=logits, labels=labels, vocab_size=_v)
         if interleaved:
             from torch.distributed.pipelining import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
             cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
                    "zbv": ScheduleZBVZeroBubble}[sched_name]
-            schedule = cls(stages, n_microbatches=M, loss_fn=loss_fn)
+            schedule = cls(stages, n_microbatches=M, loss_fn=lf)
         else:
             sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
-            schedule = sched_cls(stages[0], n_microbatches=M, loss_fn=loss_fn)
+            schedule = sched_cls(stages[0], n_microbatches=M, loss_fn=lf)
 
         def phased(fn, phase):
             def call(*a, **k):
@@ -244,6 +331,8 @@ def run(spec: dict) -> dict:
         gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + replica)
         tokens = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
         targets = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
+        if module:  # labels = input ids, as `HFWorkload.loss` gives transformers
+            targets = tokens
         if cp > 1:
             tokens, targets = tokens[:, positions], targets[:, positions]
         first, last = 0 in stage_ids, pp * v - 1 in stage_ids
