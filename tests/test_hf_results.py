@@ -26,6 +26,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "cpu-*-hf.jsonl")))
 
 KNOWN_GAPS = {
+    # Interleaved 1F1B (2 stages per rank) of the transformers Llama, 2 x 256 tokens, 4 micro-batches, alone and
+    # under FSDP2 zero3 (cpu-torch2.13-2026-11-29-pp-hf.jsonl): peak -0.1%, but the walk has one backward
+    # instant per chunk (the last layer's MLP), not the schedule's set, and the measured instant holds one more
+    # n x ffn fp32 MLP tensor of temporaries (-33%); the reference decoder's interleaved probes
+    # (tests/test_pp_probe.py) are not judged on components for the same reason
+    "single/hf:examples/hf/llama-8l.json/w2/pp2-interleaved-1f1b-m4/none/fp32",
+    "zero3/hf:examples/hf/llama-8l.json/w4/pp2-interleaved-1f1b-m4/none/fp32",
     # DDP with eager attention and full checkpointing at 2 x 1024 tokens (cpu-torch2.13-2026-11-28-eager-hf.jsonl):
     # the peak is inside block 0's recompute, at the attention's backward; the trace walk's instant holds block
     # 0's kept input (2 MiB of activations) where the run's holds the MLP's and o_proj's new weight gradients

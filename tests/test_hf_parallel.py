@@ -1,12 +1,14 @@
-"""Tensor parallelism on the transformers models themselves (issue 13 on the models users train): `distplan
-validate --hf-config PATH --tp 2` builds the transformers model, splits it with the plan torchtitan applies to
-transformers models (`validate/tp_probe.parallelize_hf`), keeps transformers' own loss on the vocabulary-sharded
-logits, and judges the analytic front end's prediction of it (the trace does not follow TP); `distplan estimate
---hf-config --tp` picks the analytic front end by itself and says why.
+"""Tensor and pipeline parallelism on the transformers models themselves (issue 13 on the models users train):
+`distplan validate --hf-config PATH --tp 2` builds the transformers model, splits it with the plan torchtitan
+applies to transformers models (`validate/tp_probe.parallelize_hf`), keeps transformers' own loss on the
+vocabulary-sharded logits; `--pp 2` splits it into pipeline stages as torchtitan does
+(`validate/pp_probe.build_hf_stage`), transformers' loss as the schedule's loss_fn. Both are judged against the
+analytic front end's prediction (the trace follows neither); `distplan estimate --hf-config --tp/--pp` picks the
+analytic front end by itself and says why.
 
 The fast tier checks the plumbing (specs, prediction, refusals); the slow tier runs probes on the fake process
-group and gloo. The committed campaign (benchmarks/cpu-tp-hf-plan.yaml, 8 layers at 2 x 1024 tokens) is
-re-predicted with the other transformers results by tests/test_hf_results.py.
+group and gloo. The committed campaigns (benchmarks/cpu-tp-hf-plan.yaml, cpu-pp-hf-plan.yaml) are re-predicted
+with the other transformers results by tests/test_hf_results.py.
 """
 
 from __future__ import annotations
@@ -141,3 +143,68 @@ def test_hf_tp_probes_pass(tmp_path):
         assert cmp["verdict"] == "PASS", (r["id"], cmp["reasons"])
         tp_rows = [x for x in cmp["collectives"]["rows"] if x["group_size"] == 2 and x["op"] == "all_reduce"]
         assert tp_rows and all(x["measured_calls"] > 0 for x in tp_rows), r["id"]
+
+
+# -- pipeline parallelism ---------------------------------------------------------------------------
+
+def test_validate_hf_pp_specs_carry_the_model_and_the_stages(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    specs = _specs(tmp_path, monkeypatch, os.path.join(HF, "llama-8l.json"), "--pp", "2", "--seq-len", "64",
+                   "--micro-batch", "2")
+    assert [s["strategy"] for s in specs] == ["single", "ddp", "zero3"]
+    for s in specs:
+        assert s["pp"] == 2 and s["schedule"] == "1f1b" and s["microbatches"] == 4
+        assert s["module"]["hf_config"].endswith("llama-8l.json") and s["model"]["hf_model_type"] == "llama"
+        assert s["id"].startswith(f"{s['strategy']}/hf:{s['module']['hf_config']}/") and "/pp2-1f1b-m4/" in s["id"]
+    pred = predict_probe(specs[0])  # the pipeline walk: one stage's half of the layers, its send/recv
+    whole = plan(hf_config=os.path.join(HF, "llama-8l.json"), gpus=1, seq_len=64, micro_batch=2, precision="fp32",
+                 strategies=["single"], front_end="analytic").results[0].memory.components["params"]
+    assert pred["memory"]["params"] < 0.6 * whole
+    assert {c["op"] for c in pred["collectives"]} == {"send", "recv"}
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["phi3-8l.json", "--pp", "2", "--cp", "2"], "--cp"),
+    (["gpt2-8l.json", "--pp", "2"], "model_type 'gpt2'"),
+    (["llama-8l.json", "--pp", "2", "--attention", "eager"], "drop --attention eager"),
+    (["qwen2-8l.json", "--pp", "2"], "untied LM head"),
+])
+def test_validate_hf_pp_refuses_what_the_probe_cannot_split(args, needle, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    r = _dry(tmp_path, os.path.join(HF, args[0]), *args[1:], "--seq-len", "64")
+    assert r.exit_code == 2, r.output
+    assert needle in r.output and r.output.count("\n") == 1, r.output
+
+
+@pytest.mark.slow
+def test_hf_pp_probes_pass(tmp_path):
+    """Llama (transformers) at 8 layers in 2 stages, 4 micro-batches of 2 x 64 tokens, on gloo: 1F1B alone and
+    with full checkpointing under DDP over 2 replicas. Peak within 5%, every component within the rule, the
+    point-to-point sends and receives exact."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from distplan.validate import runner
+    specs = []
+
+    def keep(s, *a, **k):
+        specs.extend(s)
+        return []
+    common = ["--hf-config", os.path.join(HF, "llama-8l.json"), "--pp", "2", "--seq-len", "64", "--micro-batch", "2",
+              "--out", str(tmp_path / "x.jsonl")]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(runner, "run_validation", keep)
+    try:
+        for extra in (["--strategy", "single"], ["--strategy", "ddp", "--activation-checkpointing", "full"]):
+            r = CliRunner().invoke(main, ["validate", *common, *extra])
+            assert r.exit_code == 0, r.output
+    finally:
+        mp.undo()
+    assert len(specs) == 2
+    records = runner.run_validation(specs, str(tmp_path / "results.jsonl"), tolerance=0.05, timeout_s=600, jobs=1)
+    for r in records:
+        assert r["status"] == "ok", (r["id"], r["measurement"].get("error"))
+        cmp = r["comparison"]
+        assert cmp["verdict"] == "PASS", (r["id"], cmp["reasons"])
+        assert {x["op"] for x in cmp["collectives"]["rows"]} >= {"send", "recv"}
