@@ -318,8 +318,12 @@ def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) ->
     saved += n * (e * h + 4 * a)  # output and logsumexp
     if mask:
         saved += b * s * s * e  # the bool mask converted to q's dtype, saved by the kernel
-    if m.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient"):
-        saved += n * e * h  # output in q's (B, nh, S, hd) layout: the contiguous copy for o_proj
+    # the output in q's (B, nh, S, hd) layout: `.transpose(1, 2).contiguous()` copies it for o_proj. Phi-3's
+    # concatenating RoPE makes q so; under context parallelism the ring's merged output is a new (B, nh, S, hd)
+    # tensor (see `_attention_saved`)
+    if (m.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient")) or (
+            train._cp_local and train.cp > 1):
+        saved += n * e * h
     return saved
 
 

@@ -796,10 +796,11 @@ def predict_probe(spec: dict) -> dict:
     differ between the two (LayerNorm statistics dtype, autocast's softmax, SDPA's backend) and adds
     the cuBLAS workspaces of the spec's `gpu_name` (the probing machine's GPU) on CUDA.
     """
-    if spec.get("module") and int(spec.get("tp", 1)) == 1 and int(spec.get("pp", 1)) == 1:
-        # a traced model; split by tensor parallelism (validate/tp_probe.parallelize_hf) or into pipeline
-        # stages (validate/pp_probe.build_hf_stage), a transformers model is predicted by the analytic front end
-        # from spec["model"], the config as transformers implements it
+    if spec.get("module") and all(int(spec.get(k, 1)) == 1 for k in ("tp", "pp", "cp")):
+        # a traced model; split by tensor parallelism (validate/tp_probe.parallelize_hf), into pipeline stages
+        # (validate/pp_probe.build_hf_stage) or over context-parallel ranks (validate/cp.hf_context_parallel), a
+        # transformers model is predicted by the analytic front end from spec["model"], the config as
+        # transformers implements it
         from .module_plan import predict_module_probe
         return predict_module_probe(spec)
     if int(spec.get("pp", 1)) > 1:  # a pipeline probe (validate/pp_probe.py): its most loaded rank

@@ -752,6 +752,14 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, every: bool, framewo
         for b, c in counts:
             add("all_reduce", "world", world, gdt, b, c * R, "backward", "bucket")
         add("all_reduce", "world", world, gdt, last, R, "backward", "last_bucket")
+        if model.hf_model_type and model.position == "rope":
+            # DDP broadcasts the module's buffers before each synchronised forward (`_check_sync_bufs_pre_fwd`,
+            # `_broadcast_coalesced`: one message per dtype): a transformers model's rotary embedding keeps
+            # `inv_freq` and `original_inv_freq` (head_dim / 2 each, fp32; the model's dtype once cast to bf16)
+            # as buffers (`<Type>RotaryEmbedding.__init__`), once per optimizer step, or per micro-step when
+            # each one syncs (the trace's `module_plan.module_collectives` counts the same from the module)
+            bdt = _stored_dtype(precision)
+            add("broadcast", "world", world, bdt, model.head_dim * _DTYPE_BYTES[bdt], R, "forward", "buffers")
         if s.family == "zero1":
             sdt = _stored_dtype(precision)
             for n, c in _param_size_counts(model):

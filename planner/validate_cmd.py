@@ -384,7 +384,7 @@ def _build(p: dict, get_hw) -> dict:
                                  param_hint="'--sequence-parallel'")
     hf_tp = None  # --hf-config with --tp or --pp: the transformers model split by torchtitan's plan (TP) or
     # into stages (PP), predicted by the analytic front end
-    if (tp > 1 or pp > 1) and module_spec is not None and "hf_config" in module_spec:
+    if (tp > 1 or pp > 1 or cp > 1) and module_spec is not None and "hf_config" in module_spec:
         hf_tp, module_spec = module_spec, None
     if tp > 1:
         from .tp import TP_STRATEGIES
@@ -424,8 +424,8 @@ def _build(p: dict, get_hw) -> dict:
         strategies = strategies or tuple(s for s in defaults if not (cp > 1 and s == "single"))
     if cp > 1:
         if matrix or module_spec is not None:
-            raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder; drop "
-                                   f"{'--matrix (it has its own cp probes)' if matrix else '--module/--hf-config'}")
+            raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder or a transformers "
+                                   f"model; drop {'--matrix (it has its own cp probes)' if matrix else '--module'}")
         if "single" in strategies:
             raise click.BadParameter(f"single with --cp={cp}: the cp ranks' gradients must be averaged; use a "
                                      f"data-parallel strategy", param_hint="'--strategy'")
@@ -505,7 +505,7 @@ def _build(p: dict, get_hw) -> dict:
                                          "causal mask from the embedding's s / tp tokens; drop one of them",
                                          param_hint="'--sequence-parallel'")
         if cp > 1 and pp == 1:
-            _check_cp(cp, tp, spec_model, train, mode, world, hw)
+            _check_cp(cp, tp, spec_model, train, mode, world, hw, hf=hf_tp is not None)
         for s in strategies:
             if s == "single":
                 # tp ranks: real ones where there are (gloo on CPU, tp GPUs), else the fake group
@@ -523,8 +523,10 @@ def _build(p: dict, get_hw) -> dict:
         model_about = describe_model(spec_model, default=not user_model)
         if hf_tp:
             model_label = (f"{hf_config} (transformers, {hf_tp['layers'] or 'all'} layers) at {micro_batch}x"
-                           f"{train['seq_len']} tokens, split " + ("into pipeline stages" if pp > 1 else
-                                                                    "by torchtitan's tensor-parallel plan")
+                           f"{train['seq_len']} tokens, split " + " and ".join(
+                               x for x, on in (("into pipeline stages", pp > 1),
+                                               ("by torchtitan's tensor-parallel plan", tp > 1),
+                                               ("over context-parallel ranks (ring attention)", cp > 1)) if on)
                            + ", analytic front end")
             model_about = None
         if user_model:
@@ -713,7 +715,8 @@ def _check_pp(pp: int, schedule: str, microbatches, spec_model: dict, train: dic
                                  param_hint="'--pp'")
 
 
-def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world: int, hw: dict) -> None:
+def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world: int, hw: dict,
+              hf: bool = False) -> None:
     """--cp with the reference decoder: a RoPE model, a sequence that 2 x cp divides (the planner's check),
     CPU probes, a world that cp x tp divides."""
     from .config import TrainConfig
@@ -723,6 +726,15 @@ def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world:
         raise click.BadParameter(f"--cp={cp}: the context-parallel probe runs ring attention on the CPU only "
                                  f"(gloo or the fake process group); set CUDA_VISIBLE_DEVICES= to run it here",
                                  param_hint="'--cp'")
+    if hf:
+        from distplan.validate.pp_probe import HF_PP_TYPES
+        kind = spec_model.get("hf_model_type")
+        if kind not in HF_PP_TYPES:
+            raise click.BadParameter(f"--cp={cp}: model_type {kind!r}: the context-parallel probe runs "
+                                     f"{', '.join(HF_PP_TYPES)}", param_hint="'--cp'")
+        if train.get("attention", "sdpa") != "sdpa":
+            raise click.BadParameter(f"--cp={cp}: ring attention replaces transformers' SDPA call; drop --attention "
+                                     f"eager", param_hint="'--cp'")
     if spec_model.get("position", "rope") != "rope":
         raise click.BadParameter(f"--cp={cp}: the context-parallel probe runs RoPE models; {spec_model.get('name')} "
                                  f"has position={spec_model.get('position')!r}", param_hint="'--cp'")

@@ -22,6 +22,8 @@ Known limitation: GPU probes with cp > 1 are not wired (they would use `context_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -65,6 +67,54 @@ def ring_attention(q, k, v, group):
     if q.device.type != "cpu":
         raise NotImplementedError("cp > 1: the probes run ring attention on the CPU only (gloo or fake)")
     return RingAttention.apply(q, k, v, group)
+
+
+def hf_context_parallel(model, group, rank: int, cp: int, seq_len: int) -> None:
+    """Run a transformers causal LM (SDPA) with context parallelism over `group` (rank `rank` of `cp`), as
+    torchtitan's `context_parallel` runs it: each rank keeps the head-tail positions of every sequence
+    (`model.cp_positions`: `HFWorkload.loss` passes them as `position_ids`, so the rotary tables are those of
+    the global positions, and the probe feeds those tokens), and the SDPA call of transformers' attention
+    (`integrations/sdpa_attention.py`, `torch.nn.functional.scaled_dot_product_attention`, causal, no mask,
+    K/V at their own heads with `enable_gqa`) becomes ring attention over the group (`ring_sdpa`), as
+    `context_parallel` swaps SDPA's kernels for `_templated_ring_attention` on CUDA. transformers' mask
+    helpers see positions that do not start at 0 and are not contiguous and would build a mask for packed
+    sequences; the probe's batches are one sequence per row, so `model.cp_context()` tells them so
+    (`masking_utils.find_packed_sequence_indices`: none; `_ignore_causal_mask_sdpa`: causal, no mask) and
+    installs `ring_sdpa` for the forward and backward."""
+    import contextlib
+
+    if model.config._attn_implementation != "sdpa":
+        raise ValueError(f"cp={cp}: the context-parallel probe runs transformers' SDPA attention, not "
+                         f"{model.config._attn_implementation!r}")
+    model.cp_positions = head_tail_indices(seq_len, cp, rank)
+
+    @contextlib.contextmanager
+    def cp_context():
+        import torch.nn.functional as F
+        from transformers import masking_utils
+
+        saved = (F.scaled_dot_product_attention, masking_utils.find_packed_sequence_indices,
+                 masking_utils._ignore_causal_mask_sdpa)
+        F.scaled_dot_product_attention = functools.partial(ring_sdpa, group=group)
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+        masking_utils._ignore_causal_mask_sdpa = lambda *a, **k: True
+        try:
+            yield
+        finally:
+            (F.scaled_dot_product_attention, masking_utils.find_packed_sequence_indices,
+             masking_utils._ignore_causal_mask_sdpa) = saved
+
+    model.cp_context = cp_context
+
+
+def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+              *, group):
+    """`torch.nn.functional.scaled_dot_product_attention` as ring attention over `group`: causal, no mask,
+    no dropout, the default scale (what transformers' SDPA path passes for a decoder's training batch)."""
+    if attn_mask is not None or not is_causal or dropout_p or (scale is not None and
+                                                                abs(scale - query.shape[-1] ** -0.5) > 1e-12):
+        raise ValueError("cp > 1: ring attention runs causal attention without a mask, dropout or a custom scale")
+    return ring_attention(query, key, value, group)
 
 
 SHAPES = ((1, 8, 8, 64, 16, "float32"), (2, 8, 2, 128, 16, "float32"), (1, 8, 8, 64, 16, "bfloat16"),

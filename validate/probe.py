@@ -298,11 +298,14 @@ class Probe:
                 model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
             tp, dp_mesh, dp_world = int(spec.get("tp", 1)), None, self.world_size
             cp, cp_rank = int(spec.get("cp", 1)), 0
+            cp_context = None
             if cp > 1:
-                if module:
-                    raise ValueError("cp: the context-parallel probe runs the reference decoder, not --module")
+                if module and work.kind != "hf":
+                    raise ValueError("cp: the context-parallel probe runs the reference decoder or a transformers "
+                                     "model (--hf-config), not --module")
                 model, dp_mesh, cp_rank = self._context_parallel(model, cp, tp, bool(spec.get("sequence_parallel")),
-                                                                 seq)
+                                                                 seq, hf=bool(module))
+                cp_context = getattr(model, "cp_context", None)  # a transformers model's (validate/cp.py)
                 dp_world = self.world_size // tp  # FSDP/DDP over the flattened (dp, cp) ranks
             elif tp > 1 or spec.get("sequence_parallel"):
                 if module and work.kind != "hf":
@@ -323,6 +326,10 @@ class Probe:
             if module:
                 dtype = torch.bfloat16 if train.get("precision") == "bf16" else torch.float32
                 batches = [work.inputs(torch, dtype, gen, self.device, **extra) for _ in range(accum)]
+                if cp > 1:  # this rank's positions of each sequence (validate/cp.py head_tail_indices)
+                    from .cp import head_tail_indices
+                    keep = head_tail_indices(seq, cp, cp_rank, self.device)
+                    batches = [tuple(x[:, keep].contiguous() for x in b_) for b_ in batches]
             else:
                 batches = [(torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device),
                             torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device))
@@ -335,6 +342,9 @@ class Probe:
             def forward(batch):
                 if not module:
                     return model(*batch)
+                if cp_context is not None:
+                    with cp_context():
+                        return work.loss(model, batch)[0]
                 return work.loss(model, batch)[0]
 
             def step():
@@ -409,7 +419,7 @@ class Probe:
         (parallelize_hf if hf else parallelize_decoder)(model, mesh["tp"], sp)
         return model, mesh["dp"]
 
-    def _context_parallel(self, model, cp: int, tp: int, sp: bool, seq_len: int):
+    def _context_parallel(self, model, cp: int, tp: int, sp: bool, seq_len: int, hf: bool = False):
         """(the model with ring attention over the cp dimension of a (dp, cp, tp) mesh, the mesh FSDP/DDP
         run on, this rank's cp index). torchtitan's order (`ParallelDims.build_mesh`: dp_shard, cp, tp
         from outer to inner) and its FSDP mesh: dp and cp flattened (`dp_shard_cp`), since the cp ranks
@@ -421,12 +431,16 @@ class Probe:
         mesh = init_device_mesh(self.device.type, (self.world_size // (cp * tp), cp, tp),
                                 mesh_dim_names=("dp", "cp", "tp"))
         if tp > 1:
-            from .tp_probe import parallelize_decoder
+            from .tp_probe import parallelize_decoder, parallelize_hf
             if self.spec.get("train", {}).get("precision") == "bf16":
                 model = model.to(__import__("torch").bfloat16)
-            parallelize_decoder(model, mesh["tp"], sp)
+            (parallelize_hf if hf else parallelize_decoder)(model, mesh["tp"], sp)
         cp_rank = mesh["cp"].get_local_rank()
-        model.context_parallel(mesh["cp"].get_group(), cp_rank, cp, seq_len)
+        if hf:
+            from .cp import hf_context_parallel
+            hf_context_parallel(model, mesh["cp"].get_group(), cp_rank, cp, seq_len)
+        else:
+            model.context_parallel(mesh["cp"].get_group(), cp_rank, cp, seq_len)
         dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if tp > 1 else None
         return model, dp_mesh, cp_rank
 

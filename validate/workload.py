@@ -196,7 +196,10 @@ class HFWorkload:
 
     def loss(self, model, inputs):
         kw = {}
-        if getattr(model, "tp_positions", False):
+        positions = getattr(getattr(model, "module", model), "cp_positions", None)  # (DDP/FSDP1: the wrapped)
+        if positions is not None:  # context parallelism (validate/cp.hf_context_parallel): the global positions
+            kw["position_ids"] = positions.to(inputs[0].device)[None]
+        elif getattr(model, "tp_positions", False):
             # sequence parallelism (validate/tp_probe.parallelize_hf): the embedding's output holds s / tp
             # tokens, from which transformers would derive s / tp positions for the rotary tables
             import torch
