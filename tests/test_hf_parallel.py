@@ -1,10 +1,12 @@
-"""Tensor and pipeline parallelism on the transformers models themselves (issue 13 on the models users train):
+"""Tensor, pipeline and context parallelism on the transformers models themselves (issue 13 on the models users
+train):
 `distplan validate --hf-config PATH --tp 2` builds the transformers model, splits it with the plan torchtitan
 applies to transformers models (`validate/tp_probe.parallelize_hf`), keeps transformers' own loss on the
 vocabulary-sharded logits; `--pp 2` splits it into pipeline stages as torchtitan does
-(`validate/pp_probe.build_hf_stage`), transformers' loss as the schedule's loss_fn. Both are judged against the
-analytic front end's prediction (the trace follows neither); `distplan estimate --hf-config --tp/--pp` picks the
-analytic front end by itself and says why.
+(`validate/pp_probe.build_hf_stage`), transformers' loss as the schedule's loss_fn; `--cp 2` makes transformers'
+SDPA call ring attention over the cp group on each rank's head-tail positions (`validate/cp.hf_context_parallel`).
+All are judged against the analytic front end's prediction (the trace follows none); `distplan estimate
+--hf-config --tp/--pp/--cp` picks the analytic front end by itself and says why.
 
 The fast tier checks the plumbing (specs, prediction, refusals); the slow tier runs probes on the fake process
 group and gloo. The committed campaigns (benchmarks/cpu-tp-hf-plan.yaml, cpu-pp-hf-plan.yaml) are re-predicted
@@ -208,3 +210,50 @@ def test_hf_pp_probes_pass(tmp_path):
         cmp = r["comparison"]
         assert cmp["verdict"] == "PASS", (r["id"], cmp["reasons"])
         assert {x["op"] for x in cmp["collectives"]["rows"]} >= {"send", "recv"}
+
+
+# -- context parallelism ----------------------------------------------------------------------------
+
+def test_validate_hf_cp_specs_and_refusals(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    specs = _specs(tmp_path, monkeypatch, os.path.join(HF, "qwen2-8l.json"), "--cp", "2", "--simulate-world-size",
+                   "4", "--seq-len", "64", "--strategy", "zero3,ddp")
+    for s in specs:
+        assert s["cp"] == 2 and s["module"]["hf_config"].endswith("qwen2-8l.json") and "/cp2/" in s["id"]
+        assert s["model"]["hf_model_type"] == "qwen2"  # a tied head is fine for CP
+    rows = {(c["op"], c["group_size"]) for c in predict_probe(specs[0])["collectives"]}
+    assert ("all_gather", 2) in rows  # the ring's K/V all-gather over the cp pair
+    ddp = {(c["op"], c["dtype"], c["message_bytes"]) for c in predict_probe(specs[1])["collectives"]}
+    assert ("broadcast", "float32", specs[1]["model"]["hidden"] // specs[1]["model"]["heads"] * 4) in ddp  # inv_freq x 2
+    for args, needle in ((["gpt2-8l.json", "--cp", "2"], "model_type 'gpt2'"),
+                         (["llama-8l.json", "--cp", "2", "--attention", "eager"], "drop --attention eager")):
+        r = _dry(tmp_path, os.path.join(HF, args[0]), *args[1:], "--seq-len", "64", "--simulate-world-size", "4")
+        assert r.exit_code == 2 and needle in r.output and r.output.count("\n") == 1, r.output
+
+
+@pytest.mark.slow
+def test_hf_cp_probe_on_gloo_passes(tmp_path):
+    """Llama (transformers) at 8 layers, 2 x 128 tokens, cp = 2 on 2 gloo processes under DDP: the ring's
+    all-gathers and all-to-alls executed; peak, components and collectives within the rule."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from distplan.validate import runner
+    specs = []
+
+    def keep(s, *a, **k):
+        specs.extend(s)
+        return []
+    mp = pytest.MonkeyPatch()
+    mp.setattr(runner, "run_validation", keep)
+    try:
+        r = CliRunner().invoke(main, ["validate", "--hf-config", os.path.join(HF, "llama-8l.json"), "--cp", "2",
+                                      "--nproc", "2", "--strategy", "ddp", "--seq-len", "128", "--micro-batch", "2",
+                                      "--steps", "1", "--out", str(tmp_path / "x.jsonl")])
+        assert r.exit_code == 0, r.output
+    finally:
+        mp.undo()
+    (rec,) = runner.run_validation(specs, str(tmp_path / "results.jsonl"), tolerance=0.05, timeout_s=600, jobs=1)
+    assert rec["status"] == "ok", rec["measurement"].get("error")
+    assert rec["comparison"]["verdict"] == "PASS", rec["comparison"]["reasons"]
+    assert {x["op"] for x in rec["comparison"]["collectives"]["rows"]} >= {"all_gather", "all_to_all", "all_reduce"}

@@ -114,6 +114,11 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if attn_mask is not None or not is_causal or dropout_p or (scale is not None and
                                                                 abs(scale - query.shape[-1] ** -0.5) > 1e-12):
         raise ValueError("cp > 1: ring attention runs causal attention without a mask, dropout or a custom scale")
+    if torch.is_autocast_enabled(query.device.type):
+        # what autocast does to SDPA's inputs (CPU and CUDA autocast cast them to the lower precision), which
+        # an autograd Function called directly would not get
+        dt = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (x.to(dt) for x in (query, key, value))
     return ring_attention(query, key, value, group)
 
 

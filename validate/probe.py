@@ -342,14 +342,16 @@ class Probe:
             def forward(batch):
                 if not module:
                     return model(*batch)
-                if cp_context is not None:
-                    with cp_context():
-                        return work.loss(model, batch)[0]
                 return work.loss(model, batch)[0]
+
+            import contextlib
+            # a transformers model under CP: ring attention in place of SDPA through forward and backward (the
+            # recompute of a checkpointed layer runs in backward)
+            cp_scope = cp_context or contextlib.nullcontext
 
             def step():
                 for i, batch in enumerate(batches):
-                    with ctx.sync(sync_every or i == accum - 1), ctx.loss_context():
+                    with ctx.sync(sync_every or i == accum - 1), ctx.loss_context(), cp_scope():
                         tracker.phase = "forward"
                         with ctx.autocast():
                             loss = forward(batch) / accum
