@@ -688,14 +688,8 @@ def _check_pp(pp: int, schedule: str, microbatches, spec_model: dict, train: dic
     from .model import ModelSpec
 
     if hf:
-        from distplan.validate.pp_probe import HF_PP_TYPES
-        kind = spec_model.get("hf_model_type")
-        if kind not in HF_PP_TYPES:
-            raise click.BadParameter(f"--pp={pp}: model_type {kind!r}: the pipeline probe splits "
-                                     f"{', '.join(HF_PP_TYPES)}", param_hint="'--pp'")
-        if train.get("attention", "sdpa") != "sdpa":
-            raise click.BadParameter(f"--pp={pp}: the pipeline probe calls transformers' layers without a mask, "
-                                     f"which only SDPA runs causally; drop --attention eager", param_hint="'--pp'")
+        _check_hf_split(f"--pp={pp}", spec_model, train, "the pipeline probe splits",
+                        "the pipeline probe calls transformers' layers without a mask, which only SDPA runs causally")
 
     if int(hw.get("gpus") or 0):
         raise click.BadParameter(f"--pp={pp}: the pipeline probe runs on the CPU only (gloo); set "
@@ -727,14 +721,8 @@ def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world:
                                  f"(gloo or the fake process group); set CUDA_VISIBLE_DEVICES= to run it here",
                                  param_hint="'--cp'")
     if hf:
-        from distplan.validate.pp_probe import HF_PP_TYPES
-        kind = spec_model.get("hf_model_type")
-        if kind not in HF_PP_TYPES:
-            raise click.BadParameter(f"--cp={cp}: model_type {kind!r}: the context-parallel probe runs "
-                                     f"{', '.join(HF_PP_TYPES)}", param_hint="'--cp'")
-        if train.get("attention", "sdpa") != "sdpa":
-            raise click.BadParameter(f"--cp={cp}: ring attention replaces transformers' SDPA call; drop --attention "
-                                     f"eager", param_hint="'--cp'")
+        _check_hf_split(f"--cp={cp}", spec_model, train, "the context-parallel probe runs",
+                        "ring attention replaces transformers' SDPA call")
     if spec_model.get("position", "rope") != "rope":
         raise click.BadParameter(f"--cp={cp}: the context-parallel probe runs RoPE models; {spec_model.get('name')} "
                                  f"has position={spec_model.get('position')!r}", param_hint="'--cp'")
@@ -746,6 +734,18 @@ def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world:
     if world % (cp * tp):
         raise click.BadParameter(f"--cp={cp} needs a world that cp x tp = {cp * tp} divides, not {world} ({mode}); "
                                  f"set --simulate-world-size or --nproc", param_hint="'--cp'")
+
+
+def _check_hf_split(flag: str, spec_model: dict, train: dict, what: str, why_sdpa: str) -> None:
+    """A transformers model for the pipeline or context-parallel probe: a model type whose modules they know
+    (validate/pp_probe.HF_PP_TYPES), under SDPA (`why_sdpa` says why)."""
+    from distplan.validate.pp_probe import HF_PP_TYPES
+    hint = f"'{flag.split('=')[0]}'"
+    kind = spec_model.get("hf_model_type")
+    if kind not in HF_PP_TYPES:
+        raise click.BadParameter(f"{flag}: model_type {kind!r}: {what} {', '.join(HF_PP_TYPES)}", param_hint=hint)
+    if train.get("attention", "sdpa") != "sdpa":
+        raise click.BadParameter(f"{flag}: {why_sdpa}; drop --attention eager", param_hint=hint)
 
 
 # -- model resolution and fit check -----------------------------------------------------------------

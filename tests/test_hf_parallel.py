@@ -33,24 +33,35 @@ def _dry(tmp_path, *args):
                                      str(tmp_path / "r.jsonl")])
 
 
-def _specs(tmp_path, monkeypatch, *args) -> list[dict]:
-    """The probe specs `validate` would run (captured at the runner, nothing runs)."""
+def _probe_specs(tmp_path, *arg_lists) -> list[dict]:
+    """The specs of `validate` runs, one per argument list (captured at the runner, nothing runs)."""
     from distplan.validate import runner
-    seen = []
+    specs = []
+    mp = pytest.MonkeyPatch()
+    mp.setattr(runner, "run_validation", lambda s, *a, **k: specs.extend(s) or [])
+    try:
+        for args in arg_lists:
+            r = CliRunner().invoke(main, ["validate", *args, "--out", str(tmp_path / "x.jsonl")])
+            assert r.exit_code == 0, r.output
+    finally:
+        mp.undo()
+    return specs
 
-    def fake_run(specs, *a, **k):
-        seen.extend(specs)
-        return []
-    monkeypatch.setattr(runner, "run_validation", fake_run)
-    r = CliRunner().invoke(main, ["validate", "--hf-config", *args, "--out", str(tmp_path / "r.jsonl")])
-    assert seen, r.output
-    return seen
+
+def _run(specs, tmp_path, jobs: int) -> list[dict]:
+    from distplan.validate import runner
+    return runner.run_validation(specs, str(tmp_path / "results.jsonl"), tolerance=0.05, timeout_s=600, jobs=jobs)
 
 
-def test_validate_hf_tp_specs_carry_the_model_and_the_split(tmp_path, monkeypatch):
+def _specs(tmp_path, *args) -> list[dict]:
+    """The probe specs `validate --hf-config ARGS` would run."""
+    return _probe_specs(tmp_path, ["--hf-config", *args])
+
+
+def test_validate_hf_tp_specs_carry_the_model_and_the_split(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    specs = _specs(tmp_path, monkeypatch, os.path.join(HF, "llama-8l.json"), "--tp", "2", "--sequence-parallel",
+    specs = _specs(tmp_path, os.path.join(HF, "llama-8l.json"), "--tp", "2", "--sequence-parallel",
                    "--simulate-world-size", "4", "--seq-len", "64", "--micro-batch", "2", "--precision", "bf16-mixed")
     assert [s["strategy"] for s in specs] == ["single", "zero2", "zero3"]
     for s in specs:
@@ -117,28 +128,14 @@ def test_hf_tp_probes_pass(tmp_path):
     with full checkpointing). Peak within 5%, every component within the rule, every collective exact."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from distplan.validate import runner
-    specs = []
-
-    def keep(s, *a, **k):
-        specs.extend(s)
-        return []
     common = ["--hf-config", os.path.join(HF, "llama-8l.json"), "--tp", "2", "--seq-len", "256", "--micro-batch", "2",
-              "--simulate-world-size", "4", "--steps", "1", "--out", str(tmp_path / "x.jsonl")]
-    mp = pytest.MonkeyPatch()
-    mp.setattr(runner, "run_validation", keep)
-    try:
-        for extra in (["--strategy", "single", "--precision", "fp32"],
-                      ["--strategy", "zero3", "--sequence-parallel", "--precision", "bf16-mixed"],
-                      ["--strategy", "zero3", "--sequence-parallel", "--precision", "fp32",
-                       "--activation-checkpointing", "full"]):
-            r = CliRunner().invoke(main, ["validate", *common, *extra])
-            assert r.exit_code == 0, r.output
-    finally:
-        mp.undo()
+              "--simulate-world-size", "4", "--steps", "1"]
+    specs = _probe_specs(tmp_path, *[common + extra for extra in (
+        ["--strategy", "single", "--precision", "fp32"],
+        ["--strategy", "zero3", "--sequence-parallel", "--precision", "bf16-mixed"],
+        ["--strategy", "zero3", "--sequence-parallel", "--precision", "fp32", "--activation-checkpointing", "full"])])
     assert len(specs) == 3
-    records = runner.run_validation(specs, str(tmp_path / "results.jsonl"), tolerance=0.05, timeout_s=600, jobs=2)
-    for r in records:
+    for r in _run(specs, tmp_path, jobs=2):
         assert r["status"] == "ok", (r["id"], r["measurement"].get("error"))
         cmp = r["comparison"]
         assert abs(cmp["peak"]["error"]) <= 0.05, (r["id"], cmp["peak"])
@@ -149,10 +146,10 @@ def test_hf_tp_probes_pass(tmp_path):
 
 # -- pipeline parallelism ---------------------------------------------------------------------------
 
-def test_validate_hf_pp_specs_carry_the_model_and_the_stages(tmp_path, monkeypatch):
+def test_validate_hf_pp_specs_carry_the_model_and_the_stages(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    specs = _specs(tmp_path, monkeypatch, os.path.join(HF, "llama-8l.json"), "--pp", "2", "--seq-len", "64",
+    specs = _specs(tmp_path, os.path.join(HF, "llama-8l.json"), "--pp", "2", "--seq-len", "64",
                    "--micro-batch", "2")
     assert [s["strategy"] for s in specs] == ["single", "ddp", "zero3"]
     for s in specs:
@@ -187,25 +184,11 @@ def test_hf_pp_probes_pass(tmp_path):
     point-to-point sends and receives exact."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from distplan.validate import runner
-    specs = []
-
-    def keep(s, *a, **k):
-        specs.extend(s)
-        return []
-    common = ["--hf-config", os.path.join(HF, "llama-8l.json"), "--pp", "2", "--seq-len", "64", "--micro-batch", "2",
-              "--out", str(tmp_path / "x.jsonl")]
-    mp = pytest.MonkeyPatch()
-    mp.setattr(runner, "run_validation", keep)
-    try:
-        for extra in (["--strategy", "single"], ["--strategy", "ddp", "--activation-checkpointing", "full"]):
-            r = CliRunner().invoke(main, ["validate", *common, *extra])
-            assert r.exit_code == 0, r.output
-    finally:
-        mp.undo()
+    common = ["--hf-config", os.path.join(HF, "llama-8l.json"), "--pp", "2", "--seq-len", "64", "--micro-batch", "2"]
+    specs = _probe_specs(tmp_path, common + ["--strategy", "single"],
+                         common + ["--strategy", "ddp", "--activation-checkpointing", "full"])
     assert len(specs) == 2
-    records = runner.run_validation(specs, str(tmp_path / "results.jsonl"), tolerance=0.05, timeout_s=600, jobs=1)
-    for r in records:
+    for r in _run(specs, tmp_path, jobs=1):
         assert r["status"] == "ok", (r["id"], r["measurement"].get("error"))
         cmp = r["comparison"]
         assert cmp["verdict"] == "PASS", (r["id"], cmp["reasons"])
@@ -214,10 +197,10 @@ def test_hf_pp_probes_pass(tmp_path):
 
 # -- context parallelism ----------------------------------------------------------------------------
 
-def test_validate_hf_cp_specs_and_refusals(tmp_path, monkeypatch):
+def test_validate_hf_cp_specs_and_refusals(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    specs = _specs(tmp_path, monkeypatch, os.path.join(HF, "qwen2-8l.json"), "--cp", "2", "--simulate-world-size",
+    specs = _specs(tmp_path, os.path.join(HF, "qwen2-8l.json"), "--cp", "2", "--simulate-world-size",
                    "4", "--seq-len", "64", "--strategy", "zero3,ddp")
     for s in specs:
         assert s["cp"] == 2 and s["module"]["hf_config"].endswith("qwen2-8l.json") and "/cp2/" in s["id"]
@@ -238,22 +221,9 @@ def test_hf_cp_probe_on_gloo_passes(tmp_path):
     all-gathers and all-to-alls executed; peak, components and collectives within the rule."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from distplan.validate import runner
-    specs = []
-
-    def keep(s, *a, **k):
-        specs.extend(s)
-        return []
-    mp = pytest.MonkeyPatch()
-    mp.setattr(runner, "run_validation", keep)
-    try:
-        r = CliRunner().invoke(main, ["validate", "--hf-config", os.path.join(HF, "llama-8l.json"), "--cp", "2",
-                                      "--nproc", "2", "--strategy", "ddp", "--seq-len", "128", "--micro-batch", "2",
-                                      "--steps", "1", "--out", str(tmp_path / "x.jsonl")])
-        assert r.exit_code == 0, r.output
-    finally:
-        mp.undo()
-    (rec,) = runner.run_validation(specs, str(tmp_path / "results.jsonl"), tolerance=0.05, timeout_s=600, jobs=1)
+    specs = _probe_specs(tmp_path, ["--hf-config", os.path.join(HF, "llama-8l.json"), "--cp", "2", "--nproc", "2",
+                                    "--strategy", "ddp", "--seq-len", "128", "--micro-batch", "2", "--steps", "1"])
+    (rec,) = _run(specs, tmp_path, jobs=1)
     assert rec["status"] == "ok", rec["measurement"].get("error")
     assert rec["comparison"]["verdict"] == "PASS", rec["comparison"]["reasons"]
     assert {x["op"] for x in rec["comparison"]["collectives"]["rows"]} >= {"all_gather", "all_to_all", "all_reduce"}

@@ -126,26 +126,34 @@ def run_case(case: dict) -> dict:
             "local_out_shape": list(out.shape)}
 
 
+def _root_plan(embedding: str, norm: str, head: str, sp: bool) -> dict:
+    """torchtitan's plan outside the blocks: the token embedding `RowwiseParallel` (output Shard(1) with SP,
+    else Replicate), the final norm `SequenceParallel` (with SP), the LM head `ColwiseParallel` with its
+    output kept a DTensor sharded over the vocabulary (loss parallel)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    seq = Shard(1) if sp else Replicate()
+    plan = {embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            head: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    if sp:
+        plan[norm] = SequenceParallel()
+    return plan
+
+
 def parallelize_decoder(model, mesh, sp: bool):
     """Split the reference decoder (`validate.model.Decoder`, RoPE, untied head) over the 1-D tensor-parallel
     `mesh` in place, as torchtitan's `apply_tp` does: the token embedding `RowwiseParallel` (input
     Replicate, output Shard(1) with SP, else Replicate), the final norm `SequenceParallel` (with SP), the
     LM head `ColwiseParallel` (output Shard(-1), kept a DTensor: loss parallel), each block by `_plan`,
     the attention's head counts divided by tp (torchtitan's Attention views with -1 heads)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import parallelize_module
 
     spec, t = model.spec, mesh.size()
     if spec.position != "rope" or spec.tie_embeddings:
         raise ValueError(f"tp={t}: the tensor-parallel probe runs RoPE models with an untied LM head "
                          f"(position={spec.position!r}, tie_embeddings={spec.tie_embeddings})")
-    seq = Shard(1) if sp else Replicate()
-    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-           "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
-    if sp:
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, mesh, top)
+    parallelize_module(model, mesh, _root_plan("tok_embeddings", "norm", "output", sp))
     for block in model.layers:
         parallelize_module(block, mesh, _plan(block, sp))
         block.attn.heads //= t
@@ -188,11 +196,7 @@ def parallelize_hf(model, mesh, sp: bool):
         raise ValueError(f"tp={t}: the tensor-parallel probe runs models with an untied LM head "
                          f"(tie_word_embeddings is true in this config)")
     seq = Shard(1) if sp else Replicate()
-    top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-           "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
-    if sp:
-        top["model.norm"] = SequenceParallel()
-    parallelize_module(model, mesh, top)
+    parallelize_module(model, mesh, _root_plan("model.embed_tokens", "model.norm", "lm_head", sp))
     for layer in model.model.layers:
         plan = {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()}),
