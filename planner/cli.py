@@ -244,18 +244,12 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
         from .hf_config import load_hf_config
         load_hf_config(kw["hf_config"])
     if kw.get("module") or use_trace(kw):
-        if (kw.get("pp") or 1) > 1:
-            raise ValueError(f"--pp={kw.get('pp')}: pipeline parallelism is modelled by the analytic front end "
-                             f"only; with --hf-config drop --front-end trace (auto picks the analytic front end for it; --module: not supported)")
-        if kw.get("checkpoint") or kw.get("storage_gbps") is not None:
-            raise ValueError(f"--checkpoint={kw.get('checkpoint')}: the checkpoint save is modelled by the analytic "
-                             f"front end only; with --hf-config drop --front-end trace (auto picks the analytic front end for it; --module: not supported)")
-        if (kw.get("tp") or 1) > 1 or kw.get("sequence_parallel"):
-            raise ValueError(f"--tp={kw.get('tp') or 1}: tensor parallelism is modelled by the analytic front end "
-                             f"only; with --hf-config drop --front-end trace (auto picks the analytic front end for it; --module: not supported)")
-        if (kw.get("cp") or 1) > 1:
-            raise ValueError(f"--cp={kw.get('cp')}: context parallelism is modelled by the analytic front end "
-                             f"only; with --hf-config drop --front-end trace (auto picks the analytic front end for it; --module: not supported)")
+        flag = analytic_only(kw)
+        if flag:
+            what = {"--tp": "tensor parallelism", "--pp": "pipeline parallelism", "--cp": "context parallelism",
+                    "--checkpoint": "the checkpoint save"}[flag.split("=")[0]]
+            raise ValueError(f"{flag}: {what} is modelled by the analytic front end only; with --hf-config drop "
+                             f"--front-end trace (auto picks the analytic front end for it; --module: not supported)")
         from .module_plan import module_spec_plan
         return module_spec_plan(kw, strategies)
     overrides = {k: kw.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",

@@ -39,8 +39,9 @@ exponentials, `_nll_loss_forward` the target's logit through `_MaskPartial._redu
 
 With SP the replicated norm weights (and LayerNorm biases) get Partial gradients: the weight's
 gradient sums over the sequence dimension, which is sharded, and DTensor keeps the Partial placement
-on `.grad` (AccumulateGrad does not redistribute). Qwen3's q_norm/k_norm weights (head_dim each, 2 per layer) are such replicated weights with or without SP.
-Where they are all-reduced depends on who reads them:
+on `.grad` (AccumulateGrad does not redistribute). Qwen3's q_norm/k_norm weights (head_dim each, 2 per
+layer) are such replicated weights with or without SP. Where they are all-reduced depends on who reads
+them:
 - `single` (no data parallelism): torch.optim's AdamW/Adam read each gradient in three DTensor ops
   (`optim/adam.py` `_multi_tensor_adam`: `_foreach_lerp_(exp_avgs, grads)` and
   `_foreach_addcmul_(exp_avg_sqs, grads, grads)`; `_single_tensor_adam` the same `lerp_` and
