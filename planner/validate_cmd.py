@@ -660,11 +660,8 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
             raise click.BadParameter(f"--tp={tp}: model_type {kind!r}: the tensor-parallel probe splits "
                                      f"{', '.join(HF_TP_TYPES)} (separate q/k/v and gate/up projections)",
                                      param_hint="'--tp'")
-        if spec_model.get("tie_embeddings"):
-            raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe splits models with an untied LM head; "
-                                     f"this config ties it (tie_word_embeddings)", param_hint="'--tp'")
 
-    if spec_model.get("position", "rope") != "rope" or spec_model.get("tie_embeddings"):
+    if spec_model.get("position", "rope") != "rope" or (spec_model.get("tie_embeddings") and not hf):
         raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe runs RoPE models with an untied LM head; "
                                  f"{spec_model.get('name')} has position={spec_model.get('position')!r}, "
                                  f"tie_embeddings={spec_model.get('tie_embeddings')}", param_hint="'--tp'")

@@ -85,7 +85,6 @@ def test_validate_hf_tp_specs_carry_the_model_and_the_split(tmp_path):
 
 
 @pytest.mark.parametrize("config, needle", [
-    ("qwen2-8l.json", "untied LM head"),  # tie_word_embeddings: true
     ("phi3-8l.json", "model_type 'phi3'"),  # fused qkv_proj / gate_up_proj
     ("gpt2-8l.json", "model_type 'gpt2'"),  # Conv1D c_attn
 ])
@@ -95,6 +94,16 @@ def test_validate_hf_tp_refuses_what_the_probe_cannot_split(config, needle, tmp_
     r = _dry(tmp_path, os.path.join(HF, config), "--tp", "2", "--simulate-world-size", "4", "--seq-len", "64")
     assert r.exit_code == 2, r.output
     assert needle in r.output and r.output.count("\n") == 1, r.output
+
+
+def test_validate_hf_tp_splits_a_tied_head(tmp_path):
+    """A tied head (Qwen2's small models, Llama-3.2): the embedding and the LM head stay one parameter, a
+    Shard(0) DTensor over the vocabulary (validate/tp_probe.parallelize_hf ties them again after the split)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    specs = _specs(tmp_path, os.path.join(HF, "qwen2-8l.json"), "--tp", "2", "--simulate-world-size", "4",
+                   "--seq-len", "64", "--strategy", "zero3")
+    assert specs[0]["model"]["tie_embeddings"] and specs[0]["tp"] == 2
 
 
 def test_validate_hf_tp_refuses_eager_attention_with_sequence_parallelism(tmp_path):

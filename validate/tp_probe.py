@@ -169,7 +169,7 @@ column split), pre-norms only (Gemma-2's sandwich norms are not in torchtitan's 
 
 
 def parallelize_hf(model, mesh, sp: bool):
-    """Split a transformers causal LM (`HF_TP_TYPES`, untied head) over the 1-D tensor-parallel `mesh` in
+    """Split a transformers causal LM (`HF_TP_TYPES`, tied head or not) over the 1-D tensor-parallel `mesh` in
     place, with the plan torchtitan applies to transformers models
     (`torchtitan/experiments/transformers_modeling_backend/infra/parallelize.py`, `apply_non_moe_tp`): the
     token embedding `RowwiseParallel` (output Shard(1) with SP, else Replicate), the final norm
@@ -192,9 +192,7 @@ def parallelize_hf(model, mesh, sp: bool):
     if kind not in HF_TP_TYPES:
         raise ValueError(f"tp={t}: the tensor-parallel probe splits transformers models of type "
                          f"{', '.join(HF_TP_TYPES)}, not {kind!r}")
-    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
-        raise ValueError(f"tp={t}: the tensor-parallel probe runs models with an untied LM head "
-                         f"(tie_word_embeddings is true in this config)")
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     seq = Shard(1) if sp else Replicate()
     parallelize_module(model, mesh, _root_plan("model.embed_tokens", "model.norm", "lm_head", sp))
     for layer in model.model.layers:
@@ -211,6 +209,10 @@ def parallelize_hf(model, mesh, sp: bool):
             plan.update({"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                          "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
         parallelize_module(layer, mesh, plan)
+    if tied:
+        # `parallelize_module` gave the embedding and the head a DTensor each; both are Shard(0) over the
+        # vocabulary, so the head takes the embedding's again, as `tie_weights` had it
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.loss_parallel = True
     model.tp_positions = sp
     return model
