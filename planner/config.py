@@ -131,6 +131,17 @@ def fsdp2_reduce_keeps_last_grad(train: "TrainConfig") -> bool:
     return torch_release(train.torch_version) < (2, 15)
 
 
+def fsdp2_grads_in_reduce_dtype(train: "TrainConfig") -> bool:
+    """Whether FSDP2 makes its unsharded gradients in `reduce_dtype` under mixed precision. From torch 2.15
+    `FSDPParam.init_unsharded_param` sets `self._unsharded_param.grad_dtype = self.unsharded_grad_dtype`
+    (the reduce dtype when set; torch/distributed/fsdp/_fully_shard/_fsdp_param.py), so AccumulateGrad
+    casts each gradient to fp32 as it lands; through 2.14 they stay in param_dtype until the reduce
+    (measured: the TP norms' Partial gradients of transformers Llama and Qwen3 under FSDP2 bf16 mixed
+    precision are all-reduced in fp32 on 2.15, in bf16 on 2.13,
+    benchmarks/results/cpu-torch2.15-2026-11-29-parallel-hf.jsonl)."""
+    return torch_release(train.torch_version) >= (2, 15)
+
+
 def _choice(name: str, value: str, accepted: tuple) -> None:
     if not isinstance(value, str) or value not in accepted:
         raise ValueError(f"{name}={short_repr(value)}: accepted values are {', '.join(accepted)}")

@@ -59,7 +59,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from .config import Cluster, TrainConfig, check_tp, checkpoint_every
+from .config import Cluster, TrainConfig, check_tp, checkpoint_every, fsdp2_grads_in_reduce_dtype
 from .model import TPRankSpec
 
 TP_STRATEGIES = ("single", "zero2", "zero3")
@@ -147,7 +147,8 @@ def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
         # pure bf16
         regime = regime_for(train, family)
         gdt = "float32" if regime in ("fp32", "autocast") else _HALF[train.precision]
-        if family != "single" and train.grad_accum > 1:  # accumulated in reduce_dtype (fp32), still Partial
+        if family != "single" and (train.grad_accum > 1 or fsdp2_grads_in_reduce_dtype(train)):
+            # accumulated in reduce_dtype (fp32), still Partial; from torch 2.15 made in it
             gdt = "float32" if train.precision != "bf16" else gdt
         for count, elems in replicated:
             if family == "single":

@@ -79,6 +79,25 @@ KNOWN_GAPS = {
     # its parameters.
     "zero3/hf:tests/data/hf/phi-3-mini.json/w8-fake/none/fp32/accum2-last",
 }
+KNOWN_GAPS_215 = {
+    # Pipeline stages on torch 2.15 (cpu-torch2.15-2026-11-29-parallel-hf.jsonl: the transformers Llama, 1F1B, alone
+    # and under DDP / FSDP2 over 2 replicas): torch 2.15 rewrote PipelineStage's receive buffers
+    # (torch/distributed/pipelining/_recv_buffers.py: allocated right before each irecv and handed to the
+    # computation by `take_buffer`, so a received activation lives as the stage's input until its micro-batch's
+    # backward), where 2.13 allocates one per micro-batch at the first step and keeps them between steps, as the
+    # stage walk (planner/pp.py) counts them: comm buffers over by 2-3 MiB here, peaks +1.3% to +2.2% (the safe
+    # side). The same probes on torch 2.13 are exact.
+    "single/hf:examples/hf/llama-8l.json/w2/pp2-1f1b-m4/none/fp32",
+    "ddp/hf:examples/hf/llama-8l.json/w4/pp2-1f1b-m4/none/fp32",
+    "zero3/hf:examples/hf/llama-8l.json/w4/pp2-1f1b-m4/none/fp32",
+}
+"""Known gaps of the records made on torch 2.15 and later only (their ids pass on 2.13)."""
+
+
+def _known_gap(r) -> bool:
+    return r["id"] in KNOWN_GAPS or (r["id"] in KNOWN_GAPS_215 and torch_release(r["torch_version"]) >= (2, 15))
+
+
 # Closed on 2026-11-27: FSDP1 in fp32 with a tied 64k-vocabulary head (gemma2-vocab64k-2l, fsdp and
 # fsdp-grad-op), where the walk's root concatenation counted the tied head's and the embedding's gradients
 # beside the view gradient they are summed into, and peaked there instead of at the embedding's backward
@@ -139,10 +158,10 @@ def test_collectives_exact(repredicted):
 
 def test_every_component_passes_but_the_known_gaps(repredicted):
     # ids repeat across files (the same strategy and config at another sequence length): judged per record
-    bad = {r["id"]: c["verdict"] for r, c in repredicted if c["verdict"] != "PASS" and r["id"] not in KNOWN_GAPS}
+    bad = {r["id"]: c["verdict"] for r, c in repredicted if c["verdict"] != "PASS" and not _known_gap(r)}
     assert not bad, bad
     failing = {r["id"] for r, c in repredicted if c["verdict"] == "FAIL"}
-    closed = sorted(i for i in KNOWN_GAPS if i not in failing)
+    closed = sorted(i for i in KNOWN_GAPS | KNOWN_GAPS_215 if i not in failing)
     assert not closed, f"a known gap closed: drop it: {closed}"
 
 
