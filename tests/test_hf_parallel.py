@@ -72,10 +72,11 @@ def test_validate_hf_tp_specs_carry_the_model_and_the_split(tmp_path):
     # predicted by the analytic front end: the TP group's collectives (loss parallel's three all-reduces of
     # the b x s fp32 maxima / sums / target logits) beside FSDP2's
     n, h = 2 * 64, s["model"]["hidden"]
-    pred = predict_probe(specs[2])
+    pred = predict_probe(dict(specs[2], torch_version="2.13"))
     rows = {(c["op"], c["group_size"], c["dtype"], c["message_bytes"]): c["calls"] for c in pred["collectives"]}
     assert rows[("all_reduce", 2, "float32", n * 4)] == 3
-    # SP: the norm weights' Partial gradients, all-reduced once each before FSDP2's reduce-scatter (bf16)
+    # SP: the norm weights' Partial gradients, all-reduced once each before FSDP2's reduce-scatter (bf16 through
+    # torch 2.14, fp32 from 2.15: config.fsdp2_grads_in_reduce_dtype)
     assert rows[("all_reduce", 2, "bfloat16", h * 2)] == 2 * 8 + 1
     assert rows[("all_gather", 2, "bfloat16", n * h * 2)] and rows[("reduce_scatter", 2, "bfloat16", n * h * 2)]
     # the same numbers as the public API's plan of that config

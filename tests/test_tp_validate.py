@@ -53,8 +53,11 @@ def test_spec_and_prediction_carry_tensor_parallelism():
     assert plain == {("all_reduce", "float32", n * 4): 3, ("all_reduce", "float32", n * h * 4): 4 * L + 2}
     # FSDP2 on the dp dimension: its own collectives besides the TP group's; norm gradients all-reduced
     # once each, in the unsharded parameter's dtype (bf16 under FSDP2 mixed precision)
-    z3 = _tp_calls(predict_probe(_spec("zero3", "fake", 4, True, "bf16-mixed")))
+    z3 = _tp_calls(predict_probe(dict(_spec("zero3", "fake", 4, True, "bf16-mixed"), torch_version="2.13")))
     assert z3[("all_reduce", "bfloat16", h * 2)] == 2 * L + 1
+    # torch 2.15's FSDP2 makes the gradients in reduce_dtype (config.fsdp2_grads_in_reduce_dtype): fp32
+    z3_215 = _tp_calls(predict_probe(dict(_spec("zero3", "fake", 4, True, "bf16-mixed"), torch_version="2.15")))
+    assert z3_215[("all_reduce", "float32", h * 4)] == 2 * L + 1 and ("all_reduce", "bfloat16", h * 2) not in z3_215
     assert any(op == "reduce_scatter" and b != n * h * 4 for op, _, b in z3)
 
 
