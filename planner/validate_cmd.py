@@ -382,8 +382,8 @@ def _build(p: dict, get_hw) -> dict:
     if sequence_parallel and tp == 1:
         raise click.BadParameter("needs --tp > 1 (it shards along the tensor-parallel group)",
                                  param_hint="'--sequence-parallel'")
-    hf_tp = None  # --hf-config with --tp or --pp: the transformers model split by torchtitan's plan (TP) or
-    # into stages (PP), predicted by the analytic front end
+    hf_tp = None  # --hf-config with --tp, --pp or --cp: the transformers model split by torchtitan's plan (TP),
+    # into stages (PP) or over ring-attention ranks (CP), predicted by the analytic front end
     if (tp > 1 or pp > 1 or cp > 1) and module_spec is not None and "hf_config" in module_spec:
         hf_tp, module_spec = module_spec, None
     if tp > 1:
@@ -648,7 +648,8 @@ def _plan_groups(ctx, plan_path: str, given: dict, get_hw) -> list[dict]:
 def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, world: int, hw: dict,
               hf: bool = False) -> None:
     """--tp with the reference decoder or a transformers model (`hf`: a type the probe splits,
-    validate/tp_probe.HF_TP_TYPES): a RoPE model with an untied head whose heads, kv heads and MLP
+    validate/tp_probe.HF_TP_TYPES, tied head or not): a RoPE model (the reference decoder: with an untied
+    head) whose heads, kv heads and MLP
     width tp divides (the planner's check, named by flag), a world that tp divides for zero2/zero3."""
     from .config import TrainConfig
     from .model import ModelSpec
