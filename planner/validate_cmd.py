@@ -649,8 +649,8 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
               hf: bool = False) -> None:
     """--tp with the reference decoder or a transformers model (`hf`: a type the probe splits,
     validate/tp_probe.HF_TP_TYPES, tied head or not): a RoPE model (the reference decoder: with an untied
-    head) whose heads, kv heads and MLP
-    width tp divides (the planner's check, named by flag), a world that tp divides for zero2/zero3."""
+    head) whose heads, kv heads and MLP width tp divides (the planner's check, named by flag), a world that tp
+    divides for zero2/zero3."""
     from .config import TrainConfig
     from .model import ModelSpec
 
