@@ -382,10 +382,10 @@ def _build(p: dict, get_hw) -> dict:
     if sequence_parallel and tp == 1:
         raise click.BadParameter("needs --tp > 1 (it shards along the tensor-parallel group)",
                                  param_hint="'--sequence-parallel'")
-    hf_tp = None  # --hf-config with --tp, --pp or --cp: the transformers model split by torchtitan's plan (TP),
+    hf_split = None  # --hf-config with --tp, --pp or --cp: the transformers model split by torchtitan's plan (TP),
     # into stages (PP) or over ring-attention ranks (CP), predicted by the analytic front end
     if (tp > 1 or pp > 1 or cp > 1) and module_spec is not None and "hf_config" in module_spec:
-        hf_tp, module_spec = module_spec, None
+        hf_split, module_spec = module_spec, None
     if tp > 1:
         from .tp import TP_STRATEGIES
         if matrix or module_spec is not None:
@@ -405,7 +405,7 @@ def _build(p: dict, get_hw) -> dict:
             raise click.UsageError(f"--pp={pp}: the pipeline probe runs the reference decoder or a transformers "
                                    f"model alone; drop " + ("--matrix (it has its own pp probes)" if matrix else
                                                             "--module" if module_spec is not None else "--tp"))
-        if hf_tp and cp > 1:
+        if hf_split and cp > 1:
             raise click.UsageError(f"--pp={pp} with --cp={cp}: the pipeline probe's context parallelism runs the "
                                    f"reference decoder; drop --hf-config or --cp")
         if cp > 1 and "single" in strategies:
@@ -470,7 +470,7 @@ def _build(p: dict, get_hw) -> dict:
                        f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
                        f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
     else:
-        spec_model = _resolve_model(model, params, hf_config, overrides, device, implementation=hf_tp is not None)
+        spec_model = _resolve_model(model, params, hf_config, overrides, device, implementation=hf_split is not None)
         if precision is None:
             precision = mx.matrix_precisions(hw)[0]
         if precision in ("bf16-mixed", "bf16") and device == "gpu" and not hw.get("bf16", True):
@@ -484,28 +484,28 @@ def _build(p: dict, get_hw) -> dict:
                                      f"learned positions", param_hint="'--seq-len'")
         specs = []
         if pp > 1:
-            _check_pp(pp, pp_schedule, pp_microbatches, spec_model, train, hw, hf=hf_tp is not None)
+            _check_pp(pp, pp_schedule, pp_microbatches, spec_model, train, hw, hf=hf_split is not None)
             if cp > 1:
                 _check_cp(cp, 1, spec_model, train, "cpu", pp * cp, hw)
             for s in strategies:
                 specs.append(mx.pp_spec(s, spec_model, pp, pp_schedule, pp_microbatches or 2 * pp,
                                         dp=2 if s != "single" and cp == 1 else 1, cp=cp, checkpointing=checkpointing,
                                         seq_len=train["seq_len"], micro_batch=micro_batch))
-                if hf_tp:
-                    name = f"hf:{hf_tp['hf_config']}"
+                if hf_split:
+                    name = f"hf:{hf_split['hf_config']}"
                     specs[-1]["id"] = specs[-1]["id"].replace(f"/{spec_model['name']}/", f"/{name}/", 1)
                     specs[-1]["model"]["name"] = name
-                    specs[-1]["module"] = dict(hf_tp, seq_len=train["seq_len"], micro_batch=micro_batch)
+                    specs[-1]["module"] = dict(hf_split, seq_len=train["seq_len"], micro_batch=micro_batch)
             strategies = ()
         if tp > 1:
-            _check_tp(tp, spec_model, train, strategies, mode, world, hw, hf=hf_tp is not None)
-            if hf_tp and sequence_parallel and attention == "eager":
+            _check_tp(tp, spec_model, train, strategies, mode, world, hw, hf=hf_split is not None)
+            if hf_split and sequence_parallel and attention == "eager":
                 # transformers sizes its materialized causal mask by the embedding output, s / tp tokens
-                raise click.BadParameter("--attention eager with --sequence-parallel: transformers builds the eager "
-                                         "causal mask from the embedding's s / tp tokens; drop one of them",
+                raise click.BadParameter("--attention eager with --sequence-parallel: the eager mask is s/tp long; "
+                                         "drop one",
                                          param_hint="'--sequence-parallel'")
         if cp > 1 and pp == 1:
-            _check_cp(cp, tp, spec_model, train, mode, world, hw, hf=hf_tp is not None)
+            _check_cp(cp, tp, spec_model, train, mode, world, hw, hf=hf_split is not None)
         for s in strategies:
             if s == "single":
                 # tp ranks: real ones where there are (gloo on CPU, tp GPUs), else the fake group
@@ -515,14 +515,14 @@ def _build(p: dict, get_hw) -> dict:
                 m, w = mode, world
             specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, tp=tp,
                                       sequence_parallel=sequence_parallel, cp=cp, **train,
-                                      model_name=f"hf:{hf_tp['hf_config']}" if hf_tp else None))
-            if hf_tp:
-                specs[-1]["module"] = dict(hf_tp, seq_len=train["seq_len"], micro_batch=micro_batch,
+                                      model_name=f"hf:{hf_split['hf_config']}" if hf_split else None))
+            if hf_split:
+                specs[-1]["module"] = dict(hf_split, seq_len=train["seq_len"], micro_batch=micro_batch,
                                            **({"attention": attention} if attention != "sdpa" else {}))
         model_label = spec_model["name"]
         model_about = describe_model(spec_model, default=not user_model)
-        if hf_tp:
-            model_label = (f"{hf_config} (transformers, {hf_tp['layers'] or 'all'} layers) at {micro_batch}x"
+        if hf_split:
+            model_label = (f"{hf_config} (transformers, {hf_split['layers'] or 'all'} layers) at {micro_batch}x"
                            f"{train['seq_len']} tokens, split " + " and ".join(
                                x for x, on in (("into pipeline stages", pp > 1),
                                                ("by torchtitan's tensor-parallel plan", tp > 1),
@@ -656,11 +656,8 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
 
     if hf:
         from distplan.validate.tp_probe import HF_TP_TYPES
-        kind = spec_model.get("hf_model_type")
-        if kind not in HF_TP_TYPES:
-            raise click.BadParameter(f"--tp={tp}: model_type {kind!r}: the tensor-parallel probe splits "
-                                     f"{', '.join(HF_TP_TYPES)} (separate q/k/v and gate/up projections)",
-                                     param_hint="'--tp'")
+        _check_hf_split(f"--tp={tp}", spec_model, train, "the tensor-parallel probe splits", None, HF_TP_TYPES,
+                        " (separate q/k/v and gate/up projections)")
 
     if spec_model.get("position", "rope") != "rope" or (spec_model.get("tie_embeddings") and not hf):
         raise click.BadParameter(f"--tp={tp}: the tensor-parallel probe runs RoPE models with an untied LM head; "
@@ -734,15 +731,18 @@ def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world:
                                  f"set --simulate-world-size or --nproc", param_hint="'--cp'")
 
 
-def _check_hf_split(flag: str, spec_model: dict, train: dict, what: str, why_sdpa: str) -> None:
-    """A transformers model for the pipeline or context-parallel probe: a model type whose modules they know
-    (validate/pp_probe.HF_PP_TYPES), under SDPA (`why_sdpa` says why)."""
-    from distplan.validate.pp_probe import HF_PP_TYPES
+def _check_hf_split(flag: str, spec_model: dict, train: dict, what: str, why_sdpa: str | None,
+                    types: tuple | None = None, why_types: str = "") -> None:
+    """A transformers model for the tensor-parallel, pipeline or context-parallel probe: a model type whose
+    modules it knows (`types`; default validate/pp_probe.HF_PP_TYPES), and under SDPA where `why_sdpa` says
+    why it must be."""
+    if types is None:
+        from distplan.validate.pp_probe import HF_PP_TYPES as types
     hint = f"'{flag.split('=')[0]}'"
     kind = spec_model.get("hf_model_type")
-    if kind not in HF_PP_TYPES:
-        raise click.BadParameter(f"{flag}: model_type {kind!r}: {what} {', '.join(HF_PP_TYPES)}", param_hint=hint)
-    if train.get("attention", "sdpa") != "sdpa":
+    if kind not in types:
+        raise click.BadParameter(f"{flag}: model_type {kind!r}: {what} {', '.join(types)}{why_types}", param_hint=hint)
+    if why_sdpa and train.get("attention", "sdpa") != "sdpa":
         raise click.BadParameter(f"{flag}: {why_sdpa}; drop --attention eager", param_hint=hint)
 
 
