@@ -62,7 +62,9 @@ def main(argv: list[str]) -> int:
         world = spec["pp"] * spec["dp"]
         m = run_probe(dict(spec, mode="cpu", world_size=world), probe_cmd(world),
                       env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=900)
-        return m, {f"{spec['id']}/stage{k}": f"{path}.{k * spec['dp']}" for k in range(spec["pp"])}, spec
+        # the stored spec names the torch it ran on: the planner's stage trace follows that release
+        return (m, {f"{spec['id']}/stage{k}": f"{path}.{k * spec['dp']}" for k in range(spec["pp"])},
+                dict(spec, torch_version=m.get("torch_version", "")))
 
     return record(argv[0], selected(cases(), argv),
                   "CPU runs of validate.pp_probe with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_pp.py)", run)

@@ -67,7 +67,7 @@ from math import prod
 from .activations import activations_in, regime_for, sp_tokens
 from .allocator import replay_fit, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
-from .config import TrainConfig, fsdp2_reduce_keeps_last_grad
+from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
 from .model import unit_sizes
 from .strategies import get_strategy
 
@@ -732,6 +732,8 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     n_embed = (1 + (m.position == "learned")) if first else 0
     embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
     ckpt = train.checkpointing != "none"
+    per_receive = pp_recv_buffers_per_receive(train)  # torch >= 2.15: buffers made per receive
+    releasable = per_receive and not last and family not in ("ddp", "zero1")  # outputs dropped once sent
     E = _Events()
 
     # -- construction: the stage's parameters; DDP's broadcast and first bucket, FSDP2's shards (as
@@ -851,7 +853,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
         root), the receive buffers, then `_post_metadata_inference_cleanup`'s reshard."""
         x = None if first else E.a(nh)  # the inferred input (an empty tensor)
         (emb, blocks, head), out = forward()
-        if not first:
+        if not first and not per_receive:
             recv.extend(E.a(nh) for _ in range(M))
         if not first:
             lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)] if last else []
@@ -867,15 +869,15 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
             for j in reversed(range(L)):
                 E.f(*blocks[j])
         E.f(emb, out, x, *head[1:2])
-        if not last:
+        if not last and not per_receive:
             recv.extend(E.a(nh) for _ in range(M))
         for u in list(held):
             E.f(*held.pop(u))
 
     def step(k_step: int):
-        if fsdp2 and not recv:
+        if fsdp2 and k_step == 0:
             metadata_inference()
-        if not recv:  # _prepare_forward_infra / _prepare_backward_infra, in the first step
+        elif k_step == 0 and not per_receive:  # _prepare_forward_infra / _prepare_backward_infra, in the first step
             recv.extend(E.a(nh) for _ in range(M * ((not first) + (not last))))
         if buckets and k_step == 1:  # DDP's rebuild in the second step's first forward
             E.f(*buckets)
@@ -884,12 +886,27 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
         saved: dict = {}
         outs: dict = {}
         sends: list = []
+        inputs: dict = {}  # torch >= 2.15: micro-batch -> its received activation
+        grad_in = None
         for kind, i in stage_actions(train.pp_schedule, p, M, stage):
             if kind == "F":
+                if per_receive and not first:
+                    inputs[i] = E.a(nh)
                 saved[i], out = forward()
                 if out is not None:
                     outs[i] = out
+                if releasable and train.pp_schedule != "gpipe":  # 1F1B's warm-up: the previous forward's
+                    # send waited for and released
+                    E.f(*[outs.pop(j) for j in list(outs) if j < i])
                 continue
+            if releasable:  # every forward send waited for and released before a backward (GPipe: before
+                # its backward loop; 1F1B: fused with this backward's receive, its buffer made first)
+                if train.pp_schedule != "gpipe":
+                    grad_in = E.a(nh)
+                E.f(*outs.values())
+                outs.clear()
+            if per_receive and not last and grad_in is None:
+                grad_in = E.a(nh)
             emb, blocks, head = saved.pop(i)
             head_g: list = []
             if last:
@@ -921,6 +938,9 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
                     E.f(*sends)
                     sends.clear()
                 sends.append(gi)
+            if per_receive:  # the gradient buffer goes with its backward, and so does a middle stage's input
+                E.f(grad_in, None if last else inputs.pop(i, None))
+                grad_in = None
             if fsdp2 and root_shapes:  # (its gradients in parameter order: the embedding's, the head's)
                 post_backward("root", emb_g + head_g, sync=False)
         if fsdp2:  # perform_reduce_grad: the root's post_backward, then the blocks'
@@ -939,6 +959,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
                     E.f(E.a(s * pb), E.a(s * pb))
         E.f(*grads)
         grads.clear()
+        E.f(*inputs.values())  # the last stage's: the returned losses' graphs kept them to the step's end
         assert not acc and not held, "FSDP2: gradients or parameters left unsharded at the optimizer step"
 
     for k in range(steps):

@@ -142,6 +142,19 @@ def fsdp2_grads_in_reduce_dtype(train: "TrainConfig") -> bool:
     return torch_release(train.torch_version) >= (2, 15)
 
 
+def pp_recv_buffers_per_receive(train: "TrainConfig") -> bool:
+    """Whether `PipelineStage` allocates each receive buffer right before its receive and lets it go with
+    its micro-batch, and drops each forward output once its send completes. From torch 2.15
+    (torch/distributed/pipelining/_recv_buffers.py: `_RecvInfo.allocate_buffer` in `_get_recv_ops`,
+    `take_buffer` handing it to the computation; stage.py `release_fwd_send_outputs` for the outputs that
+    `_output_slot_is_releasable`: not a DDP-wrapped stage's, not the last stage's). On torch 2.13
+    `_prepare_forward_infra` / `_prepare_backward_infra` make one activation and one gradient buffer per
+    micro-batch in the first step and keep them for the run, and `fwd_cache` keeps each output until its
+    backward (2.14 not checked; measured on gloo, the transformers Llama in 2 and 4 stages, GPipe and
+    1F1B: benchmarks/results/cpu-torch2.15-2026-11-29-pp-hf.jsonl)."""
+    return torch_release(train.torch_version) >= (2, 15)
+
+
 def _choice(name: str, value: str, accepted: tuple) -> None:
     if not isinstance(value, str) or value not in accepted:
         raise ValueError(f"{name}={short_repr(value)}: accepted values are {', '.join(accepted)}")

@@ -33,6 +33,16 @@ holds the activations of every micro-batch forwarded and not yet backwarded (GPi
   (AccumulateGrad), so a block's weight gradient is a transient beside the full `.grad`.
 - The whole batch (token ids on the first stage, targets on the last) lives through the step.
 
+torch 2.15 changed the buffers (`config.pp_recv_buffers_per_receive`; GPipe and 1F1B walked so, the
+interleaved and zero-bubble schedules still as above): `_RecvInfo.allocate_buffer`
+(`_recv_buffers.py`) makes each receive buffer right before its receive and `take_buffer` hands it to
+the computation, so a received activation is the micro-batch's input until its backward (on the last
+stage the losses the schedule returns keep their graphs, and so every input, to the step's end) and a
+gradient buffer lives through its backward only; `release_fwd_send_outputs` drops each output once its
+send completes (1F1B before the next backward, GPipe before its backward loop), except a DDP-wrapped
+stage's, which `_output_slot_is_releasable` keeps until its backward. Measured exact on gloo (the
+transformers Llama, 2 and 4 stages).
+
 Sharded strategies under PP: `PipelineStage.backward_maybe_with_nosync`
 runs FSDP with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` until the
 last micro-batch, and torchtitan turns off `reshard_after_forward` with PP, so the stage's parameters
@@ -78,6 +88,7 @@ from functools import lru_cache
 from .model import ModelSpec, ParamGroup, TPRankSpec, _linear_weights
 
 from .config import PP_SCHEDULES  # noqa: F401  (re-exported)
+from .config import pp_recv_buffers_per_receive
 PP_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 """The data-parallel strategies `PipelineStage` works with: a plain module, DDP (`no_sync` until the
 last micro-batch, `backward_maybe_with_nosync`) with or without ZeroRedundancyOptimizer, and FSDP2
@@ -598,6 +609,14 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         if total > best[0]:
             best[:] = total, phase, (activations, grads, comm, temps)
 
+    per_receive = v == 1 and pp_recv_buffers_per_receive(train)
+    if per_receive:
+        # torch >= 2.15: no buffer lives between steps. A received activation is the stage's input (a leaf
+        # in the micro-batch's graph) until its backward; on the last stage the losses the schedule
+        # returns keep their graphs, and with them every input, until the step's end. Each gradient
+        # buffer lives through its backward only.
+        persistent = M * nh if last and not first else 0
+    releasable = not last and family not in ("ddp", "zero1")  # `_output_slot_is_releasable`
     if v == 1:
         k = in_flight(sched, p, M, stage)
         f = b = 0
@@ -606,15 +625,33 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
                 f += 1
                 continue
             inflight = f - b
-            if sched == "gpipe":
-                held_out, held_grad = (0 if last else f), (0 if first else b)
+            if per_receive:
+                # 1F1B and GPipe wait for (and release) every forward send before the next backward; a
+                # DDP stage's outputs stay in its forward state until their backward
+                held_out = 0 if last or releasable else inflight
+                held_grad = 0 if first else (b if sched == "gpipe" else min(b, 1))
+                received = (0 if first else (f if last else inflight)) + (0 if last else 1)
+                comm = (received + held_out + held_grad) * nh
             else:
-                held_out = 0 if last else inflight + (1 if k >= 2 and b > k - 2 else 0)
-                held_grad = 0 if first else min(b, 1)
-            comm = persistent + (held_out + held_grad) * nh
+                if sched == "gpipe":
+                    held_out, held_grad = (0 if last else f), (0 if first else b)
+                else:
+                    held_out = 0 if last else inflight + (1 if k >= 2 and b > k - 2 else 0)
+                    held_grad = 0 if first else min(b, 1)
+                comm = persistent + (held_out + held_grad) * nh
             others = (inflight - 1) * a_mb + weight_cache  # the other micro-batches in flight
             if last:  # the loss's backward: nll_loss_backward's dense gradient and log_softmax_backward's
                 snap("backward", others + a_mb, g_full if b else 0, comm, batch_ids + 2 * n * vloc * 4)
+            if last and regime == "fp32" and train.tp == 1:
+                # The LM head's backward (memory.estimate_memory's head instant): log_softmax's saved output
+                # gone, the logits' gradient alive beside the hidden states' gradient and the head's weight
+                # gradient, which becomes .grad on the first micro-batch and is a transient until
+                # AccumulateGrad adds it after. Measured (transformers Llama, GPipe over 2 stages, 4
+                # micro-batches of 1024 x 1024 logits): the last stage peaks here, 128 KiB above the loss
+                # instant.
+                snap("backward", others + a_mb - act.loss_saved - (n * vloc * 4 if m.final_softcap else 0),
+                     g_full if b else head_g, comm,
+                     batch_ids + n * vloc * 4 + n * h * 4 + (vloc * h * wgrad_b if b else 0))
             # The stage's last layer, MLP backward: at w_down (its input and weight gradients: the
             # weight gradient becomes .grad on the first micro-batch, is added into it after), then at
             # the product's backward (the gate and up gradients beside the product's, `prod` freed).

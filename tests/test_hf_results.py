@@ -79,21 +79,7 @@ KNOWN_GAPS = {
     # its parameters.
     "zero3/hf:tests/data/hf/phi-3-mini.json/w8-fake/none/fp32/accum2-last",
 }
-KNOWN_GAPS_215 = {
-    # Pipeline stages on torch 2.15 (cpu-torch2.15-2026-11-29-parallel-hf.jsonl: the transformers Llama, 1F1B, alone
-    # and under DDP / FSDP2 over 2 replicas): torch 2.15 rewrote PipelineStage's receive buffers
-    # (torch/distributed/pipelining/_recv_buffers.py: allocated right before each irecv and handed to the
-    # computation by `take_buffer`, so a received activation lives as the stage's input until its micro-batch's
-    # backward), where 2.13 allocates one per micro-batch at the first step and keeps them between steps, as the
-    # stage walk (planner/pp.py) counts them: comm buffers over by 2-3 MiB here, peaks +1.3% to +2.2% (the safe
-    # side). The same probes on torch 2.13 are exact. Per rank: the last stage (receiving activations) measures
-    # the same on both releases (5 x b*s*h of buffers); stage 0 (receiving gradients, sending activations) holds
-    # 6 fewer boundary tensors on 2.15 alone (1 of 7) and 4 fewer under DDP and FSDP2: its gradient buffers and
-    # some of the outputs kept for their sends (2.15's `_output_slot_is_releasable`) go earlier.
-    "single/hf:examples/hf/llama-8l.json/w2/pp2-1f1b-m4/none/fp32",
-    "ddp/hf:examples/hf/llama-8l.json/w4/pp2-1f1b-m4/none/fp32",
-    "zero3/hf:examples/hf/llama-8l.json/w4/pp2-1f1b-m4/none/fp32",
-}
+KNOWN_GAPS_215: set = set()
 """Known gaps of the records made on torch 2.15 and later only (their ids pass on 2.13)."""
 
 
@@ -101,6 +87,11 @@ def _known_gap(r) -> bool:
     return r["id"] in KNOWN_GAPS or (r["id"] in KNOWN_GAPS_215 and torch_release(r["torch_version"]) >= (2, 15))
 
 
+# Closed on 2026-11-29: pipeline stages on torch 2.15 (the transformers Llama, 1F1B, alone and under DDP /
+# FSDP2 over 2 replicas: peaks +1.3% to +2.2%), where torch 2.15's PipelineStage makes each receive buffer
+# right before its receive (torch/distributed/pipelining/_recv_buffers.py) and drops a sent output once its
+# send completes, and the stage walk kept 2.13's buffers, one per micro-batch for the run
+# (config.pp_recv_buffers_per_receive).
 # Closed on 2026-11-27: FSDP1 in fp32 with a tied 64k-vocabulary head (gemma2-vocab64k-2l, fsdp and
 # fsdp-grad-op), where the walk's root concatenation counted the tied head's and the embedding's gradients
 # beside the view gradient they are summed into, and peaked there instead of at the embedding's backward

@@ -100,15 +100,31 @@ def test_gpipe_activations_grow_with_micro_batches_1f1b_do_not():
 
 
 def test_receive_buffers_one_per_micro_batch():
-    """A middle stage keeps one activation and one gradient buffer per micro-batch (stage.py
+    """On torch 2.13 a middle stage keeps one activation and one gradient buffer per micro-batch (stage.py
     `_setup_forward_recv_info`, `_setup_backward_recv_info`)."""
     c = Cluster(gpus=4)
     nh = boundary_bytes(_train(pp=4, M=8))
     # both well past 1F1B's warm-up, so the peak is at the same steady-state backward
-    a = stage_memory(_train(pp=4, M=8), c, "single", 1, device="cpu")
-    b = stage_memory(_train(pp=4, M=12), c, "single", 1, device="cpu")
+    a = stage_memory(_train(pp=4, M=8, torch_version="2.13"), c, "single", 1, device="cpu")
+    b = stage_memory(_train(pp=4, M=12, torch_version="2.13"), c, "single", 1, device="cpu")
     assert a.components["activations"] == b.components["activations"]
     assert b.components["comm_buffers"] - a.components["comm_buffers"] == 2 * 4 * nh
+
+
+def test_receive_buffers_per_receive_from_torch_2_15():
+    """On torch 2.15 (`_recv_buffers.py`) a middle stage's buffers are its in-flight micro-batches' inputs,
+    one gradient buffer and the pending gradient send, whatever the number of micro-batches: under 1F1B on
+    stage 1 of 4, 3 + 1 + 1 boundary tensors (measured on gloo: cpu-torch2.15-2026-11-29-pp-hf.jsonl); the
+    last stage's inputs stay to the step's end (the returned losses keep their graphs): M of them."""
+    c = Cluster(gpus=4)
+    nh = boundary_bytes(_train(pp=4, M=8))
+    for M in (8, 12):
+        mid = stage_memory(_train(pp=4, M=M, torch_version="2.15"), c, "single", 1, device="cpu")
+        assert mid.components["comm_buffers"] == 5 * nh
+        last = stage_memory(_train(pp=4, M=M, torch_version="2.15"), c, "single", 3, device="cpu")
+        assert last.components["comm_buffers"] == (M + 1) * nh  # and the last input gradient's send
+        first = stage_memory(_train(pp=4, M=M, torch_version="2.15"), c, "single", 0, device="cpu")
+        assert first.components["comm_buffers"] == nh  # the gradient buffer: sent outputs dropped
 
 
 def test_most_loaded_stage_is_the_peak():
