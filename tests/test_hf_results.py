@@ -79,7 +79,17 @@ KNOWN_GAPS = {
     # its parameters.
     "zero3/hf:tests/data/hf/phi-3-mini.json/w8-fake/none/fp32/accum2-last",
 }
-KNOWN_GAPS_215: set = set()
+KNOWN_GAPS_215 = {
+    # The schedules `_PipelineScheduleRuntime` runs (the zero-bubble ones here; interleaved 1F1B, a known gap on
+    # every release above, is +3.5% on 2.15 for the same reason), on torch 2.15
+    # (cpu-torch2.15-2026-11-29-pp-hf.jsonl, the transformers Llama on 2 ranks): 2.15 lowers them with
+    # `_add_send_recv`, which places a WAIT_SEND_F / WAIT_SEND_B for each send (retiring it well before the
+    # step's end) and makes each receive buffer at its RECV; the walk keeps 2.13's order, where every send
+    # waits to the step's end and the buffers live for the run. Comm buffers over by 4-4.5 MiB, peaks +2.0% and
+    # +2.2% (the safe side). Not ported: the lowering places the waits by graph reachability across ranks.
+    "single/hf:examples/hf/llama-8l.json/w2/pp2-zbv-m4/none/fp32",
+    "single/hf:examples/hf/llama-8l.json/w2/pp2-interleaved-zb-m4/none/fp32",
+}
 """Known gaps of the records made on torch 2.15 and later only (their ids pass on 2.13)."""
 
 
