@@ -73,7 +73,7 @@ the chunk's graph and the gradients at its weight ops until the weight pass (`_z
 within -3.4% / +4.8% per rank; refused with activation checkpointing (`check_pp`).
 
 Known limitations: interleaved 1F1B's instants are the 1F1B ones at chunk granularity (the last
-layer's MLP backward), with no separate first-layer or loss instant; the zero-bubble walk has one
+layer's MLP backward, at w_down and at the product's backward), with no separate first-layer or loss instant; the zero-bubble walk has one
 instant per pass (the end of I, the start of W); the p2p time is added for the fill and drain only
 (steady-state sends overlap compute); DDP and ZeRO-1 run under 1F1B only (torch's reducer stops under the
 others); FSDP2 follows torchtitan's PP setting (reshard_after_forward off): a user's FSDP2 that reshards
@@ -710,7 +710,10 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
                     + sum(b_k[j] for j in range(v) if sids[j] != 0))
             comm = persistent + sent * nh
             g = g_full if sum(b_k) else head_g
-            snap("backward", int(acts), g, comm, batch_ids + max(wdown_tmp, blk_tmp - nh - freed))
+            # the chunk's last layer, MLP backward: at w_down, then at the product's backward (the tensors
+            # the MLP backward frees gone, the gate and up gradients beside the product's), as for one stage
+            snap("backward", int(acts), g, comm, batch_ids + wdown_tmp)
+            snap("backward", int(acts - freed), g, comm, batch_ids + blk_tmp - nh)
             b_k[k] += 1
     snap("optimizer", 0, g_opt, persistent, batch_ids + opt_tmp)
 

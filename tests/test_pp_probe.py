@@ -89,8 +89,8 @@ def test_pp_probe_matches_stage_walk(case):
 # Interleaved 1F1B (`ScheduleInterleaved1F1B`, 2 stages per rank), walked in the schedule's own action
 # order (`pp.interleaved_actions`, checked against torch's `_calculate_single_rank_operations` below),
 # every sent tensor alive until the step ends. Measured per rank on 2026-11-24: -1.3% to +3.6% (the
-# previous in-flight estimate: -7.0% to +8.3%). Components are not asserted: the walk has one instant
-# per chunk (the last layer's MLP backward), not 1F1B's set.
+# previous in-flight estimate: -7.0% to +8.3%). Components are not asserted: the walk's instants are the
+# chunk's last layer's MLP backward (two), not 1F1B's whole set (no first-layer or loss instant).
 INTERLEAVED = [
     ("llama8-pp2-il-m4", LLAMA_8L, 2, "interleaved-1f1b", 4, "none"),
     ("llama8-pp2-il-m8", LLAMA_8L, 2, "interleaved-1f1b", 8, "none"),
