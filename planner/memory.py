@@ -48,7 +48,7 @@ from .alloc_trace import MAX_LAYERS
 from .allocator import parse_alloc_conf
 from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in, hf_eager,
                           regime_for, sdpa_math, sp_tokens)
-from .config import Cluster, TrainConfig, fsdp2_reduce_keeps_last_grad
+from .config import Cluster, TrainConfig, fsdp2_reduce_keeps_last_grad, fsdp2_tied_accumulation_note
 from .footprint import CUDA_CONTEXT_BYTES, DeviceFootprint, device_footprint  # noqa: F401 (re-exported)
 from .model import ModelSpec, unit_sizes
 from .precision import optimizer_state_elems
@@ -754,6 +754,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         if later:
             notes.append("gradient accumulation keeps " + ("sharded" if every and sharding else "unsharded")
                          + " gradients of every unit between micro-steps")
+        gap = fsdp2_tied_accumulation_note(st.name, family, prec.mixed, m.tie_embeddings, train.grad_accum,
+                                           train.grad_sync, train.torch_version)
+        if gap:
+            notes.append(gap)
         fwd_comm = ur + (0 if reshard else held * ub)
         # FSDP2 without resharding keeps the last block's all-gather output until the root's
         # post-forward (measured: freed right after the loss).

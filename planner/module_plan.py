@@ -1348,6 +1348,15 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     if batchnorm and precision != "fp32" and any(get_strategy(n).family in ("fsdp1", "fsdp2") for n in names):
         notes.append(f"BatchNorm under FSDP with {precision} is not modelled: FSDP1 wraps BatchNorm modules apart "
                      f"in fp32 (more units, fp32 activations there); FSDP2 fails in PyTorch (running_mean dtype)")
+    if hf and (kw.get("grad_accum") or 1) > 1:
+        from .config import fsdp2_tied_accumulation_note
+        tied = bool(getattr(work.config(), "tie_word_embeddings", False))
+        for n in names:
+            gap = fsdp2_tied_accumulation_note(n, get_strategy(n).family, precision.endswith("-mixed"), tied,
+                                               kw.get("grad_accum") or 1, kw.get("grad_sync") or "last",
+                                               kw.get("torch_version") or "")
+            if gap:
+                notes.append(gap)
     loss_text = {"cross_entropy": "cross-entropy (2-D output)", "sum": "sum of the outputs",
                  "hf-causal-lm": "transformers' causal-LM loss (labels = input ids)"}.get(desc.loss, desc.loss)
     notes.append(f"front end: trace (the model run on fake tensors, activations from saved_tensors_hooks); "

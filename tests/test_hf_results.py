@@ -219,3 +219,31 @@ def test_fsdp1_first_micro_step_without_sync_is_walked(repredicted):
     for r, c in picked:
         assert abs(c["peak"]["error"]) < 0.001, (r["id"], c["peak"])
         assert all(v["ok"] for v in c["components"].values()), (r["id"], c["components"])
+
+
+def test_tied_accumulation_gap_on_torch_2_15_is_stated():
+    """A gap measured and not modelled yet, kept out of the re-predicted files (whose peaks must be within 5%):
+    FSDP2 with mixed precision accumulating a tied embedding over 2 micro-steps without sync, on torch 2.15
+    (benchmarks/results/cpu-torch2.15-2026-11-29-tied-accum-gap.jsonl: GPT-2 medium at 8 layers, full
+    checkpointing, zero3, rank 0 of 8). The run peaks 15% above the prediction (the dangerous side): in the
+    last micro-step the root's backward holds three fp32 V x h tensors (the kept accumulated gradient, an
+    fp32 copy of the tied gradient, their sum) where 2.13 adds the 16-bit gradient in place. Untied models
+    and --grad-sync every measure as predicted (cpu-torch2.15-2026-11-29-coverage-hf.jsonl). The planner
+    says so in a note on that configuration; when the walk models it, this test fails: move the record
+    into the re-predicted files."""
+    from distplan.planner.config import fsdp2_tied_accumulation_note
+    path = os.path.join(ROOT, "benchmarks", "results", "cpu-torch2.15-2026-11-29-tied-accum-gap.jsonl")
+    with open(path) as f:
+        (r,) = [json.loads(line) for line in f if line.strip()]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        c = compare(predict_probe(record_spec(r)), r["measurement"])
+    finally:
+        os.chdir(cwd)
+    assert c["collectives"]["exact"]
+    assert -0.20 < c["peak"]["error"] < -0.10, c["peak"]  # measured -15.1%
+    t = r["inputs"]["train"]
+    assert fsdp2_tied_accumulation_note("zero3", "fsdp2", True, True, t["grad_accum"], t["grad_sync"],
+                                        r["torch_version"])
+    assert not fsdp2_tied_accumulation_note("zero3", "fsdp2", True, True, t["grad_accum"], t["grad_sync"], "2.13")
