@@ -125,6 +125,18 @@ def repredicted():
         os.chdir(cwd)
 
 
+def _repredict_one(name: str):
+    """(record, its comparison) of a results file holding one record, re-predicted from the repository root."""
+    with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
+        (r,) = [json.loads(line) for line in f if line.strip()]
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the records name examples/hf/... relative to the repository
+    try:
+        return r, compare(predict_probe(record_spec(r)), r["measurement"])
+    finally:
+        os.chdir(cwd)
+
+
 def _type(r) -> str:
     return r["inputs"]["module"]["hf_config"].split("/")[-1].split("-")[0]
 
@@ -190,15 +202,7 @@ def test_trace_of_a_later_micro_step_counts_the_gradients_not_yet_added():
     backward the head's gradient, the embedding's and their sum (3 x V x h) beside the kept one. The trace
     counted none of the new ones (`module_plan` walked them as added already): -17.1%; it now records when
     each parameter's gradient is accumulated (`_SegmentTracker.segment_peaks_accumulating`)."""
-    path = os.path.join(ROOT, "benchmarks", "results", "cpu-torch2.13-2026-11-28-accum-shallow.jsonl")
-    with open(path) as f:
-        (r,) = [json.loads(line) for line in f if line.strip()]
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        c = compare(predict_probe(record_spec(r)), r["measurement"])
-    finally:
-        os.chdir(cwd)
+    _, c = _repredict_one("cpu-torch2.13-2026-11-28-accum-shallow.jsonl")
     assert abs(c["peak"]["error"]) < 0.001, c["peak"]
     assert all(v["ok"] for v in c["components"].values()), c["components"]
 
@@ -232,15 +236,7 @@ def test_tied_accumulation_gap_on_torch_2_15_is_stated():
     says so in a note on that configuration; when the walk models it, this test fails: move the record
     into the re-predicted files."""
     from distplan.planner.config import fsdp2_tied_accumulation_note
-    path = os.path.join(ROOT, "benchmarks", "results", "cpu-torch2.15-2026-11-29-tied-accum-gap.jsonl")
-    with open(path) as f:
-        (r,) = [json.loads(line) for line in f if line.strip()]
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        c = compare(predict_probe(record_spec(r)), r["measurement"])
-    finally:
-        os.chdir(cwd)
+    r, c = _repredict_one("cpu-torch2.15-2026-11-29-tied-accum-gap.jsonl")
     assert c["collectives"]["exact"]
     assert -0.20 < c["peak"]["error"] < -0.10, c["peak"]  # measured -15.1%
     t = r["inputs"]["train"]
