@@ -75,9 +75,10 @@ within -3.4% / +4.8% per rank; refused with activation checkpointing (`check_pp`
 Known limitations: interleaved 1F1B's instants are the 1F1B ones at chunk granularity (the last
 layer's MLP backward, at w_down and at the product's backward), with no separate first-layer or loss
 instant; the zero-bubble walk has one instant per pass (the end of I, the start of W); the p2p time is
-added for the fill and drain only (steady-state sends overlap compute); DDP and ZeRO-1 run under 1F1B only (torch's reducer stops under the
-others); FSDP2 follows torchtitan's PP setting (reshard_after_forward off): a user's FSDP2 that reshards
-after forward all-gathers every micro-batch, not modelled.
+added for the fill and drain only (steady-state sends overlap compute); DDP and ZeRO-1 run under 1F1B
+only (torch's reducer stops under the others); FSDP2 follows torchtitan's PP setting
+(reshard_after_forward off): a user's FSDP2 that reshards after forward all-gathers every micro-batch,
+not modelled.
 """
 
 from __future__ import annotations
