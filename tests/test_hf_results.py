@@ -229,9 +229,10 @@ def test_tied_accumulation_gap_on_torch_2_15_is_stated():
     """A gap measured and not modelled yet, kept out of the re-predicted files (whose peaks must be within 5%):
     FSDP2 with mixed precision accumulating a tied embedding over 2 micro-steps without sync, on torch 2.15
     (benchmarks/results/cpu-torch2.15-2026-11-29-tied-accum-gap.jsonl: GPT-2 medium at 8 layers, full
-    checkpointing, zero3, rank 0 of 8). The run peaks 15% above the prediction (the dangerous side): in the
-    last micro-step the root's backward holds three fp32 V x h tensors (the kept accumulated gradient, an
-    fp32 copy of the tied gradient, their sum) where 2.13 adds the 16-bit gradient in place. Untied models
+    checkpointing, zero3, rank 0 of 8). The run peaks 15% above the prediction (the dangerous side): from the
+    second step on, the first micro-step still has FSDP2's fp32 `grad_dtype` from the previous reduce, so at
+    the tied embedding's backward the head's gradient, the embedding's and their sum are three fp32 V x h
+    tensors where 2.13 makes them in bf16 (config.fsdp2_tied_accumulation_note). Untied models
     and --grad-sync every measure as predicted (cpu-torch2.15-2026-11-29-coverage-hf.jsonl). The planner
     says so in a note on that configuration; when the walk models it, this test fails: move the record
     into the re-predicted files."""
