@@ -703,7 +703,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     zero2 and zero3 are written alike (both reshard_after_forward=False under PP). The recorded traces
     are fp32; mixed precision's upcast accumulation is `allocation_events`' (checked there, without PP)."""
     from .memory import _block_backward_peak, layout
-    from .pp import stage_actions, stage_train, virtual_stages
+    from .pp import releases_sent_outputs, stage_actions, stage_train, virtual_stages
     st = get_strategy(strategy)
     family = st.family
     fsdp2 = family == "fsdp2"
@@ -733,7 +733,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
     ckpt = train.checkpointing != "none"
     per_receive = pp_recv_buffers_per_receive(train)  # torch >= 2.15: buffers made per receive
-    releasable = per_receive and not last and family not in ("ddp", "zero1")  # outputs dropped once sent
+    releasable = per_receive and releases_sent_outputs(family, last)  # outputs dropped once sent
     E = _Events()
 
     # -- construction: the stage's parameters; DDP's broadcast and first bucket, FSDP2's shards (as

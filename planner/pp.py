@@ -191,6 +191,12 @@ def stage_layers(layers: int, stages: int, stage: int) -> int:
     return base + (stage < extra)
 
 
+def releases_sent_outputs(family: str, last: bool) -> bool:
+    """Whether torch 2.15's `PipelineStage` drops a forward output once its send completes
+    (`_output_slot_is_releasable`): not the last stage's, not a DDP-wrapped stage's (DDP, ZeRO-1)."""
+    return not last and family not in ("ddp", "zero1")
+
+
 def in_flight(schedule: str, pp: int, M: int, rank: int) -> int:
     """Micro-batches (chunks, interleaved) whose activations rank `rank` holds before its first backward.
 
@@ -617,7 +623,7 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         # returns keep their graphs, and with them every input, until the step's end. Each gradient
         # buffer lives through its backward only.
         persistent = M * nh if last and not first else 0
-    releasable = not last and family not in ("ddp", "zero1")  # `_output_slot_is_releasable`
+    releasable = releases_sent_outputs(family, last)
     if v == 1:
         k = in_flight(sched, p, M, stage)
         f = b = 0
