@@ -1,8 +1,8 @@
-"""The torch 2.15 mechanism behind config.fsdp2_tied_accumulation_note, on a 3-module model (embedding,
-Linear, head; tied with `tied`) under FSDP2 with bf16 mixed precision, rank 0 of 8 on the fake process group,
-2 optimizer steps of 2 micro-steps without sync: prints the ops the second step's backwards run on
-embedding-sized tensors. On torch 2.15 the first micro-step casts the head's and the embedding's gradients to
-fp32 (`_to_copy`) and sums them in fp32 (`add`): FSDP2 left the unsharded parameter's `grad_dtype` at fp32
+"""The torch 2.15 mechanism behind config.fsdp2_first_microstep_grads_in_reduce_dtype, on a 3-module model
+(embedding, Linear, head; tied with `tied`) under FSDP2 with bf16 mixed precision, rank 0 of 8 on the fake
+process group, 2 optimizer steps of 2 micro-steps without sync: prints the ops the second step's backwards run
+on embedding-sized tensors. On torch 2.15 the first micro-step casts the head's and the embedding's gradients
+to fp32 (`_to_copy`) and sums them in fp32 (`add`): FSDP2 left the unsharded parameter's `grad_dtype` at fp32
 after the previous reduce. On 2.13 (and in a step's later micro-steps) the sum is bf16, added into the kept
 fp32 gradient in place.
 

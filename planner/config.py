@@ -142,26 +142,20 @@ def fsdp2_grads_in_reduce_dtype(train: "TrainConfig") -> bool:
     return torch_release(train.torch_version) >= (2, 15)
 
 
-def fsdp2_tied_accumulation_note(strategy: str, family: str, mixed: bool, tied: bool, grad_accum: int,
-                                 grad_sync: str, torch_version: str) -> str | None:
-    """The note for a gap measured and not modelled yet: on torch 2.15, FSDP2 with mixed precision
-    accumulating a tied embedding's gradient over micro-steps without sync peaks above the planner's
-    figure. From the second optimizer step on, the first micro-step runs with each unsharded parameter's
-    `grad_dtype` still fp32 (`FSDPParamGroup._set_unsharded_grad_dtypes` set it after the previous step's
-    reduce, and `pre_backward` clears it only where a .grad exists or the micro-step reduces;
-    torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), so autograd casts each incoming gradient to
-    fp32 before accumulating it: at the tied embedding's backward the head's and the embedding's gradients
-    are two fp32 V x h copies (`aten::_to_copy`) and their sum a third (`aten::add`), where torch 2.13 makes
-    the three in bf16. Reproduced on a 3-module tied model under the fake process group; measured on GPT-2
-    medium (zero3, bf16-mixed, 2 micro-steps, rank 0 of 8: -15.1% at 8 layers with full checkpointing,
-    -14.7% at 2 without; untied models and --grad-sync every as predicted: benchmarks/results/
-    cpu-torch2.15-2026-11-29-coverage-hf.jsonl). None where it does not apply."""
-    if not (family == "fsdp2" and mixed and tied and grad_accum > 1 and grad_sync == "last"
-            and torch_release(torch_version) >= (2, 15)):
-        return None
-    return (f"{strategy}: on torch 2.15 FSDP2's first micro-step of accumulation casts a tied embedding's "
-            f"gradients to fp32 before summing them; GPT-2 medium measured 15% above the predicted peak "
-            f"(not modelled yet)")
+def fsdp2_first_microstep_grads_in_reduce_dtype(train: "TrainConfig") -> bool:
+    """Whether, from the second optimizer step on, FSDP2's first micro-step of accumulation without sync
+    makes its unsharded gradients in `reduce_dtype` under mixed precision. From torch 2.15 it does:
+    `FSDPParamGroup._set_unsharded_grad_dtypes` leaves each unsharded parameter's `grad_dtype` at the
+    reduce dtype after a step's reduce, and `pre_backward` clears it only where a .grad exists or the
+    micro-step reduces (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), so autograd casts each
+    incoming gradient to fp32 before accumulating it. What that costs is a tied embedding's backward: the
+    head's and the embedding's gradients are two fp32 V x h copies (`aten::_to_copy`) and their sum a third
+    (`aten::add`), where torch 2.13 (and a later micro-step) makes the three in bf16. Reproduced by
+    benchmarks/tied_accum_fsdp2.py; measured on GPT-2 medium (zero3, bf16-mixed, 2 micro-steps, rank 0 of 8
+    on the fake process group: 15% above the walk of the later micro-step alone,
+    benchmarks/results/cpu-torch2.15-2026-11-29-tied-accum-hf.jsonl). Untied, the fp32 gradients of the
+    first micro-step are what a later one carries anyway."""
+    return torch_release(train.torch_version) >= (2, 15)
 
 
 def pp_recv_buffers_per_receive(train: "TrainConfig") -> bool:

@@ -48,7 +48,7 @@ from .alloc_trace import MAX_LAYERS
 from .allocator import parse_alloc_conf
 from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in, hf_eager,
                           regime_for, sdpa_math, sp_tokens)
-from .config import Cluster, TrainConfig, fsdp2_reduce_keeps_last_grad, fsdp2_tied_accumulation_note
+from .config import Cluster, TrainConfig, fsdp2_first_microstep_grads_in_reduce_dtype, fsdp2_reduce_keeps_last_grad
 from .footprint import CUDA_CONTEXT_BYTES, DeviceFootprint, device_footprint  # noqa: F401 (re-exported)
 from .model import ModelSpec, unit_sizes
 from .precision import optimizer_state_elems
@@ -754,10 +754,6 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         if later:
             notes.append("gradient accumulation keeps " + ("sharded" if every and sharding else "unsharded")
                          + " gradients of every unit between micro-steps")
-        gap = fsdp2_tied_accumulation_note(st.name, family, prec.mixed, m.tie_embeddings, train.grad_accum,
-                                           train.grad_sync, train.torch_version)
-        if gap:
-            notes.append(gap)
         fwd_comm = ur + (0 if reshard else held * ub)
         # FSDP2 without resharding keeps the last block's all-gather output until the root's
         # post-forward (measured: freed right after the loss).
@@ -930,6 +926,17 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                          temporaries=n_tok * h * r + split + last_g + tied_buf)
             if m.tie_embeddings:  # next to the unsharded root and the last block's reduce-scatter input
                 snap_tied_embedding(ur + (rs_held if sharding else 0), gsh_gpu)  # (`reduce_scatter_states`)
+            if (m.tie_embeddings and sharding and prec.mixed and later and not every
+                    and fsdp2_first_microstep_grads_in_reduce_dtype(train)):
+                # torch 2.15, the first micro-step without sync (from the second step on): its gradients
+                # land in reduce_dtype, so at the tied embedding's backward its gradient and the head's are
+                # fp32 copies and their sum a third, next to every block's unsharded fp32 gradient of this
+                # micro-step (resharded, nothing reduced: no reduce-scatter input held) and the root's
+                # others (a learned position embedding's, the final norm's), nothing accumulated before
+                # (config.fsdp2_first_microstep_grads_in_reduce_dtype; measured: GPT-2 medium, zero3 over
+                # 2 micro-steps, this instant the peak within 4 KiB)
+                snap("backward", comm_buffers=ur, activations=act.inputs,
+                     grads=L * unit_block + max(0, lay.unshard_root - v * h) * rb, temporaries=3 * v * h * rb)
             if sharding:
                 # The root's post_backward, last: it reshards first (the root too: FSDP2 keeps it
                 # unsharded from forward to backward only, `_auto_reshard_after_forward`), then

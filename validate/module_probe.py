@@ -792,7 +792,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
 
     Returns a dict in base units: {"factory", "module_class", "input_shape", "dtype", "params": int,
     "param_bytes_dtype": int, "units": [{"name", "params": [[name, shape], ...], "numel"}],
-    "buffers_bytes", "activation_bytes", "output_bytes", "output_shape", "loss",
+    "tied": [numel of each parameter reached under more than one name], "buffers_bytes", "activation_bytes", "output_bytes", "output_shape", "loss",
     "segments": [{"unit", "activation_bytes", "input_bytes"}, ...] (forward order; "root" first,
     "loss" last), "forward_flops", "profile_s"}.
     """
@@ -848,6 +848,11 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             u = units.setdefault(unit, {"name": unit, "params": [], "numel": 0})
             u["params"].append([name, list(p.shape)])
             u["numel"] += p.numel()
+        # Tied parameters (an embedding shared with the LM head): reached under more than one name.
+        names_of: dict = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            names_of[id(p)] = names_of.get(id(p), 0) + 1
+        tied = [int(p.numel()) for p in model.parameters() if p.requires_grad and names_of[id(p)] > 1]
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         buffer_dtypes: dict = {}  # DDP broadcasts buffers per dtype (module_plan.module_collectives)
         for b in model.buffers():
@@ -1006,6 +1011,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         "params": int(n_params),
         "param_bytes_dtype": int(pbytes),
         "units": list(units.values()),
+        "tied": tied,
         "buffers_bytes": int(buffers),
         "buffers": [[d, sizes] for d, sizes in buffer_dtypes.items()],
         "activation_bytes": int(sum(saved.values())),
