@@ -728,7 +728,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
     layout_flag = analytic_only({"tp": tp, "pp": pp, "cp": cp, "sequence_parallel": sequence_parallel,
                                  "checkpoint": checkpoint, "storage_gbps": storage_gbps})
     front = ("front end: analytic (decoder formulas" + (
-        "" if not hf_config else
+        ")" if not hf_config else
         f", as transformers implements this model: the trace does not follow {layout_flag.split('=')[0]})"
         if layout_flag else "; --front-end trace runs the transformers model itself on fake tensors)"))
     if spec.attn_softcap:
