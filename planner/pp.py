@@ -33,15 +33,17 @@ holds the activations of every micro-batch forwarded and not yet backwarded (GPi
   (AccumulateGrad), so a block's weight gradient is a transient beside the full `.grad`.
 - The whole batch (token ids on the first stage, targets on the last) lives through the step.
 
-torch 2.15 changed the buffers (`config.pp_recv_buffers_per_receive`; GPipe and 1F1B walked so, the
-interleaved and zero-bubble schedules still as above): `_RecvInfo.allocate_buffer`
+torch 2.15 changed the buffers (`config.pp_recv_buffers_per_receive`): `_RecvInfo.allocate_buffer`
 (`_recv_buffers.py`) makes each receive buffer right before its receive and `take_buffer` hands it to
 the computation, so a received activation is the micro-batch's input until its backward (on the last
 stage the losses the schedule returns keep their graphs, and so every input, to the step's end) and a
 gradient buffer lives through its backward only; `release_fwd_send_outputs` drops each output once its
 send completes (1F1B before the next backward, GPipe before its backward loop), except a DDP-wrapped
 stage's, which `_output_slot_is_releasable` keeps until its backward. Measured exact on gloo (the
-transformers Llama, 2 and 4 stages).
+transformers Llama, 2 and 4 stages). The schedules `_PipelineScheduleRuntime` runs (interleaved 1F1B and
+the zero-bubble ones) are lowered in 2.15 with receives and send waits placed by a simulation over the
+ranks (`lowered_actions`, a port): each receive buffer is made at its RECV, a forward send waits right
+after its backward, a backward send at the step's end (`runtime_boundary_tensors`).
 
 Sharded strategies under PP: `PipelineStage.backward_maybe_with_nosync`
 runs FSDP with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)` until the
@@ -63,9 +65,9 @@ stage of ceil(L/p) layers with the LM head and the loss.
 
 Interleaved 1F1B (`ScheduleInterleaved1F1B`, v = 2 stages per rank) is walked in its own action order
 (`interleaved_actions`, a port of `_calculate_single_rank_operations`): each chunk (local stage,
-micro-batch) holds its layers' activations, and every tensor the rank has sent stays alive until the
-step ends (`_PipelineScheduleRuntime` waits for its sends only then); measured on gloo probes within
--1.3% / +3.6% per rank (tests/test_pp_probe.py).
+micro-batch) holds its layers' activations, and (through torch 2.14) every tensor the rank has sent
+stays alive until the step ends (`_PipelineScheduleRuntime` waits for its sends only then); measured on
+gloo probes within -1.3% / +3.6% per rank (tests/test_pp_probe.py).
 
 The zero-bubble schedules (`ZERO_BUBBLE`: `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`) are
 walked in their own order (`zero_bubble_actions`) with the backward split into an input pass that keeps
@@ -183,6 +185,165 @@ def zero_bubble_actions(schedule: str, pp: int, M: int, rank: int) -> list[tuple
     act("W", 1, cnt["I"][1] - cnt["W"][1])
     act("W", 0, cnt["I"][0] - cnt["W"][0])
     return [a for a in out if a[2] < M]
+
+
+def stage_rank(schedule: str, pp: int, sid: int) -> int:
+    """The pipeline rank holding global stage `sid` (`rank_stage_ids` inverted)."""
+    if schedule == "zbv":
+        return sid if sid < pp else 2 * pp - 1 - sid
+    return sid % pp
+
+
+@lru_cache(maxsize=64)
+def lowered_actions(schedule: str, pp: int, M: int) -> tuple:
+    """Each pipeline rank's actions as torch 2.15's `_PipelineScheduleRuntime` runs the runtime schedules
+    (interleaved 1F1B, interleaved ZB, ZB-V): ((kind, global stage, micro-batch), ...) per rank, kinds F, B,
+    I, W, SEND_F, RECV_F, SEND_B, RECV_B, WAIT_SEND_F, WAIT_SEND_B, UNSHARD, RESHARD, REDUCE_GRAD,
+    WAIT_REDUCE_GRAD. Ports of torch/distributed/pipelining/schedules.py (2.15), in the order
+    `_prepare_schedule_with_comms` applies them with its defaults: `_add_unshard_reshard`
+    (max_active_stages 3, unshard_lookahead "full"), `_add_reduce_grad` (the wait right after the
+    reduction), `_add_send_recv` (a simulation over the ranks in lock-step: an action runs once its input
+    was received or computed on the rank, and each send puts the matching receive at the receiving rank's
+    current end), `_add_wait_send` (a forward send waits right after its stage's backward of the same
+    micro-batch, a backward send at the end). The compute order is `interleaved_actions` /
+    `zero_bubble_actions` (the `None` slots are dropped by the first pass)."""
+    v = virtual_stages(schedule)
+    nst = pp * v
+    compute = {}
+    for r in range(pp):
+        sids = rank_stage_ids(schedule, pp, r)
+        acts = (zero_bubble_actions(schedule, pp, M, r) if schedule in ZERO_BUBBLE
+                else interleaved_actions(pp, M, r, v))
+        compute[r] = [(kind, sids[k], mb) for k, kind, mb in acts]
+    lowered = {}
+    for r, acts in compute.items():
+        # _add_unshard_reshard: the next max_active_stages distinct stages resident (found from each
+        # stage's next use, scanned backwards: a linear pass where torch rescans the rest of the list)
+        nxt: dict = {}
+        upcoming = [None] * len(acts)
+        for i in range(len(acts) - 1, -1, -1):
+            nxt[acts[i][1]] = i
+            upcoming[i] = [sid for _, sid in sorted((j, sid) for sid, j in nxt.items())[:3]]
+        out, active = [], []
+        for i, a in enumerate(acts):
+            resident = upcoming[i]
+            for sid in [x for x in active if x not in resident]:
+                active.remove(sid)
+                out.append(("RESHARD", sid, None))
+            for sid in [x for x in resident if x not in active]:
+                active.append(sid)
+                out.append(("UNSHARD", sid, None))
+            out.append(a)
+        out += [("RESHARD", sid, None) for sid in active]
+        # _add_reduce_grad: after a stage's M-th B or W
+        done: dict = {}
+        red = []
+        for a in out:
+            red.append(a)
+            if a[0] in ("B", "W"):
+                done[a[1]] = done.get(a[1], 0) + 1
+                if done[a[1]] == M:
+                    red += [("REDUCE_GRAD", a[1], None), ("WAIT_REDUCE_GRAD", a[1], None)]
+        lowered[r] = red
+
+    def has_comms(a) -> bool:
+        kind, sid, _ = a
+        if kind == "F":
+            return sid != nst - 1 and stage_rank(schedule, pp, sid + 1) != stage_rank(schedule, pp, sid)
+        if kind in ("I", "B"):
+            return sid != 0 and stage_rank(schedule, pp, sid - 1) != stage_rank(schedule, pp, sid)
+        return False
+
+    def ready(a, prev) -> bool:
+        kind, sid, mb = a
+        if kind == "F" and sid != 0:
+            return ("RECV_F", sid, mb) in prev or ("F", sid - 1, mb) in prev
+        if kind in ("I", "B") and sid != nst - 1:
+            return (("RECV_B", sid, mb) in prev or ("I", sid + 1, mb) in prev
+                    or ("B", sid + 1, mb) in prev)
+        return True
+
+    # _add_send_recv
+    comm = {r: [] for r in lowered}
+    prev = {r: set() for r in lowered}
+    pending = {r: list(a) for r, a in lowered.items()}
+    while pending:
+        progress = False
+        for r in sorted(pending):
+            a = pending[r][0]
+            if not ready(a, prev[r]):
+                continue
+            comm[r].append(a)
+            prev[r].add(a)
+            if has_comms(a):
+                kind, sid, mb = a
+                fwd = kind == "F"
+                send = ("SEND_F" if fwd else "SEND_B", sid, mb)
+                recv = ("RECV_F" if fwd else "RECV_B", sid + 1 if fwd else sid - 1, mb)
+                comm[r].append(send)
+                prev[r].add(send)
+                dst = stage_rank(schedule, pp, recv[1])
+                comm[dst].append(recv)
+                prev[dst].add(recv)
+            pending[r].pop(0)
+            if not pending[r]:
+                del pending[r]
+            progress = True
+        if not progress:
+            raise AssertionError(f"lowered_actions: {schedule} over {pp} ranks, {M} micro-batches: no progress")
+    # _add_wait_send
+    result = []
+    for r in range(pp):
+        sends: dict = {}
+        acts = []
+        for a in comm[r]:
+            acts.append(a)
+            if a[0] in ("SEND_F", "SEND_B"):
+                sends[a] = None
+            if a[0] in ("B", "I") and ("SEND_F", a[1], a[2]) in sends:
+                acts.append(("WAIT_SEND_F", a[1], a[2]))
+                del sends[("SEND_F", a[1], a[2])]
+        acts += [("WAIT_" + kind, sid, mb) for kind, sid, mb in sends]
+        result.append(tuple(acts))
+    return tuple(result)
+
+
+def runtime_boundary_tensors(schedule: str, pp: int, M: int, rank: int) -> tuple[list[int], int]:
+    """Boundary tensors (one micro-batch's n x h each) rank `rank` holds under torch 2.15's
+    `_PipelineScheduleRuntime`, walked over `lowered_actions`: (the count at each of the rank's compute
+    actions, in `interleaved_actions` / `zero_bubble_actions` order, before the action's own effects; the
+    count left at the step's end). A receive buffer is made at its RECV (`_RecvInfo.allocate_buffer` in
+    `PipelineStage._get_recv_ops`); an activation buffer is the forward's input until the chunk's graph
+    goes (its backward; W after I: the first norm saves it), on the last stage to the step's end (the
+    returned losses keep their graphs) unless the backward is split (`_backward.stage_backward_input`
+    detaches the loss: `stage_output.detach_()`, so the graph goes with W); a gradient buffer lives
+    through its backward (I). A sent output lives until its WAIT_SEND_F (`release_fwd_send_outputs`),
+    right after its backward; a sent input gradient until the step's end (WAIT_SEND_B). Measured (the
+    transformers Llama on 2 gloo ranks, 4 micro-batches, interleaved 1F1B, ZB-V and interleaved ZB):
+    the peak rank's boundary tensors exact (benchmarks/results/cpu-torch2.15-2026-11-29-pp-hf.jsonl)."""
+    nst = pp * virtual_stages(schedule)
+    acts_buf, grad_buf, outs, grads_sent = 0, 0, 0, 0
+    counts = []
+    for kind, sid, mb in lowered_actions(schedule, pp, M)[rank]:
+        if kind == "RECV_F":
+            acts_buf += 1
+        elif kind == "RECV_B":
+            grad_buf += 1
+        elif kind == "SEND_F":
+            outs += 1
+        elif kind == "WAIT_SEND_F":
+            outs -= 1
+        elif kind in ("F", "B", "I", "W"):
+            counts.append(acts_buf + grad_buf + outs + grads_sent)
+            remote_prev = sid != 0 and stage_rank(schedule, pp, sid - 1) != rank
+            remote_next = sid != nst - 1 and stage_rank(schedule, pp, sid + 1) != rank
+            if kind in ("B", "I") and remote_next:
+                grad_buf -= 1
+            if kind in ("B", "I") and remote_prev:
+                grads_sent += 1
+            if (kind == "W" or kind == "B" and sid != nst - 1) and remote_prev:
+                acts_buf -= 1
+    return counts, acts_buf
 
 
 def stage_layers(layers: int, stages: int, stage: int) -> int:
@@ -474,7 +635,7 @@ def _retained_grads(strain, regime: str, n: int) -> int:
 
 
 def _zero_bubble_walk(snap, actions, sids, nstages, lay_k, a_k, g_layer, weight_cache, persistent, nh, g_full,
-                      head_g, batch_ids, b_tmp, w_tmp, logits, loss_part):
+                      head_g, batch_ids, b_tmp, w_tmp, logits, loss_part, runtime=None):
     """The instants of a zero-bubble rank (`stage_memory`'s v > 1 walk with the backward split, planner
     docstring): a chunk (local stage, micro-batch) keeps its activations from F until its W, since the
     input pass runs `autograd.grad(..., retain_graph=True)`; between I and W it also keeps the retained
@@ -482,14 +643,15 @@ def _zero_bubble_walk(snap, actions, sids, nstages, lay_k, a_k, g_layer, weight_
     saved log-probabilities: `stage_backward_input` detaches the loss, and no hooked node reaches back to
     them, `loss_part`). Stage 0
     has no input gradient to make: its I does nothing and its W is the whole backward. Every tensor sent
-    stays alive to the end of the step (`_PipelineScheduleRuntime`), as in interleaved 1F1B; a neighbour
-    on the same rank (zbv) gets its tensor without a send."""
+    stays alive to the end of the step (`_PipelineScheduleRuntime` through torch 2.14), as in interleaved
+    1F1B; from 2.15 `runtime` gives the boundary tensors at each action (`runtime_boundary_tensors`). A
+    neighbour on the same rank (zbv) gets its tensor without a send."""
     v = len(sids)
     g_k = [g_layer * lay_k[k] + ((nh + logits) if sids[k] == nstages - 1 else 0) for k in range(v)]
     fwd_sends = [sids[k] != nstages - 1 and sids[k] + 1 not in sids for k in range(v)]
     bwd_sends = [sids[k] != 0 and sids[k] - 1 not in sids for k in range(v)]
     f, i, w = [0] * v, [0] * v, [0] * v
-    for k, kind, _mb in actions:
+    for idx, (k, kind, _mb) in enumerate(actions):
         if kind == "F":
             f[k] += 1
             continue
@@ -497,7 +659,7 @@ def _zero_bubble_walk(snap, actions, sids, nstages, lay_k, a_k, g_layer, weight_
                    for j in range(v)) + weight_cache
         kept = sum((i[j] - w[j]) * g_k[j] for j in range(v) if sids[j] != 0)
         sent = sum(f[j] for j in range(v) if fwd_sends[j]) + sum(i[j] for j in range(v) if bwd_sends[j])
-        comm = persistent + sent * nh
+        comm = persistent + sent * nh if runtime is None else runtime[idx] * nh
         g = g_full if sum(w) else head_g
         if kind == "I":
             if sids[k] != 0:  # at its end: this chunk's retained gradients and the input gradient made
@@ -696,26 +858,33 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         persistent = M * nh * (sum(sid != 0 and sid - 1 not in sids for sid in sids)
                                + sum(sid != nstages - 1 and sid + 1 not in sids for sid in sids))
         f_k, b_k = [0] * v, [0] * v
+        runtime = None
+        if pp_recv_buffers_per_receive(train):
+            # torch >= 2.15 lowers these schedules with receives and send waits of their own
+            # (`runtime_boundary_tensors`): the boundary tensors alive at each action replace the buffers
+            # kept for the run and the sends held to the step's end
+            runtime, left = runtime_boundary_tensors(sched, p, M, stage)
+            persistent = left * nh
         if sched in ZERO_BUBBLE:
             # with checkpointing the input pass recomputes each block, and the retained graph keeps what it
             # rebuilt until the weight pass
             _zero_bubble_walk(snap, zero_bubble_actions(sched, p, M, stage), sids, nstages, lay_k, a_k,
                               _retained_grads(strain, regime, n), weight_cache, persistent, nh,
                               g_full, head_g, batch_ids, max(wdown_tmp, blk_tmp - nh - freed), wg * wgrad_b,
-                              n * vloc * e, act.loss_saved + n * vloc * e)
-        for k, kind, _mb in (() if sched in ZERO_BUBBLE else interleaved_actions(p, M, stage, v)):
+                              n * vloc * e, act.loss_saved + n * vloc * e, runtime)
+        for i, (k, kind, _mb) in enumerate(() if sched in ZERO_BUBBLE else interleaved_actions(p, M, stage, v)):
             if kind == "F":
                 f_k[k] += 1
                 continue
             held = [f_k[j] - b_k[j] for j in range(v)]
             acts = sum(held[j] * a_k[j] for j in range(v)) + weight_cache
-            # Every tensor sent so far: `_PipelineScheduleRuntime._step_microbatches` keeps each send's
-            # work in `send_ops` and waits for them all at the end of the step, so the outputs of the
-            # non-last chunks' forwards and the input gradients of the non-first chunks' backwards stay
-            # alive until then.
+            # Every tensor sent so far (through torch 2.14): `_PipelineScheduleRuntime._step_microbatches`
+            # keeps each send's work in `send_ops` and waits for them all at the end of the step, so the
+            # outputs of the non-last chunks' forwards and the input gradients of the non-first chunks'
+            # backwards stay alive until then.
             sent = (sum(f_k[j] for j in range(v) if sids[j] != nstages - 1)
                     + sum(b_k[j] for j in range(v) if sids[j] != 0))
-            comm = persistent + sent * nh
+            comm = persistent + sent * nh if runtime is None else runtime[i] * nh
             g = g_full if sum(b_k) else head_g
             # the chunk's last layer, MLP backward: at w_down, then at the product's backward (the tensors
             # the MLP backward frees gone, the gate and up gradients beside the product's), as for one stage

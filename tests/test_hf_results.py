@@ -72,17 +72,7 @@ KNOWN_GAPS = {
     # its parameters.
     "zero3/hf:tests/data/hf/phi-3-mini.json/w8-fake/none/fp32/accum2-last",
 }
-KNOWN_GAPS_215 = {
-    # The schedules `_PipelineScheduleRuntime` runs (interleaved 1F1B +3.5%, the zero-bubble ones), on torch 2.15
-    # (cpu-torch2.15-2026-11-29-pp-hf.jsonl, the transformers Llama on 2 ranks): 2.15 lowers them with
-    # `_add_send_recv`, which places a WAIT_SEND_F / WAIT_SEND_B for each send (retiring it well before the
-    # step's end) and makes each receive buffer at its RECV; the walk keeps 2.13's order, where every send
-    # waits to the step's end and the buffers live for the run. Comm buffers over by 4-5.5 MiB, peaks +2.0% to
-    # +3.5% (the safe side). Not ported: the lowering places the waits by graph reachability across ranks.
-    "single/hf:examples/hf/llama-8l.json/w2/pp2-interleaved-1f1b-m4/none/fp32",
-    "single/hf:examples/hf/llama-8l.json/w2/pp2-zbv-m4/none/fp32",
-    "single/hf:examples/hf/llama-8l.json/w2/pp2-interleaved-zb-m4/none/fp32",
-}
+KNOWN_GAPS_215: set = set()
 """Known gaps of the records made on torch 2.15 and later only (their ids pass on 2.13)."""
 
 
@@ -90,6 +80,11 @@ def _known_gap(r) -> bool:
     return r["id"] in KNOWN_GAPS or (r["id"] in KNOWN_GAPS_215 and torch_release(r["torch_version"]) >= (2, 15))
 
 
+# Closed on 2026-11-29: the schedules `_PipelineScheduleRuntime` runs (interleaved 1F1B +3.5%, ZB-V +2.0%,
+# interleaved ZB +2.2%) on torch 2.15 (cpu-torch2.15-2026-11-29-pp-hf.jsonl, the transformers Llama on 2 ranks),
+# where 2.15 lowers them with `_add_send_recv` / `_add_wait_send` (each receive buffer made at its RECV, a
+# forward send retired right after its backward) and the walk kept 2.13's buffers for the run and every send to
+# the step's end; now ported (pp.lowered_actions, pp.runtime_boundary_tensors): comm buffers exact.
 # Closed on 2026-11-29: interleaved 1F1B of the transformers Llama (alone and under FSDP2 zero3, torch 2.13:
 # peak -0.1%, temporaries -33%), where the walk merged each chunk's two MLP-backward instants into one (the
 # activations the MLP backward frees counted beside the larger temporaries); now walked as one stage's.

@@ -127,6 +127,64 @@ def test_receive_buffers_per_receive_from_torch_2_15():
         assert first.components["comm_buffers"] == nh  # the gradient buffer: sent outputs dropped
 
 
+@pytest.mark.parametrize("sched", ["interleaved-1f1b", "interleaved-zb", "zbv"])
+def test_runtime_schedules_lowered_as_torch_2_15_lowers_them(sched):
+    """pp.lowered_actions ports the passes torch 2.15's `_PipelineScheduleRuntime` lowers a compute schedule
+    with (`_add_unshard_reshard`, `_add_reduce_grad`, `_add_send_recv`, `_add_wait_send`); where a torch that
+    has them is installed, the port must give its actions, action for action, from the same compute order.
+    Without one (the pinned 2.13): the invariants every lowering keeps."""
+    from distplan.planner.pp import lowered_actions, rank_stage_ids, stage_rank, virtual_stages, zero_bubble_actions
+    from distplan.planner.pp import interleaved_actions
+
+    def compute(p, M, r):
+        sids = rank_stage_ids(sched, p, r)
+        acts = interleaved_actions(p, M, r) if sched == "interleaved-1f1b" else zero_bubble_actions(sched, p, M, r)
+        return [(kind, sids[k], mb) for k, kind, mb in acts]
+    try:
+        import torch.distributed.pipelining.schedules as S
+        have = all(hasattr(S, f) for f in ("_add_wait_send", "_add_send_recv", "_add_unshard_reshard",
+                                          "_add_reduce_grad"))
+    except ImportError:
+        have = False
+    for p, M in ((2, 4), (2, 8), (3, 6), (4, 8), (4, 16)):
+        got = lowered_actions(sched, p, M)
+        for r in range(p):  # the rank's compute actions in their order; each send with its wait after it
+            assert [a for a in got[r] if a[0] in "FBIW"] == compute(p, M, r)
+            for a in got[r]:
+                if a[0].startswith("SEND_"):
+                    assert got[r].index(("WAIT_" + a[0],) + a[1:]) > got[r].index(a)
+                if a[0].startswith("RECV_"):  # each receive is some other rank's send
+                    src = a[1] - 1 if a[0] == "RECV_F" else a[1] + 1
+                    assert ("SEND_" + a[0][5:], src, a[2]) in got[stage_rank(sched, p, src)]
+        if not have:
+            continue
+        names = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+        kinds = {"F": S.F, "B": S.B, "I": S.I, "W": S.W}
+        order = {r: [S._Action(sid, kinds[k], mb) for k, sid, mb in compute(p, M, r)] for r in range(p)}
+        for r in order:
+            order[r] = S._add_reduce_grad(S._add_unshard_reshard(order[r], max_active_stages=3), M)
+        order = S._add_wait_send(S._add_send_recv(order, stage_to_rank=lambda s: stage_rank(sched, p, s),
+                                                  num_stages=p * virtual_stages(sched)))
+        theirs = tuple(tuple((names.get(a.computation_type.name, a.computation_type.name), a.stage_index,
+                              a.microbatch_index) for a in order[r]) for r in range(p))
+        assert got == theirs, (sched, p, M)
+
+
+def test_runtime_schedules_on_torch_2_15_free_their_boundary_tensors():
+    """Interleaved 1F1B on 2 ranks, 4 micro-batches: through torch 2.14 rank 0 keeps 2 receive buffers per
+    micro-batch for the run and every send to the step's end (21 boundary tensors at its peak); 2.15 makes
+    each buffer at its receive and retires each forward send after its backward: 10 (measured on gloo,
+    the transformers Llama: cpu-torch2.15-2026-11-29-pp-hf.jsonl, comm buffers exact)."""
+    c = Cluster(gpus=2)
+    nh = boundary_bytes(_train(pp=2, sched="interleaved-1f1b", M=4))
+    new = stage_memory(_train(pp=2, sched="interleaved-1f1b", M=4, torch_version="2.15"), c, "single", 0,
+                       device="cpu")
+    old = stage_memory(_train(pp=2, sched="interleaved-1f1b", M=4, torch_version="2.13"), c, "single", 0,
+                       device="cpu")
+    assert new.components["comm_buffers"] == 10 * nh
+    assert old.components["comm_buffers"] > new.components["comm_buffers"]
+
+
 def test_most_loaded_stage_is_the_peak():
     t = _train(pp=4, sched="gpipe", M=8)
     c = Cluster(gpus=4)
