@@ -626,11 +626,16 @@ def _retained_grads(strain, regime: str, n: int) -> int:
     """Bytes a zero-bubble input-gradient pass (I) keeps per layer until its weight pass (W):
     `stage_backward_input` hooks the autograd nodes where each weight's path joins the input's (each
     Linear's mm, each norm) and keeps the gradient of their outputs (`param_group["grads"]`) for
-    `stage_backward_weight`: n x (the Linear output widths + h per norm), in the activations' dtype."""
+    `stage_backward_weight`: n x (the Linear output widths + h per norm, + the q and k widths where
+    Qwen3's q_norm / k_norm normalize the heads), in the activations' dtype (measured: Qwen3 under
+    interleaved ZB on torch 2.15, -1.4% with its q/k norms left out, -0.03% with them,
+    benchmarks/results/cpu-torch2.15-2026-11-29-pp-runtime-hf.jsonl)."""
     from .activations import block_linears
     m = strain.model
     e = 4 if regime == "fp32" else 2
     widths = sum(o for _, o, _ in block_linears(m, strain.tp)) + 2 * m.hidden
+    if m.qk_norm:
+        widths += (m.q_dim + m.kv_dim) // strain.tp
     return n * widths * e
 
 
