@@ -936,11 +936,16 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
             replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
                            max_split)
         else:
+            why = [w for w, applies in ((f"{st.name} stages", family not in STAGE_FAMILIES),
+                                        (f"{st.name} stages on one data-parallel rank",
+                                         family == "fsdp2" and shard <= 1),
+                                        (f"{sched} schedules", v > 1),
+                                        ("stages under autocast", regime == "autocast"),
+                                        (f"more than {MAX_MICROBATCHES} micro-batches", M > MAX_MICROBATCHES),
+                                        (f"stages of more than {MAX_LAYERS} layers", m.layers > MAX_LAYERS))
+                   if applies]
             notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator "
-                         f"replay of {st.name} stages" + (" or interleaved schedules" if v > 1 else "")
-                         + (" on one data-parallel rank" if family == "fsdp2" and shard <= 1 else "")
-                         + (" under autocast" if regime == "autocast" else "")
-                         + (f" beyond {MAX_MICROBATCHES} micro-batches" if M > MAX_MICROBATCHES else "") + ")")
+                         "replay of " + ", nor of ".join(why) + ")")
     return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace,
                           replay_args, footprint=fp)
 
