@@ -79,9 +79,8 @@ from dataclasses import dataclass, field, replace
 
 from .api import Plan, StrategyResult, resolve_cluster
 from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
-from .config import (CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every, fsdp2_first_microstep_grads_in_reduce_dtype,
-                     fsdp2_reduce_keeps_last_grad,
-                     torch_followed)
+from .config import (CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every,
+                     fsdp2_first_microstep_grads_in_reduce_dtype, fsdp2_reduce_keeps_last_grad, torch_followed)
 from .footprint import device_footprint
 from .kernels import matmul_rates
 from .memory import (COMPONENTS, RESERVED_MARGIN, MemoryEstimate, Snapshot,

@@ -792,7 +792,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
 
     Returns a dict in base units: {"factory", "module_class", "input_shape", "dtype", "params": int,
     "param_bytes_dtype": int, "units": [{"name", "params": [[name, shape], ...], "numel"}],
-    "tied": [numel of each parameter reached under more than one name], "buffers_bytes", "activation_bytes", "output_bytes", "output_shape", "loss",
+    "tied": [numel of each parameter reached under more than one name], "buffers_bytes", "activation_bytes",
+    "output_bytes", "output_shape", "loss",
     "segments": [{"unit", "activation_bytes", "input_bytes"}, ...] (forward order; "root" first,
     "loss" last), "forward_flops", "profile_s"}.
     """
