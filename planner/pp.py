@@ -194,6 +194,15 @@ def stage_rank(schedule: str, pp: int, sid: int) -> int:
     return sid % pp
 
 
+def runtime_compute_actions(schedule: str, pp: int, M: int, rank: int) -> list[tuple[str, int, int]]:
+    """Rank `rank`'s compute actions of a runtime schedule as (kind, global stage, micro-batch): the order
+    `interleaved_actions` / `zero_bubble_actions` give, local stages mapped by `rank_stage_ids`."""
+    sids = rank_stage_ids(schedule, pp, rank)
+    acts = (zero_bubble_actions(schedule, pp, M, rank) if schedule in ZERO_BUBBLE
+            else interleaved_actions(pp, M, rank, virtual_stages(schedule)))
+    return [(kind, sids[k], mb) for k, kind, mb in acts]
+
+
 @lru_cache(maxsize=64)
 def lowered_actions(schedule: str, pp: int, M: int) -> tuple:
     """Each pipeline rank's actions as torch 2.15's `_PipelineScheduleRuntime` runs the runtime schedules
@@ -209,12 +218,7 @@ def lowered_actions(schedule: str, pp: int, M: int) -> tuple:
     `zero_bubble_actions` (the `None` slots are dropped by the first pass)."""
     v = virtual_stages(schedule)
     nst = pp * v
-    compute = {}
-    for r in range(pp):
-        sids = rank_stage_ids(schedule, pp, r)
-        acts = (zero_bubble_actions(schedule, pp, M, r) if schedule in ZERO_BUBBLE
-                else interleaved_actions(pp, M, r, v))
-        compute[r] = [(kind, sids[k], mb) for k, kind, mb in acts]
+    compute = {r: runtime_compute_actions(schedule, pp, M, r) for r in range(pp)}
     lowered = {}
     for r, acts in compute.items():
         # _add_unshard_reshard: the next max_active_stages distinct stages resident (found from each

@@ -133,13 +133,10 @@ def test_runtime_schedules_lowered_as_torch_2_15_lowers_them(sched):
     with (`_add_unshard_reshard`, `_add_reduce_grad`, `_add_send_recv`, `_add_wait_send`); where a torch that
     has them is installed, the port must give its actions, action for action, from the same compute order.
     Without one (the pinned 2.13): the invariants every lowering keeps."""
-    from distplan.planner.pp import lowered_actions, rank_stage_ids, stage_rank, virtual_stages, zero_bubble_actions
-    from distplan.planner.pp import interleaved_actions
+    from distplan.planner.pp import lowered_actions, runtime_compute_actions, stage_rank, virtual_stages
 
     def compute(p, M, r):
-        sids = rank_stage_ids(sched, p, r)
-        acts = interleaved_actions(p, M, r) if sched == "interleaved-1f1b" else zero_bubble_actions(sched, p, M, r)
-        return [(kind, sids[k], mb) for k, kind, mb in acts]
+        return runtime_compute_actions(sched, p, M, r)
     try:
         import torch.distributed.pipelining.schedules as S
         have = all(hasattr(S, f) for f in ("_add_wait_send", "_add_send_recv", "_add_unshard_reshard",
