@@ -179,7 +179,10 @@ def sm_shares(cluster: Cluster, sm_count: int | None, shard_group: str, environ_
     and NCCL_MIN_NCHANNELS apply). () where the GPU's SM count is unknown or nothing communicates."""
     if not sm_count or cluster.gpus <= 1:
         return ()
-    groups = {"data_parallel": ("world", "dp", "dp_cp"), "shard": ("intra_node",), "replicate": ("inter_node",)}
+    # One node: HSDP's shard group is the whole data-parallel group, one communicator (`footprint.communicators`),
+    # and its collectives are named "intra_node" in the schedule (the replica group of one moves nothing).
+    groups = {"data_parallel": ("world", "dp", "dp_cp", "intra_node"), "shard": ("intra_node",),
+              "replicate": ("inter_node",)}
     out = []
     for c in _footprint_for(cluster, cluster.gpus, shard_group, 1, environ_key).nccl:
         share = min(1.0, c.channels / sm_count)

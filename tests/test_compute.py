@@ -95,6 +95,8 @@ def test_nccl_holds_one_sm_per_channel():
     # HSDP: the shard group inside the node and the replica group across nodes, each its own communicator
     h = dict(sm_shares(_cluster(2), 132, "node", ()))
     assert h["intra_node"] == pytest.approx(12 / 132) and "inter_node" in h and "world" not in h
+    # HSDP on one node is FULL_SHARD over one communicator: its "intra_node" collectives hold the same SMs
+    assert dict(sm_shares(_cluster(1), 132, "node", ()))["intra_node"] == pytest.approx(12 / 132)
     topo = Topology(8, 8, 90, "nvlink", 18 * 20.6, True)
     assert ring_channels(topo, {}, 0)[0] == 12
     # an unknown SM count or a single GPU: no contention

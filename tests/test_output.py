@@ -72,6 +72,19 @@ def test_no_hsdp_pick_on_one_node():
         assert plan(params="7B", gpus=8, gpu_mem=gpu_mem).recommendation.strategy != "hsdp"
 
 
+def test_hsdp_on_one_node_times_as_fsdp():
+    """One node: HYBRID_SHARD's shard group is FULL_SHARD's group (one communicator, the same SMs held while
+    it overlaps compute), so the same exposed communication; the step differs only by the host launches of
+    the replica group's all-reduces over one rank (FSDP1 `_reduce_grad` still calls them)."""
+    from distplan.planner.compute import COLLECTIVE_LAUNCH_S
+    p = plan(params="7B", gpus=8, gpu_mem=80)
+    fsdp, hsdp = p["fsdp"].time, p["hsdp"].time
+    assert hsdp.exposed_comm_s == pytest.approx(fsdp.exposed_comm_s, rel=1e-12)
+    replica_calls = sum(c.calls for c in p["hsdp"].collectives if c.group == "inter_node")
+    assert replica_calls > 0
+    assert hsdp.step_time_s - fsdp.step_time_s == pytest.approx(COLLECTIVE_LAUNCH_S * replica_calls, rel=1e-9)
+
+
 def test_zero3_bullet_only_when_zero3_is_the_pick():
     r = run("recommend", "--params", "7B", "--gpus", "8", "--gpu-mem", "80")
     pick = re.search(r"recommendation: ([a-z0-9-]+)", r.output).group(1)
