@@ -161,9 +161,10 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
     reference decoder that `distplan validate --front-end analytic` runs."""
     notes: list[str] = []
     catalog_dirs = catalog_dirs_tuple(catalog_dirs)
-    given = [x for x in (model, params, hf_config) if x is not None]
+    given = [flag for flag, x in (("--model", model), ("--params", params), ("--hf-config", hf_config))
+             if x is not None]
     if len(given) > 1:
-        raise ValueError("model, params and hf_config: give only one of them")
+        raise ValueError(f"{' and '.join(given)}: accepted: one of --model, --params and --hf-config")
     if model is not None and not isinstance(model, (str, ModelSpec)):
         raise ValueError(f"--model={short_repr(model)}: accepted: a catalog model name or a ModelSpec")
     if isinstance(model, ModelSpec):

@@ -71,6 +71,7 @@ def test_estimate_70b_on_h100_json_contract():
     (["--params", "7B", "--heads", "7"], "heads"),
     (["--params", "7B", "--gpus", "12", "--node", "dgx-h100"], "--gpus=12: not a multiple of the 8 GPUs per node (--node dgx-h100)"),
     (["--params", "7B", "--gpus", "12", "--gpus-per-node", "5"], "accepted: up to 5, or a multiple of 5 (10 or 15 here)"),
+    (["--params", "7B", "--model", "llama-2-7b"], "--model and --params: accepted: one of --model, --params and --hf-config"),
 ])
 def test_bad_input_is_one_line_exit_2(args, flag):
     r = CliRunner().invoke(main, ["estimate", *args])
