@@ -884,11 +884,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
                 #    norm's output summed over the other projections, the first Linear's output
                 #    gradient (made contiguous for its `view`'s backward) and its input gradient.
                 shapes = unit_sizes(m)[1]
-                first = next((i for i, s in enumerate(shapes) if len(s) == 2), len(shapes) - 1)
-                last = first + 1 if (first + 1 < len(shapes) and len(shapes[first + 1]) == 1
-                                     and shapes[first + 1][0] == shapes[first][0]) else first
-                in_buffer = sum(prod(s) for s in shapes[first:last + 1])
-                pending = in_buffer + sum(prod(s) for s in shapes[:first])
+                in_buffer, pending = _first_linear_grads(m)
                 norm_kept = _first_norm_saved(train, regime, n_tok, device)
                 for j in ends:
                     ckpt = act.checkpointed(j, train.checkpointing)
@@ -1103,6 +1099,19 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     return MemoryEstimate(st.name, comps, peak_allocated, phase, overhead, cluster.gpu_memory_bytes, notes,
                           workspace, replay_args, footprint=fp, host_bytes=host_bytes,
                           host_memory_bytes=cluster.host_memory_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _first_linear_grads(m) -> tuple[int, int]:
+    """(elements of the block's first Linear's gradients: its weight and its bias if it has one; those plus
+    every parameter registered before it, the norm's) of `unit_sizes(m)`'s block shapes, for FSDP2's
+    last-weight-gradient instant in `estimate_memory` (computed once per model)."""
+    shapes = unit_sizes(m)[1]
+    first = next((i for i, s in enumerate(shapes) if len(s) == 2), len(shapes) - 1)
+    last = first + 1 if (first + 1 < len(shapes) and len(shapes[first + 1]) == 1
+                         and shapes[first + 1][0] == shapes[first][0]) else first
+    in_buffer = sum(prod(s) for s in shapes[first:last + 1])
+    return in_buffer, in_buffer + sum(prod(s) for s in shapes[:first])
 
 
 @lru_cache(maxsize=64)
