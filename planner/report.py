@@ -1,4 +1,4 @@
-"""Text output of a plan: the strategy table (tabulate), notes, the recommendation line.
+"""Text output of a plan: the strategy table (tabulate's formats), notes, the recommendation line.
 
 Output fits the terminal: `terminal_width()` is $COLUMNS, else the terminal's width when stdout is one,
 else unlimited (a file or a pipe gets the whole table on one line per row). A table wider than that
@@ -7,15 +7,16 @@ indent. `--format tsv` is never split (it is for machines).
 
 The SVG chart and the notebook HTML live in `chart.py`; this module re-exports them so callers have
 one place to ask for any rendering.
+
+Tables are tabulate's; the default format of plain-text cells is drawn here (`table`), so that a cold
+`distplan estimate` does not import tabulate (20-30 ms on the 2-core VM, most of it the
+`importlib.metadata` it imports for its version).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import textwrap
-
-from tabulate import tabulate
 
 from .units import fmt_bytes, fmt_count, fmt_gib, fmt_seconds
 
@@ -41,9 +42,42 @@ def wrap(line: str, width: int | None = None, indent: str = "    ") -> str:
     width = terminal_width() if width is None else width
     if not width or len(line) <= width:
         return line
+    import textwrap  # lazy: only a terminal narrower than a line needs it
+
     lead = line[:len(line) - len(line.lstrip())]
     return textwrap.fill(line, width=width, subsequent_indent=lead + indent, break_long_words=False,
                          break_on_hyphens=False)
+
+
+def _plain_cell(c) -> bool:
+    """A cell `_simple_table` draws as tabulate does: text (or an int) of printable ASCII, one line."""
+    t = type(c)
+    return t is int or t is str and c.isascii() and c.isprintable()
+
+
+def _simple_table(rows: list, headers: list) -> str:
+    """tabulate(rows, headers, tablefmt="simple", disable_numparse=True) for rows of `_plain_cell`s, as
+    tabulate draws it (its `_align_column`, `_align_header`, `_build_simple_row`): every column
+    left-aligned (numbers are not parsed), as wide as its widest cell and at least its header + 2
+    (MIN_PADDING); cells stripped of surrounding spaces, headers not; columns joined by two spaces,
+    each row's end stripped; the header, a line of dashes, then the rows."""
+    cells = [[str(c).strip() for c in r] for r in rows]
+    widths = [max(len(h) + 2, *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def table(rows: list, headers: list, table_format: str = "simple") -> str:
+    """`tabulate(rows, headers, tablefmt=table_format, disable_numparse=True)`: the "simple" format of
+    plain cells (every table the planner prints) drawn by `_simple_table` without importing tabulate,
+    any other format or cell by tabulate itself (tests/test_table_render.py holds the two to the byte)."""
+    if (table_format == "simple" and rows and headers and all(type(h) is str and _plain_cell(h) for h in headers)
+            and all(len(r) == len(headers) and all(map(_plain_cell, r)) for r in rows)):
+        return _simple_table(rows, headers)
+    from tabulate import tabulate
+    return tabulate(rows, headers, tablefmt=table_format, disable_numparse=True)
 
 
 def fit_table(title: str, headers: list, rows: list, table_format: str = "simple",
@@ -51,13 +85,13 @@ def fit_table(title: str, headers: list, rows: list, table_format: str = "simple
     """`title` and a tabulate table; split into column groups (each keeping the first column) when
     wider than `width` (default: the terminal's)."""
     width = terminal_width() if width is None else width
-    full = tabulate(rows, headers, tablefmt=table_format, disable_numparse=True)
+    full = table(rows, headers, table_format)
     if not width or table_format == "tsv" or max(map(len, full.splitlines()), default=0) <= width:
         return f"{wrap(title, width)}\n{full}"
 
     def render(cols):
-        return tabulate([[r[0]] + [r[c] for c in cols] for r in rows], [headers[0]] + [headers[c] for c in cols],
-                        tablefmt=table_format, disable_numparse=True)
+        return table([[r[0]] + [r[c] for c in cols] for r in rows], [headers[0]] + [headers[c] for c in cols],
+                     table_format)
 
     groups, cur = [], []
     for c in range(1, len(headers)):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from tabulate import tabulate
-
 from .units import LIMITS, fmt_gib, fmt_seconds, short_repr
 
 MAX_SWEEP_VALUES = 32
@@ -105,7 +103,8 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
     for r in rows:
         if r.get("smallest_change"):
             changes.setdefault(r[key], r["smallest_change"])
-    return (tabulate(table, headers, tablefmt=table_format, disable_numparse=True) + "\n* recommended; front end: "
+    from .report import table as draw
+    return (draw(table, headers, table_format) + "\n* recommended; front end: "
             + ("trace (the model run on fake tensors, traced again at each point)" if front == "trace"
                else "analytic (the formulas)")
             + "".join(f"\n{key} {v}: nothing fits as given; smallest change: {c}" for v, c in changes.items()))
