@@ -48,7 +48,9 @@ def ratio(what: str, cmd: list[str], base: tuple[float, float], runs: int = 7, t
 
 
 def replays_7b() -> None:
-    """The allocator replays of the 7B estimate (8 strategies, micro-batch 1): events written, replayed."""
+    """The allocator replays of the 7B estimate's 8 strategies at micro-batch 1 (the estimate itself takes
+    hsdp's from fsdp's, alloc_trace._TRACE_NAMES, and adds two for the micro-batch search): events written,
+    replayed."""
     from distplan.planner import alloc_trace
     from distplan.planner.allocator import replay
     from distplan.planner.api import plan

@@ -61,7 +61,8 @@ HSDP and tensor-parallel saves, models over MAX_LAYERS.
 
 from __future__ import annotations
 
-from functools import lru_cache
+import gc
+from functools import lru_cache, wraps
 from math import prod
 
 from .activations import activations_in, regime_for, sp_tokens
@@ -69,7 +70,7 @@ from .allocator import replay_fit, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
 from .model import unit_sizes
-from .strategies import get_strategy
+from .strategies import REGISTRY, get_strategy
 
 MAX_MICROBATCHES = 64
 """Pipeline stages with more micro-batches per step are not replayed (GPipe writes every micro-batch's
@@ -80,6 +81,24 @@ dense models (Llama-3.1-405B 126 layers, PaLM 540B 118, GPT-3 96); beyond it the
 margin (memory.RESERVED_MARGIN) and the output says so."""
 WARMUP_STEPS = 2  # validate/probe.py: optimizer state, FSDP lazy init, DDP's bucket rebuild
 MEASURED_STEPS = 1  # later steps repeat the second one's allocations: the reserved peak is reached by then
+
+
+def _collector_paused(write):
+    """`write` (an event writer) with the cyclic garbage collector paused, as allocator.replay pauses it:
+    a trace is thousands of new tuples, which would trigger a collection every 700 of them and now and
+    then a full one over every object of the process (14 ms of a cold 7B estimate's 230 on the 2-core VM);
+    they hold no cycles, so nothing is left to collect. The collector looks at them once, after."""
+
+    @wraps(write)
+    def paused(*args, **kwargs):
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return write(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+    return paused
 
 
 class _Events:
@@ -195,6 +214,7 @@ def _fsdp2_post_backward(E: _Events, u, g: list, params: list, rs_kept, unsharde
     return rs_in
 
 
+@_collector_paused
 def allocation_events(train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
                       backend: str = "nccl", workspace: int = 0, init: str = "device") -> list:
     """The events of a run (construction, WARMUP_STEPS + MEASURED_STEPS steps) on the most loaded rank; see
@@ -570,12 +590,30 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     return E.ev
 
 
+def _trace_fields(st) -> tuple:
+    """What `allocation_events` reads of a strategy: two with the same write the same events."""
+    return st.family, st.shards_params, st.shards_optimizer, st.reshard_after_forward
+
+
+_TRACE_NAMES = {s.name: next(t.name for t in REGISTRY.values() if _trace_fields(t) == _trace_fields(s))
+                for s in REGISTRY.values()}
+"""Registry name -> the first registry strategy that writes the same events (`_trace_fields`): hsdp -> fsdp
+(FSDP1 HYBRID_SHARD allocates as FULL_SHARD over its shard group, which the callers pass), the others
+themselves. The replay caches below are keyed by it, so that hsdp inside one node (the same world and
+shard as fsdp) is neither written nor replayed again (tests/test_alloc_trace.py checks the events)."""
+
+
+def _trace_name(strategy) -> str:
+    st = get_strategy(strategy)
+    return _TRACE_NAMES[st.name] if REGISTRY.get(st.name) is st else st.name
+
+
 def reserved_peak(train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
                   backend: str = "nccl", workspace: int = 0, expandable_segments: bool = False,
                   init: str = "device", max_split_size: int | None = None) -> tuple[int, int]:
     """(reserved peak, allocated peak) of the replayed run: what `max_memory_reserved` and
     `max_memory_allocated` would read."""
-    args = (train, get_strategy(strategy).name, world, shard, device, backend, workspace, expandable_segments,
+    args = (train, _trace_name(strategy), world, shard, device, backend, workspace, expandable_segments,
             init, max_split_size)
     got = _REPLAYED.get(args)
     return got if got is not None else _reserved_peak(*args)
@@ -589,7 +627,7 @@ def reserved_peak_within(limit: int, train: TrainConfig, strategy, world: int, s
     retries a cudaMalloc that fails before it gives up (allocator.CachingAllocator.capacity), so a run
     whose reserved peak without a limit (`reserved_peak`) is above `limit` may still fit, at `retries`
     releases of the cache."""
-    args = (train, get_strategy(strategy).name, world, shard, device, backend, workspace, expandable_segments,
+    args = (train, _trace_name(strategy), world, shard, device, backend, workspace, expandable_segments,
             init, max_split_size)
     got = _REPLAYED.get(args)
     if got is not None and got[0] <= limit:  # fits without reaching the limit
@@ -612,7 +650,7 @@ def reserved_peak_below(limit: int, train: TrainConfig, strategy, world: int, sh
     first segment that passes the limit (allocator.replay's `stop_above`; the reserved bytes only grow
     without one), so the question "fits without the allocator releasing its cache" answered no costs part
     of a replay (the micro-batch and layout searches ask it most)."""
-    args = (train, get_strategy(strategy).name, world, shard, device, backend, workspace, expandable_segments,
+    args = (train, _trace_name(strategy), world, shard, device, backend, workspace, expandable_segments,
             init, max_split_size)
     got = _REPLAYED.get(args)
     if got is None:
@@ -664,6 +702,7 @@ the recorded traces check: a plain stage module, DDP with no_sync until the last
 with PP, sharded over more than one rank). ZeRO-1 stages keep the margin (pp.PP_STRATEGIES: no FSDP1)."""
 
 
+@_collector_paused
 def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int, shard: int,
                             device: str = "cuda", workspace: int = 0, steps: int = 2) -> list:
     """The events of pipeline stage `stage` (planner/pp.py) over `steps` steps (validate/pp_probe.py: one

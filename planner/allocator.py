@@ -41,7 +41,7 @@ the reduced gradient on `_post_backward_stream`. `comm_streams` assigns them fro
 collective reads or writes goes to the all-gather stream (all-gather, broadcast) or the reduce stream
 (reduce-scatter, all-reduce). DDP and ZeroRedundancyOptimizer allocate on the compute stream.
 
-Speed (every strategy's reserved peak is a replay, so a cold `distplan estimate` makes ten of them): free
+Speed (every strategy's reserved peak is a replay, so a cold `distplan estimate` makes nine of them): free
 lists are sorted ints packing (size, segment id, offset) with a dict to the blocks, blocks are plain
 lists, the collector is off inside the loop (about 0.85 us per event on a 2-core VM, 1.3 before);
 `replay_peaks` remembers results by the events themselves; `replay(stop_above=)` ends a replay that a

@@ -477,3 +477,18 @@ def test_accumulation_and_microbatch_work_is_bounded():
         assert len(three) == len(huge) and replay(three).peak_reserved == replay(huge).peak_reserved
     p = plan("llama-3-8b", gpus=8, strategies=["ddp"], pp=2, precision="bf16", pp_microbatches=MAX_MICROBATCHES + 1)
     assert p["ddp"].memory.reserved_source == "10% margin"
+
+
+def test_strategies_keyed_alike_write_the_same_events():
+    """The replay caches key a strategy by `_TRACE_NAMES` (hsdp's replay is fsdp's for the same world and
+    shard group): every strategy so keyed writes the events of the one it is keyed by, over precisions,
+    accumulation, checkpointing, meta init and shard groups of one node and of several."""
+    from distplan.planner.alloc_trace import _TRACE_NAMES
+    merged = [(s, t) for s, t in _TRACE_NAMES.items() if s != t]
+    assert ("hsdp", "fsdp") in merged
+    for kw in ({}, {"precision": "fp32"}, {"grad_accum": 3}, {"checkpointing": "full"}):
+        train = dataclasses.replace(_train(name="phi-3-mini", seq_len=512), **kw)
+        for s, t in merged:
+            for world, shard, init in ((8, 8, "device"), (16, 8, "device"), (16, 16, "meta")):
+                assert (allocation_events(train, s, world, shard, init=init)
+                        == allocation_events(train, t, world, shard, init=init)), (s, t, kw, world, shard)
