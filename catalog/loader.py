@@ -439,6 +439,25 @@ def _err(path: Path, key: str | None, msg: str) -> CatalogError:
     return CatalogError(f"{where}: {msg}")
 
 
+_KEYS: dict[str, tuple[set, set, str]] = {}
+
+
+def _keys(kind: str) -> tuple[set, set, str]:
+    """(numeric keys with their units, the other keys, the accepted keys in words) of one kind: the same for
+    every file of the kind, so made once."""
+    got = _KEYS.get(kind)
+    if got is None:
+        schema = _SCHEMA[kind]
+        known_numeric = {base + sfx for base, (dim, _) in schema.numeric.items()
+                         for sfx, (d, _) in UNIT_SUFFIXES.items() if d == dim}
+        known_other = set(schema.text) | set(schema.enums) | set(schema.bools) | {"aliases", "source"}
+        accepted_keys = ", ".join(sorted(
+            [f"{b}_<{'|'.join(s.lstrip('_') for s, (d, _) in UNIT_SUFFIXES.items() if d == dim)}>"
+             for b, (dim, _) in schema.numeric.items()] + sorted(known_other)))
+        got = _KEYS[kind] = (known_numeric, known_other, accepted_keys)
+    return got
+
+
 def _parse_file(path: Path, kind: str) -> dict[str, Any]:
     """Validate one YAML file; return its fields in base units (not yet cross-checked)."""
     stem = path.stem
@@ -470,12 +489,7 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
         raise _err(path, None, "must be a YAML mapping of key: value")
 
     schema = _SCHEMA[kind]
-    known_numeric = {base + sfx for base, (dim, _) in schema.numeric.items()
-                     for sfx, (d, _) in UNIT_SUFFIXES.items() if d == dim}
-    known_other = set(schema.text) | set(schema.enums) | set(schema.bools) | {"aliases", "source"}
-    accepted_keys = ", ".join(sorted(
-        [f"{b}_<{'|'.join(s.lstrip('_') for s, (d, _) in UNIT_SUFFIXES.items() if d == dim)}>"
-         for b, (dim, _) in schema.numeric.items()] + sorted(known_other)))
+    known_numeric, known_other, accepted_keys = _keys(kind)
 
     out: dict[str, Any] = {"name": stem, "path": str(path)}
     seen_base: dict[str, str] = {}
