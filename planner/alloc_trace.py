@@ -950,12 +950,14 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
             head_g: list = []
             if last:
                 lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)]
-                E.f(*lt[:-1])
+                # log_softmax's saved output goes with its backward node, before the head's matmul backward
+                # makes the weight gradient (as in allocation_events); the logits' gradient lives through it
+                E.f(*lt[:-1], head[2])
                 if fsdp2:
                     head_g = new_grads("root", head_shapes)
                 else:
                     accumulate(head_shapes, i)
-                E.f(lt[-1], *head)
+                E.f(lt[-1], *head[:2])
             if train.pp_schedule != "gpipe":
                 E.f(outs.pop(i, None))
             for j in reversed(range(L)):
