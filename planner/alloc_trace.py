@@ -142,7 +142,9 @@ def _block_saved_shapes(train: TrainConfig, regime: str, n: int) -> list[int]:
     h, q, kv, f, a = m.hidden, m.q_dim, m.kv_dim, m.ffn_hidden, m.heads
     norm = [n * h * 4, n * 4, n * h * e] if regime != "fp32" else [n * h * 4, n * 4]
     attn = [n * q * e, n * kv * e, n * kv * e, n * q * e, n * a * 4]
-    mlp = [n * f * e] * (4 if m.mlp == "swiglu" else 2)
+    # SwiGLU: gate, up, silu(gate), their product; GELU: fc's output and the activation's; transformers'
+    # NewGELUActivation (gelu_new) also its tanh's output, 0.5 x and 1 + tanh (activations._mlp_saved)
+    mlp = [n * f * e] * (4 if m.mlp == "swiglu" else 5 if m.activation == "gelu_new" else 2)
     return norm + attn + norm + mlp
 
 
@@ -432,6 +434,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         kept_unsharded.clear()
         keep = family == "fsdp1" and not st.reshard_after_forward and not sync
         in_place = not fsdp or (family == "fsdp2" and not prec.mixed)  # AccumulateGrad adds into .grad
+        tied = m.tie_embeddings and not fsdp and t == 1  # the tied weight's gradients (the root's backward)
 
         def new_grads(u, shapes):
             """The unit's new gradients; where a kept .grad takes them in place (AccumulateGrad:
@@ -503,7 +506,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         lt = [E.a(x) for x in loss_tmp]
         E.f(logp, *lt[:-1])
         head_g = new_grads("root", head_shapes)
+        # A tied weight (single, DDP, ZeRO-1: the parameter itself): the head's matmul backward makes its
+        # gradient, which autograd holds in the weight's input buffer through every block's backward, until
+        # the embedding's arrives (below)
         E.f(lt[-1], *hc, head_saved)
+        tied_g = E.a(v * m.hidden * gb) if tied else None
         rs_kept = None
         pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
 
@@ -549,7 +556,20 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         if shared is not None:
             E.f(shared)
         # the embedding's gradient and the root
-        emb_g = new_grads("root", emb_shapes)
+        if tied:
+            # embedding_dense_backward's gradient and its sum with the head's (input_buffer.cpp `accumulate`:
+            # `old_var + var`, a new tensor, as the recorded traces show), both addends then freed: three
+            # vocab x hidden gradients at once; the sum is the weight's gradient (or, in a later micro-step,
+            # added into .grad and freed)
+            addend = E.a(prod(emb_shapes[0]) * gb)
+            total = E.a(prod(emb_shapes[0]) * gb)
+            E.f(tied_g, addend)
+            emb_g = [total] + new_grads("root", emb_shapes[1:])
+            if not first and in_place:
+                E.f(*emb_g)
+                emb_g = []
+        else:
+            emb_g = new_grads("root", emb_shapes)
         E.f(out_emb)
         if family == "fsdp2" and sharding:
             E.f(fsdp2_post("root", head_g + emb_g, held.pop("root")[1], rs_kept, lay.unshard_root,
