@@ -16,7 +16,8 @@ so this is one model, not a second one: it adds the order and the streams. What 
   (`_flat_param.py` `FlatParamHandle.flatten_tensors_into_flat_param`, `shard`) concatenates each unit's
   parameters into one flat tensor, drops the originals, then keeps one padded chunk. DDP's `Reducer`
   allocates one flat gradient buffer per bucket (`initialize_buckets`, `bucket.gradients`) and its
-  rebuild in the second iteration allocates new ones before dropping the old (`_rebuild_buckets`).
+  rebuild in the second iteration allocates new ones before dropping the old (`_rebuild_buckets`). A tied
+  transformers model also makes and drops its LM head's own weight (`_tied_head_transient`).
 - Forward, per block: the tensors the block's backward keeps (activations_in: the same bytes, split in the
   shapes the ops save: norm statistics and outputs, q/k/v, the attention output, the MLP's n*f tensors),
   autocast's 16-bit weight casts (single/DDP/ZeRO-1 under *-mixed), and under checkpointing only the
@@ -29,7 +30,9 @@ so this is one model, not a second one: it adds the order and the streams. What 
   weight gradients (per parameter; FSDP1 concatenates them into the flat gradient), the frees of the
   block's saved tensors; FSDP2's `post_backward`: reshard, the reduce-scatter input on the reduce-scatter
   stream (kept until the next reduce-scatter, `reduce_scatter_state`), the output shard that becomes
-  `.grad`; FSDP1's `_post_backward_hook` the same on its post-backward stream.
+  `.grad`; FSDP1's `_post_backward_hook` the same on its post-backward stream. A tied weight that is the
+  parameter itself (single, DDP, ZeRO-1): the head's gradient held to the embedding's backward, then the
+  embedding's and their sum (FSDP's tied gradients are not written: the walk's excess is added as segments).
 - Optimizer: AdamW's states are made lazily in the first step (`_init_group`: `zeros_like` per parameter,
   exp_avg then exp_avg_sq), `_multi_tensor_adam`'s `exp_avg_sq_sqrt` temporaries (foreach), and
   `zero_grad(set_to_none=True)` drops the gradients.
@@ -47,7 +50,8 @@ so this is one model, not a second one: it adds the order and the streams. What 
 
 Checked against allocation traces the CPU probes recorded (tests/test_alloc_trace.py): one micro-step at
 16 layers (benchmarks/alloc_depth.py), accumulation and TP (benchmarks/alloc_accum.py), pipeline stages
-(benchmarks/alloc_pp.py), checkpoint saves (benchmarks/alloc_ckpt.py).
+(benchmarks/alloc_pp.py), checkpoint saves (benchmarks/alloc_ckpt.py), a tied model under mixed precision
+(benchmarks/alloc_tied.py).
 
 Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`/`all_gather_stream`, FSDP1
 `_unshard_stream`), 2 reduce-scatter (FSDP2 `reduce_scatter_stream`, FSDP1 `_post_backward_stream`);
