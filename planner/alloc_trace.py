@@ -14,10 +14,11 @@ so this is one model, not a second one: it adds the order and the streams. What 
   allocation in registration order. FSDP2 (`fully_shard`, `_fsdp_param.py` `FSDPParam._init_sharded_param`)
   then allocates each parameter's padded dim-0 shard and drops the full tensor; FSDP1
   (`_flat_param.py` `FlatParamHandle.flatten_tensors_into_flat_param`, `shard`) concatenates each unit's
-  parameters into one flat tensor, drops the originals, then keeps one padded chunk. DDP's `Reducer`
-  allocates one flat gradient buffer per bucket (`initialize_buckets`, `bucket.gradients`) and its
-  rebuild in the second iteration allocates new ones before dropping the old (`_rebuild_buckets`). A tied
-  transformers model also makes and drops its LM head's own weight (`_tied_head_transient`).
+  parameters into one flat tensor, keeps one padded chunk of it, then drops the flat tensor and the
+  originals. DDP's `Reducer` allocates one flat gradient buffer per bucket (`initialize_buckets`,
+  `bucket.gradients`) and its rebuild in the second iteration allocates new ones before dropping the old
+  (`_rebuild_buckets`). A tied transformers model also makes and drops its LM head's own weight
+  (`_tied_head_transient`).
 - Forward, per block: the tensors the block's backward keeps (activations_in: the same bytes, split in the
   shapes the ops save: norm statistics and outputs, q/k/v, the attention output, the MLP's n*f tensors),
   autocast's 16-bit weight casts (single/DDP/ZeRO-1 under *-mixed), and under checkpointing only the
@@ -31,8 +32,8 @@ so this is one model, not a second one: it adds the order and the streams. What 
   block's saved tensors; FSDP2's `post_backward`: reshard, the reduce-scatter input on the reduce-scatter
   stream (kept until the next reduce-scatter, `reduce_scatter_state`), the output shard that becomes
   `.grad`; FSDP1's `_post_backward_hook` the same on its post-backward stream. A tied weight that is the
-  parameter itself (single, DDP, ZeRO-1): the head's gradient held to the embedding's backward, then the
-  embedding's and their sum (FSDP's tied gradients are not written: the walk's excess is added as segments).
+  parameter itself, FSDP2's unsharded parameter or FSDP1's view of its flat parameter: the head's gradient
+  held to the embedding's backward, then the embedding's and their sum, a new tensor.
 - Optimizer: AdamW's states are made lazily in the first step (`_init_group`: `zeros_like` per parameter,
   exp_avg then exp_avg_sq), `_multi_tensor_adam`'s `exp_avg_sq_sqrt` temporaries (foreach), and
   `zero_grad(set_to_none=True)` drops the gradients.
@@ -294,11 +295,14 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             if meta:  # FSDP1 materializes a meta unit before flattening it (_init_utils.py
                 # `_materialize_meta_module`: to_empty + reset_parameters), one unit at a time
                 keys = [E.a(prod(s) * pb) for s in units[u] + (units[L + 1] if u == 0 else [])]
+            # `FlatParamHandle`: flatten_tensors_into_flat_param, then shard() keeps a chunk and frees the flat
+            # tensor; the originals go after, once the module holds views of the flat parameter (the order the
+            # recorded CPU traces show: flat, shard, flat freed, the originals freed)
             flat = E.a(elems * pb)
-            E.f(*keys)
             if st.shards_params or st.shards_optimizer:
                 E.a(-(-elems // shard) * pb)
                 E.f(flat)
+            E.f(*keys)
         param_shards = [lay.shard_root] + [lay.shard_block] * L
     else:
         param_shards = [prod(s) for u in units for s in u]
@@ -438,7 +442,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         kept_unsharded.clear()
         keep = family == "fsdp1" and not st.reshard_after_forward and not sync
         in_place = not fsdp or (family == "fsdp2" and not prec.mixed)  # AccumulateGrad adds into .grad
-        tied = m.tie_embeddings and not fsdp and t == 1  # the tied weight's gradients (the root's backward)
+        # the tied weight's gradients at the root's backward: of the parameter itself (single, DDP, ZeRO-1),
+        # FSDP2's unsharded parameter or FSDP1's view of its flat parameter
+        tied = m.tie_embeddings and t == 1
+        tied_b = (ud if fsdp else gb)  # their dtype: FSDP's unsharded gradients are in param_dtype
 
         def new_grads(u, shapes):
             """The unit's new gradients; where a kept .grad takes them in place (AccumulateGrad:
@@ -510,11 +517,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         lt = [E.a(x) for x in loss_tmp]
         E.f(logp, *lt[:-1])
         head_g = new_grads("root", head_shapes)
-        # A tied weight (single, DDP, ZeRO-1: the parameter itself): the head's matmul backward makes its
-        # gradient, which autograd holds in the weight's input buffer through every block's backward, until
-        # the embedding's arrives (below)
+        # A tied weight (the parameter, FSDP2's unsharded parameter, FSDP1's view): the head's matmul backward
+        # makes its gradient, which autograd holds in the weight's input buffer through every block's
+        # backward, until the embedding's arrives (below)
         E.f(lt[-1], *hc, head_saved)
-        tied_g = E.a(v * m.hidden * gb) if tied else None
+        tied_g = E.a(v * m.hidden * tied_b) if tied else None
         rs_kept = None
         pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
 
@@ -565,11 +572,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             # `old_var + var`, a new tensor, as the recorded traces show), both addends then freed: three
             # vocab x hidden gradients at once; the sum is the weight's gradient (or, in a later micro-step,
             # added into .grad and freed)
-            addend = E.a(prod(emb_shapes[0]) * gb)
-            total = E.a(prod(emb_shapes[0]) * gb)
+            addend = E.a(prod(emb_shapes[0]) * tied_b)
+            total = E.a(prod(emb_shapes[0]) * tied_b)
             E.f(tied_g, addend)
             emb_g = [total] + new_grads("root", emb_shapes[1:])
-            if not first and in_place:
+            if not first and in_place and ("root" in acc or not fsdp):  # as new_grads
                 E.f(*emb_g)
                 emb_g = []
         else:
