@@ -66,12 +66,11 @@ HSDP and tensor-parallel saves, models over MAX_LAYERS.
 
 from __future__ import annotations
 
-import gc
 from functools import lru_cache, wraps
 from math import prod
 
 from .activations import activations_in, regime_for, sp_tokens
-from .allocator import replay_fit, replay_peaks
+from .allocator import collector_paused, replay_fit, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
 from .model import unit_sizes
@@ -89,20 +88,15 @@ MEASURED_STEPS = 1  # later steps repeat the second one's allocations: the reser
 
 
 def _collector_paused(write):
-    """`write` (an event writer) with the cyclic garbage collector paused, as allocator.replay pauses it:
-    a trace is thousands of new tuples, which would trigger a collection every 700 of them and now and
-    then a full one over every object of the process (14 ms of a cold 7B estimate's 230 on the 2-core VM);
-    they hold no cycles, so nothing is left to collect. The collector looks at them once, after."""
+    """`write` (an event writer) under allocator.collector_paused, as allocator.replay runs: a trace is
+    thousands of new tuples, which would trigger a collection every 700 of them and now and then a full one
+    over every object of the process (14 ms of a cold 7B estimate's 230 on the 2-core VM); they hold no
+    cycles, so nothing is left to collect. The collector looks at them once, after."""
 
     @wraps(write)
     def paused(*args, **kwargs):
-        was_on = gc.isenabled()
-        gc.disable()
-        try:
+        with collector_paused():
             return write(*args, **kwargs)
-        finally:
-            if was_on:
-                gc.enable()
     return paused
 
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import gc
 from bisect import bisect_left, insort
+from contextlib import contextmanager
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -352,6 +353,20 @@ def comm_streams(events) -> list:
             for i, e in enumerate(events) if e[0] != "comm"]
 
 
+@contextmanager
+def collector_paused():
+    """The cyclic garbage collector off inside the block, back as it was after: for loops that make many
+    objects holding no cycles to collect (a replay's blocks, a trace's events), which would otherwise trigger
+    collections every few hundred allocations and now and then a full one over the whole process."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def replay(events, *, expandable_segments: bool = False, max_split_size: int | None = None,
            stop_above: int | None = None, capacity: int | None = None) -> CachingAllocator:
     """Replay `events`: ("alloc", key, nbytes[, stream]) and ("free", key) in order (("comm", ...) events are
@@ -367,27 +382,23 @@ def replay(events, *, expandable_segments: bool = False, max_split_size: int | N
     malloc, free, pop = a.malloc, a.free, live.pop
     # The blocks link both ways (cycles the collector would walk again and again while they pile up):
     # no collection during the loop; they go in one pass once the caller drops the allocator.
-    gc_was_on = gc.isenabled()
-    gc.disable()
-    try:
-        for ev in events:
-            kind = ev[0]
-            if kind == "alloc":
-                if ev[2] > 0:
-                    live[ev[1]] = malloc(ev[2], ev[3] if len(ev) > 3 else 0)
-            elif kind == "free":
-                b = pop(ev[1], None)
-                if b is not None:
-                    free(b)
-            elif kind != "comm":
-                raise ValueError(f"event {kind!r}: accepted: 'alloc', 'free', 'comm'")
-    except ReservedAbove:
-        pass
-    except OutOfMemory:
-        a.oom = True
-    finally:
-        if gc_was_on:
-            gc.enable()
+    with collector_paused():
+        try:
+            for ev in events:
+                kind = ev[0]
+                if kind == "alloc":
+                    if ev[2] > 0:
+                        live[ev[1]] = malloc(ev[2], ev[3] if len(ev) > 3 else 0)
+                elif kind == "free":
+                    b = pop(ev[1], None)
+                    if b is not None:
+                        free(b)
+                elif kind != "comm":
+                    raise ValueError(f"event {kind!r}: accepted: 'alloc', 'free', 'comm'")
+        except ReservedAbove:
+            pass
+        except OutOfMemory:
+            a.oom = True
     return a
 
 
