@@ -29,7 +29,7 @@ so this is one model, not a second one: it adds the order and the streams. What 
 - Backward, per block in reverse: the prefetch of the next block's all-gather (`_backward_prefetch`),
   the recomputation of a checkpointed block, the MLP's transients (memory._block_backward_peak), the
   weight gradients (per parameter; FSDP1 concatenates them into the flat gradient), the frees of the
-  block's saved tensors; FSDP2's `post_backward`: reshard, the reduce-scatter input on the reduce-scatter
+  block's saved tensors; FSDP2's `post_backward`: reshard, the reduce-scatter input on the compute
   stream (kept until the next reduce-scatter, `reduce_scatter_state`), the output shard that becomes
   `.grad`; FSDP1's `_post_backward_hook` the same on its post-backward stream. A tied weight that is the
   parameter itself, FSDP2's unsharded parameter or FSDP1's view of its flat parameter: the head's gradient
@@ -54,9 +54,9 @@ Checked against allocation traces the CPU probes recorded (tests/test_alloc_trac
 (benchmarks/alloc_pp.py), checkpoint saves (benchmarks/alloc_ckpt.py), a tied model under mixed precision
 (benchmarks/alloc_tied.py).
 
-Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`/`all_gather_stream`, FSDP1
-`_unshard_stream`), 2 reduce-scatter (FSDP2 `reduce_scatter_stream`, FSDP1 `_post_backward_stream`);
-see allocator.comm_streams. What is approximate: the exact transients of each forward op (only the block
+Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`, FSDP1 `_unshard_stream`), 2
+reduce-scatter (FSDP2 `reduce_scatter_stream`: its output; FSDP1 `_post_backward_stream`), 3 FSDP1's
+`_pre_unshard_stream` (the low-precision shard); see allocator.comm_streams. What is approximate: the exact transients of each forward op (only the block
 MLP's backward transients, the TP reductions and the loss's are written), and the host order inside a
 block. Not written (memory.RESERVED_MARGIN instead): the `--module`/`--hf-config` front end, DeepSpeed,
 ZeRO-1 pipeline stages (and FSDP2 stages on one data-parallel rank), interleaved and zero-bubble
@@ -202,7 +202,7 @@ def _fsdp2_post_backward(E: _Events, u, g: list, params: list, rs_kept, unsharde
         return rs_kept
     collected = acc.pop(u, g)
     E.f(*params, rs_kept)
-    rs_in = E.a(unsharded * rb, 2)
+    rs_in = E.a(unsharded * rb)  # on the compute stream: foreach_reduce allocates it before entering the RS stream
     late = collected[-1:] if last_grad_late else []
     E.f(*collected[:len(collected) - len(late)])
     out = E.a(sharded * rb, 2)
@@ -377,7 +377,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             E.f(a, b)
 
     def fsdp1_unshard(elems_shard):
-        mp = E.a(elems_shard * cb, 1) if prec.mixed else None
+        mp = E.a(elems_shard * cb, 3) if prec.mixed else None  # _use_low_precision_shard: the pre-unshard stream
         flat = E.a(elems_shard * (shard if sharding else 1) * ud, 1)
         E.f(mp)
         return flat

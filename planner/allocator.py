@@ -34,12 +34,12 @@ c10/cuda/CUDAAllocatorConfig.h in recent releases):
   does not fit a cached block maps only what the free tail lacks.
 
 Streams: the caching allocator keeps a pool per stream, and FSDP allocates its communication buffers on
-its own streams: FSDP2 (`_fully_shard/_fsdp_param_group.py`) the all-gather buffers on
-`all_gather_copy_in_stream` / `all_gather_stream` and the reduce-scatter input and output on
-`reduce_scatter_stream`; FSDP1 (`_runtime_utils.py`) the unsharded flat parameter on `_unshard_stream` and
-the reduced gradient on `_post_backward_stream`. `comm_streams` assigns them from a trace: a storage a
-collective reads or writes goes to the all-gather stream (all-gather, broadcast) or the reduce stream
-(reduce-scatter, all-reduce). DDP and ZeroRedundancyOptimizer allocate on the compute stream.
+its own streams: FSDP2 (`_fully_shard/_fsdp_collectives.py`) the all-gather buffer on
+`all_gather_copy_in_stream` and the reduce-scatter output on `reduce_scatter_stream` (its input on the
+compute stream); FSDP1 (`_runtime_utils.py`) the low-precision shard on `_pre_unshard_stream`, the unsharded
+flat parameter on `_unshard_stream` and the reduced gradient on `_post_backward_stream`. `comm_streams`
+assigns them from a recorded trace by the collectives that touch each storage. DDP and
+ZeroRedundancyOptimizer allocate on the compute stream.
 
 Speed (every strategy's reserved peak is a replay, so a cold `distplan estimate` makes nine of them): free
 lists are sorted ints packing (size, segment id, offset) with a dict to the blocks, blocks are plain
@@ -49,7 +49,8 @@ fits-or-not question has answered. tests/test_allocator_speed_equiv.py holds the
 the previous, plainer model (tests/reference_allocator.py).
 
 Known limitations: cross-stream uses (`record_stream`) that delay a free until the other stream's work
-is done are not modelled (events give the order the host frees in); `garbage_collection_threshold` and
+is done are not modelled (events give the order the host frees in; FSDP1 frees its unsharded flat
+parameters, low-precision shards and flat gradients so); `garbage_collection_threshold` and
 `roundup_power2_divisions` are not modelled.
 """
 
@@ -336,19 +337,68 @@ def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int |
     return expandable, max_split, notes
 
 
-def comm_streams(events) -> list:
-    """Events with each allocation that a collective later touches (a ("comm", key, op) event before its
-    free) put on that collective's stream: 1 for all_gather/broadcast, 2 for reduce_scatter/all_reduce.
-    For FSDP1/FSDP2 traces (see the module docstring); the ("comm", ...) events are dropped."""
+REDUCTIONS = ("reduce_scatter", "all_reduce")
+GATHERS = ("all_gather", "broadcast")
+
+
+def comm_streams(events, family: str) -> list:
+    """Events of an FSDP1 ("fsdp1") or FSDP2 ("fsdp2") trace with each allocation put on the stream the
+    implementation allocates it on, told from the collectives that touch it (a ("comm", key, op) event before
+    its free; consecutive touches by one op are one call); the ("comm", ...) events are dropped. Streams:
+    0 compute, 1 all-gather, 2 reduce-scatter, 3 FSDP1's pre-unshard. Other ops (DTensor's functional
+    collectives, a checkpoint save's, send/recv) are the caller's stream's.
+
+    FSDP2 (`_fully_shard/_fsdp_collectives.py`): `foreach_all_gather` makes its one flat buffer (the input is a
+    view of the output) under `all_gather_copy_in_stream` -> 1. `foreach_reduce` allocates
+    `reduce_scatter_input` on the current (compute) stream, before `with device_handle.stream(
+    reduce_scatter_stream)`, and `reduce_output` inside it: of a reduce-scatter's storages the first
+    allocated stays on 0, the other -> 2; HSDP's all-reduce is on `reduce_output` (2).
+
+    FSDP1 (`_runtime_utils.py` `_unshard`, `_post_backward_hook`; `_flat_param.py`): what a collective's call
+    made for itself is allocated after the last free before it ("fresh"; a collective's other storages were
+    made earlier). An all-gather: the padded unsharded flat parameter (`_alloc_padded_unsharded_flat_param`
+    under `_unshard_stream`, the last fresh one) -> 1, the low-precision shard (`_use_low_precision_shard`
+    under `_pre_unshard_stream`) -> 3; the sharded flat parameter it reads was made at construction: 0. A
+    reduction's storages -> 2: the cast to reduce_dtype, `F.pad` and `new_sharded_grad` are made under
+    `_post_backward_stream`; the flat gradient the reduction reads when there is no cast is made by the
+    views' backward (autograd runs it on the stream of the forward's `_use_unsharded_views`, the unshard
+    stream) and freed under `record_stream(post_backward_stream)`, a free the allocator defers until the
+    reduce-scatter is done: neither the compute nor the unshard stream reuses it meanwhile, which the reduce
+    stream's pool stands for (the deferral itself is not modelled, the module docstring says so)."""
+    if family not in ("fsdp1", "fsdp2"):
+        raise ValueError(f"comm_streams: family {family!r}: accepted: fsdp1, fsdp2")
     stream: dict[int, int] = {}
     open_: dict = {}
+    calls: list = []  # [op, allocation indices, index of the last free before the call]
+    last_free = -1
+    prev = -2
     for i, e in enumerate(events):
-        if e[0] == "alloc":
+        kind = e[0]
+        if kind == "alloc":
             open_[e[1]] = i
-        elif e[0] == "free":
+        elif kind == "free":
             open_.pop(e[1], None)
-        elif e[0] == "comm" and e[1] in open_:
-            stream.setdefault(open_[e[1]], 1 if e[2] in ("all_gather", "broadcast") else 2)
+            last_free = i
+        elif kind == "comm" and e[1] in open_ and (e[2] in GATHERS or e[2] in REDUCTIONS):
+            j = open_[e[1]]
+            if prev == i - 1 and calls[-1][0] == e[2]:
+                if j not in calls[-1][1]:
+                    calls[-1][1].append(j)
+            else:
+                calls.append([e[2], [j], last_free])
+            prev = i
+    for op, idx, before in calls:
+        idx.sort()
+        if family == "fsdp2":
+            for j in (idx[1:] if op == "reduce_scatter" and len(idx) > 1 else idx):
+                stream.setdefault(j, 1 if op in GATHERS else 2)
+        elif op in GATHERS:
+            fresh = [j for j in idx if j > before]
+            for j in fresh:
+                stream.setdefault(j, 1 if j == fresh[-1] else 3)
+        else:
+            for j in idx:
+                stream.setdefault(j, 2)
     return [(e[0], e[1], e[2], stream.get(i, 0)) if e[0] == "alloc" else e
             for i, e in enumerate(events) if e[0] != "comm"]
 

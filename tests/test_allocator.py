@@ -98,8 +98,9 @@ def _h100_records():
 
 def _replayed(pid, events, rec):
     ws = predict_probe(record_spec(rec))["memory"]["workspace"]
-    if get_strategy(rec["inputs"]["strategy"]).family in ("fsdp1", "fsdp2"):
-        events = comm_streams(events)
+    family = get_strategy(rec["inputs"]["strategy"]).family
+    if family in ("fsdp1", "fsdp2"):
+        events = comm_streams(events, family)
     first = next(i for i, e in enumerate(events) if e[0] == "alloc")
     return replay(list(events[:first]) + [["alloc", -1, ws]] + list(events[first:]))
 
@@ -139,7 +140,11 @@ def test_replay_with_fsdp_streams_against_h100_reserved():
     assert len(ids) >= 30
     errors, old = _judge(ids, traces, recs, check_allocated=False)
     table = {k: round(100 * v, 1) for k, v in errors.items()}
-    # issue 15's bar for reserved: 10% median, 20% max
+    # issue 15's bar for reserved: 10% median, 20% max. Measured 2026-12-01: median 0.95%, max 13.5% (FSDP1
+    # NO_SHARD bf16-mixed, under); with every storage a collective touches on that collective's stream (FSDP2's
+    # reduce-scatter input and FSDP1's sharded flat parameter included, which the implementations allocate on
+    # the compute stream) 4.6% / 13.5%
     assert statistics.median(abs(v) for v in errors.values()) <= 0.10, table
     assert max(abs(v) for v in errors.values()) <= 0.20, table
+    assert statistics.median(abs(v) for v in errors.values()) <= 0.02, table
     assert statistics.median(abs(v) for v in errors.values()) < statistics.median(abs(v) for v in old.values())

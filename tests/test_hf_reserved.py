@@ -36,7 +36,7 @@ MiB = 2**20
 
 def _recorded_reserved(events: list, family: str) -> int:
     # as tests/test_alloc_trace.py: FSDP's buffers on the streams of the collectives that touch them
-    return replay(comm_streams(events) if family in ("fsdp1", "fsdp2") else events).peak_reserved
+    return replay(comm_streams(events, family) if family in ("fsdp1", "fsdp2") else events).peak_reserved
 
 
 def test_trace_reserved_against_recorded_hf_traces(tmp_path):
