@@ -54,9 +54,11 @@ Checked against allocation traces the CPU probes recorded (tests/test_alloc_trac
 (benchmarks/alloc_pp.py), checkpoint saves (benchmarks/alloc_ckpt.py), a tied model under mixed precision
 (benchmarks/alloc_tied.py).
 
-Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`, FSDP1 `_unshard_stream`), 2
-reduce-scatter (FSDP2 `reduce_scatter_stream`: its output; FSDP1 `_post_backward_stream`), 3 FSDP1's
-`_pre_unshard_stream` (the low-precision shard); see allocator.comm_streams. What is approximate: the exact transients of each forward op (only the block
+Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`: the flat buffer and the
+mixed-precision cast of the shards; FSDP1 `_unshard_stream`: the unsharded flat parameter and the flat
+gradient, made by its views' backward), 2 reduce-scatter (FSDP2 `reduce_scatter_stream`: its output;
+FSDP1 `_post_backward_stream`), 3 FSDP1's `_pre_unshard_stream` (the low-precision shard); checked against
+the streams the CPU probes record (validate.measure.StreamTags, allocator.comm_streams). What is approximate: the exact transients of each forward op (only the block
 MLP's backward transients, the TP reductions and the loss's are written), and the host order inside a
 block. Not written (memory.RESERVED_MARGIN instead): the `--module`/`--hf-config` front end, DeepSpeed,
 ZeRO-1 pipeline stages (and FSDP2 stages on one data-parallel rank), interleaved and zero-bubble
@@ -161,14 +163,20 @@ def _fsdp2_construct(E: _Events, units: list, full: list, shard: int, pb: int) -
     return [shard_of(s) for u in units for s in u]
 
 
-def _fsdp2_gather(E: _Events, shapes, shard: int, ud: int) -> int:
-    """FSDP2 `foreach_all_gather`: one flat output (padded shards of every rank) on its stream."""
-    return E.a(sum(-(-s[0] // shard) * prod(s[1:]) for s in shapes) * shard * ud, 1)
+def _fsdp2_gather(E: _Events, shapes, shard: int, ud: int, mixed: bool = False) -> int:
+    """FSDP2 `foreach_all_gather`: one flat output (padded shards of every rank) on the copy-in stream.
+    Under mixed precision `_get_param_all_gather_inputs` first casts the unit's shards into one
+    `flat_foreach_copy_input` there (param_dtype), gone once the copy-in has read it."""
+    elems = sum(-(-s[0] // shard) * prod(s[1:]) for s in shapes)
+    cast = E.a(elems * ud, 1) if mixed else None
+    out = E.a(elems * shard * ud, 1)
+    E.f(cast)
+    return out
 
 
-def _fsdp2_unshard(E: _Events, shapes, shard: int, ud: int) -> tuple[int, list[int]]:
+def _fsdp2_unshard(E: _Events, shapes, shard: int, ud: int, mixed: bool = False) -> tuple[int, list[int]]:
     """All-gather + `foreach_all_gather_copy_out`: (flat output, per-parameter unsharded tensors)."""
-    flat = _fsdp2_gather(E, shapes, shard, ud)
+    flat = _fsdp2_gather(E, shapes, shard, ud, mixed)
     return flat, [E.a(prod(s) * ud) for s in shapes]
 
 
@@ -365,10 +373,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     bucket_rebuilt = [False]
 
     def unshard_flat(u_shapes):
-        return _fsdp2_gather(E, u_shapes, shard, ud)
+        return _fsdp2_gather(E, u_shapes, shard, ud, prec.mixed)
 
     def unshard(u_shapes):
-        return _fsdp2_unshard(E, u_shapes, shard, ud)
+        return _fsdp2_unshard(E, u_shapes, shard, ud, prec.mixed)
 
     def tp_reduce():
         for partial, out in tp_pairs:
@@ -377,8 +385,14 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             E.f(a, b)
 
     def fsdp1_unshard(elems_shard):
-        mp = E.a(elems_shard * cb, 3) if prec.mixed else None  # _use_low_precision_shard: the pre-unshard stream
-        flat = E.a(elems_shard * (shard if sharding else 1) * ud, 1)
+        """`_unshard`: the low-precision shard (`_use_low_precision_shard`, on the pre-unshard stream) under
+        mixed precision; sharded, the padded unsharded flat parameter on the unshard stream, the shard freed
+        (`post_unshard`); NO_SHARD does not unshard (`needs_unshard`): the low-precision copy is the
+        unsharded parameter until the reshard frees it."""
+        mp = E.a(elems_shard * cb, 3) if prec.mixed else None
+        if not sharding:
+            return mp
+        flat = E.a(elems_shard * shard * ud, 1)
         E.f(mp)
         return flat
 
@@ -392,8 +406,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         in param_dtype, and SHARD_GRAD_OP keeps the unit unsharded (`_should_free_in_backward`); synced
         every micro-step, the new shard is added to `_saved_grad_shard` (`_accumulate_sharded_grad`)."""
         comm = world > 1
-        # (the flat gradient the reduce-scatter reads: this one, or the one kept since the first micro-step)
-        flat_g = E.a(elems * ud, 2 if comm and not prec.mixed and u not in acc else 0)
+        # The flat gradient (the reduction reads it, or the one kept since the first micro-step): made by the
+        # backward of the views `_use_unsharded_views` takes inside `_unshard`'s unshard-stream context, and
+        # CUDA autograd runs a backward op on its forward op's stream: the unshard stream's pool
+        flat_g = E.a(elems * ud, 1)
         E.f(*view_grads)
         if u in acc:  # added to the unsharded gradient kept by earlier micro-steps (without sync)
             E.f(flat_g)
@@ -884,7 +900,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
         unit's all-gather output goes after the copy-out. Returns the all-gather output now held."""
         if not fsdp2 or u in held or not shapes:
             return prev
-        flat, held[u] = _fsdp2_unshard(E, shapes, shard, ud)
+        flat, held[u] = _fsdp2_unshard(E, shapes, shard, ud, prec.mixed)
         E.f(prev)
         return flat
 

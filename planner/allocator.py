@@ -37,8 +37,9 @@ Streams: the caching allocator keeps a pool per stream, and FSDP allocates its c
 its own streams: FSDP2 (`_fully_shard/_fsdp_collectives.py`) the all-gather buffer on
 `all_gather_copy_in_stream` and the reduce-scatter output on `reduce_scatter_stream` (its input on the
 compute stream); FSDP1 (`_runtime_utils.py`) the low-precision shard on `_pre_unshard_stream`, the unsharded
-flat parameter on `_unshard_stream` and the reduced gradient on `_post_backward_stream`. `comm_streams`
-assigns them from a recorded trace by the collectives that touch each storage. DDP and
+flat parameter and the flat gradient (its views' backward) on `_unshard_stream` and the reduced gradient on
+`_post_backward_stream`. The probes record each allocation's stream (validate.measure.StreamTags);
+`comm_streams` keeps those, or infers them for a trace recorded without them. DDP and
 ZeroRedundancyOptimizer allocate on the compute stream.
 
 Speed (every strategy's reserved peak is a replay, so a cold `distplan estimate` makes nine of them): free
@@ -360,13 +361,20 @@ def comm_streams(events, family: str) -> list:
     under `_unshard_stream`, the last fresh one) -> 1, the low-precision shard (`_use_low_precision_shard`
     under `_pre_unshard_stream`) -> 3; the sharded flat parameter it reads was made at construction: 0. A
     reduction's storages -> 2: the cast to reduce_dtype, `F.pad` and `new_sharded_grad` are made under
-    `_post_backward_stream`; the flat gradient the reduction reads when there is no cast is made by the
-    views' backward (autograd runs it on the stream of the forward's `_use_unsharded_views`, the unshard
-    stream) and freed under `record_stream(post_backward_stream)`, a free the allocator defers until the
-    reduce-scatter is done: neither the compute nor the unshard stream reuses it meanwhile, which the reduce
-    stream's pool stands for (the deferral itself is not modelled, the module docstring says so)."""
+    `_post_backward_stream`. Not inferable from the collectives: the flat gradient is made by the views'
+    backward on the unshard stream (CUDA autograd runs a backward op on its forward op's stream, and
+    `_use_unsharded_views` runs inside `_unshard`'s unshard-stream context), which a trace recorded with its
+    streams shows and `alloc_trace` writes; here a reduction that reads it directly puts it with the
+    reduction's (2), under a cast it stays on 0.
+
+    Traces recorded with their streams (validate.measure.StreamTags: an alloc event's fourth field) are
+    returned as recorded, less their ("comm", ...) events."""
     if family not in ("fsdp1", "fsdp2"):
         raise ValueError(f"comm_streams: family {family!r}: accepted: fsdp1, fsdp2")
+    if any(e[0] == "alloc" and len(e) > 3 for e in events):
+        # a trace recorded with its streams (validate.measure.StreamTags: each allocation's stream as a GPU
+        # would make it, backward nodes included): kept as recorded
+        return [e for e in events if e[0] != "comm"]
     stream: dict[int, int] = {}
     open_: dict = {}
     calls: list = []  # [op, allocation indices, index of the last free before the call]

@@ -65,9 +65,11 @@ def test_reserved_fsdp_probes_meet_the_issue_bar(errors):
     # issue 15: 10% median, 20% max (measured 2026-11-23: 5.5% / 12.3%; the 10% margin: 20.3% / 47.5%;
     # 2026-12-01: 5.6% / 12.3%; then, with FSDP2's reduce-scatter input written on the compute stream where
     # `foreach_reduce` allocates it and FSDP1's low-precision shard on the pre-unshard stream: 2.3% / 10.5%,
-    # FSDP2 alone 8.2% -> 2.1% median, 12.3% -> 7.9% max)
+    # FSDP2 alone 8.2% -> 2.1% median, 12.3% -> 7.9% max; then FSDP1's flat gradient on the unshard stream
+    # (the views' backward), NO_SHARD's unsharded parameter its low-precision copy, FSDP2's mixed-precision
+    # copy-in cast: 2.05% / 8.1%, as the recorded streams of the CPU re-runs show them)
     assert med <= 0.10 and mx <= 0.20, table
-    assert med <= 0.035 and mx <= 0.12, table
+    assert med <= 0.025 and mx <= 0.09, table
     assert med < old / 2
 
 
@@ -225,7 +227,8 @@ def test_torchtitan_published_reserved_memory():
         # the old margin under-predicted both (the dangerous side): allocated + 10%
         assert 1.1 * mem.peak_allocated < published
     # measured 2026-11-23: +5.6% (8 GPUs, 82.4 GiB published) and +8.5% (128 GPUs, 67.0 GiB); 2026-12-01, with
-    # FSDP2's reduce-scatter input on the compute stream (`foreach_reduce`): +0.4% (82.7 GiB) and +1.4% (67.9)
+    # FSDP2's reduce-scatter input on the compute stream (`foreach_reduce`): +0.4% (82.7 GiB) and +1.4% (67.9);
+    # with its mixed-precision copy-in cast written too: +0.7% (82.9) and +1.4% (67.9)
     assert all(abs(e) <= 0.10 for e in errs.values()), errs
     assert all(abs(e) <= 0.03 for e in errs.values()), errs
 
@@ -259,7 +262,8 @@ def test_trace_writer_at_depth_against_recorded_traces():
     # measured 2026-11-23 (18 probes): median 1.9%, max 8.2% (fsdp fp32 full: the recorded replay put FSDP1's
     # sharded flat parameters, which the all-gather reads, in the all-gather stream's pool). 2026-12-01, each
     # storage on the stream the implementation allocates it on (allocator.comm_streams): median 1.1%, max 5.8%
-    # (zero3 fp32, over)
+    # (zero3 fp32, over); the FSDP1 probes re-recorded with their streams (and fsdp-grad-op bf16 full added, 19
+    # probes) and the writer's FSDP1 flat gradient on the unshard stream: 1.2% / 5.8%
     assert statistics.median(abs(e) for e in errs.values()) <= 2.0, errs
     assert max(abs(e) for e in errs.values()) <= 7.0, errs
 
@@ -270,12 +274,29 @@ def _recorded(name: str) -> dict:
         return json.load(f)
 
 
-def _recorded_reserved(events, family: str) -> int:
-    """The recorded trace replayed: FSDP's buffers on their collectives' streams (allocator.comm_streams).
-    What other collectives touch is allocated on the caller's stream, so their touches are dropped first:
-    DTensor's functional collectives (tensor parallelism), `distribute_tensor`'s scatter of each
-    parameter (`parallelize_module` at construction), a checkpoint save's collectives."""
+def _without_gloo_copies(events) -> list:
+    """The events less what only gloo allocates: the copy of each reduce-scatter input that
+    ProcessGroupGloo makes (an allocation of the input's size right after its reduce_scatter, freed at
+    once; NCCL makes none, and the planner writes none). Recorded with their streams, the copies sit in the
+    reduce-scatter's pool, where a GPU run has nothing."""
+    copies = [j for j in range(1, len(events) - 1)
+              if events[j][0] == "alloc" and events[j - 1][0] == "comm"
+              and events[j - 1][2] == "reduce_scatter" and events[j + 1] == ["free", events[j][1]]]
+    # one per reduce-scatter (two touches each: its output, its input)
+    assert len(copies) == sum(e[0] == "comm" and e[2] == "reduce_scatter" for e in events) // 2
+    skip = set(copies) | {j + 1 for j in copies}
+    return [e for j, e in enumerate(events) if j not in skip]
+
+
+def _recorded_reserved(events, family: str, gloo: bool = False) -> int:
+    """The recorded trace replayed: FSDP's buffers on their streams (as recorded, or inferred from the
+    collectives: allocator.comm_streams). What other collectives touch is allocated on the caller's stream,
+    so their touches are dropped first: DTensor's functional collectives (tensor parallelism),
+    `distribute_tensor`'s scatter of each parameter (`parallelize_module` at construction), a checkpoint
+    save's collectives. `gloo`: a run on gloo, whose reduce-scatter copies go too."""
     from distplan.planner.allocator import comm_streams
+    if gloo:
+        events = _without_gloo_copies(events)
     events = [e for e in events if not (e[0] == "comm" and (e[2] == "scatter" or str(e[2]).startswith(
         ("_c10d_functional.", "checkpoint."))))]
     if family in ("fsdp1", "fsdp2"):
@@ -391,14 +412,8 @@ def test_pipeline_stage_fsdp2_trace_against_recorded_traces(name):
         pid, stage = key.rsplit("/stage", 1)
         spec = doc["specs"][pid]
         dp = spec["dp"]
-        gloo_copies = [j for j in range(1, len(events) - 1)
-                       if events[j][0] == "alloc" and events[j - 1][0] == "comm"
-                       and events[j - 1][2] == "reduce_scatter" and events[j + 1] == ["free", events[j][1]]]
-        # one per reduce-scatter (two touches each: its output, its input)
-        assert len(gloo_copies) == sum(e[0] == "comm" and e[2] == "reduce_scatter" for e in events) // 2, key
-        skip = set(gloo_copies) | {j + 1 for j in gloo_copies}
-        recorded = replay(comm_streams([e for j, e in enumerate(events) if j not in skip
-                                        and not (e[0] == "comm" and e[2] in ("send", "recv"))], "fsdp2"))
+        recorded = replay(comm_streams([e for e in _without_gloo_copies(events)
+                                        if not (e[0] == "comm" and e[2] in ("send", "recv"))], "fsdp2"))
         written = replay(stage_allocation_events(train_config(spec), spec["strategy"], int(stage), dp, dp, "cpu", 0))
         errs[key] = round(100 * (written.peak_reserved / recorded.peak_reserved - 1), 1)
         alloc_errs[key] = round(100 * (written.peak_allocated / recorded.peak_allocated - 1), 1)
@@ -479,9 +494,11 @@ def test_checkpoint_save_trace_against_recorded_traces():
         written = allocation_events(train, st.name, world, shard, "cpu", backend, 0, "device")
         written += checkpoint_events(train, st.name, shard, spec["checkpoint"]["mode"],
                                      max(e[1] for e in written if e[0] == "alloc"))
-        errs[pid] = round(100 * (replay(written).peak_reserved / _recorded_reserved(events, st.family) - 1), 1)
+        recorded = _recorded_reserved(events, st.family, gloo=backend == "gloo" and world > 1)
+        errs[pid] = round(100 * (replay(written).peak_reserved / recorded - 1), 1)
     assert len(errs) >= 8, errs
-    # measured 2026-11-24 (8 probes): median 1.2%, max 2.9% (zero3 sharded on gloo)
+    # measured 2026-11-24 (8 probes): median 1.2%, max 2.9% (zero3 sharded on gloo); 2026-12-01, the FSDP1 saves
+    # re-recorded with their streams and gloo's reduce-scatter copies left out of the gloo runs: 1.95% / 2.4%
     assert statistics.median(abs(e) for e in errs.values()) <= 2.0, errs
     assert max(abs(e) for e in errs.values()) <= 4.0, errs
 

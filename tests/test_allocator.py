@@ -1,14 +1,15 @@
 """The CUDA caching allocator model (planner/allocator.py): its rules one by one, then recorded allocation
 traces replayed against `torch.cuda.max_memory_reserved` measured on an H100.
 
-The traces (tests/data/alloc_events_h100.json.gz) are the storage allocations, frees and collective
-touches, in host order, of CPU re-runs (gloo, fake process group) of every probe whose H100 measurement is
-committed in benchmarks/results/h100-torch2.11-2026-11-23.jsonl: recorded with `DISTPLAN_ALLOC_EVENTS`
-(validate/probe.py, validate.measure.Tracker.events). Single-stream strategies (single, DDP,
-ZeroRedundancyOptimizer) replay on one stream; FSDP1/FSDP2 with their communication buffers on their own
-streams (`allocator.comm_streams`). The cuBLAS workspace the
-planner adds on a GPU (one 32 MiB block on Hopper, `CublasHandlePool.cpp`) is allocated before the
-first tensor of the step, as the first GEMM does."""
+The traces (tests/data/alloc_events_h100.json.gz, benchmarks/alloc_h100.py) are the storage allocations,
+frees and collective touches, in host order, of CPU re-runs (the fake process group; one process for
+`single`) of every probe whose H100 measurement is committed in
+benchmarks/results/h100-torch2.11-2026-11-23.jsonl: recorded with `DISTPLAN_ALLOC_EVENTS`
+(validate/probe.py, validate.measure.Tracker.events), each allocation with the stream a GPU would make it
+on (validate.measure.StreamTags: FSDP's stream contexts, and in backward the stream of each node's forward
+op, as CUDA autograd runs it), which the replay keeps (`allocator.comm_streams` infers streams only for
+traces recorded without them). The cuBLAS workspace the planner adds on a GPU (one 32 MiB block on Hopper,
+`CublasHandlePool.cpp`) is allocated before the first tensor of the step, as the first GEMM does."""
 
 from __future__ import annotations
 
@@ -140,11 +141,13 @@ def test_replay_with_fsdp_streams_against_h100_reserved():
     assert len(ids) >= 30
     errors, old = _judge(ids, traces, recs, check_allocated=False)
     table = {k: round(100 * v, 1) for k, v in errors.items()}
-    # issue 15's bar for reserved: 10% median, 20% max. Measured 2026-12-01: median 0.95%, max 13.5% (FSDP1
-    # NO_SHARD bf16-mixed, under); with every storage a collective touches on that collective's stream (FSDP2's
-    # reduce-scatter input and FSDP1's sharded flat parameter included, which the implementations allocate on
-    # the compute stream) 4.6% / 13.5%
+    # issue 15's bar for reserved: 10% median, 20% max. Measured 2026-12-01 with the recorded streams: median
+    # 0.0% (30 of 54 to the byte), max 11.9% (fsdp-grad-op qwen-small fp32, under: the CPU re-run allocates 7.8%
+    # less than the H100 did, so the trace, not the allocator, is off). Streams inferred from the collectives
+    # (comm_streams): 0.95% / 13.5%; every storage a collective touches on that collective's stream (the
+    # earlier inference): 4.6% / 13.5%
     assert statistics.median(abs(v) for v in errors.values()) <= 0.10, table
     assert max(abs(v) for v in errors.values()) <= 0.20, table
-    assert statistics.median(abs(v) for v in errors.values()) <= 0.02, table
+    assert statistics.median(abs(v) for v in errors.values()) <= 0.01, table
+    assert sum(1 for v in errors.values() if v == 0) >= len(errors) // 2 + 3, table
     assert statistics.median(abs(v) for v in errors.values()) < statistics.median(abs(v) for v in old.values())

@@ -37,6 +37,7 @@ import time
 import weakref
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -215,10 +216,40 @@ class Tracker(TorchDispatchMode):
         self.roles = lambda: {}  # set by the probe: key -> category for params/grads/optimizer
         self._orig_resize = None
         self.events: list | None = None
-        """With a list here: every storage allocation ("alloc", key, bytes) and free ("free", key) in host
-        order, and ("comm", key, op) when a collective reads or writes a live storage, for replaying
-        through a model of the CUDA caching allocator (planner/allocator.py)."""
+        """With a list here: every storage allocation ("alloc", key, bytes[, stream]) and free ("free", key)
+        in host order, and ("comm", key, op) when a collective reads or writes a live storage, for replaying
+        through a model of the CUDA caching allocator (planner/allocator.py). `stream` (left out when 0, the
+        stream current when recording began): the stream a GPU would allocate on (`_stream_tag`)."""
         self._comm_op = "?"
+        self._streams: dict = {}  # id(stream object) -> (the object, its tag: 1, 2, ... in order of use)
+        self._node_streams: dict = {}  # (autograd node's sequence number, its type) -> its forward's stream tag
+        self._default_stream = None
+
+    # -- streams (allocation traces) ------------------------------------------------------------
+    def _host_stream(self) -> int:
+        """The current stream as a tag: 0 for the stream current when the events began, then 1, 2, ... for
+        each other stream in order of first use. On the CPU, FSDP's `device_handle.stream(...)` contexts are
+        `torch.cpu.stream`, which `torch.cpu.current_stream()` follows."""
+        cur = torch.cpu.current_stream()
+        if self._default_stream is None:
+            self._default_stream = cur
+        if cur is self._default_stream:
+            return 0
+        hit = self._streams.get(id(cur))
+        if hit is None or hit[0] is not cur:
+            hit = self._streams[id(cur)] = (cur, len(self._streams) + 1)
+        return hit[1]
+
+    def _stream_tag(self) -> int:
+        """The stream a GPU would allocate on now: inside a backward node, the stream its forward op ran on
+        (CUDA autograd runs each backward op on its forward op's stream; `StreamTags` records them on the
+        CPU), else the current stream."""
+        node = torch._C._current_autograd_node() if self._node_streams else None
+        if node is not None:
+            hit = self._node_streams.get((node._sequence_nr(), type(node)))
+            if hit is not None:
+                return hit
+        return self._host_stream()
 
     # -- storage bookkeeping -------------------------------------------------------------------
     def _track(self, st) -> None:
@@ -247,7 +278,8 @@ class Tracker(TorchDispatchMode):
             if rec[0]:
                 self.events.append(("free", key))
             if n:
-                self.events.append(("alloc", key, n))
+                tag = self._stream_tag()
+                self.events.append(("alloc", key, n, tag) if tag else ("alloc", key, n))
         if delta < 0 and self._dirty:
             self._take_snapshot()
         rec[0] = n
@@ -456,6 +488,33 @@ def _group_size(name) -> int:
     except Exception:
         return -1
 
+
+
+class StreamTags(TorchFunctionMode):
+    """With a `Tracker` recording events on the CPU: remembers the stream each autograd node was made under
+    (an op's outputs' `grad_fn`, seen above autograd, where a dispatch mode cannot see it), so that an
+    allocation during that node's backward is tagged with the stream a GPU would run it on (FSDP1 makes
+    the views of its flat parameter inside `_unshard`'s unshard-stream context: their backward, which
+    builds the flat gradient, runs on the unshard stream). Forgets the nodes when a forward begins
+    (`reset`)."""
+
+    def __init__(self, tracker: Tracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def reset(self) -> None:
+        self.tracker._node_streams.clear()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tag = self.tracker._host_stream()
+        if tag:
+            for t in tree_flatten(out)[0]:
+                fn = t.grad_fn if isinstance(t, torch.Tensor) else None
+                if fn is not None:  # (keyed by its sequence number: a node cannot be weakly referenced,
+                    # and holding it would keep what it saves)
+                    self.tracker._node_streams[(fn._sequence_nr(), type(fn))] = tag
+        return out
 
 class StepTimer:
     """Wall-clock seconds per step; synchronises the GPU around each step."""

@@ -234,7 +234,7 @@ class Probe:
         from distplan.planner.config import checkpoint_every
         from distplan.planner.model import ModelSpec
 
-        from .measure import StepTimer, Tracker
+        from .measure import StepTimer, StreamTags, Tracker
         from .model import Decoder
         from .wrap import wrap
 
@@ -275,9 +275,13 @@ class Probe:
                 torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="all", stacks="all")
 
         tracker = self.tracker = Tracker(settle_waits=self.mode == "cpu")  # gloo: see Tracker
+        tags = None
         if os.environ.get(ALLOC_EVENTS_ENV) and self.rank == 0:
             tracker.events = []
-        with tracker:
+            # on the CPU, each backward node's stream as a GPU would run it (measure.StreamTags)
+            tags = StreamTags(tracker) if not cuda else None
+        import contextlib
+        with tracker, (tags or contextlib.nullcontext()):
             torch.manual_seed(int(spec.get("seed", 0)))
             units = None
             if module:
@@ -353,6 +357,8 @@ class Probe:
                 for i, batch in enumerate(batches):
                     with ctx.sync(sync_every or i == accum - 1), ctx.loss_context(), cp_scope():
                         tracker.phase = "forward"
+                        if tags is not None:
+                            tags.reset()
                         with ctx.autocast():
                             loss = forward(batch) / accum
                         tracker.phase = "backward"
