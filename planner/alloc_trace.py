@@ -58,12 +58,13 @@ Streams: 0 compute, 1 all-gather (FSDP2 `all_gather_copy_in_stream`: the flat bu
 mixed-precision cast of the shards; FSDP1 `_unshard_stream`: the unsharded flat parameter and the flat
 gradient, made by its views' backward), 2 reduce-scatter (FSDP2 `reduce_scatter_stream`: its output;
 FSDP1 `_post_backward_stream`), 3 FSDP1's `_pre_unshard_stream` (the low-precision shard); checked against
-the streams the CPU probes record (validate.measure.StreamTags, allocator.comm_streams). What is approximate: the exact transients of each forward op (only the block
-MLP's backward transients, the TP reductions and the loss's are written), and the host order inside a
-block. Not written (memory.RESERVED_MARGIN instead): the `--module`/`--hf-config` front end, DeepSpeed,
-ZeRO-1 pipeline stages (and FSDP2 stages on one data-parallel rank), interleaved and zero-bubble
-schedules, autocast under pipelining, more than MAX_MICROBATCHES micro-batches, `full-offload`, NO_SHARD,
-HSDP and tensor-parallel saves, models over MAX_LAYERS.
+the streams the CPU probes record (validate.measure.StreamTags, allocator.comm_streams). What is
+approximate: the exact transients of each forward op (only the block MLP's backward transients, the TP
+reductions and the loss's are written), and the host order inside a block. Not written
+(memory.RESERVED_MARGIN instead): the `--module`/`--hf-config` front end, DeepSpeed, ZeRO-1 pipeline stages
+(and FSDP2 stages on one data-parallel rank), interleaved and zero-bubble schedules, autocast under
+pipelining, more than MAX_MICROBATCHES micro-batches, `full-offload`, NO_SHARD, HSDP and tensor-parallel
+saves, models over MAX_LAYERS.
 """
 
 from __future__ import annotations

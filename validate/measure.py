@@ -489,7 +489,6 @@ def _group_size(name) -> int:
         return -1
 
 
-
 class StreamTags(TorchFunctionMode):
     """With a `Tracker` recording events on the CPU: remembers the stream each autograd node was made under
     (an op's outputs' `grad_fn`, seen above autograd, where a dispatch mode cannot see it), so that an
@@ -515,6 +514,7 @@ class StreamTags(TorchFunctionMode):
                     # and holding it would keep what it saves)
                     self.tracker._node_streams[(fn._sequence_nr(), type(fn))] = tag
         return out
+
 
 class StepTimer:
     """Wall-clock seconds per step; synchronises the GPU around each step."""

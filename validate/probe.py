@@ -348,7 +348,6 @@ class Probe:
                     return model(*batch)
                 return work.loss(model, batch)[0]
 
-            import contextlib
             # a transformers model under CP: ring attention in place of SDPA through forward and backward (the
             # recompute of a checkpointed layer runs in backward)
             cp_scope = cp_context or contextlib.nullcontext
