@@ -336,14 +336,11 @@ def frozen_imports():
     this way before they fork, as the `gc.freeze` documentation advises before a fork."""
     import gc
 
+    from distplan.planner.allocator import collector_paused
+
     before = len(sys.modules)
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         yield
-    finally:
-        if was_on:
-            gc.enable()
     if len(sys.modules) > before:
         gc.freeze()
 
