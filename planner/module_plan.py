@@ -338,6 +338,8 @@ class ModuleTime:
     mfu: float
     optimizer_s: float = 0.0
     """The optimizer step's passes over this rank's parameters (memory bound)."""
+    overhead_s: float = 0.0
+    """Copies and launches around the collectives (compute.StepTime.overhead_s; the analytic twin's time)."""
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -1470,7 +1472,8 @@ def twin_time(twin, strategy: str, batch: int, cluster: Cluster) -> ModuleTime |
         t = step_time(replace(twin.train, micro_batch=batch), cluster, strategy)
     except (ValueError, KeyError):
         return None
-    return ModuleTime(t.compute_s, t.comm_s, t.exposed_comm_s, t.step_time_s, t.tokens_per_s, t.mfu, t.optimizer_s)
+    return ModuleTime(t.compute_s, t.comm_s, t.exposed_comm_s, t.step_time_s, t.tokens_per_s, t.mfu, t.optimizer_s,
+                      t.overhead_s)
 
 
 def pair_reserved(mem: MemoryEstimate, analytic: MemoryEstimate) -> bool:

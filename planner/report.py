@@ -156,7 +156,8 @@ def comm_table(plan, table_format: str = "simple", results=None, title: str | No
         t = r.time
         req = r.required_inter_bytes_per_s
         row = [r.name, fmt_bytes(r.comm_bytes_per_gpu), fmt_seconds(r.comm_time_s),
-               fmt_seconds(t.exposed_comm_s), fmt_seconds(t.compute_s), fmt_seconds(t.step_time_s),
+               fmt_seconds(t.exposed_comm_s), fmt_seconds(t.compute_s), fmt_seconds(t.optimizer_s),
+               fmt_seconds(getattr(t, "overhead_s", 0.0)), fmt_seconds(t.step_time_s),
                f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.0f}%"]
         if tokens:
             row.append(fmt_seconds(tokens / t.tokens_per_s) if t.tokens_per_s else "-")
@@ -164,7 +165,9 @@ def comm_table(plan, table_format: str = "simple", results=None, title: str | No
         rows.append(row)
     if not rows:
         return ""
-    headers = ["strategy", "sent/GPU/step", "comm", "exposed", "compute", "step", _rate_unit(plan), "MFU"]
+    # step = compute + exposed + optimizer + other (the copies and launches around the collectives)
+    headers = ["strategy", "sent/GPU/step", "comm", "exposed", "compute", "optimizer", "other", "step",
+               _rate_unit(plan), "MFU"]
     if tokens:
         headers.append(f"time for {fmt_count(tokens)} tokens")
     headers.append("inter-node BW to hide comm")

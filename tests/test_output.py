@@ -43,7 +43,7 @@ def test_output_fits_80_columns(cmd):
 def test_tsv_is_never_split():
     r = run("estimate", "--params", "7B", "--gpus", "8", "--format", "tsv", columns=60)
     rows = [line for line in r.output.splitlines() if line.split("\t")[0].strip() == "zero3"]
-    assert [len(x.split("\t")) for x in rows] == [14, 9]  # memory row, comm row: whole
+    assert [len(x.split("\t")) for x in rows] == [14, 11]  # memory row, comm row: whole
 
 
 def test_recommendation_sentence_reads():
@@ -181,6 +181,30 @@ def test_tokens_show_time_to_train_everywhere():
     d = json.loads(run("recommend", "--params", "7B", "--gpus", "8", "--tokens", "2T", "--json").output)
     s = d["strategies"][0]
     assert s["time_to_train_s"] == pytest.approx(2e12 / s["tokens_per_s"])
+
+
+@pytest.mark.parametrize("args", [
+    ["--params", "7B", "--gpus", "8", "--gpu-mem", "80"],
+    ["--params", "70B", "--gpus", "64", "--grad-accum", "4", "--activation-checkpointing", "full"],
+    ["--hf-config", "tests/data/hf/qwen2.5-0.5b.json", "--gpus", "8", "--front-end", "analytic"],
+    pytest.param(["--hf-config", "tests/data/hf/qwen2.5-0.5b.json", "--gpus", "8", "--front-end", "trace"],
+                 marks=pytest.mark.slow, id="trace"),
+])
+def test_step_time_is_the_sum_of_its_printed_parts(args):
+    """The step a user reads is compute + exposed communication + optimizer + the copies and launches around
+    the collectives: each part is in the JSON and a column of the table, so the row adds up."""
+    if "trace" in args:
+        pytest.importorskip("transformers")
+    d = json.loads(run("estimate", *args, "--json").output)
+    timed = [s for s in d["strategies"] if s["step_time_s"]]
+    assert timed
+    for s in timed:
+        parts = s["compute_s"] + s["comm"]["exposed_s"] + s["optimizer_s"] + s["overhead_s"]
+        assert s["step_time_s"] == pytest.approx(parts, rel=1e-9), s["name"]
+        assert s["optimizer_s"] > 0
+    table = run("estimate", *args, "--format", "tsv").output.splitlines()
+    head = next([c.strip() for c in line.split("\t")] for line in table if "sent/GPU/step" in line)
+    assert head[4:8] == ["compute", "optimizer", "other", "step"]
 
 
 def test_json_has_no_infinity():
