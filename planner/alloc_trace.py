@@ -61,7 +61,8 @@ FSDP1 `_post_backward_stream`), 3 FSDP1's `_pre_unshard_stream` (the low-precisi
 the streams the CPU probes record (validate.measure.StreamTags, allocator.comm_streams). What is
 approximate: the exact transients of each forward op (only the block MLP's backward transients, the TP
 reductions and the loss's are written), and the host order inside a block. Not written
-(memory.RESERVED_MARGIN instead): the `--module`/`--hf-config` front end, DeepSpeed, ZeRO-1 pipeline stages
+(memory.RESERVED_MARGIN instead): the `--hf-config` trace front end where module_plan cannot pair it with
+this writer's run, `--module` under FSDP (single, DDP and ZeRO-1: `logged_step_events`), DeepSpeed, ZeRO-1 pipeline stages
 (and FSDP2 stages on one data-parallel rank), interleaved and zero-bubble schedules, autocast under
 pipelining, more than MAX_MICROBATCHES micro-batches, `full-offload`, NO_SHARD, HSDP and tensor-parallel
 saves, models over MAX_LAYERS.
@@ -750,6 +751,100 @@ def _reserved_peak(train, name, world, shard, device, backend, workspace, expand
     _remember((train, name, world, shard, device, backend, workspace, expandable_segments, init, max_split_size),
               got)
     return got
+
+
+LOGGED_FAMILIES = ("single", "ddp", "zero1")
+"""The families `logged_step_events` writes: the parameters stay whole, so the traced step's own allocations
+are the run's, plus DDP's buckets and ZeRO-1's partition of the optimizer state. FSDP's unit all-gathers
+and reduce-scatters between a module's ops are not written for a traced module (the margin instead)."""
+LOGGED_OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum")
+"""The optimizers whose state and temporaries `logged_step_events` writes (torch.optim's `_init_group`
+and foreach, for-loop and fused kernels); the others keep the margin."""
+
+
+@_collector_paused
+def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple, family: str, world: int,
+                       owned: tuple, optimizer: str, optimizer_impl: str, grad_accum: int = 1,
+                       buckets: tuple = (), rebuilt: tuple = (), buffers: tuple = (), workspace: int = 0,
+                       conv_workspaces: dict | None = None) -> list:
+    """The events of a traced module's run (the `--module` front end) on one rank of `family` in
+    LOGGED_FAMILIES, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it:
+
+    - `construct`: the bytes of each parameter and buffer in the order `model.to(device)` copies them
+      (validate.module_probe's `construct_bytes`); DDP (world > 1) then broadcasts them from rank 0
+      (`_sync_module_states`: flat buffers of up to 250 MiB, freed) and makes its Reducer's first bucket of
+      every gradient; `batches`: the input tensors' bytes, made before the first step;
+    - each micro-step replays the traced step's `log` ([1, id, bytes] made, [0, id] gone, [2, conv key]: a
+      cuDNN workspace taken and given back, of `conv_workspaces[key]` bytes where measured), `kept` being
+      the ids that outlive it (the parameters' gradients); from the second micro-step of an accumulating
+      step each new gradient is added into .grad and freed (AccumulateGrad). DDP: in the second step's
+      forward the rebuilt `rebuilt` buckets replace the first (`_rebuild_buckets`), and every forward
+      broadcasts the module's `buffers` (bytes per dtype: one flat tensor each, `_sync_buffers`);
+    - the optimizer (torch/optim/adam.py, sgd.py): in the first step `_init_group` makes each owned
+      parameter's state (`owned`: their bytes, ZeRO-1's partition for zero1) -- Adam(W) `exp_avg` and
+      `exp_avg_sq` (fused: a 4-byte `step` on the device before them), SGD with momentum the
+      `momentum_buffer` (a clone of the gradient); `_multi_tensor_adam`'s `exp_avg_sq_sqrt` (one per
+      parameter, foreach) or `_single_tensor_adam`'s two per parameter (for-loop); then
+      `zero_grad(set_to_none=True)` drops the gradients.
+    `workspace`: the cuBLAS workspaces, taken at the first GEMM and kept."""
+    E = _Events()
+    for n in construct:
+        E.a(n)
+    bucket_keys: list = []
+    if family in ("ddp", "zero1") and world > 1:
+        left = sum(construct)
+        while left > 0:
+            E.f(E.a(min(left, 250 << 20)))
+            left -= 250 << 20
+        bucket_keys = [E.a(b) for b in buckets]
+    for n in batches:
+        E.a(n)
+    ws = conv_workspaces or {}
+    kept_ids = set(kept)
+    states: list = []
+    for step in range(WARMUP_STEPS + MEASURED_STEPS):
+        if step == 0 and workspace:
+            E.a(workspace)
+        grads: list = []
+        for k in sorted({0, min(1, grad_accum - 1), grad_accum - 1}):
+            if bucket_keys and step == 1 and k == 0 and rebuilt:
+                E.f(*bucket_keys)
+                bucket_keys = [E.a(b) for b in rebuilt]
+            if family in ("ddp", "zero1") and world > 1:
+                for n in buffers:
+                    E.f(E.a(n))
+            keys: dict = {}
+            for ev in log:
+                if ev[0] == 1:
+                    if k and ev[1] in kept_ids:  # added into the kept .grad, then freed
+                        E.f(E.a(ev[2]))
+                    else:
+                        keys[ev[1]] = E.a(ev[2])
+                elif ev[0] == 0:
+                    key = keys.pop(ev[1], None)
+                    if key is not None:
+                        E.f(key)
+                elif ws.get(ev[1]):
+                    E.f(E.a(ws[ev[1]]))
+            if not k:
+                grads = [keys.pop(i) for i in kept if i in keys]
+            E.f(*keys.values())  # (nothing else outlives a micro-step)
+        if not states:
+            for n in owned:
+                if optimizer in ("adam", "adamw"):
+                    if optimizer_impl == "fused":
+                        states.append(E.a(4))
+                    states.extend((E.a(n), E.a(n)))
+                elif optimizer == "sgd-momentum":
+                    states.append(E.a(n))
+        if optimizer in ("adam", "adamw"):
+            if optimizer_impl == "foreach":
+                E.f(*[E.a(n) for n in owned])
+            elif optimizer_impl == "for-loop":
+                for n in owned:
+                    E.f(E.a(n), E.a(n))
+        E.f(*grads)
+    return E.ev
 
 
 STAGE_FAMILIES = ("single", "ddp", "fsdp2")

@@ -326,7 +326,7 @@ def _save_reserved(train, st, shard: int, mode: str, mem: MemoryEstimate, peak: 
     from .model import TPRankSpec
     args = mem.reserved_replay
     # the strategies and modes the recorded saves check (tests/test_alloc_trace.py); not tensor parallelism
-    if (args is None or args[0] == "pp-stage" or mode not in CHECKPOINT_REPLAY_MODES
+    if (args is None or args[0] in ("pp-stage", "events") or mode not in CHECKPOINT_REPLAY_MODES
             or st.name not in CHECKPOINT_REPLAY_STRATEGIES or isinstance(train.model, TPRankSpec)):
         return None
     tr, name, world, shard_, device, backend, workspace, expandable, init, max_split = args

@@ -84,7 +84,8 @@ class Snapshot:
 
 
 RESERVED_MARGIN = 0.10
-"""Where no allocation trace is written (`--module`, `--hf-config` traces the analytic front end cannot
+"""Where no allocation trace is written (`--module` under FSDP and outside alloc_trace.logged_step_events'
+runs, `--hf-config` traces the analytic front end cannot
 pair, see module_plan.analytic_twins; DeepSpeed, ZeRO-1 pipeline stages and FSDP2 stages on one rank,
 interleaved and zero-bubble schedules, autocast under pipelining, models over alloc_trace.MAX_LAYERS):
 the reserved peak is the allocated peak plus this margin, and `reserved_source` says so."""
@@ -112,7 +113,8 @@ class MemoryEstimate:
     """cuBLAS/cuBLASLt workspaces (CUDA only), included in `peak_allocated`, in no component."""
     reserved_replay: tuple | None = None
     """Arguments of alloc_trace.reserved_peak, or ("pp-stage", arguments of alloc_trace.stage_reserved_peak)
-    for a pipeline stage; None: `RESERVED_MARGIN` over the allocated peak."""
+    for a pipeline stage, or ("events", the events) for a traced module (alloc_trace.logged_step_events);
+    None: `RESERVED_MARGIN` over the allocated peak."""
     footprint: DeviceFootprint | None = None
     """The parts of `process_overhead` (footprint.py); None where an estimate was built without it."""
     reserved_from: "MemoryEstimate | None" = None
@@ -158,8 +160,12 @@ class MemoryEstimate:
                 if self._reserved is None:  # does not fit: what it would reserve on a device without a limit
                     from .alloc_trace import reserved_peak, stage_reserved_peak
                     args = self.reserved_replay
-                    self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage"
-                                         else reserved_peak(*args)))
+                    if args[0] == "events":
+                        from .allocator import replay_peaks
+                        self._set_replayed(*replay_peaks(args[1]))
+                    else:
+                        self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage"
+                                             else reserved_peak(*args)))
         return self._reserved
 
     def _replay_on_device(self) -> None:
@@ -169,8 +175,12 @@ class MemoryEstimate:
         from .alloc_trace import reserved_peak_within, stage_reserved_peak_within
         args = self.reserved_replay
         limit = self.gpu_memory_bytes - self.process_overhead
-        got = (stage_reserved_peak_within(limit, *args[1:]) if args[0] == "pp-stage"
-               else reserved_peak_within(limit, *args))
+        if args[0] == "events":  # a traced module's own events (alloc_trace.logged_step_events)
+            from .allocator import replay_fit
+            got = replay_fit(args[1], limit)
+        else:
+            got = (stage_reserved_peak_within(limit, *args[1:]) if args[0] == "pp-stage"
+                   else reserved_peak_within(limit, *args))
         self._fit = got is not None
         if got is not None:
             self._set_replayed(got[0], got[1])
@@ -223,7 +233,8 @@ class MemoryEstimate:
         it."""
         if not self.allocated_fits:
             return False
-        if self._fit is None and self.reserved_replay is not None and self.reserved_replay[0] != "pp-stage":
+        if self._fit is None and self.reserved_replay is not None and self.reserved_replay[0] not in ("pp-stage",
+                                                                                                      "events"):
             from .alloc_trace import reserved_peak_below
             got = reserved_peak_below(self.gpu_memory_bytes - self.process_overhead, *self.reserved_replay)
             if got is None:

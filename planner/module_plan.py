@@ -48,6 +48,12 @@ allocated); a deep transformers model is traced at a few layers and its middle l
   in the backward phase), as many as the traced run held at that instant. `selective` is not defined for
   an arbitrary module: treated as `none`, with a note.
 
+The reserved peak (`max_memory_reserved`): single, DDP and ZeRO-1 runs of a `--module` replay the traced
+step's own allocations through the caching allocator (`ModuleDesc.alloc_log`, in host order, with the cuDNN
+workspaces measured on the GPU; `logged_module_events`, alloc_trace.logged_step_events); a Hugging Face
+model takes the analytic front end's replay of the same run (`pair_reserved`); FSDP runs of a `--module`
+keep memory.RESERVED_MARGIN.
+
 Collectives follow `comm.py`'s schedules with the units' real sizes, plus DDP's broadcast of the
 module's buffers (BatchNorm statistics) once per step. The step time of a Hugging Face model the analytic
 front end reads is the analytic twin's (`compute.step_time`, the per-kernel model: one time model for both
@@ -157,6 +163,15 @@ class ModuleDesc:
     (what a checkpointed unit runs again): ((forward, backward, unit forward), ...), each a tuple of
     `module_probe.CENSUS_FIELDS` (gemm FLOPs, gemms, attention FLOPs, bytes of the memory-bound kernels,
     kernels, ATen ops, the fp32 GEMMs' FLOPs; a profile written before the last was counted has 0 there)."""
+    construct: tuple = ()
+    """The parameters' and buffers' bytes in the order `model.to(device)` allocates them."""
+    alloc_log: tuple = ()
+    """The traced step's allocations in host order (`module_probe._SegmentTracker.log`): (1, id, bytes),
+    (0, id) and (2, convolution key); replayed through the caching allocator for the reserved peak
+    (alloc_trace.logged_step_events). Empty: not recorded (a Hugging Face model, a profile at another
+    batch, an older profile)."""
+    alloc_kept: tuple = ()
+    """The ids of `alloc_log` alive when the step is over: the parameters' gradients."""
 
     @property
     def activation_bytes(self) -> int:
@@ -208,12 +223,16 @@ class ModuleDesc:
                    backward_accumulating=accumulating, tied=tuple(int(n) for n in prof.get("tied", ())),
                    buffers=tuple((d, tuple(int(n) for n in sizes)) for d, sizes in prof.get("buffers", ())),
                    kernel_args=tuple(sorted({(k["key"], json.dumps(k["args"], sort_keys=True))
-                                             for s in prof["segments"] for k in s.get("kernels", ())})))
+                                             for s in prof["segments"] for k in s.get("kernels", ())})),
+                   construct=tuple(int(n) for n in prof.get("construct_bytes", ())),
+                   alloc_log=tuple(tuple(e) for e in (prof.get("alloc_log") or {}).get("events", ())),
+                   alloc_kept=tuple((prof.get("alloc_log") or {}).get("kept", ())))
 
     def for_precision(self, precision: str) -> "ModuleDesc":
         """The traced description as a run of `precision` holds it: pure bf16 casts the whole module
         (`model.to(torch.bfloat16)`), its buffers too (`with_buffers_in`); otherwise as traced."""
-        return self.with_buffers_in("bfloat16") if precision == "bf16" else self
+        # (pure bf16 casts the module after it is built: that cast's allocations are not in the trace's log)
+        return replace(self.with_buffers_in("bfloat16"), alloc_log=()) if precision == "bf16" else self
 
     def with_buffers_in(self, dtype: str) -> "ModuleDesc":
         """The module after `module.to(dtype)`: its floating-point buffers cast too (pure 16-bit training
@@ -252,7 +271,8 @@ class ModuleDesc:
                        backward_accumulating=accumulating,
                        forward_flops=int(self.forward_flops * k), batch=batch,
                        batch_bytes=int(self.batch_bytes * k),
-                       kernels=() if batch != self.batch else self.kernels)
+                       kernels=() if batch != self.batch else self.kernels,
+                       alloc_log=() if batch != self.batch else self.alloc_log)
 
 
 @dataclass(frozen=True)
@@ -914,13 +934,43 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     library = library_workspace_bytes(train, cluster.gpu_name, desc.linear_bias) if device == "cuda" else 0
     peak_allocated = max(s.total + e for s, e in zip(snaps, extra)) + library
     workspace = peak_allocated - peak.total
-    # No allocation trace of an arbitrary module: the reserved peak is the allocated one plus the margin
-    # (memory.RESERVED_MARGIN), unless module_spec_plan pairs it with the analytic front end's replay of a
-    # Hugging Face model (pair_reserved); `reserved_source` says which.
+    # The reserved peak: the traced step's own allocations replayed through the caching allocator where
+    # they are written (logged_module_events); a Hugging Face model pairs with the analytic front end's
+    # replay instead (module_spec_plan, pair_reserved); else the allocated peak plus the margin
+    # (memory.RESERVED_MARGIN). `reserved_source` says which.
+    events = logged_module_events(desc, train, family, world, shard, library, ws) if device == "cuda" else None
     # The CUDA context and each NCCL communicator's buffers (footprint.py); none on gloo or fake.
     fp = device_footprint(cluster, world if backend == "nccl" else 1, st.shard_group)
     return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, fp.total,
-                          cluster.gpu_memory_bytes, notes, workspace, footprint=fp)
+                          cluster.gpu_memory_bytes, notes, workspace, footprint=fp,
+                          reserved_replay=("events", events) if events else None)
+
+
+def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, world: int, shard: int,
+                         workspace: int = 0, conv_workspaces: dict | None = None) -> tuple | None:
+    """The events of the module's run (alloc_trace.logged_step_events) from its traced step's allocations,
+    as a tuple (replay results are remembered by it); None where they are not written: FSDP (the units'
+    collectives between the ops), activation checkpointing, pure 16-bit or fp16 training (the cast after
+    construction, GradScaler's tensors), optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
+    without a log (a Hugging Face model: the analytic front end's replay; another batch than the traced)."""
+    from .alloc_trace import LOGGED_FAMILIES, LOGGED_OPTIMIZERS, logged_step_events
+    if (not desc.alloc_log or not desc.construct or family not in LOGGED_FAMILIES
+            or train.optimizer not in LOGGED_OPTIMIZERS or train.precision not in ("fp32", "bf16-mixed")
+            or checkpoint_every(train.checkpointing)):
+        return None
+    prec = train.prec
+    shapes = desc.all_shapes()
+    owned = _zero1_owned(shapes, shard) if family == "zero1" and shard > 1 else shapes
+    autocast = train.precision == "bf16-mixed"
+    total = sum(prod(s) for s in shapes)
+    buckets = (total * prec.grad_bytes,) if family in ("ddp", "zero1") else ()
+    rebuilt = tuple(ddp_buckets(desc, prec.grad_bytes, DDP_BUCKET_CAP_MB, autocast)) if buckets else ()
+    return tuple(logged_step_events(desc.construct, desc.alloc_log, desc.alloc_kept,
+                                    (desc.batch_bytes,) * train.grad_accum, family, world,
+                                    tuple(prod(s) * prec.param_bytes for s in owned), train.optimizer,
+                                    train.optimizer_impl, train.grad_accum, buckets, rebuilt,
+                                    tuple(sum(sizes) for _, sizes in desc.buffers), workspace,
+                                    conv_workspaces))
 
 
 _TRACE_SNAPSHOTS: list | None = None
@@ -1580,6 +1630,8 @@ def predict_module_probe(spec: dict) -> dict:
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
     twin = None
+    if device == "cuda" and mem.reserved_replay is not None:  # the traced step's events, replayed
+        out["peak_reserved"] = int(mem.peak_reserved)
     if device == "cuda" and work.kind == "hf":
         # judged on a GPU where the analytic front end's replay pairs with the trace (the probes build the
         # model on the device, then wrap it: init "device"); a margin is not a prediction to judge

@@ -399,6 +399,14 @@ class _SegmentTracker:
         self.accumulated_at: dict = {}  # unique id of a parameter's gradient -> timeline length when it was
         # accumulated (`Tensor.register_post_accumulate_grad_hook`: after its AccumulateGrad)
         self._uid = 0
+        self._log_uid = 0
+        # The step's allocations in host order, as the caching allocator would see them (the planner's
+        # allocator replay of a module, module_plan.module_allocation_events): [1, id, bytes] when an op's
+        # output storage is new, [0, id] when a storage the step made is gone (found after each op: what the
+        # previous one's callers dropped), [2, key] where a convolution's cuDNN workspace is taken and given
+        # back (its size is measured on a GPU). Parameters, buffers and the input batch are not in it.
+        self.log: list = []
+        self._log_live: dict = {}  # storage key -> (weak ref, id)
         tracker = self
 
         class _Mode(TorchDispatchMode):
@@ -406,9 +414,12 @@ class _SegmentTracker:
                 out = func(*args, **(kwargs or {}))
                 tracker.census.count(tracker.segment if tracker.segment is not None else tracker._last, "backward",
                                      func, args, kwargs or {}, out)
-                tracker._after(tree_leaves(out), tree_leaves((args, kwargs)))
+                outs, ins = tree_leaves(out), tree_leaves((args, kwargs))
+                tracker._log(outs, ins)
+                tracker._after(outs, ins)
                 if func is torch.ops.aten.convolution_backward.default:
                     tracker._kernel(conv_args(args, "backward"))
+                    tracker.log.append([2, conv_key(conv_args(args, "backward"))])
                 return out
 
         self._mode = _Mode()
@@ -426,10 +437,13 @@ class _SegmentTracker:
                     tracker.linear_bias = True
                 out = func(*args, **(kwargs or {}))
                 tracker.census.count(tracker.forward_segment(), "forward", func, args, kwargs or {}, out)
-                alive = tracker._forward_after(tree_leaves(out), tree_leaves((args, kwargs)))
+                outs, ins = tree_leaves(out), tree_leaves((args, kwargs))
+                tracker._log(outs, ins)
+                alive = tracker._forward_after(outs, ins)
                 if func is torch.ops.aten.convolution.default:  # with its output alive, as cuDNN runs
                     tracker.kernels.setdefault(tracker.forward_segment(), []).append(
                         {"phase": "forward", "args": conv_args(args, "forward"), "at": alive})
+                    tracker.log.append([2, conv_key(conv_args(args, "forward"))])
                 return out
 
         self.forward_mode = _Forward()
@@ -448,6 +462,29 @@ class _SegmentTracker:
                 k = st._cdata
                 if k not in live and k not in aliased:
                     yield k, st
+
+    def _log_frees(self) -> None:
+        for k in [k for k, v in self._log_live.items() if v[0].expired()]:
+            self.log.append([0, self._log_live.pop(k)[1]])
+
+    def _log(self, outs, ins) -> None:
+        """After each op of the step: the storages gone since the last one, then the op's new outputs."""
+        self._log_frees()
+        aliased = {t.untyped_storage()._cdata for t in ins if isinstance(t, self._torch.Tensor)}
+        for t in outs:
+            if isinstance(t, self._torch.Tensor):
+                st = t.untyped_storage()
+                k = st._cdata
+                if k not in self._log_live and k not in aliased and k not in self.not_activations:
+                    self._log_uid += 1
+                    self._log_live[k] = (self._ref(st), self._log_uid)
+                    self.log.append([1, self._log_uid, int(st.nbytes())])
+
+    def close_log(self) -> dict:
+        """The step's log once its tensors are dropped: {"events": the log, "kept": the ids still alive
+        (the parameters' gradients, which `zero_grad(set_to_none=True)` drops after the optimizer step)}."""
+        self._log_frees()
+        return {"events": self.log, "kept": sorted(v[1] for v in self._log_live.values())}
 
     def _forward_after(self, outs, ins) -> int:
         """After each forward op: the bytes alive of every storage the forward created (saved or not:
@@ -859,6 +896,17 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         for b in model.buffers():
             key = str(b.dtype).replace("torch.", "")
             buffer_dtypes[key] = buffer_dtypes.get(key, []) + [int(b.numel() * b.element_size())]
+        construct: list = []
+        moved: set = set()
+
+        def apply_order(mod) -> None:
+            for child in mod.children():
+                apply_order(child)
+            for t in list(mod._parameters.values()) + list(mod._buffers.values()):
+                if t is not None and id(t) not in moved:
+                    moved.add(id(t))
+                    construct.append(int(t.numel() * t.element_size()))
+        apply_order(model)
         n_params = sum(u["numel"] for u in units.values())
         pbytes = next(iter(model.parameters())).element_size() if n_params else 4
 
@@ -992,6 +1040,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             for mine, theirs in zip(both, (bwd.census.of(i, "forward"), bwd.census.of(i, "backward"))):
                 mine[:] = [a + b for a, b in zip(mine, theirs)]
         del loss, out
+        alloc_log = bwd.close_log()
         # The forward's FLOPs (MFU's numerator: x 3, no recompute) from the census: the GEMMs and convolutions
         # by torch.utils.flop_counter's formulas, a MoE's grouped GEMMs, and fused attention halved when causal,
         # as the analytic front end counts it (compute.model_flops; Narayanan et al. 2021, Eq. 3). Not
@@ -1036,5 +1085,10 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         "batchnorm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         "forward_flops": fwd_flops,
         "layer_flops": layer_flops,
+        # the parameters' and buffers' bytes in the order `model.to(device)` allocates them
+        # (`Module._apply`: the children first, then the module's own parameters, then its buffers), and the
+        # step's allocations (`_SegmentTracker.log`); a transformers model is planned with the analytic front
+        # end's allocator replay instead
+        **({"construct_bytes": construct, "alloc_log": alloc_log} if work.kind != "hf" else {}),
         "profile_s": time.perf_counter() - t0,
     }

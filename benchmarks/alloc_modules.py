@@ -1,0 +1,61 @@
+"""Record the allocation traces of the `--module` examples on the CPU, for tests/test_alloc_trace.py
+(`test_module_trace_against_recorded_traces`).
+
+    python benchmarks/alloc_modules.py OUT.json.gz [CASE_PREFIX,...]
+
+The MNIST CNN and the CIFAR ResNet (examples/), batch 32, under single, ddp and zero1 (rank 0 of 8 on the
+fake process group; single: one process): MNIST fp32 and bf16-mixed (CPU autocast) with Adam, CIFAR fp32
+with SGD-momentum and with AdamW over two accumulated micro-steps; every probe with `DISTPLAN_ALLOC_EVENTS`
+(validate.measure.Tracker writes every storage allocation, free and collective touch in host order), so the
+trace front end's written run (alloc_trace.logged_step_events from the traced step's own allocations) is
+compared with what the probe allocated. About a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from alloc_record import record, selected  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = [  # (name, factory, input shape, precision, optimizer, grad_accum)
+    ("mnist-fp32", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "fp32", "adam", 1),
+    ("mnist-bf16", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "bf16-mixed", "adam", 1),
+    ("cifar-fp32", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "sgd-momentum", 1),
+    ("cifar-accum", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "adamw", 2),
+]
+STRATEGIES = ("single", "ddp", "zero1")
+
+
+def cases() -> list[dict]:
+    out = []
+    for name, factory, shape, precision, optimizer, accum in RUNS:
+        for s in STRATEGIES:
+            world = 1 if s == "single" else 8
+            out.append({"id": f"{name}/{s}", "strategy": s, "world_size": world, "gpus_per_node": world,
+                        "mode": "cpu" if s == "single" else "fake", "device_type": "cpu",
+                        "model": {"name": factory},
+                        "train": {"seq_len": 1, "micro_batch": shape[0], "grad_accum": accum, "grad_sync": "last",
+                                  "precision": precision, "optimizer": optimizer, "optimizer_impl": "foreach",
+                                  "checkpointing": "none", "attention": "sdpa"},
+                        "steps": 1, "seed": 0, "module": {"factory": factory, "input_shape": shape}})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    from distplan.validate.runner import run_probe
+
+    def run(case, path, tmp):
+        spec = dict(case, module=dict(case["module"], path=ROOT))
+        m = run_probe(spec, env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=600)
+        return m, {case["id"]: path}, dict(case, torch_version=m.get("torch_version"))
+
+    return record(argv[0], selected(cases(), argv),
+                  "CPU runs of validate.probe (--module) with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_modules.py)",
+                  run)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
