@@ -4,8 +4,9 @@
     python benchmarks/alloc_modules.py OUT.json.gz [CASE_PREFIX,...]
 
 The MNIST CNN and the CIFAR ResNet (examples/), batch 32, under single, ddp and zero1 (rank 0 of 8 on the
-fake process group; single: one process): MNIST fp32 and bf16-mixed (CPU autocast) with Adam, CIFAR fp32
-with SGD-momentum and with AdamW over two accumulated micro-steps; every probe with `DISTPLAN_ALLOC_EVENTS`
+fake process group; single: one process): MNIST fp32 and bf16-mixed (CPU autocast) with Adam (and, single,
+AdamW's fused and for-loop kernels), CIFAR fp32 with SGD-momentum and with AdamW over two accumulated
+micro-steps; every probe with `DISTPLAN_ALLOC_EVENTS`
 (validate.measure.Tracker writes every storage allocation, free and collective touch in host order), so the
 trace front end's written run (alloc_trace.logged_step_events from the traced step's own allocations) is
 compared with what the probe allocated. About a minute on 2 cores.
@@ -20,25 +21,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from alloc_record import record, selected  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = [  # (name, factory, input shape, precision, optimizer, grad_accum)
-    ("mnist-fp32", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "fp32", "adam", 1),
-    ("mnist-bf16", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "bf16-mixed", "adam", 1),
-    ("cifar-fp32", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "sgd-momentum", 1),
-    ("cifar-accum", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "adamw", 2),
+RUNS = [  # (name, factory, input shape, precision, optimizer, implementation, grad_accum, strategies)
+    ("mnist-fp32", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "fp32", "adam", "foreach", 1, None),
+    ("mnist-bf16", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "bf16-mixed", "adam", "foreach", 1, None),
+    ("mnist-fused", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "fp32", "adamw", "fused", 1, ("single",)),
+    ("mnist-for-loop", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "fp32", "adamw", "for-loop", 1,
+     ("single",)),
+    ("cifar-fp32", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "sgd-momentum", "foreach", 1, None),
+    ("cifar-accum", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "adamw", "foreach", 2, None),
 ]
 STRATEGIES = ("single", "ddp", "zero1")
 
 
 def cases() -> list[dict]:
     out = []
-    for name, factory, shape, precision, optimizer, accum in RUNS:
-        for s in STRATEGIES:
+    for name, factory, shape, precision, optimizer, impl, accum, strategies in RUNS:
+        for s in strategies or STRATEGIES:
             world = 1 if s == "single" else 8
             out.append({"id": f"{name}/{s}", "strategy": s, "world_size": world, "gpus_per_node": world,
                         "mode": "cpu" if s == "single" else "fake", "device_type": "cpu",
                         "model": {"name": factory},
                         "train": {"seq_len": 1, "micro_batch": shape[0], "grad_accum": accum, "grad_sync": "last",
-                                  "precision": precision, "optimizer": optimizer, "optimizer_impl": "foreach",
+                                  "precision": precision, "optimizer": optimizer, "optimizer_impl": impl,
                                   "checkpointing": "none", "attention": "sdpa"},
                         "steps": 1, "seed": 0, "module": {"factory": factory, "input_shape": shape}})
     return out
