@@ -1454,6 +1454,13 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
         notes.append("reserved peak: the trace's allocated peak plus the cached-but-free bytes of the analytic "
                      "front end's allocator replay of the same run" + (f"; {RESERVED_MARGIN:.0%} margin instead "
                                                                       f"for {why}" if why else ""))
+    else:
+        replayed = [r.name for r in results if r.memory.reserved_replay is not None]
+        margin = [r.name for r in results if r.memory.reserved_replay is None]
+        if replayed:
+            notes.append(f"reserved peak: the traced step's own allocations replayed through the caching allocator "
+                         f"for {', '.join(replayed)}" + (f"; the allocated peak + {RESERVED_MARGIN:.0%} for "
+                                                         f"{', '.join(margin)} (not written for them)" if margin else ""))
     return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s,
                       workspaces=workspaces, twin=twin, kw=dict(kw))
 
