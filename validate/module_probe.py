@@ -406,6 +406,7 @@ class _SegmentTracker:
         # previous one's callers dropped), [2, key] where a convolution's cuDNN workspace is taken and given
         # back (its size is measured on a GPU). Parameters, buffers and the input batch are not in it.
         self.log: list = []
+        self.logging = True  # off for a transformers model (its plan takes the analytic front end's replay)
         self._log_live: dict = {}  # storage key -> (weak ref, id)
         tracker = self
 
@@ -419,7 +420,8 @@ class _SegmentTracker:
                 tracker._after(outs, ins)
                 if func is torch.ops.aten.convolution_backward.default:
                     tracker._kernel(conv_args(args, "backward"))
-                    tracker.log.append([2, conv_key(conv_args(args, "backward"))])
+                    if tracker.logging:
+                        tracker.log.append([2, conv_key(conv_args(args, "backward"))])
                 return out
 
         self._mode = _Mode()
@@ -443,7 +445,8 @@ class _SegmentTracker:
                 if func is torch.ops.aten.convolution.default:  # with its output alive, as cuDNN runs
                     tracker.kernels.setdefault(tracker.forward_segment(), []).append(
                         {"phase": "forward", "args": conv_args(args, "forward"), "at": alive})
-                    tracker.log.append([2, conv_key(conv_args(args, "forward"))])
+                    if tracker.logging:
+                        tracker.log.append([2, conv_key(conv_args(args, "forward"))])
                 return out
 
         self.forward_mode = _Forward()
@@ -469,6 +472,8 @@ class _SegmentTracker:
 
     def _log(self, outs, ins) -> None:
         """After each op of the step: the storages gone since the last one, then the op's new outputs."""
+        if not self.logging:
+            return
         self._log_frees()
         aliased = {t.untyped_storage()._cdata for t in ins if isinstance(t, self._torch.Tensor)}
         for t in outs:
@@ -920,6 +925,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
 
         bwd = _SegmentTracker(torch)
         bwd.forward_segment = lambda: len(segments) - 1
+        bwd.logging = work.kind != "hf"
 
         shared_ids: dict = {}
         in_keys: dict = {}  # the running unit's segment index -> its input's storage key (first positional tensor)
