@@ -124,6 +124,26 @@ class _Events:
                 self.ev.append(("free", k))
 
 
+def _broadcast_coalesced(E: _Events, nbytes: int) -> None:
+    """DistributedDataParallel.__init__'s `_sync_module_states`: the module's states broadcast from rank 0
+    through `_broadcast_coalesced`, flat buffers of up to 250 MiB (`broadcast_bucket_size`), each freed after."""
+    while nbytes > 0:
+        E.f(E.a(min(nbytes, 250 << 20)))
+        nbytes -= 250 << 20
+
+
+def _adam_temporaries(E: _Events, sizes, optimizer: str, impl: str) -> None:
+    """Adam(W)'s step temporaries over parameters of `sizes` bytes: `_multi_tensor_adam`'s exp_avg_sq_sqrt,
+    one per parameter at once (foreach), or `_single_tensor_adam`'s two at a time per parameter (for-loop);
+    the fused kernel and the other optimizers make none."""
+    if optimizer in ("adam", "adamw"):
+        if impl == "foreach":
+            E.f(*[E.a(n) for n in sizes])
+        elif impl == "for-loop":
+            for n in sizes:
+                E.f(E.a(n), E.a(n))
+
+
 def _split(total: int, parts: list[int]) -> list[int]:
     """`parts` (the shapes' bytes) scaled so they add up to `total` (the planner's bytes): the largest
     part absorbs the difference when it is small, else every part is scaled."""
@@ -316,10 +336,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # through `_broadcast_coalesced` (flat buffers of up to 250 MiB, freed after), then the Reducer's
         # first-iteration bucket holds every gradient (one bucket: limits [sys.maxsize]); rebuilt in
         # gradient-ready order in the second forward (`_rebuild_buckets`: old buckets freed first).
-        left = lay.total * pb
-        while left > 0:
-            E.f(E.a(min(left, 250 << 20)))
-            left -= 250 << 20
+        _broadcast_coalesced(E, lay.total * pb)
         buckets = [E.a(lay.total * gb)]
     # optimizer: states owned by this rank (ZeRO-1: its partition; FSDP: the shards)
     if family == "zero1" and shard > 1:
@@ -616,12 +633,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             micro_step(k)
         if state_sizes and not states:  # made lazily in the first step (`_init_group`)
             states.extend(E.a(z) for z in state_sizes)
-        if train.optimizer in ("adam", "adamw"):
-            if train.optimizer_impl == "foreach":  # _multi_tensor_adam: exp_avg_sq_sqrt, one per parameter
-                E.f(*[E.a(s * pb) for s in owned])
-            elif train.optimizer_impl == "for-loop":  # _single_tensor_adam: two at a time, per parameter
-                for s in owned:
-                    E.f(E.a(s * pb), E.a(s * pb))
+        _adam_temporaries(E, [s * pb for s in owned], train.optimizer, train.optimizer_impl)
         E.f(*grads)
         grads.clear()
         saved.clear()
@@ -792,10 +804,7 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
         E.a(n)
     bucket_keys: list = []
     if family in ("ddp", "zero1") and world > 1:
-        left = sum(construct)
-        while left > 0:
-            E.f(E.a(min(left, 250 << 20)))
-            left -= 250 << 20
+        _broadcast_coalesced(E, sum(construct))
         bucket_keys = [E.a(b) for b in buckets]
     for n in batches:
         E.a(n)
@@ -837,12 +846,7 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
                     states.extend((E.a(n), E.a(n)))
                 elif optimizer == "sgd-momentum":
                     states.append(E.a(n))
-        if optimizer in ("adam", "adamw"):
-            if optimizer_impl == "foreach":
-                E.f(*[E.a(n) for n in owned])
-            elif optimizer_impl == "for-loop":
-                for n in owned:
-                    E.f(E.a(n), E.a(n))
+        _adam_temporaries(E, owned, optimizer, optimizer_impl)
         E.f(*grads)
     return E.ev
 
@@ -937,10 +941,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
         owned = [prod(s) for u in units for s in u]
     buckets: list = []
     if family == "ddp" and world > 1:
-        left = lay.total * pb
-        while left > 0:
-            E.f(E.a(min(left, 250 << 20)))
-            left -= 250 << 20
+        _broadcast_coalesced(E, lay.total * pb)
         buckets = [E.a(lay.total * gb)]
     from .memory import _opt_state
     st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
@@ -1144,12 +1145,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
         E.f(*sends, *outs.values())
         if state_sizes and not states:
             states.extend(E.a(z) for z in state_sizes)
-        if train.optimizer in ("adam", "adamw"):
-            if train.optimizer_impl == "foreach":
-                E.f(*[E.a(s * pb) for s in owned])
-            elif train.optimizer_impl == "for-loop":
-                for s in owned:
-                    E.f(E.a(s * pb), E.a(s * pb))
+        _adam_temporaries(E, [s * pb for s in owned], train.optimizer, train.optimizer_impl)
         E.f(*grads)
         grads.clear()
         E.f(*inputs.values())  # the last stage's: the returned losses' graphs kept them to the step's end

@@ -395,7 +395,7 @@ class StrategyResult:
             "compute_s": t.compute_s if t is not None else None,
             # step_time_s = compute_s + comm.exposed_s + optimizer_s + overhead_s
             "optimizer_s": t.optimizer_s if t is not None else None,
-            "overhead_s": getattr(t, "overhead_s", 0.0) if t is not None else None,
+            "overhead_s": t.overhead_s if t is not None else None,
             "step_time_s": t.step_time_s if t is not None else None,
             "tokens_per_s": t.tokens_per_s if t is not None else None,
             "mfu": t.mfu if t is not None else None,

@@ -157,7 +157,7 @@ def comm_table(plan, table_format: str = "simple", results=None, title: str | No
         req = r.required_inter_bytes_per_s
         row = [r.name, fmt_bytes(r.comm_bytes_per_gpu), fmt_seconds(r.comm_time_s),
                fmt_seconds(t.exposed_comm_s), fmt_seconds(t.compute_s), fmt_seconds(t.optimizer_s),
-               fmt_seconds(getattr(t, "overhead_s", 0.0)), fmt_seconds(t.step_time_s),
+               fmt_seconds(t.overhead_s), fmt_seconds(t.step_time_s),
                f"{t.tokens_per_s:,.0f}", f"{100 * t.mfu:.0f}%"]
         if tokens:
             row.append(fmt_seconds(tokens / t.tokens_per_s) if t.tokens_per_s else "-")

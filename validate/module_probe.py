@@ -401,7 +401,7 @@ class _SegmentTracker:
         self._uid = 0
         self._log_uid = 0
         # The step's allocations in host order, as the caching allocator would see them (the planner's
-        # allocator replay of a module, module_plan.module_allocation_events): [1, id, bytes] when an op's
+        # allocator replay of a module, module_plan.logged_module_events): [1, id, bytes] when an op's
         # output storage is new, [0, id] when a storage the step made is gone (found after each op: what the
         # previous one's callers dropped), [2, key] where a convolution's cuDNN workspace is taken and given
         # back (its size is measured on a GPU). Parameters, buffers and the input batch are not in it.
