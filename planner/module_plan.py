@@ -536,7 +536,9 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         full = {k: 0 for k in COMPONENTS}
         for k, v in parts.items():
             full[k] += int(v)
-        full["temporaries"] += desc.batch_bytes  # the input batch, alive through the step
+        # the step's input batches, one per micro-step, alive through the step (a loader hands the step
+        # its micro-batches together; the probe makes them before the first forward)
+        full["temporaries"] += desc.batch_bytes * train.grad_accum
         snaps.append(Snapshot(phase, full))
         extra.append(int(workspace))
 
