@@ -172,6 +172,11 @@ class ModuleDesc:
     batch, an older profile)."""
     alloc_kept: tuple = ()
     """The ids of `alloc_log` alive when the step is over: the parameters' gradients."""
+    batchnorm: bool = False
+    """The module has BatchNorm layers (FSDP1's mixed precision runs them apart in fp32; FSDP2's fails)."""
+    fp32_units: tuple = ()
+    """Units whose parameters stay fp32 under mixed precision: FSDP1's own units of the BatchNorm modules
+    (the "fsdp1-*" trace regimes, module_probe._fsdp1_full_precision_modules). Empty elsewhere."""
 
     @property
     def activation_bytes(self) -> int:
@@ -226,7 +231,8 @@ class ModuleDesc:
                                              for s in prof["segments"] for k in s.get("kernels", ())})),
                    construct=tuple(int(n) for n in prof.get("construct_bytes", ())),
                    alloc_log=tuple(tuple(e) for e in (prof.get("alloc_log") or {}).get("events", ())),
-                   alloc_kept=tuple((prof.get("alloc_log") or {}).get("kept", ())))
+                   alloc_kept=tuple((prof.get("alloc_log") or {}).get("kept", ())),
+                   batchnorm=bool(prof.get("batchnorm", False)), fp32_units=tuple(prof.get("fp32_units", ())))
 
     def for_precision(self, precision: str) -> "ModuleDesc":
         """The traced description as a run of `precision` holds it: pure bf16 casts the whole module
@@ -591,7 +597,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     # ends) less its unit's own (in the traced dtype). A profile without that figure: the segment's
     # gradients at its before-hook instant, which misses a root gradient still autograd's transient at
     # that instant (a 16-bit LM head's at long sequences: Llama-3-8B's 1 GiB at 1024 tokens).
-    traced_gb = 2 if _regime(train.precision, family) in ("bfloat16", "float16") else 4
+    traced_gb = 2 if prec.mixed and fsdp or train.precision == "bf16" else 4  # the trace's parameters' dtype
     numel = {u: sum(prod(s) for _, s in ps) for u, ps in desc.units}  # each unit's parameters, real shapes
     own_g = {u: n * traced_gb for u, n in numel.items()}
     root_g = [0 if s[0] == "root" else max(0, s[7] - own_g.get(s[0], 0)) if s[7] >= 0 else s[3][0][1]
@@ -668,9 +674,13 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         reshard = st.reshard_after_forward and sharding
         shard_params = sum(v[0] for v in sizes.values())
         base = dict(params=shard_params * pb + buffers, optimizer=opt)
-        unsh = {u: v[1] * udt for u, v in sizes.items()}
+        # FSDP1's BatchNorm units keep fp32 (no mixed precision: `ModuleDesc.fp32_units`); so small they are
+        # counted with the shards, not walked (their unsharded parameters and gradients live within their
+        # parent unit's segment)
+        unit_dt = {u: pb if u in desc.fp32_units else udt for u in sizes}
+        unsh = {u: v[1] * unit_dt[u] for u, v in sizes.items()}
         if not sharding:  # NO_SHARD: only a 16-bit copy of the unit in use under mixed precision
-            unsh = {u: (v[1] * cb if prec.mixed else 0) for u, v in sizes.items()}
+            unsh = {u: (v[1] * cb if prec.mixed and u not in desc.fp32_units else 0) for u, v in sizes.items()}
         root = unsh.get("root", 0)
         order = [s[0] for s in segs if s[0] in sizes and s[0] != "root"]
         # Gradient accumulation (memory.estimate_memory's `carry`): what earlier micro-steps left in each
@@ -680,11 +690,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         if not later:
             unit_carry = {}
         elif not sharding:
-            unit_carry = {u: v[1] * (red if every_sync else udt) for u, v in sizes.items()}
+            unit_carry = {u: v[1] * (red if every_sync else unit_dt[u]) for u, v in sizes.items()}
         elif every_sync:
             unit_carry = {u: v[0] * sg for u, v in sizes.items()}
         elif family == "fsdp1":  # the padded flat gradient
-            unit_carry = {u: v[1] * udt for u, v in sizes.items()}
+            unit_carry = {u: v[1] * unit_dt[u] for u, v in sizes.items()}
         else:
             # FSDP2's are the unsharded parameters' own .grad, of their real shapes
             # (`FSDPParam.to_accumulated_grad_if_needed`), not the dim-0-padded all-gather size (measured:
@@ -746,6 +756,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         # FSDP1 `_pre_backward_hook` -> `_prefetch_handle` (BACKWARD_PRE). A root without parameters has no
         # group or handle: the last unit is all-gathered in its own hook.
         root_prefetch = unsh.get(order[-1], 0) if reshard and root and order else 0
+        root_prefetch_copy = one_copy and "root" in sizes and sum(sizes["root"]) > 0
         snap("backward", **base, comm_buffers=kept_fwd + root_prefetch, activations=all_acts,
              temporaries=2 * out_tmp)
         reached = set()
@@ -761,7 +772,9 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 held[:] = [u]  # its 16-bit copy made again for its backward, the previous one freed
             in_use = unsh.get(u, 0) if u != "root" else 0
             prev = next((x for x in reversed(order[:order.index(u)])), None) if u in order else None
-            pre = unsh.get(prev, 0) if reshard and prev else 0
+            # (NO_SHARD under mixed precision prefetches the unit before too: its 16-bit copy, made by
+            # `_unshard` -> `pre_unshard` -> `_use_low_precision_shard`)
+            pre = unsh.get(prev, 0) if (reshard or one_copy) and prev else 0
             fsdp1 = family == "fsdp1"
             g_unit = sizes[u][1] * udt if u in sizes and first else 0
             # The unit's reduction input: FSDP1 NO_SHARD all-reduces its flat gradient where the sharded
@@ -787,6 +800,12 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 unsharded_before = root + (unsh[nxt] if nxt and (nxt != order[-1] or root_prefetch) else 0)
                 if u not in order:
                     unsharded = unsharded_before
+            elif one_copy and u in order:
+                # the unit's copy is the one the unit after it prefetched (the last unit's: the root's, when
+                # the root has parameters), then its hook prefetches the unit before (measured: the MNIST
+                # CNN bf16-mixed on 8 fake ranks over 2 micro-steps, fc1's copy and conv3's at fc1's backward)
+                unsharded_before = root + (in_use if u != order[-1] or root_prefetch_copy else 0)
+                unsharded = root + in_use + pre
             # During the segment's backward, at its measured peaks: its saved tensors not yet freed,
             # the activation gradients alive, its parameters' gradients made so far (temporaries, as
             # the probes' tracker sees them: FSDP1's are views of the flat parameter waiting in
@@ -858,13 +877,22 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 elif fsdp1:
                     # The view gradients are concatenated into flat_param.grad (both alive), which is
                     # the reduce-scatter (NO_SHARD: all-reduce) input unless mixed precision casts it
-                    # to reduce_dtype first.
-                    snap("backward", **base, comm_buffers=unsharded + g_unit,
-                         activations=sum(acts[:k]), grads=grads, temporaries=ends[k] + g_unit + rg)
-                    if sharding and u != "root":
+                    # to reduce_dtype first. Accumulating without sync, the flat gradient kept from the
+                    # earlier micro-steps (`carry_now`) takes the concatenation in place: a temporary
+                    # (measured: the MNIST CNN, fsdp fp32 over 2 micro-steps on 8 fake ranks); so does
+                    # NO_SHARD's reduced gradient, kept as the flat gradient when each micro-step syncs.
+                    into = later and (not every_sync or not sharding) and u in unit_carry
+                    snap("backward", **base, comm_buffers=unsharded + (0 if into else g_unit),
+                         activations=sum(acts[:k]), grads=grads, temporaries=ends[k] + g_unit * (1 + into) + rg)
+                    if sharding and u != "root" or one_copy:
                         # freed by `_post_backward_reshard` (`_should_free_in_backward`: FULL_SHARD and
-                        # SHARD_GRAD_OP alike when gradients sync): later units no longer hold it
+                        # SHARD_GRAD_OP alike when gradients sync): later units no longer hold it. NO_SHARD
+                        # under mixed precision frees its 16-bit copy there (`post_reshard` ->
+                        # `_free_low_precision_sharded_param`; measured: the MNIST CNN's fc1 bf16-mixed on 8
+                        # fake ranks, +1.9% on the peak while the segments after it still held the copy)
                         resharded.add(u)
+                        if one_copy and prev:
+                            held[:] = [prev]  # the copy its hook prefetched, alive to the unit before's backward
                     if prec.mixed:
                         # `_runtime_utils._post_backward_hook` reshards first (the unit's 16-bit unsharded
                         # flat parameter goes, sharded strategies), then casts flat_param.grad to
@@ -874,7 +902,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                         # vocabulary 2048, 256 tokens) bf16-mixed on 8 fake ranks, this instant exact;
                         # counting the cast next to the unsharded parameter was 19% above
                         # (benchmarks/results/cpu-torch2.13-2026-11-24-blockpeak-hf.jsonl).
-                        after = root + (pre if reshard else sum(unsh[x] for x in held if x not in resharded))
+                        after = root + (pre if reshard or one_copy else
+                                        sum(unsh[x] for x in held if x not in resharded))
                         # the new shard: the unit's gradient shard, unless an earlier micro-step's is kept
                         # (`_accumulate_sharded_grad` adds it into `_saved_grad_shard`, and it goes)
                         out = sizes[u][0] * red if sharding else 0
@@ -1059,10 +1088,12 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
                 add("all_reduce", "world", world, gdt, n * gb, R, "backward", kind)
                 continue
             flat = -(-n // shard_n) * shard_n
-            add("all_gather", group, shard_n, pdt, flat * pb,
+            # a BatchNorm unit under mixed precision gathers its fp32 parameters (`ModuleDesc.fp32_units`)
+            udt = "float32" if u in desc.fp32_units else pdt
+            add("all_gather", group, shard_n, udt, flat * nbytes[udt],
                 1 if st.name == "fsdp-grad-op" and not train.sync_every else A, "forward", kind)
             if st.reshard_after_forward and u != "root":
-                add("all_gather", group, shard_n, pdt, flat * pb, A, "backward", kind)
+                add("all_gather", group, shard_n, udt, flat * nbytes[udt], A, "backward", kind)
             add("reduce_scatter", group, shard_n, gdt, flat * gb, R, "backward", kind)
             if st.name == "hsdp":
                 add("all_reduce", "inter_node", max(1, world // shard_n), gdt, flat // shard_n * gb, R,
@@ -1237,14 +1268,38 @@ def _unit_runs(units) -> list[str]:
             for stem, n, c in out]
 
 
-def _regime(precision: str, family: str) -> str:
-    """module_probe dtype for a precision recipe and family (activations.regime_for's rule)."""
+def _regime(precision: str, family: str, batchnorm: bool = False) -> str:
+    """module_probe dtype for a precision recipe and family (activations.regime_for's rule); `batchnorm`: the
+    module has BatchNorm layers, which FSDP1's mixed precision runs apart in fp32 (the "fsdp1-*" regimes)."""
     if precision == "fp32":
         return "float32"
     low = "float16" if precision == "fp16-mixed" else "bfloat16"
     if precision == "bf16":
         return "bfloat16"
-    return low if family in ("fsdp1", "fsdp2") else f"autocast-{low}"
+    if family == "fsdp1" and batchnorm:
+        return f"fsdp1-{low}"
+    return f"fsdp-{low}" if family in ("fsdp1", "fsdp2") else f"autocast-{low}"
+
+
+def _desc_for(descs: dict, precision: str, family: str) -> ModuleDesc:
+    """The traced description a strategy of `family` plans from: FSDP1's own regime for a module with
+    BatchNorm under mixed precision where it was traced, else the family's regime."""
+    plain = descs[_regime(precision, family)]
+    return descs.get(_regime(precision, family, plain.batchnorm), plain)
+
+
+def fsdp2_batchnorm_failure(desc: ModuleDesc, precision: str) -> str | None:
+    """Why FSDP2 cannot train the module as the probes wrap it, or None: BatchNorm under 16-bit mixed
+    precision. `MixedPrecisionPolicy(param_dtype)` casts BatchNorm's weight and bias to 16 bits while its
+    running statistics (buffers, which fully_shard does not cast) stay fp32, and batch_norm refuses the mix
+    (CUDA: "Expected running_mean to have type BFloat16"; CPU: "expected scalar type BFloat16 but found
+    Float"; measured by the H100 and CPU probes of the CIFAR ResNet)."""
+    if not desc.batchnorm or precision not in ("bf16-mixed", "fp16-mixed"):
+        return None
+    return ("FSDP2 casts BatchNorm's weights to 16 bits but not its fp32 running statistics, which batch_norm "
+            "refuses (expected running_mean to have type BFloat16); give each BatchNorm module its own "
+            "fully_shard with MixedPrecisionPolicy(param_dtype=torch.float32), or use fsdp (FSDP1 runs "
+            "BatchNorm apart in fp32)")
 
 
 def module_recommend(plan: ModulePlan):
@@ -1256,7 +1311,7 @@ def module_recommend(plan: ModulePlan):
 
     def fits(name: str, batch: int) -> bool:
         st = get_strategy(name)
-        desc = plan.descs[_regime(plan.train.precision, st.family)].scaled(batch)
+        desc = _desc_for(plan.descs, plan.train.precision, st.family).scaled(batch)
         mem = estimate_module_memory(desc, plan.train, plan.cluster, st, workspaces=plan.workspaces)
         if plan.twin is not None and mem.allocated_fits:
             pair_reserved(mem, plan.twin(name, batch))
@@ -1374,25 +1429,40 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     descs: dict[str, ModuleDesc] = {}
     failed: dict[str, str] = {}  # regime -> the trace's one-line error
     profile_s = 0.0
-    batchnorm = False
+    unrunnable: dict[str, str] = {}  # strategy -> why PyTorch cannot train the module so
+
+    def trace(regime: str) -> None:
+        nonlocal profile_s
+        if regime in descs or regime in failed:
+            return
+        try:
+            prof = profile(work, regime, "cuda")  # a plan is for GPUs: the bytes CUDA's kernels keep
+        except ValueError as exc:
+            # a model that traces in one regime and not another (an op whose meta function refuses a
+            # dtype; torch 2.13's grouped_mm refused fp32 before module_probe._grouped_mm_any_dtype):
+            # the strategies of the regime that ran are planned, the others named
+            failed[regime] = str(exc)
+            return
+        descs[regime] = ModuleDesc.from_profile(prof).for_precision(precision)
+        profile_s += prof["profile_s"]
+
     for n in names:
-        regime = _regime(precision, get_strategy(n).family)
-        if regime not in descs and regime not in failed:
-            try:
-                prof = profile(work, regime, "cuda")  # a plan is for GPUs: the bytes CUDA's kernels keep
-            except ValueError as exc:
-                # a model that traces in one regime and not another (an op whose meta function refuses a
-                # dtype; torch 2.13's grouped_mm refused fp32 before module_probe._grouped_mm_any_dtype):
-                # the strategies of the regime that ran are planned, the others named
-                failed[regime] = str(exc)
-                continue
-            descs[regime] = ModuleDesc.from_profile(prof).for_precision(precision)
-            batchnorm = prof.get("batchnorm", False)
-            profile_s += prof["profile_s"]
+        family = get_strategy(n).family
+        regime = _regime(precision, family)
+        trace(regime)
+        if regime in descs and descs[regime].batchnorm:
+            trace(_regime(precision, family, True))  # FSDP1 under mixed precision: BatchNorm apart, in fp32
+            why = fsdp2_batchnorm_failure(descs[regime], precision) if family == "fsdp2" else None
+            if why:
+                unrunnable[n] = why
     if not descs:
         raise ValueError(next(iter(failed.values())))
-    dropped = [n for n in names if _regime(precision, get_strategy(n).family) in failed]
-    names = [n for n in names if n not in dropped]
+    dropped = [n for n in names if _regime(precision, get_strategy(n).family) in failed
+               or (n not in unrunnable and _regime(precision, get_strategy(n).family, True) in failed)]
+    if unrunnable and all(n in unrunnable or n in dropped for n in names):
+        raise ValueError(f"--strategy={','.join(names)}: {next(iter(unrunnable.values()))}")
+    names = [n for n in names if n not in dropped and n not in unrunnable]
+    batchnorm = any(d.batchnorm for d in descs.values())
     desc = next(iter(descs.values()))
     model = ModuleModel(desc.name, work.label, desc.param_count(), desc.units, layers=len(desc.units))
     train = ModuleTrain(model, precision=precision, optimizer=kw.get("optimizer") or "adamw",
@@ -1414,9 +1484,11 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     if any(kw.get(k) is not None for k in ignored):
         notes.append(f"architecture overrides ({', '.join('--' + k.replace('_', '-') for k in ignored)}) do not "
                      f"apply to {flag}; ignored" + (" (--layers does)" if hf else ""))
-    if batchnorm and precision != "fp32" and any(get_strategy(n).family in ("fsdp1", "fsdp2") for n in names):
-        notes.append(f"BatchNorm under FSDP with {precision} is not modelled: FSDP1 wraps BatchNorm modules apart "
-                     f"in fp32 (more units, fp32 activations there); FSDP2 fails in PyTorch (running_mean dtype)")
+    if unrunnable:
+        notes.append(f"{', '.join(unrunnable)} not planned: {next(iter(unrunnable.values()))}")
+    if batchnorm and get_precision(precision).mixed and any(get_strategy(n).family == "fsdp1" for n in names):
+        notes.append(f"FSDP1 under {precision} wraps each BatchNorm module apart and runs it in fp32, its input cast "
+                     f"to fp32 and its output back (MixedPrecision._module_classes_to_ignore): traced so")
     loss_text = {"cross_entropy": "cross-entropy (2-D output)", "sum": "sum of the outputs",
                  "hf-causal-lm": "transformers' causal-LM loss (labels = input ids)"}.get(desc.loss, desc.loss)
     notes.append(f"front end: trace (the model run on fake tensors, activations from saved_tensors_hooks); "
@@ -1472,7 +1544,7 @@ def module_result(descs: dict, train: ModuleTrain, cluster: Cluster, name: str, 
     """One strategy's prediction for a traced workload: the memory walk and collectives of the trace in the
     strategy's precision regime, the step time of the analytic twin where there is one, else the trace's."""
     st = get_strategy(name)
-    d = descs[_regime(train.precision, st.family)]
+    d = _desc_for(descs, train.precision, st.family)
     mem = estimate_module_memory(d, train, cluster, st, workspaces=workspaces)
     colls = module_collectives(d, train, cluster, name)
     timed = twin_time(twin, name, batch, cluster) if twin is not None else None
@@ -1586,6 +1658,9 @@ def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
     work = from_spec(module)
     regimes = {_regime(precision, get_strategy(s).family) for s in strategies}
     descs = [_traced(work, r, "cuda") for r in sorted(regimes)]
+    if any(d.batchnorm for d in descs):  # FSDP1's own regime under mixed precision (`_regime`)
+        regimes = {_regime(precision, get_strategy(s).family, True) for s in strategies} - regimes
+        descs += [_traced(work, r, "cuda") for r in sorted(regimes)]
     return kernel_workspaces(descs)[0]
 
 
@@ -1620,7 +1695,11 @@ def predict_module_probe(spec: dict) -> dict:
     st = get_strategy(spec["strategy"])
     precision = t.get("precision", "fp32")
     device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
-    d = _traced(work, _regime(precision, st.family), "cuda" if device == "cuda" else "cpu").for_precision(precision)
+    kernels = "cuda" if device == "cuda" else "cpu"
+    d = _traced(work, _regime(precision, st.family), kernels)
+    if _regime(precision, st.family, d.batchnorm) != _regime(precision, st.family):  # FSDP1's BatchNorm units
+        d = _traced(work, _regime(precision, st.family, True), kernels)
+    d = d.for_precision(precision)
     workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
     model = ModuleModel(d.name, work.label, d.param_count(), d.units, layers=len(d.units))
     ckpt = t.get("checkpointing", "none")

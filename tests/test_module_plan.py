@@ -126,7 +126,7 @@ def test_mixed_precision_measures_two_regimes():
     kw = {"module": CNN, "input_shape": "32,1,28,28", "gpus": 2, "gpu": "h100-sxm", "precision": "bf16-mixed",
           "optimizer": "adamw", "detect_local": False}
     p = module_spec_plan(kw, ("ddp", "zero3"))
-    assert set(p.descs) == {"autocast-bfloat16", "bfloat16"}
+    assert set(p.descs) == {"autocast-bfloat16", "fsdp-bfloat16"}
     assert [r.name for r in p.results] == ["ddp", "zero3"]
 
 

@@ -26,10 +26,18 @@ weights touched), and runs one forward pass plus the loss on a fake input of tha
 - per segment, its convolutions (`kernels`): the call's arguments and what is alive when it runs, for
   the cuDNN workspace measured on a GPU (`validate/kernel_workspace.py`); `linear_bias`: an addmm ran.
 
-`dtype`: "float32"; "bfloat16"/"float16" cast the module and the input (pure 16-bit, and the 16-bit
-compute of FSDP mixed precision); "autocast-bfloat16"/"autocast-float16" keep fp32 parameters and run
-the forward under CPU `torch.autocast` (the DDP mixed-precision recipe). CPU autocast's op lists are
-close to, not identical with, CUDA's (CUDA runs softmax/log_softmax in fp32 too) -- a known limitation.
+`dtype`: "float32"; "bfloat16"/"float16" cast the module and the input (pure 16-bit training);
+"autocast-bfloat16"/"autocast-float16" keep fp32 parameters and run the forward under CPU `torch.autocast`
+(the DDP mixed-precision recipe). CPU autocast's op lists are close to, not identical with, CUDA's (CUDA
+runs softmax/log_softmax in fp32 too) -- a known limitation. "fsdp-bfloat16"/"fsdp-float16": FSDP's mixed
+precision: the parameters (and a module's buffers: FSDP1's `buffer_dtype`) cast, the batch made in fp32 and
+cast to 16 bits at the root's forward, as FSDP1's `_root_pre_forward` (`cast_root_forward_inputs`) and
+FSDP2's `_pre_forward` (`cast_forward_inputs`) do: the fp32 batch stays the caller's, the 16-bit copy is
+what the first ops save. "fsdp1-bfloat16"/"fsdp1-float16": the same for FSDP1 with an auto-wrap policy
+where the modules of `MixedPrecision._module_classes_to_ignore` (BatchNorm) keep fp32 parameters and
+buffers, each its own FSDP unit (listed first in `units`, named in `fp32_units`), and run in fp32 between
+casts of their input and output (`_common_utils._override_module_mixed_precision`, whose hooks the trace
+registers).
 
 Known limitations: one forward of one input tensor (models that take several inputs, dicts or integer
 token ids need a small wrapper factory); data-dependent control flow sees fake values; the segment a
@@ -46,7 +54,8 @@ import sys
 import time
 import warnings
 
-_DTYPES = ("float32", "bfloat16", "float16", "autocast-bfloat16", "autocast-float16")
+_DTYPES = ("float32", "bfloat16", "float16", "autocast-bfloat16", "autocast-float16", "fsdp-bfloat16",
+           "fsdp-float16", "fsdp1-bfloat16", "fsdp1-float16")
 
 
 def load_factory(factory_path: str):
@@ -668,6 +677,22 @@ def conv_key(args: dict) -> str:
             + (f" mask={''.join('1' if m else '0' for m in a['output_mask'])}" if a["output_mask"] else ""))
 
 
+def _fsdp1_full_precision_classes(torch) -> tuple:
+    """`MixedPrecision._module_classes_to_ignore` of the installed torch (default `(_BatchNorm,)`)."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    return tuple(MixedPrecision(param_dtype=torch.bfloat16)._module_classes_to_ignore)
+
+
+def _fsdp1_full_precision_modules(torch, model) -> list:
+    """(qualified name, module) of the modules FSDP1's mixed precision leaves in full precision, each its own
+    unit: instances of `MixedPrecision._module_classes_to_ignore` (default `(_BatchNorm,)`) that own
+    parameters, as `_auto_wrap` wraps them (`_wrap_utils.py`; the probes pass an auto-wrap policy)."""
+    classes = _fsdp1_full_precision_classes(torch)
+    return [(name, m) for name, m in model.named_modules()
+            if name and isinstance(m, classes) and any(True for _ in m.parameters(recurse=False))]
+
+
 def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> dict:
     """`profile_workload` of `factory_path` (PKG.MOD:FACTORY) on one input of `input_shape`."""
     from .workload import FactoryWorkload
@@ -851,6 +876,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
     shape = tuple(work.input_shape)
     t0 = time.perf_counter()
     autocast = dtype.startswith("autocast-")
+    fsdp_mixed = dtype.startswith(("fsdp-", "fsdp1-"))  # FSDP's mixed precision: the root casts the batch
     tdtype = getattr(torch, dtype.split("-")[-1])
     flag = "--hf-config" if work.kind == "hf" else "--module"
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
@@ -864,17 +890,27 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             raise user_code_error(flag, factory_path, "building the model" if work.kind == "hf" else "the factory",
                                   exc) from None
         _check_model(torch, model, flag, factory_path)
+        # FSDP1 under mixed precision wraps each module of these classes apart, in full precision
+        # (`fsdp/wrap.py` `_wrap_module_cls_individually` with `mixed_precision=None`)
+        full_precision = _fsdp1_full_precision_modules(torch, model) if dtype.startswith("fsdp1-") else []
+        kept32 = {id(t) for _, m in full_precision for t in list(m.parameters()) + list(m.buffers())}
         if not autocast and tdtype != torch.float32:
             # Module.to() swaps tensors, which fake tensors refuse; assigning .data casts in place.
-            # FSDP's mixed precision casts parameters only; a module's own `.to(dtype)` casts buffers too.
+            # FSDP's mixed precision casts parameters only; a module's own `.to(dtype)` casts buffers too
+            # (FSDP1's `buffer_dtype` too, the probes' MixedPrecision(buffer_dtype=param_dtype)).
             casts = list(model.parameters()) + ([] if work.kind == "hf" else list(model.buffers()))
             for t in casts:
-                if t.is_floating_point():
+                if t.is_floating_point() and id(t) not in kept32:
                     t.data = t.data.to(tdtype)
+        if full_precision:
+            from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
+            # the forward pre- and post-hooks FSDP1 registers on them: the input cast to fp32, the output
+            # back to the input's dtype
+            _override_module_mixed_precision(model, _fsdp1_full_precision_classes(torch))
         model.train()
         unit_modules = work.units(model)
         owner = {}
-        for uname, um in unit_modules:
+        for uname, um in full_precision + unit_modules:  # a BatchNorm's parameters are its own unit's
             for p in um.parameters():
                 owner.setdefault(id(p), uname)
 
@@ -915,7 +951,14 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         n_params = sum(u["numel"] for u in units.values())
         pbytes = next(iter(model.parameters())).element_size() if n_params else 4
 
-        inputs = work.inputs(torch, torch.float32 if autocast else tdtype)
+        inputs = work.inputs(torch, torch.float32 if autocast or fsdp_mixed else tdtype)
+        if fsdp_mixed:
+            def cast_root_inputs(_mod, args, kwargs):
+                cast = lambda t: t.to(tdtype) if t.is_floating_point() and t.dtype != tdtype else t  # noqa: E731
+                return (tuple(cast(a) if isinstance(a, torch.Tensor) else a for a in args),
+                        {k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+            # first of the root's pre-hooks (FSDP's own runs before the module's forward)
+            model.register_forward_pre_hook(cast_root_inputs, prepend=True, with_kwargs=True)
         batch_bytes = sum(t.numel() * t.element_size() for t in inputs)
         saved: dict = {}
         # Segments of the forward in execution order: each unit's call starts one; what the root
@@ -1089,6 +1132,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         "grad_ready": ready,
         "linear_bias": bwd.linear_bias,
         "batchnorm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
+        "fp32_units": [name for name, _ in full_precision],
         "forward_flops": fwd_flops,
         "layer_flops": layer_flops,
         # the parameters' and buffers' bytes in the order `model.to(device)` allocates them
