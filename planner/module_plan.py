@@ -68,10 +68,14 @@ dimension).
 Known limitations: activations and outputs scale linearly with the batch (used for the largest batch
 that fits; cuDNN workspaces are only known at the measured batch); a traced model's step time is of its
 eager kernels (torch.compile's fusion is not modelled for it), and where the CPU trace ran SDPA's math
-composite (dropout_p > 0) CUDA runs one fused kernel; BatchNorm under FSDP with 16-bit mixed precision is
-not modelled (FSDP1 wraps BatchNorm modules apart in fp32, `MixedPrecision._module_classes_to_ignore`;
-FSDP2 fails in PyTorch); `--micro-batch` and `--seq-len` are ignored (the batch is the input shape's
-first dimension); CPU offload and `--framework deepspeed` are not supported here.
+composite (dropout_p > 0) CUDA runs one fused kernel; `--micro-batch` and `--seq-len` are ignored (the
+batch is the input shape's first dimension); CPU offload and `--framework deepspeed` are not supported here.
+
+FSDP under 16-bit mixed precision is traced as it runs (module_probe's "fsdp-*" and "fsdp1-*" regimes): the
+root casts the fp32 batch to 16 bits; FSDP1 wraps each BatchNorm module apart and runs it in fp32
+(`MixedPrecision._module_classes_to_ignore`: its own units, `ModuleDesc.fp32_units`, fp32 all-gathers);
+FSDP2 with BatchNorm raises in PyTorch (16-bit weights, fp32 running statistics), so `estimate` leaves
+zero2 and zero3 out with the reason and `validate` predicts the error (`fsdp2_batchnorm_failure`).
 """
 
 from __future__ import annotations
@@ -1288,6 +1292,11 @@ def _desc_for(descs: dict, precision: str, family: str) -> ModuleDesc:
     return descs.get(_regime(precision, family, plain.batchnorm), plain)
 
 
+FSDP2_BATCHNORM_ERRORS = ("Expected running_mean to have type", "expected scalar type BFloat16 but found Float",
+                          "expected scalar type Half but found Float")
+"""What batch_norm raises for 16-bit weights with fp32 running statistics (CUDA; the CPU, bf16 and fp16)."""
+
+
 def fsdp2_batchnorm_failure(desc: ModuleDesc, precision: str) -> str | None:
     """Why FSDP2 cannot train the module as the probes wrap it, or None: BatchNorm under 16-bit mixed
     precision. `MixedPrecisionPolicy(param_dtype)` casts BatchNorm's weight and bias to 16 bits while its
@@ -1734,7 +1743,11 @@ def predict_module_probe(spec: dict) -> dict:
     colls = [{"op": c.op, "group_size": c.group_size, "dtype": c.dtype, "message_bytes": int(c.message_bytes),
               "calls": int(c.calls)} for c in module_collectives(d, train, cluster, st.name)]
     step, bound = _probe_step_time(spec, d, train, cluster, st, twin, shape[0]) if device == "cuda" else (None, None)
-    return {"memory": out, "collectives": colls, "step_time_s": step, "step_time_bound": bound}
+    pred = {"memory": out, "collectives": colls, "step_time_s": step, "step_time_bound": bound}
+    why = fsdp2_batchnorm_failure(d, precision) if st.family == "fsdp2" else None
+    if why:  # what PyTorch raises (CUDA's batch_norm; the CPU's)
+        pred["fails"] = {"reason": why, "error_contains": list(FSDP2_BATCHNORM_ERRORS)}
+    return pred
 
 
 def _probe_step_time(spec: dict, d: ModuleDesc, train: ModuleTrain, cluster: Cluster, st: Strategy, twin,

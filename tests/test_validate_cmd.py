@@ -152,6 +152,21 @@ def test_compare_oom_and_failures():
         compare({}, {"status": "ok"}, -0.01)
 
 
+def test_compare_predicted_failure():
+    """A prediction that PyTorch refuses the run (`fails`) agrees with a probe that raised the error it names,
+    and with nothing else."""
+    pred = {"memory": {"peak_allocated": 100}, "collectives": [],
+            "fails": {"reason": "BatchNorm under FSDP2", "error_contains": ["running_mean"]}}
+    raised = {"status": "error", "error": "RuntimeError: Expected running_mean to have type BFloat16"}
+    c = compare(pred, raised)
+    assert c["verdict"] == "PASS" and "as predicted" in c["reasons"][0]
+    assert compare(pred, {"status": "error", "error": "RuntimeError: shapes do not match"})["verdict"] == "FAIL"
+    assert compare(pred, {"status": "crashed", "error": "running_mean"})["verdict"] == "FAIL"
+    ran = {"status": "ok", "memory": {"peak_allocated": 100, "components": {}}, "collectives": []}
+    c = compare(pred, ran)
+    assert c["verdict"] == "FAIL" and any("refuses" in r for r in c["reasons"])
+
+
 # -- runner and results file ----------------------------------------------------------------------------
 
 def test_fake_mode_launches_probe_module_and_torchrun_for_ranks():

@@ -14,8 +14,10 @@ Owns the accuracy numbers and the PASS/FAIL rule of `distplan validate`:
   sum is within the component tolerance (a just-computed weight gradient is a temporary in autograd's
   input buffer until AccumulateGrad makes it `.grad`; the model does not resolve that instant).
 - A measured OOM agrees with a prediction that says it does not fit (`fits: False`), and disagrees
-  otherwise; a probe that timed out, crashed or raised is a FAIL with its reason; a probe whose rank 0
-  ran on another node (`remote`) is SKIP.
+  otherwise; a probe that raised agrees with a prediction that PyTorch refuses the run (`fails`: its
+  reason and the text the error must contain), and one that ran disagrees with it; otherwise a probe that
+  timed out, crashed or raised is a FAIL with its reason; a probe whose rank 0 ran on another node
+  (`remote`) is SKIP.
 
 On a GPU the reserved peak (`torch.cuda.max_memory_reserved`) is judged too, within RESERVED_TOLERANCE
 (20%), against the planner's `peak_reserved` (the allocations replayed through its caching-allocator model).
@@ -104,6 +106,11 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
         out["verdict"] = "SKIP"
         reasons.append(measurement.get("error") or "measured on another node")
         return out
+    fails = None if prediction is None else prediction.get("fails")
+    if fails and status == "error" and any(m in str(measurement.get("error") or "") for m in fails["error_contains"]):
+        out["verdict"] = "PASS"
+        reasons.append(f"probe raised as predicted ({fails['reason']}): {measurement.get('error')}")
+        return out
     if status in ("timeout", "crashed", "error"):
         reasons.append(f"probe {status}: {measurement.get('error') or 'no reason given'}")
         return out
@@ -124,6 +131,8 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
     if pred_fits is False:
         out["fits"] = {"predicted": False, "measured": True}
         reasons.append("predicted does not fit, but the probe ran")
+    if fails:
+        reasons.append(f"predicted PyTorch refuses the run ({fails['reason']}), but the probe ran")
 
     pm, mm = prediction.get("memory") or {}, measurement.get("memory") or {}
     unmeasured = set(measurement.get("unmeasured") or ())
