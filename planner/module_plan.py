@@ -178,6 +178,13 @@ class ModuleDesc:
     """The ids of `alloc_log` alive when the step is over: the parameters' gradients."""
     batchnorm: bool = False
     """The module has BatchNorm layers (FSDP1's mixed precision runs them apart in fp32; FSDP2's fails)."""
+    unit_forward: tuple = ()
+    """Per segment of `segments`, (the unit's own forward peak, its output) in bytes: what a checkpointed unit's
+    recomputation holds at its peak (the forward peak less the earlier segments' saved tensors, as `forward`;
+    without the root's ops after the unit). Empty: not recorded (an older profile)."""
+    batch_inputs: tuple = ()
+    """Indices of `segments` whose unit's input is the input batch itself (a checkpointed unit keeps no new
+    tensor for it: the batch is a temporary through the step)."""
     fp32_units: tuple = ()
     """Units whose parameters stay fp32 under mixed precision: FSDP1's own units of the BatchNorm modules
     (the "fsdp1-*" trace regimes, module_probe._fsdp1_full_precision_modules). Empty elsewhere."""
@@ -236,7 +243,12 @@ class ModuleDesc:
                    construct=tuple(int(n) for n in prof.get("construct_bytes", ())),
                    alloc_log=tuple(tuple(e) for e in (prof.get("alloc_log") or {}).get("events", ())),
                    alloc_kept=tuple((prof.get("alloc_log") or {}).get("kept", ())),
-                   batchnorm=bool(prof.get("batchnorm", False)), fp32_units=tuple(prof.get("fp32_units", ())))
+                   batchnorm=bool(prof.get("batchnorm", False)), fp32_units=tuple(prof.get("fp32_units", ())),
+                   batch_inputs=tuple(i for i, s in enumerate(prof["segments"]) if s.get("input_is_batch")),
+                   unit_forward=tuple((int(s.get("unit_forward_bytes", 0)), int(s.get("unit_output_bytes", 0)))
+                                      for s in prof["segments"]) if all("unit_forward_bytes" in s or s["unit"] in
+                                                                        ("root", "loss") for s in prof["segments"])
+                   else ())
 
     def for_precision(self, precision: str) -> "ModuleDesc":
         """The traced description as a run of `precision` holds it: pure bf16 casts the whole module
@@ -277,7 +289,9 @@ class ModuleDesc:
                        for seg in self.census)
         # cuDNN's workspaces at another batch are another kernel's: not known without measuring.
         accumulating = tuple(tuple(bwd(x) for x in b) for b in self.backward_accumulating)
+        unit_forward = tuple((int(f * k), int(o * k)) for f, o in self.unit_forward)
         return replace(self, segments=segs, output_bytes=int(self.output_bytes * k), census=census,
+                       unit_forward=unit_forward,
                        backward_accumulating=accumulating,
                        forward_flops=int(self.forward_flops * k), batch=batch,
                        batch_bytes=int(self.batch_bytes * k),
@@ -509,7 +523,12 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     loss_act = sum(s[1] for s in desc.segments if s[0] == "loss")
     acts = [s[1] for s in segs]
     every = checkpoint_every(train.checkpointing)
-    unit_index = {u: i for i, u in enumerate(dict.fromkeys(s[0] for s in segs if s[0] != "root"))}
+    kept_in = [0 if j in desc.batch_inputs else s[2] for j, s in enumerate(segs)]  # a checkpointed unit's input
+    # the units the probes checkpoint (`workload.enable_checkpointing`: the parameter-owning children), not the
+    # segments of parameter-free children (a pooling module: measured, the MNIST CNN under full checkpointing,
+    # +21% on the peak while its pools counted as checkpointed units keeping their inputs)
+    owners = {u for u, ps in desc.units if ps and u != "root"}
+    unit_index = {u: i for i, u in enumerate(dict.fromkeys(s[0] for s in segs if s[0] in owners))}
     ckpt = [bool(every) and s[0] in unit_index and unit_index[s[0]] % every == 0 for s in segs]
     if every:
         # Each checkpointed unit (every one for full, every K-th from the first for every-K: transformers'
@@ -518,13 +537,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         # A segment without a unit (the root's first ops: embedding) is not checkpointed. Its other tensor
         # inputs (a decoder layer's masks, RoPE tables, position ids: shared by the units) stay alive with
         # it, each counted once, at the first checkpointed unit given it.
+        # A unit whose input is the batch itself keeps nothing new for it (the batch is a temporary).
         kept: set = set()
         acts = []
-        for s, c in zip(segs, ckpt):
+        for j, (s, c) in enumerate(zip(segs, ckpt)):
             if not c:
                 acts.append(s[1])
                 continue
-            acts.append(s[2] + s[5] + sum(b for i, b in s[8] if i not in kept))
+            acts.append(kept_in[j] + s[5] + sum(b for i, b in s[8] if i not in kept))
             kept.update(i for i, _ in s[8])
     elif train.checkpointing in ("selective", "selective-op"):
         notes.append(f"{train.checkpointing} checkpointing is not defined for an arbitrary module: planned as none")
@@ -559,6 +579,14 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         tensors are the recomputed ones, made after the hook (temporaries). `split`: other per-segment
         (before, after) peaks than the profile's `backward` (ModuleDesc.backward_accumulating);
         `kernel_grads` False: no gradients at the convolutions' instants."""
+        if ckpt[k]:
+            # The recomputation's own forward peak, right after the hook (non-reentrant checkpoint runs the
+            # unit's forward again to its end: what its forward held at its peak, the block's locals
+            # through its last op), next to its kept input and its output's gradient (measured: the CIFAR
+            # ResNet's basic blocks under full checkpointing, -9.4% on the peak without this instant)
+            if desc.unit_forward:
+                fwd_peak, out = desc.unit_forward[k]
+                yield (out + fwd_peak, 0, kept_in[k]), 0, False
         for before, (tmp, g, saved) in zip((True, False), split[k] if split else segs[k][3]):
             if ckpt[k]:
                 # Its input, and before the hook what the root's ops after the unit still hold; the
@@ -567,11 +595,11 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 # as the traced run had at that instant.
                 unit_saved = segs[k][1] - segs[k][5]
                 if before:
-                    saved = segs[k][2] + max(0, saved - unit_saved)
+                    saved = kept_in[k] + max(0, saved - unit_saved)
                 else:
                     # (where the unit saves its input itself, the recompute saves the kept input again:
                     # counted once, in `saved`; its first op's backward, the last, frees it)
-                    tmp, saved = tmp + max(0, min(saved, unit_saved) - segs[k][9]), segs[k][2]
+                    tmp, saved = tmp + max(0, min(saved, unit_saved) - segs[k][9]), kept_in[k]
             yield (tmp, g, saved), 0, before
         for w, at in bwd_kernels.get(k, ()):
             g = at[1] if kernel_grads else 0
@@ -834,6 +862,25 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 snap("backward", w, **base, comm_buffers=comm + rs_held,
                      activations=sum(acts[:k]) + saved, grads=grads + own_grads,
                      temporaries=tmp + mine - own_grads)
+            if later and not every_sync and u in sizes:
+                # The first micro-step without sync, at the same instants: the units already reached keep
+                # their unsharded gradients (`unit_carry`), none reduced, none resharded in backward
+                # (FSDP1's SHARD_GRAD_OP keeps them unsharded: `_should_free_in_backward`), nothing carried from
+                # before. Measured: the CIFAR ResNet, every FSDP strategy in fp32 over 2 micro-steps with full
+                # checkpointing, its peak at layer1's recomputation of the first micro-step, next to the
+                # unsharded gradients of layer2, layer3 and fc (the later units are the larger in a CNN).
+                kept_first = sum(unit_carry.get(x, 0) for x in done)
+                # (FSDP2 reshards a unit after its backward without sync too: reshard_after_backward)
+                held_first = root + (in_use + pre if reshard else
+                                     sum(unsh[x] for x in held if family == "fsdp1" or x not in done))
+                for (tmp, g, saved), w, before in instants(k):
+                    rg = root_grads(k, before, g)
+                    mine = (min(g_unit, max(g, rg)) if u == "root"
+                            else (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg)
+                    own_grads = mine if family == "fsdp2" else 0
+                    plain("backward", w, **base, comm_buffers=unsharded_before if before and reshard else held_first,
+                          activations=sum(acts[:k]) + saved, grads=kept_first + own_grads,
+                          temporaries=tmp + mine - own_grads)
             if rs:
                 if not every_sync and family == "fsdp2":  # `post_backward` collects the accumulated gradient
                     carry_now[0] = carried(done + [u])
@@ -1085,6 +1132,15 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
             add("reduce_scatter", "world", world, gdt, n * gb, R, "backward", kind)
     else:  # fsdp1
         shard_n, group = (min(world, g), "intra_node") if st.name == "hsdp" else (world, "world")
+        # A BatchNorm unit inside a checkpointed unit is all-gathered once more in backward when its parent
+        # recomputes: its forward runs again after it was resharded (measured: the CIFAR ResNet, fsdp and hsdp
+        # bf16-mixed under full checkpointing, 3 all-gathers of each BatchNorm unit per step)
+        every = checkpoint_every(train.checkpointing)
+        regs = [u for u, ps in desc.units if ps and u != "root" and u not in desc.fp32_units]
+        recomputed = set(regs[::every]) if every else set()
+
+        def in_recomputed(u: str) -> bool:
+            return any(u.startswith(p + ".") for p in recomputed)
         for u, shapes in units:
             n = sum(prod(s) for s in shapes)
             kind = "root" if u == "root" else "unit"
@@ -1097,7 +1153,8 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
             add("all_gather", group, shard_n, udt, flat * nbytes[udt],
                 1 if st.name == "fsdp-grad-op" and not train.sync_every else A, "forward", kind)
             if st.reshard_after_forward and u != "root":
-                add("all_gather", group, shard_n, udt, flat * nbytes[udt], A, "backward", kind)
+                add("all_gather", group, shard_n, udt, flat * nbytes[udt], A * (2 if in_recomputed(u) else 1),
+                    "backward", kind)
             add("reduce_scatter", group, shard_n, gdt, flat * gb, R, "backward", kind)
             if st.name == "hsdp":
                 add("all_reduce", "inter_node", max(1, world // shard_n), gdt, flat // shard_n * gb, R,

@@ -995,7 +995,9 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                             if all(i != idx for i, _ in shared):
                                 shared.append([idx, int(_storage_nbytes(t))])
                 segments.append({"unit": name, "activation_bytes": 0, "input_bytes": int(inp),
-                                 "shared_inputs": shared})
+                                 "shared_inputs": shared,
+                                 # the batch itself (a temporary, not what a checkpointed unit keeps anew)
+                                 "input_is_batch": bool(first & batch_keys)})
                 bwd.mark_input(args, len(segments) - 1)
             return hook
 
@@ -1008,6 +1010,13 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             # the unit's own kernels (what a checkpointed unit runs again in backward), before the root's ops
             # after it join its segment
             segments[-1]["unit_census"] = bwd.census.of(len(segments) - 1, "forward")
+            # what a checkpointed unit's recomputation holds at its peak: the unit's own forward peak (less
+            # the earlier segments' saved tensors, as `forward_bytes`) and its output
+            idx = len(segments) - 1
+            segments[-1]["unit_forward_bytes"] = int(max(0, bwd.fwd_peak.get(idx, 0)
+                                                         - sum(x["activation_bytes"] for x in segments[:idx])))
+            segments[-1]["unit_output_bytes"] = int(sum(_storage_nbytes(t) for t in tree_leaves(out)
+                                                        if isinstance(t, torch.Tensor)))
 
         seg_modules = work.segment_modules(model)
         handles = [m.register_forward_pre_hook(pre_hook(name), with_kwargs=True) for name, m in seg_modules]
@@ -1016,7 +1025,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         # The input batch is not an activation: it exists before the forward and after it (the probes'
         # tracker and the planner count it as a temporary, `batch_bytes`); nor are buffers (BatchNorm
         # saves its running statistics for backward; the planner counts them with the parameters).
-        not_activations = param_keys | {_storage_key(x) for x in inputs} | {_storage_key(b) for b in model.buffers()}
+        batch_keys = {_storage_key(x) for x in inputs}
+        not_activations = param_keys | batch_keys | {_storage_key(b) for b in model.buffers()}
         bwd.not_activations = not_activations
 
         def pack(t):
