@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import sys
 from pathlib import Path
@@ -353,7 +354,8 @@ def test_ddp_broadcasts_batchnorm_buffers_once_per_step():
 # -- the committed CPU probes of the --module examples, re-predicted ------------------------------------
 # benchmarks/results/cpu-torch2.13-2026-12-02-modules.jsonl: `distplan validate --plan
 # benchmarks/cpu-modules-plan.yaml` (the MNIST CNN and the CIFAR ResNet, every strategy, fp32 and bf16-mixed,
-# with and without accumulation over 2 micro-steps, rank 0 of 8 on the fake process group).
+# with and without accumulation over 2 micro-steps, without and with activation checkpointing (full, every-2),
+# rank 0 of 8 on the fake process group).
 
 MODULE_TIES = {
     # SHARD_GRAD_OP without sync, the last micro-step: the walk's highest instant (the first unit's backward)
@@ -369,8 +371,10 @@ def test_committed_module_probes_repredicted():
     64 KiB, collectives exact), but the stated tie: what the probes showed was wrong before (each was measured):
     the accumulating step's input batches (-1.7% peak, -13.7% temporaries), FSDP's root casting the fp32 batch
     to 16 bits, FSDP1 running BatchNorm apart in fp32 (the CIFAR ResNet bf16-mixed: -36% and inexact
-    collectives), NO_SHARD's 16-bit copies under mixed precision. FSDP2 with BatchNorm under bf16-mixed raises
-    in PyTorch, as the prediction says."""
+    collectives), NO_SHARD's 16-bit copies under mixed precision; under activation checkpointing, which
+    children are checkpointed (the CNN: +21-25%), the recomputation's forward peak (the ResNet: -9.4%), the
+    first micro-step without sync (-10%), the recompute's all-gathers of FSDP1's BatchNorm units. FSDP2 with
+    BatchNorm under bf16-mixed raises in PyTorch, as the prediction says."""
     import os
 
     from distplan.planner.api import predict_probe
@@ -381,7 +385,7 @@ def test_committed_module_probes_repredicted():
                         "cpu-torch2.13-2026-12-02-modules.jsonl")
     with open(path) as f:
         recs = [json.loads(line) for line in f if line.strip()]
-    assert len(recs) == 108
+    assert len(recs) == 216
     verdicts, peaks, raised = {}, [], []
     for r in recs:
         c = compare(predict_probe(record_spec(r)), r["measurement"])
@@ -391,7 +395,9 @@ def test_committed_module_probes_repredicted():
         else:
             raised.append(r["id"])
     assert {i for i, v in verdicts.items() if v != "PASS"} == MODULE_TIES
-    assert max(peaks) <= 0.005 and len(peaks) == 102  # every measured peak within 0.5% (measured max 0.16%)
-    # zero2 and zero3 of the ResNet under bf16-mixed, without and with accumulation (sync last, every)
-    assert sorted(i.split("/")[0] for i in raised) == ["zero2"] * 3 + ["zero3"] * 3
+    assert len(peaks) == 204 and max(peaks) <= 0.01  # every measured peak within 1%
+    assert statistics.median(peaks) <= 0.001
+    # zero2 and zero3 of the ResNet under bf16-mixed: without and with accumulation (sync last, every), full
+    # checkpointing with and without accumulation, every-2
+    assert sorted(i.split("/")[0] for i in raised) == ["zero2"] * 6 + ["zero3"] * 6
     assert all("cifar_resnet" in i and "bf16-mixed" in i for i in raised)

@@ -997,7 +997,10 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                 segments.append({"unit": name, "activation_bytes": 0, "input_bytes": int(inp),
                                  "shared_inputs": shared,
                                  # the batch itself (a temporary, not what a checkpointed unit keeps anew)
-                                 "input_is_batch": bool(first & batch_keys)})
+                                 "input_is_batch": bool(first & batch_keys),
+                                 # saved already by the ops before (a ReLU's output): an activation, not
+                                 # a checkpointed forward's transient output
+                                 "input_already_saved": any(k_ in saved for k_ in first)})
                 bwd.mark_input(args, len(segments) - 1)
             return hook
 
@@ -1055,6 +1058,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                     for h in handles:
                         h.remove()
                     segments.append({"unit": "loss", "activation_bytes": 0,
+                                     "input_already_saved": _storage_key(out) in saved,
                                      "input_bytes": out.numel() * out.element_size()})
                     bwd.mark_input((out,), len(segments) - 1)
                 # The backward on the same fake tensors: the peak of the bytes it creates and frees within
