@@ -36,6 +36,19 @@ HF_LAYER_KEYS = ("num_hidden_layers", "n_layer")
 """config.json keys of the decoder depth (Llama-family, GPT-2)."""
 
 
+def _callable_children(model, prefix: str = "") -> list:
+    """(qualified name, module) of the direct children, those that implement no forward (ModuleList,
+    ModuleDict) replaced by their own children, recursively."""
+    import torch
+    out = []
+    for name, child in model.named_children():
+        if type(child).forward is torch.nn.Module.forward:  # `_forward_unimplemented`: only a container
+            out += _callable_children(child, f"{prefix}{name}.")
+        else:
+            out.append((prefix + name, child))
+    return out
+
+
 class FactoryWorkload:
     """Any nn.Module from `pkg.mod:factory`, one float input of `input_shape`."""
 
@@ -59,12 +72,16 @@ class FactoryWorkload:
         return load_factory(self.factory)()
 
     def units(self, model) -> list:
-        return [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
+        """The wrapping units: the direct children that own parameters, a container that is never called
+        (`nn.ModuleList`, `nn.ModuleDict`: no forward of its own) replaced by its children, as one wraps a
+        ViT's `blocks` list block by block (fully_shard refuses a container without forward, and FSDP1
+        would never unshard one: its hooks run on forward)."""
+        return [(n, c) for n, c in _callable_children(model) if any(True for _ in c.parameters())]
 
     def segment_modules(self, model) -> list:
         """Where the trace starts a segment: every direct child (a parameter-free child's call, a
-        pooling or an activation module, is a segment of its own)."""
-        return list(model.named_children())
+        pooling or an activation module, is a segment of its own; a container's children, as `units`)."""
+        return _callable_children(model)
 
     def inputs(self, torch, dtype, generator=None, device=None) -> tuple:
         if generator is None:
