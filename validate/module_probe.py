@@ -760,10 +760,16 @@ def expand_layers(prof: dict, depth: int, work) -> dict:
     fwd = {layer_of(sg["unit"]): sg["forward_bytes"] for sg in prof["segments"]
            if sg["unit"] not in ("root", "loss")}
     grow = fwd[2] - fwd[1]  # autocast's cache of bias casts: one more layer's each layer
+    ufwd = {layer_of(sg["unit"]): sg.get("unit_forward_bytes", 0) for sg in prof["segments"]
+            if sg["unit"] not in ("root", "loss")}
+    ugrow = ufwd[2] - ufwd[1]  # the same cache, in the unit's own forward peak
 
     def shifted(sgm: dict, j: int, i: int) -> dict:
-        extra = (i - 1) * grow if j == 1 else ((depth - TRACE_LAYERS) * grow if j == 3 else 0)
-        return {**sgm, "unit": renamed(sgm["unit"], j, i), "forward_bytes": sgm["forward_bytes"] + extra}
+        layers = (i - 1) if j == 1 else ((depth - TRACE_LAYERS) if j == 3 else 0)
+        out_ = {**sgm, "unit": renamed(sgm["unit"], j, i), "forward_bytes": sgm["forward_bytes"] + layers * grow}
+        if "unit_forward_bytes" in sgm:
+            out_["unit_forward_bytes"] = sgm["unit_forward_bytes"] + layers * ugrow
+        return out_
 
     out = copy.deepcopy(prof)
     new_units = []
