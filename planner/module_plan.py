@@ -799,6 +799,17 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         root_prefetch_copy = one_copy and "root" in sizes and sum(sizes["root"]) > 0
         snap("backward", **base, comm_buffers=kept_fwd + root_prefetch, activations=all_acts,
              temporaries=2 * out_tmp)
+        def unit_grads_now(k: int, u: str, before: bool, g: int, g_unit: int) -> tuple[int, int]:
+            """(gradient bytes of unit `u` and the root alive at a segment-k instant, those of them the probes'
+            tracker counts as grads): FSDP2's unsharded parameters' .grad (read through
+            FSDPParam._unsharded_param); FSDP1's view gradients wait in autograd's buffer (temporaries)."""
+            rg = root_grads(k, before, g)
+            if u == "root":  # its own gradients so far include those made in other segments
+                mine = min(g_unit, max(g, rg))
+            else:  # after the hook, g also counts the root's gradients made before it
+                mine = (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg
+            return mine, mine if family == "fsdp2" else 0
+
         reached = set()
         resharded: set = set()  # FSDP2 reshards each unit in its post-backward, before reducing
         # FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward replaces it
@@ -859,14 +870,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                     # next to the kept one: -17% when they were not counted)
                     mine, own_grads = g, 0
                 else:
-                    rg = root_grads(k, before, g)
-                    if u == "root":  # its own gradients so far include those made in other segments
-                        mine = min(g_unit, max(g, rg))
-                    else:  # after the hook, g also counts the root's gradients made before it
-                        mine = (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg
-                    # FSDP2's unsharded parameters' .grad count as grads (the probes' tracker reads them
-                    # through FSDPParam._unsharded_param); FSDP1's view gradients wait in autograd's buffer.
-                    own_grads = mine if family == "fsdp2" else 0
+                    mine, own_grads = unit_grads_now(k, u, before, g, g_unit)
                 snap("backward", w, **base, comm_buffers=comm + rs_held,
                      activations=sum(acts[:k]) + saved, grads=grads + own_grads,
                      temporaries=tmp + mine - own_grads)
@@ -882,10 +886,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 held_first = root + (in_use + pre if reshard else
                                      sum(unsh[x] for x in held if family == "fsdp1" or x not in done))
                 for (tmp, g, saved), w, before in instants(k):
-                    rg = root_grads(k, before, g)
-                    mine = (min(g_unit, max(g, rg)) if u == "root"
-                            else (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg)
-                    own_grads = mine if family == "fsdp2" else 0
+                    mine, own_grads = unit_grads_now(k, u, before, g, g_unit)
                     plain("backward", w, **base, comm_buffers=unsharded_before if before and reshard else held_first,
                           activations=sum(acts[:k]) + saved, grads=kept_first + own_grads,
                           temporaries=tmp + mine - own_grads)
