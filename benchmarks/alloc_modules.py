@@ -2,6 +2,7 @@
 (`test_module_trace_against_recorded_traces`).
 
     python benchmarks/alloc_modules.py OUT.json.gz [CASE_PREFIX,...]
+    python benchmarks/alloc_modules.py --fsdp OUT.json.gz [CASE_PREFIX,...]   # zero2 / zero3
 
 The MNIST CNN and the CIFAR ResNet (examples/), batch 32, under single, ddp and zero1 (rank 0 of 8 on the
 fake process group; single: one process): MNIST fp32 and bf16-mixed (CPU autocast) with Adam (and, single,
@@ -31,12 +32,19 @@ RUNS = [  # (name, factory, input shape, precision, optimizer, implementation, g
     ("cifar-accum", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "adamw", "foreach", 2, None),
 ]
 STRATEGIES = ("single", "ddp", "zero1")
+FSDP_RUNS = [  # `--fsdp`: the same models under FSDP2 (the CIFAR ResNet's BatchNorm refuses FSDP2's bf16-mixed)
+    ("mnist-fp32", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "fp32", "adam", "foreach", 1, None),
+    ("mnist-bf16", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "bf16-mixed", "adam", "foreach", 1, None),
+    ("cifar-fp32", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "sgd-momentum", "foreach", 1, None),
+    ("cifar-accum", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "adamw", "foreach", 2, None),
+]
+FSDP_STRATEGIES = ("zero2", "zero3")
 
 
-def cases() -> list[dict]:
+def cases(fsdp: bool = False) -> list[dict]:
     out = []
-    for name, factory, shape, precision, optimizer, impl, accum, strategies in RUNS:
-        for s in strategies or STRATEGIES:
+    for name, factory, shape, precision, optimizer, impl, accum, strategies in (FSDP_RUNS if fsdp else RUNS):
+        for s in strategies or (FSDP_STRATEGIES if fsdp else STRATEGIES):
             world = 1 if s == "single" else 8
             out.append({"id": f"{name}/{s}", "strategy": s, "world_size": world, "gpus_per_node": world,
                         "mode": "cpu" if s == "single" else "fake", "device_type": "cpu",
@@ -50,13 +58,15 @@ def cases() -> list[dict]:
 
 def main(argv: list[str]) -> int:
     from distplan.validate.runner import run_probe
+    fsdp = "--fsdp" in argv
+    argv = [a for a in argv if a != "--fsdp"]
 
     def run(case, path, tmp):
         spec = dict(case, module=dict(case["module"], path=ROOT))
         m = run_probe(spec, env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=600)
         return m, {case["id"]: path}, dict(case, torch_version=m.get("torch_version"))
 
-    return record(argv[0], selected(cases(), argv),
+    return record(argv[0], selected(cases(fsdp), argv),
                   "CPU runs of validate.probe (--module) with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_modules.py)",
                   run)
 

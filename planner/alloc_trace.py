@@ -62,7 +62,8 @@ the streams the CPU probes record (validate.measure.StreamTags, allocator.comm_s
 approximate: the exact transients of each forward op (only the block MLP's backward transients, the TP
 reductions and the loss's are written), and the host order inside a block. Not written
 (memory.RESERVED_MARGIN instead): the `--hf-config` trace front end where module_plan cannot pair it with
-this writer's run, `--module` under FSDP (single, DDP and ZeRO-1: `logged_step_events`), DeepSpeed, ZeRO-1 pipeline stages
+this writer's run, `--module` under FSDP1 (single, DDP and ZeRO-1: `logged_step_events`; FSDP2:
+`logged_fsdp2_events`), DeepSpeed, ZeRO-1 pipeline stages
 (and FSDP2 stages on one data-parallel rank), interleaved and zero-bubble schedules, autocast under
 pipelining, more than MAX_MICROBATCHES micro-batches, `full-offload`, NO_SHARD, HSDP and tensor-parallel
 saves, models over MAX_LAYERS.
@@ -848,6 +849,164 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
                     states.append(E.a(n))
         _adam_temporaries(E, owned, optimizer, optimizer_impl)
         E.f(*grads)
+    return E.ev
+
+
+LOGGED_FSDP2 = ("zero2", "zero3")
+"""The FSDP2 strategies `logged_fsdp2_events` writes for a traced module (`fully_shard` per unit, then the
+root, sharded over the data-parallel ranks)."""
+
+
+@_collector_paused
+def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, grads: tuple, units: tuple,
+                        batches: tuple, shard: int, reshard: bool, mixed: bool, optimizer: str, optimizer_impl: str,
+                        grad_accum: int = 1, sync_every: bool = False, last_grad_late: bool = True,
+                        workspace: int = 0, conv_workspaces: dict | None = None) -> list:
+    """The events of a traced module's run under FSDP2 (zero2: `reshard`=False, zero3: True) on rank 0 of
+    `shard`, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own
+    allocations (`log`, as logged_step_events replays them) with FSDP2's between them where the trace marked
+    its hooks (module_probe._SegmentTracker.log: [3, unit] pre-forward, [4, unit] post-forward, [5, unit]
+    pre-backward, [6, unit] post-backward; torch/distributed/fsdp/_fully_shard/_fsdp_state.py and
+    _fsdp_param_group.py):
+
+    - construction: `construct` (bytes per tensor in `Module._apply`'s order; `construct_names` its parameter's
+      name, "" for a buffer: a parameter is allocated as `units` shapes it, 4 bytes an element, the fp32 model
+      the probe builds), then `fully_shard` per unit and the root last (`units`: (name, ((parameter, shape),
+      ...)), "root" for the parameters no unit owns): each parameter's padded dim-0 shard
+      (`FSDPParam._init_sharded_param`), then the unit's full tensors go; then the input `batches`;
+    - pre-forward: `unshard` (foreach_all_gather's flat output on the all-gather stream, under mixed
+      precision after the cast of the shards into `flat_foreach_copy_input`) and `wait_for_unshard`'s copy-out
+      (each unsharded parameter in param_dtype), the previous unit's all-gather output freed after it; the
+      root's last one goes at the root's post-forward; post-forward: `reshard` (zero3; the root is never
+      resharded after forward: reshard_after_forward=None);
+    - pre-backward: the unit copied out (all-gathered first unless prefetched), then `_backward_prefetch`
+      all-gathers the unit before it in post-forward order (the root, last in that order, prefetches the
+      last unit); post-backward: `_fsdp2_post_backward` over the unit's gradients (`grads`: [log id,
+      parameter name] of the traced step's parameter gradients) in parameter order; units whose inputs need
+      no gradient (the first, taking the batch; the root) at `_root_post_backward_final_callback`, the root
+      first, which then frees the last reduce-scatter input. Accumulation without sync keeps the unsharded
+      gradients (fp32: later micro-steps add into .grad in place; mixed: upcast, later ones added and freed);
+    - the optimizer over the shards (logged_step_events' states and temporaries), then `zero_grad`.
+    `workspace`, `conv_workspaces`: as logged_step_events."""
+    E = _Events()
+    shape_of = {n: s for _, ps in units for n, s in ps}
+    unit_of = {n: u for u, ps in units for n, _ in ps}
+    ud, rb = (2, 4) if mixed else (4, 4)
+
+    def shard_of(s) -> int:
+        return -(-s[0] // shard) * prod(s[1:]) if s else 1
+    full: dict = {}
+    for n, name in zip(construct, construct_names):
+        k = E.a(prod(shape_of[name]) * 4 if name in shape_of else n)
+        if name in shape_of:
+            full[name] = k
+    order = [u for u, ps in units if u != "root" and ps] + [u for u, ps in units if u == "root" and ps]
+    shapes = {u: [s for _, s in ps] for u, ps in units}
+    for u in order:
+        for s in shapes[u]:
+            E.a(shard_of(s) * 4)
+        E.f(*[full.pop(n) for n, _ in dict(units)[u] if n in full])
+    for n in batches:
+        E.a(n)
+    grad_unit = {i: unit_of[n] for i, n in grads if n in unit_of}
+    grad_pos = {i: [n for n, _ in dict(units)[unit_of[n]]].index(n) for i, n in grads if n in unit_of}
+    owned = [shard_of(s) * 4 for u in order for s in shapes[u]]
+    elems = {u: sum(shard_of(s) for s in shapes[u]) for u in order}
+    ws = conv_workspaces or {}
+    states: list = []
+    A = grad_accum
+    for step in range(WARMUP_STEPS + MEASURED_STEPS):
+        if step == 0 and workspace:
+            E.a(workspace)
+        kept: list = []  # the sharded gradients, to zero_grad
+        acc: dict = {}  # unit -> its unsharded gradients kept between micro-steps without sync
+        saved: dict = {}  # unit -> its sharded gradient, reduced every micro-step
+        for k in sorted({0, min(1, A - 1), A - 1}):
+            sync = sync_every or k == A - 1
+            keys: dict = {}
+            held: dict = {}  # unit -> its unsharded parameters
+            pending: dict = {}  # unit -> its prefetched all-gather output, not yet copied out
+            fwd_order: list = []
+            done: set = set()
+            made: dict = {}  # unit -> {position: key} of its new gradients
+            flat = [None]
+            rs = [None]
+
+            def unshard(u) -> None:
+                f, held[u] = _fsdp2_unshard(E, shapes[u], shard, ud, mixed)
+                E.f(flat[0])
+                flat[0] = f
+
+            def ready(u) -> None:
+                if u in held or u not in elems:
+                    return
+                f = pending.pop(u, None)
+                if f is None:
+                    f = _fsdp2_gather(E, shapes[u], shard, ud, mixed)
+                held[u] = [E.a(prod(s) * ud) for s in shapes[u]]
+                E.f(f)
+
+            def post(u) -> None:
+                if u in done or u not in elems:
+                    return
+                done.add(u)
+                g = [v for _, v in sorted(made.pop(u, {}).items())]
+                rs[0] = _fsdp2_post_backward(E, u, g, held.pop(u, []), rs[0], elems[u] * shard, elems[u],
+                                             shapes[u], sync=sync, reshard=True, mixed=mixed, rb=rb, acc=acc,
+                                             saved=saved, grads=kept, last_grad_late=last_grad_late)
+            for ev in log:
+                kind = ev[0]
+                if kind == 1:
+                    u = grad_unit.get(ev[1])
+                    if u is not None and u in acc and not mixed:  # AccumulateGrad into the kept .grad
+                        E.f(E.a(ev[2]))
+                    elif u is not None:
+                        made.setdefault(u, {})[grad_pos[ev[1]]] = E.a(ev[2])
+                    else:
+                        keys[ev[1]] = E.a(ev[2])
+                elif kind == 0:
+                    E.f(keys.pop(ev[1], None))
+                elif kind == 2:
+                    if ws.get(ev[1]):
+                        E.f(E.a(ws[ev[1]]))
+                elif ev[1] in elems or ev[1] == "root":
+                    u = ev[1]
+                    if kind == 3 and u in elems and u not in held:
+                        unshard(u)
+                    elif kind == 4:
+                        if u == "root":
+                            E.f(flat[0])
+                            flat[0] = None
+                        elif reshard and u in held:
+                            E.f(*held.pop(u))
+                        if u in elems:
+                            fwd_order.append(u)
+                    elif kind == 5:
+                        ready(u)
+                        i = fwd_order.index(u) if u in fwd_order else 0
+                        if i > 0:
+                            t = fwd_order[i - 1]
+                            if t not in held and t not in pending:
+                                pending[t] = _fsdp2_gather(E, shapes[t], shard, ud, mixed)
+                    elif kind == 6:
+                        post(u)
+            # _root_post_backward_final_callback: the root's state first, then the units' (module order)
+            for u in ["root"] + [u for u in order if u != "root"]:
+                post(u)
+            E.f(rs[0], flat[0], *pending.values())
+            for u in list(held):
+                E.f(*held.pop(u))
+            E.f(*keys.values())
+        if not states:
+            for n in owned:
+                if optimizer in ("adam", "adamw"):
+                    if optimizer_impl == "fused":
+                        states.append(E.a(4))
+                    states.extend((E.a(n), E.a(n)))
+                elif optimizer == "sgd-momentum":
+                    states.append(E.a(n))
+        _adam_temporaries(E, owned, optimizer, optimizer_impl)
+        E.f(*kept)
     return E.ev
 
 

@@ -176,6 +176,11 @@ class ModuleDesc:
     batch, an older profile)."""
     alloc_kept: tuple = ()
     """The ids of `alloc_log` alive when the step is over: the parameters' gradients."""
+    alloc_grads: tuple = ()
+    """((id, parameter name), ...): which of `alloc_kept` is whose gradient (FSDP reduces each unit's at
+    its post-backward). Empty: an older profile."""
+    construct_names: tuple = ()
+    """Per `construct` entry, its parameter's name ("" for a buffer). Empty: an older profile."""
     batchnorm: bool = False
     """The module has BatchNorm layers (FSDP1's mixed precision runs them apart in fp32; FSDP2's fails)."""
     unit_forward: tuple = ()
@@ -246,6 +251,8 @@ class ModuleDesc:
                    construct=tuple(int(n) for n in prof.get("construct_bytes", ())),
                    alloc_log=tuple(tuple(e) for e in (prof.get("alloc_log") or {}).get("events", ())),
                    alloc_kept=tuple((prof.get("alloc_log") or {}).get("kept", ())),
+                   alloc_grads=tuple((int(i), n) for i, n in (prof.get("alloc_log") or {}).get("grads", ())),
+                   construct_names=tuple(prof.get("construct_names", ())),
                    batchnorm=bool(prof.get("batchnorm", False)), fp32_units=tuple(prof.get("fp32_units", ())),
                    batch_inputs=tuple(i for i, s in enumerate(prof["segments"]) if s.get("input_is_batch")),
                    saved_inputs=tuple(i for i, s in enumerate(prof["segments"]) if s.get("input_already_saved")),
@@ -1029,7 +1036,8 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     # they are written (logged_module_events); a Hugging Face model pairs with the analytic front end's
     # replay instead (module_spec_plan, pair_reserved); else the allocated peak plus the margin
     # (memory.RESERVED_MARGIN). `reserved_source` says which.
-    events = logged_module_events(desc, train, family, world, shard, library, ws, rank) if device == "cuda" else None
+    events = (logged_module_events(desc, train, family, world, shard, library, ws, rank, st.name)
+              if device == "cuda" else None)
     # The CUDA context and each NCCL communicator's buffers (footprint.py); none on gloo or fake.
     fp = device_footprint(cluster, world if backend == "nccl" else 1, st.shard_group)
     return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, fp.total,
@@ -1039,16 +1047,25 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
 
 def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, world: int, shard: int,
                          workspace: int = 0, conv_workspaces: dict | None = None,
-                         rank: int | None = None) -> tuple | None:
-    """The events of the module's run (alloc_trace.logged_step_events) from its traced step's allocations,
-    as a tuple (replay results are remembered by it); None where they are not written: FSDP (the units'
-    collectives between the ops), activation checkpointing, pure 16-bit or fp16 training (the cast after
+                         rank: int | None = None, strategy: str = "") -> tuple | None:
+    """The events of the module's run (alloc_trace.logged_step_events; zero2 / zero3 sharded over more than
+    one rank: alloc_trace.logged_fsdp2_events, its units' collectives where the trace marked FSDP2's hooks)
+    from its traced step's allocations, as a tuple (replay results are remembered by it); None where they
+    are not written: FSDP1 (its flat parameters' collectives between the ops), activation checkpointing, pure 16-bit or fp16 training (the cast after
     construction, GradScaler's tensors), optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
     without a log (a Hugging Face model: the analytic front end's replay; another batch than the traced)."""
-    from .alloc_trace import LOGGED_FAMILIES, LOGGED_OPTIMIZERS, logged_step_events
-    if (not desc.alloc_log or not desc.construct or family not in LOGGED_FAMILIES
-            or train.optimizer not in LOGGED_OPTIMIZERS or train.precision not in ("fp32", "bf16-mixed")
-            or checkpoint_every(train.checkpointing)):
+    from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp2_events,
+                              logged_step_events)
+    if (not desc.alloc_log or not desc.construct or train.optimizer not in LOGGED_OPTIMIZERS
+            or train.precision not in ("fp32", "bf16-mixed") or checkpoint_every(train.checkpointing)):
+        return None
+    if strategy in LOGGED_FSDP2 and shard > 1 and desc.alloc_grads and desc.construct_names:
+        return tuple(logged_fsdp2_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
+                                         desc.units, (desc.batch_bytes,) * train.grad_accum, shard,
+                                         strategy == "zero3", train.precision == "bf16-mixed", train.optimizer,
+                                         train.optimizer_impl, train.grad_accum, train.sync_every,
+                                         fsdp2_reduce_keeps_last_grad(train), workspace, conv_workspaces))
+    if family not in LOGGED_FAMILIES:
         return None
     prec = train.prec
     shapes = desc.all_shapes()

@@ -414,7 +414,12 @@ class _SegmentTracker:
         # output storage is new, [0, id] when a storage the step made is gone (found after each op: what the
         # previous one's callers dropped), [2, key] where a convolution's cuDNN workspace is taken and given
         # back (its size is measured on a GPU). Parameters, buffers and the input batch are not in it.
+        # Where FSDP's hooks run (module_plan's FSDP2 events, alloc_trace.logged_fsdp2_events): [3, unit] a
+        # unit's forward starts (its pre-forward hook: the unshard), [4, unit] it ends (the reshard after
+        # forward), [5, unit] its outputs' gradient is ready (pre-backward: unshard and prefetch), [6, unit]
+        # its inputs' gradient is (post-backward: reshard and reduce-scatter).
         self.log: list = []
+        self.grad_names: dict = {}  # log id of a parameter's gradient (as AccumulateGrad keeps it) -> its name
         self.logging = True  # off for a transformers model (its plan takes the analytic front end's replay)
         self._log_live: dict = {}  # storage key -> (weak ref, id)
         tracker = self
@@ -496,9 +501,17 @@ class _SegmentTracker:
 
     def close_log(self) -> dict:
         """The step's log once its tensors are dropped: {"events": the log, "kept": the ids still alive
-        (the parameters' gradients, which `zero_grad(set_to_none=True)` drops after the optimizer step)}."""
+        (the parameters' gradients, which `zero_grad(set_to_none=True)` drops after the optimizer step),
+        "grads": [[id, parameter name], ...] of those}."""
         self._log_frees()
-        return {"events": self.log, "kept": sorted(v[1] for v in self._log_live.values())}
+        return {"events": self.log, "kept": sorted(v[1] for v in self._log_live.values()),
+                "grads": sorted([i, n] for i, n in self.grad_names.items())}
+
+    def log_marker(self, kind: int, unit: str | None) -> None:
+        """A unit's hook point in the log (kinds 3-6, see `log`), after the frees of the op before."""
+        if self.logging and unit is not None:
+            self._log_frees()
+            self.log.append([kind, unit])
 
     def _forward_after(self, outs, ins) -> int:
         """After each forward op: the bytes alive of every storage the forward created (saved or not:
@@ -511,30 +524,40 @@ class _SegmentTracker:
         self.fwd_peak[seg] = max(self.fwd_peak.get(seg, 0), alive)
         return alive
 
-    def mark_input(self, args, index: int) -> None:
+    def mark_input(self, args, index: int, unit: str | None = None) -> None:
+        fired = []
+
         def done(_grad, index=index):
             self.segment = index - 1
+            if not fired:  # once, at the first input's gradient (FSDP2's RegisterPostBackwardFunction)
+                fired.append(1)
+                self.log_marker(6, unit)
         for a in args:
             if isinstance(a, self._torch.Tensor) and a.requires_grad:
                 a.register_hook(done)
 
-    def mark_output(self, outs, index: int) -> None:
+    def mark_output(self, outs, index: int, unit: str | None = None) -> None:
         """A gradient hook on the outputs of segment `index`'s unit: it fires when their gradient is
         ready, where FSDP's pre-backward hook (registered on the same outputs) unshards the unit and
         prefetches the next; the segment's ops before it (functional ops after the unit's forward:
         ReLU, pooling) run without them."""
         def started(_grad, index=index):
+            if index not in self.started:
+                self.log_marker(5, unit)
             self.started.add(index)
         for a in outs:
             if isinstance(a, self._torch.Tensor) and a.requires_grad:
                 a.register_hook(started)
 
-    def mark_accumulated(self, param) -> None:
+    def mark_accumulated(self, param, name: str | None = None) -> None:
         """A parameter's AccumulateGrad has run (its post-accumulate-grad hook): the timeline entries before
         this instant are those where its new gradient was made and not yet accumulated."""
         g = param.grad
         if g is None:
             return
+        logged = self._log_live.get(g.untyped_storage()._cdata)
+        if logged is not None and name is not None:
+            self.grad_names.setdefault(logged[1], name)
         hit = self.live.get(g.untyped_storage()._cdata)
         if hit is not None:
             self.accumulated_at.setdefault(hit[2], len(self.timeline))
@@ -944,7 +967,9 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             key = str(b.dtype).replace("torch.", "")
             buffer_dtypes[key] = buffer_dtypes.get(key, []) + [int(b.numel() * b.element_size())]
         construct: list = []
+        construct_names: list = []  # each one's parameter name ("" for a buffer)
         moved: set = set()
+        param_name = {id(p): n for n, p in model.named_parameters()}
 
         def apply_order(mod) -> None:
             for child in mod.children():
@@ -953,11 +978,15 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                 if t is not None and id(t) not in moved:
                     moved.add(id(t))
                     construct.append(int(t.numel() * t.element_size()))
+                    construct_names.append(param_name.get(id(t), ""))
         apply_order(model)
         n_params = sum(u["numel"] for u in units.values())
         pbytes = next(iter(model.parameters())).element_size() if n_params else 4
 
         inputs = work.inputs(torch, torch.float32 if autocast or fsdp_mixed else tdtype)
+        # the root's FSDP hooks in the log (after FSDP's cast of the batch, before the units')
+        root_handles = [model.register_forward_pre_hook(lambda *_: bwd.log_marker(3, "root"), prepend=True),
+                        model.register_forward_hook(lambda *_: bwd.log_marker(4, "root"))]
         if fsdp_mixed:
             def cast_root_inputs(_mod, args, kwargs):
                 cast = lambda t: t.to(tdtype) if t.is_floating_point() and t.dtype != tdtype else t  # noqa: E731
@@ -1007,12 +1036,18 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                                  # saved already by the ops before (a ReLU's output): an activation, not
                                  # a checkpointed forward's transient output
                                  "input_already_saved": any(k_ in saved for k_ in first)})
-                bwd.mark_input(args, len(segments) - 1)
+                unit = name if name in unit_names else None
+                bwd.log_marker(3, unit)
+                bwd.mark_input(args, len(segments) - 1, unit)
             return hook
 
-        def post_hook(_mod, _args, out):
+        def post_hook(name):
+            return lambda mod, args, out: after_unit(name if name in unit_names else None, out)
+
+        def after_unit(unit, out):
             in_keys.clear()  # the root's ops after the unit: a freed input's key may be another storage's
-            bwd.mark_output(tree_leaves(out), len(segments) - 1)
+            bwd.log_marker(4, unit)
+            bwd.mark_output(tree_leaves(out), len(segments) - 1, unit)
             # what the unit's own call saved; the rest of the segment's saved bytes are the root's ops
             # after it (kept under a unit's activation checkpointing)
             segments[-1]["unit_bytes"] = segments[-1]["activation_bytes"]
@@ -1029,7 +1064,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
 
         seg_modules = work.segment_modules(model)
         handles = [m.register_forward_pre_hook(pre_hook(name), with_kwargs=True) for name, m in seg_modules]
-        handles += [m.register_forward_hook(post_hook) for _, m in seg_modules]
+        handles += [m.register_forward_hook(post_hook(name)) for name, m in seg_modules]
+        unit_names = {name for name, _ in unit_modules}
 
         # The input batch is not an activation: it exists before the forward and after it (the probes'
         # tracker and the planner count it as a temporary, `batch_bytes`); nor are buffers (BatchNorm
@@ -1061,8 +1097,10 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                     loss, loss_kind, out = work.loss(model, inputs)
                     if not isinstance(out, torch.Tensor):
                         raise TypeError(f"the forward returned {type(out).__name__}; profile needs a tensor output")
-                    for h in handles:
+                    for h in handles + root_handles:
                         h.remove()
+                    if out.requires_grad:  # the root's pre-backward (FSDP's hook on the root's outputs)
+                        out.register_hook(lambda _g: bwd.log_marker(5, "root"))
                     segments.append({"unit": "loss", "activation_bytes": 0,
                                      "input_already_saved": _storage_key(out) in saved,
                                      "input_bytes": out.numel() * out.element_size()})
@@ -1079,7 +1117,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                         seen_ready.add(id(p))
                         def on_ready(t, name=name) -> None:
                             ready.append([name, int(t.numel())])
-                            bwd.mark_accumulated(t)
+                            bwd.mark_accumulated(t, name)
                         hooks.append(p.register_post_accumulate_grad_hook(on_ready))
                 if loss.requires_grad:
                     bwd.run(loss, len(segments))
@@ -1159,6 +1197,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         # (`Module._apply`: the children first, then the module's own parameters, then its buffers), and the
         # step's allocations (`_SegmentTracker.log`); a transformers model is planned with the analytic front
         # end's allocator replay instead
-        **({"construct_bytes": construct, "alloc_log": alloc_log} if work.kind != "hf" else {}),
+        **({"construct_bytes": construct, "construct_names": construct_names, "alloc_log": alloc_log}
+           if work.kind != "hf" else {}),
         "profile_s": time.perf_counter() - t0,
     }
