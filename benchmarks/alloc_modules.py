@@ -2,7 +2,7 @@
 (`test_module_trace_against_recorded_traces`).
 
     python benchmarks/alloc_modules.py OUT.json.gz [CASE_PREFIX,...]
-    python benchmarks/alloc_modules.py --fsdp OUT.json.gz [CASE_PREFIX,...]   # zero2 / zero3
+    python benchmarks/alloc_modules.py --fsdp OUT.json.gz [CASE_PREFIX,...]   # FSDP2 and FSDP1
 
 The MNIST CNN and the CIFAR ResNet (examples/), batch 32, under single, ddp and zero1 (rank 0 of 8 on the
 fake process group; single: one process): MNIST fp32 and bf16-mixed (CPU autocast) with Adam (and, single,
@@ -37,8 +37,10 @@ FSDP_RUNS = [  # `--fsdp`: the same models under FSDP2 (the CIFAR ResNet's Batch
     ("mnist-bf16", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "bf16-mixed", "adam", "foreach", 1, None),
     ("cifar-fp32", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "sgd-momentum", "foreach", 1, None),
     ("cifar-accum", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "fp32", "adamw", "foreach", 2, None),
+    ("cifar-bf16", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "bf16-mixed", "sgd-momentum", "foreach", 1,
+     ("fsdp", "fsdp-grad-op", "hsdp", "fsdp-no-shard")),
 ]
-FSDP_STRATEGIES = ("zero2", "zero3")
+FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "fsdp-grad-op", "hsdp", "fsdp-no-shard")
 
 
 def cases(fsdp: bool = False) -> list[dict]:

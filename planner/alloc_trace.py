@@ -62,8 +62,8 @@ the streams the CPU probes record (validate.measure.StreamTags, allocator.comm_s
 approximate: the exact transients of each forward op (only the block MLP's backward transients, the TP
 reductions and the loss's are written), and the host order inside a block. Not written
 (memory.RESERVED_MARGIN instead): the `--hf-config` trace front end where module_plan cannot pair it with
-this writer's run, `--module` under FSDP1 (single, DDP and ZeRO-1: `logged_step_events`; FSDP2:
-`logged_fsdp2_events`), DeepSpeed, ZeRO-1 pipeline stages
+this writer's run (a `--module` trace: `logged_step_events`, `logged_fsdp2_events`, `logged_fsdp1_events`;
+not under checkpointing, pure 16-bit or FSDP2 on one rank), DeepSpeed, ZeRO-1 pipeline stages
 (and FSDP2 stages on one data-parallel rank), interleaved and zero-bubble schedules, autocast under
 pipelining, more than MAX_MICROBATCHES micro-batches, `full-offload`, NO_SHARD, HSDP and tensor-parallel
 saves, models over MAX_LAYERS.
@@ -996,6 +996,194 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
             E.f(rs[0], flat[0], *pending.values())
             for u in list(held):
                 E.f(*held.pop(u))
+            E.f(*keys.values())
+        if not states:
+            for n in owned:
+                if optimizer in ("adam", "adamw"):
+                    if optimizer_impl == "fused":
+                        states.append(E.a(4))
+                    states.extend((E.a(n), E.a(n)))
+                elif optimizer == "sgd-momentum":
+                    states.append(E.a(n))
+        _adam_temporaries(E, owned, optimizer, optimizer_impl)
+        E.f(*kept)
+    return E.ev
+
+
+LOGGED_FSDP1 = ("fsdp", "fsdp-grad-op", "hsdp", "fsdp-no-shard")
+"""The FSDP1 strategies `logged_fsdp1_events` writes for a traced module (FULL_SHARD, SHARD_GRAD_OP,
+HYBRID_SHARD within the node, NO_SHARD; `use_orig_params=False`, BACKWARD_PRE prefetch)."""
+
+
+def _fsdp1_wrap_order(units: tuple) -> list:
+    """FSDP1's auto-wrap order (`_recursive_wrap`, post-order): a unit's nested units (FSDP1's own units of
+    its BatchNorm modules) before it, the root last."""
+    names = [u for u, ps in units if u != "root" and ps]
+    tops = [u for u in names if not any(u.startswith(o + ".") for o in names if o != u)]
+    order = []
+    for t in tops:
+        order += [u for u in names if u.startswith(t + ".")] + [t]
+    return order + [u for u, ps in units if u == "root" and ps]
+
+
+@_collector_paused
+def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, grads: tuple, units: tuple,
+                        batches: tuple, shard: int, strategy: str, mixed: bool, fp32_units: tuple,
+                        optimizer: str, optimizer_impl: str, grad_accum: int = 1, sync_every: bool = False,
+                        workspace: int = 0, conv_workspaces: dict | None = None) -> list:
+    """The events of a traced module's run under FSDP1 (`strategy` in LOGGED_FSDP1) on rank 0 of `shard`,
+    over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own allocations
+    (`log`) with FSDP1's between them where the trace marked its hooks ([3]/[4] a unit's forward starts /
+    ends, [5] its outputs' gradient is ready, [7] every gradient of its parameters is accumulated: the flat
+    parameter's AccumulateGrad; torch/distributed/fsdp/_runtime_utils.py, _flat_param.py):
+
+    - construction: `construct` as logged_fsdp2_events writes it, then per unit in auto-wrap order
+      (`_fsdp1_wrap_order`) `FlatParamHandle`: the flat parameter, the rank's padded chunk kept and the flat
+      freed (sharded; NO_SHARD keeps the flat one), the originals freed; then the input `batches`. The first
+      forward's `_lazy_init` allocates and frees each handle's buffers (`init_flat_param_attributes`: under
+      mixed precision `_mp_shard`, `_full_param_padded` and `_full_prec_full_param_padded`);
+    - `_unshard` at a unit's pre-forward (and pre-backward, then the BACKWARD_PRE prefetch of the unit before
+      it in post-forward order; the root's prefetches the last unit): the low-precision shard on the
+      pre-unshard stream under mixed precision, the padded unsharded flat parameter on the unshard stream,
+      the shard freed; NO_SHARD only makes the low-precision copy. `_reshard` at post-forward under
+      FULL_SHARD / HYBRID_SHARD (never the root), and of NO_SHARD's low-precision copy;
+    - at [7]: the views' gradients concatenated into the flat gradient (on the unshard stream), then
+      `_post_backward_hook`: reshard, the cast to reduce_dtype, `_get_reduce_scatter_tensors` (`F.pad` where
+      the flat gradient does not divide by the ranks, and the new shard), on the post-backward stream;
+      `autograd_computed_grad` is freed as the hook returns. NO_SHARD all-reduces the flat gradient in place
+      and keeps it. Accumulation without sync keeps the unsharded flat gradient (later micro-steps add into it
+      and free theirs), SHARD_GRAD_OP keeps the unit unsharded;
+    - the optimizer over the flat parameters (the root's first), then `zero_grad`.
+    `fp32_units`: FSDP1's own units of BatchNorm modules, without mixed precision. `workspace`,
+    `conv_workspaces`: as logged_step_events."""
+    E = _Events()
+    shape_of = {n: s for _, ps in units for n, s in ps}
+    params_of = {u: [n for n, _ in ps] for u, ps in units}
+    unit_of = {n: u for u, ps in units for n, _ in ps}
+    sharded = strategy != "fsdp-no-shard" and shard > 1
+    reshard_fwd = strategy in ("fsdp", "hsdp")
+    full: dict = {}
+    for n, name in zip(construct, construct_names):
+        k = E.a(prod(shape_of[name]) * 4 if name in shape_of else n)
+        if name in shape_of:
+            full[name] = k
+    order = _fsdp1_wrap_order(units)
+    elems = {u: sum(prod(shape_of[n]) for n in params_of[u]) for u in order}
+    chunk = {u: -(-elems[u] // shard) if sharded else elems[u] for u in order}
+    low = {u: mixed and u not in fp32_units for u in order}
+    flats: dict = {}
+    for u in order:
+        flat = E.a(elems[u] * 4)
+        if sharded:
+            E.a(chunk[u] * 4)
+            E.f(flat)
+        else:
+            flats[u] = flat
+        E.f(*[full.pop(n) for n in reversed(params_of[u]) if n in full])
+    for n in batches:
+        E.a(n)
+    grad_unit = {i: unit_of[n] for i, n in grads if n in unit_of}
+    grad_pos = {i: params_of[unit_of[n]].index(n) for i, n in grads if n in unit_of}
+    opt_order = [u for u in order if u == "root"] + [u for u in order if u != "root"]
+    owned = [chunk[u] * 4 for u in opt_order]
+    ws = conv_workspaces or {}
+    states: list = []
+    A = grad_accum
+    kept_unsharded: dict = {}  # SHARD_GRAD_OP without sync: units left unsharded between micro-steps
+
+    def unshard(u):
+        mp = E.a(chunk[u] * 2, 3) if low[u] else None
+        if not sharded:
+            return mp
+        flat = E.a(chunk[u] * shard * (2 if low[u] else 4), 1)
+        E.f(mp)
+        return flat
+    for step in range(WARMUP_STEPS + MEASURED_STEPS):
+        if step == 0 and workspace:
+            E.a(workspace)
+        kept: list = []
+        acc: dict = {}  # unit -> its unsharded flat gradient kept between micro-steps without sync
+        saved: dict = {}  # unit -> its gradient (sharded when synced) kept for later micro-steps
+        for k in sorted({0, min(1, A - 1), A - 1}):
+            sync = sync_every or k == A - 1
+            keys: dict = {}
+            held: dict = dict(kept_unsharded)
+            kept_unsharded.clear()
+            fwd_order: list = []
+            made: dict = {}
+            for ev in log:
+                kind = ev[0]
+                if kind == 1:
+                    u = grad_unit.get(ev[1])
+                    if u is not None:
+                        made.setdefault(u, {})[grad_pos[ev[1]]] = E.a(ev[2])
+                    else:
+                        keys[ev[1]] = E.a(ev[2])
+                elif kind == 0:
+                    E.f(keys.pop(ev[1], None))
+                elif kind == 2:
+                    if ws.get(ev[1]):
+                        E.f(E.a(ws[ev[1]]))
+                elif ev[1] in elems or (ev[1] == "root" and kind == 3):
+                    u = ev[1]
+                    if kind == 3:
+                        if u == "root" and step == 0 and k == 0:  # _lazy_init
+                            for v in order:
+                                if sharded or low[v]:
+                                    pad = chunk[v] * shard if sharded else elems[v]
+                                    parts = ([chunk[v] * 2] if low[v] else []) + \
+                                        ([pad * (2 if low[v] else 4)] if sharded else []) + \
+                                        ([pad * 4] if low[v] and sharded else [])
+                                    for n in parts:
+                                        E.f(E.a(n))
+                        if u in elems and u not in held and (sharded or low[u]):
+                            held[u] = unshard(u)
+                    elif kind == 4:
+                        fwd_order.append(u)
+                        if u != "root" and u in held and (reshard_fwd or not sharded):
+                            E.f(held.pop(u))
+                    elif kind == 5:
+                        i = fwd_order.index(u) if u in fwd_order else 0
+                        for v in ([u] + ([fwd_order[i - 1]] if i > 0 else [])):
+                            if v not in held and (sharded or low[v]):
+                                held[v] = unshard(v)
+                    elif kind == 7:
+                        g = [x for _, x in sorted(made.pop(u, {}).items())]
+                        flat_g = E.a(elems[u] * (2 if low[u] else 4), 1)
+                        E.f(*g)
+                        if u in acc:  # AccumulateGrad: added into the kept flat gradient
+                            E.f(flat_g)
+                            flat_g = acc.pop(u)
+                        unsh = held.pop(u, None)
+                        if not sync:
+                            acc[u] = flat_g
+                            if strategy == "fsdp-grad-op" and unsh is not None:
+                                kept_unsharded[u] = unsh
+                            else:
+                                E.f(unsh)
+                            continue
+                        E.f(unsh)
+                        cast = E.a(elems[u] * 4, 2) if low[u] else None
+                        src = cast if cast is not None else flat_g
+                        if sharded:
+                            pad = E.a(chunk[u] * shard * 4, 2) if chunk[u] * shard != elems[u] else None
+                            out = E.a(chunk[u] * 4, 2)
+                            E.f(cast, pad, flat_g)
+                            if u in saved:  # `_saved_grad_shard += sharded_grad`
+                                E.f(out)
+                            else:
+                                saved[u] = out
+                                kept.append(out)
+                        else:
+                            if cast is not None:  # cast back to the parameter's dtype (fp32)
+                                E.f(flat_g)
+                            if u in saved:
+                                E.f(src)
+                            else:
+                                saved[u] = src
+                                kept.append(src)
+            for u in list(held):
+                E.f(held.pop(u))
             E.f(*keys.values())
         if not states:
             for n in owned:

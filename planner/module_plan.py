@@ -1049,13 +1049,13 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
                          workspace: int = 0, conv_workspaces: dict | None = None,
                          rank: int | None = None, strategy: str = "") -> tuple | None:
     """The events of the module's run (alloc_trace.logged_step_events; zero2 / zero3 sharded over more than
-    one rank: alloc_trace.logged_fsdp2_events, its units' collectives where the trace marked FSDP2's hooks)
-    from its traced step's allocations, as a tuple (replay results are remembered by it); None where they
-    are not written: FSDP1 (its flat parameters' collectives between the ops), activation checkpointing, pure 16-bit or fp16 training (the cast after
+    one rank: alloc_trace.logged_fsdp2_events; FSDP1: alloc_trace.logged_fsdp1_events, the units'
+    collectives where the trace marked FSDP's hooks) from its traced step's allocations, as a tuple (replay
+    results are remembered by it); None where they are not written: FSDP2 on one rank, activation checkpointing, pure 16-bit or fp16 training (the cast after
     construction, GradScaler's tensors), optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
     without a log (a Hugging Face model: the analytic front end's replay; another batch than the traced)."""
-    from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp2_events,
-                              logged_step_events)
+    from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp1_events,
+                              logged_fsdp2_events, logged_step_events)
     if (not desc.alloc_log or not desc.construct or train.optimizer not in LOGGED_OPTIMIZERS
             or train.precision not in ("fp32", "bf16-mixed") or checkpoint_every(train.checkpointing)):
         return None
@@ -1065,6 +1065,12 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
                                          strategy == "zero3", train.precision == "bf16-mixed", train.optimizer,
                                          train.optimizer_impl, train.grad_accum, train.sync_every,
                                          fsdp2_reduce_keeps_last_grad(train), workspace, conv_workspaces))
+    if strategy in LOGGED_FSDP1 and desc.alloc_grads and desc.construct_names:
+        return tuple(logged_fsdp1_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
+                                         desc.units, (desc.batch_bytes,) * train.grad_accum, shard, strategy,
+                                         train.precision == "bf16-mixed", desc.fp32_units, train.optimizer,
+                                         train.optimizer_impl, train.grad_accum, train.sync_every, workspace,
+                                         conv_workspaces))
     if family not in LOGGED_FAMILIES:
         return None
     prec = train.prec

@@ -417,7 +417,8 @@ class _SegmentTracker:
         # Where FSDP's hooks run (module_plan's FSDP2 events, alloc_trace.logged_fsdp2_events): [3, unit] a
         # unit's forward starts (its pre-forward hook: the unshard), [4, unit] it ends (the reshard after
         # forward), [5, unit] its outputs' gradient is ready (pre-backward: unshard and prefetch), [6, unit]
-        # its inputs' gradient is (post-backward: reshard and reduce-scatter).
+        # its inputs' gradient is (post-backward: reshard and reduce-scatter), [7, unit] every gradient of its
+        # parameters is accumulated (FSDP1's post-backward hook, on its flat parameter's AccumulateGrad).
         self.log: list = []
         self.grad_names: dict = {}  # log id of a parameter's gradient (as AccumulateGrad keeps it) -> its name
         self.logging = True  # off for a transformers model (its plan takes the analytic front end's replay)
@@ -1064,6 +1065,21 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
 
         seg_modules = work.segment_modules(model)
         handles = [m.register_forward_pre_hook(pre_hook(name), with_kwargs=True) for name, m in seg_modules]
+
+        def fp32_unit_hooks(name, mod) -> list:
+            """FSDP1's own units of the BatchNorm modules (inside a unit): their hooks in the log too."""
+            def after(_m, _a, out):
+                bwd.log_marker(4, name)
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(lambda _g: bwd.log_marker(5, name) if name not in fp32_started
+                                        else None)
+                        t.register_hook(lambda _g: fp32_started.add(name))
+            return [mod.register_forward_pre_hook(lambda *_: bwd.log_marker(3, name), prepend=True),
+                    mod.register_forward_hook(after)]
+        fp32_started: set = set()
+        for name, mod in full_precision:
+            handles += fp32_unit_hooks(name, mod)
         handles += [m.register_forward_hook(post_hook(name)) for name, m in seg_modules]
         unit_names = {name for name, _ in unit_modules}
 
@@ -1112,12 +1128,23 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                 ready: list = []
                 hooks = []
                 seen_ready: set = set()
+                # per unit, its parameters whose gradient is not accumulated yet: when none is left, FSDP1's
+                # flat parameter's AccumulateGrad runs its post-backward hook ([7, unit] in the log)
+                pending: dict = {}
+                for _, p in model.named_parameters():
+                    if p.requires_grad:
+                        pending.setdefault(owner.get(id(p), "root"), set()).add(id(p))
                 for name, p in model.named_parameters():
                     if p.requires_grad and id(p) not in seen_ready:
                         seen_ready.add(id(p))
                         def on_ready(t, name=name) -> None:
                             ready.append([name, int(t.numel())])
                             bwd.mark_accumulated(t, name)
+                            left = pending.get(owner.get(id(t), "root"))
+                            if left is not None and id(t) in left:
+                                left.discard(id(t))
+                                if not left:
+                                    bwd.log_marker(7, owner.get(id(t), "root"))
                         hooks.append(p.register_post_accumulate_grad_hook(on_ready))
                 if loss.requires_grad:
                     bwd.run(loss, len(segments))
