@@ -1139,7 +1139,8 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
                         if u in elems and u not in held and (sharded or low[u]):
                             held[u] = unshard(u)
                     elif kind == 4:
-                        fwd_order.append(u)
+                        if u not in fwd_order:  # (a recomputation's post-forward is not recorded again)
+                            fwd_order.append(u)
                         if u != "root" and u in held and (reshard_fwd or not sharded):
                             E.f(held.pop(u))
                     elif kind == 5:

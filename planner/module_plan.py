@@ -181,6 +181,9 @@ class ModuleDesc:
     its post-backward). Empty: an older profile."""
     construct_names: tuple = ()
     """Per `construct` entry, its parameter's name ("" for a buffer). Empty: an older profile."""
+    alloc_log_every: int = 0
+    """The activation checkpointing `alloc_log` was traced under (config.checkpoint_every: every k-th unit;
+    0 none): a checkpointed run's log has the recomputations (`with_checkpointed_log`)."""
     batchnorm: bool = False
     """The module has BatchNorm layers (FSDP1's mixed precision runs them apart in fp32; FSDP2's fails)."""
     unit_forward: tuple = ()
@@ -260,6 +263,12 @@ class ModuleDesc:
                                       for s in prof["segments"]) if all("unit_forward_bytes" in s or s["unit"] in
                                                                         ("root", "loss") for s in prof["segments"])
                    else ())
+
+    def with_checkpointed_log(self, other: "ModuleDesc", every: int) -> "ModuleDesc":
+        """This description with the allocation log of `other`, the same module traced with every `every`-th
+        unit checkpointed (module_probe.profile's `checkpoint_every`)."""
+        return replace(self, alloc_log=other.alloc_log, alloc_kept=other.alloc_kept,
+                       alloc_grads=other.alloc_grads, alloc_log_every=every)
 
     def for_precision(self, precision: str) -> "ModuleDesc":
         """The traced description as a run of `precision` holds it: pure bf16 casts the whole module
@@ -1051,13 +1060,16 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
     """The events of the module's run (alloc_trace.logged_step_events; zero2 / zero3 sharded over more than
     one rank: alloc_trace.logged_fsdp2_events; FSDP1: alloc_trace.logged_fsdp1_events, the units'
     collectives where the trace marked FSDP's hooks) from its traced step's allocations, as a tuple (replay
-    results are remembered by it); None where they are not written: FSDP2 on one rank, activation checkpointing, pure 16-bit or fp16 training (the cast after
+    results are remembered by it; under activation checkpointing the log of the checkpointed trace,
+    `ModuleDesc.alloc_log_every`); None where they are not written: FSDP2 on one rank, a log traced without
+    the run's checkpointing, pure 16-bit or fp16 training (the cast after
     construction, GradScaler's tensors), optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
     without a log (a Hugging Face model: the analytic front end's replay; another batch than the traced)."""
     from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp1_events,
                               logged_fsdp2_events, logged_step_events)
     if (not desc.alloc_log or not desc.construct or train.optimizer not in LOGGED_OPTIMIZERS
-            or train.precision not in ("fp32", "bf16-mixed") or checkpoint_every(train.checkpointing)):
+            or train.precision not in ("fp32", "bf16-mixed")
+            or checkpoint_every(train.checkpointing) != desc.alloc_log_every):
         return None
     if strategy in LOGGED_FSDP2 and shard > 1 and desc.alloc_grads and desc.construct_names:
         return tuple(logged_fsdp2_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
@@ -1542,7 +1554,16 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
             # the strategies of the regime that ran are planned, the others named
             failed[regime] = str(exc)
             return
-        descs[regime] = ModuleDesc.from_profile(prof).for_precision(precision)
+        desc = ModuleDesc.from_profile(prof)
+        every = checkpoint_every(kw.get("activation_checkpointing") or "none")
+        if every and work.kind != "hf":  # the checkpointed run's allocations (its recomputations), for its replay
+            try:
+                ck = profile(work, regime, "cuda", every)
+                desc = desc.with_checkpointed_log(ModuleDesc.from_profile(ck), every)
+                profile_s += ck["profile_s"]
+            except ValueError:  # (the walk still plans it; its reserved peak is the margin's)
+                pass
+        descs[regime] = desc.for_precision(precision)
         profile_s += prof["profile_s"]
 
     for n in names:
@@ -1766,14 +1787,20 @@ def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
 _TRACES: dict = {}
 
 
-def _traced(work, regime: str, device: str = "cpu") -> ModuleDesc:
+def _traced(work, regime: str, device: str = "cpu", every: int = 0) -> ModuleDesc:
     """The workload's ModuleDesc in a regime with `device`'s kernels (module_probe.KERNEL_DEVICES), traced
-    once per process (a validation run predicts many probes of one model)."""
+    once per process (a validation run predicts many probes of one model). `every`: with the allocation log
+    of a run checkpointing every `every`-th unit (`ModuleDesc.with_checkpointed_log`; a transformers model,
+    whose log is not kept, as without)."""
     from distplan.validate.module_probe import profile
 
-    key = (json.dumps(work.to_spec(), sort_keys=True), regime, device)
+    key = (json.dumps(work.to_spec(), sort_keys=True), regime, device, every if work.kind != "hf" else 0)
     if key not in _TRACES:
-        _TRACES[key] = ModuleDesc.from_profile(profile(work, regime, device))
+        if key[-1]:
+            _TRACES[key] = _traced(work, regime, device).with_checkpointed_log(
+                ModuleDesc.from_profile(profile(work, regime, device, every)), every)
+        else:
+            _TRACES[key] = ModuleDesc.from_profile(profile(work, regime, device))
     return _TRACES[key]
 
 
@@ -1795,13 +1822,14 @@ def predict_module_probe(spec: dict) -> dict:
     precision = t.get("precision", "fp32")
     device = spec.get("device_type") or ("cuda" if spec.get("mode") == "gpu" else "cpu")
     kernels = "cuda" if device == "cuda" else "cpu"
-    d = _traced(work, _regime(precision, st.family), kernels)
+    ckpt = t.get("checkpointing", "none")
+    every = checkpoint_every("none" if ckpt in ("selective", "selective-op") else ckpt)
+    d = _traced(work, _regime(precision, st.family), kernels, every)
     if _regime(precision, st.family, d.batchnorm) != _regime(precision, st.family):  # FSDP1's BatchNorm units
-        d = _traced(work, _regime(precision, st.family, True), kernels)
+        d = _traced(work, _regime(precision, st.family, True), kernels, every)
     d = d.for_precision(precision)
     workspaces = mod.get("kernel_workspaces") or {}  # measured on the probing GPU (validate_cmd)
     model = ModuleModel(d.name, work.label, d.param_count(), d.units, layers=len(d.units))
-    ckpt = t.get("checkpointing", "none")
     train = ModuleTrain(model, precision=precision, optimizer=t.get("optimizer", "adamw"),
                         optimizer_impl=t.get("optimizer_impl", "foreach"),
                         checkpointing="none" if ckpt in ("selective", "selective-op") else ckpt,

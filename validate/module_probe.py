@@ -495,7 +495,9 @@ class _SegmentTracker:
             if isinstance(t, self._torch.Tensor):
                 st = t.untyped_storage()
                 k = st._cdata
-                if k not in self._log_live and k not in aliased and k not in self.not_activations:
+                # (a zero-byte storage takes no block: CUDA's allocator returns no memory for it)
+                if (k not in self._log_live and k not in aliased and k not in self.not_activations
+                        and st.nbytes()):
                     self._log_uid += 1
                     self._log_live[k] = (self._ref(st), self._log_uid)
                     self.log.append([1, self._log_uid, int(st.nbytes())])
@@ -739,14 +741,35 @@ def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "flo
     return expand_layers(profile_workload(shallow, dtype, device=device), depth, work)
 
 
-def profile(work, dtype: str = "float32", device: str = "cpu") -> dict:
+def profile(work, dtype: str = "float32", device: str = "cpu", checkpoint_every: int = 0) -> dict:
     """The profile of a workload: a Hugging Face model through `profile_hf` (traced at TRACE_LAYERS
     layers and expanded), anything else through `profile_workload`; keeping the bytes `device`'s kernels
-    keep (KERNEL_DEVICES)."""
+    keep (KERNEL_DEVICES). `checkpoint_every`: a module's units checkpointed as the probes do
+    (workload.FactoryWorkload.enable_checkpointing), for the step's allocation log; its names as without."""
     if work.kind == "hf":
         return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers, device,
                           work.attention)
-    return profile_workload(work, dtype, device=device)
+    prof = profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
+    return _without_wrapper_names(prof) if checkpoint_every else prof
+
+
+def _without_wrapper_names(prof: dict) -> dict:
+    """A checkpointed trace's names as the module's own: `checkpoint_wrapper`'s
+    `_checkpoint_wrapped_module.` taken out of its parameters', units' and log markers' names (what
+    `ActivationWrapper.named_parameters` does for the wrapper's own)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    def bare(name):
+        return name.replace(_CHECKPOINT_PREFIX, "") if isinstance(name, str) else name
+    for u in prof["units"]:
+        u["name"] = bare(u["name"])
+        u["params"] = [[bare(n), s] for n, s in u["params"]]
+    prof["fp32_units"] = [bare(n) for n in prof.get("fp32_units", ())]
+    prof["construct_names"] = [bare(n) for n in prof.get("construct_names", ())]
+    log = prof.get("alloc_log") or {}
+    log["events"] = [[e[0], bare(e[1]), *e[2:]] if e[0] >= 3 else e for e in log.get("events", ())]
+    log["grads"] = [[i, bare(n)] for i, n in log.get("grads", ())]
+    return prof
 
 
 TRACE_LAYERS = 4
@@ -871,11 +894,12 @@ def _check_model(torch, model, flag: str, label: str) -> None:
                          f"synchronise")
 
 
-def profile_workload(work, dtype: str = "float32", fake: bool = True, device: str = "cpu") -> dict:
+def profile_workload(work, dtype: str = "float32", fake: bool = True, device: str = "cpu",
+                     checkpoint_every: int = 0) -> dict:
     """`_profile_workload`, with user code that ends the process (`sys.exit`) or raises a
     BaseException turned into a one-line ValueError naming the flag (KeyboardInterrupt passes)."""
     try:
-        return _profile_workload(work, dtype, fake, device)
+        return _profile_workload(work, dtype, fake, device, checkpoint_every)
     except (KeyboardInterrupt, Exception):
         raise
     except BaseException as exc:  # SystemExit, GeneratorExit, a user's BaseException subclass
@@ -883,7 +907,8 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True, device: st
         raise user_code_error(flag, work.label, "the model", exc) from None
 
 
-def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: str = "cpu") -> dict:
+def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: str = "cpu",
+                      checkpoint_every: int = 0) -> dict:
     """Parameters (per wrapping unit), saved-activation bytes, output bytes and forward FLOPs of a
     workload (`validate.workload`: a factory's module, or a Hugging Face causal LM).
 
@@ -920,6 +945,10 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             raise user_code_error(flag, factory_path, "building the model" if work.kind == "hf" else "the factory",
                                   exc) from None
         _check_model(torch, model, flag, factory_path)
+        if checkpoint_every and work.kind != "hf":
+            # as the probes apply it (validate/probe.py): only the step's log is of use from such a trace (its
+            # recomputations in backward, in host order); the rest of the profile is a checkpointed run's
+            work.enable_checkpointing(model, work.units(model), checkpoint_every)
         # FSDP1 under mixed precision wraps each module of these classes apart, in full precision
         # (`fsdp/wrap.py` `_wrap_module_cls_individually` with `mixed_precision=None`)
         full_precision = _fsdp1_full_precision_modules(torch, model) if dtype.startswith("fsdp1-") else []
