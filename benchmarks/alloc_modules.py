@@ -4,6 +4,7 @@
     python benchmarks/alloc_modules.py OUT.json.gz [CASE_PREFIX,...]
     python benchmarks/alloc_modules.py --fsdp OUT.json.gz [CASE_PREFIX,...]   # FSDP2 and FSDP1
     python benchmarks/alloc_modules.py --checkpointing OUT.json.gz [CASE_PREFIX,...]   # full / every-2
+    python benchmarks/alloc_modules.py --deep OUT.json.gz [CASE_PREFIX,...]   # a 16-block ViT
 
 The MNIST CNN and the CIFAR ResNet (examples/), batch 32, under single, ddp and zero1 (rank 0 of 8 on the
 fake process group; single: one process): MNIST fp32 and bf16-mixed (CPU autocast) with Adam (and, single,
@@ -52,36 +53,44 @@ CKPT_RUNS = [  # `--checkpointing`: full and every-2 activation checkpointing of
      1, ("single", "ddp", "fsdp", "fsdp-no-shard")),
 ]
 CKPT_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op", "fsdp-no-shard")
+DEEP_RUNS = [  # `--deep`: a ViT of 16 nn.TransformerEncoderLayer blocks (examples/vit_tiny.py make_deep)
+    ("vit16-fp32", "examples.vit_tiny:make_deep", [16, 3, 32, 32], "fp32", "adamw", "foreach", 1, None),
+    ("vit16-bf16", "examples.vit_tiny:make_deep", [16, 3, 32, 32], "bf16-mixed", "adamw", "foreach", 1, None),
+    ("vit16-bf16-full", "examples.vit_tiny:make_deep", [16, 3, 32, 32], "bf16-mixed", "adamw", "foreach", 1, None),
+    ("vit16-fp32-every-2", "examples.vit_tiny:make_deep", [16, 3, 32, 32], "fp32", "adamw", "foreach", 2, None),
+]
+DEEP_STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp")
 
 
-def cases(fsdp: bool = False, ckpt: bool = False) -> list[dict]:
+def cases(fsdp: bool = False, ckpt: bool = False, deep: bool = False) -> list[dict]:
     out = []
-    runs = CKPT_RUNS if ckpt else FSDP_RUNS if fsdp else RUNS
+    runs = DEEP_RUNS if deep else CKPT_RUNS if ckpt else FSDP_RUNS if fsdp else RUNS
     for name, factory, shape, precision, optimizer, impl, accum, strategies in runs:
-        for s in strategies or (CKPT_STRATEGIES if ckpt else FSDP_STRATEGIES if fsdp else STRATEGIES):
+        for s in strategies or (DEEP_STRATEGIES if deep else CKPT_STRATEGIES if ckpt else FSDP_STRATEGIES if fsdp
+                                else STRATEGIES):
             world = 1 if s == "single" else 8
             out.append({"id": f"{name}/{s}", "strategy": s, "world_size": world, "gpus_per_node": world,
                         "mode": "cpu" if s == "single" else "fake", "device_type": "cpu",
                         "model": {"name": factory},
                         "train": {"seq_len": 1, "micro_batch": shape[0], "grad_accum": accum, "grad_sync": "last",
                                   "precision": precision, "optimizer": optimizer, "optimizer_impl": impl,
-                                  "checkpointing": ("every-2" if name.endswith("every-2") else "full")
-                                  if ckpt else "none", "attention": "sdpa"},
+                                  "checkpointing": "every-2" if name.endswith("every-2") else "full"
+                                  if ckpt or name.endswith("-full") else "none", "attention": "sdpa"},
                         "steps": 1, "seed": 0, "module": {"factory": factory, "input_shape": shape}})
     return out
 
 
 def main(argv: list[str]) -> int:
     from distplan.validate.runner import run_probe
-    fsdp, ckpt = "--fsdp" in argv, "--checkpointing" in argv
-    argv = [a for a in argv if a not in ("--fsdp", "--checkpointing")]
+    fsdp, ckpt, deep = "--fsdp" in argv, "--checkpointing" in argv, "--deep" in argv
+    argv = [a for a in argv if a not in ("--fsdp", "--checkpointing", "--deep")]
 
     def run(case, path, tmp):
         spec = dict(case, module=dict(case["module"], path=ROOT))
         m = run_probe(spec, env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=600)
         return m, {case["id"]: path}, dict(case, torch_version=m.get("torch_version"))
 
-    return record(argv[0], selected(cases(fsdp, ckpt), argv),
+    return record(argv[0], selected(cases(fsdp, ckpt, deep), argv),
                   "CPU runs of validate.probe (--module) with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_modules.py)",
                   run)
 

@@ -27,3 +27,9 @@ class ViT(nn.Module):
 
 def make_model():
     return ViT()
+
+
+def make_deep() -> nn.Module:
+    """ViT-S/4 depth: 16 blocks of width 384 (6 heads), about 28M parameters; the GPU plan's `--module` model
+    at depth (.ci/gpu-plan.yaml)."""
+    return ViT(dim=384, depth=16, heads=6)

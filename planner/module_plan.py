@@ -1797,8 +1797,12 @@ def _traced(work, regime: str, device: str = "cpu", every: int = 0) -> ModuleDes
     key = (json.dumps(work.to_spec(), sort_keys=True), regime, device, every if work.kind != "hf" else 0)
     if key not in _TRACES:
         if key[-1]:
-            _TRACES[key] = _traced(work, regime, device).with_checkpointed_log(
-                ModuleDesc.from_profile(profile(work, regime, device, every)), every)
+            plain = _traced(work, regime, device)
+            try:
+                _TRACES[key] = plain.with_checkpointed_log(
+                    ModuleDesc.from_profile(profile(work, regime, device, every)), every)
+            except ValueError:  # the checkpointed trace fails: planned as traced, the reserved peak the margin's
+                _TRACES[key] = plain
         else:
             _TRACES[key] = ModuleDesc.from_profile(profile(work, regime, device))
     return _TRACES[key]

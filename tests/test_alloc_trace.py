@@ -581,26 +581,55 @@ def test_module_trace_against_recorded_traces():
     on 8 fake ranks, torch 2.13), both replayed through the same allocator model. Measured 2026-12-02: the
     reserved peak equal to the byte in all 14, the allocated peak within 0.06%; before, the plan was the
     allocated peak + 10%."""
-    from distplan.planner.module_plan import ModuleModel, ModuleTrain, _regime, _traced, logged_module_events
-    from distplan.validate.workload import from_spec
-    doc = _recorded("alloc_events_cpu_modules.json.gz")
-    errs = {}
-    for pid, events in doc["events"].items():
-        spec = doc["specs"][pid]
-        t, st = spec["train"], get_strategy(spec["strategy"])
-        work = from_spec(dict(spec["module"], path=ROOT))
-        desc = _traced(work, _regime(t["precision"], st.family), "cpu").for_precision(t["precision"])
-        train = ModuleTrain(ModuleModel(desc.name, work.label, desc.param_count(), desc.units),
-                            precision=t["precision"], optimizer=t["optimizer"], optimizer_impl=t["optimizer_impl"],
-                            grad_accum=t["grad_accum"], input_shape=tuple(spec["module"]["input_shape"]))
-        world = spec["world_size"]
-        written = replay(logged_module_events(desc, train, st.family, world, 1 if st.family != "zero1" else world))
-        recorded = replay(events)
-        errs[pid] = (round(100 * (written.peak_reserved / recorded.peak_reserved - 1), 2),
-                     round(100 * (written.peak_allocated / recorded.peak_allocated - 1), 2))
+    errs = _errors(_module_replays("alloc_events_cpu_modules.json.gz"))
     assert len(errs) == 14, errs
     assert all(r == 0 for r, _ in errs.values()), errs
     assert max(abs(a) for _, a in errs.values()) <= 0.1, errs
+
+
+def _module_replays(name: str) -> dict:
+    """Per recorded `--module` probe of tests/data/`name` (benchmarks/alloc_modules.py): (the planner's written
+    events, the recorded ones as the replay takes them: FSDP's on their streams, the collectives' touches
+    dropped), from the trace in the probe's regime and checkpointing (module_plan.predict_module_probe's)."""
+    from distplan.planner.allocator import comm_streams
+    from distplan.planner.config import checkpoint_every
+    from distplan.planner.module_plan import ModuleModel, ModuleTrain, _regime, _traced, logged_module_events
+    from distplan.validate.workload import from_spec
+    doc = _recorded(name)
+    out = {}
+    for pid, events in doc["events"].items():
+        spec = doc["specs"][pid]
+        t, st = spec["train"], get_strategy(spec["strategy"])
+        every = checkpoint_every(t["checkpointing"])
+        work = from_spec(dict(spec["module"], path=ROOT))
+        desc = _traced(work, _regime(t["precision"], st.family), "cpu", every)
+        if desc.batchnorm:  # FSDP1's BatchNorm units
+            desc = _traced(work, _regime(t["precision"], st.family, True), "cpu", every)
+        desc = desc.for_precision(t["precision"])
+        assert desc.alloc_log_every == every, pid
+        train = ModuleTrain(ModuleModel(desc.name, work.label, desc.param_count(), desc.units),
+                            precision=t["precision"], optimizer=t["optimizer"], optimizer_impl=t["optimizer_impl"],
+                            grad_accum=t["grad_accum"], input_shape=tuple(spec["module"]["input_shape"]),
+                            torch_version=spec["torch_version"], checkpointing=t["checkpointing"])
+        world = spec["world_size"]
+        shard = world if st.family in ("zero1", "fsdp2") or st.name in ("fsdp", "fsdp-grad-op", "hsdp") else 1
+        written = logged_module_events(desc, train, st.family, world, shard, strategy=st.name)
+        assert written is not None, pid
+        recorded = [e for e in events if e[0] != "comm"]
+        if st.family in ("fsdp1", "fsdp2"):
+            recorded = comm_streams(events, st.family)
+        out[pid] = (written, recorded)
+    return out
+
+
+def _errors(pairs: dict) -> dict:
+    """pid -> (reserved peak error %, allocated peak error %) of the written events' replay."""
+    errs = {}
+    for pid, (written, recorded) in pairs.items():
+        w, r = replay(written), replay(recorded)
+        errs[pid] = (round(100 * (w.peak_reserved / r.peak_reserved - 1), 2),
+                     round(100 * (w.peak_allocated / r.peak_allocated - 1), 2))
+    return errs
 
 
 def test_module_fsdp_trace_against_recorded_traces():
@@ -613,29 +642,7 @@ def test_module_fsdp_trace_against_recorded_traces():
     units in fp32) bf16-mixed; batch 32, rank 0 of 8 on the fake process group, torch 2.13). Measured
     2026-12-02: the reserved peak equal to the byte in all 28, the allocated peak within 0.07%; before,
     the plan was the allocated peak + 10% (the recorded reserved / allocated: 1.6-6.1 at these sizes)."""
-    from distplan.planner.allocator import comm_streams
-    from distplan.planner.module_plan import ModuleModel, ModuleTrain, _regime, _traced, logged_module_events
-    from distplan.validate.workload import from_spec
-    doc = _recorded("alloc_events_cpu_modules_fsdp.json.gz")
-    errs = {}
-    for pid, events in doc["events"].items():
-        spec = doc["specs"][pid]
-        t, st = spec["train"], get_strategy(spec["strategy"])
-        work = from_spec(dict(spec["module"], path=ROOT))
-        desc = _traced(work, _regime(t["precision"], st.family), "cpu")
-        if desc.batchnorm:  # FSDP1's BatchNorm units (module_plan.predict_module_probe)
-            desc = _traced(work, _regime(t["precision"], st.family, True), "cpu")
-        desc = desc.for_precision(t["precision"])
-        train = ModuleTrain(ModuleModel(desc.name, work.label, desc.param_count(), desc.units),
-                            precision=t["precision"], optimizer=t["optimizer"], optimizer_impl=t["optimizer_impl"],
-                            grad_accum=t["grad_accum"], input_shape=tuple(spec["module"]["input_shape"]),
-                            torch_version=spec["torch_version"])
-        world = spec["world_size"]
-        shard = 1 if st.name == "fsdp-no-shard" else world
-        written = replay(logged_module_events(desc, train, st.family, world, shard, strategy=st.name))
-        recorded = replay(comm_streams(events, st.family))
-        errs[pid] = (round(100 * (written.peak_reserved / recorded.peak_reserved - 1), 2),
-                     round(100 * (written.peak_allocated / recorded.peak_allocated - 1), 2))
+    errs = _errors(_module_replays("alloc_events_cpu_modules_fsdp.json.gz"))
     assert len(errs) == 28, errs
     assert all(r == 0 for r, _ in errs.values()), errs
     assert max(abs(a) for _, a in errs.values()) <= 0.1, errs
@@ -666,41 +673,32 @@ def test_module_checkpointed_trace_against_recorded_traces():
     the recomputation); 36 probes, torch 2.13). Measured 2026-12-02: the allocated peak within 0.07% in all;
     the reserved peak to the byte in 34, and in the other two (single: the MNIST bf16-mixed +7.7%, the CIFAR
     every-2 -6.3%, one 2 MiB small-pool segment each) to the byte once the one-element tensors are left out
-    of both, which the CPU run allocates on its device and a GPU run does not all (Adam's step counts)."""
-    from distplan.planner.allocator import comm_streams
-    from distplan.planner.config import checkpoint_every
-    from distplan.planner.module_plan import ModuleModel, ModuleTrain, _regime, _traced, logged_module_events
-    from distplan.validate.workload import from_spec
-    doc = _recorded("alloc_events_cpu_modules_ckpt.json.gz")
-    raw, bare = {}, {}
-    for pid, events in doc["events"].items():
-        spec = doc["specs"][pid]
-        t, st = spec["train"], get_strategy(spec["strategy"])
-        every = checkpoint_every(t["checkpointing"])
-        assert every, pid
-        work = from_spec(dict(spec["module"], path=ROOT))
-        desc = _traced(work, _regime(t["precision"], st.family), "cpu", every)
-        if desc.batchnorm:
-            desc = _traced(work, _regime(t["precision"], st.family, True), "cpu", every)
-        desc = desc.for_precision(t["precision"])
-        assert desc.alloc_log_every == every, pid
-        train = ModuleTrain(ModuleModel(desc.name, work.label, desc.param_count(), desc.units),
-                            precision=t["precision"], optimizer=t["optimizer"], optimizer_impl=t["optimizer_impl"],
-                            grad_accum=t["grad_accum"], input_shape=tuple(spec["module"]["input_shape"]),
-                            torch_version=spec["torch_version"], checkpointing=t["checkpointing"])
-        world = spec["world_size"]
-        shard = world if st.family in ("zero1", "fsdp2") or st.name in ("fsdp", "fsdp-grad-op") else 1
-        written = logged_module_events(desc, train, st.family, world, shard, strategy=st.name)
-        recorded = [e for e in events if e[0] != "comm"]
-        if st.family in ("fsdp1", "fsdp2"):
-            recorded = comm_streams(events, st.family)
-        w, r = replay(written), replay(recorded)
-        raw[pid] = (round(100 * (w.peak_reserved / r.peak_reserved - 1), 2),
-                    round(100 * (w.peak_allocated / r.peak_allocated - 1), 2))
-        if w.peak_reserved != r.peak_reserved:
-            assert abs(w.peak_reserved - r.peak_reserved) <= 2 << 20, (pid, raw[pid])  # one small segment
-            bare[pid] = (replay(_without_scalars(written)).peak_reserved
-                         - replay(_without_scalars(recorded)).peak_reserved)
-    assert len(raw) == 36, raw
-    assert max(abs(a) for _, a in raw.values()) <= 0.1, raw
-    assert len(bare) <= 2 and all(b == 0 for b in bare.values()), bare
+    of both, which the CPU run allocates on its device and a GPU run does not all (Adam's step counts). (At
+    these sizes a reserved peak is a few segments: leaving the scalars out of the exact ones moves two of
+    them by a segment too.)"""
+    pairs = _module_replays("alloc_events_cpu_modules_ckpt.json.gz")
+    errs = _errors(pairs)
+    assert len(errs) == 36, errs
+    assert max(abs(a) for _, a in errs.values()) <= 0.1, errs
+    off = {pid: e for pid, e in errs.items() if e[0] != 0}
+    assert len(off) <= 2, off
+    for pid in off:
+        written, recorded = pairs[pid]
+        assert abs(replay(written).peak_reserved - replay(recorded).peak_reserved) <= 2 << 20, off  # one segment
+        assert replay(_without_scalars(written)).peak_reserved == replay(_without_scalars(recorded)).peak_reserved
+
+
+@pytest.mark.slow
+def test_module_at_depth_trace_against_recorded_traces():
+    """A model written the usual way at depth: a ViT of 16 `nn.TransformerEncoderLayer` blocks (width 384,
+    28M parameters; examples/vit_tiny.py make_deep), batch 16, fp32 and bf16-mixed, without checkpointing,
+    full and every-2 (two micro-steps), single / ddp / zero2 / zero3 / fsdp (rank 0 of 8), its CPU probes'
+    recorded allocations (benchmarks/alloc_modules.py --deep; tests/data/alloc_events_cpu_modules_deep.json.gz;
+    0.1-1.2 GB allocated, reserved / allocated 1.04-2.07) against the written run. Measured 2026-12-02 (20
+    probes): the reserved peak to the byte in 18, -0.83% (zero2 bf16-mixed full) and -0.28% (zero2 fp32
+    every-2) in the others; the allocated peak within 0.31%."""
+    errs = _errors(_module_replays("alloc_events_cpu_modules_deep.json.gz"))
+    assert len(errs) == 20, errs
+    assert sum(r == 0 for r, _ in errs.values()) >= 18, errs
+    assert max(abs(r) for r, _ in errs.values()) <= 1.0, errs
+    assert max(abs(a) for _, a in errs.values()) <= 0.4, errs

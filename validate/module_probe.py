@@ -1175,8 +1175,10 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                                 if not left:
                                     bwd.log_marker(7, owner.get(id(t), "root"))
                         hooks.append(p.register_post_accumulate_grad_hook(on_ready))
-                if loss.requires_grad:
-                    bwd.run(loss, len(segments))
+                # (a checkpointed unit's recomputation runs the forward's kernels again: CUDA's, as traced)
+                with _cuda_kernels(torch) if device == "cuda" and checkpoint_every else contextlib.nullcontext():
+                    if loss.requires_grad:
+                        bwd.run(loss, len(segments))
                 for h in hooks:
                     h.remove()
             except ValueError:
