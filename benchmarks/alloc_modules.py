@@ -5,6 +5,7 @@
     python benchmarks/alloc_modules.py --fsdp OUT.json.gz [CASE_PREFIX,...]   # FSDP2 and FSDP1
     python benchmarks/alloc_modules.py --checkpointing OUT.json.gz [CASE_PREFIX,...]   # full / every-2
     python benchmarks/alloc_modules.py --deep OUT.json.gz [CASE_PREFIX,...]   # a 16-block ViT
+    python benchmarks/alloc_modules.py --bf16 OUT.json.gz [CASE_PREFIX,...]   # pure bf16
 
 The MNIST CNN and the CIFAR ResNet (examples/), batch 32, under single, ddp and zero1 (rank 0 of 8 on the
 fake process group; single: one process): MNIST fp32 and bf16-mixed (CPU autocast) with Adam (and, single,
@@ -60,14 +61,21 @@ DEEP_RUNS = [  # `--deep`: a ViT of 16 nn.TransformerEncoderLayer blocks (exampl
     ("vit16-fp32-every-2", "examples.vit_tiny:make_deep", [16, 3, 32, 32], "fp32", "adamw", "foreach", 2, None),
 ]
 DEEP_STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp")
+BF16_RUNS = [  # `--bf16`: pure bf16 training (the module cast after it is built, validate/wrap.py)
+    ("mnist-bf16pure", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "bf16", "adamw", "foreach", 1, None),
+    ("cifar-bf16pure", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "bf16", "sgd-momentum", "foreach", 1,
+     None),
+    ("vit-bf16pure-full", "examples.vit_tiny:make_model", [32, 3, 32, 32], "bf16", "adamw", "foreach", 1, None),
+]
+BF16_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-shard")
 
 
-def cases(fsdp: bool = False, ckpt: bool = False, deep: bool = False) -> list[dict]:
+def cases(fsdp: bool = False, ckpt: bool = False, deep: bool = False, bf16: bool = False) -> list[dict]:
     out = []
-    runs = DEEP_RUNS if deep else CKPT_RUNS if ckpt else FSDP_RUNS if fsdp else RUNS
+    runs = BF16_RUNS if bf16 else DEEP_RUNS if deep else CKPT_RUNS if ckpt else FSDP_RUNS if fsdp else RUNS
     for name, factory, shape, precision, optimizer, impl, accum, strategies in runs:
-        for s in strategies or (DEEP_STRATEGIES if deep else CKPT_STRATEGIES if ckpt else FSDP_STRATEGIES if fsdp
-                                else STRATEGIES):
+        for s in strategies or (BF16_STRATEGIES if bf16 else DEEP_STRATEGIES if deep else CKPT_STRATEGIES if ckpt
+                                else FSDP_STRATEGIES if fsdp else STRATEGIES):
             world = 1 if s == "single" else 8
             out.append({"id": f"{name}/{s}", "strategy": s, "world_size": world, "gpus_per_node": world,
                         "mode": "cpu" if s == "single" else "fake", "device_type": "cpu",
@@ -82,15 +90,15 @@ def cases(fsdp: bool = False, ckpt: bool = False, deep: bool = False) -> list[di
 
 def main(argv: list[str]) -> int:
     from distplan.validate.runner import run_probe
-    fsdp, ckpt, deep = "--fsdp" in argv, "--checkpointing" in argv, "--deep" in argv
-    argv = [a for a in argv if a not in ("--fsdp", "--checkpointing", "--deep")]
+    fsdp, ckpt, deep, bf16 = "--fsdp" in argv, "--checkpointing" in argv, "--deep" in argv, "--bf16" in argv
+    argv = [a for a in argv if a not in ("--fsdp", "--checkpointing", "--deep", "--bf16")]
 
     def run(case, path, tmp):
         spec = dict(case, module=dict(case["module"], path=ROOT))
         m = run_probe(spec, env={"DISTPLAN_ALLOC_EVENTS": path}, timeout_s=600)
         return m, {case["id"]: path}, dict(case, torch_version=m.get("torch_version"))
 
-    return record(argv[0], selected(cases(fsdp, ckpt, deep), argv),
+    return record(argv[0], selected(cases(fsdp, ckpt, deep, bf16), argv),
                   "CPU runs of validate.probe (--module) with DISTPLAN_ALLOC_EVENTS (benchmarks/alloc_modules.py)",
                   run)
 

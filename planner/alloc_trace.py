@@ -779,7 +779,7 @@ and foreach, for-loop and fused kernels); the others keep the margin."""
 def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple, family: str, world: int,
                        owned: tuple, optimizer: str, optimizer_impl: str, grad_accum: int = 1,
                        buckets: tuple = (), rebuilt: tuple = (), buffers: tuple = (), workspace: int = 0,
-                       conv_workspaces: dict | None = None) -> list:
+                       conv_workspaces: dict | None = None, built: tuple = ()) -> list:
     """The events of a traced module's run (the `--module` front end) on one rank of `family` in
     LOGGED_FAMILIES, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it:
 
@@ -799,10 +799,16 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
       `momentum_buffer` (a clone of the gradient); `_multi_tensor_adam`'s `exp_avg_sq_sqrt` (one per
       parameter, foreach) or `_single_tensor_adam`'s two per parameter (for-loop); then
       `zero_grad(set_to_none=True)` drops the gradients.
-    `workspace`: the cuBLAS workspaces, taken at the first GEMM and kept."""
+    `workspace`: the cuBLAS workspaces, taken at the first GEMM and kept. `built`: the tensors' bytes as the
+    factory built them, where a pure 16-bit run then casts the module (`model.to(dtype)`, validate/wrap.py:
+    each tensor cast anew in `Module._apply`'s order, the old one freed) to `construct`'s."""
     E = _Events()
-    for n in construct:
-        E.a(n)
+    keys = [E.a(n) for n in (built or construct)]
+    for i, n in enumerate(construct if built else ()):
+        if n != built[i]:
+            k = E.a(n)
+            E.f(keys[i])
+            keys[i] = k
     bucket_keys: list = []
     if family in ("ddp", "zero1") and world > 1:
         _broadcast_coalesced(E, sum(construct))
@@ -852,6 +858,29 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
     return E.ev
 
 
+def _built_and_cast(E: _Events, construct: tuple, names: tuple, built: tuple, shape_of: dict,
+                    param_bytes: int) -> dict:
+    """`model.to(device)` of a traced module: each tensor as the factory built it (`built`, else a parameter
+    in fp32 from its shape, a buffer as traced), in `Module._apply`'s order; for pure 16-bit training
+    (`param_bytes` 2) then `model.to(dtype)` (validate/wrap.py): each one cast anew, the old one freed.
+    Returns {parameter name: key of its tensor}."""
+    full: dict = {}
+    keys = []
+    for i, (n, name) in enumerate(zip(construct, names)):
+        keys.append(E.a(built[i] if built else prod(shape_of[name]) * 4 if name in shape_of else n))
+    if param_bytes == 2:
+        for i, (n, name) in enumerate(zip(construct, names)):
+            size = prod(shape_of[name]) * 2 if name in shape_of else n
+            if size != (built[i] if built else n):
+                k = E.a(size)
+                E.f(keys[i])
+                keys[i] = k
+    for k, name in zip(keys, names):
+        if name in shape_of:
+            full[name] = k
+    return full
+
+
 LOGGED_FSDP2 = ("zero2", "zero3")
 """The FSDP2 strategies `logged_fsdp2_events` writes for a traced module (`fully_shard` per unit, then the
 root, sharded over the data-parallel ranks)."""
@@ -861,7 +890,8 @@ root, sharded over the data-parallel ranks)."""
 def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, grads: tuple, units: tuple,
                         batches: tuple, shard: int, reshard: bool, mixed: bool, optimizer: str, optimizer_impl: str,
                         grad_accum: int = 1, sync_every: bool = False, last_grad_late: bool = True,
-                        workspace: int = 0, conv_workspaces: dict | None = None) -> list:
+                        workspace: int = 0, conv_workspaces: dict | None = None, built: tuple = (),
+                        param_bytes: int = 4) -> list:
     """The events of a traced module's run under FSDP2 (zero2: `reshard`=False, zero3: True) on rank 0 of
     `shard`, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own
     allocations (`log`, as logged_step_events replays them) with FSDP2's between them where the trace marked
@@ -870,8 +900,9 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
     _fsdp_param_group.py):
 
     - construction: `construct` (bytes per tensor in `Module._apply`'s order; `construct_names` its parameter's
-      name, "" for a buffer: a parameter is allocated as `units` shapes it, 4 bytes an element, the fp32 model
-      the probe builds), then `fully_shard` per unit and the root last (`units`: (name, ((parameter, shape),
+      name, "" for a buffer; `built`: their bytes as the factory built them, else a parameter in fp32 from
+      `units`' shapes; pure 16-bit (`param_bytes` 2): the module cast after, `_built_and_cast`), then
+      `fully_shard` per unit and the root last (`units`: (name, ((parameter, shape),
       ...)), "root" for the parameters no unit owns): each parameter's padded dim-0 shard
       (`FSDPParam._init_sharded_param`), then the unit's full tensors go; then the input `batches`;
     - pre-forward: `unshard` (foreach_all_gather's flat output on the all-gather stream, under mixed
@@ -891,26 +922,23 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
     E = _Events()
     shape_of = {n: s for _, ps in units for n, s in ps}
     unit_of = {n: u for u, ps in units for n, _ in ps}
-    ud, rb = (2, 4) if mixed else (4, 4)
+    pb = param_bytes
+    ud, rb = (2, 4) if mixed else (pb, pb)
 
     def shard_of(s) -> int:
         return -(-s[0] // shard) * prod(s[1:]) if s else 1
-    full: dict = {}
-    for n, name in zip(construct, construct_names):
-        k = E.a(prod(shape_of[name]) * 4 if name in shape_of else n)
-        if name in shape_of:
-            full[name] = k
+    full = _built_and_cast(E, construct, construct_names, built, shape_of, pb)
     order = [u for u, ps in units if u != "root" and ps] + [u for u, ps in units if u == "root" and ps]
     shapes = {u: [s for _, s in ps] for u, ps in units}
     for u in order:
         for s in shapes[u]:
-            E.a(shard_of(s) * 4)
+            E.a(shard_of(s) * pb)
         E.f(*[full.pop(n) for n, _ in dict(units)[u] if n in full])
     for n in batches:
         E.a(n)
     grad_unit = {i: unit_of[n] for i, n in grads if n in unit_of}
     grad_pos = {i: [n for n, _ in dict(units)[unit_of[n]]].index(n) for i, n in grads if n in unit_of}
-    owned = [shard_of(s) * 4 for u in order for s in shapes[u]]
+    owned = [shard_of(s) * pb for u in order for s in shapes[u]]
     elems = {u: sum(shard_of(s) for s in shapes[u]) for u in order}
     ws = conv_workspaces or {}
     states: list = []
@@ -1030,7 +1058,8 @@ def _fsdp1_wrap_order(units: tuple) -> list:
 def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, grads: tuple, units: tuple,
                         batches: tuple, shard: int, strategy: str, mixed: bool, fp32_units: tuple,
                         optimizer: str, optimizer_impl: str, grad_accum: int = 1, sync_every: bool = False,
-                        workspace: int = 0, conv_workspaces: dict | None = None) -> list:
+                        workspace: int = 0, conv_workspaces: dict | None = None, built: tuple = (),
+                        param_bytes: int = 4) -> list:
     """The events of a traced module's run under FSDP1 (`strategy` in LOGGED_FSDP1) on rank 0 of `shard`,
     over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own allocations
     (`log`) with FSDP1's between them where the trace marked its hooks ([3]/[4] a unit's forward starts /
@@ -1062,20 +1091,17 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
     unit_of = {n: u for u, ps in units for n, _ in ps}
     sharded = strategy != "fsdp-no-shard" and shard > 1
     reshard_fwd = strategy in ("fsdp", "hsdp")
-    full: dict = {}
-    for n, name in zip(construct, construct_names):
-        k = E.a(prod(shape_of[name]) * 4 if name in shape_of else n)
-        if name in shape_of:
-            full[name] = k
+    pb = param_bytes  # the parameters' (and, without mixed precision, the gradients' and reductions') bytes
+    full = _built_and_cast(E, construct, construct_names, built, shape_of, pb)
     order = _fsdp1_wrap_order(units)
     elems = {u: sum(prod(shape_of[n]) for n in params_of[u]) for u in order}
     chunk = {u: -(-elems[u] // shard) if sharded else elems[u] for u in order}
     low = {u: mixed and u not in fp32_units for u in order}
     flats: dict = {}
     for u in order:
-        flat = E.a(elems[u] * 4)
+        flat = E.a(elems[u] * pb)
         if sharded:
-            E.a(chunk[u] * 4)
+            E.a(chunk[u] * pb)
             E.f(flat)
         else:
             flats[u] = flat
@@ -1085,7 +1111,7 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
     grad_unit = {i: unit_of[n] for i, n in grads if n in unit_of}
     grad_pos = {i: params_of[unit_of[n]].index(n) for i, n in grads if n in unit_of}
     opt_order = [u for u in order if u == "root"] + [u for u in order if u != "root"]
-    owned = [chunk[u] * 4 for u in opt_order]
+    owned = [chunk[u] * pb for u in opt_order]
     ws = conv_workspaces or {}
     states: list = []
     A = grad_accum
@@ -1095,7 +1121,7 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
         mp = E.a(chunk[u] * 2, 3) if low[u] else None
         if not sharded:
             return mp
-        flat = E.a(chunk[u] * shard * (2 if low[u] else 4), 1)
+        flat = E.a(chunk[u] * shard * (2 if low[u] else pb), 1)
         E.f(mp)
         return flat
     for step in range(WARMUP_STEPS + MEASURED_STEPS):
@@ -1132,8 +1158,8 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
                                 if sharded or low[v]:
                                     pad = chunk[v] * shard if sharded else elems[v]
                                     parts = ([chunk[v] * 2] if low[v] else []) + \
-                                        ([pad * (2 if low[v] else 4)] if sharded else []) + \
-                                        ([pad * 4] if low[v] and sharded else [])
+                                        ([pad * (2 if low[v] else pb)] if sharded else []) + \
+                                        ([pad * pb] if low[v] and sharded else [])
                                     for n in parts:
                                         E.f(E.a(n))
                         if u in elems and u not in held and (sharded or low[u]):
@@ -1150,7 +1176,7 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
                                 held[v] = unshard(v)
                     elif kind == 7:
                         g = [x for _, x in sorted(made.pop(u, {}).items())]
-                        flat_g = E.a(elems[u] * (2 if low[u] else 4), 1)
+                        flat_g = E.a(elems[u] * (2 if low[u] else pb), 1)
                         E.f(*g)
                         if u in acc:  # AccumulateGrad: added into the kept flat gradient
                             E.f(flat_g)
@@ -1166,9 +1192,10 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
                         E.f(unsh)
                         cast = E.a(elems[u] * 4, 2) if low[u] else None
                         src = cast if cast is not None else flat_g
+                        rb = 4 if low[u] else pb
                         if sharded:
-                            pad = E.a(chunk[u] * shard * 4, 2) if chunk[u] * shard != elems[u] else None
-                            out = E.a(chunk[u] * 4, 2)
+                            pad = E.a(chunk[u] * shard * rb, 2) if chunk[u] * shard != elems[u] else None
+                            out = E.a(chunk[u] * rb, 2)
                             E.f(cast, pad, flat_g)
                             if u in saved:  # `_saved_grad_shard += sharded_grad`
                                 E.f(out)

@@ -181,6 +181,9 @@ class ModuleDesc:
     its post-backward). Empty: an older profile."""
     construct_names: tuple = ()
     """Per `construct` entry, its parameter's name ("" for a buffer). Empty: an older profile."""
+    construct_built: tuple = ()
+    """Per `construct` entry, its bytes as the factory built it, before a 16-bit regime's cast (pure bf16
+    training casts the module after `model.to(device)`). Empty: an older profile."""
     alloc_log_every: int = 0
     """The activation checkpointing `alloc_log` was traced under (config.checkpoint_every: every k-th unit;
     0 none): a checkpointed run's log has the recomputations (`with_checkpointed_log`)."""
@@ -256,6 +259,7 @@ class ModuleDesc:
                    alloc_kept=tuple((prof.get("alloc_log") or {}).get("kept", ())),
                    alloc_grads=tuple((int(i), n) for i, n in (prof.get("alloc_log") or {}).get("grads", ())),
                    construct_names=tuple(prof.get("construct_names", ())),
+                   construct_built=tuple(int(n) for n in prof.get("construct_built", ())),
                    batchnorm=bool(prof.get("batchnorm", False)), fp32_units=tuple(prof.get("fp32_units", ())),
                    batch_inputs=tuple(i for i, s in enumerate(prof["segments"]) if s.get("input_is_batch")),
                    saved_inputs=tuple(i for i, s in enumerate(prof["segments"]) if s.get("input_already_saved")),
@@ -273,8 +277,12 @@ class ModuleDesc:
     def for_precision(self, precision: str) -> "ModuleDesc":
         """The traced description as a run of `precision` holds it: pure bf16 casts the whole module
         (`model.to(torch.bfloat16)`), its buffers too (`with_buffers_in`); otherwise as traced."""
-        # (pure bf16 casts the module after it is built: that cast's allocations are not in the trace's log)
-        return replace(self.with_buffers_in("bfloat16"), alloc_log=()) if precision == "bf16" else self
+        # (pure bf16 casts the module after it is built: that cast is written from `construct_built`, which
+        # an older profile lacks)
+        if precision != "bf16":
+            return self
+        cast = self.with_buffers_in("bfloat16")
+        return cast if self.construct_built else replace(cast, alloc_log=())
 
     def with_buffers_in(self, dtype: str) -> "ModuleDesc":
         """The module after `module.to(dtype)`: its floating-point buffers cast too (pure 16-bit training
@@ -1061,28 +1069,31 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
     one rank: alloc_trace.logged_fsdp2_events; FSDP1: alloc_trace.logged_fsdp1_events, the units'
     collectives where the trace marked FSDP's hooks) from its traced step's allocations, as a tuple (replay
     results are remembered by it; under activation checkpointing the log of the checkpointed trace,
-    `ModuleDesc.alloc_log_every`); None where they are not written: FSDP2 on one rank, a log traced without
-    the run's checkpointing, pure 16-bit or fp16 training (the cast after
-    construction, GradScaler's tensors), optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
+    `ModuleDesc.alloc_log_every`; pure bf16: the cast after construction from `ModuleDesc.construct_built`);
+    None where they are not written: FSDP2 on one rank, a log traced without the run's checkpointing, fp16
+    (GradScaler's tensors), optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
     without a log (a Hugging Face model: the analytic front end's replay; another batch than the traced)."""
     from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp1_events,
                               logged_fsdp2_events, logged_step_events)
+    pure = train.precision == "bf16"
     if (not desc.alloc_log or not desc.construct or train.optimizer not in LOGGED_OPTIMIZERS
-            or train.precision not in ("fp32", "bf16-mixed")
+            or train.precision not in ("fp32", "bf16-mixed", "bf16") or (pure and not desc.construct_built)
             or checkpoint_every(train.checkpointing) != desc.alloc_log_every):
         return None
+    built = desc.construct_built if pure else ()
     if strategy in LOGGED_FSDP2 and shard > 1 and desc.alloc_grads and desc.construct_names:
         return tuple(logged_fsdp2_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
                                          desc.units, (desc.batch_bytes,) * train.grad_accum, shard,
                                          strategy == "zero3", train.precision == "bf16-mixed", train.optimizer,
                                          train.optimizer_impl, train.grad_accum, train.sync_every,
-                                         fsdp2_reduce_keeps_last_grad(train), workspace, conv_workspaces))
+                                         fsdp2_reduce_keeps_last_grad(train), workspace, conv_workspaces,
+                                         built, 2 if pure else 4))
     if strategy in LOGGED_FSDP1 and desc.alloc_grads and desc.construct_names:
         return tuple(logged_fsdp1_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
                                          desc.units, (desc.batch_bytes,) * train.grad_accum, shard, strategy,
                                          train.precision == "bf16-mixed", desc.fp32_units, train.optimizer,
                                          train.optimizer_impl, train.grad_accum, train.sync_every, workspace,
-                                         conv_workspaces))
+                                         conv_workspaces, built, 2 if pure else 4))
     if family not in LOGGED_FAMILIES:
         return None
     prec = train.prec
@@ -1097,7 +1108,7 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
                                     tuple(prod(s) * prec.param_bytes for s in owned), train.optimizer,
                                     train.optimizer_impl, train.grad_accum, buckets, rebuilt,
                                     tuple(sum(sizes) for _, sizes in desc.buffers), workspace,
-                                    conv_workspaces))
+                                    conv_workspaces, built))
 
 
 _TRACE_SNAPSHOTS: list | None = None

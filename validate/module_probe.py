@@ -953,6 +953,10 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         # (`fsdp/wrap.py` `_wrap_module_cls_individually` with `mixed_precision=None`)
         full_precision = _fsdp1_full_precision_modules(torch, model) if dtype.startswith("fsdp1-") else []
         kept32 = {id(t) for _, m in full_precision for t in list(m.parameters()) + list(m.buffers())}
+        # each parameter's and buffer's bytes as the factory built them (before the casts below): pure
+        # 16-bit training builds the module so and casts it after `model.to(device)`
+        built_bytes = {id(t): int(t.numel() * t.element_size())
+                       for t in list(model.parameters()) + list(model.buffers())}
         if not autocast and tdtype != torch.float32:
             # Module.to() swaps tensors, which fake tensors refuse; assigning .data casts in place.
             # FSDP's mixed precision casts parameters only; a module's own `.to(dtype)` casts buffers too
@@ -998,6 +1002,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             buffer_dtypes[key] = buffer_dtypes.get(key, []) + [int(b.numel() * b.element_size())]
         construct: list = []
         construct_names: list = []  # each one's parameter name ("" for a buffer)
+        construct_built: list = []  # each one's bytes as built
         moved: set = set()
         param_name = {id(p): n for n, p in model.named_parameters()}
 
@@ -1009,6 +1014,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                     moved.add(id(t))
                     construct.append(int(t.numel() * t.element_size()))
                     construct_names.append(param_name.get(id(t), ""))
+                    construct_built.append(built_bytes.get(id(t), construct[-1]))
         apply_order(model)
         n_params = sum(u["numel"] for u in units.values())
         pbytes = next(iter(model.parameters())).element_size() if n_params else 4
@@ -1255,7 +1261,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         # (`Module._apply`: the children first, then the module's own parameters, then its buffers), and the
         # step's allocations (`_SegmentTracker.log`); a transformers model is planned with the analytic front
         # end's allocator replay instead
-        **({"construct_bytes": construct, "construct_names": construct_names, "alloc_log": alloc_log}
+        **({"construct_bytes": construct, "construct_names": construct_names, "construct_built": construct_built,
+            "alloc_log": alloc_log}
            if work.kind != "hf" else {}),
         "profile_s": time.perf_counter() - t0,
     }
