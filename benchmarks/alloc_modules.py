@@ -5,7 +5,7 @@
     python benchmarks/alloc_modules.py --fsdp OUT.json.gz [CASE_PREFIX,...]   # FSDP2 and FSDP1
     python benchmarks/alloc_modules.py --checkpointing OUT.json.gz [CASE_PREFIX,...]   # full / every-2
     python benchmarks/alloc_modules.py --deep OUT.json.gz [CASE_PREFIX,...]   # a 16-block ViT
-    python benchmarks/alloc_modules.py --bf16 OUT.json.gz [CASE_PREFIX,...]   # pure bf16
+    python benchmarks/alloc_modules.py --bf16 OUT.json.gz [CASE_PREFIX,...]   # pure bf16, fp16-mixed
 
 The MNIST CNN and the CIFAR ResNet (examples/), batch 32, under single, ddp and zero1 (rank 0 of 8 on the
 fake process group; single: one process): MNIST fp32 and bf16-mixed (CPU autocast) with Adam (and, single,
@@ -61,11 +61,13 @@ DEEP_RUNS = [  # `--deep`: a ViT of 16 nn.TransformerEncoderLayer blocks (exampl
     ("vit16-fp32-every-2", "examples.vit_tiny:make_deep", [16, 3, 32, 32], "fp32", "adamw", "foreach", 2, None),
 ]
 DEEP_STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp")
-BF16_RUNS = [  # `--bf16`: pure bf16 training (the module cast after it is built, validate/wrap.py)
+BF16_RUNS = [  # `--bf16`: pure bf16 training (the module cast after it is built, validate/wrap.py), and fp16-mixed
     ("mnist-bf16pure", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "bf16", "adamw", "foreach", 1, None),
     ("cifar-bf16pure", "examples.cifar_resnet:make_model", [32, 3, 32, 32], "bf16", "sgd-momentum", "foreach", 1,
      None),
     ("vit-bf16pure-full", "examples.vit_tiny:make_model", [32, 3, 32, 32], "bf16", "adamw", "foreach", 1, None),
+    # fp16-mixed as the fake process group runs it (no GradScaler: validate/wrap.py)
+    ("mnist-fp16", "examples.mnist_cnn:make_model", [32, 1, 28, 28], "fp16-mixed", "adam", "foreach", 1, None),
 ]
 BF16_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-shard")
 

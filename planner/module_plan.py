@@ -1070,28 +1070,28 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
     collectives where the trace marked FSDP's hooks) from its traced step's allocations, as a tuple (replay
     results are remembered by it; under activation checkpointing the log of the checkpointed trace,
     `ModuleDesc.alloc_log_every`; pure bf16: the cast after construction from `ModuleDesc.construct_built`);
-    None where they are not written: FSDP2 on one rank, a log traced without the run's checkpointing, fp16
-    (GradScaler's tensors), optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
+    None where they are not written: FSDP2 on one rank, a log traced without the run's checkpointing,
+    optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
     without a log (a Hugging Face model: the analytic front end's replay; another batch than the traced)."""
     from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp1_events,
                               logged_fsdp2_events, logged_step_events)
-    pure = train.precision == "bf16"
+    pure, mixed = train.precision == "bf16", train.precision in ("bf16-mixed", "fp16-mixed")
     if (not desc.alloc_log or not desc.construct or train.optimizer not in LOGGED_OPTIMIZERS
-            or train.precision not in ("fp32", "bf16-mixed", "bf16") or (pure and not desc.construct_built)
-            or checkpoint_every(train.checkpointing) != desc.alloc_log_every):
+            or train.precision not in ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+            or (pure and not desc.construct_built) or checkpoint_every(train.checkpointing) != desc.alloc_log_every):
         return None
     built = desc.construct_built if pure else ()
     if strategy in LOGGED_FSDP2 and shard > 1 and desc.alloc_grads and desc.construct_names:
         return tuple(logged_fsdp2_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
                                          desc.units, (desc.batch_bytes,) * train.grad_accum, shard,
-                                         strategy == "zero3", train.precision == "bf16-mixed", train.optimizer,
+                                         strategy == "zero3", mixed, train.optimizer,
                                          train.optimizer_impl, train.grad_accum, train.sync_every,
                                          fsdp2_reduce_keeps_last_grad(train), workspace, conv_workspaces,
                                          built, 2 if pure else 4))
     if strategy in LOGGED_FSDP1 and desc.alloc_grads and desc.construct_names:
         return tuple(logged_fsdp1_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
                                          desc.units, (desc.batch_bytes,) * train.grad_accum, shard, strategy,
-                                         train.precision == "bf16-mixed", desc.fp32_units, train.optimizer,
+                                         mixed, desc.fp32_units, train.optimizer,
                                          train.optimizer_impl, train.grad_accum, train.sync_every, workspace,
                                          conv_workspaces, built, 2 if pure else 4))
     if family not in LOGGED_FAMILIES:
@@ -1099,7 +1099,7 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
     prec = train.prec
     shapes = desc.all_shapes()
     owned = _zero1_owned(shapes, shard, rank) if family == "zero1" and shard > 1 else shapes
-    autocast = train.precision == "bf16-mixed"
+    autocast = mixed
     total = sum(prod(s) for s in shapes)
     buckets = (total * prec.grad_bytes,) if family in ("ddp", "zero1") else ()
     rebuilt = tuple(ddp_buckets(desc, prec.grad_bytes, DDP_BUCKET_CAP_MB, autocast)) if buckets else ()
