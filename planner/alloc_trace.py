@@ -145,6 +145,22 @@ def _adam_temporaries(E: _Events, sizes, optimizer: str, impl: str) -> None:
                 E.f(E.a(n), E.a(n))
 
 
+def _logged_optimizer_step(E: _Events, states: list, owned, optimizer: str, impl: str) -> None:
+    """A traced module's optimizer step (torch/optim/adam.py, sgd.py) over parameters of `owned` bytes: in the
+    first step `_init_group` makes each one's state into `states` -- Adam(W) `exp_avg` and `exp_avg_sq`
+    (fused: a 4-byte `step` on the device before them), SGD with momentum the `momentum_buffer` -- then
+    Adam's step temporaries (`_adam_temporaries`)."""
+    if not states:
+        for n in owned:
+            if optimizer in ("adam", "adamw"):
+                if impl == "fused":
+                    states.append(E.a(4))
+                states.extend((E.a(n), E.a(n)))
+            elif optimizer == "sgd-momentum":
+                states.append(E.a(n))
+    _adam_temporaries(E, owned, optimizer, impl)
+
+
 def _split(total: int, parts: list[int]) -> list[int]:
     """`parts` (the shapes' bytes) scaled so they add up to `total` (the planner's bytes): the largest
     part absorbs the difference when it is small, else every part is scaled."""
@@ -845,15 +861,7 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
             if not k:
                 grads = [keys.pop(i) for i in kept if i in keys]
             E.f(*keys.values())  # (nothing else outlives a micro-step)
-        if not states:
-            for n in owned:
-                if optimizer in ("adam", "adamw"):
-                    if optimizer_impl == "fused":
-                        states.append(E.a(4))
-                    states.extend((E.a(n), E.a(n)))
-                elif optimizer == "sgd-momentum":
-                    states.append(E.a(n))
-        _adam_temporaries(E, owned, optimizer, optimizer_impl)
+        _logged_optimizer_step(E, states, owned, optimizer, optimizer_impl)
         E.f(*grads)
     return E.ev
 
@@ -1025,15 +1033,7 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
             for u in list(held):
                 E.f(*held.pop(u))
             E.f(*keys.values())
-        if not states:
-            for n in owned:
-                if optimizer in ("adam", "adamw"):
-                    if optimizer_impl == "fused":
-                        states.append(E.a(4))
-                    states.extend((E.a(n), E.a(n)))
-                elif optimizer == "sgd-momentum":
-                    states.append(E.a(n))
-        _adam_temporaries(E, owned, optimizer, optimizer_impl)
+        _logged_optimizer_step(E, states, owned, optimizer, optimizer_impl)
         E.f(*kept)
     return E.ev
 
@@ -1213,15 +1213,7 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
             for u in list(held):
                 E.f(held.pop(u))
             E.f(*keys.values())
-        if not states:
-            for n in owned:
-                if optimizer in ("adam", "adamw"):
-                    if optimizer_impl == "fused":
-                        states.append(E.a(4))
-                    states.extend((E.a(n), E.a(n)))
-                elif optimizer == "sgd-momentum":
-                    states.append(E.a(n))
-        _adam_temporaries(E, owned, optimizer, optimizer_impl)
+        _logged_optimizer_step(E, states, owned, optimizer, optimizer_impl)
         E.f(*kept)
     return E.ev
 
