@@ -4,7 +4,9 @@
 
 Each probe runs the transformers model itself (validate/workload.py `HFWorkload`, as `distplan validate
 --hf-config` does): Llama (GQA, untied), Qwen2 (tied embeddings) and GPT-2 (gelu_new, dropout) at 8
-layers, width 1024, vocabulary 8192, 2 x 256 tokens, AdamW foreach, fp32, rank 0 of 8 on the fake
+layers, width 1024, vocabulary 8192 (tests/data/alloc_events_cpu_hf.json.gz); Mixtral (4 experts, top-2,
+width 512) and OLMo-2 (q/k norms over the width), which only the trace front end plans
+(`python benchmarks/alloc_hf.py tests/data/alloc_events_cpu_hf_traced.json.gz mixtral,olmo2`), 2 x 256 tokens, AdamW foreach, fp32, rank 0 of 8 on the fake
 process group, with `DISTPLAN_ALLOC_EVENTS`, so validate.measure.Tracker writes every storage allocation,
 free and collective touch in host order. The config.json of each model is stored with its spec. The test
 replays the recorded events and compares the reserved peak with the trace front end's (its allocated
@@ -34,6 +36,16 @@ CONFIGS = {
     "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 1024, "n_layer": 8,
              "n_head": 8, "n_positions": 1024, "vocab_size": 8192, "activation_function": "gelu_new",
              "attn_pdrop": 0.1, "embd_pdrop": 0.1, "resid_pdrop": 0.1, "layer_norm_epsilon": 1e-05},
+    # model types the analytic front end does not read: their reserved peak is the trace's own replay only
+    "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,
+                "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 2048,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+                "sliding_window": None},
+    "olmo2": {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "hidden_size": 1024,
+              "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "vocab_size": 8192, "max_position_embeddings": 2048,
+              "hidden_act": "silu", "rms_norm_eps": 1e-06, "tie_word_embeddings": False},
 }
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
 TRAIN = {"seq_len": 256, "micro_batch": 2, "grad_accum": 1, "grad_sync": "last", "precision": "fp32",

@@ -216,7 +216,15 @@ def _fsdp2_gather(E: _Events, shapes, shard: int, ud: int, mixed: bool = False) 
 def _fsdp2_unshard(E: _Events, shapes, shard: int, ud: int, mixed: bool = False) -> tuple[int, list[int]]:
     """All-gather + `foreach_all_gather_copy_out`: (flat output, per-parameter unsharded tensors)."""
     flat = _fsdp2_gather(E, shapes, shard, ud, mixed)
-    return flat, [E.a(prod(s) * ud) for s in shapes]
+    return flat, _fsdp2_copy_out(E, shapes, shard, ud)
+
+
+def _fsdp2_copy_out(E: _Events, shapes, shard: int, ud: int) -> list[int]:
+    """The unsharded parameters `foreach_all_gather_copy_out` copies into: `FSDPParam.init_all_gather_outputs`
+    makes each one of its padded shard's numel x the shard group's ranks (_fsdp_param.py), the parameter
+    being an `as_strided` view of it, so a parameter whose dim 0 does not divide by the ranks (a MoE's
+    experts: 4 rows over 8 ranks) holds its padding too."""
+    return [E.a(-(-s[0] // shard) * prod(s[1:]) * shard * ud if s else ud) for s in shapes]
 
 
 def _fsdp2_post_backward(E: _Events, u, g: list, params: list, rs_kept, unsharded: int, sharded: int, shapes,
@@ -578,7 +586,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             flat = pending.pop(j, None)
             if flat is None:
                 flat = unshard_flat(block_shapes)
-            held[j] = [E.a(prod(s) * ud) for s in block_shapes]
+            held[j] = _fsdp2_copy_out(E, block_shapes, shard, ud)
             E.f(flat)
 
         for j in reversed(range(L)):
@@ -979,7 +987,7 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
                 f = pending.pop(u, None)
                 if f is None:
                     f = _fsdp2_gather(E, shapes[u], shard, ud, mixed)
-                held[u] = [E.a(prod(s) * ud) for s in shapes[u]]
+                held[u] = _fsdp2_copy_out(E, shapes[u], shard, ud)
                 E.f(f)
 
             def post(u) -> None:

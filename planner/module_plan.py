@@ -1651,21 +1651,30 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                      "the bytes it moves (the rest), with launch and host costs, plus exposed communication"
                      + (" (eager kernels: torch.compile's fusion is not modelled for a traced model)"
                         if kw.get("compile") else ""))
-    if hf:
+    replayed = [r.name for r in results if r.memory.reserved_replay is not None]
+    rest = [r for r in results if r.memory.reserved_replay is None]
+    parts = [f"the traced step's own allocations replayed through the caching allocator for "
+             f"{', '.join(replayed)}"] if replayed else []
+    if hf and rest:
+        # where the step's allocations are not written (checkpointing, FSDP2 on one rank, an optimizer the
+        # writers lack): the analytic front end's cached-but-free bytes of the same run, where it reads the config
         if twin is not None:
-            unpaired = [r.name for r in results if not pair_reserved(r.memory, twin(r.name, desc.batch))]
-            why = (f"{', '.join(unpaired)}: the analytic front end's allocated peak differs from the trace's by "
-                   f"more than {TWIN_TOLERANCE:.0%}" if unpaired else None)
-        notes.append("reserved peak: the trace's allocated peak plus the cached-but-free bytes of the analytic "
-                     "front end's allocator replay of the same run" + (f"; {RESERVED_MARGIN:.0%} margin instead "
-                                                                      f"for {why}" if why else ""))
-    else:
-        replayed = [r.name for r in results if r.memory.reserved_replay is not None]
-        margin = [r.name for r in results if r.memory.reserved_replay is None]
-        if replayed:
-            notes.append(f"reserved peak: the traced step's own allocations replayed through the caching allocator "
-                         f"for {', '.join(replayed)}" + (f"; the allocated peak + {RESERVED_MARGIN:.0%} for "
-                                                         f"{', '.join(margin)} (not written for them)" if margin else ""))
+            paired = [r.name for r in rest if pair_reserved(r.memory, twin(r.name, desc.batch))]
+            if paired:
+                parts.append(f"the trace's allocated peak plus the cached-but-free bytes of the analytic front end's "
+                             f"allocator replay of the same run for {', '.join(paired)}")
+            margin = [r.name for r in rest if r.name not in paired]
+            why = (f"{', '.join(margin)} (the analytic front end's allocated peak differs from the trace's by more "
+                   f"than {TWIN_TOLERANCE:.0%})" if margin else None)
+        else:
+            why = f"{', '.join(r.name for r in rest)} ({why})"
+        if why:
+            parts.append(f"{RESERVED_MARGIN:.0%} margin for {why}")
+    elif rest:
+        parts.append(f"the allocated peak + {RESERVED_MARGIN:.0%} for {', '.join(r.name for r in rest)} (not written "
+                     f"for them)")
+    if replayed or hf:
+        notes.append("reserved peak: " + "; ".join(parts))
     return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s,
                       workspaces=workspaces, twin=twin, kw=dict(kw))
 

@@ -81,15 +81,92 @@ def test_trace_reserved_against_recorded_hf_traces(tmp_path):
     assert statistics.median(abs(e) for e in errs.values()) < statistics.median(abs(e) for e in margin_errs.values())
 
 
+def _own_replays(name: str, tmp_path) -> dict:
+    """pid -> (reserved error %, allocated error %) of the trace front end's own written run
+    (module_plan.logged_module_events over the traced step's allocation log, expanded from 4 traced layers)
+    against each recorded CPU probe of tests/data/`name` (benchmarks/alloc_hf.py)."""
+    from distplan.planner.module_plan import _shard_group, logged_module_events
+    with gzip.open(ROOT / "tests" / "data" / name, "rt") as f:
+        doc = json.load(f)
+    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory_bytes=10**15, gpu_name="h100-sxm", nics_per_node=8)
+    descs: dict = {}
+    errs = {}
+    for pid, events in doc["events"].items():
+        case = doc["specs"][pid]
+        st = get_strategy(case["strategy"])
+        t = case["train"]
+        cfg = tmp_path / f"{case['model_type']}.json"
+        cfg.write_text(json.dumps(case["config"]))
+        work = HFWorkload(str(cfg), t["micro_batch"], t["seq_len"], None)
+        regime = _regime(t["precision"], st.family)
+        if (cfg, regime) not in descs:
+            prof = profile(work, regime)
+            assert prof["traced_layers"] == 4 and prof["alloc_log"]["events"], pid  # 8 layers from 4 traced
+            descs[cfg, regime] = ModuleDesc.from_profile(prof)
+        desc = descs[cfg, regime]
+        model = ModuleModel(desc.name, work.label, desc.param_count(), desc.units, layers=len(desc.units))
+        train = ModuleTrain(model, precision=t["precision"], input_shape=work.input_shape, seq_len=t["seq_len"])
+        written = logged_module_events(desc, train, st.family, 8, _shard_group(st, cluster)[1], strategy=st.name)
+        assert written is not None, pid
+        w, r = replay(list(written)), replay(comm_streams(events, st.family) if st.family in ("fsdp1", "fsdp2")
+                                                else [e for e in events if e[0] != "comm"])
+        errs[pid] = (round(100 * (w.peak_reserved / r.peak_reserved - 1), 1),
+                     round(100 * (w.peak_allocated / r.peak_allocated - 1), 2))
+    print(errs)
+    return errs
+
+
+def test_trace_own_replay_against_recorded_hf_traces(tmp_path):
+    """The reserved peak `estimate --hf-config` prints for a GPU (module_plan.estimate_module_memory with the
+    trace's own events): the traced step's allocations, FSDP's and DDP's buffers written between them at the
+    hooks the trace marked, replayed. Against the 12 recorded probes above (Llama, Qwen2 tied, GPT-2 with
+    dropout under ddp, zero2, zero3, fsdp). Measured 2026-12-02 (torch 2.13 CPU): the reserved peak to the byte
+    in 4, within 1.6% in all (median 0.85%; ddp +1.3% to +1.6%: the written run's `_broadcast_coalesced` flat
+    buffers at DDP's construction, which the fake process group's recording does not show); the allocated peak
+    within 0.7%. The analytic front end's pairing (above) had read -3.3% to +3.4%, median 2.15%."""
+    errs = _own_replays("alloc_events_cpu_hf.json.gz", tmp_path)
+    assert len(errs) == 12
+    assert statistics.median(abs(r) for r, _ in errs.values()) <= 1.0, errs
+    assert max(abs(r) for r, _ in errs.values()) <= 2.0, errs
+    assert max(abs(a) for _, a in errs.values()) <= 1.0, errs
+
+
+def test_trace_own_replay_of_model_types_only_the_trace_reads(tmp_path):
+    """Mixtral (4 experts, top-2: each expert's 3-D weight has 4 rows for 8 ranks, so FSDP2 all-gathers and
+    copies out its padding too) and OLMo-2 (q/k norms over the width), which the analytic front end does not
+    read: before this their reserved peak was the allocated peak + 10%. Recorded CPU probes
+    (tests/data/alloc_events_cpu_hf_traced.json.gz; 8 layers, 2 x 256 tokens, fp32, rank 0 of 8; ddp, zero2,
+    zero3, fsdp). Measured 2026-12-02: the reserved peak to the byte in 7 of 8, +0.4% (OLMo-2 ddp) in the other;
+    the allocated peak within 0.5%."""
+    errs = _own_replays("alloc_events_cpu_hf_traced.json.gz", tmp_path)
+    assert len(errs) == 8
+    assert sum(r == 0 for r, _ in errs.values()) >= 7, errs
+    assert max(abs(r) for r, _ in errs.values()) <= 0.5, errs
+    assert max(abs(a) for _, a in errs.values()) <= 0.5, errs
+
+
+def test_trace_plan_of_a_model_type_only_the_trace_reads_replays_its_own_run():
+    p = _plan(EXAMPLES / "mixtral-8l.json")
+    assert all(r.memory.reserved_source == "allocator replay" for r in p.results), \
+        [(r.name, r.memory.reserved_source) for r in p.results]
+    assert any(n.startswith("reserved peak: the traced step's own allocations") and "margin" not in n
+               for n in p.notes), p.notes
+
+
 def _plan(config, **kw):
     return module_spec_plan(dict(dict(hf_config=str(config), gpus=8, gpu="h100-sxm", seq_len=256, micro_batch=1,
                                       precision="bf16-mixed", detect_local=False), **kw),
                             ("ddp", "zero2", "zero3", "fsdp"))
 
 
-def test_trace_plan_takes_the_analytic_replay():
+def test_trace_plan_replays_its_own_run_and_pairs_where_that_is_not_written():
     p = _plan(EXAMPLES / "llama-8l.json")
-    assert any(n.startswith("reserved peak: the trace's allocated peak plus") and "margin instead" not in n
+    assert all(r.memory.reserved_source == "allocator replay" for r in p.results)
+    assert any(n == "reserved peak: the traced step's own allocations replayed through the caching allocator for "
+               "ddp, zero2, zero3, fsdp" for n in p.notes), p.notes
+    # a transformers model's checkpointed run is not written from its trace: paired with the analytic replay
+    p = _plan(EXAMPLES / "llama-8l.json", activation_checkpointing="full")
+    assert any(n.startswith("reserved peak: the trace's allocated peak plus") and "margin" not in n
                for n in p.notes), p.notes
     for r in p.results:
         m = r.memory
@@ -105,14 +182,16 @@ def test_trace_plan_takes_the_analytic_replay():
     assert zero3.peak_reserved > 1.1 * zero3.peak_allocated
 
 
-def test_trace_keeps_the_margin_where_the_formulas_do_not_read_the_model():
-    p = _plan(EXAMPLES / "olmo2-8l.json")  # q/k norms over the whole width: a model_type only the trace plans
+def test_trace_keeps_the_margin_where_neither_replay_is_written():
+    # q/k norms over the whole width: a model_type only the trace plans; checkpointed, its run is not written
+    p = _plan(EXAMPLES / "olmo2-8l.json", activation_checkpointing="full")
     assert all(r.memory.reserved_source == "10% margin" for r in p.results)
-    assert any("10% margin instead for this model_type" in n and "llama" in n for n in p.notes), p.notes
+    assert any("10% margin for ddp, zero2, zero3, fsdp (this model_type" in n and "llama" in n
+               for n in p.notes), p.notes
     # no analytic twin: the step time is the traced kernels', and the plan says so
     assert any(n.startswith("step time: every kernel the traced step launched") for n in p.notes), p.notes
     # Gemma-2: the formulas read it (sandwich norms, soft-capped eager attention), so the trace pairs with them
-    p = _plan(EXAMPLES / "gemma2-8l.json")
+    p = _plan(EXAMPLES / "gemma2-8l.json", activation_checkpointing="full")
     assert not any(n.startswith("step time: every kernel the traced") for n in p.notes), p.notes
     assert all(r.memory.reserved_source == "allocator replay of the analytic front end" for r in p.results), \
         [(r.name, r.memory.reserved_source) for r in p.results]
@@ -136,7 +215,7 @@ def test_the_plan_traces_what_cudas_kernels_keep():
         for r in p.results:
             a = twin(r.name, 1).peak_allocated
             assert r.memory.peak_allocated == pytest.approx(a, rel=2e-4), (cfg, precision, r.name)
-            assert r.memory.reserved_source == "allocator replay of the analytic front end", (cfg, r.name)
+            assert r.memory.reserved_source == "allocator replay", (cfg, r.name)
         assert not any("kernels keep" in n for n in p.notes), p.notes
 
 
@@ -151,7 +230,7 @@ def test_real_width_fp32_math_attention_pairs_with_the_formulas():
     twin, _ = analytic_twins(kw, p.cluster)
     for r in p.results:
         assert r.memory.peak_allocated == pytest.approx(twin(r.name, 2).peak_allocated, rel=5e-3), r.name
-        assert r.memory.reserved_source == "allocator replay of the analytic front end", r.name
+        assert pair_reserved(r.memory, twin(r.name, 2)), r.name  # (the trace's own replay is printed first)
     # the CPU's kernels keep other bytes: the trace of each device differs by what the formulas say
     from distplan.planner.activations import activations_in
     from distplan.planner.api import resolve_model
@@ -197,19 +276,20 @@ def test_root_gradient_of_the_last_block_segment(tmp_path):
     assert min(s.parts["grads"] for s in backward[4:-3]) >= head + norm
 
 
-def test_gpu_probe_prediction_judges_reserved_where_paired():
-    """`distplan validate --hf-config` on a GPU judges max_memory_reserved against the paired reserved peak;
-    a model the analytic front end does not read gets no reserved prediction (a margin is not one), nor
-    does a CPU probe."""
+def test_gpu_probe_prediction_judges_reserved_where_replayed():
+    """`distplan validate --hf-config` on a GPU judges max_memory_reserved against the trace's own replay, for
+    a model the analytic front end reads and one it does not; where neither replay is written (a
+    checkpointed OLMo-2) it gets no reserved prediction (a margin is not one), nor does a CPU probe."""
     from distplan.planner.module_plan import predict_module_probe
 
-    def predicted(config, device_type):
+    def predicted(config, device_type, checkpointing="none"):
         spec = {"strategy": "zero3", "world_size": 8, "gpus_per_node": 8, "mode": "fake", "device_type": device_type,
-                "train": {"seq_len": 256, "micro_batch": 2, "precision": "bf16-mixed"},
+                "train": {"seq_len": 256, "micro_batch": 2, "precision": "bf16-mixed", "checkpointing": checkpointing},
                 "module": {"hf_config": str(EXAMPLES / config), "micro_batch": 2, "seq_len": 256, "layers": None}}
         return predict_module_probe(spec)["memory"]
 
-    llama = predicted("llama-8l.json", "cuda")
-    assert llama["peak_reserved"] % (2 * MiB) == 0 and llama["peak_reserved"] > llama["peak_allocated"]
-    assert "peak_reserved" not in predicted("olmo2-8l.json", "cuda")
+    for config in ("llama-8l.json", "olmo2-8l.json"):
+        m = predicted(config, "cuda")
+        assert m["peak_reserved"] % (2 * MiB) == 0 and m["peak_reserved"] > m["peak_allocated"], config
+    assert "peak_reserved" not in predicted("olmo2-8l.json", "cuda", "full")
     assert "peak_reserved" not in predicted("llama-8l.json", "cpu")

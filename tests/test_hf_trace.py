@@ -47,11 +47,15 @@ def test_fake_trace_equals_real_run(model_type, dtype):
 
 
 @pytest.mark.parametrize("model_type,dtype", [("llama", "float32"), ("gpt2", "autocast-bfloat16"),
-                                              ("qwen2", "bfloat16")])
+                                              ("qwen2", "bfloat16"), ("mixtral", "autocast-bfloat16"),
+                                              ("olmo2", "fsdp-bfloat16")])
 def test_expanded_trace_equals_full_trace(model_type, dtype):
+    """Everything the planner reads, the construction order and the step's allocation log (each event, id
+    and free in order, the gradients' ids and names) included."""
     path = str(HF / f"{model_type}-8l.json")
     expanded = profile_hf(path, 2, 32, dtype)
     assert expanded["traced_layers"] == TRACE_LAYERS
+    assert expanded["alloc_log"]["events"] and len(expanded["construct_paths"]) > 8 * 2
     full = profile_workload(HFWorkload(path, 2, 32), dtype)
     assert _same(expanded, full, skip=("profile_s", "traced_layers", "layer_flops")) == []
 

@@ -421,7 +421,7 @@ class _SegmentTracker:
         # parameters is accumulated (FSDP1's post-backward hook, on its flat parameter's AccumulateGrad).
         self.log: list = []
         self.grad_names: dict = {}  # log id of a parameter's gradient (as AccumulateGrad keeps it) -> its name
-        self.logging = True  # off for a transformers model (its plan takes the analytic front end's replay)
+        self.logging = True
         self._log_live: dict = {}  # storage key -> (weak ref, id)
         tracker = self
 
@@ -507,7 +507,7 @@ class _SegmentTracker:
         (the parameters' gradients, which `zero_grad(set_to_none=True)` drops after the optimizer step),
         "grads": [[id, parameter name], ...] of those}."""
         self._log_frees()
-        return {"events": self.log, "kept": sorted(v[1] for v in self._log_live.values()),
+        return {"events": _post_backward_first(_frees_in_order(self.log)), "kept": sorted(v[1] for v in self._log_live.values()),
                 "grads": sorted([i, n] for i, n in self.grad_names.items())}
 
     def log_marker(self, kind: int, unit: str | None) -> None:
@@ -766,6 +766,7 @@ def _without_wrapper_names(prof: dict) -> dict:
         u["params"] = [[bare(n), s] for n, s in u["params"]]
     prof["fp32_units"] = [bare(n) for n in prof.get("fp32_units", ())]
     prof["construct_names"] = [bare(n) for n in prof.get("construct_names", ())]
+    prof["construct_paths"] = [bare(n) for n in prof.get("construct_paths", ())]
     log = prof.get("alloc_log") or {}
     log["events"] = [[e[0], bare(e[1]), *e[2:]] if e[0] >= 3 else e for e in log.get("events", ())]
     log["grads"] = [[i, bare(n)] for i, n in log.get("grads", ())]
@@ -856,6 +857,29 @@ def expand_layers(prof: dict, depth: int, work) -> dict:
             run.append([n, k])
     flush()
     out["grad_ready"] = ready
+    # the construction and the step's allocations, the middle layer's repeated (`_expanded_log`)
+    construct = [(p, n, nm, b) for p, n, nm, b in zip(prof.get("construct_paths", ()), prof.get("construct_bytes", ()),
+                                                     prof.get("construct_names", ()), prof.get("construct_built", ()))]
+    expanded_construct = []
+    runs: list = []  # consecutive entries of one layer (`Module._apply` moves a child's tensors together)
+    for entry in construct:
+        j = layer_of(entry[0])
+        if runs and runs[-1][0] == j:
+            runs[-1][1].append(entry)
+        else:
+            runs.append((j, [entry]))
+    for j, run in runs:
+        expanded_construct.extend(run if j is None else [(renamed(p, j, i), n, renamed(nm, j, i), b)
+                                                         for i in mapping[j] for p, n, nm, b in run])
+    log = _expanded_log(prof.get("alloc_log") or {}, depth, layer_of, renamed)
+    if log is not None and [(e[1], e[3]) for e in construct if layer_of(e[0]) == 1] == [
+            (e[1], e[3]) for e in construct if layer_of(e[0]) == 2]:
+        for key, k in (("construct_paths", 0), ("construct_bytes", 1), ("construct_names", 2), ("construct_built", 3)):
+            out[key] = [e[k] for e in expanded_construct]
+        out["alloc_log"] = log
+    else:  # (not a stack of identical layers: no allocation log, the plan's reserved peak is the margin's)
+        for key in ("construct_paths", "construct_bytes", "construct_names", "construct_built", "alloc_log"):
+            out.pop(key, None)
     extra = depth - TRACE_LAYERS
     out["params"] = prof["params"] + extra * layer_units[1]["numel"]
     out["activation_bytes"] = sum(s["activation_bytes"] for s in segs)
@@ -864,6 +888,157 @@ def expand_layers(prof: dict, depth: int, work) -> dict:
     out["factory"] = work.label
     out["traced_layers"] = TRACE_LAYERS
     return out
+
+
+def _frees_in_order(events: list) -> list:
+    """`events` with each run of consecutive frees in allocation (id) order. Which op's end finds a storage
+    gone can differ between fake and real tensors (the same frees, one op apart); the caching allocator's
+    state after a run of frees does not depend on their order (a freed block merges with its free
+    neighbours, whichever went first), so a log is kept in this one order."""
+    out: list = []
+    run: list = []
+    for e in events:
+        if e[0] == 0:
+            run.append(e)
+            continue
+        out.extend(sorted(run, key=lambda f: f[1]))
+        run = []
+        out.append(e)
+    out.extend(sorted(run, key=lambda f: f[1]))
+    return out
+
+
+def _post_backward_first(events: list) -> list:
+    """`events` with a unit's inputs' gradient ([6, unit]) ahead of the unit before it's outputs' gradient
+    ([5, unit]) where the two are one tensor's (nothing between them). The trace hooks both on that tensor,
+    the earlier unit's first; FSDP2 passes a unit's inputs through `RegisterPostBackwardFunction`
+    (_fully_shard/_fsdp_state.py `_pre_forward` -> _fsdp_param_group.py `_register_post_backward_hook`), whose
+    backward runs before the gradient reaches the tensor's own hooks, so its post-backward comes first."""
+    out = list(events)
+    for i in range(len(out) - 1):
+        if out[i][0] == 5 and out[i + 1][0] == 6:
+            out[i], out[i + 1] = out[i + 1], out[i]
+    return out
+
+
+def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
+    """A TRACE_LAYERS-deep step's allocation log (`_SegmentTracker.log`) as the `depth`-deep model's, or None
+    where it cannot be said so. Each event belongs to a layer's region -- its forward from its pre-forward to
+    its post-forward marker ([3, unit] .. [4, unit]), its backward from its outputs' gradient ([5, unit]) to
+    the next layer's (the first layer's: to its inputs' gradient, [6, unit]) -- or to the root's ops between
+    them (a layer's forward runs on to the next one's, the last one's to the root's post-forward: the final
+    norm, the head and the loss). Traced layer 2's regions are repeated for layers 2 .. depth - 2 (deeper layers first in backward),
+    layer 3's stand for the last. A tensor is named by its layer and its place among that region's
+    allocations; an event of a region that frees (or a marker that names) another layer's tensor names the
+    one at the same offset from the region's layer as traced (a layer's backward frees the input the
+    layer before it passed it, and the gradient the layer after it passed back). The root's ops free every
+    copy of a middle layer's tensor (autocast's cache at the end of the forward). Ids are renumbered in
+    allocation order and each run of frees is in that order, as `close_log` lists them; equal to tracing
+    every layer (tests/test_hf_trace.py). None when the repeated layers' allocations differ in size, or a
+    repeated region frees a tensor of the root or names a layer past the ends."""
+    events = log.get("events")
+    if not events:
+        return None
+    last = depth - 1
+    target = {0: 0, 1: 1, 3: last}  # traced layer -> its layer in the deep model (2: 2 .. last - 1)
+    region = None
+    tagged = []  # (region (kind, traced layer) or None, event)
+    for e in events:
+        j = layer_of(e[1]) if e[0] >= 3 and isinstance(e[1], str) else None
+        if e[0] == 3 and j is not None:
+            region = ("F", j)
+        elif e[0] == 5 and j is not None:
+            region = ("B", j)
+        if e[0] == 4 and e[1] == "root":
+            region = None
+        tagged.append((region, e))
+        if e[0] == 6 and j == 0:
+            region = None
+    owner: dict = {}  # traced id -> (kind, traced layer, place) or ("root", id)
+    sizes: dict = {}  # (kind, traced layer) -> the region's allocation sizes in order
+    for r, e in tagged:
+        if e[0] == 1:
+            if r is None:
+                owner[e[1]] = ("root", e[1])
+            else:
+                got = sizes.setdefault(r, [])
+                owner[e[1]] = (r[0], r[1], len(got))
+                got.append(e[2])
+    for kind in ("F", "B"):  # (the last layer's forward goes on with the root's ops after it: the head, the loss)
+        middle = sizes.get((kind, 2))
+        if not middle or sizes.get((kind, 1)) != middle or sizes.get((kind, 3), [])[:len(middle)] != middle:
+            return None
+
+    def source(t: int) -> int:  # the traced layer whose tensors layer t's are
+        return {0: 0, 1: 1, last: 3}.get(t, 2)
+
+    def name(x, t: int):  # the deep model's tensor: x (traced) of layer t
+        o = owner[x]
+        if o[0] == "root":
+            return o
+        src = sizes.get((o[0], source(t)), ())
+        if not 0 <= t <= last or o[2] >= len(src) or src[o[2]] != sizes[(o[0], o[1])][o[2]]:
+            raise LookupError
+        return (o[0], t, o[2])
+
+    blocks: list = []  # (region, its events), consecutive
+    for r, e in tagged:
+        if blocks and blocks[-1][0] == r:
+            blocks[-1][1].append(e)
+        else:
+            blocks.append((r, [e]))
+    out: list = []
+    try:
+        for r, block in blocks:
+            if r is None:
+                copies = [None]
+            elif r[1] == 2:
+                copies = list(range(2, last)) if r[0] == "F" else list(range(last - 1, 1, -1))
+            else:
+                copies = [target[r[1]]]
+            for t, e in ((t, e) for t in copies for e in block):
+                shift = 0 if r is None else t - r[1]
+                if e[0] == 1:
+                    out.append((1, name(e[1], t) if r is not None else owner[e[1]], e[2]))
+                elif e[0] == 0:
+                    o = owner.get(e[1])
+                    if o is None:  # (not made in the step: never logged)
+                        continue
+                    if o[0] == "root":
+                        if r is not None and r[1] == 2:
+                            raise LookupError
+                        out.append((0, o))
+                    elif r is None:  # every copy's, where a middle layer's
+                        out.extend((0, name(e[1], t_)) for t_ in (range(2, last) if o[1] == 2 else [target[o[1]]]))
+                    else:
+                        out.append((0, name(e[1], o[1] + shift)))
+                elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None and r is not None:
+                    m = layer_of(e[1]) + shift
+                    if not 0 <= m <= last:
+                        raise LookupError
+                    out.append((e[0], renamed(e[1], layer_of(e[1]), m)))
+                elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None:
+                    out.append((e[0], renamed(e[1], layer_of(e[1]), target.get(layer_of(e[1]), layer_of(e[1])))))
+                else:
+                    out.append(tuple(e))
+    except (LookupError, KeyError):
+        return None
+    ids: dict = {}
+    for e in out:
+        if e[0] == 1:
+            ids[e[1]] = len(ids) + 1
+    events_out = _frees_in_order([[1, ids[e[1]], e[2]] if e[0] == 1 else [0, ids[e[1]]] if e[0] == 0 else list(e)
+                                  for e in out])
+
+    def every(x):  # the deep model's tensors of traced id x that outlive the step (each middle layer's)
+        o = owner.get(x)
+        if o is None or o[0] == "root":
+            return [(o, None)] if o is not None else []
+        return [((o[0], t, o[2]), t) for t in (range(2, last) if o[1] == 2 else [target[o[1]]])]
+    kept = sorted(ids[n] for x in log.get("kept", ()) for n, _ in every(x) if n in ids)
+    grads = sorted([ids[n], renamed(g, layer_of(g), t) if t is not None and layer_of(g) is not None else g]
+                   for x, g in log.get("grads", ()) for n, t in every(x) if n in ids)
+    return {"events": events_out, "kept": kept, "grads": grads}
 
 
 def user_code_error(flag: str, label: str, what: str, exc: BaseException) -> ValueError:
@@ -1003,8 +1178,10 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         construct: list = []
         construct_names: list = []  # each one's parameter name ("" for a buffer)
         construct_built: list = []  # each one's bytes as built
+        construct_paths: list = []  # each one's qualified name, a buffer's too (expand_layers repeats a layer's)
         moved: set = set()
         param_name = {id(p): n for n, p in model.named_parameters()}
+        tensor_path = {**{id(b): n for n, b in model.named_buffers()}, **param_name}
 
         def apply_order(mod) -> None:
             for child in mod.children():
@@ -1015,6 +1192,7 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
                     construct.append(int(t.numel() * t.element_size()))
                     construct_names.append(param_name.get(id(t), ""))
                     construct_built.append(built_bytes.get(id(t), construct[-1]))
+                    construct_paths.append(tensor_path.get(id(t), ""))
         apply_order(model)
         n_params = sum(u["numel"] for u in units.values())
         pbytes = next(iter(model.parameters())).element_size() if n_params else 4
@@ -1039,7 +1217,6 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
 
         bwd = _SegmentTracker(torch)
         bwd.forward_segment = lambda: len(segments) - 1
-        bwd.logging = work.kind != "hf"
 
         shared_ids: dict = {}
         in_keys: dict = {}  # the running unit's segment index -> its input's storage key (first positional tensor)
@@ -1259,10 +1436,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         "layer_flops": layer_flops,
         # the parameters' and buffers' bytes in the order `model.to(device)` allocates them
         # (`Module._apply`: the children first, then the module's own parameters, then its buffers), and the
-        # step's allocations (`_SegmentTracker.log`); a transformers model is planned with the analytic front
-        # end's allocator replay instead
-        **({"construct_bytes": construct, "construct_names": construct_names, "construct_built": construct_built,
-            "alloc_log": alloc_log}
-           if work.kind != "hf" else {}),
+        # step's allocations (`_SegmentTracker.log`)
+        "construct_bytes": construct, "construct_names": construct_names, "construct_built": construct_built,
+        "construct_paths": construct_paths, "alloc_log": alloc_log,
         "profile_s": time.perf_counter() - t0,
     }
