@@ -6,7 +6,9 @@ Each probe runs the transformers model itself (validate/workload.py `HFWorkload`
 --hf-config` does): Llama (GQA, untied), Qwen2 (tied embeddings) and GPT-2 (gelu_new, dropout) at 8
 layers, width 1024, vocabulary 8192 (tests/data/alloc_events_cpu_hf.json.gz); Mixtral (4 experts, top-2,
 width 512) and OLMo-2 (q/k norms over the width), which only the trace front end plans
-(`python benchmarks/alloc_hf.py tests/data/alloc_events_cpu_hf_traced.json.gz mixtral,olmo2`), 2 x 256 tokens, AdamW foreach, fp32, rank 0 of 8 on the fake
+(`python benchmarks/alloc_hf.py tests/data/alloc_events_cpu_hf_traced.json.gz mixtral/,olmo2/`), and Llama and
+Mixtral under transformers' full activation checkpointing (`... alloc_events_cpu_hf_ckpt.json.gz
+llama-full/,mixtral-full/`), 2 x 256 tokens, AdamW foreach, fp32, rank 0 of 8 on the fake
 process group, with `DISTPLAN_ALLOC_EVENTS`, so validate.measure.Tracker writes every storage allocation,
 free and collective touch in host order. The config.json of each model is stored with its spec. The test
 replays the recorded events and compares the reserved peak with the trace front end's (its allocated
@@ -52,10 +54,17 @@ TRAIN = {"seq_len": 256, "micro_batch": 2, "grad_accum": 1, "grad_sync": "last",
          "optimizer": "adamw", "optimizer_impl": "foreach", "checkpointing": "none", "attention": "sdpa"}
 
 
+CHECKPOINTED = ("llama", "mixtral")
+"""Also recorded with transformers' own full activation checkpointing (ids NAME-full/STRATEGY)."""
+
+
 def cases() -> list[dict]:
-    return [{"id": f"{name}/{s}", "model_type": name, "strategy": s, "world_size": 8, "gpus_per_node": 8,
-             "mode": "fake", "device_type": "cpu", "config": cfg, "train": TRAIN, "steps": 1, "seed": 0}
-            for name, cfg in CONFIGS.items() for s in STRATEGIES]
+    def case(name, s, suffix="", **train):
+        return {"id": f"{name}{suffix}/{s}", "model_type": name, "strategy": s, "world_size": 8, "gpus_per_node": 8,
+                "mode": "fake", "device_type": "cpu", "config": CONFIGS[name], "train": dict(TRAIN, **train),
+                "steps": 1, "seed": 0}
+    return ([case(name, s) for name in CONFIGS for s in STRATEGIES]
+            + [case(name, s, "-full", checkpointing="full") for name in CHECKPOINTED for s in STRATEGIES])
 
 
 def main(argv: list[str]) -> int:

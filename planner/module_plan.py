@@ -1346,7 +1346,8 @@ class ModulePlan(Plan):
 
     def evaluate_on(self, cluster: Cluster, name: str) -> StrategyResult:
         """The traced workload under strategy `name` on another cluster (Plan.evaluate_on), as the plan's own
-        results were made; the reserved peak paired with the analytic twin's on that cluster."""
+        results were made; where the trace's own run is not written, the reserved peak paired with the analytic
+        twin's on that cluster."""
         from distplan.catalog.loader import load_catalog
         gpu = load_catalog(tuple(cluster.catalog_dirs)).gpu(cluster.gpu_name)
         twin = analytic_twins(self.kw, cluster)[0] if self.twin is not None and self.kw else None
@@ -1567,7 +1568,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
             return
         desc = ModuleDesc.from_profile(prof)
         every = checkpoint_every(kw.get("activation_checkpointing") or "none")
-        if every and work.kind != "hf":  # the checkpointed run's allocations (its recomputations), for its replay
+        if every:  # the checkpointed run's allocations (its recomputations), for its replay
             try:
                 ck = profile(work, regime, "cuda", every)
                 desc = desc.with_checkpointed_log(ModuleDesc.from_profile(ck), every)
@@ -1664,10 +1665,10 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                 parts.append(f"the trace's allocated peak plus the cached-but-free bytes of the analytic front end's "
                              f"allocator replay of the same run for {', '.join(paired)}")
             margin = [r.name for r in rest if r.name not in paired]
-            why = (f"{', '.join(margin)} (the analytic front end's allocated peak differs from the trace's by more "
-                   f"than {TWIN_TOLERANCE:.0%})" if margin else None)
+            why = (f"{', '.join(margin)}: not written from the trace, and the analytic front end's allocated peak "
+                   f"differs from the trace's by more than {TWIN_TOLERANCE:.0%}" if margin else None)
         else:
-            why = f"{', '.join(r.name for r in rest)} ({why})"
+            why = f"{', '.join(r.name for r in rest)}: not written from the trace, nor paired: {why}"
         if why:
             parts.append(f"{RESERVED_MARGIN:.0%} margin for {why}")
     elif rest:
@@ -1749,8 +1750,9 @@ def twin_time(twin, strategy: str, batch: int, cluster: Cluster) -> ModuleTime |
 
 def pair_reserved(mem: MemoryEstimate, analytic: MemoryEstimate) -> bool:
     """Give the trace's estimate `mem` the reserved peak of the analytic one's replay (memory.MemoryEstimate
-    `reserved_from`) where that replay exists and the two allocated peaks agree within TWIN_TOLERANCE."""
-    if analytic.reserved_replay is None:
+    `reserved_from`) where that replay exists and the two allocated peaks agree within TWIN_TOLERANCE, and
+    the trace's own run is not written (`mem.reserved_replay`: that replay is the one printed)."""
+    if analytic.reserved_replay is None or mem.reserved_replay is not None:
         return False
     if abs(analytic.peak_allocated - mem.peak_allocated) > TWIN_TOLERANCE * mem.peak_allocated:
         return False
@@ -1810,11 +1812,10 @@ _TRACES: dict = {}
 def _traced(work, regime: str, device: str = "cpu", every: int = 0) -> ModuleDesc:
     """The workload's ModuleDesc in a regime with `device`'s kernels (module_probe.KERNEL_DEVICES), traced
     once per process (a validation run predicts many probes of one model). `every`: with the allocation log
-    of a run checkpointing every `every`-th unit (`ModuleDesc.with_checkpointed_log`; a transformers model,
-    whose log is not kept, as without)."""
+    of a run checkpointing every `every`-th unit (`ModuleDesc.with_checkpointed_log`)."""
     from distplan.validate.module_probe import profile
 
-    key = (json.dumps(work.to_spec(), sort_keys=True), regime, device, every if work.kind != "hf" else 0)
+    key = (json.dumps(work.to_spec(), sort_keys=True), regime, device, every)
     if key not in _TRACES:
         if key[-1]:
             plain = _traced(work, regime, device)

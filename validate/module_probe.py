@@ -728,17 +728,20 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
 
 
 def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "float32",
-               layers: int | None = None, device: str = "cpu", attention: str = "sdpa") -> dict:
+               layers: int | None = None, device: str = "cpu", attention: str = "sdpa",
+               checkpoint_every: int = 0) -> dict:
     """`profile_workload` of a Hugging Face causal LM's config.json at micro_batch x seq_len tokens
-    (`attention`: the attn_implementation, workload.HFWorkload)."""
+    (`attention`: the attn_implementation, workload.HFWorkload; `checkpoint_every`: transformers' own
+    checkpointing of every k-th layer, for the step's allocation log)."""
     from .workload import HFWorkload
 
     work = HFWorkload(hf_config, micro_batch, seq_len, layers, attention)
     depth = work.depth()
     if depth <= TRACE_LAYERS:
-        return profile_workload(work, dtype, device=device)
+        return profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
     shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS, attention)
-    return expand_layers(profile_workload(shallow, dtype, device=device), depth, work)
+    return expand_layers(profile_workload(shallow, dtype, device=device, checkpoint_every=checkpoint_every),
+                         depth, work)
 
 
 def profile(work, dtype: str = "float32", device: str = "cpu", checkpoint_every: int = 0) -> dict:
@@ -748,7 +751,7 @@ def profile(work, dtype: str = "float32", device: str = "cpu", checkpoint_every:
     (workload.FactoryWorkload.enable_checkpointing), for the step's allocation log; its names as without."""
     if work.kind == "hf":
         return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers, device,
-                          work.attention)
+                          work.attention, checkpoint_every)
     prof = profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
     return _without_wrapper_names(prof) if checkpoint_every else prof
 
@@ -943,9 +946,11 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
     target = {0: 0, 1: 1, 3: last}  # traced layer -> its layer in the deep model (2: 2 .. last - 1)
     region = None
     tagged = []  # (region (kind, traced layer) or None, event)
+    backward = False  # (a checkpointed layer's recomputation runs its forward hooks again inside its backward)
     for e in events:
         j = layer_of(e[1]) if e[0] >= 3 and isinstance(e[1], str) else None
-        if e[0] == 3 and j is not None:
+        backward = backward or e[0] == 5
+        if e[0] == 3 and j is not None and not backward:
             region = ("F", j)
         elif e[0] == 5 and j is not None:
             region = ("B", j)
@@ -1120,8 +1125,8 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
             raise user_code_error(flag, factory_path, "building the model" if work.kind == "hf" else "the factory",
                                   exc) from None
         _check_model(torch, model, flag, factory_path)
-        if checkpoint_every and work.kind != "hf":
-            # as the probes apply it (validate/probe.py): only the step's log is of use from such a trace (its
+        if checkpoint_every:
+            # as the probes apply it (validate/probe.py; a transformers model: its own): only the step's log is of use from such a trace (its
             # recomputations in backward, in host order); the rest of the profile is a checkpointed run's
             work.enable_checkpointing(model, work.units(model), checkpoint_every)
         # FSDP1 under mixed precision wraps each module of these classes apart, in full precision
