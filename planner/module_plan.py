@@ -1070,7 +1070,9 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
     collectives where the trace marked FSDP's hooks) from its traced step's allocations, as a tuple (replay
     results are remembered by it; under activation checkpointing the log of the checkpointed trace,
     `ModuleDesc.alloc_log_every`; pure bf16: the cast after construction from `ModuleDesc.construct_built`);
-    None where they are not written: FSDP2 on one rank, a log traced without the run's checkpointing,
+    None where they are not written: FSDP2 on one rank, FSDP2 accumulating under mixed precision where the
+    installed torch makes the first micro-step's gradients in fp32 (2.15), a log traced without the run's
+    checkpointing,
     optimizers outside alloc_trace.LOGGED_OPTIMIZERS, and a profile
     without a log (a Hugging Face model: the analytic front end's replay; another batch than the traced)."""
     from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp1_events,
@@ -1081,6 +1083,9 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
             or (pure and not desc.construct_built) or checkpoint_every(train.checkpointing) != desc.alloc_log_every):
         return None
     built = desc.construct_built if pure else ()
+    if (strategy in LOGGED_FSDP2 and mixed and train.grad_accum > 1 and not train.sync_every
+            and fsdp2_first_microstep_grads_in_reduce_dtype(train)):
+        return None  # torch 2.15's fp32 gradients of the first micro-step (the walk has them; the writer does not)
     if strategy in LOGGED_FSDP2 and shard > 1 and desc.alloc_grads and desc.construct_names:
         return tuple(logged_fsdp2_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
                                          desc.units, (desc.batch_bytes,) * train.grad_accum, shard,
