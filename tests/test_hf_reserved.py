@@ -39,19 +39,28 @@ def _recorded_reserved(events: list, family: str) -> int:
     return replay(comm_streams(events, family) if family in ("fsdp1", "fsdp2") else events).peak_reserved
 
 
-def test_trace_reserved_against_recorded_hf_traces(tmp_path):
-    with gzip.open(ROOT / "tests" / "data" / "alloc_events_cpu_hf.json.gz", "rt") as f:
+def _recorded_cases(name: str, tmp_path):
+    """(probe id, its recorded events, Strategy, train settings, config path, HFWorkload) of each recorded CPU
+    probe of tests/data/`name` (benchmarks/alloc_hf.py), its config.json written to `tmp_path`."""
+    with gzip.open(ROOT / "tests" / "data" / name, "rt") as f:
         doc = json.load(f)
-    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory_bytes=10**15, gpu_name="h100-sxm", nics_per_node=8)
-    descs: dict = {}
-    errs, margin_errs = {}, {}
     for pid, events in doc["events"].items():
         case = doc["specs"][pid]
-        st = get_strategy(case["strategy"])
         t = case["train"]
         cfg = tmp_path / f"{case['model_type']}.json"
         cfg.write_text(json.dumps(case["config"]))
-        work = HFWorkload(str(cfg), t["micro_batch"], t["seq_len"], None)
+        yield pid, events, get_strategy(case["strategy"]), t, cfg, HFWorkload(str(cfg), t["micro_batch"],
+                                                                              t["seq_len"], None)
+
+
+CLUSTER = Cluster(gpus=8, gpus_per_node=8, gpu_memory_bytes=10**15, gpu_name="h100-sxm", nics_per_node=8)
+
+
+def test_trace_reserved_against_recorded_hf_traces(tmp_path):
+    cluster = CLUSTER
+    descs: dict = {}
+    errs, margin_errs = {}, {}
+    for pid, events, st, t, cfg, work in _recorded_cases("alloc_events_cpu_hf.json.gz", tmp_path):
         regime = _regime(t["precision"], st.family)
         if (cfg, regime) not in descs:
             descs[cfg, regime] = ModuleDesc.from_profile(profile(work, regime))
@@ -87,24 +96,15 @@ def _own_replays(name: str, tmp_path) -> dict:
     against each recorded CPU probe of tests/data/`name` (benchmarks/alloc_hf.py)."""
     from distplan.planner.config import checkpoint_every
     from distplan.planner.module_plan import _shard_group, _traced, logged_module_events
-    with gzip.open(ROOT / "tests" / "data" / name, "rt") as f:
-        doc = json.load(f)
-    cluster = Cluster(gpus=8, gpus_per_node=8, gpu_memory_bytes=10**15, gpu_name="h100-sxm", nics_per_node=8)
     errs = {}
-    for pid, events in doc["events"].items():
-        case = doc["specs"][pid]
-        st = get_strategy(case["strategy"])
-        t = case["train"]
-        cfg = tmp_path / f"{case['model_type']}.json"
-        cfg.write_text(json.dumps(case["config"]))
-        work = HFWorkload(str(cfg), t["micro_batch"], t["seq_len"], None)
+    for pid, events, st, t, _, work in _recorded_cases(name, tmp_path):
         every = checkpoint_every(t["checkpointing"])
         desc = _traced(work, _regime(t["precision"], st.family), "cpu", every)  # 8 layers from 4 traced
         assert desc.alloc_log and desc.alloc_log_every == every, pid
         model = ModuleModel(desc.name, work.label, desc.param_count(), desc.units, layers=len(desc.units))
         train = ModuleTrain(model, precision=t["precision"], input_shape=work.input_shape, seq_len=t["seq_len"],
                             checkpointing=t["checkpointing"])
-        written = logged_module_events(desc, train, st.family, 8, _shard_group(st, cluster)[1], strategy=st.name)
+        written = logged_module_events(desc, train, st.family, 8, _shard_group(st, CLUSTER)[1], strategy=st.name)
         assert written is not None, pid
         w, r = replay(list(written)), replay(comm_streams(events, st.family) if st.family in ("fsdp1", "fsdp2")
                                                 else [e for e in events if e[0] != "comm"])
