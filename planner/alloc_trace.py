@@ -874,6 +874,16 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
     return E.ev
 
 
+def _meta_built(E: _Events, construct: tuple, names: tuple, shape_of: dict) -> dict:
+    """A traced module built on the meta device and wrapped there (torchtitan's way for FSDP): only its
+    buffers are made whole on the device; the parameters are made by the wrapper, this rank's shards
+    (FSDP2) or one unit at a time (FSDP1's `_materialize_meta_module`). Returns {} (no whole parameter)."""
+    for n, name in zip(construct, names):
+        if name not in shape_of:
+            E.a(n)
+    return {}
+
+
 def _built_and_cast(E: _Events, construct: tuple, names: tuple, built: tuple, shape_of: dict,
                     param_bytes: int) -> dict:
     """`model.to(device)` of a traced module: each tensor as the factory built it (`built`, else a parameter
@@ -907,7 +917,7 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
                         batches: tuple, shard: int, reshard: bool, mixed: bool, optimizer: str, optimizer_impl: str,
                         grad_accum: int = 1, sync_every: bool = False, last_grad_late: bool = True,
                         workspace: int = 0, conv_workspaces: dict | None = None, built: tuple = (),
-                        param_bytes: int = 4) -> list:
+                        param_bytes: int = 4, meta: bool = False) -> list:
     """The events of a traced module's run under FSDP2 (zero2: `reshard`=False, zero3: True) on rank 0 of
     `shard`, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own
     allocations (`log`, as logged_step_events replays them) with FSDP2's between them where the trace marked
@@ -934,7 +944,9 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
       first, which then frees the last reduce-scatter input. Accumulation without sync keeps the unsharded
       gradients (fp32: later micro-steps add into .grad in place; mixed: upcast, later ones added and freed);
     - the optimizer over the shards (logged_step_events' states and temporaries), then `zero_grad`.
-    `workspace`, `conv_workspaces`: as logged_step_events."""
+    `workspace`, `conv_workspaces`: as logged_step_events. `meta`: the module built on the meta device and
+    wrapped there, then `to_empty` (`_meta_built`): no whole parameter is ever made, each shard as
+    `fully_shard` makes it."""
     E = _Events()
     shape_of = {n: s for _, ps in units for n, s in ps}
     unit_of = {n: u for u, ps in units for n, _ in ps}
@@ -943,7 +955,8 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
 
     def shard_of(s) -> int:
         return -(-s[0] // shard) * prod(s[1:]) if s else 1
-    full = _built_and_cast(E, construct, construct_names, built, shape_of, pb)
+    full = _meta_built(E, construct, construct_names, shape_of) if meta else \
+        _built_and_cast(E, construct, construct_names, built, shape_of, pb)
     order = [u for u, ps in units if u != "root" and ps] + [u for u, ps in units if u == "root" and ps]
     shapes = {u: [s for _, s in ps] for u, ps in units}
     for u in order:
@@ -1067,7 +1080,7 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
                         batches: tuple, shard: int, strategy: str, mixed: bool, fp32_units: tuple,
                         optimizer: str, optimizer_impl: str, grad_accum: int = 1, sync_every: bool = False,
                         workspace: int = 0, conv_workspaces: dict | None = None, built: tuple = (),
-                        param_bytes: int = 4) -> list:
+                        param_bytes: int = 4, meta: bool = False) -> list:
     """The events of a traced module's run under FSDP1 (`strategy` in LOGGED_FSDP1) on rank 0 of `shard`,
     over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own allocations
     (`log`) with FSDP1's between them where the trace marked its hooks ([3]/[4] a unit's forward starts /
@@ -1092,7 +1105,8 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
       and free theirs), SHARD_GRAD_OP keeps the unit unsharded;
     - the optimizer over the flat parameters (the root's first), then `zero_grad`.
     `fp32_units`: FSDP1's own units of BatchNorm modules, without mixed precision. `workspace`,
-    `conv_workspaces`: as logged_step_events."""
+    `conv_workspaces`: as logged_step_events. `meta`: built on the meta device, each unit materialized just
+    before it is flattened (`_init_utils.py` `_materialize_meta_module`: `to_empty` + `reset_parameters`)."""
     E = _Events()
     shape_of = {n: s for _, ps in units for n, s in ps}
     params_of = {u: [n for n, _ in ps] for u, ps in units}
@@ -1100,13 +1114,16 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
     sharded = strategy != "fsdp-no-shard" and shard > 1
     reshard_fwd = strategy in ("fsdp", "hsdp")
     pb = param_bytes  # the parameters' (and, without mixed precision, the gradients' and reductions') bytes
-    full = _built_and_cast(E, construct, construct_names, built, shape_of, pb)
+    full = _meta_built(E, construct, construct_names, shape_of) if meta else \
+        _built_and_cast(E, construct, construct_names, built, shape_of, pb)
     order = _fsdp1_wrap_order(units)
     elems = {u: sum(prod(shape_of[n]) for n in params_of[u]) for u in order}
     chunk = {u: -(-elems[u] // shard) if sharded else elems[u] for u in order}
     low = {u: mixed and u not in fp32_units for u in order}
     flats: dict = {}
     for u in order:
+        if meta:
+            full.update((n, E.a(prod(shape_of[n]) * pb)) for n in params_of[u])
         flat = E.a(elems[u] * pb)
         if sharded:
             E.a(chunk[u] * pb)

@@ -47,7 +47,7 @@ def _recorded_cases(name: str, tmp_path):
     for pid, events in doc["events"].items():
         case = doc["specs"][pid]
         t = case["train"]
-        cfg = tmp_path / f"{case['model_type']}.json"
+        cfg = tmp_path / f"{case.get('model_type') or pid.split('/')[0]}.json"
         cfg.write_text(json.dumps(case["config"]))
         yield pid, events, get_strategy(case["strategy"]), t, cfg, HFWorkload(str(cfg), t["micro_batch"],
                                                                               t["seq_len"], None)
@@ -115,13 +115,13 @@ def _own_replays(name: str, tmp_path) -> dict:
 
 
 def test_trace_own_replay_against_recorded_hf_traces(tmp_path):
-    """The reserved peak `estimate --hf-config` prints for a GPU (module_plan.estimate_module_memory with the
-    trace's own events): the traced step's allocations, FSDP's and DDP's buffers written between them at the
-    hooks the trace marked, replayed. Against the 12 recorded probes above (Llama, Qwen2 tied, GPT-2 with
+    """The reserved peak `estimate --hf-config` prints for a GPU for an untied model (module_plan.
+    estimate_module_memory with the trace's own events; a tied one pairs first, see below): the traced step's
+    allocations, FSDP's and DDP's buffers written between them at the hooks the trace marked, replayed. Against the 12 recorded probes above (Llama, Qwen2 tied, GPT-2 with
     dropout under ddp, zero2, zero3, fsdp). Measured 2026-12-02 (torch 2.13 CPU): the reserved peak to the byte
-    in 4, within 1.6% in all (median 0.85%; ddp +1.3% to +1.6%: the written run's `_broadcast_coalesced` flat
-    buffers at DDP's construction, which the fake process group's recording does not show); the allocated peak
-    within 0.7%. The analytic front end's pairing (above) had read -3.3% to +3.4%, median 2.15%."""
+    in 4, within 1.6% in all (median 0.85%; ddp +1.3% to +1.6%, over, not explained yet: the recording shows
+    no `_broadcast_coalesced` buffers at DDP's construction, but the written run without them reads higher);
+    the allocated peak within 0.7%. The analytic front end's pairing (above) had read -3.3% to +3.4%, median 2.15%."""
     errs = _own_replays("alloc_events_cpu_hf.json.gz", tmp_path)
     assert len(errs) == 12
     assert statistics.median(abs(r) for r, _ in errs.values()) <= 1.0, errs
@@ -148,13 +148,27 @@ def test_trace_own_replay_under_transformers_checkpointing(tmp_path):
     the trace runs it too, so its log has every layer's recomputation where backward runs it. Llama and
     Mixtral, recorded as above (tests/data/alloc_events_cpu_hf_ckpt.json.gz; measured reserved / allocated up
     to 1.85, which the 10% margin would have read 41% under). Measured 2026-12-02: the reserved peak to the
-    byte in 7 of 8, +1.0% (Llama ddp: DDP's broadcast buffers, as above) in the other; the allocated peak
-    within 0.4%."""
+    byte in 7 of 8, +1.0% (Llama ddp, as above) in the other; the allocated peak within 0.4%."""
     errs = _own_replays("alloc_events_cpu_hf_ckpt.json.gz", tmp_path)
     assert len(errs) == 8
     assert sum(r == 0 for r, _ in errs.values()) >= 7, errs
     assert max(abs(r) for r, _ in errs.values()) <= 1.5, errs
     assert max(abs(a) for _, a in errs.values()) <= 0.5, errs
+
+
+def test_tied_models_pair_with_the_analytic_replay(tmp_path):
+    """Tied embeddings (Qwen2 at vocabulary 32k, Qwen2.5-0.5B at its real 151,936; bf16-mixed; the recorded
+    probes of tests/test_alloc_trace.py): the module writers do not write the LM head transformers makes and
+    drops, nor the tied weight's gradients at the embedding's backward, and their own run reads -11.1% to
+    +8.2% (measured 2026-12-02; allocated -19% under FSDP at the real vocabulary), where the analytic writer,
+    which writes both, reads within 0.7%. So a tied model's plan pairs with the analytic replay
+    (module_plan.pair_tied)."""
+    errs = _own_replays("alloc_events_cpu_tied_bf16.json.gz", tmp_path)
+    assert len(errs) == 8
+    assert max(abs(r) for r, _ in errs.values()) > 5.0, errs  # why the pairing comes first
+    p = _plan(EXAMPLES / "llama-tied-vocab64k-4l.json")
+    assert all(r.memory.reserved_source == "allocator replay of the analytic front end" for r in p.results), \
+        [(r.name, r.memory.reserved_source) for r in p.results]
 
 
 def test_trace_plan_of_a_model_type_only_the_trace_reads_replays_its_own_run():
@@ -229,7 +243,9 @@ def test_the_plan_traces_what_cudas_kernels_keep():
         for r in p.results:
             a = twin(r.name, 1).peak_allocated
             assert r.memory.peak_allocated == pytest.approx(a, rel=2e-4), (cfg, precision, r.name)
-            assert r.memory.reserved_source == "allocator replay", (cfg, r.name)
+            # (GPT-2 ties its embeddings: paired, module_plan.pair_tied)
+            assert r.memory.reserved_source == ("allocator replay of the analytic front end" if cfg.startswith("gpt2")
+                                                else "allocator replay"), (cfg, r.name)
         assert not any("kernels keep" in n for n in p.notes), p.notes
 
 
