@@ -10,10 +10,11 @@ width 512) and OLMo-2 (q/k norms over the width), which only the trace front end
 Mixtral under transformers' full activation checkpointing (`... alloc_events_cpu_hf_ckpt.json.gz
 llama-full/,mixtral-full/`), 2 x 256 tokens, AdamW foreach, fp32, rank 0 of 8 on the fake
 process group, with `DISTPLAN_ALLOC_EVENTS`, so validate.measure.Tracker writes every storage allocation,
-free and collective touch in host order. The config.json of each model is stored with its spec. The test
-replays the recorded events and compares the reserved peak with the trace front end's (its allocated
-peak plus the cached-but-free bytes of the analytic front end's replay, planner/module_plan.py
-`pair_reserved`). About a minute per probe on 2 cores.
+free and collective touch in host order. The config.json of each model is stored with its spec. The tests
+(tests/test_hf_reserved.py) replay the recorded events and compare the reserved peak with the trace front
+end's: its own written run (planner/module_plan.py `logged_module_events`, from the traced step's
+allocation log), and its allocated peak plus the cached-but-free bytes of the analytic front end's replay
+(`pair_reserved`). About a minute per probe on 2 cores.
 """
 
 from __future__ import annotations
