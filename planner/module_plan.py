@@ -1051,8 +1051,9 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     peak_allocated = max(s.total + e for s, e in zip(snaps, extra)) + library
     workspace = peak_allocated - peak.total
     # The reserved peak: the traced step's own allocations replayed through the caching allocator where
-    # they are written (logged_module_events); a Hugging Face model pairs with the analytic front end's
-    # replay instead (module_spec_plan, pair_reserved); else the allocated peak plus the margin
+    # they are written (logged_module_events); a Hugging Face model whose own run is not written, or whose
+    # embeddings are tied, pairs with the analytic front end's replay (module_result, pair_tied,
+    # pair_reserved); else the allocated peak plus the margin
     # (memory.RESERVED_MARGIN). `reserved_source` says which.
     events = (logged_module_events(desc, train, family, world, shard, library, ws, rank, st.name, init)
               if device == "cuda" else None)
@@ -1671,8 +1672,9 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     parts = [f"the traced step's own allocations replayed through the caching allocator for "
              f"{', '.join(replayed)}"] if replayed else []
     if hf and rest:
-        # where the step's allocations are not written (checkpointing, FSDP2 on one rank, an optimizer the
-        # writers lack): the analytic front end's cached-but-free bytes of the same run, where it reads the config
+        # where the step's allocations are not written (every-K checkpointing, FSDP2 on one rank, an optimizer
+        # the writers lack) or the embeddings are tied (pair_tied, in module_result): the analytic front end's
+        # cached-but-free bytes of the same run, where it reads the config
         if twin is not None:
             paired = [r.name for r in rest if pair_reserved(r.memory, twin(r.name, desc.batch))]
             if paired:
