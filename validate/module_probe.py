@@ -974,6 +974,9 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
         if not middle or sizes.get((kind, 1)) != middle or sizes.get((kind, 3), [])[:len(middle)] != middle:
             return None
 
+    def layers(j: int) -> list:  # the deep model's layers traced layer j stands for, in forward order
+        return list(range(2, last)) if j == 2 else [target[j]]
+
     def source(t: int) -> int:  # the traced layer whose tensors layer t's are
         return {0: 0, 1: 1, last: 3}.get(t, 2)
 
@@ -997,10 +1000,8 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
         for r, block in blocks:
             if r is None:
                 copies = [None]
-            elif r[1] == 2:
-                copies = list(range(2, last)) if r[0] == "F" else list(range(last - 1, 1, -1))
-            else:
-                copies = [target[r[1]]]
+            else:  # (backward reaches deeper layers first)
+                copies = layers(r[1]) if r[0] == "F" else layers(r[1])[::-1]
             for t, e in ((t, e) for t in copies for e in block):
                 shift = 0 if r is None else t - r[1]
                 if e[0] == 1:
@@ -1014,7 +1015,7 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
                             raise LookupError
                         out.append((0, o))
                     elif r is None:  # every copy's, where a middle layer's
-                        out.extend((0, name(e[1], t_)) for t_ in (range(2, last) if o[1] == 2 else [target[o[1]]]))
+                        out.extend((0, name(e[1], t_)) for t_ in layers(o[1]))
                     else:
                         out.append((0, name(e[1], o[1] + shift)))
                 elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None and r is not None:
@@ -1039,7 +1040,7 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
         o = owner.get(x)
         if o is None or o[0] == "root":
             return [(o, None)] if o is not None else []
-        return [((o[0], t, o[2]), t) for t in (range(2, last) if o[1] == 2 else [target[o[1]]])]
+        return [((o[0], t, o[2]), t) for t in layers(o[1])]
     kept = sorted(ids[n] for x in log.get("kept", ()) for n, _ in every(x) if n in ids)
     grads = sorted([ids[n], renamed(g, layer_of(g), t) if t is not None and layer_of(g) is not None else g]
                    for x, g in log.get("grads", ()) for n, t in every(x) if n in ids)
