@@ -1899,20 +1899,22 @@ def predict_module_probe(spec: dict) -> dict:
     backend = {"gpu": "nccl", "cpu": "gloo", "fake": "fake"}.get(spec.get("mode"), "nccl")
     # (the fake process group runs rank 0 alone: its ZeRO-1 partition, which need not be the most loaded; measured:
     # a ViT's, 11% below the most loaded rank's optimizer state)
+    # the probe built the model on the device, or on the meta device for FSDP (spec "init", validate/probe.py)
+    init = "meta" if spec.get("init") == "meta" and st.family in ("fsdp1", "fsdp2") else "device"
     mem = estimate_module_memory(d, train, cluster, st, device=device, backend=backend, workspaces=workspaces,
-                                 rank=0 if spec.get("mode") == "fake" else None)
+                                 rank=0 if spec.get("mode") == "fake" else None, init=init)
     out = {k: int(mem.components[k]) for k in COMPONENTS}
     out.update(workspace=int(mem.workspace), peak_allocated=int(mem.peak_allocated), peak_phase=mem.peak_phase)
     twin = None
     if device == "cuda" and work.kind == "hf":
-        # judged on a GPU where the analytic front end's replay pairs with the trace (the probes build the
-        # model on the device, then wrap it: init "device"); a margin is not a prediction to judge
+        # judged on a GPU where the analytic front end's replay pairs with the trace (built as the probe built
+        # it); a margin is not a prediction to judge
         kw = {"hf_config": mod["hf_config"], "layers": mod.get("layers"), "seq_len": shape[1],
               "micro_batch": shape[0], "precision": precision, "optimizer": train.optimizer,
               "optimizer_impl": train.optimizer_impl, "activation_checkpointing": ckpt,
               "grad_accum": train.grad_accum, "grad_sync": train.grad_sync, "alloc_conf": t.get("alloc_conf", ""),
               "torch_version": spec.get("torch_version") or "", "attention": work.attention}
-        twin, _ = analytic_twins(kw, cluster, device, backend, init="device")
+        twin, _ = analytic_twins(kw, cluster, device, backend, init=init)
         if twin is not None:
             pair_tied(mem, d, twin(st.name, shape[0]))
             pair_reserved(mem, twin(st.name, shape[0]))  # (where its own run is not written)

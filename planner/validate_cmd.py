@@ -154,6 +154,12 @@ def _hub_config(ctx, param, value):
 @click.option("--alloc-conf", "alloc_conf", default=None, metavar="CONF",
               help="PYTORCH_CUDA_ALLOC_CONF for the probes (e.g. expandable_segments:True); the prediction's "
                    "reserved peak follows it. Default: the probes inherit this shell's.")
+@click.option("--init", "init", type=click.Choice(("meta", "device")), default=None,
+              help="How an --hf-config or --module model is built for FSDP (zero2, zero3, fsdp, fsdp-grad-op, hsdp, "
+                   "fsdp-no-shard): meta (the default with --hf-config: on the meta device, wrapped there, then each "
+                   "rank makes only its shards, torchtitan's way and what `estimate --hf-config` plans) or device "
+                   "(the whole model on the device first, then wrapped; the default with --module). DDP, ZeRO-1 and "
+                   "single build on the device.")
 @click.option("--tp", type=int, default=1, show_default=True, callback=_positive_int,
               help="Tensor-parallel degree: the reference decoder split with torchtitan's Llama plan (with "
                    "--hf-config: the transformers model with torchtitan's plan for transformers models, predicted "
@@ -212,8 +218,8 @@ def _hub_config(ctx, param, value):
 @click.pass_context
 def validate_command(ctx, strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads, kv_heads, ffn_hidden,
                      vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer, optimizer_impl,
-                     checkpointing, attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp, pp_schedule, pp_microbatches,
-                     matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
+                     checkpointing, attention, cpu_offload, alloc_conf, init, tp, sequence_parallel, cp, pp, pp_schedule,
+                     pp_microbatches, matrix, simulate_world_size, nproc, nnodes, rdzv_endpoint,
                      tolerance, out_path, resume, timeout_s, steps, jobs, as_json, plan_path, dry_run, probe_cmd):
     """Run real torchrun probes and compare measured memory and collectives with the prediction.
 
@@ -335,7 +341,7 @@ GROUP_OPTIONS = (
     "strategies", "model", "params", "hf_config", "front_end", "module_factory", "input_shape", "layers",
     "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "micro_batch", "grad_accum", "grad_sync",
     "precision", "optimizer", "optimizer_impl", "checkpointing", "attention", "cpu_offload", "alloc_conf",
-    "tp", "sequence_parallel", "cp", "pp", "pp_schedule", "pp_microbatches", "matrix", "simulate_world_size",
+    "init", "tp", "sequence_parallel", "cp", "pp", "pp_schedule", "pp_microbatches", "matrix", "simulate_world_size",
     "nproc", "nnodes", "steps", "probe_cmd")
 """The command's parameters that describe probes, what `_build` reads (the rest are the session's: --out,
 --resume, --jobs, --timeout, --tolerance, --json, --plan, --dry-run); a --plan group sets any of them but
@@ -353,7 +359,7 @@ def _build(p: dict, get_hw) -> dict:
 
     (strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads,
      kv_heads, ffn_hidden, vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer,
-     optimizer_impl, checkpointing, attention, cpu_offload, alloc_conf, tp, sequence_parallel, cp, pp,
+     optimizer_impl, checkpointing, attention, cpu_offload, alloc_conf, init, tp, sequence_parallel, cp, pp,
      pp_schedule, pp_microbatches, matrix, simulate_world_size, nproc, nnodes, steps, probe_cmd) = \
         (p[k] for k in GROUP_OPTIONS)
     overrides = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
@@ -382,6 +388,9 @@ def _build(p: dict, get_hw) -> dict:
     if sequence_parallel and tp == 1:
         raise click.BadParameter("needs --tp > 1 (it shards along the tensor-parallel group)",
                                  param_hint="'--sequence-parallel'")
+    if init is not None and (module_spec is None or tp > 1 or pp > 1 or cp > 1):
+        raise click.BadParameter(f"{init!r} is for an --hf-config or --module model under FSDP; the reference "
+                                 f"decoder, --tp, --pp and --cp probes build on the device", param_hint="'--init'")
     hf_split = None  # --hf-config with --tp, --pp or --cp: the transformers model split by torchtitan's plan (TP),
     # into stages (PP) or over ring-attention ranks (CP), predicted by the analytic front end
     if (tp > 1 or pp > 1 or cp > 1) and module_spec is not None and "hf_config" in module_spec:
@@ -462,6 +471,9 @@ def _build(p: dict, get_hw) -> dict:
             label = f"hf:{module_spec['hf_config']}" if hf else module_spec["factory"]
             sp = mx.make_spec(s, {"name": label}, w, m, steps=steps, **train)
             sp["module"] = module_spec
+            if get_strategy(s).family in ("fsdp1", "fsdp2") and (init or ("meta" if hf else "device")) == "meta":
+                sp["init"] = "meta"  # built on the meta device (validate/wrap.py materialize)
+                sp["id"] += "/init=meta"
             specs.append(sp)
         if hf:
             _check_fits(specs, hw, nnodes, hint="shorten it with --layers 2 and a smaller --seq-len",

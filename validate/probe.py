@@ -284,12 +284,24 @@ class Probe:
         with tracker, (tags or contextlib.nullcontext()):
             torch.manual_seed(int(spec.get("seed", 0)))
             units = None
+            init = spec.get("init", "device")
+            if init not in ("device", "meta"):
+                raise ValueError(f"init={init!r}: accepted values are device, meta")
+            # meta: built on the meta device and wrapped there, each rank materializing only what FSDP keeps
+            # (validate/wrap.py `materialize`); DDP and one GPU hold the whole model anyway: built on the device
+            from distplan.planner.strategies import get_strategy
+            meta = bool(module) and init == "meta" and get_strategy(spec["strategy"]).family in ("fsdp1", "fsdp2")
             if module:
-                model = work.build()
+                if meta:
+                    with torch.device("meta"):
+                        model = work.build()
+                else:
+                    model = work.build()
                 if not isinstance(model, torch.nn.Module):
                     raise TypeError(f"--module={work.label!r} returned {type(model).__name__}, "
                                     f"not an nn.Module")
-                model = model.to(self.device)
+                if not meta:
+                    model = model.to(self.device)
                 extra = {"vocab": work.vocab(model)} if work.kind == "hf" else {}
                 units = work.units(model)
                 if every:
@@ -303,6 +315,8 @@ class Probe:
             tp, dp_mesh, dp_world = int(spec.get("tp", 1)), None, self.world_size
             cp, cp_rank = int(spec.get("cp", 1)), 0
             cp_context = None
+            if meta and (cp > 1 or tp > 1 or spec.get("sequence_parallel")):
+                raise ValueError("init='meta' with tp or cp: the probes parallelize a model built on the device")
             if cp > 1:
                 if module and work.kind != "hf":
                     raise ValueError("cp: the context-parallel probe runs the reference decoder or a transformers "
@@ -320,7 +334,7 @@ class Probe:
                 dp_world = self.world_size // tp
             model, opt, ctx = wrap(model, spec["strategy"], train, dp_world,
                                    int(spec.get("gpus_per_node", self.world_size)), self.device,
-                                   fake=self.mode == "fake", units=units, dp_mesh=dp_mesh)
+                                   fake=self.mode == "fake", units=units, dp_mesh=dp_mesh, meta=meta)
             if self.mode == "fake" and train.get("precision") == "fp16-mixed" and self.device.type == "cuda":
                 self.result["unmeasured"].append("GradScaler (fake process group: garbage gradients)")
             tracker.roles = ctx.roles

@@ -200,6 +200,8 @@ def _fsdp2(reshard: bool):
         if reshard:
             root_kw.pop("reshard_after_forward")
         fully_shard(model, **root_kw)
+        if train.get("_meta"):  # each FSDPParam's shard made on the device (FSDPModule._apply)
+            materialize(model, device)
         ctx = WrapContext("fsdp2", device, sync=lambda last: _fsdp2_sync(model, last))
         for m in model.modules():
             group = m._get_fsdp_state()._fsdp_param_group if hasattr(m, "_get_fsdp_state") else None
@@ -243,10 +245,55 @@ def _fsdp1(strategy: str):
             policy = lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen  # noqa: E731
         else:
             policy = ModuleWrapPolicy({_block_class(model)})
+        if train.get("_meta"):
+            # FSDP1 calls it on each module of a unit, the unit's own first (BFS, _init_utils.py
+            # `_materialize_with_param_init_fn`), just before it flattens the unit; its default,
+            # `_materialize_meta_module`, calls `reset_parameters`, which transformers' norms lack
+            kw["param_init_fn"] = unit_materializer(device)
         fsdp = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy),
                     auto_wrap_policy=policy, use_orig_params=False, **kw)
         return fsdp, WrapContext("fsdp1", device, sync=_no_sync(fsdp))
     return wrap
+
+
+def materialize(module, device, recurse: bool = True) -> None:
+    """A module built on the meta device, made on `device` (`Module.to_empty`: each parameter and buffer
+    allocated anew, children first; for FSDP2 this rank's shards only) and filled in place, as torchtitan's
+    `model.to_empty(device=...)` then `init_weights()` does: no tensor beyond the parameters' own storage.
+    The values are N(0, 0.02) for every floating tensor, buffers included (rotary frequencies): a memory probe
+    needs finite numbers, not the model's initialization."""
+    module.to_empty(device=device, recurse=recurse)
+    with torch.no_grad():
+        for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
+            local = getattr(t, "_local_tensor", t)  # FSDP2: the DTensor's shard
+            if local.is_floating_point():
+                local.normal_(0.0, 0.02)
+
+
+def unit_materializer(device):
+    """FSDP1's `param_init_fn`: one module's own parameters and buffers made on `device` (`materialize`,
+    recurse=False), a parameter two modules share (tied embeddings: the LM head's weight is the embedding's)
+    made once and set on both, as the tie stands before wrapping. `Module.to_empty` per module would make
+    the second module its own copy (a new Parameter per module), an untied model one embedding larger."""
+    import weakref
+    # id(meta parameter) -> (it, a weak reference to the parameter made for it): the meta one kept, so its id
+    # stays; the made one not, so that FSDP1 frees it once it has flattened the unit (tied modules share a unit)
+    made: dict = {}
+
+    def init(module) -> None:
+        shared = {}
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in made and made[id(p)][1]() is not None:
+                shared[name] = made[id(p)][1]()
+        for name, p in shared.items():
+            del module._parameters[name]  # not made again by to_empty
+        metas = dict(module.named_parameters(recurse=False))
+        materialize(module, device, recurse=False)
+        for name, p in module.named_parameters(recurse=False):
+            made[id(metas[name])] = (metas[name], weakref.ref(p))
+        for name, p in shared.items():
+            module._parameters[name] = p
+    return init
 
 
 WRAPPERS = {
@@ -263,13 +310,14 @@ WRAPPERS = {
 
 
 def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node: int, device, *,
-         fake: bool = False, units: list | None = None, dp_mesh=None):
+         fake: bool = False, units: list | None = None, dp_mesh=None, meta: bool = False):
     """(wrapped_model, optimizer, ctx) for one registry strategy; the model must already be on `device`.
 
     fake=True: the process group is the fake one (DDP gets an equivalent Python all-reduce hook; no
     GradScaler, since gradients are garbage). `units`: the submodules FSDP wraps (default: the
     reference decoder's blocks). `dp_mesh`: tensor parallelism (the model already split over the tp
-    dimension): the dp dimension of the (dp, tp) mesh, `world_size` its size.
+    dimension): the dp dimension of the (dp, tp) mesh, `world_size` its size. `meta`: the model is on the
+    meta device (FSDP only): wrapped there, then each rank's parameters made on `device` (`materialize`).
     """
     from distplan.planner.strategies import get_strategy
     from distplan.planner.tp import TP_STRATEGIES
@@ -281,6 +329,8 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
     precision = train.get("precision", "fp32")
     if precision not in ("fp32", "bf16-mixed", "fp16-mixed", "bf16"):
         raise ValueError(f"precision={precision!r}: accepted values are fp32, bf16-mixed, fp16-mixed, bf16")
+    if meta and strategy.family not in ("fsdp1", "fsdp2"):
+        raise ValueError(f"strategy {strategy.name!r} on the meta device: only FSDP materializes a meta model")
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if strategy.name == "single" and world_size != 1:
@@ -289,7 +339,7 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
         raise ValueError(f"strategy {strategy.name!r} with tensor parallelism: the probes compose tp with "
                          f"{', '.join(TP_STRATEGIES)} (FSDP2 on the dp mesh dimension, torchtitan's layout)")
     wrapped, ctx = WRAPPERS[strategy.name](model, {**train, "precision": precision, "_fake": fake, "_units": units,
-                                                   "_dp_mesh": dp_mesh},
+                                                   "_dp_mesh": dp_mesh, "_meta": meta},
                                            world_size, gpus_per_node, device)
     ctx.loss_parallel = bool(getattr(model, "loss_parallel", False))
     ctx.params = list(wrapped.parameters())
