@@ -68,7 +68,9 @@ of 128 with one KV head, an untied vocabulary of 43,392, trained on 1 x 1024 tok
 tensors (logits, embedding and head gradients) weigh against a block as they do at Qwen2.5-7B's 4096 tokens.
 Recorded with and without full checkpointing (`... alloc_events_cpu_hf_vocab.json.gz qwen2-vocab`), built on the
 device and wrapped (as the other probes), and for FSDP also built on the meta device and wrapped there (`init:
-meta`, ids qwen2-vocab-meta*: what `estimate --hf-config` plans), about 1.5 minutes a probe on 2 cores.
+meta`, ids qwen2-vocab-meta*: what `estimate --hf-config` plans), and ZeRO-1 (`qwen2-vocab/zero1`,
+`qwen2-vocab-full/zero1`), about 1.5 minutes a probe on 2 cores (fp32: bf16 matmuls on a CPU without bf16
+instructions took over 6 minutes a probe).
 There the trace's writer and the analytic one had differed by 3-16% in the reserved or the allocated peak."""
 VOCAB_TRAIN = {"seq_len": 1024, "micro_batch": 1}
 
@@ -83,7 +85,9 @@ def cases() -> list[dict]:
             + [case("qwen2-vocab", s, suffix, checkpointing=ck, **VOCAB_TRAIN)
                for suffix, ck in (("", "none"), ("-full", "full")) for s in STRATEGIES]
             + [dict(case("qwen2-vocab", s, "-meta" + suffix, checkpointing=ck, **VOCAB_TRAIN), init="meta")
-               for suffix, ck in (("", "none"), ("-full", "full")) for s in STRATEGIES if s != "ddp"])
+               for suffix, ck in (("", "none"), ("-full", "full")) for s in STRATEGIES if s != "ddp"]
+            + [case("qwen2-vocab", "zero1", suffix, checkpointing=ck, **VOCAB_TRAIN)
+               for suffix, ck in (("", "none"), ("-full", "full"))])
 
 
 def main(argv: list[str]) -> int:

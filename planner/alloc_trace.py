@@ -125,12 +125,32 @@ class _Events:
                 self.ev.append(("free", k))
 
 
-def _broadcast_coalesced(E: _Events, nbytes: int) -> None:
-    """DistributedDataParallel.__init__'s `_sync_module_states`: the module's states broadcast from rank 0
-    through `_broadcast_coalesced`, flat buffers of up to 250 MiB (`broadcast_bucket_size`), each freed after."""
-    while nbytes > 0:
-        E.f(E.a(min(nbytes, 250 << 20)))
-        nbytes -= 250 << 20
+BROADCAST_BUCKET = 250 << 20
+"""DistributedDataParallel's `broadcast_bucket_size` (torch/nn/parallel/distributed.py: int(250 * 1024 * 1024))."""
+
+
+def _broadcast_coalesced(E: _Events, sizes) -> None:
+    """DistributedDataParallel.__init__'s `_sync_module_states`: the module's states (its parameters, then
+    its buffers: `sizes`, the bytes of each) broadcast from rank 0 by `_broadcast_coalesced`
+    (torch/csrc/distributed/c10d/comm.cpp `broadcast_coalesced`). `compute_bucket_assignment_by_size`
+    (reducer.cpp) fills a bucket in order until it holds at least BROADCAST_BUCKET bytes; each bucket's
+    BroadcastWork flattens its tensors into one new tensor (`flatten_dense_tensors`: `at::cat`, or a view of a
+    bucket's only tensor, which allocates nothing), at most 2 in flight: the third waits for the first's
+    `finish()`, which copies it back and frees it; the last two are freed in order at the end."""
+    buckets, cur, n = [], 0, 0
+    for b in sizes:
+        cur, n = cur + b, n + 1
+        if cur >= BROADCAST_BUCKET:
+            buckets.append((cur, n))
+            cur, n = 0, 0
+    if n:
+        buckets.append((cur, n))
+    flight: list = []
+    for nbytes, count in buckets:
+        if len(flight) >= 2:
+            E.f(flight.pop(0))
+        flight.append(E.a(nbytes) if count > 1 else None)
+    E.f(*flight)
 
 
 def _adam_temporaries(E: _Events, sizes, optimizer: str, impl: str) -> None:
@@ -358,10 +378,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     buckets: list = []
     if family in ("ddp", "zero1") and world > 1:
         # DistributedDataParallel.__init__: `_sync_module_states` broadcasts the parameters from rank 0
-        # through `_broadcast_coalesced` (flat buffers of up to 250 MiB, freed after), then the Reducer's
+        # through `_broadcast_coalesced` (buckets of at least 250 MiB, two in flight), then the Reducer's
         # first-iteration bucket holds every gradient (one bucket: limits [sys.maxsize]); rebuilt in
         # gradient-ready order in the second forward (`_rebuild_buckets`: old buckets freed first).
-        _broadcast_coalesced(E, lay.total * pb)
+        _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
         buckets = [E.a(lay.total * gb)]
     # optimizer: states owned by this rank (ZeRO-1: its partition; FSDP: the shards)
     if family == "zero1" and shard > 1:
@@ -809,7 +829,8 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
 
     - `construct`: the bytes of each parameter and buffer in the order `model.to(device)` copies them
       (validate.module_probe's `construct_bytes`); DDP (world > 1) then broadcasts them from rank 0
-      (`_sync_module_states`: flat buffers of up to 250 MiB, freed) and makes its Reducer's first bucket of
+      (`_sync_module_states`: buckets of 250 MiB or more, two in flight; `_broadcast_coalesced`) and makes its
+      Reducer's first bucket of
       every gradient; `batches`: the input tensors' bytes, made before the first step;
     - each micro-step replays the traced step's `log` ([1, id, bytes] made, [0, id] gone, [2, conv key]: a
       cuDNN workspace taken and given back, of `conv_workspaces[key]` bytes where measured), `kept` being
@@ -835,7 +856,8 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
             keys[i] = k
     bucket_keys: list = []
     if family in ("ddp", "zero1") and world > 1:
-        _broadcast_coalesced(E, sum(construct))
+        _broadcast_coalesced(E, construct)  # (in construction order: a buffer made among the parameters moves
+        # a bucket's boundary by its bytes)
         bucket_keys = [E.a(b) for b in buckets]
     for n in batches:
         E.a(n)
@@ -1333,7 +1355,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
         owned = [prod(s) for u in units for s in u]
     buckets: list = []
     if family == "ddp" and world > 1:
-        _broadcast_coalesced(E, lay.total * pb)
+        _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
         buckets = [E.a(lay.total * gb)]
     from .memory import _opt_state
     st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
