@@ -114,12 +114,17 @@ def _own_replays(name: str, tmp_path) -> dict:
         written = logged_module_events(desc, train, st.family, 8, _shard_group(st, CLUSTER)[1], strategy=st.name,
                                        init=init[pid])
         assert written is not None, pid
-        w, r = replay(list(written)), replay(comm_streams(events, st.family) if st.family in ("fsdp1", "fsdp2")
-                                                else [e for e in events if e[0] != "comm"])
-        errs[pid] = (round(100 * (w.peak_reserved / r.peak_reserved - 1), 1),
-                     round(100 * (w.peak_allocated / r.peak_allocated - 1), 2))
+        errs[pid] = _against_recorded(list(written), events, st.family)
     print(errs)
     return errs
+
+
+def _against_recorded(written: list, events: list, family: str) -> tuple:
+    """(reserved error %, allocated error %) of the written events' replay against the recorded ones'."""
+    w, r = replay(written), replay(comm_streams(events, family) if family in ("fsdp1", "fsdp2")
+                                   else [e for e in events if e[0] != "comm"])
+    return (round(100 * (w.peak_reserved / r.peak_reserved - 1), 1),
+            round(100 * (w.peak_allocated / r.peak_allocated - 1), 2))
 
 
 def test_trace_own_replay_against_recorded_hf_traces(tmp_path):
@@ -177,11 +182,7 @@ def _analytic_replays(name: str, tmp_path) -> dict:
                                    CLUSTER, "cpu", "fake", init[pid])
         assert why is None, pid
         args = twin(st.name, t["micro_batch"]).reserved_replay
-        w = replay(allocation_events(*args[:7], init=args[8]))
-        r = replay(comm_streams(events, st.family) if st.family in ("fsdp1", "fsdp2")
-                   else [e for e in events if e[0] != "comm"])
-        errs[pid] = (round(100 * (w.peak_reserved / r.peak_reserved - 1), 1),
-                     round(100 * (w.peak_allocated / r.peak_allocated - 1), 2))
+        errs[pid] = _against_recorded(allocation_events(*args[:7], init=args[8]), events, st.family)
     print(errs)
     return errs
 

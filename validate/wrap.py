@@ -331,6 +331,8 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
         raise ValueError(f"precision={precision!r}: accepted values are fp32, bf16-mixed, fp16-mixed, bf16")
     if meta and strategy.family not in ("fsdp1", "fsdp2"):
         raise ValueError(f"strategy {strategy.name!r} on the meta device: only FSDP materializes a meta model")
+    if meta and train.get("cpu_offload") not in (None, "none"):
+        raise ValueError("a model on the meta device with CPU offload: the probes materialize it on the device")
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if strategy.name == "single" and world_size != 1:
