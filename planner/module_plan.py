@@ -1637,6 +1637,10 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                  "hf-causal-lm": "transformers' causal-LM loss (labels = input ids)"}.get(desc.loss, desc.loss)
     notes.append(f"front end: trace (the model run on fake tensors, activations from saved_tensors_hooks); "
                  f"loss: {loss_text}")
+    fsdp_names = [n for n in names if get_strategy(n).family in ("fsdp1", "fsdp2")]
+    if hf and fsdp_names:
+        notes.append(f"{', '.join(fsdp_names)}: the model built on the meta device and wrapped there, each rank then "
+                     f"making only what FSDP keeps (torchtitan's way), as `distplan validate --hf-config` probes it")
 
     workspaces, local = kernel_workspaces(descs.values())
     if any(d.kernel_args for d in descs.values()):
