@@ -262,7 +262,14 @@ def materialize(module, device, recurse: bool = True) -> None:
     `model.to_empty(device=...)` then `init_weights()` does: no tensor beyond the parameters' own storage.
     The values are N(0, 0.02) for every floating tensor, buffers included (rotary frequencies): a memory probe
     needs finite numbers, not the model's initialization."""
+    mods = list(module.modules()) if recurse else [module]
+    # a plain attribute that is one of its module's buffers (transformers' rotary embeddings keep
+    # `original_inv_freq = inv_freq` for their dynamic RoPE update) follows the buffer to the device
+    aliases = [(m, a, b) for m in mods for a, t in vars(m).items() if isinstance(t, torch.Tensor)
+               for b, buf in m._buffers.items() if buf is t]
     module.to_empty(device=device, recurse=recurse)
+    for m, a, b in aliases:
+        setattr(m, a, m._buffers[b])
     with torch.no_grad():
         for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
             local = getattr(t, "_local_tensor", t)  # FSDP2: the DTensor's shard
