@@ -292,10 +292,7 @@ class Probe:
             from distplan.planner.strategies import get_strategy
             meta = bool(module) and init == "meta" and get_strategy(spec["strategy"]).family in ("fsdp1", "fsdp2")
             if module:
-                if meta:
-                    with torch.device("meta"):
-                        model = work.build()
-                else:
+                with torch.device("meta") if meta else contextlib.nullcontext():
                     model = work.build()
                 if not isinstance(model, torch.nn.Module):
                     raise TypeError(f"--module={work.label!r} returned {type(model).__name__}, "
