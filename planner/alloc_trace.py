@@ -584,17 +584,38 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             E.f(prev_flat)
         hc = [E.a(c) for c in head_cast]
         head_saved = E.a(outside)  # final norm, the LM head's input (activations.ActivationBreakdown.outside)
+        # The loss as transformers' ForCausalLMLoss (loss/loss_utils.py) and the reference decoder compute it:
+        # 16-bit logits are upcast (`logits.float()`, a new n x V fp32 tensor alive beside log_softmax's
+        # output, then dropped); in backward the logits' fp32 gradient is cast back (ToCopyBackward, n x V in
+        # the logits' dtype) before the head's matmul backward reads it (the recorded CPU traces' order).
+        # The walk counts both (activations `logits_transient`, memory `loss_bwd_tmp`).
+        upcast = cb != 4 and t == 1
         logits = E.a(n * v * cb)
+        up = E.a(n * v * 4) if upcast else None
         logp = E.a(act.loss_saved)
-        E.f(logits)
+        E.f(up, logits)
         # backward: the loss and the head
         lt = [E.a(x) for x in loss_tmp]
-        E.f(logp, *lt[:-1])
-        head_g = new_grads("root", head_shapes)
+        E.f(*lt[:-1], logp)
+        if upcast:
+            down = E.a(n * v * cb)
+            E.f(lt[-1])
+            lt[-1] = down
+        if regime == "autocast" and t == 1:
+            # fp32 parameters under autocast: the head's matmul backward makes its weight's gradient in 16 bits
+            # (the matmul ran on the weight's cast), its node then drops what it saved and the logits'
+            # gradient, and the cast's backward (ToCopyBackward) makes the fp32 gradient, the 16-bit one freed
+            # after (the H100's recorded events; memory.py's `w_head` instant)
+            w16 = [E.a(prod(s) * 2) for s in head_shapes if len(s) == 2]
+            E.f(lt[-1], *hc, head_saved)
+            head_g = new_grads("root", head_shapes)
+            E.f(*w16)
+        else:
+            head_g = new_grads("root", head_shapes)
+            E.f(lt[-1], *hc, head_saved)
         # A tied weight (the parameter, FSDP2's unsharded parameter, FSDP1's view): the head's matmul backward
         # makes its gradient, which autograd holds in the weight's input buffer through every block's
         # backward, until the embedding's arrives (below)
-        E.f(lt[-1], *hc, head_saved)
         tied_g = E.a(v * m.hidden * tied_b) if tied else None
         rs_kept = None
         pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
