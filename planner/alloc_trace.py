@@ -597,22 +597,21 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # backward: the loss and the head
         lt = [E.a(x) for x in loss_tmp]
         E.f(*lt[:-1], logp)
+        grad_logits = lt[-1]
         if upcast:
-            down = E.a(n * v * cb)
+            grad_logits = E.a(n * v * cb)
             E.f(lt[-1])
-            lt[-1] = down
+        done = [grad_logits, *hc, head_saved]  # freed when the head's matmul backward node has run
         if regime == "autocast" and t == 1:
             # fp32 parameters under autocast: the head's matmul backward makes its weight's gradient in 16 bits
             # (the matmul ran on the weight's cast), its node then drops what it saved and the logits'
             # gradient, and the cast's backward (ToCopyBackward) makes the fp32 gradient, the 16-bit one freed
             # after (the H100's recorded events; memory.py's `w_head` instant)
             w16 = [E.a(prod(s) * 2) for s in head_shapes if len(s) == 2]
-            E.f(lt[-1], *hc, head_saved)
-            head_g = new_grads("root", head_shapes)
-            E.f(*w16)
-        else:
-            head_g = new_grads("root", head_shapes)
-            E.f(lt[-1], *hc, head_saved)
+            E.f(*done)
+            done = w16
+        head_g = new_grads("root", head_shapes)
+        E.f(*done)
         # A tied weight (the parameter, FSDP2's unsharded parameter, FSDP1's view): the head's matmul backward
         # makes its gradient, which autograd holds in the weight's input buffer through every block's
         # backward, until the embedding's arrives (below)
