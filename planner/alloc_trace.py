@@ -557,6 +557,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # end of block 0's backward
         shared = E.a(act.shared) if act.shared and L else None
         blocks: list = []
+        # autocast's cache (aten/src/ATen/autocast_mode.cpp `cached_cast`: the 16-bit cast of a leaf that
+        # requires grad is kept for the whole autocast region): a checkpointed block saves none of its
+        # weights' casts, yet they stay alive until the region exits after the loss (`clear_cache` when
+        # torch.autocast's __exit__ takes the nesting to 0; memory.py counts them as `weight_cache_forward`)
+        cached: list = []
         for j in range(L):
             if family == "fsdp2" and sharding:
                 flat, params = unshard(block_shapes)
@@ -570,7 +575,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 tr = [E.a(s) for s in blk_saved]
                 E.f(*tr)
                 casts_kept = []
-                E.f(*casts)
+                cached.extend(casts)
             else:
                 casts_kept = casts
             blocks.append(([E.a(s) for s in kept_by(j)], casts_kept))
@@ -594,6 +599,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         up = E.a(n * v * 4) if upcast else None
         logp = E.a(act.loss_saved)
         E.f(up, logits)
+        E.f(*cached)  # the autocast region exits with the loss computed
         # backward: the loss and the head
         lt = [E.a(x) for x in loss_tmp]
         E.f(*lt[:-1], logp)

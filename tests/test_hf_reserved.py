@@ -379,7 +379,7 @@ def test_gpu_probe_prediction_judges_reserved_where_replayed():
     assert "peak_reserved" not in predicted("llama-8l.json", "cpu")
 
 
-REAL_SIZE = (("qwen2.5-7b", {"zero1": 0.10}), ("llama-3-8b", {"zero1": 0.06}))
+REAL_SIZE = (("qwen2.5-7b", {}), ("llama-3-8b", {"zero1": 0.05}))
 """Real sizes the analytic writer is judged at, and its known gaps against the trace's own run (|error| bound)."""
 
 
@@ -394,7 +394,10 @@ def test_analytic_replay_at_real_size_reads_the_traces_own_run(name, gaps):
     ForCausalLMLoss `logits.float()`), and the head's 16-bit weight gradient under autocast: Qwen2.5-7B (a 152k
     vocabulary) read +21.3% (zero3) and +12.3% (zero2) over its own run, Llama-3-8B +9.4% (fsdp) and +5.3%
     (fsdp-grad-op). Measured 2026-12-03 with them written: within 3.2% for every strategy but ZeRO-1 (-9.2% and
-    -5.1%: its owned-partition gradients and optimizer temporaries, not the loss; the gap this test bounds)."""
+    -5.1%). ZeRO-1's gap was autocast's weight cache: a checkpointed block's 16-bit weight casts stay cached until
+    the autocast region exits after the loss, and the segments they leave behind fragment the backward's gradient
+    allocations; written so, Qwen2.5-7B's reads -0.3% and Llama-3-8B's -3.9% (the gap this test bounds: the
+    order of a block backward's own allocations, which the writer puts down as one burst)."""
     p = module_spec_plan(dict(hf_config=str(ROOT / "tests" / "data" / "hf" / f"{name}.json"), gpus=16,
                               gpus_per_node=8, gpu="h100", seq_len=4096, micro_batch=1, precision="bf16-mixed",
                               activation_checkpointing="full", detect_local=False))
