@@ -208,14 +208,17 @@ def _block_saved_shapes(train: TrainConfig, regime: str, n: int) -> list[int]:
     return norm + attn + norm + mlp
 
 
-def _fsdp2_construct(E: _Events, units: list, full: list, shard: int, pb: int) -> list[int]:
+def _fsdp2_construct(E: _Events, units: list, full: list, shard: int, pb: int, meta: bool = False) -> list[int]:
     """FSDP2 construction (`fully_shard` per block, then the root: units[0] and units[-1], the embedding and
     the head): each parameter's padded dim-0 shard (`FSDPParam._init_sharded_param`, kept for the run),
-    then its full tensor (`full`'s key) goes. Returns the shards' elements in parameter order."""
+    then its full tensor (`full`'s key) goes. Built on the meta device (`meta`), `fully_shard` allocates
+    nothing and `to_empty` materializes the shards in module order instead (`nn.Module._apply`: children
+    first, depth first: the embedding, the blocks, the final norm and the head), as the recorded CPU traces
+    show. Returns the shards' elements in parameter order."""
     def shard_of(s):
         return -(-s[0] // shard) * prod(s[1:])
     L = len(units) - 2
-    for u in list(range(1, L + 1)) + [0, L + 1]:
+    for u in (range(L + 2) if meta else list(range(1, L + 1)) + [0, L + 1]):
         for i, s in enumerate(units[u]):
             E.a(shard_of(s) * pb)
             E.f(full[u][i])
@@ -354,7 +357,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         if not meta:
             _tied_head_transient(E, m, pb)
     if family == "fsdp2":
-        param_shards = _fsdp2_construct(E, units, full, shard if sharding else 1, pb)
+        param_shards = _fsdp2_construct(E, units, full, shard if sharding else 1, pb, meta)
     elif family == "fsdp1":
         # FlatParameter per block (ModuleWrapPolicy), the root's last; flatten, then keep a padded chunk
         order = list(range(1, L + 1)) + [0]
