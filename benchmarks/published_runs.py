@@ -76,6 +76,8 @@ def plan_kwargs(run: dict) -> dict:
               strategies=[run["distplan_strategy"]])
     if run.get("distplan_grad_sync"):  # the trainer's own rule for gradient accumulation (the YAML says why)
         kw["grad_sync"] = run["distplan_grad_sync"]
+    if run.get("distplan_attention_kernel"):  # llm-foundry's attn_impl='triton': FlashAttention in Triton
+        kw["attention_kernel"] = run["distplan_attention_kernel"]
     if run.get("distplan_gpu_mem"):
         kw["gpu_mem"] = run["distplan_gpu_mem"]
     if "compile" in inspect.signature(plan).parameters:

@@ -558,8 +558,8 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          intra: str | None = None, inter: str | None = None, nics_per_node: int | None = None,
          inter_gbps: float | None = None, seq_len: int = 2048, micro_batch: int = 1, grad_accum: int = 1,
          grad_sync: str = "last", precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
-         activation_checkpointing: str = "none", attention: str = "sdpa", cpu_offload: str = "none",
-         framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
+         activation_checkpointing: str = "none", attention: str = "sdpa", attention_kernel: str = "flash",
+         cpu_offload: str = "none", framework: str = "pytorch", compile: bool = False, tp: int = 1, sequence_parallel: bool = False,
          alloc_conf: str = "", pp: int = 1, pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
          cp: int = 1, torch_version: str = "", strategies: Iterable[str] | None = None,
          tokens: float | None = None, checkpoint: str | None = None, storage_gbps: float | None = None,
@@ -579,6 +579,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             `no_sync()`, FSDP2 `set_requires_gradient_sync(False)` before it) or "every" (every
             micro-step reduces; the sharded gradient accumulates).
         compile: the blocks run under torch.compile (step time only: fused pointwise kernels).
+        attention_kernel: the fused kernel `attention="sdpa"` runs, for its time only: "flash"
+            (FlashAttention-2, SDPA's flash backend) or "flash-triton" (FlashAttention in Triton, as
+            llm-foundry's attn_impl='triton'; config.ATTENTION_KERNELS). The analytic front end only.
         tp, sequence_parallel: tensor-parallel degree inside a node (torchtitan's Llama plan; the
             strategies then run over gpus / tp data-parallel ranks) and sequence parallelism (tp.py).
         alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF (expandable_segments, max_split_size_mb), which the
@@ -615,6 +618,10 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         if use_trace({"hf_config": hf_config, "front_end": front_end, "tp": tp, "pp": pp, "cp": cp,
                       "sequence_parallel": sequence_parallel, "checkpoint": checkpoint,
                       "storage_gbps": storage_gbps}):
+            if attention_kernel != "flash":
+                raise ValueError(f"--attention-kernel={short_repr(attention_kernel)} with the trace front end: "
+                                 f"the traced model runs the attention transformers gives it; accepted: "
+                                 f"--attention-kernel=flash, or --front-end=analytic")
             kw = dict(overrides, model=model, params=params, hf_config=hf_config, front_end=front_end, gpus=gpus,
                       gpus_per_node=gpus_per_node, gpu=gpu, gpu_mem=gpu_mem, node=node, intra=intra, inter=inter,
                       nics_per_node=nics_per_node, inter_gbps=inter_gbps, seq_len=seq_len, micro_batch=micro_batch,
@@ -698,6 +705,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                         grad_sync=grad_sync, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,
+                        attention_kernel=attention_kernel,
                         cpu_offload=cpu_offload, framework=framework, compile=compile, tp=tp,
                         sequence_parallel=sequence_parallel, alloc_conf=alloc_conf, pp=pp,
                         pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, cp=cp,

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from .config import (ATTENTION, CHECKPOINT_MODES, CHECKPOINTING, DEFAULT_STORAGE_GBPS, FRAMEWORKS, GRAD_SYNC,
+from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINT_MODES, CHECKPOINTING, DEFAULT_STORAGE_GBPS, FRAMEWORKS, GRAD_SYNC,
                      OFFLOAD, PP_SCHEDULES)
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .strategies import NAMES
@@ -95,6 +95,10 @@ def training_options(fn):
         click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True,
                      help="eager: the (B, heads, S, S) scores materialized (transformers' "
                           "attn_implementation='eager'; Gemma-2 runs it whatever is asked)."),
+        click.option("--attention-kernel", type=click.Choice(ATTENTION_KERNELS), default="flash", show_default=True,
+                     help="The fused kernel --attention sdpa runs (its time only): flash (FlashAttention-2, "
+                          "SDPA's flash backend) or flash-triton (FlashAttention in Triton: llm-foundry's "
+                          "attn_impl='triton'). Analytic front end."),
         click.option("--cpu-offload", type=click.Choice(OFFLOAD), default="none", show_default=True,
                      help="Where the strategy supports it (FSDP: params)."),
         click.option("--framework", type=click.Choice(FRAMEWORKS), default="pytorch", show_default=True,
@@ -209,6 +213,8 @@ def analytic_only(kw: dict) -> str | None:
             return f"--{flag}={kw[flag]}"
     if kw.get("checkpoint") or kw.get("storage_gbps") is not None:
         return f"--checkpoint={kw.get('checkpoint')}"
+    if (kw.get("attention_kernel") or "flash") != "flash":
+        return f"--attention-kernel={kw['attention_kernel']}"
     return None
 
 
@@ -249,7 +255,8 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
         flag = analytic_only(kw)
         if flag:
             what = {"--tp": "tensor parallelism", "--pp": "pipeline parallelism", "--cp": "context parallelism",
-                    "--checkpoint": "the checkpoint save"}[flag.split("=")[0]]
+                    "--checkpoint": "the checkpoint save",
+                    "--attention-kernel": "an attention kernel other than the traced model's"}[flag.split("=")[0]]
             raise ValueError(f"{flag}: {what} is modelled by the analytic front end only; with --hf-config drop "
                              f"--front-end trace (auto picks the analytic front end for it; --module: not supported)")
         from .module_plan import module_spec_plan
@@ -275,7 +282,7 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
                 seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], grad_accum=kw["grad_accum"],
                 grad_sync=kw.get("grad_sync") or "last", precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
                 activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
-                cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
+                attention_kernel=kw.get("attention_kernel") or "flash", cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
                 alloc_conf=kw.get("alloc_conf") or "", torch_version=kw.get("torch_version") or "",
                 pp_schedule=kw.get("pp_schedule") or "1f1b", pp_microbatches=kw.get("pp_microbatches"),
                 cp=kw.get("cp") or 1, strategies=list(strategies) or None,

@@ -30,6 +30,10 @@ def checkpoint_every(mode: str) -> int:
         return int(mode.split("-", 1)[1])
     return 0
 ATTENTION = ("sdpa", "eager")
+ATTENTION_KERNELS = ("flash", "flash-triton")
+"""The fused attention kernel an `sdpa` attention runs, for its time only (both save the output and the
+log-sum-exp): flash (FlashAttention-2, SDPA's flash backend) or flash-triton (FlashAttention written in
+Triton, Dao's flash_attn_triton.py, which llm-foundry's attn_impl='triton' runs)."""
 OFFLOAD = ("none", "optimizer", "params")
 CHECKPOINT_MODES = ("full", "full-offload", "sharded")
 """Checkpoint saves the planner models (`checkpoint.py`): full state dict gathered on every rank, full
@@ -209,6 +213,8 @@ class TrainConfig:
     """Activation checkpointing (CHECKPOINTING): none, selective (save matmul/SDPA outputs), full (per
     block), every-K (blocks 0, K, 2K, ...; not with pipeline parallelism in the analytic front end)."""
     attention: str = "sdpa"
+    attention_kernel: str = "flash"
+    """ATTENTION_KERNELS: the fused kernel under `sdpa` (its time only; kernels.py)."""
     cpu_offload: str = "none"
     framework: str = "pytorch"
     """pytorch (native implementations, validated) or deepspeed (DeepSpeed ZeRO's buffers)."""
@@ -249,7 +255,8 @@ class TrainConfig:
                 and 0 < self.grad_accum <= _MAX_ACCUM and self.grad_sync in GRAD_SYNC
                 and self.precision in PRECISIONS and self.optimizer in OPTIMIZERS
                 and self.optimizer_impl in OPTIMIZER_IMPLS and self.checkpointing in CHECKPOINTING
-                and self.attention in ATTENTION and self.cpu_offload in OFFLOAD
+                and self.attention in ATTENTION and self.attention_kernel in ATTENTION_KERNELS
+                and self.cpu_offload in OFFLOAD
                 and self.framework in FRAMEWORKS and type(self.compile) is bool
                 and type(self.tp) is int and self.tp >= 1 and type(self.sequence_parallel) is bool
                 and type(self.pp) is int and self.pp >= 1 and self.pp_schedule in PP_SCHEDULES
@@ -258,6 +265,10 @@ class TrainConfig:
             self._check_fields()
         if self.torch_version:
             torch_release(self.torch_version, "torch_version")  # a release number, or a one-line error
+        if self.attention_kernel != "flash" and self.attention != "sdpa":
+            raise ValueError(f"attention_kernel={self.attention_kernel!r} with attention={self.attention!r}: the "
+                             f"kernel is the fused one sdpa runs; accepted: attention='sdpa', or "
+                             f"attention_kernel='flash'")
         if self.model.attn_softcap and self.attention != "eager":
             # transformers' Gemma-2 has no SDPA path (`Gemma2PreTrainedModel._supports_sdpa = False`: SDPA
             # cannot soft-cap the scores): its attention is the eager one whatever was asked
@@ -300,6 +311,7 @@ class TrainConfig:
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("attention", self.attention, ATTENTION)
+        _choice("attention_kernel", self.attention_kernel, ATTENTION_KERNELS)
         _choice("cpu_offload", self.cpu_offload, OFFLOAD)
         _choice("framework", self.framework, FRAMEWORKS)
         if type(self.compile) is not bool:

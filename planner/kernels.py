@@ -9,7 +9,8 @@ Every op of a decoder block is timed by what bounds it:
   peak x matmul_efficiency x F / (F + G), G = `gpu.matmul_half_efficiency_flop` (small GEMMs lose to tile
   and wave quantization: a fixed G / (16-bit peak x efficiency) per GEMM, whatever its dtype); backward is two GEMMs of the same size (input gradient and weight gradient).
 - **Attention** by kernel: SDPA's flash / memory-efficient kernel at `gpu.attention_efficiency` of the
-  dense peak forward and `attention_backward_efficiency` backward, causal FLOPs halved (the kernels
+  dense peak forward and `attention_backward_efficiency` backward (FlashAttention in Triton,
+  `attention_kernel='flash-triton'`: those over `TRITON_FLASH_*_SLOWDOWN`), causal FLOPs halved (the kernels
   skip masked tiles); backward does 2.5x the forward's matmul FLOPs (Dao 2023, FlashAttention-2, sec. 3.1:
   five matmuls backward vs two forward). Eager attention: QK^T and AV as GEMMs plus the fp32 softmax,
   mask and casts over b x heads x s^2 elements, memory bound.
@@ -57,6 +58,10 @@ _EAGER_FWD_KERNELS, _COMPILED_FWD_KERNELS = 45, 12
 """Kernels per block forward: transformers' LlamaDecoderLayer issues ~45 (7 GEMMs, SDPA, 2 x 7 for the
 norms, ~10 for rotary, the casts and adds); compiled, the 7 GEMMs, attention and ~4 fused pointwise
 kernels. Backward issues about twice as many."""
+TRITON_FLASH_FWD_SLOWDOWN, TRITON_FLASH_BWD_SLOWDOWN = 1.4, 2.0
+"""FlashAttention-2's speed over FlashAttention in Triton: forward 1.3-1.5x (the middle taken), backward about
+2x (Dao 2023, FlashAttention-2, arXiv:2307.08691, sec. 4.1, measured on A100; applied on every GPU, as the
+flash efficiencies they divide are per GPU)."""
 _HOST_OPS_PER_KERNEL = 1.3
 """Compiled blocks: host calls per kernel the Inductor wrapper launches (the eager count is `host_ops`)."""
 
@@ -201,6 +206,12 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         # a materialized mask (a sliding window no longer than the sequence): SDPA's memory-efficient kernel
         # adds it to every tile of scores, skipping none; GQA's K/V are first repeated to every head
         # (transformers' `repeat_kv`: `use_gqa_in_sdpa` is False with a mask), a copy each
+        if train.attention_kernel == "flash-triton":
+            # FlashAttention in Triton (flash_attn_triton.py, what llm-foundry's attn_impl='triton' runs) against
+            # FlashAttention-2 on the same GPU: "around 1.3-1.5x faster than FlashAttention in Triton in the
+            # forward pass and around 2x faster in the backward pass" (Dao 2023, arXiv:2307.08691, sec. 4.1, A100;
+            # the kernel's own docstring: its forward is about FlashAttention-1's, its backward slower)
+            att_eff, att_bwd_eff = att_eff / TRITON_FLASH_FWD_SLOWDOWN, att_bwd_eff / TRITON_FLASH_BWD_SLOWDOWN
         attn_fwd = attn_flops / (peak * att_eff)
         attn_bwd = 2.5 * attn_flops / (peak * att_bwd_eff)
         repeat = masked and m.kv_heads < m.heads

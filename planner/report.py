@@ -115,6 +115,7 @@ def header(plan) -> str:
         + (f" (gradients reduced {'every micro-step' if t.sync_every else 'on the last micro-step'})"
            if t.grad_accum > 1 else "") + f", {t.precision}, "
         f"{t.optimizer} ({t.optimizer_impl}), checkpointing {t.checkpointing}, attention {t.attention}"
+        + (f" ({t.attention_kernel})" if getattr(t, "attention_kernel", "flash") != "flash" else "")
         + (f", offload {t.cpu_offload}" if t.cpu_offload != "none" else "")
         + (f", framework {t.framework}" if t.framework != "pytorch" else ""),
         *([_mesh_line(t, c)] if max(getattr(t, "tp", 1), getattr(t, "pp", 1), getattr(t, "cp", 1)) > 1 else []),

@@ -72,6 +72,8 @@ def test_estimate_70b_on_h100_json_contract():
     (["--params", "7B", "--gpus", "12", "--node", "dgx-h100"], "--gpus=12: not a multiple of the 8 GPUs per node (--node dgx-h100)"),
     (["--params", "7B", "--gpus", "12", "--gpus-per-node", "5"], "accepted: up to 5, or a multiple of 5 (10 or 15 here)"),
     (["--params", "7B", "--model", "llama-2-7b"], "--model and --params: accepted: one of --model, --params and --hf-config"),
+    (["--params", "7B", "--attention-kernel", "cudnn"], "--attention-kernel"),
+    (["--params", "7B", "--attention", "eager", "--attention-kernel", "flash-triton"], "attention_kernel='flash-triton'"),
 ])
 def test_bad_input_is_one_line_exit_2(args, flag):
     r = CliRunner().invoke(main, ["estimate", *args])
@@ -257,3 +259,15 @@ def test_strategy_takes_a_comma_list_as_validate_does():
     for bad, name in (("zero3,", "''"), ("zero3,fdsp", "'fdsp'")):
         r = CliRunner().invoke(main, ["estimate", "--params", "1B", "--gpus", "8", "--strategy", bad])
         assert r.exit_code == 2 and f"--strategy={name}: accepted:" in r.output and len(r.output.splitlines()) == 1
+
+
+def test_attention_kernel_is_the_analytic_front_ends():
+    """--attention-kernel flash-triton (llm-foundry's Triton FlashAttention) times the analytic decoder's
+    attention; a traced transformers model runs its own attention, so --front-end trace refuses it (one line,
+    exit 2) and auto picks the analytic front end. Neither imports torch to decide."""
+    cfg = str(Path(__file__).parent / "data" / "hf" / "llama-3.2-1b.json")
+    r = CliRunner().invoke(main, ["estimate", "--hf-config", cfg, "--front-end", "trace", "--attention-kernel",
+                                  "flash-triton"])
+    assert r.exit_code == 2 and "--attention-kernel=flash-triton" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["estimate", "--hf-config", cfg, "--attention-kernel", "flash-triton"])
+    assert r.exit_code == 0 and "attention sdpa (flash-triton)" in r.output and "front end: analytic" in r.output

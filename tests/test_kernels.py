@@ -40,6 +40,24 @@ def test_compile_fuses_pointwise_work_only():
     assert compiled.launch_s < eager.launch_s
 
 
+def test_triton_flash_attention_is_slower_in_attention_only():
+    """llm-foundry's attn_impl='triton' (FlashAttention in Triton): FlashAttention-2 is 1.3-1.5x faster forward
+    and about 2x backward (Dao 2023, sec. 4.1), so only the attention kernels' time grows, by those factors;
+    its memory is the flash kernel's (the walk does not read the kernel)."""
+    tr = TrainConfig(model=L8, seq_len=4096, micro_batch=1)
+    flash, triton = (kernel_times(replace(tr, attention_kernel=k), H100, "lowp") for k in ("flash", "flash-triton"))
+    assert triton.matmul_s == flash.matmul_s and triton.memory_bound_s == flash.memory_bound_s
+    assert 1.3 * flash.attention_s < triton.attention_s < 2.0 * flash.attention_s
+    p_flash, p_triton = (plan("llama-3-8b", gpus=8, seq_len=4096, attention_kernel=k, strategies=["fsdp"])["fsdp"]
+                         for k in ("flash", "flash-triton"))
+    assert p_triton.memory.peak_allocated == p_flash.memory.peak_allocated
+    assert p_triton.time.step_time_s > p_flash.time.step_time_s
+    with pytest.raises(ValueError, match="attention_kernel='flash-triton' with attention='eager'"):
+        replace(tr, attention="eager", attention_kernel="flash-triton")
+    with pytest.raises(ValueError, match="attention_kernel='cudnn': accepted values are flash, flash-triton"):
+        replace(tr, attention_kernel="cudnn")
+
+
 def test_recompute_costs():
     tr = TrainConfig(model=L8, seq_len=4096, micro_batch=1)
     none, sel, full = (kernel_times(replace(tr, checkpointing=m), H100, "lowp") for m in ("none", "selective", "full"))
