@@ -741,7 +741,7 @@ def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "flo
         return profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
     shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS, attention)
     return expand_layers(profile_workload(shallow, dtype, device=device, checkpoint_every=checkpoint_every),
-                         depth, work)
+                         depth, work, checkpoint_every)
 
 
 def profile(work, dtype: str = "float32", device: str = "cpu", checkpoint_every: int = 0) -> dict:
@@ -784,10 +784,15 @@ cached casts of biases) and the last (the final norm, LM head and loss join its 
 `expand_layers` repeats the middle one."""
 
 
-def expand_layers(prof: dict, depth: int, work) -> dict:
+def expand_layers(prof: dict, depth: int, work, checkpoint_every: int = 0) -> dict:
     """A TRACE_LAYERS-deep profile as the `depth`-deep model's: the middle layer's unit, segment,
     gradient-ready entries and FLOPs repeated (depth - 2) times, names renumbered. Equal to tracing
-    every layer (tests/test_hf_trace.py compares both), at a fraction of the time."""
+    every layer (tests/test_hf_trace.py compares both), at a fraction of the time.
+
+    `checkpoint_every` (the step's allocation log was traced with every k-th layer checkpointed): with k >= 2
+    the deep model's middle layers are of two kinds (layer t checkpointed where t % k == 0) while the traced
+    middle layer is of one, so the log is not expanded (with k = 4, the 4 traced layers checkpoint layer 0
+    only, and repeating their middle layer checkpointed no other layer of the deep model)."""
     import copy
     import re
 
@@ -874,7 +879,7 @@ def expand_layers(prof: dict, depth: int, work) -> dict:
     for j, run in runs:
         expanded_construct.extend(run if j is None else [(renamed(p, j, i), n, renamed(nm, j, i), b)
                                                          for i in mapping[j] for p, n, nm, b in run])
-    log = _expanded_log(prof.get("alloc_log") or {}, depth, layer_of, renamed)
+    log = _expanded_log(prof.get("alloc_log") or {}, depth, layer_of, renamed) if checkpoint_every < 2 else None
     if log is not None and [(e[1], e[3]) for e in construct if layer_of(e[0]) == 1] == [
             (e[1], e[3]) for e in construct if layer_of(e[0]) == 2]:
         for key, k in (("construct_paths", 0), ("construct_bytes", 1), ("construct_names", 2), ("construct_built", 3)):
