@@ -332,6 +332,24 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     # -- construction -------------------------------------------------------------------------------
     units = [list(embed_shapes)] + [list(block_shapes)] * L + [list(head_shapes)]
     meta = init == "meta" and fsdp
+    # Pure 16-bit training, built on the device: the model is made in fp32 (the factory's and transformers'
+    # default dtype) and then cast (`model.to(torch.bfloat16)`, as the probes do before wrapping:
+    # validate/wrap.py, probe.py). `nn.Module._apply` casts children first, each parameter into a new
+    # tensor before the fp32 one goes (`param.data = fn(param)`), so its fp32 segments stay reserved.
+    built = 4 if pb == 2 and not prec.mixed and not meta else pb
+
+    def cast_built(keys_of: list) -> list:
+        """`model.to(16-bit)` over the units' fp32 parameters (in module order): each one's 16-bit copy,
+        the fp32 one freed."""
+        if built == pb:
+            return keys_of
+        out = []
+        for u, keys in zip(units_all, keys_of):
+            out.append([])
+            for s, k in zip(u, keys):
+                out[-1].append(E.a(prod(s) * pb))
+                E.f(k)
+        return out
     if t > 1 and not meta:
         # Tensor parallelism on a model built on the device (the probes): the whole model first, then
         # `parallelize_module` (`distribute_tensor`: each sharded parameter's local chunk scattered into
@@ -341,8 +359,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         whole_spec = ModelSpec(**{f.name: getattr(m, f.name) for f in fields(ModelSpec)})
         w_root, w_block, _, _, _ = unit_sizes(whole_spec)
         w_units = [list(w_root[:n_embed])] + [list(w_block)] * L + [list(w_root[n_embed:])]
-        whole = [[E.a(prod(s) * pb) for s in u] for u in w_units]
-        _tied_head_transient(E, m, pb)
+        whole = [[E.a(prod(s) * built) for s in u] for u in w_units]
+        _tied_head_transient(E, m, built)
+        units_all = w_units
+        whole = cast_built(whole)
         full = []
         for u, wu, keys in zip(units, w_units, whole):
             full.append([])
@@ -353,9 +373,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                     full[-1].append(E.a(prod(s) * pb))
                     E.f(k)
     else:
-        full = [[None if meta else E.a(prod(s) * pb) for s in u] for u in units]
+        full = [[None if meta else E.a(prod(s) * built) for s in u] for u in units]
         if not meta:
-            _tied_head_transient(E, m, pb)
+            _tied_head_transient(E, m, built)
+            units_all = units
+            full = cast_built(full)
     if family == "fsdp2":
         param_shards = _fsdp2_construct(E, units, full, shard if sharding else 1, pb, meta)
     elif family == "fsdp1":
