@@ -24,7 +24,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from distplan.planner.strategies import NAMES  # noqa: E402
-from distplan.validate.module_probe import TRACE_LAYERS, profile_hf, profile_workload  # noqa: E402
+from distplan.validate.module_probe import (TRACE_LAYERS, periodic_trace_layers, profile_hf,  # noqa: E402
+                                             profile_workload)
 from distplan.validate.workload import HFWorkload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,21 +153,24 @@ def test_every_k_checkpointing_lies_between_none_and_full():
     assert peaks["analytic", "every-2"] == pytest.approx(peaks["trace", "every-2"], rel=0.005), peaks
 
 
-@pytest.mark.parametrize("k", [2, 3, 4])
-def test_every_k_allocation_log_is_the_deep_models(k):
-    """The step's allocation log of a deep model under every-K (K >= 2) is not expanded from the 4 traced
-    layers: the deep model's middle layers are of two kinds (checkpointed where t % K == 0), the traced middle
-    layer of one. Expanded, every-4 checkpointed layer 0 only (the 4 traced layers checkpoint no other), and the
-    reserved peak of Qwen2.5-7B at 4096 tokens replayed 49.9 GiB allocated where the walk has 44.9 (zero2).
-    With every layer traced (8 layers, no expansion) the log is there, and its events hold what the walk
-    counts."""
-    path = str(HF / "llama-8l.json")
-    expanded = profile_hf(path, 2, 32, "float32", checkpoint_every=k)
-    assert expanded["traced_layers"] == TRACE_LAYERS and "alloc_log" not in expanded
-    full = profile_workload(HFWorkload(path, 2, 32), "float32", checkpoint_every=k)
-    marks = [e[1] for e in full["alloc_log"]["events"] if e[0] == 3 and isinstance(e[1], str)]
-    assert full["alloc_log"]["events"] and len(marks) >= 8
-    assert profile_hf(path, 2, 32, "float32", checkpoint_every=1).get("alloc_log")  # full: still expanded
+@pytest.mark.parametrize("model_type,k,depth,dtype", [("llama", 2, 8, "float32"), ("llama", 3, 12, "float32"),
+                                                      ("llama", 4, 16, "autocast-bfloat16"), ("qwen2", 2, 9, "bfloat16"),
+                                                      ("gpt2", 3, 13, "autocast-bfloat16")])
+def test_every_k_allocation_log_equals_full_trace(model_type, k, depth, dtype):
+    """Under every-K checkpointing (K >= 2) a deep model's layers are of two kinds (checkpointed where
+    t % K == 0), so the step's allocation log is traced at `periodic_trace_layers` layers and a period of K
+    layers repeated, each deep layer its kind's: equal to tracing every layer (each event, id and free in
+    order, the kept tensors, the gradients' ids and names). It used to be expanded from the 4 layers traced
+    for the rest of the profile, which at every-4 checkpoint layer 0 only: Qwen2.5-7B at 4096 tokens replayed
+    49.9 GiB allocated (zero2) where the walk has 44.9."""
+    path = str(HF / f"{model_type}-8l.json")
+    traced = periodic_trace_layers(depth, k)
+    assert TRACE_LAYERS < traced < depth
+    expanded = profile_hf(path, 2, 32, dtype, layers=depth, checkpoint_every=k)
+    assert len([u for u in expanded["units"] if u["name"] != "root"]) == traced
+    full = profile_workload(HFWorkload(path, 2, 32, layers=depth), dtype, checkpoint_every=k)
+    assert expanded["alloc_log"]["events"]
+    assert expanded["alloc_log"] == full["alloc_log"]
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])

@@ -739,6 +739,13 @@ def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "flo
     depth = work.depth()
     if depth <= TRACE_LAYERS:
         return profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
+    if checkpoint_every >= 2:  # two kinds of layer: a deeper trace whose log repeats a period of them
+        traced = periodic_trace_layers(depth, checkpoint_every)
+        if traced >= depth:
+            return profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
+        shallow = HFWorkload(hf_config, micro_batch, seq_len, traced, attention)
+        return _periodic_log(profile_workload(shallow, dtype, device=device, checkpoint_every=checkpoint_every),
+                             depth, checkpoint_every, traced)
     shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS, attention)
     return expand_layers(profile_workload(shallow, dtype, device=device, checkpoint_every=checkpoint_every),
                          depth, work, checkpoint_every)
@@ -784,6 +791,41 @@ cached casts of biases) and the last (the final norm, LM head and loss join its 
 `expand_layers` repeats the middle one."""
 
 
+def periodic_trace_layers(depth: int, every: int) -> int:
+    """Layers to trace for a `depth`-deep model's allocation log under every-K checkpointing (K = `every`):
+    layers 0 .. K, a window of K layers (K + 1 .. 2K) and at least one after it, the last traced one of the
+    deep last layer's kind (`_expanded_log`'s `period`)."""
+    last = depth - 1
+    first_after = 2 * every + 1
+    return first_after + (last - first_after) % every + 1
+
+
+def _periodic_log(prof: dict, depth: int, every: int, traced: int) -> dict:
+    """The `traced`-deep profile whose allocation log is the `depth`-deep model's under every-K checkpointing
+    (`_expanded_log` with period K), for `ModuleDesc.with_checkpointed_log`, which reads only the log; the
+    log dropped where it cannot be expanded."""
+    import re
+
+    layer_units = [u for u in prof["units"] if u["name"] != "root"]
+    out = dict(prof)
+    out.pop("alloc_log", None)
+    if len(layer_units) != traced:
+        return out
+    prefix = layer_units[0]["name"].rsplit(".", 1)[0]
+    pat = re.compile(re.escape(prefix) + r"\.(\d+)(?=\.|$)")
+
+    def renamed(text: str, old: int, new: int) -> str:
+        return pat.sub(lambda m: f"{prefix}.{new}" if int(m.group(1)) == old else m.group(0), text)
+
+    def layer_of(text: str):
+        m = pat.search(text)
+        return int(m.group(1)) if m else None
+    log = _expanded_log(prof.get("alloc_log") or {}, depth, layer_of, renamed, every, traced)
+    if log is not None:
+        out["alloc_log"] = log
+    return out
+
+
 def expand_layers(prof: dict, depth: int, work, checkpoint_every: int = 0) -> dict:
     """A TRACE_LAYERS-deep profile as the `depth`-deep model's: the middle layer's unit, segment,
     gradient-ready entries and FLOPs repeated (depth - 2) times, names renumbered. Equal to tracing
@@ -791,8 +833,8 @@ def expand_layers(prof: dict, depth: int, work, checkpoint_every: int = 0) -> di
 
     `checkpoint_every` (the step's allocation log was traced with every k-th layer checkpointed): with k >= 2
     the deep model's middle layers are of two kinds (layer t checkpointed where t % k == 0) while the traced
-    middle layer is of one, so the log is not expanded (with k = 4, the 4 traced layers checkpoint layer 0
-    only, and repeating their middle layer checkpointed no other layer of the deep model)."""
+    middle layer is of one, so the log is not expanded here (with k = 4 the 4 traced layers checkpoint layer 0
+    only); `profile_hf` traces such a log deeper and repeats a period of layers (`_periodic_log`)."""
     import copy
     import re
 
@@ -929,7 +971,8 @@ def _post_backward_first(events: list) -> list:
     return out
 
 
-def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
+def _expanded_log(log: dict, depth: int, layer_of, renamed, period: int = 1,
+                  traced: int = TRACE_LAYERS) -> dict | None:
     """A TRACE_LAYERS-deep step's allocation log (`_SegmentTracker.log`) as the `depth`-deep model's, or None
     where it cannot be said so. Each event belongs to a layer's region -- its forward from its pre-forward to
     its post-forward marker ([3, unit] .. [4, unit]), its backward from its outputs' gradient ([5, unit]) to
@@ -943,12 +986,23 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
     copy of a middle layer's tensor (autocast's cache at the end of the forward). Ids are renumbered in
     allocation order and each run of frees is in that order, as `close_log` lists them; equal to tracing
     every layer (tests/test_hf_trace.py). None when the repeated layers' allocations differ in size, or a
-    repeated region frees a tensor of the root or names a layer past the ends."""
+    repeated region frees a tensor of the root or names a layer past the ends.
+
+    `period` P, `traced` T (every-K checkpointing, P = K: the deep model's layers are of P kinds by t % P):
+    the T traced layers are layers 0 .. P kept as they are, a window of P layers W = P + 1 .. 2P repeated
+    periodically (deep layer t >= P + 1 is window layer P + 1 + (t - P - 1) % P, the same kind), the traced
+    layers after the window only as its neighbours, and the last traced layer (of the deep last layer's kind)
+    as the last. P = 1, T = 4 is the scheme above."""
     events = log.get("events")
     if not events:
         return None
     last = depth - 1
-    target = {0: 0, 1: 1, 3: last}  # traced layer -> its layer in the deep model (2: 2 .. last - 1)
+    w0, m_last = period + 1, traced - 1  # the window's first traced layer, the last traced layer
+
+    def tmpl(j: int) -> int:  # the window layer a traced (or deep) layer j >= w0 repeats, by its kind
+        return w0 + (j - w0) % period
+    # traced layer -> its layer in the deep model (the window's: w0 .. last - 1, by kind)
+    target = {**{j: j for j in range(w0)}, m_last: last}
     region = None
     tagged = []  # (region (kind, traced layer) or None, event)
     backward = False  # (a checkpointed layer's recomputation runs its forward hooks again inside its backward)
@@ -975,15 +1029,23 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
                 owner[e[1]] = (r[0], r[1], len(got))
                 got.append(e[2])
     for kind in ("F", "B"):  # (the last layer's forward goes on with the root's ops after it: the head, the loss)
-        middle = sizes.get((kind, 2))
-        if not middle or sizes.get((kind, 1)) != middle or sizes.get((kind, 3), [])[:len(middle)] != middle:
+        for j in range(w0, w0 + period):  # each window layer as the layer of its kind one period before
+            middle = sizes.get((kind, j))
+            if not middle or sizes.get((kind, j - period)) != middle:
+                return None
+        if any(sizes.get((kind, u)) != sizes.get((kind, tmpl(u))) for u in range(w0 + period, m_last)):
+            return None
+        middle = sizes[(kind, tmpl(m_last))]
+        if sizes.get((kind, m_last), [])[:len(middle)] != middle:
             return None
 
     def layers(j: int) -> list:  # the deep model's layers traced layer j stands for, in forward order
-        return list(range(2, last)) if j == 2 else [target[j]]
+        if j < w0 or j == m_last:
+            return [target[j]]
+        return [t for t in range(w0, last) if tmpl(t) == j] if j < w0 + period else []
 
     def source(t: int) -> int:  # the traced layer whose tensors layer t's are
-        return {0: 0, 1: 1, last: 3}.get(t, 2)
+        return t if t < w0 else m_last if t == last else tmpl(t)
 
     def name(x, t: int):  # the deep model's tensor: x (traced) of layer t
         o = owner[x]
@@ -1000,38 +1062,58 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed) -> dict | None:
             blocks[-1][1].append(e)
         else:
             blocks.append((r, [e]))
+    by_region: dict = {}
+    for r, block in blocks:
+        if r is not None:
+            if r in by_region:
+                return None
+            by_region[r] = block
+
+    def emitted(r) -> list:
+        """(region, deep layer, events) to write where region r's events stand: a layer kept as traced or the
+        last as itself; at the window's first region in run order (forward: its first layer; backward, which
+        reaches deeper layers first: its last), every window copy in deep-layer order, each its kind's region;
+        the window's other regions and the neighbours after it nothing."""
+        kind, j = r
+        if j < w0 or j == m_last:
+            return [(r, target[j], by_region[r])]
+        if j != (w0 if kind == "F" else w0 + period - 1):
+            return []
+        deep = range(w0, last) if kind == "F" else range(last - 1, w0 - 1, -1)
+        return [((kind, tmpl(t)), t, by_region[(kind, tmpl(t))]) for t in deep]
+
+    def run():  # (region, deep layer, event) in the deep model's order
+        for r0, block0 in blocks:
+            for r, t, block in (emitted(r0) if r0 is not None else [(None, None, block0)]):
+                for e in block:
+                    yield r, t, e
     out: list = []
     try:
-        for r, block in blocks:
-            if r is None:
-                copies = [None]
-            else:  # (backward reaches deeper layers first)
-                copies = layers(r[1]) if r[0] == "F" else layers(r[1])[::-1]
-            for t, e in ((t, e) for t in copies for e in block):
-                shift = 0 if r is None else t - r[1]
-                if e[0] == 1:
-                    out.append((1, name(e[1], t) if r is not None else owner[e[1]], e[2]))
-                elif e[0] == 0:
-                    o = owner.get(e[1])
-                    if o is None:  # (not made in the step: never logged)
-                        continue
-                    if o[0] == "root":
-                        if r is not None and r[1] == 2:
-                            raise LookupError
-                        out.append((0, o))
-                    elif r is None:  # every copy's, where a middle layer's
-                        out.extend((0, name(e[1], t_)) for t_ in layers(o[1]))
-                    else:
-                        out.append((0, name(e[1], o[1] + shift)))
-                elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None and r is not None:
-                    m = layer_of(e[1]) + shift
-                    if not 0 <= m <= last:
+        for r, t, e in run():
+            shift = 0 if r is None else t - r[1]
+            if e[0] == 1:
+                out.append((1, name(e[1], t) if r is not None else owner[e[1]], e[2]))
+            elif e[0] == 0:
+                o = owner.get(e[1])
+                if o is None:  # (not made in the step: never logged)
+                    continue
+                if o[0] == "root":
+                    if r is not None and w0 <= r[1] < w0 + period:  # (a repeated region)
                         raise LookupError
-                    out.append((e[0], renamed(e[1], layer_of(e[1]), m)))
-                elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None:
-                    out.append((e[0], renamed(e[1], layer_of(e[1]), target.get(layer_of(e[1]), layer_of(e[1])))))
+                    out.append((0, o))
+                elif r is None:  # every copy's, where a middle layer's
+                    out.extend((0, name(e[1], t_)) for t_ in layers(o[1]))
                 else:
-                    out.append(tuple(e))
+                    out.append((0, name(e[1], o[1] + shift)))
+            elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None and r is not None:
+                m = layer_of(e[1]) + shift
+                if not 0 <= m <= last:
+                    raise LookupError
+                out.append((e[0], renamed(e[1], layer_of(e[1]), m)))
+            elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None:
+                out.append((e[0], renamed(e[1], layer_of(e[1]), target.get(layer_of(e[1]), layer_of(e[1])))))
+            else:
+                out.append(tuple(e))
     except (LookupError, KeyError):
         return None
     ids: dict = {}
