@@ -239,13 +239,30 @@ def _plan(config, **kw):
                             ("ddp", "zero2", "zero3", "fsdp"))
 
 
-def test_trace_plan_replays_its_own_run_and_pairs_where_that_is_not_written():
+@pytest.fixture
+def unwritten_every_k(monkeypatch):
+    """Checkpointed allocation logs that cannot be expanded (`module_probe._periodic_log` finding the traced
+    layers unlike): the plan must then say what it falls back to. Traces of this test are its own."""
+    from distplan.planner import module_plan
+    from distplan.validate import module_probe
+
+    real = module_probe._periodic_log
+
+    def without_log(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.pop("alloc_log", None)
+        return out
+    monkeypatch.setattr(module_probe, "_periodic_log", without_log)
+    monkeypatch.setattr(module_plan, "_TRACES", {})
+
+
+def test_trace_plan_replays_its_own_run_and_pairs_where_that_is_not_written(unwritten_every_k):
     p = _plan(EXAMPLES / "llama-8l.json")
     assert all(r.memory.reserved_source == "allocator replay" for r in p.results)
     assert any(n == "reserved peak: the traced step's own allocations replayed through the caching allocator for "
                "ddp, zero2, zero3, fsdp" for n in p.notes), p.notes
-    # checkpointing every 2nd layer: the 4 traced layers are not 4 alike, so their log is not expanded and the
-    # run is not written from it: paired with the analytic replay
+    # checkpointing every 2nd layer, its log not expanded (the fixture): the run is not written from it,
+    # paired with the analytic replay
     p = _plan(EXAMPLES / "llama-8l.json", activation_checkpointing="every-2")
     assert any(n.startswith("reserved peak: the trace's allocated peak plus") and "margin" not in n
                for n in p.notes), p.notes
@@ -263,8 +280,20 @@ def test_trace_plan_replays_its_own_run_and_pairs_where_that_is_not_written():
     assert zero3.peak_reserved > 1.1 * zero3.peak_allocated
 
 
-def test_trace_keeps_the_margin_where_neither_replay_is_written():
-    # q/k norms over the whole width: a model_type only the trace plans; every-2, its run is not written
+def test_every_k_trace_replays_its_own_run():
+    """Every-2 on an 8-layer model: its allocation log traced at 6 layers and a period of 2 repeated
+    (module_probe.periodic_trace_layers), so the plan replays the traced run's own allocations, as without
+    checkpointing, for a model the formulas read (Llama) and one they do not (OLMo-2)."""
+    for config in ("llama-8l.json", "olmo2-8l.json"):
+        p = _plan(EXAMPLES / config, activation_checkpointing="every-2")
+        assert all(r.memory.reserved_source == "allocator replay" for r in p.results), \
+            (config, [(r.name, r.memory.reserved_source) for r in p.results])
+        for r in p.results:
+            assert r.memory.peak_reserved % (2 * MiB) == 0 and r.memory.peak_reserved >= r.memory.peak_allocated
+
+
+def test_trace_keeps_the_margin_where_neither_replay_is_written(unwritten_every_k):
+    # q/k norms over the whole width: a model_type only the trace plans; every-2, its log not expanded
     p = _plan(EXAMPLES / "olmo2-8l.json", activation_checkpointing="every-2")
     assert all(r.memory.reserved_source == "10% margin" for r in p.results)
     assert any("10% margin for ddp, zero2, zero3, fsdp: not written from the trace, nor paired: this model_type"
@@ -360,10 +389,11 @@ def test_root_gradient_of_the_last_block_segment(tmp_path):
     assert min(s.parts["grads"] for s in backward[4:-3]) >= head + norm
 
 
-def test_gpu_probe_prediction_judges_reserved_where_replayed():
+def test_gpu_probe_prediction_judges_reserved_where_replayed(unwritten_every_k):
     """`distplan validate --hf-config` on a GPU judges max_memory_reserved against the trace's own replay, for
-    a model the analytic front end reads and one it does not; where neither replay is written (a
-    OLMo-2 checkpointing every 2nd layer) it gets no reserved prediction (a margin is not one), nor does a CPU probe."""
+    a model the analytic front end reads and one it does not; where neither replay is written (an
+    OLMo-2 checkpointing every 2nd layer, its log not expanded: the fixture) it gets no reserved prediction (a
+    margin is not one), nor does a CPU probe."""
     from distplan.planner.module_plan import predict_module_probe
 
     def predicted(config, device_type, checkpointing="none"):
