@@ -338,13 +338,13 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     # tensor before the fp32 one goes (`param.data = fn(param)`), so its fp32 segments stay reserved.
     built = 4 if pb == 2 and not prec.mixed and not meta else pb
 
-    def cast_built(keys_of: list) -> list:
+    def cast_built(units_of: list, keys_of: list) -> list:
         """`model.to(16-bit)` over the units' fp32 parameters (in module order): each one's 16-bit copy,
         the fp32 one freed."""
         if built == pb:
             return keys_of
         out = []
-        for u, keys in zip(units_all, keys_of):
+        for u, keys in zip(units_of, keys_of):
             out.append([])
             for s, k in zip(u, keys):
                 out[-1].append(E.a(prod(s) * pb))
@@ -361,8 +361,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         w_units = [list(w_root[:n_embed])] + [list(w_block)] * L + [list(w_root[n_embed:])]
         whole = [[E.a(prod(s) * built) for s in u] for u in w_units]
         _tied_head_transient(E, m, built)
-        units_all = w_units
-        whole = cast_built(whole)
+        whole = cast_built(w_units, whole)
         full = []
         for u, wu, keys in zip(units, w_units, whole):
             full.append([])
@@ -376,8 +375,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         full = [[None if meta else E.a(prod(s) * built) for s in u] for u in units]
         if not meta:
             _tied_head_transient(E, m, built)
-            units_all = units
-            full = cast_built(full)
+            full = cast_built(units, full)
     if family == "fsdp2":
         param_shards = _fsdp2_construct(E, units, full, shard if sharding else 1, pb, meta)
     elif family == "fsdp1":

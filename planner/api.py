@@ -617,17 +617,14 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                              f"hf_config (a config.json, its folder or a Hub id)")
         if use_trace({"hf_config": hf_config, "front_end": front_end, "tp": tp, "pp": pp, "cp": cp,
                       "sequence_parallel": sequence_parallel, "checkpoint": checkpoint,
-                      "storage_gbps": storage_gbps}):
-            if attention_kernel != "flash":
-                raise ValueError(f"--attention-kernel={short_repr(attention_kernel)} with the trace front end: "
-                                 f"the traced model runs the attention transformers gives it; accepted: "
-                                 f"--attention-kernel=flash, or --front-end=analytic")
+                      "storage_gbps": storage_gbps, "attention_kernel": attention_kernel}):
             kw = dict(overrides, model=model, params=params, hf_config=hf_config, front_end=front_end, gpus=gpus,
                       gpus_per_node=gpus_per_node, gpu=gpu, gpu_mem=gpu_mem, node=node, intra=intra, inter=inter,
                       nics_per_node=nics_per_node, inter_gbps=inter_gbps, seq_len=seq_len, micro_batch=micro_batch,
                       grad_accum=grad_accum, grad_sync=grad_sync, precision=precision, optimizer=optimizer,
                       optimizer_impl=optimizer_impl, activation_checkpointing=activation_checkpointing,
-                      attention=attention, cpu_offload=cpu_offload, framework=framework, compile_=compile,
+                      attention=attention, attention_kernel=attention_kernel, cpu_offload=cpu_offload,
+                      framework=framework, compile_=compile,
                       alloc_conf=alloc_conf, torch_version=torch_version, tp=tp, pp=pp, cp=cp,
                       sequence_parallel=sequence_parallel, checkpoint=checkpoint, storage_gbps=storage_gbps,
                       tokens=tokens, catalog_dirs=catalog_dirs, detect_local=detect_local)

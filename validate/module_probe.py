@@ -800,18 +800,11 @@ def periodic_trace_layers(depth: int, every: int) -> int:
     return first_after + (last - first_after) % every + 1
 
 
-def _periodic_log(prof: dict, depth: int, every: int, traced: int) -> dict:
-    """The `traced`-deep profile whose allocation log is the `depth`-deep model's under every-K checkpointing
-    (`_expanded_log` with period K), for `ModuleDesc.with_checkpointed_log`, which reads only the log; the
-    log dropped where it cannot be expanded."""
+def _layer_names(prefix: str):
+    """(renamed(text, old, new): `prefix`.old renumbered to `prefix`.new in a name; layer_of(text): the layer
+    number a name has under `prefix`, or None) for the decoder layers' names ("model.layers")."""
     import re
 
-    layer_units = [u for u in prof["units"] if u["name"] != "root"]
-    out = dict(prof)
-    out.pop("alloc_log", None)
-    if len(layer_units) != traced:
-        return out
-    prefix = layer_units[0]["name"].rsplit(".", 1)[0]
     pat = re.compile(re.escape(prefix) + r"\.(\d+)(?=\.|$)")
 
     def renamed(text: str, old: int, new: int) -> str:
@@ -820,6 +813,19 @@ def _periodic_log(prof: dict, depth: int, every: int, traced: int) -> dict:
     def layer_of(text: str):
         m = pat.search(text)
         return int(m.group(1)) if m else None
+    return renamed, layer_of
+
+
+def _periodic_log(prof: dict, depth: int, every: int, traced: int) -> dict:
+    """The `traced`-deep profile whose allocation log is the `depth`-deep model's under every-K checkpointing
+    (`_expanded_log` with period K), for `ModuleDesc.with_checkpointed_log`, which reads only the log; the
+    log dropped where it cannot be expanded."""
+    layer_units = [u for u in prof["units"] if u["name"] != "root"]
+    out = dict(prof)
+    out.pop("alloc_log", None)
+    if len(layer_units) != traced:
+        return out
+    renamed, layer_of = _layer_names(layer_units[0]["name"].rsplit(".", 1)[0])
     log = _expanded_log(prof.get("alloc_log") or {}, depth, layer_of, renamed, every, traced)
     if log is not None:
         out["alloc_log"] = log
@@ -836,21 +842,12 @@ def expand_layers(prof: dict, depth: int, work, checkpoint_every: int = 0) -> di
     middle layer is of one, so the log is not expanded here (with k = 4 the 4 traced layers checkpoint layer 0
     only); `profile_hf` traces such a log deeper and repeats a period of layers (`_periodic_log`)."""
     import copy
-    import re
 
     units = prof["units"]
     layer_units = [u for u in units if u["name"] != "root"]
     if len(layer_units) != TRACE_LAYERS or any(s.get("kernels") for s in prof["segments"]):
         return prof
-    prefix = layer_units[0]["name"].rsplit(".", 1)[0]  # "model.layers"
-    pat = re.compile(re.escape(prefix) + r"\.(\d+)(?=\.|$)")
-
-    def renamed(text: str, old: int, new: int) -> str:
-        return pat.sub(lambda m: f"{prefix}.{new}" if int(m.group(1)) == old else m.group(0), text)
-
-    def layer_of(text: str):
-        m = pat.search(text)
-        return int(m.group(1)) if m else None
+    renamed, layer_of = _layer_names(layer_units[0]["name"].rsplit(".", 1)[0])  # "model.layers"
 
     last = depth - 1
     # traced layer -> the layers it stands for; traced layer 2 only measures the per-layer growth
