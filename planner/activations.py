@@ -211,28 +211,34 @@ def sp_tokens(train: TrainConfig, n: int) -> int:
 
 
 def _norm_saved(train: TrainConfig, regime: str, n: int, consumers: int, device: str) -> int:
-    """Bytes a pre-norm keeps for backward, including its output as the next Linear(s) save it.
+    """Bytes a pre-norm keeps for backward, including its output as the next Linear(s) save it
+    (`_norm_parts`, added up)."""
+    return sum(_norm_parts(train, regime, n, consumers, device))
+
+
+def _norm_parts(train: TrainConfig, regime: str, n: int, consumers: int, device: str) -> list[int]:
+    """The tensors a pre-norm keeps for backward, in the order its forward makes them (bytes of each), then
+    its output as each Linear after it saves it (alloc_trace writes them one by one).
 
     With sequence parallelism the norm itself runs on s/t tokens; the Linears after it save their
     all-gathered input (n tokens)."""
     h = train.model.hidden
     res = 4 if regime in ("fp32", "autocast") else 2
     e = 4 if regime == "fp32" else 2
-    const = 0
+    sp = sp_tokens(train, n)
     if train.model.sandwich_norms:
-        body, const = _gemma_norm_body(h)
+        _, const = _gemma_norm_body(h)
+        parts = [sp * 4 * h, sp * 4, sp * 4 * h, const]  # x.float(), rsqrt, x*rstd (fp32), 1 + weight
     elif train.model.norm == "rmsnorm":
-        body = 4 * h + 4 + (2 * h if regime == "lowp" else 4 * h)  # x.float(), rsqrt, x*rstd
+        parts = [sp * 4 * h, sp * 4, sp * (2 * h if regime == "lowp" else 4 * h)]  # x.float(), rsqrt, x*rstd
     else:
         # native_layer_norm saves input, mean, rstd; mean/rstd are fp32 on CUDA (accumulate type,
         # aten/src/ATen/native/cuda/layer_norm_kernel.cu) but in the input dtype on CPU (LayerNorm.cpp).
-        stats = 8 if device == "cuda" else 2 * res
-        body = res * h + stats
+        stat = 4 if device == "cuda" else res
+        parts = [sp * res * h, sp * stat, sp * stat]
     if regime == "autocast":
-        out = consumers * 2 * h  # each Linear saves its own 16-bit cast of the fp32 output
-    else:
-        out = e * h
-    return sp_tokens(train, n) * body + n * out + const
+        return parts + [n * 2 * h] * consumers  # each Linear saves its own 16-bit cast of the fp32 output
+    return parts + [n * e * h]
 
 
 def _gemma_norm_body(h: int) -> tuple[int, int]:
@@ -286,7 +292,13 @@ def _hf_sdpa_backend(train: TrainConfig, regime: str, device: str) -> str:
 
 def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
     """SDPA attention of a transformers model (`integrations/sdpa_attention.py` sdpa_attention_forward),
-    from the q/k/v projections' outputs to o_proj's input; the module docstring lists the terms."""
+    from the q/k/v projections' outputs to o_proj's input (`_hf_attention_parts`, added up); the module
+    docstring lists the terms."""
+    return sum(_hf_attention_parts(train, regime, n, device))
+
+
+def _hf_attention_parts(train: TrainConfig, regime: str, n: int, device: str) -> list[int]:
+    """The tensors `_hf_attention_saved` counts, one entry per tensor in the order forward makes them."""
     m = train.model
     h, a, kv = attention_widths(train)
     e = 4 if regime == "fp32" else 2
@@ -302,29 +314,28 @@ def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) ->
         # v reaches bmm through a reshape to (B*nh, S, hd): a view for one sequence without upcast or
         # repeat, which then keeps a fused projection's whole output; else a copy.
         v_view = train.micro_batch == 1 and m.kv_heads == m.heads and c == e and m.fused_qkv
-        v = n * e * (h + 2 * kv) if v_view else n * h * c
-        saved = n * 2 * h * c + v + probs * c + n * h * e
+        parts = [n * h * c, n * h * c, n * e * (h + 2 * kv) if v_view else n * h * c, probs * c]
         if m.attn_dropout > 0:
-            saved += probs * (_dropout_elem(device, c) + c)
-        return saved
+            parts += [probs * _dropout_elem(device, c), probs * c]
+        return parts + [n * h * e]
     repeated = mask and kv < h  # `repeat_kv`: new K/V tensors at all heads
     kv_s = h if repeated else kv
     if m.fused_qkv and not repeated:
-        # v (and, without RoPE, q and k) are views of the fused projection's output: its storage stays.
-        qk = n * e * (h + kv) if m.position == "rope" else 0
-        saved = qk + n * e * (h + 2 * kv)
+        # v (and, without RoPE, q and k) are views of the fused projection's output: its storage stays;
+        # with RoPE, the rotated q and k are new
+        parts = [n * e * (h + 2 * kv)] + ([n * e * h, n * e * kv] if m.position == "rope" else [])
     else:
-        saved = n * e * (h + 2 * kv_s)
-    saved += n * (e * h + 4 * a)  # output and logsumexp
+        parts = [n * e * h, n * e * kv_s, n * e * kv_s]
+    parts += [n * e * h, n * 4 * a]  # output and logsumexp
     if mask:
-        saved += b * s * s * e  # the bool mask converted to q's dtype, saved by the kernel
+        parts.append(b * s * s * e)  # the bool mask converted to q's dtype, saved by the kernel
     # the output in q's (B, nh, S, hd) layout: `.transpose(1, 2).contiguous()` copies it for o_proj. Phi-3's
     # concatenating RoPE makes q so; under context parallelism the ring's merged output is a new (B, nh, S, hd)
     # tensor (see `_attention_saved`)
     if (m.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient")) or (
             train._cp_local and train.cp > 1):
-        saved += n * e * h
-    return saved
+        parts.append(n * e * h)
+    return parts
 
 
 def hf_eager(train: TrainConfig) -> bool:
@@ -456,13 +467,18 @@ def sdpa_math(train: TrainConfig, regime: str, device: str) -> bool:
 
 
 def _mlp_saved(train: TrainConfig, regime: str, n: int) -> int:
+    return sum(_mlp_parts(train, regime, n))
+
+
+def _mlp_parts(train: TrainConfig, regime: str, n: int) -> list[int]:
+    """The tensors an MLP keeps for backward, one entry per tensor."""
     e = 4 if regime == "fp32" else 2
     m = train.model
     f = m.ffn_hidden // train.tp
     if m.mlp == "swiglu":
-        return n * e * f * 4  # gate, up (one gate_up buffer when fused), silu(gate), product
+        return [n * e * f] * 4  # gate, up (one gate_up buffer when fused), silu(gate), product
     # NewGELUActivation: x, tanh(...), 0.5*x, 1+tanh(...), product; F.gelu: x and its output
-    return n * e * f * (5 if m.activation == "gelu_new" else 2)
+    return [n * e * f] * (5 if m.activation == "gelu_new" else 2)
 
 
 def _resid_dropout_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
