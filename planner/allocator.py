@@ -16,9 +16,10 @@ c10/cuda/CUDAAllocatorConfig.h in recent releases):
   (blocks ordered by stream, size, address). With `max_split_size_mb` set, a request below it does not
   take a block at or above it, and a request at or above it takes a block only if that block is less than
   request + kLargeBuffer.
-- `should_split`: the block is split when the remainder is >= kMinBlockSize (small pool) or > kSmallSize
-  (large pool); otherwise the whole block is handed out (and counted as allocated: a cached large block
-  up to 1 MiB larger than the request is used whole). Blocks of `max_split_size_mb` or more are never split.
+- `should_split`: the block is split when the remainder is >= kMinBlockSize (small pool, and every pool with
+  `expandable_segments`) or > kSmallSize (large pool); otherwise the whole block is handed out (and counted
+  as allocated: a cached large block up to 1 MiB larger than the request is used whole). A request of
+  `max_split_size_mb` or more never splits its block.
 - `free_block` merges the freed block with free neighbours of the same segment (`try_merge_blocks`).
   Segments are returned to the driver only on `empty_cache()` or when a cudaMalloc fails: then
   `release_cached_blocks` frees every cached block that is a whole segment, in every pool and stream, and
@@ -51,8 +52,10 @@ the previous, plainer model (tests/reference_allocator.py).
 
 Known limitations: cross-stream uses (`record_stream`) that delay a free until the other stream's work
 is done are not modelled (events give the order the host frees in; FSDP1 frees its unsharded flat
-parameters, low-precision shards and flat gradients so); `garbage_collection_threshold` and
-`roundup_power2_divisions` are not modelled.
+parameters, low-precision shards and flat gradients so); `roundup_power2_divisions` and
+`max_non_split_rounding_mb` are not modelled; `garbage_collection_threshold` acts only under
+`torch.cuda.set_per_process_memory_fraction` (not modelled; without it the option changes nothing); the
+`backend:cudaMallocAsync` allocator is not modelled (`parse_alloc_conf` notes each).
 """
 
 from __future__ import annotations
@@ -167,8 +170,8 @@ class CachingAllocator:
         if b is None:
             b = self._new_block(size, small, stream, pool)
         remaining = b[0] - size
-        if (remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE) and (
-                self.max_split_size is None or small or b[0] < self.max_split_size):  # should_split
+        if (remaining >= MIN_BLOCK if small or self.expandable_segments else  # should_split
+                remaining > SMALL_SIZE and (self.max_split_size is None or size < self.max_split_size)):
             nxt = b[4]
             seg = b[5]
             offset = b[1] + size
@@ -309,17 +312,28 @@ class OutOfMemory(Exception):
 
 
 ALLOC_CONF_KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold",
-                   "roundup_power2_divisions")
+                   "roundup_power2_divisions", "max_non_split_rounding_mb", "backend", "release_lock_on_cudamalloc",
+                   "pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads")
+"""The keys `AllocatorConfig::parseArgs` accepts (c10/core/AllocatorConfig.cpp; PyTorch rejects any other with
+"Unrecognized CachingAllocator option")."""
+
+_NO_DEVICE_EFFECT = ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",
+                     "pinned_use_background_threads")
+"""Keys that change how the allocator takes its lock or how pinned host memory is registered, not which device
+blocks it hands out: the replay is the same with or without them."""
 
 
 def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int | None, list[str]]:
-    """`PYTORCH_CUDA_ALLOC_CONF` as `CUDAAllocatorConfig::parseArgs` reads it (c10/cuda/CUDAAllocatorConfig.cpp;
-    comma-separated `key:value`): (expandable_segments, max_split_size in bytes or None, notes on what
-    is accepted but not modelled). Unknown keys and bad values are a one-line ValueError naming `flag`."""
+    """`PYTORCH_CUDA_ALLOC_CONF` as `AllocatorConfig::parseArgs` reads it (c10/core/AllocatorConfig.cpp, formerly
+    c10/cuda/CUDAAllocatorConfig.cpp; comma-separated `key:value`): (expandable_segments, max_split_size in
+    bytes or None, notes on what the replay does not follow). Every key PyTorch accepts is accepted (a user's
+    environment may set any of them); unknown keys and bad values are a one-line ValueError naming `flag`."""
     expandable, max_split, notes = False, None, []
-    for item in filter(None, (x.strip() for x in (conf or "").split(","))):
+    for item in _conf_items(conf):
         key, sep, value = item.partition(":")
         key, value = key.strip(), value.strip()
+        if key.replace("hip", "cuda") in ALLOC_CONF_KEYS and sep:  # ROCm builds spell them with hip
+            key = key.replace("hip", "cuda")
         if key not in ALLOC_CONF_KEYS or not sep:
             raise ValueError(f"{flag}={item!r}: accepted: comma-separated key:value with key one of "
                              f"{', '.join(ALLOC_CONF_KEYS)} (PYTORCH_CUDA_ALLOC_CONF)")
@@ -333,9 +347,43 @@ def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int |
                 raise ValueError(f"{flag}: max_split_size_mb:{value!r}: accepted: an integer above "
                                  f"{LARGE_BUFFER >> 20} (MiB)")
             max_split = None if value == "max" else int(value) << 20
-        else:
+        elif key == "garbage_collection_threshold":
+            try:
+                ok = 0.0 < float(value) < 1.0
+            except ValueError:
+                ok = False
+            if not ok:  # parseGarbageCollectionThreshold
+                raise ValueError(f"{flag}: garbage_collection_threshold:{value!r}: accepted: a number between 0 "
+                                 f"and 1")
+            # CUDACachingAllocator.cpp `malloc`: garbage_collect_cached_blocks runs only when `set_fraction`
+            # (torch.cuda.set_per_process_memory_fraction was called): without it the option does nothing
+            notes.append("garbage_collection_threshold acts only with torch.cuda.set_per_process_memory_fraction, "
+                         "which the replay does not model (without it the replay is exact)")
+        elif key == "backend":
+            if value not in ("native", "cudaMallocAsync"):
+                raise ValueError(f"{flag}: backend:{value!r}: accepted: native or cudaMallocAsync")
+            if value == "cudaMallocAsync":
+                notes.append("backend:cudaMallocAsync: CUDA's stream-ordered allocator reserves by its own pool's "
+                             "rules; the reserved peak shown is the native caching allocator's")
+        elif key in _NO_DEVICE_EFFECT:
+            pass
+        else:  # roundup_power2_divisions, max_non_split_rounding_mb
             notes.append(f"{key} is accepted but not modelled by the allocator replay")
     return expandable, max_split, notes
+
+
+def _conf_items(conf: str) -> list[str]:
+    """`key:value` items of a conf string; commas inside roundup_power2_divisions' [..] list stay in its item."""
+    items, depth, cur = [], 0, ""
+    for ch in conf or "":
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth <= 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    items.append(cur)
+    return [x.strip() for x in items if x.strip()]
 
 
 REDUCTIONS = ("reduce_scatter", "all_reduce")

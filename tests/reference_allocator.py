@@ -105,8 +105,13 @@ class CachingAllocator:
         if b is None:
             b = self._new_block(size, small, stream)
         remaining = b.size - size
-        oversize = self.max_split_size is not None and b.size >= self.max_split_size and not small
-        if not oversize and (remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE):
+        # should_split: any remainder of a whole block in the small pool and with expandable segments; in the
+        # large pool more than 1 MiB, for a request below max_split_size
+        if small or self.expandable_segments:
+            split = remaining >= MIN_BLOCK
+        else:
+            split = remaining > SMALL_SIZE and (self.max_split_size is None or size < self.max_split_size)
+        if split:
             rest = _Block(b.segment, b.offset + size, remaining, prev=b, next=b.next)
             if b.next is not None:
                 b.next.prev = rest

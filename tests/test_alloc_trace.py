@@ -160,8 +160,19 @@ def test_alloc_conf_is_parsed_like_pytorch_and_reaches_the_replay():
     from distplan.planner.allocator import parse_alloc_conf
     assert parse_alloc_conf("expandable_segments:True") == (True, None, [])
     assert parse_alloc_conf("max_split_size_mb:512, expandable_segments:False")[:2] == (False, 512 << 20)
-    assert parse_alloc_conf("garbage_collection_threshold:0.8")[2]  # accepted, said to be unmodelled
-    for bad in ("expandable_segments:yes", "max_split_size_mb:10", "foo:1", "expandable_segments"):
+    # garbage collection acts only under a per-process memory fraction (CUDACachingAllocator.cpp `malloc`): said so
+    assert "set_per_process_memory_fraction" in parse_alloc_conf("garbage_collection_threshold:0.8")[2][0]
+    # every key PyTorch's AllocatorConfig::parseArgs accepts is accepted: a user's environment may set any of them.
+    # Those about the lock and pinned host memory change no device block (no note); the rest say what is not
+    # modelled. A roundup_power2_divisions list keeps its commas.
+    assert parse_alloc_conf("pinned_use_cuda_host_register:True,release_lock_on_cudamalloc:True,"
+                            "pinned_num_register_threads:8,expandable_segments:True") == (True, None, [])
+    assert parse_alloc_conf("pinned_use_hip_host_register:True") == (False, None, [])
+    notes = parse_alloc_conf("roundup_power2_divisions:[256:1,512:2,>:8],max_non_split_rounding_mb:64,"
+                             "backend:cudaMallocAsync")[2]
+    assert len(notes) == 3 and "cudaMallocAsync" in notes[2], notes
+    for bad in ("expandable_segments:yes", "max_split_size_mb:10", "foo:1", "expandable_segments",
+                "garbage_collection_threshold:1.5", "backend:jemalloc"):
         with pytest.raises(ValueError, match="--alloc-conf"):
             parse_alloc_conf(bad)
     from distplan.planner.memory import estimate_memory

@@ -47,6 +47,18 @@ def test_large_block_split_only_above_1_mib():
     assert a.reserved == LARGE_BUFFER  # the 18.5 MiB remainder takes the 12 MiB request
 
 
+def test_expandable_segments_split_every_remainder():
+    """With expandable segments `should_split` splits a large-pool block whatever its remainder (>= 512 bytes,
+    CUDACachingAllocator.cpp `should_split`), where the default allocator hands out a block up to 1 MiB larger
+    whole: a 19.5 MiB request keeps 19.5 MiB, the 0.5 MiB left stays free at the segment's end, so a later 20 MiB
+    request fits neither that nor the freed 19.5 MiB and maps another page."""
+    ev = [("alloc", 1, int(19.5 * M)), ("alloc", 2, int(19.5 * M)), ("free", 1), ("alloc", 3, 20 * M)]
+    e = replay(ev, expandable_segments=True)
+    assert e.reserved == 60 * M and e.peak_allocated == int(39.5 * M)
+    d = replay(ev)  # two 20 MiB segments, each handed out whole; the freed one takes the 20 MiB request
+    assert d.reserved == 40 * M and d.peak_allocated == 40 * M
+
+
 def test_free_merges_and_best_fit_reuses():
     a = replay([("alloc", 1, 5 * M), ("alloc", 2, 5 * M), ("free", 1), ("free", 2), ("alloc", 3, 15 * M)])
     assert a.reserved == LARGE_BUFFER  # 5 + 5 + 10 merged back into one 20 MiB block
