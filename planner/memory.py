@@ -113,7 +113,7 @@ class MemoryEstimate:
     """cuBLAS/cuBLASLt workspaces (CUDA only), included in `peak_allocated`, in no component."""
     reserved_replay: tuple | None = None
     """Arguments of alloc_trace.reserved_peak, or ("pp-stage", arguments of alloc_trace.stage_reserved_peak)
-    for a pipeline stage, or ("events", the events) for a traced module (alloc_trace.logged_step_events);
+    for a pipeline stage, or ("events", the events, the alloc conf) for a traced module (alloc_trace.logged_step_events);
     None: `RESERVED_MARGIN` over the allocated peak."""
     footprint: DeviceFootprint | None = None
     """The parts of `process_overhead` (footprint.py); None where an estimate was built without it."""
@@ -162,7 +162,9 @@ class MemoryEstimate:
                     args = self.reserved_replay
                     if args[0] == "events":
                         from .allocator import replay_peaks
-                        self._set_replayed(*replay_peaks(args[1]))
+                        expandable, max_split, _ = _alloc_conf(args[2])
+                        self._set_replayed(*replay_peaks(args[1], expandable_segments=expandable,
+                                                         max_split_size=max_split))
                     else:
                         self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage"
                                              else reserved_peak(*args)))
@@ -175,9 +177,10 @@ class MemoryEstimate:
         from .alloc_trace import reserved_peak_within, stage_reserved_peak_within
         args = self.reserved_replay
         limit = self.gpu_memory_bytes - self.process_overhead
-        if args[0] == "events":  # a traced module's own events (alloc_trace.logged_step_events)
+        if args[0] == "events":  # a traced module's own events (alloc_trace.logged_step_events), its alloc conf
             from .allocator import replay_fit
-            got = replay_fit(args[1], limit)
+            expandable, max_split, _ = _alloc_conf(args[2])
+            got = replay_fit(args[1], limit, expandable_segments=expandable, max_split_size=max_split)
         else:
             got = (stage_reserved_peak_within(limit, *args[1:]) if args[0] == "pp-stage"
                    else reserved_peak_within(limit, *args))

@@ -342,6 +342,9 @@ class ModuleTrain:
     input_shape: tuple = ()
     torch_version: str = ""
     """As TrainConfig.torch_version: the PyTorch release whose FSDP2 the walk follows ("" = the installed)."""
+    alloc_conf: str = ""
+    """As TrainConfig.alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF, which the replay of the traced step's own
+    allocations follows (expandable_segments, max_split_size_mb)."""
     # TrainConfig fields that have no meaning for an arbitrary module (kept for report.header):
     seq_len: str = "-"
     attention: str = "-"
@@ -1061,7 +1064,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     fp = device_footprint(cluster, world if backend == "nccl" else 1, st.shard_group)
     return MemoryEstimate(st.name, dict(peak.parts), peak_allocated, peak.phase, fp.total,
                           cluster.gpu_memory_bytes, notes, workspace, footprint=fp,
-                          reserved_replay=("events", events) if events else None)
+                          reserved_replay=("events", events, train.alloc_conf) if events else None)
 
 
 def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, world: int, shard: int,
@@ -1614,6 +1617,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                         checkpointing=kw.get("activation_checkpointing") or "none",
                         grad_accum=kw.get("grad_accum") or 1, grad_sync=kw.get("grad_sync") or "last",
                         input_shape=shape, torch_version=kw.get("torch_version") or "",
+                        alloc_conf=kw.get("alloc_conf") or "",
                         seq_len=shape[1] if hf else "-", attention=work.attention if hf else "-")
     notes = list(notes)
     for regime, why in failed.items():
@@ -1895,7 +1899,7 @@ def predict_module_probe(spec: dict) -> dict:
                         checkpointing="none" if ckpt in ("selective", "selective-op") else ckpt,
                         grad_accum=int(t.get("grad_accum", 1)), grad_sync=t.get("grad_sync", "last"),
                         input_shape=shape, torch_version=spec.get("torch_version") or "",
-                        seq_len=shape[1] if work.kind == "hf" else "-")
+                        alloc_conf=t.get("alloc_conf") or "", seq_len=shape[1] if work.kind == "hf" else "-")
     world = int(spec["world_size"])
     gpn = int(spec.get("gpus_per_node") or world)
     cluster = Cluster(gpus=world, gpus_per_node=gpn, gpu_memory_bytes=10**15,

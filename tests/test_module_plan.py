@@ -413,3 +413,27 @@ def test_units_descend_into_containers_without_forward():
     names = [n for n, _ in work.units(model)]
     assert names == ["patch"] + [f"blocks.{i}" for i in range(6)] + ["norm", "head"]
     assert [n for n, _ in work.segment_modules(model)] == names
+
+
+def test_a_traced_modules_reserved_peak_follows_the_alloc_conf():
+    """`--module` with `--alloc-conf` (or PYTORCH_CUDA_ALLOC_CONF): the replay of the traced step's own allocations
+    runs under that allocator configuration, as the analytic front end's does (it had been replayed with the
+    default configuration whatever was asked: the same reserved peak with and without expandable segments)."""
+    from distplan.planner.allocator import replay_peaks
+    args = ["estimate", "--module", "examples.mnist_cnn:make_model", "--input-shape", "4096,1,28,28", "--gpus", "2",
+            "--gpu", "h100", "--strategy", "ddp,zero3", "--json"]
+    out = {}
+    for conf in ("", "expandable_segments:True"):
+        r = CliRunner(env={"PYTORCH_CUDA_ALLOC_CONF": ""}).invoke(main, args + ["--alloc-conf", conf] if conf else args)
+        assert r.exit_code == 0, r.output
+        out[conf] = {s["name"]: s["memory"] for s in json.loads(r.output)["strategies"]}
+    for name in ("ddp", "zero3"):
+        plain, exp = out[""][name], out["expandable_segments:True"][name]
+        assert plain["reserved_source"] == exp["reserved_source"] == "allocator replay"
+        assert exp["peak_allocated"] == plain["peak_allocated"] and exp["peak_reserved"] < plain["peak_reserved"]
+    # and it is the replay of the same events under that configuration
+    p = module_spec_plan(dict(module="examples.mnist_cnn:make_model", input_shape=[4096, 1, 28, 28], gpus=2,
+                              gpu="h100", strategies=["ddp"], alloc_conf="expandable_segments:True",
+                              detect_local=False))
+    mem = p.results[0].memory
+    assert mem.peak_reserved == replay_peaks(mem.reserved_replay[1], expandable_segments=True)[0]
