@@ -76,7 +76,7 @@ from math import prod
 
 from .activations import (_hf_attention_parts, _hf_sdpa_backend, _mlp_parts, _norm_parts, activations_in, hf_eager,
                           regime_for, sp_tokens)
-from .allocator import collector_paused, replay_fit, replay_peaks
+from .allocator import alloc_rounding, collector_paused, replay_fit, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
 from .model import unit_sizes
@@ -825,7 +825,8 @@ def reserved_peak_within(limit: int, train: TrainConfig, strategy, world: int, s
     fit = _FIT.get(key, _FIT)
     if fit is _FIT:
         fit = replay_fit(allocation_events(train, args[1], world, shard, device, backend, workspace, init), limit,
-                         expandable_segments=expandable_segments, max_split_size=max_split_size)
+                         expandable_segments=expandable_segments, max_split_size=max_split_size,
+                         rounding=alloc_rounding(train.alloc_conf))
         _remember(key, fit, _FIT)
         if fit is not None and not fit[2]:  # never reached the limit: the run without one
             _remember(args, fit[:2])
@@ -846,7 +847,8 @@ def reserved_peak_below(limit: int, train: TrainConfig, strategy, world: int, sh
         if _ABOVE.get(args, -1) >= limit:  # an earlier replay stopped above this limit or a higher one
             return None
         got = replay_peaks(allocation_events(train, args[1], world, shard, device, backend, workspace, init),
-                           expandable_segments=expandable_segments, max_split_size=max_split_size, stop_above=limit)
+                           expandable_segments=expandable_segments, max_split_size=max_split_size, stop_above=limit,
+                           rounding=alloc_rounding(train.alloc_conf))
         if got is None:
             _remember(args, limit, _ABOVE)
             return None
@@ -878,7 +880,8 @@ _remember.cache_clear = _forget  # api.clear_caches finds it
 def _reserved_peak(train, name, world, shard, device, backend, workspace, expandable_segments, init,
                    max_split_size):
     got = replay_peaks(allocation_events(train, name, world, shard, device, backend, workspace, init),
-                       expandable_segments=expandable_segments, max_split_size=max_split_size)
+                       expandable_segments=expandable_segments, max_split_size=max_split_size,
+                       rounding=alloc_rounding(train.alloc_conf))
     _remember((train, name, world, shard, device, backend, workspace, expandable_segments, init, max_split_size),
               got)
     return got
@@ -1658,7 +1661,8 @@ def stage_reserved_peak(train: TrainConfig, strategy, stage: int, world: int, sh
 def _stage_reserved_peak(train, name, stage, world, shard, device, workspace, expandable_segments,
                          max_split_size):
     return replay_peaks(stage_allocation_events(train, name, stage, world, shard, device, workspace),
-                        expandable_segments=expandable_segments, max_split_size=max_split_size)
+                        expandable_segments=expandable_segments, max_split_size=max_split_size,
+                        rounding=alloc_rounding(train.alloc_conf))
 
 
 def stage_reserved_peak_within(limit: int, train: TrainConfig, strategy, stage: int, world: int, shard: int,
@@ -1673,7 +1677,8 @@ def stage_reserved_peak_within(limit: int, train: TrainConfig, strategy, stage: 
 def _stage_reserved_peak_within(limit, train, name, stage, world, shard, device, workspace, expandable_segments,
                                 max_split_size):
     return replay_fit(stage_allocation_events(train, name, stage, world, shard, device, workspace), limit,
-                      expandable_segments=expandable_segments, max_split_size=max_split_size)
+                      expandable_segments=expandable_segments, max_split_size=max_split_size,
+                      rounding=alloc_rounding(train.alloc_conf))
 
 
 CHECKPOINT_REPLAY_STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp", "fsdp-grad-op")

@@ -30,6 +30,9 @@ c10/cuda/CUDAAllocatorConfig.h in recent releases):
   reads on a device the run does not fill. Not modelled: `release_available_cached_blocks` (with
   `max_split_size_mb`, oversize blocks are released first) and an expandable segment's release of its free
   pages (with `expandable_segments` a limit reached is out of memory: the safe side).
+- `roundup_power2_divisions` (`round_size`, `alloc_rounding`): requests rounded up to the next of N equal steps
+  between two powers of two; `max_non_split_rounding_mb`: how much larger an oversize cached block a request of
+  max_split_size or more may take (kLargeBuffer by default).
 - `expandable_segments:True` (`ExpandableSegment`): one segment per pool and stream that grows by
   mapping pages of the pool's segment size (2 MiB small, 20 MiB large) at its end, so a request that
   does not fit a cached block maps only what the free tail lacks.
@@ -52,8 +55,7 @@ the previous, plainer model (tests/reference_allocator.py).
 
 Known limitations: cross-stream uses (`record_stream`) that delay a free until the other stream's work
 is done are not modelled (events give the order the host frees in; FSDP1 frees its unsharded flat
-parameters, low-precision shards and flat gradients so); `roundup_power2_divisions` and
-`max_non_split_rounding_mb` are not modelled; `garbage_collection_threshold` acts only under
+parameters, low-precision shards and flat gradients so); `garbage_collection_threshold` acts only under
 `torch.cuda.set_per_process_memory_fraction` (not modelled; without it the option changes nothing); the
 `backend:cudaMallocAsync` allocator is not modelled (`parse_alloc_conf` notes each).
 """
@@ -80,9 +82,79 @@ _ID_SHIFT = 64
 _SIZE_SHIFT = 128
 
 
-def round_size(size: int) -> int:
-    """CUDACachingAllocator `round_size` (no power-of-two divisions)."""
-    return MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * -(-size // MIN_BLOCK)
+def round_size(size: int, divisions: tuple | None = None) -> int:
+    """CUDACachingAllocator `round_size`: 512-byte multiples, or with `roundup_power2_divisions` (`divisions`: the
+    16 per-interval values `alloc_rounding` reads) a size above 512 x its interval's divisions rounded up to the
+    next of that many equal steps between two powers of two (`roundup_power2_next_division`: 1200 MiB in 4
+    divisions -> 1280 MiB)."""
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    if divisions is not None:
+        d = divisions[min(max(size.bit_length() - 1 - 20, 0), 15)]  # AllocatorConfig::roundup_power2_divisions
+        if d > 1 and size > MIN_BLOCK * d:
+            if size & (size - 1) == 0:
+                return size
+            floor = 1 << (size.bit_length() - 1)
+            step = floor >> (d.bit_length() - 1)
+            if step == 0:
+                return floor << 1
+            low = size & ~(step - 1)
+            return size if low == size else low + step
+    return MIN_BLOCK * -(-size // MIN_BLOCK)
+
+
+def alloc_rounding(conf: str, flag: str = "--alloc-conf") -> tuple | None:
+    """What `roundup_power2_divisions` and `max_non_split_rounding_mb` of a PYTORCH_CUDA_ALLOC_CONF set:
+    (divisions per interval or None, the oversize-reuse limit in bytes), or None when neither is set (the
+    default allocator). c10/core/AllocatorConfig.cpp: the divisions are 16 values, one per power-of-two
+    interval from 1 MiB (sizes below it take the first, 64 GiB and above the last), read either as one power
+    of two for every interval or as a list `[256:1,512:2,>:8]` of interval starts in MiB (powers of two; the
+    first value also fills every interval below it; `>` fills from the last named interval on, that one
+    included, as `parseRoundUpPower2Divisions` does); `max_non_split_rounding_mb` (at least 20) replaces
+    kLargeBuffer in `get_free_block`'s limit on how much larger an oversize block a request of
+    max_split_size or more may take."""
+    divisions, non_split = None, None
+    for item in _conf_items(conf):
+        key, _, value = item.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "roundup_power2_divisions":
+            divisions = _parse_divisions(value, flag)
+        elif key == "max_non_split_rounding_mb":
+            if not (value.isdigit() and int(value) >= LARGE_BUFFER >> 20):
+                raise ValueError(f"{flag}: max_non_split_rounding_mb:{value!r}: accepted: an integer of at least "
+                                 f"{LARGE_BUFFER >> 20} (MiB)")
+            non_split = int(value) << 20
+    if divisions is None and non_split is None:
+        return None
+    return divisions, LARGE_BUFFER if non_split is None else non_split
+
+
+def _parse_divisions(value: str, flag: str) -> tuple:
+    def pow2(x: str, what: str, zero: bool = False) -> int:
+        if not x.isdigit() or (int(x) & (int(x) - 1)) or (int(x) == 0 and not zero):
+            raise ValueError(f"{flag}: roundup_power2_divisions:{value!r}: {what} {x!r}: accepted: a power of two"
+                             + (" or 0" if zero else ""))
+        return int(x)
+    if not value.startswith("["):
+        return (pow2(value, "divisions"),) * 16
+    if not value.endswith("]"):
+        raise ValueError(f"{flag}: roundup_power2_divisions:{value!r}: accepted: N or [MiB:N,...,>:N]")
+    out, first, last = [0] * 16, True, 0
+    for pair in filter(None, (x.strip() for x in value[1:-1].split(","))):
+        start, sep, d = (x.strip() for x in pair.partition(":"))
+        if not sep:
+            raise ValueError(f"{flag}: roundup_power2_divisions:{value!r}: accepted: N or [MiB:N,...,>:N]")
+        n = pow2(d, "divisions", zero=True)
+        if start == ">":
+            out[last:] = [n] * (16 - last)
+            continue
+        i = min(pow2(start, "interval").bit_length() - 1, 15)
+        if first:
+            out[:i] = [n] * i
+            first = False
+        out[i] = n
+        last = i
+    return tuple(out)
 
 
 def allocation_size(size: int) -> int:
@@ -122,13 +194,17 @@ class CachingAllocator:
     """The allocator's state; `malloc` returns a handle (a block), `free` takes it back."""
 
     __slots__ = ("expandable_segments", "max_split_size", "stop_above", "capacity", "retries", "oom", "reserved",
-                 "allocated", "peak_reserved", "peak_allocated", "segments", "_pools", "_expandable")
+                 "allocated", "peak_reserved", "peak_allocated", "segments", "_pools", "_expandable", "divisions",
+                 "max_non_split")
 
     def __init__(self, expandable_segments: bool = False, max_split_size: int | None = None,
-                 stop_above: int | None = None, capacity: int | None = None) -> None:
+                 stop_above: int | None = None, capacity: int | None = None, rounding: tuple | None = None) -> None:
         self.expandable_segments = expandable_segments
         self.max_split_size = max_split_size
         """`max_split_size_mb` in bytes; None: unlimited (the default)."""
+        self.divisions, self.max_non_split = rounding if rounding is not None else (None, LARGE_BUFFER)
+        """`alloc_rounding`: roundup_power2_divisions' 16 values (None: 512-byte rounding only) and
+        max_non_split_rounding_mb in bytes (default kLargeBuffer)."""
         self.stop_above = stop_above
         """A malloc that takes the reserved bytes above this raises `ReservedAbove` (after growing)."""
         self.capacity = capacity
@@ -148,7 +224,10 @@ class CachingAllocator:
 
     # -- the two calls --------------------------------------------------------------------------
     def malloc(self, nbytes: int, stream: int = 0) -> list:
-        size = MIN_BLOCK if nbytes < MIN_BLOCK else MIN_BLOCK * -(-nbytes // MIN_BLOCK)  # round_size
+        if self.divisions is None:
+            size = MIN_BLOCK if nbytes < MIN_BLOCK else MIN_BLOCK * -(-nbytes // MIN_BLOCK)  # round_size
+        else:
+            size = round_size(nbytes, self.divisions)
         small = size <= SMALL_SIZE
         pool = self._pools.get(2 * stream + small)
         if pool is None:
@@ -162,7 +241,7 @@ class CachingAllocator:
             b = pool.blocks[k]
             limit = self.max_split_size
             if limit is not None and not small and (size < limit <= b[0]
-                                                    or (size >= limit and b[0] >= size + LARGE_BUFFER)):
+                                                    or (size >= limit and b[0] >= size + self.max_non_split)):
                 b = None  # an oversize block is not given to a small request, nor a far larger one
             else:
                 del keys[i]
@@ -367,8 +446,8 @@ def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int |
                              "rules; the reserved peak shown is the native caching allocator's")
         elif key in _NO_DEVICE_EFFECT:
             pass
-        else:  # roundup_power2_divisions, max_non_split_rounding_mb
-            notes.append(f"{key} is accepted but not modelled by the allocator replay")
+        else:  # roundup_power2_divisions, max_non_split_rounding_mb: `alloc_rounding` reads them
+            alloc_rounding(item, flag)
     return expandable, max_split, notes
 
 
@@ -474,7 +553,8 @@ def collector_paused():
 
 
 def replay(events, *, expandable_segments: bool = False, max_split_size: int | None = None,
-           stop_above: int | None = None, capacity: int | None = None) -> CachingAllocator:
+           stop_above: int | None = None, capacity: int | None = None,
+           rounding: tuple | None = None) -> CachingAllocator:
     """Replay `events`: ("alloc", key, nbytes[, stream]) and ("free", key) in order (("comm", ...) events are
     skipped; `comm_streams` turns them into streams). Returns the allocator (peak_reserved,
     peak_allocated: what max_memory_reserved / max_memory_allocated would read). With `stop_above`, the
@@ -483,7 +563,7 @@ def replay(events, *, expandable_segments: bool = False, max_split_size: int | N
     partial run's. With `capacity` (CachingAllocator.capacity), a run that does not fit ends with
     `a.oom` set."""
     a = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
-                         stop_above=stop_above, capacity=capacity)
+                         stop_above=stop_above, capacity=capacity, rounding=rounding)
     live: dict = {}
     malloc, free, pop = a.malloc, a.free, live.pop
     # The blocks link both ways (cycles the collector would walk again and again while they pile up):
@@ -531,21 +611,21 @@ PEAKS_CACHE_EVENTS = 400_000
 
 
 def replay_peaks(events, *, expandable_segments: bool = False, max_split_size: int | None = None,
-                 stop_above: int | None = None) -> tuple[int, int] | None:
+                 stop_above: int | None = None, rounding: tuple | None = None) -> tuple[int, int] | None:
     """(peak_reserved, peak_allocated) of `replay(events, ...)`, remembered by the events themselves (compared
     whole, so exact): runs that allocate alike under different names (FSDP1 FULL_SHARD and HYBRID_SHARD
     within one node) replay once. Events that are not hashable (lists) are replayed every time. With
     `stop_above`: None when the reserved peak is above it (found by a replay that stops there, not
     remembered), else the peaks."""
     try:
-        key = _EventsKey(tuple(events), (expandable_segments, max_split_size))
+        key = _EventsKey(tuple(events), (expandable_segments, max_split_size, rounding))
     except TypeError:
         key = None
     hit = _PEAKS.get(key) if key is not None else None
     if hit is not None:
         return None if stop_above is not None and hit[0] > stop_above else hit
     a = replay(events, expandable_segments=expandable_segments, max_split_size=max_split_size,
-               stop_above=stop_above)
+               stop_above=stop_above, rounding=rounding)
     if stop_above is not None and a.reserved > stop_above:
         return None
     if key is None:
@@ -565,18 +645,18 @@ def _remember_peaks(key: _EventsKey, hit: tuple) -> None:
 
 
 def replay_fit(events, capacity: int, *, expandable_segments: bool = False,
-               max_split_size: int | None = None) -> tuple[int, int, int] | None:
+               max_split_size: int | None = None, rounding: tuple | None = None) -> tuple[int, int, int] | None:
     """(peak_reserved, peak_allocated, retries) of the run on a device where the allocator can reserve
     `capacity` bytes (CachingAllocator.capacity: the cache is released and the allocation retried before
     an out-of-memory), or None when it runs out of memory. Remembered as `replay_peaks`."""
     try:
-        key = _EventsKey(tuple(events), (expandable_segments, max_split_size, capacity))
+        key = _EventsKey(tuple(events), (expandable_segments, max_split_size, capacity, rounding))
     except TypeError:
         key = None
     hit = _PEAKS.get(key) if key is not None else None
     if hit is None:
         a = replay(events, expandable_segments=expandable_segments, max_split_size=max_split_size,
-                   capacity=capacity)
+                   capacity=capacity, rounding=rounding)
         hit = () if a.oom else (a.peak_reserved, a.peak_allocated, a.retries)
         if key is not None:
             _remember_peaks(key, hit)

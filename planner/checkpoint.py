@@ -322,7 +322,7 @@ def _save_reserved(train, st, shard: int, mode: str, mem: MemoryEstimate, peak: 
     pipeline stages, no training replay)."""
     from .alloc_trace import (CHECKPOINT_REPLAY_MODES, CHECKPOINT_REPLAY_STRATEGIES, allocation_events,
                               checkpoint_events)
-    from .allocator import replay
+    from .allocator import alloc_rounding, replay
     from .model import TPRankSpec
     args = mem.reserved_replay
     # the strategies and modes the recorded saves check (tests/test_alloc_trace.py); not tensor parallelism
@@ -333,7 +333,7 @@ def _save_reserved(train, st, shard: int, mode: str, mem: MemoryEstimate, peak: 
     events = allocation_events(tr, name, world, shard_, device, backend, workspace, init)
     last_key = max(e[1] for e in events if e[0] == "alloc")
     events += checkpoint_events(tr, name, shard_, mode, last_key)
-    a = replay(events, expandable_segments=expandable, max_split_size=max_split)
+    a = replay(events, expandable_segments=expandable, max_split_size=max_split, rounding=alloc_rounding(tr.alloc_conf))
     seg = 2 << 20  # where the trace allocates less than the walk, the difference is still reserved
     # (the training step's reserved peak, with its own such difference, was reached before the save)
     return max(a.peak_reserved + seg * -(-max(0, peak - a.peak_allocated) // seg), mem.peak_reserved)

@@ -162,9 +162,10 @@ class MemoryEstimate:
                     args = self.reserved_replay
                     if args[0] == "events":
                         from .allocator import replay_peaks
+                        from .allocator import alloc_rounding
                         expandable, max_split, _ = _alloc_conf(args[2])
                         self._set_replayed(*replay_peaks(args[1], expandable_segments=expandable,
-                                                         max_split_size=max_split))
+                                                         max_split_size=max_split, rounding=alloc_rounding(args[2])))
                     else:
                         self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage"
                                              else reserved_peak(*args)))
@@ -179,8 +180,10 @@ class MemoryEstimate:
         limit = self.gpu_memory_bytes - self.process_overhead
         if args[0] == "events":  # a traced module's own events (alloc_trace.logged_step_events), its alloc conf
             from .allocator import replay_fit
+            from .allocator import alloc_rounding
             expandable, max_split, _ = _alloc_conf(args[2])
-            got = replay_fit(args[1], limit, expandable_segments=expandable, max_split_size=max_split)
+            got = replay_fit(args[1], limit, expandable_segments=expandable, max_split_size=max_split,
+                             rounding=alloc_rounding(args[2]))
         else:
             got = (stage_reserved_peak_within(limit, *args[1:]) if args[0] == "pp-stage"
                    else reserved_peak_within(limit, *args))

@@ -163,14 +163,15 @@ def test_alloc_conf_is_parsed_like_pytorch_and_reaches_the_replay():
     # garbage collection acts only under a per-process memory fraction (CUDACachingAllocator.cpp `malloc`): said so
     assert "set_per_process_memory_fraction" in parse_alloc_conf("garbage_collection_threshold:0.8")[2][0]
     # every key PyTorch's AllocatorConfig::parseArgs accepts is accepted: a user's environment may set any of them.
-    # Those about the lock and pinned host memory change no device block (no note); the rest say what is not
-    # modelled. A roundup_power2_divisions list keeps its commas.
+    # Those about the lock and pinned host memory change no device block (no note); the rounding options are
+    # replayed (allocator.alloc_rounding; a roundup_power2_divisions list keeps its commas); cudaMallocAsync is
+    # said not to be.
     assert parse_alloc_conf("pinned_use_cuda_host_register:True,release_lock_on_cudamalloc:True,"
                             "pinned_num_register_threads:8,expandable_segments:True") == (True, None, [])
     assert parse_alloc_conf("pinned_use_hip_host_register:True") == (False, None, [])
     notes = parse_alloc_conf("roundup_power2_divisions:[256:1,512:2,>:8],max_non_split_rounding_mb:64,"
                              "backend:cudaMallocAsync")[2]
-    assert len(notes) == 3 and "cudaMallocAsync" in notes[2], notes
+    assert len(notes) == 1 and "cudaMallocAsync" in notes[0], notes
     for bad in ("expandable_segments:yes", "max_split_size_mb:10", "foo:1", "expandable_segments",
                 "garbage_collection_threshold:1.5", "backend:jemalloc"):
         with pytest.raises(ValueError, match="--alloc-conf"):
@@ -195,6 +196,9 @@ def test_cli_alloc_conf_flag_and_environment():
     plain = CliRunner(env={"PYTORCH_CUDA_ALLOC_CONF": ""}).invoke(main, args)
     res = [json.loads(x.output)["strategies"][0]["memory"]["peak_reserved"] for x in (env, flag, plain)]
     assert res[0] == res[1] != res[2]
+    # the rounding options reach the replay too: every request rounded up to a quarter between powers of two
+    rounded = CliRunner(env={"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:4"}).invoke(main, args)
+    assert json.loads(rounded.output)["strategies"][0]["memory"]["peak_reserved"] > res[2], rounded.output
 
 
 def test_validate_alloc_conf_reaches_the_probe_spec(tmp_path):

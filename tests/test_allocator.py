@@ -18,6 +18,8 @@ import json
 import os
 import statistics
 
+import pytest
+
 from distplan.planner.allocator import (LARGE_BUFFER, SMALL_BUFFER, allocation_size, comm_streams, replay,
                                         round_size)
 from distplan.planner.api import predict_probe
@@ -163,3 +165,38 @@ def test_replay_with_fsdp_streams_against_h100_reserved():
     assert statistics.median(abs(v) for v in errors.values()) <= 0.01, table
     assert sum(1 for v in errors.values() if v == 0) >= len(errors) // 2 + 3, table
     assert statistics.median(abs(v) for v in errors.values()) < statistics.median(abs(v) for v in old.values())
+
+
+def test_roundup_power2_divisions_rounds_as_pytorch():
+    """`roundup_power2_divisions` (c10/core/AllocatorConfig.cpp, CUDACachingAllocator.cpp `round_size` and
+    `roundup_power2_next_division`): sizes above 512 x the interval's divisions go up to the next of that many
+    equal steps between two powers of two (the source's own example: 1200 in 4 divisions is 1280, here in MiB);
+    the list form fills below its first interval and, with `>`, from its last named interval on (that one
+    included, as the parser does)."""
+    from distplan.planner.allocator import alloc_rounding, round_size
+    four = alloc_rounding("roundup_power2_divisions:4")[0]
+    assert round_size(1200 * M, four) == 1280 * M and round_size(1200 * M) == 1200 * M
+    assert round_size(5 * M + 1, four) == 6 * M and round_size(4 * M, four) == 4 * M  # a power of two stays
+    assert round_size(1200, four) == 1536 and round_size(3000, four) == 3072  # at most 512 x 4: 512-byte rounding
+    assert alloc_rounding("roundup_power2_divisions:[256:1,512:2,>:8]")[0] == (1,) * 9 + (8,) * 7
+    assert alloc_rounding("max_non_split_rounding_mb:64") == (None, 64 * M)
+    assert alloc_rounding("expandable_segments:True") is None
+    for bad in ("roundup_power2_divisions:3", "roundup_power2_divisions:[300:2]", "roundup_power2_divisions:[256:1",
+                "max_non_split_rounding_mb:5"):
+        with pytest.raises(ValueError, match="--alloc-conf"):
+            alloc_rounding(bad)
+
+
+def test_rounding_options_change_the_replay():
+    """Rounded requests take more of the pool (and count as allocated, as `max_memory_allocated` reads the
+    blocks); `max_non_split_rounding_mb` lets a request of max_split_size or more take a cached oversize block
+    up to that much larger instead of kLargeBuffer (20 MiB: CUDACachingAllocator.cpp `get_free_block`)."""
+    from distplan.planner.allocator import alloc_rounding
+    ev = [("alloc", 1, 1100 * M), ("alloc", 2, 1100 * M)]
+    a = replay(ev, rounding=alloc_rounding("roundup_power2_divisions:4"))
+    assert a.peak_allocated == 2 * 1280 * M and a.reserved == 2 * 1280 * M
+    assert replay(ev).reserved == 2 * 1100 * M
+    ev = [("alloc", 1, 300 * M), ("free", 1), ("alloc", 2, 270 * M)]
+    assert replay(ev, max_split_size=256 * M).reserved == 570 * M  # 300 >= 270 + 20: not taken, a new segment
+    got = replay(ev, max_split_size=256 * M, rounding=alloc_rounding("max_non_split_rounding_mb:64"))
+    assert got.reserved == 300 * M and got.peak_allocated == 300 * M  # taken whole (oversize: never split)
