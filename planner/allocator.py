@@ -421,9 +421,10 @@ def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int |
                 raise ValueError(f"{flag}: expandable_segments:{value!r}: accepted: True or False")
             expandable = value == "True"
         elif key == "max_split_size_mb":
-            # parseMaxSplitSize: a size in MiB above kLargeBuffer / 1 MiB (20); "max" leaves it unlimited
-            if value != "max" and not (value.isdigit() and int(value) > LARGE_BUFFER >> 20):
-                raise ValueError(f"{flag}: max_split_size_mb:{value!r}: accepted: an integer above "
+            # parseMaxSplitSize: a size in MiB of at least kLargeBuffer / 1 MiB (20; c10/core/AllocatorConfig.cpp,
+            # where c10/cuda/CUDAAllocatorConfig.cpp had asked for more than 20); "max" leaves it unlimited
+            if value != "max" and not (value.isdigit() and int(value) >= LARGE_BUFFER >> 20):
+                raise ValueError(f"{flag}: max_split_size_mb:{value!r}: accepted: an integer of at least "
                                  f"{LARGE_BUFFER >> 20} (MiB)")
             max_split = None if value == "max" else int(value) << 20
         elif key == "garbage_collection_threshold":
@@ -439,9 +440,9 @@ def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int |
             notes.append("garbage_collection_threshold acts only with torch.cuda.set_per_process_memory_fraction, "
                          "which the replay does not model (without it the replay is exact)")
         elif key == "backend":
-            if value not in ("native", "cudaMallocAsync"):
+            if value not in ("native", "cudaMallocAsync", "hipMallocAsync"):
                 raise ValueError(f"{flag}: backend:{value!r}: accepted: native or cudaMallocAsync")
-            if value == "cudaMallocAsync":
+            if value != "native":
                 notes.append("backend:cudaMallocAsync: CUDA's stream-ordered allocator reserves by its own pool's "
                              "rules; the reserved peak shown is the native caching allocator's")
         elif key in _NO_DEVICE_EFFECT:

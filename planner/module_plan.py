@@ -344,7 +344,7 @@ class ModuleTrain:
     """As TrainConfig.torch_version: the PyTorch release whose FSDP2 the walk follows ("" = the installed)."""
     alloc_conf: str = ""
     """As TrainConfig.alloc_conf: the run's PYTORCH_CUDA_ALLOC_CONF, which the replay of the traced step's own
-    allocations follows (expandable_segments, max_split_size_mb)."""
+    allocations follows (allocator.parse_alloc_conf, alloc_rounding)."""
     # TrainConfig fields that have no meaning for an arbitrary module (kept for report.header):
     seq_len: str = "-"
     attention: str = "-"
