@@ -227,8 +227,8 @@ def _norm_parts(train: TrainConfig, regime: str, n: int, consumers: int, device:
     e = 4 if regime == "fp32" else 2
     sp = sp_tokens(train, n)
     if train.model.sandwich_norms:
-        _, const = _gemma_norm_body(h)
-        parts = [sp * 4 * h, sp * 4, sp * 4 * h, const]  # x.float(), rsqrt, x*rstd (fp32), 1 + weight
+        per_token, const = _gemma_norm_parts(h)
+        parts = [sp * x for x in per_token] + [const]
     elif train.model.norm == "rmsnorm":
         parts = [sp * 4 * h, sp * 4, sp * (2 * h if regime == "lowp" else 4 * h)]  # x.float(), rsqrt, x*rstd
     else:
@@ -245,8 +245,15 @@ def _gemma_norm_body(h: int) -> tuple[int, int]:
     """(bytes per token, bytes per norm) a `Gemma2RMSNorm` keeps (modeling_gemma2.py): x.float() (a new
     fp32 copy of a 16-bit input, the input itself in fp32; saved by pow and mul), rsqrt's output, x*rstd
     in fp32 (saved by the `* (1 + weight.float())` mul, which runs in fp32 in every regime, where Llama's
-    norm multiplies the downcast), and that (1 + weight) vector: 4h bytes per norm, not per token."""
-    return 8 * h + 4, 4 * h
+    norm multiplies the downcast), and that (1 + weight) vector: 4h bytes per norm, not per token
+    (`_gemma_norm_parts`, added up)."""
+    per_token, const = _gemma_norm_parts(h)
+    return sum(per_token), const
+
+
+def _gemma_norm_parts(h: int) -> tuple[list[int], int]:
+    """([bytes per token of each tensor], bytes per norm) of `_gemma_norm_body`: x.float(), rsqrt, x*rstd."""
+    return [4 * h, 4, 4 * h], 4 * h
 
 
 def _qk_norm_saved(train: TrainConfig, regime: str, n: int) -> int:

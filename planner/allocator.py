@@ -65,6 +65,7 @@ from __future__ import annotations
 import gc
 from bisect import bisect_left, insort
 from contextlib import contextmanager
+from functools import lru_cache
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -103,6 +104,7 @@ def round_size(size: int, divisions: tuple | None = None) -> int:
     return MIN_BLOCK * -(-size // MIN_BLOCK)
 
 
+@lru_cache(maxsize=64)
 def alloc_rounding(conf: str, flag: str = "--alloc-conf") -> tuple | None:
     """What `roundup_power2_divisions` and `max_non_split_rounding_mb` of a PYTORCH_CUDA_ALLOC_CONF set:
     (divisions per interval or None, the oversize-reuse limit in bytes), or None when neither is set (the

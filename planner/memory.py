@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .alloc_trace import MAX_LAYERS
-from .allocator import parse_alloc_conf
+from .allocator import alloc_rounding, parse_alloc_conf
 from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in, hf_eager,
                           regime_for, sdpa_math, sp_tokens)
 from .config import Cluster, TrainConfig, fsdp2_first_microstep_grads_in_reduce_dtype, fsdp2_reduce_keeps_last_grad
@@ -162,10 +162,7 @@ class MemoryEstimate:
                     args = self.reserved_replay
                     if args[0] == "events":
                         from .allocator import replay_peaks
-                        from .allocator import alloc_rounding
-                        expandable, max_split, _ = _alloc_conf(args[2])
-                        self._set_replayed(*replay_peaks(args[1], expandable_segments=expandable,
-                                                         max_split_size=max_split, rounding=alloc_rounding(args[2])))
+                        self._set_replayed(*replay_peaks(args[1], **_replay_options(args[2])))
                     else:
                         self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage"
                                              else reserved_peak(*args)))
@@ -180,10 +177,7 @@ class MemoryEstimate:
         limit = self.gpu_memory_bytes - self.process_overhead
         if args[0] == "events":  # a traced module's own events (alloc_trace.logged_step_events), its alloc conf
             from .allocator import replay_fit
-            from .allocator import alloc_rounding
-            expandable, max_split, _ = _alloc_conf(args[2])
-            got = replay_fit(args[1], limit, expandable_segments=expandable, max_split_size=max_split,
-                             rounding=alloc_rounding(args[2]))
+            got = replay_fit(args[1], limit, **_replay_options(args[2]))
         else:
             got = (stage_reserved_peak_within(limit, *args[1:]) if args[0] == "pp-stage"
                    else reserved_peak_within(limit, *args))
@@ -1129,6 +1123,12 @@ def _first_linear_grads(m) -> tuple[int, int]:
                          and shapes[first + 1][0] == shapes[first][0]) else first
     in_buffer = sum(prod(s) for s in shapes[first:last + 1])
     return in_buffer, in_buffer + sum(prod(s) for s in shapes[:first])
+
+
+def _replay_options(conf: str) -> dict:
+    """allocator.replay's keyword arguments for an alloc conf (`_alloc_conf`, allocator.alloc_rounding)."""
+    expandable, max_split, _ = _alloc_conf(conf)
+    return {"expandable_segments": expandable, "max_split_size": max_split, "rounding": alloc_rounding(conf)}
 
 
 @lru_cache(maxsize=64)
