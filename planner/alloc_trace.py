@@ -26,10 +26,14 @@ so this is one model, not a second one: it adds the order and the streams. What 
   one flat buffer), copied out into per-parameter unsharded tensors on the compute stream
   (`foreach_all_gather_copy_out`), freed at `post_forward` when resharding. FSDP1: the low-precision
   shard (`_use_low_precision_shard`) and the padded unsharded flat parameter on the unshard stream.
-- Backward, per block in reverse: the prefetch of the next block's all-gather (`_backward_prefetch`),
-  the recomputation of a checkpointed block, the MLP's transients (memory._block_backward_peak), the
-  weight gradients (per parameter; FSDP1 concatenates them into the flat gradient), the frees of the
-  block's saved tensors; FSDP2's `post_backward`: reshard, the reduce-scatter input on the compute
+- Backward: the root's pre-backward hook on the loss prefetches the last block (FSDP2 `_backward_prefetch`,
+  FSDP1 `_prefetch_handle`) before the loss's and the head's backward. Per block in reverse: the prefetch of
+  the next block's all-gather, the recomputation of a checkpointed block beside its kept input, then two
+  phases: to the block backward's peak (memory._block_backward_peak) the saved tensors its last ops consumed
+  freed, the MLP's transients and the weight gradients made by then (the output projection's), after it the
+  other weight gradients (per parameter; FSDP1 concatenates them into the flat gradient) and the frees of
+  the block's saved tensors (under tensor parallelism one burst); FSDP2's `post_backward`: reshard, the
+  reduce-scatter input on the compute
   stream (kept until the next reduce-scatter, `reduce_scatter_state`), the output shard that becomes
   `.grad`; FSDP1's `_post_backward_hook` the same on its post-backward stream. A tied weight that is the
   parameter itself, FSDP2's unsharded parameter or FSDP1's view of its flat parameter: the head's gradient
@@ -198,6 +202,32 @@ def _split(total: int, parts: list[int]) -> list[int]:
         return parts + ([total - s] if total - s >= 512 else [])
     k = total / s
     return [max(1, int(p * k)) for p in parts]
+
+
+def _consumed(sizes: list[int], freed: int, rest: int = 0) -> int:
+    """Index of the first of `sizes`' last entries that add up to at most `freed` bytes (the saved tensors a
+    block's backward has consumed by its peak, backward running from the block's end); `rest` trailing entries
+    (`_split`'s remainder) are not counted."""
+    cut, got = len(sizes) - rest, 0
+    while cut > 0 and got + sizes[cut - 1] <= freed:
+        cut -= 1
+        got += sizes[cut]
+    return cut
+
+
+def _grads_by_peak(shapes, elems: int) -> list[int]:
+    """Indices into a block's parameter `shapes` (registration order) of the weight gradients made by the block
+    backward's peak: its last Linears' (the MLP's output projection first) while they add up to at most
+    `elems` (memory._block_backward_peak's weight-gradient elements)."""
+    out, got = [], 0
+    for i in reversed(range(len(shapes))):
+        if len(shapes[i]) != 2:
+            continue
+        if got + prod(shapes[i]) > elems:
+            break
+        out.append(i)
+        got += prod(shapes[i])
+    return sorted(out)
 
 
 def _block_saved_shapes(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> list[int]:
@@ -455,7 +485,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     E.a(train.micro_batch * train.seq_len * 8), E.a(train.micro_batch * train.seq_len * 8)  # ids, targets
 
     # -- one step -------------------------------------------------------------------------------------
-    blk_saved = _split(act.per_block, _block_saved_shapes(train, regime, n, device))
+    listed = _block_saved_shapes(train, regime, n, device)
+    blk_saved = _split(act.per_block, listed)
+    rest = 1 if len(blk_saved) > len(listed) else 0  # `_split`'s last entry: what the list leaves out
     kept = act.kept_each  # per block through forward (checkpointing: its input)
     kept_saved = blk_saved if not ckpt else _split(kept, [n * m.hidden * r])
     if act.every:  # every-K: blocks 0, K, 2K, ... keep their input, the others all they save
@@ -466,8 +498,13 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
 
     def kept_by(j: int) -> list:
         return kept_saved if ck(j) else blk_saved
-    _, blk_tmp, _ = _block_backward_peak(train, regime, n, device)
+    blk_peak = _block_backward_peak(train, regime, n, device)
+    blk_tmp = blk_peak[1]
     tmp_shapes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden * e] * 3)
+    early = _grads_by_peak(block_shapes, blk_peak[2])
+    # A checkpointed block's recomputation saves what its forward saved, but its first norm's saved input is the
+    # kept block input itself, not a new tensor (activations_in's `recompute_block`)
+    rec_saved = blk_saved[1:] if m.hf_model_type and (m.norm == "layernorm" or regime != "lowp") else blk_saved
     weight_casts = [prod(s) * 2 for s in block_shapes if len(s) == 2] if regime == "autocast" else []
     head_cast = [prod(s) * 2 for s in head_shapes if len(s) == 2] if regime == "autocast" else []
     outside = act.outside - act.inputs
@@ -637,8 +674,6 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             no_shard_mp = family == "fsdp1" and not sharding and prec.mixed
             if ((st.reshard_after_forward and sharding) or no_shard_mp) and j in held:
                 E.f(*(held.pop(j) if family == "fsdp2" else [held.pop(j)]))
-        if family == "fsdp2" and sharding:
-            E.f(prev_flat)
         hc = [E.a(c) for c in head_cast]
         head_saved = E.a(outside)  # final norm, the LM head's input (activations.ActivationBreakdown.outside)
         # The loss as transformers' ForCausalLMLoss (loss/loss_utils.py) and the reference decoder compute it:
@@ -650,8 +685,25 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         logits = E.a(n * v * cb)
         up = E.a(n * v * 4) if upcast else None
         logp = E.a(act.loss_saved)
-        E.f(up, logits)
+        E.f(up)  # the loss function's upcast, a local of ForCausalLMLoss
+        if family == "fsdp2" and sharding:
+            # the last block's all-gather output is kept for the copy-out's overlap with a next all-gather
+            # (`comm_ctx.all_gather_state`) until the root's `_post_forward` frees it, the loss computed inside
+            # the model's forward (transformers' and the reference decoder's); the logits are the output's,
+            # dropped after (the recorded CPU traces' order)
+            E.f(prev_flat)
+        E.f(logits)
         E.f(*cached)  # the autocast region exits with the loss computed
+        pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
+        if family == "fsdp2" and sharding and L and L - 1 not in held:
+            # backward begins at the root's pre-backward hook on the loss (`FSDPState._pre_backward`), whose
+            # `_backward_prefetch` all-gathers the unit before it in post-forward order, the last block, before
+            # the loss's and the head's backward run (their n x V tensors beside it)
+            pending[L - 1] = unshard_flat(block_shapes)
+        elif family == "fsdp1" and (sharding or prec.mixed) and L and L - 1 not in held:
+            # FSDP1 the same: the root handle's `_pre_backward_hook` on the loss, then `_prefetch_handle`
+            # (BACKWARD_PRE) unshards the last block's handle
+            held[L - 1] = fsdp1_unshard(lay.shard_block)
         # backward: the loss and the head
         lt = [E.a(x) for x in loss_tmp]
         E.f(*lt[:-1], logp)
@@ -675,7 +727,6 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # backward, until the embedding's arrives (below)
         tied_g = E.a(v * m.hidden * tied_b) if tied else None
         rs_kept = None
-        pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
 
         def fsdp2_ready(j):
             """`wait_for_unshard` in pre_backward: copy out the (prefetched) all-gather output."""
@@ -699,15 +750,37 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                     if k >= 0 and k not in held:
                         held[k] = fsdp1_unshard(lay.shard_block)
             keys, casts = blocks[j]
-            if ck(j):
-                rec_casts = [E.a(c) for c in weight_casts]
-                E.f(*keys)
-                keys = [E.a(s) for s in blk_saved]
-                casts = rec_casts
-            tp_reduce()
-            tmp = [E.a(s) for s in tmp_shapes]
-            g = new_grads(j, block_shapes)
-            E.f(*keys, *casts, *tmp)
+            if t > 1:
+                # tensor parallelism: the block's backward as one burst (its recorded CPU runs agree better so:
+                # single at tp 2, 0.2% against 2.6% written in phases as below)
+                if ck(j):
+                    casts = [E.a(c) for c in weight_casts]
+                    E.f(*keys)
+                    keys = [E.a(s) for s in blk_saved]
+                tp_reduce()
+                tmp = [E.a(s) for s in tmp_shapes]
+                g = new_grads(j, block_shapes)
+                E.f(*keys, *casts, *tmp)
+            else:
+                sizes = kept_by(j)
+                if ck(j):  # recomputed next to its kept input, which the checkpoint holds to the block's end
+                    casts = [E.a(c) for c in weight_casts]
+                    keys = keys + [E.a(s) for s in rec_saved]
+                    sizes = sizes + rec_saved
+                # The block's backward runs from its end: by its peak (memory._block_backward_peak) the ops there
+                # have consumed their saved tensors (the last ones forward made: the MLP's product) and made their
+                # transients and those Linears' weight gradients; then the rest of its gradients, and the saved
+                # tensors go
+                cut = _consumed(sizes, blk_peak[0], rest)
+                E.f(*keys[cut:len(keys) - rest])
+                tmp = [E.a(s) for s in tmp_shapes]
+                g_early = new_grads(j, [block_shapes[i] for i in early])
+                E.f(*tmp)
+                late = [i for i in range(len(block_shapes)) if i not in early]
+                g_late = new_grads(j, [block_shapes[i] for i in late])
+                order = dict(zip(early + late, g_early + g_late))
+                g = [order[i] for i in sorted(order)]
+                E.f(*keys[:cut], *keys[len(keys) - rest:], *casts)
             if family == "fsdp2" and sharding:
                 rs_kept = fsdp2_post(j, g, held.pop(j), rs_kept, lay.unshard_block, lay.shard_block)
             elif family == "fsdp1":

@@ -67,9 +67,11 @@ def test_reserved_fsdp_probes_meet_the_issue_bar(errors):
     # `foreach_reduce` allocates it and FSDP1's low-precision shard on the pre-unshard stream: 2.3% / 10.5%,
     # FSDP2 alone 8.2% -> 2.1% median, 12.3% -> 7.9% max; then FSDP1's flat gradient on the unshard stream
     # (the views' backward), NO_SHARD's unsharded parameter its low-precision copy, FSDP2's mixed-precision
-    # copy-in cast: 2.05% / 8.1%, as the recorded streams of the CPU re-runs show them)
+    # copy-in cast: 2.05% / 8.1%, as the recorded streams of the CPU re-runs show them; 2026-12-04, with the
+    # root's pre-backward prefetch of the last block and a block's backward written in two phases, to its peak
+    # and after (alloc_trace.allocation_events): 1.98% / 5.8%)
     assert med <= 0.10 and mx <= 0.20, table
-    assert med <= 0.025 and mx <= 0.09, table
+    assert med <= 0.025 and mx <= 0.065, table
     assert med < old / 2
 
 
@@ -409,9 +411,12 @@ def test_trace_writer_under_accumulation_and_tp_against_recorded_traces():
     # max_memory_reserved FSDP2 went from 8.2% to 2.1% median): accumulation median 1.1%, max 7.7% (zero3 fp32
     # synced every micro-step, over: its reduce-scatter inputs now share the compute pool, where the writer's
     # transient order differs from the recorded one), TP median 1.2%, max 5.4% (zero3 with SP). A gap stated,
-    # not fixed: the writer's order within a block's backward.
-    assert statistics.median(abs(e) for e in accum.values()) <= 2.0, accum
-    assert max(abs(e) for e in accum.values()) <= 8.0, accum
+    # not fixed: the writer's order within a block's backward. 2026-12-04, a block's backward written in two
+    # phases (to its peak: the consumed saved tensors freed, the transients, the MLP's output projection's
+    # weight gradient; then the others) where tp = 1: accumulation median 0.8%, max 3.4% (zero2 and zero3 fp32
+    # synced every micro-step, 5.6% and 7.7% before); TP keeps the burst (single at tp 2: 0.2%, 2.6% phased).
+    assert statistics.median(abs(e) for e in accum.values()) <= 1.5, accum
+    assert max(abs(e) for e in accum.values()) <= 4.0, accum
     assert statistics.median(abs(e) for e in tp.values()) <= 1.5, tp
     assert max(abs(e) for e in tp.values()) <= 6.0, tp
 

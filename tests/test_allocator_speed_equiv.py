@@ -237,6 +237,9 @@ def test_reported_reserved_and_fits_match_the_reference(model, gpus, kw):
                 continue
             want = _reference_reserved(mem)
             want_fits = mem.allocated_fits and want + mem.process_overhead <= mem.gpu_memory_bytes
+            if mem.fits and not want_fits:  # by releasing the allocator's cache (test_tight_memory_... below)
+                assert mem.alloc_retries > 0 and mem.device_total <= mem.gpu_memory_bytes, (model, name, b)
+                continue
             assert mem.fits == want_fits, (model, name, b)
             assert mem.peak_reserved == want, (model, name, b)
             assert mem.fits == want_fits, (model, name, b)
