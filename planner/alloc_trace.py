@@ -702,7 +702,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             pending[L - 1] = unshard_flat(block_shapes)
         elif family == "fsdp1" and (sharding or prec.mixed) and L and L - 1 not in held:
             # FSDP1 the same: the root handle's `_pre_backward_hook` on the loss, then `_prefetch_handle`
-            # (BACKWARD_PRE) unshards the last block's handle
+            # (BACKWARD_PRE) unshards the handle before it in post-forward order, the last block's
+            # (`_exec_order_utils.py` get_handle_to_backward_prefetch)
             held[L - 1] = fsdp1_unshard(lay.shard_block)
         # backward: the loss and the head
         lt = [E.a(x) for x in loss_tmp]
