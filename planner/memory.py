@@ -588,7 +588,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     plain_freed, plain_tmp = freed, blk_tmp
 
     def blk_bwd(j: int) -> tuple[int, int]:
-        """Every-K: (saved bytes freed, transient bytes) at block j's backward peak, recomputed or not."""
+        """Every-K: (saved bytes freed, transient bytes) at block j's backward peak, recomputed or not (without
+        every-K, every block's: `freed` and `blk_tmp`)."""
+        if not ev:
+            return freed, blk_tmp
         if j % ev == 0:
             return 0, plain_tmp + act.recompute_block - plain_freed
         return plain_freed, plain_tmp
@@ -965,18 +968,12 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             if not ev:
                 snap("backward", comm_buffers=ur + blocks_unsharded, grads=carry(L - 1),
                      activations=first_acts + outside_first - freed, temporaries=blk_tmp + head_g + cur_g)
-            # A middle block's MLP backward, as FSDP2's above: its parameters and the prefetched block j-1's
-            # unsharded, the gradient shards of the blocks after it; linear in j, so blocks 1 and L-2 bound
-            # it. Under checkpointing the shards outweigh the activations and block 1 is the peak (the
-            # trace of Mistral-7B, 16 ranks, 1 x 4096 tokens, bf16-mixed, full checkpointing: -3.6% with only
-            # blocks L-1 and 0 walked)
-            for j in sorted({1, L - 2}) if L >= 3 and not ev else ():
-                in_bwd = (ub + prefetch if reshard else held * ub if keep_all else min(j + 1, held) * ub)
-                snap("backward", comm_buffers=ur + in_bwd,
-                     grads=(L - 1 - j) * (lay.shard_block * gsh if sharding else lay.block * gb) + carry(j),
-                     activations=act.through(j) + act.inputs + act.cache_below(j + 1) - freed,
-                     temporaries=blk_tmp + head_g + cur_g)
-            for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
+            # Block j's MLP backward (every-K: each block's, recomputed or not). Uniform blocks: the middle ones,
+            # as FSDP2's above: its parameters and the prefetched block j-1's unsharded, the gradient shards of
+            # the blocks after it; linear in j, so blocks 1 and L-2 bound them. Under checkpointing the shards
+            # outweigh the activations and block 1 is the peak (the trace of Mistral-7B, 16 ranks, 1 x 4096
+            # tokens, bf16-mixed, full checkpointing: -3.6% with only blocks L-1 and 0 walked)
+            for j in walked_blocks((1, L - 2) if L >= 3 and not ev else (), L, ev):
                 fr, tmp = blk_bwd(j)
                 in_bwd = (ub + (prefetch if j > 0 else 0) if reshard
                           else held * ub if keep_all else min(j + 1, held) * ub)

@@ -6,6 +6,7 @@ recorded: what `distplan estimate` prints as `reserved`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -128,31 +129,33 @@ def test_expandable_segments_reserve_no_more():
         assert exp <= plain, st
 
 
-def test_events_are_balanced_per_step():
-    """Every step frees what it allocates except the state it keeps: replaying two more steps adds no
-    allocated bytes (a leak in the writer would grow it)."""
-    from distplan.planner import alloc_trace
-    train = _train(name="phi-3-mini", seq_len=1024)
-    for st, w, sh in (("ddp", 8, 1), ("zero2", 8, 8), ("zero3", 8, 8), ("fsdp", 8, 8), ("fsdp-grad-op", 8, 8)):
-        ends = []
-        for steps in (1, 3):
-            old = alloc_trace.MEASURED_STEPS
-            alloc_trace.MEASURED_STEPS = steps
-            try:
-                ends.append(replay(allocation_events(train, st, w, sh)).allocated)
-            finally:
-                alloc_trace.MEASURED_STEPS = old
-        assert ends[0] == ends[1], st
-
-
-def _peaks_over(steps: int, train, st, w, sh, **replay_kw):
+@contextlib.contextmanager
+def _measured_steps(steps: int):
+    """alloc_trace writes `steps` measured steps after the warm-up inside the block (the probes run one)."""
     from distplan.planner import alloc_trace
     old = alloc_trace.MEASURED_STEPS
     alloc_trace.MEASURED_STEPS = steps
     try:
-        a = replay(allocation_events(train, st, w, sh, init=replay_kw.pop("init", "device")), **replay_kw)
+        yield
     finally:
         alloc_trace.MEASURED_STEPS = old
+
+
+def test_events_are_balanced_per_step():
+    """Every step frees what it allocates except the state it keeps: replaying two more steps adds no
+    allocated bytes (a leak in the writer would grow it)."""
+    train = _train(name="phi-3-mini", seq_len=1024)
+    for st, w, sh in (("ddp", 8, 1), ("zero2", 8, 8), ("zero3", 8, 8), ("fsdp", 8, 8), ("fsdp-grad-op", 8, 8)):
+        ends = []
+        for steps in (1, 3):
+            with _measured_steps(steps):
+                ends.append(replay(allocation_events(train, st, w, sh)).allocated)
+        assert ends[0] == ends[1], st
+
+
+def _peaks_over(steps: int, train, st, w, sh, **replay_kw):
+    with _measured_steps(steps):
+        a = replay(allocation_events(train, st, w, sh, init=replay_kw.pop("init", "device")), **replay_kw)
     return a.peak_reserved, a.peak_allocated
 
 
@@ -545,18 +548,13 @@ def test_pipeline_stage_reserved_source():
 def test_accumulation_events_are_balanced():
     """Every micro-step frees what it makes but the gradients it keeps, and the step frees those: with
     grad_accum > 1 and either grad_sync, replaying more steps adds no allocated bytes."""
-    from distplan.planner import alloc_trace
     for sync in ("last", "every"):
         train = dataclasses.replace(_train(name="phi-3-mini", seq_len=1024), grad_accum=3, grad_sync=sync)
         for st, w, sh in (("ddp", 8, 1), ("zero2", 8, 8), ("zero3", 8, 8), ("fsdp", 8, 8), ("fsdp-grad-op", 8, 8)):
             ends = []
             for steps in (1, 3):
-                old = alloc_trace.MEASURED_STEPS
-                alloc_trace.MEASURED_STEPS = steps
-                try:
+                with _measured_steps(steps):
                     ends.append(replay(allocation_events(train, st, w, sh)).allocated)
-                finally:
-                    alloc_trace.MEASURED_STEPS = old
             assert ends[0] == ends[1], (st, sync)
 
 
