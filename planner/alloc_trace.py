@@ -78,8 +78,8 @@ from __future__ import annotations
 from functools import lru_cache, wraps
 from math import prod
 
-from .activations import (_hf_attention_parts, _hf_sdpa_backend, _mlp_parts, _norm_parts, activations_in, hf_eager,
-                          regime_for, sp_tokens)
+from .activations import (_hf_attention_parts, _hf_sdpa_backend, _mlp_parts, _norm_parts, activations_in,
+                          block_saved, hf_eager, regime_for, sp_tokens)
 from .allocator import alloc_rounding, collector_paused, replay_fit, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
@@ -188,6 +188,238 @@ def _logged_optimizer_step(E: _Events, states: list, owned, optimizer: str, impl
             elif optimizer == "sgd-momentum":
                 states.append(E.a(n))
     _adam_temporaries(E, owned, optimizer, impl)
+
+
+@lru_cache(maxsize=256)
+def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda", grad: bool = False) -> tuple | None:
+    """One block's forward op by op: ("a", name, bytes) allocates, ("f", *names) frees, ("w", i) makes the
+    block's i-th 2-D weight's 16-bit cast under autocast (autocast_mode.cpp `cached_cast`: kept in its cache).
+    "x" is the block's input (never allocated here), "out" its output (the next block's input). Every
+    intermediate goes as soon as nothing refers to it: Python drops a temporary after the op that reads it and
+    a local when the function returns or rebinds it; the caller holds the input until the block returns.
+
+    `grad=False`: a checkpointed block's forward, which runs without saving (`torch.utils.checkpoint`,
+    non-reentrant: the forward under no_grad). `grad=True`: what autograd saves is not freed, and the last op
+    is ("s", *names): the saved tensors in the order `_block_saved_shapes` lists them (the input itself first
+    where the first norm's `x.float()` is it: fp32 hidden states), whose bytes add up to
+    activations.block_saved's.
+
+    None where the block is not written so (the writer then puts down its saved tensors as one burst): tensor
+    or context parallelism, LayerNorm, sandwich norms, q/k norms, dropout, eager attention or SDPA's math
+    backend, GELU-new, partial rotary embeddings.
+
+    Followed from transformers' modeling code (modeling_llama.py `LlamaRMSNorm.forward`, `LlamaAttention.
+    forward`, `apply_rotary_pos_emb`/`rotate_half`, `LlamaMLP.forward`, `LlamaDecoderLayer.forward`;
+    integrations/sdpa_attention.py `sdpa_attention_forward` with `repeat_kv`; modeling_phi3.py's fused
+    projections and its `torch.cat([..., q_pass])`) and from validate/model.py for the reference decoder; the
+    order and sizes are those a TorchDispatchMode sees under no_grad on the CPU (Llama fp32, bf16, autocast;
+    Mistral with a materialized mask; Phi-3). What autograd saves: each op's derivatives.yaml formula (mul
+    saves the other factor only where it requires grad, so RoPE's `q * cos` saves the table, not q; rsqrt
+    its result; silu its input; mm its input). Autocast casts a Linear's weight (cached) and then its fp32
+    input; SDPA's bool mask becomes a float one inside the call (attention.cpp `convert_boolean_attn_mask`);
+    the flash kernels return a logsumexp (saved for backward, else dropped by the Python call), the
+    memory-efficient one computes none without grad (`compute_log_sumexp`)."""
+    m = train.model
+    hf = bool(m.hf_model_type)
+    if (train.tp > 1 or train.cp > 1 or train.sequence_parallel or m.norm != "rmsnorm" or m.sandwich_norms
+            or m.qk_norm or m.attn_dropout > 0 or m.resid_dropout > 0 or m.activation == "gelu_new"
+            or train.attention != "sdpa" or (hf and hf_eager(train)) or m.final_softcap
+            or (m.rotary_dim and m.rotary_dim != m.head_dim) or m.mlp not in ("swiglu", "gelu")
+            or (m.mlp == "gelu" and hf)):
+        return None
+    if hf:
+        backend = _hf_sdpa_backend(train, regime, device)
+    elif device != "cuda":
+        backend = "flash"
+    elif regime == "fp32":
+        backend = "math" if m.kv_heads < m.heads else "efficient"
+    else:
+        backend = "flash"
+    if backend == "math":
+        return None
+    h, q, kv, f, a, hd = m.hidden, m.q_dim, m.kv_dim, m.ffn_hidden, m.heads, m.head_dim
+    b, s = train.micro_batch, train.seq_len
+    auto = regime == "autocast"
+    r = 4 if regime in ("fp32", "autocast") else 2  # the residual stream (the embedding's dtype)
+    e = 4 if regime == "fp32" else 2  # a Linear's output
+    ops: list = []
+    names = iter(range(1 << 30))
+    saved: list = []  # in `_block_saved_shapes` order
+    keep: set = set()
+    sizes = {"x": n * h * r}
+
+    def new(nbytes: int, save: bool = False) -> str:
+        k = f"t{next(names)}"
+        ops.append(("a", k, nbytes))
+        sizes[k] = nbytes
+        if save and grad:
+            saved.append(k)
+            keep.add(k)
+        return k
+
+    def free(*keys) -> None:
+        gone = tuple(k for k in keys if k is not None and k not in keep)
+        if gone:
+            ops.append(("f",) + gone)
+
+    def save(k: str) -> None:
+        if grad:
+            saved.append(k)
+            keep.add(k)
+
+    def norm(x: str, x_bytes: int, consumers: int) -> str:
+        # x.float() (a copy of a 16-bit input; pow and mul save it), pow(2), mean, + eps, rsqrt (saved),
+        # x * rstd (saved by `weight *`; in 16 bits its cast is), .to(input dtype), * weight
+        xf = new(n * h * 4, True) if x_bytes != 4 else None
+        if xf is None:
+            save(x)
+        pw = new(n * h * 4)
+        var = new(n * 4)
+        free(pw)
+        ve = new(n * 4)
+        if not hf:  # validate/model.py: the mean is a temporary of the `+ eps`
+            free(var)
+        rs = new(n * 4, True)
+        free(ve)
+        xn = new(n * h * 4, x_bytes == 4)
+        free(rs)
+        if xf:
+            free(xf)
+        if x_bytes != 4:
+            xc = new(n * h * 2, True)
+            out = new(n * h * 2, True)
+            free(xc, xn)
+        else:
+            out = new(n * h * 4, not auto)  # under autocast each Linear saves its own 16-bit cast instead
+            free(xn)
+        if hf:  # LlamaRMSNorm's `variance`, a local to the return
+            free(var)
+        return out
+
+    def linear(out_elems: int, weights: tuple, fp32_input: bool, save_out: bool) -> str:
+        if auto:
+            for i in weights:
+                ops.append(("w", i))
+            c = new(n * h * 2, True) if fp32_input else None  # saved by the mm
+            y = new(n * out_elems * 2, save_out)
+            free(c)
+            return y
+        return new(n * out_elems * e, save_out)
+
+    # attention
+    n1 = norm("x", r, 1 if m.fused_qkv else 3)
+    fused = m.fused_qkv
+    rope = m.position == "rope"
+    if fused:
+        qkv = linear(q + 2 * kv, (0, 1, 2), True, True)  # v is a view of it: SDPA keeps the whole buffer
+        qk, kk, vk = None, None, qkv
+    else:
+        qk = linear(q, (0,), True, False)
+        kk = linear(kv, (1,), True, False)
+        vk = None
+    cos_sin = []
+    rr = r if hf else e  # q * cos: HF's tables are in the embedding's dtype (fp32 under autocast), ours in q's
+    q_bytes = k_bytes = e
+    embedded = []
+    mask = hf and bool(m.sliding_window) and train.seq_len >= m.sliding_window
+    repeated = mask and kv < q  # `repeat_kv`: SDPA saves the repeated K/V instead
+    if not fused:
+        vk = linear(kv, (2,), True, False)
+    if rope and not hf and e != 4:  # validate/model.py `cos.to(q.dtype)`: a per-block copy of each table,
+        cos_sin = [new(s * hd * e, True), new(s * hd * e, True)]  # which `q * cos` saves
+    for width, src in ((q, qk), (kv, kk)):
+        if not rope:
+            break
+        c1 = new(n * width * rr)
+        ng = new(n * width // 2 * e)
+        ct = new(n * width * e)
+        free(ng)
+        c2 = new(n * width * rr)
+        free(ct)
+        emb = new(n * width * rr)
+        free(c1, c2)
+        if m.hf_model_type == "phi3":  # torch.cat([rotated, q_pass], dim=-1)
+            cat = new(n * width * rr)
+            free(emb)
+            emb = cat
+        if not hf and src is not None:  # `q = q * cos + rotate_half(q) * sin` rebinds q
+            free(src)
+        embedded.append(emb)
+    if rope:
+        if hf and not fused:  # `query_states, key_states = apply_rotary_pos_emb(...)` rebinds both
+            free(qk, kk)
+        q_bytes = k_bytes = rr
+        qe, ke = embedded
+    else:
+        qe, ke = qk, kk
+    # sdpa_attention_forward: K/V repeated to every head where a mask is passed (`repeat_kv`), then SDPA
+    temps = []
+    q_in, k_in, v_in = qe, ke, vk
+    if repeated:
+        k_in, v_in = new(n * q * k_bytes), new(n * q * e)
+        temps += [k_in, v_in]
+    if auto:  # SDPA is on autocast's lower-precision list: fp32 q (and k) cast, k first
+        if k_bytes == 4:
+            k_in = new(sizes[k_in] // 2)
+            temps.append(k_in)
+        if q_bytes == 4:
+            q_in = new(n * q * 2)
+            temps.append(q_in)
+    for k in (q_in, k_in) + (() if fused and not repeated else (v_in,)):  # what SDPA saves (v: a view of qkv)
+        save(k)
+    if mask:
+        mc = new(b * s * s * (2 if auto else e))
+        temps.append(mc)
+    es = 2 if auto else e
+    y = new(n * q * es, True)
+    if backend == "flash" or grad:
+        free(new(n * a * 4, True))  # logsumexp
+    if mask:
+        save(mc)
+    free(*temps)
+    if m.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient"):
+        yc = new(n * q * es, True)  # `.transpose(1, 2).contiguous()` of a (B, nh, S, hd) output
+        free(y)
+        y = yc
+    o = linear(h, (3,), False, False)
+    free(y, *(x for x in (qe, ke) if rope), *([qkv] if fused else [vk] if rope else [qk, kk, vk]))
+    free(n1)
+    x1 = new(n * h * r)
+    free(o)
+    # MLP
+    n2 = norm(x1, r, 1 if m.mlp == "gelu" or m.fused_gate_up else 2)
+    if m.mlp == "gelu":  # the reference decoder's F.gelu(fc(x), approximate="tanh")
+        fc = linear(f, (4,), True, True)
+        g = new(n * f * e, True)
+        free(fc)
+        d = linear(h, (5,), False, False)
+        free(g)
+    elif m.fused_gate_up:
+        gu = linear(2 * f, (4, 5), True, True)
+        sl = new(n * f * e, True)
+        p = new(n * f * e, True)
+        free(sl)
+        d = linear(h, (6,), False, False)
+        free(p, gu)
+    else:
+        g = linear(f, (4,), True, True)
+        sl = new(n * f * e)
+        free(g)
+        u = linear(f, (5,), True, True)
+        save(sl)  # listed gate, up, silu(gate), product
+        p = new(n * f * e, True)
+        free(sl, u)
+        d = linear(h, (6,), False, False)
+        free(p)
+    free(n2)
+    ops.append(("a", "out", n * h * r))
+    free(d, x1, *cos_sin)
+    if grad:
+        free("x")
+        ops.append(("s",) + tuple(saved))
+        if sum(sizes[k] for k in saved) != block_saved(train, regime, device):
+            return None
+    return tuple(ops)
 
 
 def _split(total: int, parts: list[int]) -> list[int]:
@@ -508,6 +740,20 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     weight_casts = [prod(s) * 2 for s in block_shapes if len(s) == 2] if regime == "autocast" else []
     head_cast = [prod(s) * 2 for s in head_shapes if len(s) == 2] if regime == "autocast" else []
     outside = act.outside - act.inputs
+    final_norm = (_norm_parts(train, regime, n, 1, device) if m.norm == "rmsnorm" and not m.sandwich_norms and t == 1
+                  and not train.sequence_parallel else [])
+    if sum(final_norm) > outside or len(final_norm) < 4:
+        final_norm = []
+    # The forward op by op (block_program) where every block and the final norm are written so: each block reads
+    # the one before's output (the embedding's for block 0), which its first norm saves (fp32 hidden states) or
+    # a checkpointed block keeps; else a block's saved tensors as one burst
+    no_grad = train.checkpointing == "full" or bool(act.every)
+    fwd_ops = block_program(train, regime, n, device) if no_grad else None
+    grad_ops = block_program(train, regime, n, device, True) if (not ckpt or act.every) else None
+    carry = bool(final_norm) and (fwd_ops is not None if ckpt else True) and (
+        grad_ops is not None if (not ckpt or act.every) else True) and kept_saved[0] == n * m.hidden * r
+    if not carry:
+        fwd_ops = grad_ops = None
     # nll_loss_backward's dense gradient + log_softmax_backward's output; loss parallel's fused backward
     # holds three (memory.estimate_memory's `loss_bwd_tmp`)
     loss_tmp = [n * v * 4] * (3 if t > 1 else 2)
@@ -642,6 +888,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         elif family == "fsdp1" and (sharding or prec.mixed) and "root" not in held:
             held["root"] = fsdp1_unshard(lay.shard_root)
         out_emb = E.a(n * m.hidden * r)
+        cur = out_emb  # the hidden states (written op by op: `carry`)
+        saved_sizes: dict = {}  # block -> the bytes of what it saved (written op by op)
         # what the blocks share (RoPE tables; eager attention's masks that checkpointed blocks keep), to the
         # end of block 0's backward
         shared = E.a(act.shared) if act.shared and L else None
@@ -659,23 +907,61 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 held[j] = params
             elif family == "fsdp1" and (sharding or prec.mixed) and j not in held:
                 held[j] = fsdp1_unshard(lay.shard_block)
-            casts = [E.a(c) for c in weight_casts]
-            if ck(j):  # the block runs without saving, then keeps its input
-                tr = [E.a(s) for s in blk_saved]
-                E.f(*tr)
+            if carry:  # op by op; a checkpointed block runs without saving and keeps its input
+                live = {"x": cur}
+                sizes_of = {"x": n * m.hidden * r}
                 casts_kept = []
-                cached.extend(casts)
+                for op in (fwd_ops if ck(j) else grad_ops):
+                    if op[0] == "a":
+                        live[op[1]] = E.a(op[2])
+                        sizes_of[op[1]] = op[2]
+                    elif op[0] == "w":
+                        (cached if ck(j) else casts_kept).append(E.a(weight_casts[op[1]]))
+                    elif op[0] == "f":
+                        E.f(*(live.pop(k) for k in op[1:]))
+                    else:
+                        saved_j = [live[k] for k in op[1:]]
+                        saved_sizes[j] = [sizes_of[k] for k in op[1:]]
+                if ck(j):
+                    blocks.append(([cur] + [E.a(s) for s in kept_saved[1:]], []))
+                else:
+                    blocks.append((saved_j, casts_kept))
+                cur = live["out"]
             else:
-                casts_kept = casts
-            blocks.append(([E.a(s) for s in kept_by(j)], casts_kept))
+                casts = [E.a(c) for c in weight_casts]
+                if ck(j):  # the block runs without saving (one burst), then keeps its input
+                    tr = [E.a(s) for s in blk_saved]
+                    E.f(*tr)
+                    casts_kept = []
+                    cached.extend(casts)
+                else:
+                    casts_kept = casts
+                blocks.append(([E.a(s) for s in kept_by(j)], casts_kept))
             tp_reduce()
             # resharded after forward: FULL_SHARD / zero3; NO_SHARD under mixed precision frees its 16-bit
             # copy (`_runtime_utils._post_forward` -> `_reshard` -> `handle.post_reshard`)
             no_shard_mp = family == "fsdp1" and not sharding and prec.mixed
             if ((st.reshard_after_forward and sharding) or no_shard_mp) and j in held:
                 E.f(*(held.pop(j) if family == "fsdp2" else [held.pop(j)]))
-        hc = [E.a(c) for c in head_cast]
-        head_saved = E.a(outside)  # final norm, the LM head's input (activations.ActivationBreakdown.outside)
+        # the final norm and the LM head's input (activations.ActivationBreakdown.outside): an RMSNorm's saved
+        # tensors one by one in the order its forward makes them (`pow`'s output and, in lowp, the fp32 x * rstd
+        # are transients), then under autocast the head's cached weight cast and its cast of the input
+        if final_norm:
+            # (written op by op, its fp32 input is the last block's output, which `x.float()` returns)
+            head_saved = [cur if carry and r == 4 else E.a(final_norm[0])]
+            E.f(E.a(n * m.hidden * 4))  # pow(2), read by mean
+            head_saved.append(E.a(final_norm[1]))
+            xr = E.a(n * m.hidden * 4) if regime == "lowp" else None  # x * rstd, cast to 16 bits and dropped
+            head_saved.append(E.a(final_norm[2]))
+            E.f(xr)
+            if carry and r != 4:
+                E.f(cur)  # the 16-bit hidden states, dropped as the model rebinds them to the norm's output
+            hc = [E.a(c) for c in head_cast]
+            head_saved += [E.a(x) for x in final_norm[3:]] + ([E.a(outside - sum(final_norm))]
+                                                                if outside > sum(final_norm) else [])
+        else:
+            hc = [E.a(c) for c in head_cast]
+            head_saved = [E.a(outside)]
         # The loss as transformers' ForCausalLMLoss (loss/loss_utils.py) and the reference decoder compute it:
         # 16-bit logits are upcast (`logits.float()`, a new n x V fp32 tensor alive beside log_softmax's
         # output, then dropped); in backward the logits' fp32 gradient is cast back (ToCopyBackward, n x V in
@@ -712,7 +998,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         if upcast:
             grad_logits = E.a(n * v * cb)
             E.f(lt[-1])
-        done = [grad_logits, *hc, head_saved]  # freed when the head's matmul backward node has run
+        done = [grad_logits, *hc, *head_saved]  # freed when the head's matmul backward node has run
         if regime == "autocast" and t == 1:
             # fp32 parameters under autocast: the head's matmul backward makes its weight's gradient in 16 bits
             # (the matmul ran on the weight's cast), its node then drops what it saved and the logits'
@@ -763,8 +1049,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 g = new_grads(j, block_shapes)
                 E.f(*keys, *casts, *tmp)
             else:
-                sizes = kept_by(j)
+                sizes = saved_sizes.get(j) or kept_by(j)
+                rest_j = 0 if j in saved_sizes else rest
                 if ck(j):  # recomputed next to its kept input, which the checkpoint holds to the block's end
+                    rest_j = rest
                     casts = [E.a(c) for c in weight_casts]
                     keys = keys + [E.a(s) for s in rec_saved]
                     sizes = sizes + rec_saved
@@ -772,8 +1060,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 # have consumed their saved tensors (the last ones forward made: the MLP's product) and made their
                 # transients and those Linears' weight gradients; then the rest of its gradients, and the saved
                 # tensors go
-                cut = _consumed(sizes, blk_peak[0], rest)
-                E.f(*keys[cut:len(keys) - rest])
+                cut = _consumed(sizes, blk_peak[0], rest_j)
+                E.f(*keys[cut:len(keys) - rest_j])
                 tmp = [E.a(s) for s in tmp_shapes]
                 g_early = new_grads(j, [block_shapes[i] for i in early])
                 E.f(*tmp)
@@ -781,7 +1069,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 g_late = new_grads(j, [block_shapes[i] for i in late])
                 order = dict(zip(early + late, g_early + g_late))
                 g = [order[i] for i in sorted(order)]
-                E.f(*keys[:cut], *keys[len(keys) - rest:], *casts)
+                E.f(*keys[:cut], *keys[len(keys) - rest_j:], *casts)
             if family == "fsdp2" and sharding:
                 rs_kept = fsdp2_post(j, g, held.pop(j), rs_kept, lay.unshard_block, lay.shard_block)
             elif family == "fsdp1":
@@ -807,7 +1095,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 emb_g = []
         else:
             emb_g = new_grads("root", emb_shapes)
-        E.f(out_emb)
+        if not carry:  # (else block 0's input, freed with it)
+            E.f(out_emb)
         if family == "fsdp2" and sharding:
             E.f(fsdp2_post("root", head_g + emb_g, held.pop("root")[1], rs_kept, lay.unshard_root,
                            lay.shard_root))
