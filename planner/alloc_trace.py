@@ -202,7 +202,9 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
     non-reentrant: the forward under no_grad). `grad=True`: what autograd saves is not freed, and the last op
     is ("s", *names): the saved tensors in the order `_block_saved_shapes` lists them (the input itself first
     where the first norm's `x.float()` is it: fp32 hidden states), whose bytes add up to
-    activations.block_saved's.
+    activations.block_saved's. ("stop",) comes where the last tensor is saved (the MLP's output projection's
+    input, which the mm's autograd saves before the mm runs): a checkpointed block's recomputation ends there (non-reentrant checkpoint's early stop,
+    `torch.utils.checkpoint` `_StopRecomputationError`, on by default), its temporaries dropped.
 
     None where the block is not written so (the writer then puts down its saved tensors as one burst): tensor
     or context parallelism, LayerNorm, sandwich norms, q/k norms, dropout, eager attention or SDPA's math
@@ -221,7 +223,7 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
     memory-efficient one computes none without grad (`compute_log_sumexp`)."""
     m = train.model
     hf = bool(m.hf_model_type)
-    if (train.tp > 1 or train.cp > 1 or train.sequence_parallel or m.norm != "rmsnorm" or m.sandwich_norms
+    if (train.tp > 1 or train.cp > 1 or train.sequence_parallel or (hf and m.norm != "rmsnorm") or m.sandwich_norms
             or m.qk_norm or m.attn_dropout > 0 or m.resid_dropout > 0 or m.activation == "gelu_new"
             or train.attention != "sdpa" or (hf and hf_eager(train)) or m.final_softcap
             or (m.rotary_dim and m.rotary_dim != m.head_dim) or m.mlp not in ("swiglu", "gelu")
@@ -268,6 +270,18 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
             keep.add(k)
 
     def norm(x: str, x_bytes: int, consumers: int) -> str:
+        if m.norm == "layernorm":
+            # F.layer_norm -> native_layer_norm: its output, then mean and rstd (fp32 on CUDA, the input's dtype
+            # on the CPU: activations._norm_parts), which it saves with its input; the output in the input's
+            # dtype (autocast runs it in fp32: the residual stream is fp32 there)
+            save(x)
+            stat = 4 if device == "cuda" else x_bytes
+            out = new(n * h * x_bytes)
+            mean, rstd = new(n * stat, True), new(n * stat, True)
+            free(mean, rstd)
+            if not auto:
+                save(out)
+            return out
         # x.float() (a copy of a 16-bit input; pow and mul save it), pow(2), mean, + eps, rsqrt (saved),
         # x * rstd (saved by `weight *`; in 16 bits its cast is), .to(input dtype), * weight
         xf = new(n * h * 4, True) if x_bytes != 4 else None
@@ -296,15 +310,18 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
             free(var)
         return out
 
-    def linear(out_elems: int, weights: tuple, fp32_input: bool, save_out: bool) -> str:
+    def linear(out_elems: int, weights: tuple, fp32_input: bool, save_out: bool, last: bool = False) -> str:
+        # `last`: the mm's autograd saves its input before it runs (VariableType), the block's last save
+        c = None
         if auto:
             for i in weights:
                 ops.append(("w", i))
             c = new(n * h * 2, True) if fp32_input else None  # saved by the mm
-            y = new(n * out_elems * 2, save_out)
-            free(c)
-            return y
-        return new(n * out_elems * e, save_out)
+        if last:
+            ops.append(("stop",))
+        y = new(n * out_elems * (2 if auto else e), save_out)
+        free(c)
+        return y
 
     # attention
     n1 = norm("x", r, 1 if m.fused_qkv else 3)
@@ -392,14 +409,14 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
         fc = linear(f, (4,), True, True)
         g = new(n * f * e, True)
         free(fc)
-        d = linear(h, (5,), False, False)
+        d = linear(h, (5,), False, False, last=True)
         free(g)
     elif m.fused_gate_up:
         gu = linear(2 * f, (4, 5), True, True)
         sl = new(n * f * e, True)
         p = new(n * f * e, True)
         free(sl)
-        d = linear(h, (6,), False, False)
+        d = linear(h, (6,), False, False, last=True)
         free(p, gu)
     else:
         g = linear(f, (4,), True, True)
@@ -409,7 +426,7 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
         save(sl)  # listed gate, up, silu(gate), product
         p = new(n * f * e, True)
         free(sl, u)
-        d = linear(h, (6,), False, False)
+        d = linear(h, (6,), False, False, last=True)
         free(p)
     free(n2)
     ops.append(("a", "out", n * h * r))
@@ -740,18 +757,19 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     weight_casts = [prod(s) * 2 for s in block_shapes if len(s) == 2] if regime == "autocast" else []
     head_cast = [prod(s) * 2 for s in head_shapes if len(s) == 2] if regime == "autocast" else []
     outside = act.outside - act.inputs
-    final_norm = (_norm_parts(train, regime, n, 1, device) if m.norm == "rmsnorm" and not m.sandwich_norms and t == 1
-                  and not train.sequence_parallel else [])
+    final_norm = (_norm_parts(train, regime, n, 1, device) if not m.sandwich_norms and t == 1
+                  and not train.sequence_parallel and (m.norm == "rmsnorm" or not m.hf_model_type) else [])
     if sum(final_norm) > outside or len(final_norm) < 4:
         final_norm = []
     # The forward op by op (block_program) where every block and the final norm are written so: each block reads
     # the one before's output (the embedding's for block 0), which its first norm saves (fp32 hidden states) or
-    # a checkpointed block keeps; else a block's saved tensors as one burst
+    # a checkpointed block keeps, and recomputes the same way in backward; else a block's saved tensors as one
+    # burst (selective checkpointing among them: its forward saves some of them)
     no_grad = train.checkpointing == "full" or bool(act.every)
     fwd_ops = block_program(train, regime, n, device) if no_grad else None
-    grad_ops = block_program(train, regime, n, device, True) if (not ckpt or act.every) else None
-    carry = bool(final_norm) and (fwd_ops is not None if ckpt else True) and (
-        grad_ops is not None if (not ckpt or act.every) else True) and kept_saved[0] == n * m.hidden * r
+    grad_ops = block_program(train, regime, n, device, True)
+    carry = (bool(final_norm) and grad_ops is not None and (fwd_ops is not None if ckpt else True)
+             and kept_saved[0] == n * m.hidden * r)
     if not carry:
         fwd_ops = grad_ops = None
     # nll_loss_backward's dense gradient + log_softmax_backward's output; loss parallel's fused backward
@@ -919,7 +937,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                         (cached if ck(j) else casts_kept).append(E.a(weight_casts[op[1]]))
                     elif op[0] == "f":
                         E.f(*(live.pop(k) for k in op[1:]))
-                    else:
+                    elif op[0] == "s":
                         saved_j = [live[k] for k in op[1:]]
                         saved_sizes[j] = [sizes_of[k] for k in op[1:]]
                 if ck(j):
@@ -946,19 +964,35 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # the final norm and the LM head's input (activations.ActivationBreakdown.outside): an RMSNorm's saved
         # tensors one by one in the order its forward makes them (`pow`'s output and, in lowp, the fp32 x * rstd
         # are transients), then under autocast the head's cached weight cast and its cast of the input
-        if final_norm:
+        if final_norm and m.norm == "layernorm":  # its input (the last block's output), its output, mean, rstd
+            head_saved = [cur if carry else E.a(final_norm[0])]
+            out_n = E.a(final_norm[3]) if regime != "autocast" else E.a(n * m.hidden * 4)
+            head_saved += [E.a(final_norm[1]), E.a(final_norm[2])]
+            hc = [E.a(c) for c in head_cast]
+            if regime == "autocast":  # the head saves its 16-bit cast of the fp32 output
+                head_saved += [E.a(x) for x in final_norm[3:]]
+                E.f(out_n)
+            else:
+                head_saved.append(out_n)
+            if outside > sum(final_norm):
+                head_saved.append(E.a(outside - sum(final_norm)))
+        elif final_norm:
             # (written op by op, its fp32 input is the last block's output, which `x.float()` returns)
             head_saved = [cur if carry and r == 4 else E.a(final_norm[0])]
             E.f(E.a(n * m.hidden * 4))  # pow(2), read by mean
             head_saved.append(E.a(final_norm[1]))
             xr = E.a(n * m.hidden * 4) if regime == "lowp" else None  # x * rstd, cast to 16 bits and dropped
             head_saved.append(E.a(final_norm[2]))
-            E.f(xr)
+            if regime != "autocast":  # the norm's output, which the head saves
+                head_saved += [E.a(x) for x in final_norm[3:]]
             if carry and r != 4:
-                E.f(cur)  # the 16-bit hidden states, dropped as the model rebinds them to the norm's output
+                E.f(cur)  # the 16-bit hidden states (the recorded CPU traces drop them here)
+            E.f(xr)  # a local to the norm's return
             hc = [E.a(c) for c in head_cast]
-            head_saved += [E.a(x) for x in final_norm[3:]] + ([E.a(outside - sum(final_norm))]
-                                                                if outside > sum(final_norm) else [])
+            if regime == "autocast":  # the head's 16-bit cast of its input, after its weight's
+                head_saved += [E.a(x) for x in final_norm[3:]]
+            if outside > sum(final_norm):
+                head_saved.append(E.a(outside - sum(final_norm)))
         else:
             hc = [E.a(c) for c in head_cast]
             head_saved = [E.a(outside)]
@@ -1008,11 +1042,13 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             E.f(*done)
             done = w16
         head_g = new_grads("root", head_shapes)
-        E.f(*done)
         # A tied weight (the parameter, FSDP2's unsharded parameter, FSDP1's view): the head's matmul backward
-        # makes its gradient, which autograd holds in the weight's input buffer through every block's
-        # backward, until the embedding's arrives (below)
-        tied_g = E.a(v * m.hidden * tied_b) if tied else None
+        # makes its gradient beside the logits' gradient it reads (the recorded traces' order), and autograd holds
+        # it in the weight's input buffer through every block's backward, until the embedding's arrives (below)
+        tied_g = E.a(v * m.hidden * tied_b) if tied and carry else None
+        E.f(*done)
+        if tied and not carry:
+            tied_g = E.a(v * m.hidden * tied_b)
         rs_kept = None
 
         def fsdp2_ready(j):
@@ -1051,7 +1087,25 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             else:
                 sizes = saved_sizes.get(j) or kept_by(j)
                 rest_j = 0 if j in saved_sizes else rest
-                if ck(j):  # recomputed next to its kept input, which the checkpoint holds to the block's end
+                if ck(j) and carry:  # recomputed op by op beside its kept input, to the early stop
+                    live = {"x": keys[0]}
+                    sizes_of = {}
+                    casts = []
+                    for op in grad_ops:
+                        if op[0] == "a":
+                            live[op[1]] = E.a(op[2])
+                            sizes_of[op[1]] = op[2]
+                        elif op[0] == "w":
+                            casts.append(E.a(weight_casts[op[1]]))
+                        elif op[0] == "f":
+                            E.f(*(live.pop(k) for k in op[1:]))
+                        elif op[0] == "stop":
+                            break
+                    names = [k for k in grad_ops[-1][1:] if k != "x"]
+                    E.f(*(live[k] for k in live if k != "x" and k not in names))
+                    keys = keys + [live[k] for k in names]
+                    sizes = sizes + [sizes_of[k] for k in names]
+                elif ck(j):  # recomputed next to its kept input, which the checkpoint holds to the block's end
                     rest_j = rest
                     casts = [E.a(c) for c in weight_casts]
                     keys = keys + [E.a(s) for s in rec_saved]
