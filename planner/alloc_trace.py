@@ -192,8 +192,9 @@ def _logged_optimizer_step(E: _Events, states: list, owned, optimizer: str, impl
 
 @lru_cache(maxsize=256)
 def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda", grad: bool = False) -> tuple | None:
-    """One block's forward op by op: ("a", name, bytes) allocates, ("f", *names) frees, ("w", i) makes the
-    block's i-th 2-D weight's 16-bit cast under autocast (autocast_mode.cpp `cached_cast`: kept in its cache).
+    """One block's forward op by op: ("a", name, bytes) allocates, ("f", *names) frees, ("w", (i, ...)) makes
+    the 16-bit cast under autocast of the Linear made of the block's i-th, ... 2-D weights (one for a fused
+    projection; autocast_mode.cpp `cached_cast`: kept in its cache).
     "x" is the block's input (never allocated here), "out" its output (the next block's input). Every
     intermediate goes as soon as nothing refers to it: Python drops a temporary after the op that reads it and
     a local when the function returns or rebinds it; the caller holds the input until the block returns.
@@ -203,12 +204,13 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
     is ("s", *names): the saved tensors in the order `_block_saved_shapes` lists them (the input itself first
     where the first norm's `x.float()` is it: fp32 hidden states), whose bytes add up to
     activations.block_saved's. ("stop",) comes where the last tensor is saved (the MLP's output projection's
-    input, which the mm's autograd saves before the mm runs): a checkpointed block's recomputation ends there (non-reentrant checkpoint's early stop,
-    `torch.utils.checkpoint` `_StopRecomputationError`, on by default), its temporaries dropped.
+    input, which the mm's autograd saves before the mm runs): a checkpointed block's recomputation ends there
+    (non-reentrant checkpoint's early stop, `torch.utils.checkpoint` `_StopRecomputationError`, on by default),
+    its temporaries dropped.
 
     None where the block is not written so (the writer then puts down its saved tensors as one burst): tensor
-    or context parallelism, LayerNorm, sandwich norms, q/k norms, dropout, eager attention or SDPA's math
-    backend, GELU-new, partial rotary embeddings.
+    or context parallelism, a transformers model's LayerNorm (GPT-2), sandwich norms, q/k norms, dropout, eager
+    attention or SDPA's math backend, GELU-new, partial rotary embeddings.
 
     Followed from transformers' modeling code (modeling_llama.py `LlamaRMSNorm.forward`, `LlamaAttention.
     forward`, `apply_rotary_pos_emb`/`rotate_half`, `LlamaMLP.forward`, `LlamaDecoderLayer.forward`;
@@ -269,7 +271,7 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
             saved.append(k)
             keep.add(k)
 
-    def norm(x: str, x_bytes: int, consumers: int) -> str:
+    def norm(x: str, x_bytes: int) -> str:
         if m.norm == "layernorm":
             # F.layer_norm -> native_layer_norm: its output, then mean and rstd (fp32 on CUDA, the input's dtype
             # on the CPU: activations._norm_parts), which it saves with its input; the output in the input's
@@ -314,8 +316,7 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
         # `last`: the mm's autograd saves its input before it runs (VariableType), the block's last save
         c = None
         if auto:
-            for i in weights:
-                ops.append(("w", i))
+            ops.append(("w", weights))
             c = new(n * h * 2, True) if fp32_input else None  # saved by the mm
         if last:
             ops.append(("stop",))
@@ -324,7 +325,7 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
         return y
 
     # attention
-    n1 = norm("x", r, 1 if m.fused_qkv else 3)
+    n1 = norm("x", r)
     fused = m.fused_qkv
     rope = m.position == "rope"
     if fused:
@@ -384,8 +385,11 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
             temps.append(q_in)
     for k in (q_in, k_in) + (() if fused and not repeated else (v_in,)):  # what SDPA saves (v: a view of qkv)
         save(k)
-    if mask:
-        mc = new(b * s * s * (2 if auto else e))
+    if mask:  # `where(mask, 0, -inf)`: the two scalars, then the float mask
+        me = 2 if auto else e
+        sc = (new(me), new(me))
+        mc = new(b * s * s * me)
+        free(*sc)
         temps.append(mc)
     es = 2 if auto else e
     y = new(n * q * es, True)
@@ -399,12 +403,12 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
         free(y)
         y = yc
     o = linear(h, (3,), False, False)
-    free(y, *(x for x in (qe, ke) if rope), *([qkv] if fused else [vk] if rope else [qk, kk, vk]))
+    free(y, *(x for x in (qe, ke) if rope), *([qkv] if fused else [vk] if rope else [qk, kk, vk]), *cos_sin)
     free(n1)
     x1 = new(n * h * r)
     free(o)
     # MLP
-    n2 = norm(x1, r, 1 if m.mlp == "gelu" or m.fused_gate_up else 2)
+    n2 = norm(x1, r)
     if m.mlp == "gelu":  # the reference decoder's F.gelu(fc(x), approximate="tanh")
         fc = linear(f, (4,), True, True)
         g = new(n * f * e, True)
@@ -430,7 +434,7 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
         free(p)
     free(n2)
     ops.append(("a", "out", n * h * r))
-    free(d, x1, *cos_sin)
+    free(d, x1)
     if grad:
         free("x")
         ops.append(("s",) + tuple(saved))
@@ -934,7 +938,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                         live[op[1]] = E.a(op[2])
                         sizes_of[op[1]] = op[2]
                     elif op[0] == "w":
-                        (cached if ck(j) else casts_kept).append(E.a(weight_casts[op[1]]))
+                        (cached if ck(j) else casts_kept).append(E.a(sum(weight_casts[i] for i in op[1])))
                     elif op[0] == "f":
                         E.f(*(live.pop(k) for k in op[1:]))
                     elif op[0] == "s":
@@ -1096,7 +1100,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                             live[op[1]] = E.a(op[2])
                             sizes_of[op[1]] = op[2]
                         elif op[0] == "w":
-                            casts.append(E.a(weight_casts[op[1]]))
+                            casts.append(E.a(sum(weight_casts[i] for i in op[1])))
                         elif op[0] == "f":
                             E.f(*(live.pop(k) for k in op[1:]))
                         elif op[0] == "stop":
