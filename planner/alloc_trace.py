@@ -133,6 +133,14 @@ class _Events:
             if k is not None:
                 self.ev.append(("free", k))
 
+    def put(self, template: tuple, count: int, x: int) -> int:
+        """`_compiled` events, the input's key `x`: returns the base its keys count from."""
+        base = self.n
+        self.ev.extend([("alloc", base + i, size, 0) if size is not None else ("free", base + i if i else x)
+                        for size, i in template])
+        self.n = base + count
+        return base
+
 
 BROADCAST_BUCKET = 250 << 20
 """DistributedDataParallel's `broadcast_bucket_size` (torch/nn/parallel/distributed.py: int(250 * 1024 * 1024))."""
@@ -441,6 +449,38 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
         if sum(sizes[k] for k in saved) != block_saved(train, regime, device):
             return None
     return tuple(ops)
+
+
+@lru_cache(maxsize=256)
+def _compiled(ops: tuple, cast_sizes: tuple, x_size: int, recompute: bool = False) -> tuple:
+    """`block_program` ops as the events `_Events.put` writes in one go (what writing them one by one would:
+    keys in allocation order): (template, count, out, saved, saved bytes, casts, unwind), where a template entry
+    (bytes, i) allocates the block's i-th key (1-based) and (None, i) frees it, 0 being the input; `out` the
+    output's key, `saved` / `casts` those of the saved tensors and of the weight casts. `recompute`: to the early
+    stop, `unwind` then the keys of what is not saved (the temporaries it drops)."""
+    idx: dict = {"x": 0}
+    sizes = {"x": x_size}
+    template: list = []
+    casts: list = []
+    count = 0
+    for op in ops:
+        kind = op[0]
+        if kind in ("a", "w"):
+            count += 1
+            name = op[1] if kind == "a" else ("w", count)
+            idx[name] = count
+            sizes[name] = op[2] if kind == "a" else sum(cast_sizes[i] for i in op[1])
+            template.append((sizes[name], count))
+            if kind == "w":
+                casts.append(count)
+        elif kind == "f":
+            template.extend((None, idx.pop(k)) for k in op[1:])
+        elif kind == "stop" and recompute:
+            break
+    names = ops[-1][1:] if ops[-1][0] == "s" else ()
+    unwind = tuple(i for k, i in idx.items() if recompute and k != "x" and k not in names and i not in casts)
+    return (tuple(template), count, idx.get("out"), tuple(idx[k] for k in names), tuple(sizes[k] for k in names),
+            tuple(casts), unwind)
 
 
 def _split(total: int, parts: list[int]) -> list[int]:
@@ -759,6 +799,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     # kept block input itself, not a new tensor (activations_in's `recompute_block`)
     rec_saved = blk_saved[1:] if m.hf_model_type and (m.norm == "layernorm" or regime != "lowp") else blk_saved
     weight_casts = [prod(s) * 2 for s in block_shapes if len(s) == 2] if regime == "autocast" else []
+    cast_sizes = tuple(weight_casts)
     head_cast = [prod(s) * 2 for s in head_shapes if len(s) == 2] if regime == "autocast" else []
     outside = act.outside - act.inputs
     final_norm = (_norm_parts(train, regime, n, 1, device) if not m.sandwich_norms and t == 1
@@ -930,25 +971,17 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             elif family == "fsdp1" and (sharding or prec.mixed) and j not in held:
                 held[j] = fsdp1_unshard(lay.shard_block)
             if carry:  # op by op; a checkpointed block runs without saving and keeps its input
-                live = {"x": cur}
-                sizes_of = {"x": n * m.hidden * r}
-                casts_kept = []
-                for op in (fwd_ops if ck(j) else grad_ops):
-                    if op[0] == "a":
-                        live[op[1]] = E.a(op[2])
-                        sizes_of[op[1]] = op[2]
-                    elif op[0] == "w":
-                        (cached if ck(j) else casts_kept).append(E.a(sum(weight_casts[i] for i in op[1])))
-                    elif op[0] == "f":
-                        E.f(*(live.pop(k) for k in op[1:]))
-                    elif op[0] == "s":
-                        saved_j = [live[k] for k in op[1:]]
-                        saved_sizes[j] = [sizes_of[k] for k in op[1:]]
+                template, count, out_i, saved_i, saved_b, cast_i, _ = _compiled(
+                    fwd_ops if ck(j) else grad_ops, cast_sizes, n * m.hidden * r)
+                base = E.put(template, count, cur)
+                casts_kept = [base + i for i in cast_i]
                 if ck(j):
+                    cached.extend(casts_kept)
                     blocks.append(([cur] + [E.a(s) for s in kept_saved[1:]], []))
                 else:
-                    blocks.append((saved_j, casts_kept))
-                cur = live["out"]
+                    blocks.append(([base + i if i else cur for i in saved_i], casts_kept))
+                    saved_sizes[j] = list(saved_b)
+                cur = base + out_i
             else:
                 casts = [E.a(c) for c in weight_casts]
                 if ck(j):  # the block runs without saving (one burst), then keeps its input
@@ -1092,23 +1125,13 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 sizes = saved_sizes.get(j) or kept_by(j)
                 rest_j = 0 if j in saved_sizes else rest
                 if ck(j) and carry:  # recomputed op by op beside its kept input, to the early stop
-                    live = {"x": keys[0]}
-                    sizes_of = {}
-                    casts = []
-                    for op in grad_ops:
-                        if op[0] == "a":
-                            live[op[1]] = E.a(op[2])
-                            sizes_of[op[1]] = op[2]
-                        elif op[0] == "w":
-                            casts.append(E.a(sum(weight_casts[i] for i in op[1])))
-                        elif op[0] == "f":
-                            E.f(*(live.pop(k) for k in op[1:]))
-                        elif op[0] == "stop":
-                            break
-                    names = [k for k in grad_ops[-1][1:] if k != "x"]
-                    E.f(*(live[k] for k in live if k != "x" and k not in names))
-                    keys = keys + [live[k] for k in names]
-                    sizes = sizes + [sizes_of[k] for k in names]
+                    template, count, _, saved_i, saved_b, cast_i, unwind = _compiled(
+                        grad_ops, cast_sizes, n * m.hidden * r, True)
+                    base = E.put(template, count, keys[0])
+                    E.f(*(base + i for i in unwind))
+                    casts = [base + i for i in cast_i]
+                    keys = keys + [base + i for i in saved_i if i]
+                    sizes = sizes + [b for i, b in zip(saved_i, saved_b) if i]
                 elif ck(j):  # recomputed next to its kept input, which the checkpoint holds to the block's end
                     rest_j = rest
                     casts = [E.a(c) for c in weight_casts]
