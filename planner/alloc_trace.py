@@ -230,7 +230,8 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
     its result; silu its input; mm its input). Autocast casts a Linear's weight (cached) and then its fp32
     input; SDPA's bool mask becomes a float one inside the call (attention.cpp `convert_boolean_attn_mask`);
     the flash kernels return a logsumexp (saved for backward, else dropped by the Python call), the
-    memory-efficient one computes none without grad (`compute_log_sumexp`)."""
+    memory-efficient one computes none without grad (`compute_log_sumexp`). Left out: autocast's cached casts of
+    the biases (Qwen2's q/k/v, the reference decoder's GPT-2 style), 1-D and small-pool sized."""
     m = train.model
     hf = bool(m.hf_model_type)
     if (train.tp > 1 or train.cp > 1 or train.sequence_parallel or (hf and m.norm != "rmsnorm") or m.sandwich_norms
