@@ -336,13 +336,19 @@ def _hf_attention_parts(train: TrainConfig, regime: str, n: int, device: str) ->
     parts += [n * e * h, n * 4 * a]  # output and logsumexp
     if mask:
         parts.append(b * s * s * e)  # the bool mask converted to q's dtype, saved by the kernel
-    # the output in q's (B, nh, S, hd) layout: `.transpose(1, 2).contiguous()` copies it for o_proj. Phi-3's
-    # concatenating RoPE makes q so; under context parallelism the ring's merged output is a new (B, nh, S, hd)
-    # tensor (see `_attention_saved`)
-    if (m.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient")) or (
-            train._cp_local and train.cp > 1):
+    # the output in q's (B, nh, S, hd) layout: `.transpose(1, 2).contiguous()` copies it for o_proj (Phi-3, see
+    # `hf_output_copied`); under context parallelism the ring's merged output is a new (B, nh, S, hd) tensor
+    # (see `_attention_saved`)
+    if hf_output_copied(train, device, backend) or (train._cp_local and train.cp > 1):
         parts.append(n * e * h)
     return parts
+
+
+def hf_output_copied(train: TrainConfig, device: str, backend: str) -> bool:
+    """Whether SDPA's output reaches o_proj through a copy (`.transpose(1, 2).contiguous()`): Phi-3's
+    concatenating RoPE makes q (B, nh, S, hd)-contiguous and the kernel's output follows it, except CUDA's
+    memory-efficient kernel, whose output is (B, S, nh, hd) already."""
+    return train.model.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient")
 
 
 def hf_eager(train: TrainConfig) -> bool:

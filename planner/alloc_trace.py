@@ -78,8 +78,8 @@ from __future__ import annotations
 from functools import lru_cache, wraps
 from math import prod
 
-from .activations import (_hf_attention_parts, _hf_sdpa_backend, _mlp_parts, _norm_parts, activations_in,
-                          block_saved, hf_eager, regime_for, sp_tokens)
+from .activations import (_hf_attention_parts, _hf_mask, _hf_sdpa_backend, _mlp_parts, _norm_parts, activations_in,
+                          block_saved, hf_eager, hf_output_copied, regime_for, sdpa_math, sp_tokens)
 from .allocator import alloc_rounding, collector_paused, replay_fit, replay_peaks
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
@@ -242,12 +242,10 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
         return None
     if hf:
         backend = _hf_sdpa_backend(train, regime, device)
-    elif device != "cuda":
-        backend = "flash"
-    elif regime == "fp32":
-        backend = "math" if m.kv_heads < m.heads else "efficient"
-    else:
-        backend = "flash"
+    elif sdpa_math(train, regime, device):
+        backend = "math"
+    else:  # the reference decoder: no fp32 flash on CUDA (activations.sdpa_math)
+        backend = "efficient" if device == "cuda" and regime == "fp32" else "flash"
     if backend == "math":
         return None
     h, q, kv, f, a, hd = m.hidden, m.q_dim, m.kv_dim, m.ffn_hidden, m.heads, m.head_dim
@@ -348,7 +346,7 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
     rr = r if hf else e  # q * cos: HF's tables are in the embedding's dtype (fp32 under autocast), ours in q's
     q_bytes = k_bytes = e
     embedded = []
-    mask = hf and bool(m.sliding_window) and train.seq_len >= m.sliding_window
+    mask = hf and _hf_mask(train)
     repeated = mask and kv < q  # `repeat_kv`: SDPA saves the repeated K/V instead
     if not fused:
         vk = linear(kv, (2,), True, False)
@@ -407,7 +405,7 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
     if mask:
         save(mc)
     free(*temps)
-    if m.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient"):
+    if hf_output_copied(train, device, backend):
         yc = new(n * q * es, True)  # `.transpose(1, 2).contiguous()` of a (B, nh, S, hd) output
         free(y)
         y = yc
