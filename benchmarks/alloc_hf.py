@@ -2,7 +2,7 @@
 
     python benchmarks/alloc_hf.py OUT.json.gz [CASE_PREFIX,...]
 
-Each probe runs the transformers model itself (validate/workload.py `HFWorkload`, as `distplan validate
+Each probe runs the transformers model itself (planner/workload/traced_model.py `HFWorkload`, as `distplan validate
 --hf-config` does): Llama (GQA, untied), Qwen2 (tied embeddings) and GPT-2 (gelu_new, dropout) at 8
 layers, width 1024, vocabulary 8192 (tests/data/alloc_events_cpu_hf.json.gz); Mixtral (4 experts, top-2,
 width 512) and OLMo-2 (q/k norms over the width), which only the trace front end plans

@@ -35,7 +35,7 @@ final norm, the LM head's input, and `log_softmax`'s fp32 output n*V*4 for the l
 Transformers' models (`ModelSpec.hf_model_type` set, `read_hf_config(path, implementation=True)`):
 the same ops except where the modeling code differs, each term citing the file it follows
 (transformers 5.x, torch 2.1x; tests/test_analytic_vs_trace.py checks every term against the trace of
-the real model, `validate.module_probe.profile_hf`, byte for byte on CPU):
+the real model, `planner.workload.trace.profile_hf`, byte for byte on CPU):
 - RoPE: the cos/sin tables are made once per forward by `<Type>RotaryEmbedding` and cast to the hidden
   states' dtype there (fp32 under fp32 and autocast, 16-bit in lowp), shared by every layer.
 - Fused projections (`ModelSpec.fused_qkv`, `fused_gate_up`: Phi-3 qkv_proj/gate_up_proj, GPT-2

@@ -1352,7 +1352,7 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
     LOGGED_FAMILIES, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it:
 
     - `construct`: the bytes of each parameter and buffer in the order `model.to(device)` copies them
-      (validate.module_probe's `construct_bytes`); DDP (world > 1) then broadcasts them from rank 0
+      (planner.workload.trace's `construct_bytes`); DDP (world > 1) then broadcasts them from rank 0
       (`_sync_module_states`: buckets of 250 MiB or more, two in flight; `_broadcast_coalesced`) and makes its
       Reducer's first bucket of
       every gradient; `batches`: the input tensors' bytes, made before the first step;
@@ -1467,7 +1467,7 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
     """The events of a traced module's run under FSDP2 (zero2: `reshard`=False, zero3: True) on rank 0 of
     `shard`, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own
     allocations (`log`, as logged_step_events replays them) with FSDP2's between them where the trace marked
-    its hooks (module_probe._SegmentTracker.log: [3, unit] pre-forward, [4, unit] post-forward, [5, unit]
+    its hooks (workload.trace._SegmentTracker.log: [3, unit] pre-forward, [4, unit] post-forward, [5, unit]
     pre-backward, [6, unit] post-backward; torch/distributed/fsdp/_fully_shard/_fsdp_state.py and
     _fsdp_param_group.py):
 

@@ -1,8 +1,9 @@
 """The `distplan` command line: estimate, recommend, sweep, catalog, validate.
 
 Pure Python at import (click; tabulate only for the table formats report.table does not draw itself,
-validate_cmd.py only when `validate` is asked for); torch is imported only by `validate` and `--module`,
-inside the command. Every user error is one line naming the flag, the value and what is accepted, exit code 2.
+`validate` and `calibrate` come from distplan.validate through entry points, loaded only when asked
+for); torch is imported only by `validate`, `calibrate` and `--module`, inside the command. Every user
+error is one line naming the flag, the value and what is accepted, exit code 2.
 """
 
 from __future__ import annotations
@@ -314,23 +315,27 @@ class OneLineErrors(click.Group):
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
 
-    LAZY = {"validate": ".validate_cmd"}
-    """Commands whose module is imported only when the command is looked up (run, or listed by
-    --help): validate_cmd.py is 2-3 ms of imports a cold `distplan estimate` does not need. click's
-    "Lazily Loading Subcommands" pattern (click documentation, Complex Applications): `list_commands`
-    names them, `get_command` imports and adds them."""
+    PLUGIN_GROUP = "distplan.commands"
+    """Commands another package of the distribution adds (`validate`, `calibrate`: distplan.validate, which
+    needs torch to run), found through its entry points (pyproject.toml, [project.entry-points]) and imported
+    only when looked up (run, or listed by --help): the planner never imports `validate`, and a cold
+    `distplan estimate` reads no package metadata. click's "Lazily Loading Subcommands" pattern (click
+    documentation, Complex Applications) over `importlib.metadata.entry_points`."""
+
+    @functools.cached_property
+    def _plugins(self) -> dict:
+        from importlib.metadata import entry_points
+        return {ep.name: ep for ep in entry_points(group=self.PLUGIN_GROUP)}
 
     def list_commands(self, ctx) -> list[str]:
-        return sorted({*super().list_commands(ctx), *self.LAZY})
+        return sorted({*super().list_commands(ctx), *self._plugins})
 
     def get_command(self, ctx, name: str):
-        if name in self.LAZY and name not in self.commands:
-            import importlib
+        if name not in self.commands and name in self._plugins:
             try:
-                module = importlib.import_module(self.LAZY[name], __package__)
+                self.add_command(self._plugins[name].load(), name)
             except ImportError:  # pragma: no cover  (then the command is not there, as before)
                 return None
-            self.add_command(getattr(module, f"{name}_command"))
         return super().get_command(ctx, name)
 
 
@@ -458,43 +463,6 @@ def catalog_show(name, catalog_dirs):
         if k == "path":
             continue
         click.echo(f"  {k}: {_show_value(v)}")
-
-
-def _calibrate_peak(ctx, param, value):
-    if value is not None and not (math.isfinite(value) and 1e-3 <= value <= 1e6):
-        raise click.BadParameter(f"{value:g}: accepted: a dense bf16 peak in TFLOP/s, 0.001 to 1,000,000")
-    return value
-
-
-def _calibrate_out(ctx, param, value):
-    import os
-    if not str(value).strip() or os.path.exists(value) and not os.path.isdir(value):
-        raise click.BadParameter(f"{str(value)[:60]!r} is not a directory; accepted: a directory (created if missing)")
-    return value
-
-
-@main.command()
-@click.option("--out", "out_dir", default="distplan-calibration", show_default=True, metavar="DIR",
-              callback=_calibrate_out, help="Overlay directory written (gpus/, interconnects/): use it with "
-              "--catalog DIR or $DISTPLAN_CATALOG.")
-@click.option("--quick", is_flag=True, help="Fewer shapes and sizes: well under a minute.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
-              help="cpu measures the CPU, to test the pipeline (an overlay only with --peak-tflops).")
-@click.option("--peak-tflops", type=float, metavar="X", callback=_calibrate_peak,
-              help="Dense bf16 peak, TFLOP/s: needed for a GPU not in the catalog and for --device cpu; "
-                   "for a catalog GPU it replaces the catalog's.")
-@click.option("--json", "as_json", is_flag=True, help="Print the measurements and fits as JSON.")
-@_fail_on_value_error
-def calibrate(out_dir, quick, device, peak_tflops, as_json):
-    """Measure this GPU (matmul, memory, attention, launches; NCCL with 2+ GPUs); write a catalog overlay."""
-    from distplan.validate.calibrate import TextProgress, render, write_overlay
-    from distplan.validate.calibrate import calibrate as measure
-    result = measure(device, quick=quick, peak_tflops=peak_tflops, progress=TextProgress(sys.stderr))
-    written = []
-    if device == "cuda" or peak_tflops is not None:
-        written = write_overlay(out_dir, result)
-    result["overlay"] = {"dir": out_dir if written else None, "files": written}
-    click.echo(dump_json(result) if as_json else render(result, written, out_dir))
 
 
 if __name__ == "__main__":  # pragma: no cover

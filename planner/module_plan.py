@@ -7,7 +7,7 @@ children that own parameters, as an FSDP auto-wrap policy on direct children giv
 causal LM's decoder layers; parameters of no unit form the `root` unit), and the forward as segments in
 execution order, each with the bytes autograd saves and the bytes of its input, what its forward and
 backward hold instant by instant, and the order gradients become ready. They come from
-`distplan.validate.module_probe.profile` (`validate/workload.py` says how each kind of model is built,
+`distplan.planner.workload.trace.profile` (`planner/workload/traced_model.py` says how each kind of model is built,
 fed and trained), which runs one training step on fake tensors (torch is imported lazily; nothing is
 allocated); a deep transformers model is traced at a few layers and its middle layer repeated.
 
@@ -41,7 +41,7 @@ allocated); a deep transformers model is traced at a few layers and its middle l
 - CUDA: two cuBLAS workspaces, cuBLASLt's when a Linear has a bias, and each convolution's cuDNN
   workspace at the instant it runs (forward or backward, with what the profile saw alive then). The
   cuDNN sizes come from the kernel cuDNN picks, so they are measured on the local GPU
-  (`validate/kernel_workspace.py`); planned without a GPU, they are left out and a note says so.
+  (`planner/workload/kernel_workspace.py`); planned without a GPU, they are left out and a note says so.
 - activation checkpointing `full` (per unit, non-reentrant; transformers' own for an HF model): each
   unit keeps its input, and the root's ops after it (a decoder's final norm, head and loss) keep what
   they save; a unit's own saved tensors come back in its backward, after its hook, as temporaries (made
@@ -71,7 +71,7 @@ eager kernels (torch.compile's fusion is not modelled for it), and where the CPU
 composite (dropout_p > 0) CUDA runs one fused kernel; `--micro-batch` and `--seq-len` are ignored (the
 batch is the input shape's first dimension); CPU offload and `--framework deepspeed` are not supported here.
 
-FSDP under 16-bit mixed precision is traced as it runs (module_probe's "fsdp-*" and "fsdp1-*" regimes): the
+FSDP under 16-bit mixed precision is traced as it runs (workload.trace's "fsdp-*" and "fsdp1-*" regimes): the
 root casts the fp32 batch to 16 bits; FSDP1 wraps each BatchNorm module apart and runs it in fp32
 (`MixedPrecision._module_classes_to_ignore`: its own units, `ModuleDesc.fp32_units`, fp32 all-gathers);
 FSDP2 with BatchNorm raises in PyTorch (16-bit weights, fp32 running statistics), so `estimate` leaves
@@ -128,7 +128,7 @@ class ModuleDesc:
     earlier segments' saved tensors (its own saved tensors so far, its input and intermediates).
     backward: (before, after), each (transient, grads, saved) bytes at the segment's highest backward
     instant before and after the gradient of its unit's output is ready (where FSDP's pre-backward hook
-    runs), measured on fake tensors (`module_probe._SegmentTracker`): activation gradients alive, its
+    runs), measured on fake tensors (`workload.trace._SegmentTracker`): activation gradients alive, its
     parameters' gradients made so far, its saved tensors not yet freed."""
     output_bytes: int
     buffers_bytes: int
@@ -136,10 +136,10 @@ class ModuleDesc:
     batch: int
     """The input shape's first dimension: samples per GPU per micro-step."""
     loss: str = "sum"
-    """'cross_entropy' (2-D output) or 'sum' (module_probe's rule)."""
+    """'cross_entropy' (2-D output) or 'sum' (workload.trace's rule)."""
     kernels: tuple = ()
     """((segment index in `segments`, phase, key, at), ...): the convolutions, whose cuDNN workspaces
-    are measured on a GPU (`validate/kernel_workspace.py`); `at`: what is alive when the call runs,
+    are measured on a GPU (`planner/workload/kernel_workspace.py`); `at`: what is alive when the call runs,
     (transient, grads, saved) in backward (as `segments`' backward), (forward bytes,) in forward (as
     `segments`' forward)."""
     linear_bias: bool = False
@@ -157,7 +157,7 @@ class ModuleDesc:
     """Per segment of `segments`, its backward in a micro-step after the first of gradient accumulation
     (every .grad already there, each new gradient added in place and freed): (before, after), each
     (transient, fresh, saved) at the highest instant, `fresh` the parameters' gradients made and not yet
-    accumulated (`module_probe._SegmentTracker.segment_peaks_accumulating`). Empty: not measured (a profile
+    accumulated (`workload.trace._SegmentTracker.segment_peaks_accumulating`). Empty: not measured (a profile
     written before it was; the walk then counts no fresh gradient)."""
     tied: tuple = ()
     """Numels of the parameters reached under more than one name (a tied embedding and LM head), once each.
@@ -165,12 +165,12 @@ class ModuleDesc:
     census: tuple = ()
     """Per segment of `segments`, the kernels its forward and backward launched and its unit's own forward
     (what a checkpointed unit runs again): ((forward, backward, unit forward), ...), each a tuple of
-    `module_probe.CENSUS_FIELDS` (gemm FLOPs, gemms, attention FLOPs, bytes of the memory-bound kernels,
+    `workload.trace.CENSUS_FIELDS` (gemm FLOPs, gemms, attention FLOPs, bytes of the memory-bound kernels,
     kernels, ATen ops, the fp32 GEMMs' FLOPs; a profile written before the last was counted has 0 there)."""
     construct: tuple = ()
     """The parameters' and buffers' bytes in the order `model.to(device)` allocates them."""
     alloc_log: tuple = ()
-    """The traced step's allocations in host order (`module_probe._SegmentTracker.log`): (1, id, bytes),
+    """The traced step's allocations in host order (`workload.trace._SegmentTracker.log`): (1, id, bytes),
     (0, id) and (2, convolution key); replayed through the caching allocator for the reserved peak
     (alloc_trace.logged_step_events). Empty: not recorded (a Hugging Face model, a profile at another
     batch, an older profile)."""
@@ -201,7 +201,7 @@ class ModuleDesc:
     tensor for it: the batch is a temporary through the step)."""
     fp32_units: tuple = ()
     """Units whose parameters stay fp32 under mixed precision: FSDP1's own units of the BatchNorm modules
-    (the "fsdp1-*" trace regimes, module_probe._fsdp1_full_precision_modules). Empty elsewhere."""
+    (the "fsdp1-*" trace regimes, workload.trace._fsdp1_full_precision_modules). Empty elsewhere."""
 
     @property
     def activation_bytes(self) -> int:
@@ -270,7 +270,7 @@ class ModuleDesc:
 
     def with_checkpointed_log(self, other: "ModuleDesc", every: int) -> "ModuleDesc":
         """This description with the allocation log of `other`, the same module traced with every `every`-th
-        unit checkpointed (module_probe.profile's `checkpoint_every`)."""
+        unit checkpointed (workload.trace.profile's `checkpoint_every`)."""
         return replace(self, alloc_log=other.alloc_log, alloc_kept=other.alloc_kept,
                        alloc_grads=other.alloc_grads, alloc_log_every=every)
 
@@ -1402,7 +1402,7 @@ def _unit_runs(units) -> list[str]:
 
 
 def _regime(precision: str, family: str, batchnorm: bool = False) -> str:
-    """module_probe dtype for a precision recipe and family (activations.regime_for's rule); `batchnorm`: the
+    """workload.trace dtype for a precision recipe and family (activations.regime_for's rule); `batchnorm`: the
     module has BatchNorm layers, which FSDP1's mixed precision runs apart in fp32 (the "fsdp1-*" regimes)."""
     if precision == "fp32":
         return "float32"
@@ -1525,13 +1525,14 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     # torch (and below, for --hf-config, transformers and the model's modules) imported with the garbage
     # collector paused, then frozen: workload.preload says why (a cold --hf-config trace 11 s -> 7.3 s).
     # The traces' profile_s ("measured on fake tensors in") no longer counts transformers' imports.
-    from distplan.validate.workload import preload
+    from distplan.planner.workload.traced_model import preload
     try:
         preload()
     except ImportError:
         raise ValueError("--module needs torch: pip install 'distplan[validate]'") from None
-    from distplan.validate.module_probe import parse_shape, profile
-    from distplan.validate.workload import FactoryWorkload, HFWorkload, hf_path
+    from distplan.planner.workload.trace import profile
+    from distplan.planner.workload.traced_model import parse_shape
+    from distplan.planner.workload.traced_model import FactoryWorkload, HFWorkload, hf_path
     if hf:
         check_hf_config(kw["hf_config"], kw.get("seq_len") or 2048)
         work = HFWorkload(hf_path(kw["hf_config"]), kw.get("micro_batch") or 1, kw.get("seq_len") or 2048,
@@ -1577,7 +1578,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
             prof = profile(work, regime, "cuda")  # a plan is for GPUs: the bytes CUDA's kernels keep
         except ValueError as exc:
             # a model that traces in one regime and not another (an op whose meta function refuses a
-            # dtype; torch 2.13's grouped_mm refused fp32 before module_probe._grouped_mm_any_dtype):
+            # dtype; torch 2.13's grouped_mm refused fp32 before workload.trace._grouped_mm_any_dtype):
             # the strategies of the regime that ran are planned, the others named
             failed[regime] = str(exc)
             return
@@ -1819,7 +1820,7 @@ def check_hf_config(path, seq_len: int | None = None) -> None:
 def kernel_workspaces(descs) -> tuple[dict, str | None]:
     """cuDNN workspaces of every convolution in `descs` (ModuleDescs), measured on the local GPU
     (`validate.kernel_workspace`): ({key: bytes}, the GPU's name), or ({}, None) without one."""
-    from distplan.validate import kernel_workspace
+    from distplan.planner.workload import kernel_workspace
     name = kernel_workspace.available()
     calls = {key: args for d in descs for key, args in d.kernel_args}
     if not calls or name is None:
@@ -1831,8 +1832,8 @@ def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
     """For `distplan validate --module` on a GPU: the cuDNN workspaces of the module's convolutions in
     every regime the strategies run it in, measured here once ({key: bytes}); stored in the probes'
     inputs so the prediction can be repeated without the GPU."""
-    from distplan.validate.module_probe import profile
-    from distplan.validate.workload import from_spec
+    from distplan.planner.workload.trace import profile
+    from distplan.planner.workload.traced_model import from_spec
 
     if module.get("path") and module["path"] not in sys.path:
         sys.path.insert(0, module["path"])
@@ -1849,10 +1850,10 @@ _TRACES: dict = {}
 
 
 def _traced(work, regime: str, device: str = "cpu", every: int = 0) -> ModuleDesc:
-    """The workload's ModuleDesc in a regime with `device`'s kernels (module_probe.KERNEL_DEVICES), traced
+    """The workload's ModuleDesc in a regime with `device`'s kernels (workload.trace.KERNEL_DEVICES), traced
     once per process (a validation run predicts many probes of one model). `every`: with the allocation log
     of a run checkpointing every `every`-th unit (`ModuleDesc.with_checkpointed_log`)."""
-    from distplan.validate.module_probe import profile
+    from distplan.planner.workload.trace import profile
 
     key = (json.dumps(work.to_spec(), sort_keys=True), regime, device, every)
     if key not in _TRACES:
@@ -1874,7 +1875,7 @@ def predict_module_probe(spec: dict) -> dict:
     The module is profiled on fake tensors in the regime the strategy runs it in, exactly as
     `distplan estimate --module` does, then walked by `estimate_module_memory` on the probe's world.
     """
-    from distplan.validate.workload import from_spec
+    from distplan.planner.workload.traced_model import from_spec
 
     mod = spec["module"]
     if mod.get("path") and mod["path"] not in sys.path:

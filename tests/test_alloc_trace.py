@@ -685,7 +685,7 @@ def _module_replays(name: str) -> dict:
     from distplan.planner.allocator import comm_streams
     from distplan.planner.config import checkpoint_every
     from distplan.planner.module_plan import ModuleModel, ModuleTrain, _regime, _traced, logged_module_events
-    from distplan.validate.workload import from_spec
+    from distplan.planner.workload.traced_model import from_spec
     doc = _recorded(name)
     out = {}
     for pid, events in doc["events"].items():

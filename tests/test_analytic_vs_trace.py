@@ -1,6 +1,6 @@
 """The analytic activation formulas (`planner.activations`, a `ModelSpec` from
 `read_hf_config(path, implementation=True)`) against the trace of the real transformers model
-(`validate.module_probe.profile_hf`, saved_tensors_hooks on fake tensors, CPU): per decoder layer and
+(`planner.workload.trace.profile_hf`, saved_tensors_hooks on fake tensors, CPU): per decoder layer and
 outside the layers, byte for byte, for every model type the analytic front end reads, in fp32, pure
 bf16 and CPU autocast, at two (micro_batch, seq_len) points; plus the config variants that take other
 code paths (sliding-window mask, attention dropout with GQA, no dropout, fused qkv with GQA and partial
@@ -29,7 +29,7 @@ from distplan.planner.activations import activations_in  # noqa: E402
 from distplan.planner.config import TrainConfig  # noqa: E402
 from distplan.planner.hf_config import read_hf_config  # noqa: E402
 from distplan.planner.model import ModelSpec  # noqa: E402
-from distplan.validate.module_probe import profile_hf  # noqa: E402
+from distplan.planner.workload.trace import profile_hf  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
 MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "gpt2", "gemma2", "qwen3")

@@ -1,4 +1,4 @@
-"""The trace's kernel census (validate/module_probe.py `_KernelCensus`) and the step time it gives a traced model
+"""The trace's kernel census (planner/workload/trace.py `_KernelCensus`) and the step time it gives a traced model
 (planner/module_plan.py `traced_compute`), checked against the closed forms and against the analytic front
 end's per-kernel model (planner/kernels.py), which derives the same kernels by hand."""
 
@@ -19,7 +19,7 @@ from distplan.planner.config import TrainConfig  # noqa: E402
 from distplan.planner.hf_config import read_hf_config  # noqa: E402
 from distplan.planner.kernels import kernel_times  # noqa: E402
 from distplan.planner.model import ModelSpec  # noqa: E402
-from distplan.validate.module_probe import CENSUS_FIELDS, profile_hf  # noqa: E402
+from distplan.planner.workload.trace import CENSUS_FIELDS, profile_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "hf"

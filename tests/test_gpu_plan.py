@@ -20,7 +20,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import fake_probe  # noqa: E402
 
-from distplan.planner import validate_cmd as vc  # noqa: E402
+from distplan.validate import command as vc  # noqa: E402
 from distplan.planner.strategies import NAMES  # noqa: E402
 from distplan.validate import runner  # noqa: E402
 

@@ -194,7 +194,7 @@ def test_api_rejects_an_unknown_grad_sync():
 def test_module_collectives_follow_grad_sync():
     pytest.importorskip("torch")
     from distplan.planner.module_plan import ModuleDesc, ModuleModel, ModuleTrain, module_collectives
-    from distplan.validate.module_probe import profile_module
+    from distplan.planner.workload.trace import profile_module
 
     desc = ModuleDesc.from_profile(profile_module("examples.mnist_cnn:make_model", (4, 1, 28, 28), "float32"))
     model = ModuleModel(desc.name, "cnn", desc.param_count(), desc.units, layers=len(desc.units))

@@ -26,8 +26,8 @@ from distplan.planner.config import Cluster  # noqa: E402
 from distplan.planner.module_plan import (ModuleDesc, ModuleModel, ModuleTrain, _regime, analytic_twins,  # noqa: E402
                                           estimate_module_memory, module_spec_plan, pair_reserved)
 from distplan.planner.strategies import get_strategy  # noqa: E402
-from distplan.validate.module_probe import profile  # noqa: E402
-from distplan.validate.workload import HFWorkload  # noqa: E402
+from distplan.planner.workload.trace import profile  # noqa: E402
+from distplan.planner.workload.traced_model import HFWorkload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "hf"
@@ -257,7 +257,7 @@ def unwritten_every_k(monkeypatch):
     """Checkpointed allocation logs that cannot be expanded (`module_probe._periodic_log` finding the traced
     layers unlike): the plan must then say what it falls back to. Traces of this test are its own."""
     from distplan.planner import module_plan
-    from distplan.validate import module_probe
+    from distplan.planner.workload import trace as module_probe
 
     real = module_probe._periodic_log
 

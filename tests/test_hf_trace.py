@@ -24,9 +24,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from distplan.planner.strategies import NAMES  # noqa: E402
-from distplan.validate.module_probe import (TRACE_LAYERS, periodic_trace_layers, profile_hf,  # noqa: E402
+from distplan.planner.workload.trace import (TRACE_LAYERS, periodic_trace_layers, profile_hf,  # noqa: E402
                                              profile_workload)
-from distplan.validate.workload import HFWorkload  # noqa: E402
+from distplan.planner.workload.traced_model import HFWorkload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = ROOT / "examples" / "hf"

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from distplan.planner.cli import main  # noqa: E402
 from distplan.planner.module_plan import ModuleDesc, estimate_module_memory, module_spec_plan  # noqa: E402
 from distplan.planner.strategies import NAMES  # noqa: E402
-from distplan.validate.module_probe import profile_module  # noqa: E402
+from distplan.planner.workload.trace import profile_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CNN = "examples.mnist_cnn:make_model"
@@ -52,7 +52,7 @@ def test_cnn_param_count_is_exact():
 def test_saved_activations_match_a_real_forward(factory, shape):
     """The fake-tensor measurement equals what autograd saves on a real CPU forward (exact), the input
     batch (a temporary) and the parameters and buffers (BatchNorm saves its running statistics) apart."""
-    from distplan.validate.module_probe import load_factory
+    from distplan.planner.workload.traced_model import load_factory
     model = load_factory(factory)()
     x = torch.randn(shape)
     skip = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), x]}
@@ -307,7 +307,7 @@ def test_convolutions_recorded_and_workspaces_need_a_gpu():
     assert len(keys) == 6 and len(set(keys)) == 6  # 3 convolutions, forward and backward
     assert any("mask=011" in k for k in keys)  # conv1's input needs no gradient
     assert prof["linear_bias"] is True
-    from distplan.validate import kernel_workspace
+    from distplan.planner.workload import kernel_workspace
     if kernel_workspace.available() is None:
         desc = ModuleDesc.from_profile(prof)
         from distplan.planner.module_plan import kernel_workspaces
@@ -407,7 +407,7 @@ def test_units_descend_into_containers_without_forward():
     """A ViT's `blocks` ModuleList is not a unit (fully_shard refuses it; FSDP1 would never unshard it): its
     blocks are, and each starts a segment. Measured before: 7 of 9 strategies failed on this model."""
     pytest.importorskip("torch")
-    from distplan.validate.workload import FactoryWorkload
+    from distplan.planner.workload.traced_model import FactoryWorkload
     work = FactoryWorkload("examples.vit_tiny:make_model", (2, 3, 32, 32))
     model = work.build()
     names = [n for n, _ in work.units(model)]

@@ -223,7 +223,7 @@ def test_probe_ids_name_a_non_default_optimizer():
 def test_hf_workload_attention_round_trips():
     """`--attention eager` reaches the transformers model the trace and the probe build (a spec's "module"
     names it; SDPA's specs stay as every committed record has them), and nothing else is accepted."""
-    from distplan.validate.workload import HFWorkload, from_spec
+    from distplan.planner.workload.traced_model import HFWorkload, from_spec
     w = HFWorkload("c.json", 2, 64, 4, "eager")
     assert w.to_spec() == {"hf_config": "c.json", "micro_batch": 2, "seq_len": 64, "layers": 4, "attention": "eager"}
     assert from_spec(w.to_spec()).attention == "eager"

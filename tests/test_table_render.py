@@ -74,11 +74,11 @@ def test_random_widths_split_alike(monkeypatch):
 
 def test_cold_estimate_imports_only_what_it_prints():
     """A cold `distplan estimate` imports neither tabulate (its tables are report.table's), nor json (no
-    --json), nor validate_cmd (cli.OneLineErrors.LAZY): 20-30 ms of start-up on the 2-core VM."""
+    --json), nor validate.command (an entry-point command, cli.OneLineErrors): 20-30 ms of start-up on the 2-core VM."""
     code = ("import sys\nfrom distplan.planner.cli import main\ntry:\n"
             "    main(['estimate', '--params', '7B', '--gpus', '8', '--gpu-mem', '80'])\n"
             "except SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('tabulate', 'json', 'distplan.planner.validate_cmd') if m in sys.modules))\n")
+            "print(sorted(m for m in ('tabulate', 'json', 'distplan.validate.command') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-300:]

@@ -25,7 +25,7 @@ import fake_probe  # noqa: E402
 from distplan.planner.footprint import CUDA_CONTEXT_BYTES  # noqa: E402
 from distplan.planner.model import ModelSpec  # noqa: E402
 from distplan.planner.strategies import NAMES  # noqa: E402
-from distplan.planner.validate_cmd import validate_command  # noqa: E402
+from distplan.validate.command import validate_command  # noqa: E402
 from distplan.validate import matrix as mx  # noqa: E402
 from distplan.validate import runner  # noqa: E402
 from distplan.validate.compare import ABS_FLOOR_BYTES, compare, compare_collectives, rel_error  # noqa: E402
@@ -419,7 +419,7 @@ def test_cli_bad_input_exit_2_one_line(cli, args, flag):
 
 
 def test_validate_cmd_imports_no_torch():
-    code = ("import sys, distplan.planner.validate_cmd as m; "
+    code = ("import sys, distplan.validate.command as m; "
             "assert 'torch' not in sys.modules, 'torch imported'; print(m.validate_command.name)")
     cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert cp.returncode == 0 and cp.stdout.strip() == "validate", cp.stderr
@@ -516,7 +516,7 @@ def test_fit_check_skips_a_traced_model_it_cannot_predict(monkeypatch):
     the traced spec has no architecture to fall back on, so the probe runs and its record says why it has no
     prediction. A spec of the reference decoder still falls back to 16 bytes per parameter."""
     from distplan.planner import api
-    from distplan.planner.validate_cmd import _check_fits
+    from distplan.validate.command import _check_fits
 
     def fail(spec):
         raise ValueError("--hf-config='x': the forward of x failed: RuntimeError: boom")
@@ -538,7 +538,7 @@ def test_fit_check_counts_the_model_built_whole_before_wrapping():
     (it would be killed for memory, not refused). Two layers of it fit."""
     import click
 
-    from distplan.planner.validate_cmd import _check_fits
+    from distplan.validate.command import _check_fits
     from distplan.validate.runner import _full_param_bytes as _built_bytes
     hf = str(Path(__file__).parent / "data" / "hf" / "mistral-7b.json")
     spec = mx.make_spec("zero3", {"name": "hf:" + hf}, 64, "fake")

@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import fake_probe  # noqa: E402
 
-from distplan.planner.validate_cmd import _param_count, _worst_cell, validate_command  # noqa: E402
+from distplan.validate.command import _param_count, _worst_cell, validate_command  # noqa: E402
 from distplan.validate import matrix as mx  # noqa: E402
 from distplan.validate import runner  # noqa: E402
 from distplan.validate.compare import compare  # noqa: E402
@@ -298,7 +298,7 @@ def test_numpy_warning_silenced_and_nothing_else(tmp_path):
     plain = subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1)"], capture_output=True,
                            text=True, env=env)
     assert "Failed to initialize NumPy" in plain.stderr  # the warning this test is about exists
-    ours = subprocess.run([sys.executable, "-c", "import distplan.validate.workload, torch, warnings; "
+    ours = subprocess.run([sys.executable, "-c", "import distplan.planner.workload.traced_model, torch, warnings; "
                            "torch.zeros(1); warnings.warn('another warning')"],
                           capture_output=True, text=True, env=env)
     assert ours.returncode == 0, ours.stderr

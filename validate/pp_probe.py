@@ -108,7 +108,7 @@ HF_PP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 def build_hf_stage(module: dict, stage: int, pp: int, checkpointing: str = "none"):
     """One pipeline stage of a transformers causal LM (`module`: the probe spec's "module" object,
-    validate/workload.HFWorkload), split as torchtitan splits transformers models
+    planner/workload/traced_model.HFWorkload), split as torchtitan splits transformers models
     (`torchtitan/experiments/transformers_modeling_backend/infra/pipeline.py`: the modules of the other stages
     dropped from the whole model): the token embedding on the first stage, the decoder layers of
     `stage_layers`, the final norm and the LM head on the last. Every stage makes the rotary tables in its own
@@ -117,7 +117,7 @@ def build_hf_stage(module: dict, stage: int, pp: int, checkpointing: str = "none
     whole model's SDPA path does for a batch without padding. Full checkpointing is transformers' own
     (`activation_checkpointing_enable`, non-reentrant, per decoder layer) and applies to the layers called
     here (`GradientCheckpointingLayer`)."""
-    from .workload import from_spec
+    from distplan.planner.workload.traced_model import from_spec
 
     work = from_spec(module)
     model = work.build()

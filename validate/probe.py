@@ -241,7 +241,7 @@ class Probe:
         spec, train = self.spec, dict(self.spec.get("train", {}))
         module = spec.get("module")  # {"factory": "pkg.mod:fn", "input_shape": [...], "path": dir} or None
         if module:
-            from .workload import from_spec
+            from distplan.planner.workload.traced_model import from_spec
             if module.get("path") and module["path"] not in sys.path:
                 sys.path.insert(0, module["path"])  # where the user ran `distplan validate --module`
             work = from_spec(module)
@@ -535,7 +535,7 @@ PRELOAD_MODULES = (
     # half of a 2-rank gloo probe's worker time when each worker imported it after the fork
     "torch._dynamo",
     "distplan.validate.measure", "distplan.validate.model", "distplan.validate.wrap",
-    "distplan.validate.workload", "distplan.planner.config", "distplan.planner.model",
+    "distplan.planner.workload.traced_model", "distplan.planner.config", "distplan.planner.model",
 )
 """What a probe's run imports (lazily, in `Probe.run` and `wrap.py`): `preload` imports it before the
 launcher forks the workers (`validate/launch.py`)."""
@@ -549,7 +549,7 @@ def preload(argv: list[str]) -> None:
     copy-on-write pages, leave torch's ~10^5 module objects alone."""
     import importlib
 
-    from .workload import _preload_hf, frozen_imports, from_spec
+    from distplan.planner.workload.traced_model import _preload_hf, frozen_imports, from_spec
 
     try:
         spec_path = argv[argv.index("--spec") + 1]

@@ -2,8 +2,9 @@
 
 Owns the command's options, its checks of user input (exit 2, one line naming the flag), the header that
 says where probes run, the progress line, the tables and the exit code (0 all PASS, 1 any FAIL, 130 on
-Ctrl-C). The work itself lives in `distplan.validate` (runner, matrix, results, compare), imported
-inside the command so that `distplan --help` and `distplan estimate` never import torch.
+Ctrl-C). The work itself lives in the rest of `distplan.validate` (runner, matrix, results, compare), none of
+which imports torch at import time. The `distplan` command finds this one and `calibrate` through the
+package's entry points (group `distplan.commands`): the planner never imports `validate`.
 
 `--module PKG.MOD:FACTORY --input-shape N,...` validates any nn.Module against the `--module` plan.
 
@@ -16,14 +17,36 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import statistics
 import sys
 
 import click
+import yaml
+from tabulate import tabulate
 
-from .config import ATTENTION, CHECKPOINTING, GRAD_SYNC, OFFLOAD
-from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
-from .strategies import NAMES, get_strategy
-from .units import fmt_bytes, fmt_seconds
+from distplan.planner import api
+from distplan.planner.allocator import parse_alloc_conf
+from distplan.planner.api import predict_probe
+from distplan.planner.cli import UserError, use_trace
+from distplan.planner.cli import _hub_config as _estimate_hub_config
+from distplan.planner.config import ATTENTION, CHECKPOINTING, GRAD_SYNC, OFFLOAD, TrainConfig
+from distplan.planner.model import ModelSpec
+from distplan.planner.module_plan import check_hf_config, probe_kernel_workspaces
+from distplan.planner.precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+from distplan.planner.strategies import NAMES, get_strategy
+from distplan.planner.tp import TP_STRATEGIES
+from distplan.planner.units import fmt_bytes, fmt_seconds
+from distplan.planner.workload.trace import check_factory
+from distplan.planner.workload.traced_model import parse_shape
+from distplan.planner.workload.traced_model import hf_path
+
+from . import matrix as mx
+from . import runner
+from .compare import ABS_FLOOR_BYTES, rule_text
+from .pp_probe import HF_PP_TYPES
+from .results import ResultsFile, check_results_path
+from .runner import MAX_FAKE_WORLD, _full_param_bytes
+from .tp_probe import HF_TP_TYPES
 
 MODEL_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
@@ -62,7 +85,6 @@ def _positive_int(ctx, param, value):
 
 
 def _fake_world(ctx, param, value):
-    from distplan.validate.runner import MAX_FAKE_WORLD  # no torch: runner imports it lazily
 
     value = _positive_int(ctx, param, value)
     if value is not None and value > MAX_FAKE_WORLD:
@@ -89,7 +111,6 @@ class _OneLineErrors(click.Command):
 
 
 def _one_line(e: click.UsageError) -> click.UsageError:
-    from .cli import UserError  # here: cli imports this module while it registers the command
 
     if isinstance(e, UserError):
         return e
@@ -110,8 +131,7 @@ def _timeout(ctx, param, value):
 
 def _hub_config(ctx, param, value):
     """--hf-config: a Hub id that names no local file becomes its cached config.json (as estimate's)."""
-    from .cli import _hub_config as resolve  # here: cli imports this module while it registers the command
-    return resolve(ctx, param, value)
+    return _estimate_hub_config(ctx, param, value)
 
 
 @click.command("validate", cls=_OneLineErrors)
@@ -229,12 +249,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
     Every probe is appended to --out the moment it ends. SIGTERM or Ctrl-C kill the running probes and
     remove their temp folders; the records already written stay.
     """
-    from distplan.validate import matrix as mx
-    from distplan.validate import runner
-    from distplan.validate.compare import rule_text
-    from distplan.validate.results import ResultsFile, check_results_path
 
-    from .cli import UserError
 
     try:
         check_results_path(out_path)  # before anything runs: a probe's result must have somewhere to go
@@ -352,10 +367,7 @@ def _build(p: dict, get_hw) -> dict:
     """The probe specs of one set of the command's options `p` (the command line, or a --plan group):
     {"specs", "model_label", "model_about", "mode_note", "matrix"}. Every check of the options is made
     here, before any probe runs; `get_hw()` is the machine (runner.detect_hardware, asked once)."""
-    from distplan.validate import matrix as mx
-    from distplan.validate import runner
 
-    from .cli import UserError
 
     (strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads,
      kv_heads, ffn_hidden, vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer,
@@ -370,7 +382,6 @@ def _build(p: dict, get_hw) -> dict:
         module_spec = _module_spec(module_factory, input_shape, matrix, user_model,
                                    dict(model=model, params=params, hf_config=hf_config, **overrides))
     if hf_config is not None and module_spec is None:
-        from .cli import use_trace
         try:
             trace = use_trace({"hf_config": hf_config, "front_end": front_end})
         except ValueError as e:
@@ -396,7 +407,6 @@ def _build(p: dict, get_hw) -> dict:
     if (tp > 1 or pp > 1 or cp > 1) and module_spec is not None and "hf_config" in module_spec:
         hf_split, module_spec = module_spec, None
     if tp > 1:
-        from .tp import TP_STRATEGIES
         if matrix or module_spec is not None:
             raise click.UsageError(f"--tp={tp}: tensor-parallel probes run the reference decoder; drop "
                                    f"{'--matrix (it has its own tp probes)' if matrix else '--module'}")
@@ -547,7 +557,6 @@ def _build(p: dict, get_hw) -> dict:
     if alloc_conf is None and os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         alloc_conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     if alloc_conf:
-        from .allocator import parse_alloc_conf
         try:
             parse_alloc_conf(alloc_conf, "--alloc-conf")
         except ValueError as exc:
@@ -571,8 +580,7 @@ def _build(p: dict, get_hw) -> dict:
         if hw.get("gpus") and hw.get("gpu_names"):
             s["gpu_name"] = hw["gpu_names"][0]  # sizes the cuBLAS workspaces in the prediction
     if module_spec is not None and hw.get("gpus"):
-        # cuDNN's convolution workspaces, measured here once per call (validate/kernel_workspace.py).
-        from .module_plan import probe_kernel_workspaces
+        # cuDNN's convolution workspaces, measured here once per call (planner/workload/kernel_workspace.py).
         module_spec["kernel_workspaces"] = probe_kernel_workspaces(module_spec, precision, strategies)
     return {"specs": specs, "model_label": model_label, "model_about": model_about, "mode_note": mode_note,
             "matrix": matrix}
@@ -581,10 +589,7 @@ def _build(p: dict, get_hw) -> dict:
 def _list_probes(specs: list[dict], hw: dict) -> None:
     """--dry-run: one line per probe, in the order they would run, with the device bytes the scheduler
     reserves for it beside other probes on a GPU (runner.gpu_need_bytes), and the total."""
-    from tabulate import tabulate
 
-    from distplan.planner.api import predict_probe
-    from distplan.validate import runner
 
     rows = []
     for s in specs:
@@ -610,9 +615,7 @@ def _plan_groups(ctx, plan_path: str, given: dict, get_hw) -> list[dict]:
     a mapping of the command's long option names (without the dashes) to values: a list joins with
     commas (strategy), true sets a flag; the options given on the command line apply where a group is
     silent. Errors are one line naming the file, the group (from 1) and the option."""
-    import yaml
 
-    from .cli import UserError
 
     where = f"--plan={plan_path!r}"
     try:
@@ -663,11 +666,8 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
     validate/tp_probe.HF_TP_TYPES, tied head or not): a RoPE model (the reference decoder: with an untied
     head) whose heads, kv heads and MLP width tp divides (the planner's check, named by flag), a world that tp
     divides for zero2/zero3."""
-    from .config import TrainConfig
-    from .model import ModelSpec
 
     if hf:
-        from distplan.validate.tp_probe import HF_TP_TYPES
         _check_hf_split(f"--tp={tp}", spec_model, train, "the tensor-parallel probe splits", None, HF_TP_TYPES,
                         " (separate q/k/v and gate/up projections)")
 
@@ -691,8 +691,6 @@ def _check_pp(pp: int, schedule: str, microbatches, spec_model: dict, train: dic
     """--pp with the reference decoder or a transformers model (`hf`: a type the probe splits,
     validate/pp_probe.HF_PP_TYPES, under SDPA): fp32 on the CPU (the pipeline probe runs gloo), an untied
     RoPE model, the planner's own check of the split (named by flag)."""
-    from .config import TrainConfig
-    from .model import ModelSpec
 
     if hf:
         _check_hf_split(f"--pp={pp}", spec_model, train, "the pipeline probe splits",
@@ -720,8 +718,6 @@ def _check_cp(cp: int, tp: int, spec_model: dict, train: dict, mode: str, world:
               hf: bool = False) -> None:
     """--cp with the reference decoder: a RoPE model, a sequence that 2 x cp divides (the planner's check),
     CPU probes, a world that cp x tp divides."""
-    from .config import TrainConfig
-    from .model import ModelSpec
 
     if int(hw.get("gpus") or 0):
         raise click.BadParameter(f"--cp={cp}: the context-parallel probe runs ring attention on the CPU only "
@@ -749,7 +745,7 @@ def _check_hf_split(flag: str, spec_model: dict, train: dict, what: str, why_sdp
     modules it knows (`types`; default validate/pp_probe.HF_PP_TYPES), and under SDPA where `why_sdpa` says
     why it must be."""
     if types is None:
-        from distplan.validate.pp_probe import HF_PP_TYPES as types
+        types = HF_PP_TYPES
     hint = f"'{flag.split('=')[0]}'"
     kind = spec_model.get("hf_model_type")
     if kind not in types:
@@ -772,7 +768,6 @@ def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: di
     if user_model:
         flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
         raise click.UsageError(f"--module and {', '.join(flags)}: give only one model")
-    from distplan.validate.module_probe import check_factory, parse_shape
     try:
         shape = parse_shape(input_shape, "--input-shape")
         # as `estimate --module` does, before any probe: the factory builds, the model runs on fake
@@ -785,15 +780,13 @@ def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: di
 
 def _hf_spec(hf_config, layers, micro_batch, seq_len, other_overrides: dict, model, params) -> dict:
     """The probe spec's "module" object for --hf-config with the trace front end: the transformers model
-    itself (validate/workload.py), at --layers depth when given."""
+    itself (planner/workload/traced_model.py), at --layers depth when given."""
     if model is not None or params is not None:
         raise click.UsageError("--hf-config and --model/--params: give only one model")
     given = [f"--{k.replace('_', '-')}" for k, v in other_overrides.items() if v is not None]
     if given:
         raise click.UsageError(f"{', '.join(given)} with --hf-config and the trace front end: only --layers "
                                f"applies (edit the config.json, or use --front-end analytic)")
-    from distplan.validate.workload import hf_path
-    from .module_plan import check_hf_config
     try:
         check_hf_config(hf_config, seq_len)
     except ValueError as e:
@@ -806,7 +799,6 @@ def _resolve_model(model, params, hf_config, overrides: dict, device: str, imple
     """The spec's model dict: `distplan estimate`'s resolution, or the matrix's small Llama by default.
     `implementation`: a --hf-config model as transformers implements it (the analytic front end's terms for
     its modeling code, `ModelSpec.hf_model_type`), for a probe that runs the transformers model itself."""
-    from distplan.validate import matrix as mx
 
     given = {k: v for k, v in overrides.items() if v is not None}
     if model is None and params is None and hf_config is None:
@@ -819,13 +811,7 @@ def _resolve_model(model, params, hf_config, overrides: dict, device: str, imple
                 base["kv_heads"] = base["heads"]
         return _checked_model(base)
     try:
-        from distplan.planner import api
-        resolve = api.resolve_model
-    except (ImportError, AttributeError):
-        raise click.UsageError("--model/--params/--hf-config need distplan.planner.api.resolve_model, "
-                               "which this installation lacks; give --layers/--hidden/... instead")
-    try:
-        spec = resolve(model=model, params=params, hf_config=hf_config, overrides=given, implementation=implementation)
+        spec = api.resolve_model(model=model, params=params, hf_config=hf_config, overrides=given, implementation=implementation)
     except ValueError as e:
         raise click.UsageError(str(e))
     if isinstance(spec, tuple):  # (ModelSpec, notes)
@@ -841,7 +827,6 @@ def _resolve_model(model, params, hf_config, overrides: dict, device: str, imple
 
 
 def _checked_model(d: dict) -> dict:
-    from .model import ModelSpec
 
     fields = set(ModelSpec.__dataclass_fields__)
     try:
@@ -855,11 +840,9 @@ def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = Non
     while it is built if that is more (`runner._full_param_bytes`: every probe builds its model whole
     before wrapping shards it; a 7B model is 29 GB then and 0.5 GB per rank of 64 after `fully_shard`),
     x local ranks <= half the free RAM (CPU ranks, fake rank 0) or <= the GPU's memory (GPU ranks)."""
-    from distplan.validate.runner import _full_param_bytes
     flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), "the model")
     for spec in specs:
         try:
-            from distplan.planner.api import predict_probe
             peak = int(predict_probe(spec)["memory"]["peak_allocated"])
         except Exception:
             if spec.get("module"):  # a traced model that cannot be predicted: the probe's record says why
@@ -889,7 +872,6 @@ def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = Non
 
 
 def _param_count(model: dict) -> int:
-    from .model import ModelSpec
 
     fields = set(ModelSpec.__dataclass_fields__)
     return ModelSpec(**{k: v for k, v in model.items() if k in fields}).param_count()
@@ -971,7 +953,6 @@ def _row(rec: dict) -> list:
 def _worst_cell(cmp: dict) -> str:
     """`grads -40.7% (-176.00 KiB; with temporaries within 10%)`: the component whose ratio is worst,
     and, when that ratio is beyond the component tolerance, the bytes and the rule that judged it."""
-    from distplan.validate.compare import ABS_FLOOR_BYTES
 
     name = cmp.get("worst_component")
     cell = (cmp.get("components") or {}).get(name) or {}
@@ -992,7 +973,6 @@ def _worst_cell(cmp: dict) -> str:
 
 
 def render_table(records: list[dict]) -> str:
-    from tabulate import tabulate
 
     headers = ["strategy", "model", "world", "ckpt", "precision", "pred peak", "meas peak", "error",
                "worst component", "collectives", "verdict"]
@@ -1039,7 +1019,6 @@ def _count(n: int) -> str:
 
 def render_detail(rec: dict) -> str:
     """Per-component predicted vs measured, and the collective table, for one probe."""
-    from tabulate import tabulate
 
     cmp = rec.get("comparison") or {}
     out = []
@@ -1087,7 +1066,6 @@ def render_detail(rec: dict) -> str:
 
 def summarize(records: list[dict]) -> dict:
     """Per strategy: probes, passes, and median/max |error| of the peak and each component."""
-    import statistics  # here: `distplan estimate` imports this module to register the command
     by: dict[str, list[dict]] = {}
     for r in records:
         by.setdefault((r.get("inputs") or {}).get("strategy"), []).append(r)
@@ -1108,7 +1086,6 @@ def summarize(records: list[dict]) -> dict:
 
 
 def render_summary(records: list[dict]) -> str:
-    from tabulate import tabulate
 
     rows = []
     for strategy, row in summarize(records).items():

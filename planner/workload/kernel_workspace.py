@@ -7,7 +7,7 @@ version), which no formula gives: on an H100 with cuDNN 9.19, the MNIST CNN's se
 backward took 7 MiB at batch 32 and 34 MiB at batch 128. `torch.cuda.max_memory_allocated` counts it;
 no tensor owns it, so the probes' tracker does not.
 
-`measure(kernels)` runs each distinct call recorded by `module_probe.profile_module` (its segments'
+`measure(kernels)` runs each distinct call recorded by `trace.profile_module` (its segments'
 `kernels`: the arguments of `aten.convolution` / `aten.convolution_backward`) on the GPU with that
 layer's tensors only, twice (the second with cuDNN's plan cached, as in a training step), and returns
 {key: bytes}: the allocator's peak during the call minus what was allocated before and minus the

@@ -24,7 +24,7 @@ weights touched), and runs one forward pass plus the loss on a fake input of tha
   `backward_bytes`, `backward_grad_bytes`, `backward_saved_bytes`): the backward runs too, on the same
   fake tensors, and a dispatch mode follows every storage created (`_SegmentTracker`).
 - per segment, its convolutions (`kernels`): the call's arguments and what is alive when it runs, for
-  the cuDNN workspace measured on a GPU (`validate/kernel_workspace.py`); `linear_bias`: an addmm ran.
+  the cuDNN workspace measured on a GPU (`planner/workload/kernel_workspace.py`); `linear_bias`: an addmm ran.
 
 `dtype`: "float32"; "bfloat16"/"float16" cast the module and the input (pure 16-bit training);
 "autocast-bfloat16"/"autocast-float16" keep fp32 parameters and run the forward under CPU `torch.autocast`
@@ -48,60 +48,13 @@ needs no gradient (the first) takes the ops after the last hook.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
-import sys
 import time
 import warnings
 
+from .traced_model import FactoryWorkload, HFWorkload, load_factory, parse_shape
+
 _DTYPES = ("float32", "bfloat16", "float16", "autocast-bfloat16", "autocast-float16", "fsdp-bfloat16",
            "fsdp-float16", "fsdp1-bfloat16", "fsdp1-float16")
-
-
-def load_factory(factory_path: str):
-    """`pkg.mod:factory` -> the callable; ValueError naming --module and the value on any failure."""
-    if not isinstance(factory_path, str) or factory_path.count(":") != 1:
-        raise ValueError(f"--module={factory_path!r}: expected PKG.MOD:FACTORY, e.g. examples.mnist_cnn:make_model")
-    mod_name, attr = factory_path.split(":")
-    if not mod_name or not attr:
-        raise ValueError(f"--module={factory_path!r}: expected PKG.MOD:FACTORY, e.g. examples.mnist_cnn:make_model")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        mod = importlib.import_module(mod_name)
-    except KeyboardInterrupt:
-        raise
-    except SystemExit as exc:  # user code ending the process: a one-line error, not a silent exit 0
-        raise ValueError(f"--module={factory_path!r}: importing {mod_name!r} called sys.exit({exc.code!r})") from None
-    except BaseException as exc:  # ImportError, SyntaxError, anything the module raises on import
-        raise ValueError(f"--module={factory_path!r}: cannot import {mod_name!r} "
-                         f"({type(exc).__name__}: {exc}); run from the directory that contains it") from None
-    factory = mod
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise ValueError(f"--module={factory_path!r}: {mod_name!r} has no attribute {attr!r}")
-    if not callable(factory):
-        raise ValueError(f"--module={factory_path!r}: {attr!r} is not callable")
-    return factory
-
-
-def parse_shape(text, flag: str = "--input-shape") -> tuple[int, ...]:
-    """`128,1,28,28` (or `128x1x28x28`, or a tuple) -> (128, 1, 28, 28); the first dim is the batch."""
-    if isinstance(text, (tuple, list)):
-        parts = list(text)
-    else:
-        s = str(text or "").strip().strip("()[]").replace("x", ",").replace(" ", "")
-        parts = [p for p in s.split(",") if p != ""]
-    try:
-        shape = tuple(int(p) for p in parts)
-    except (TypeError, ValueError):
-        shape = ()
-    if not shape or any(d < 1 for d in shape):
-        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas, batch first, "
-                         f"e.g. 128,1,28,28")
-    return shape
 
 
 def _storage_key(t):
@@ -116,19 +69,6 @@ def _storage_nbytes(t) -> int:
         return int(t.untyped_storage().nbytes())
     except Exception:  # pragma: no cover
         return int(t.numel() * t.element_size())
-
-
-def module_loss(out):
-    """(loss, kind) for a module's output: cross-entropy against class 0 when the output is 2-D (a
-    classifier), else the sum of the outputs. The probe trains with the same loss."""
-    import torch
-
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    if out.dim() == 2:
-        target = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
-        return torch.nn.functional.cross_entropy(out, target), "cross_entropy"
-    return out.sum(), "sum"
 
 
 @contextlib.contextmanager
@@ -676,7 +616,7 @@ class _SegmentTracker:
 
 def conv_args(args, phase: str) -> dict:
     """The arguments of aten.convolution (forward) or aten.convolution_backward that pick cuDNN's
-    kernel, as plain data: enough to run the same call on a GPU (`validate/kernel_workspace.py`)."""
+    kernel, as plain data: enough to run the same call on a GPU (`planner/workload/kernel_workspace.py`)."""
     if phase == "forward":
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = args[:9]
         mask = None
@@ -721,7 +661,6 @@ def _fsdp1_full_precision_modules(torch, model) -> list:
 
 def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> dict:
     """`profile_workload` of `factory_path` (PKG.MOD:FACTORY) on one input of `input_shape`."""
-    from .workload import FactoryWorkload
 
     load_factory(factory_path)  # a bad path is a ValueError naming --module
     return profile_workload(FactoryWorkload(factory_path, parse_shape(input_shape)), dtype)
@@ -733,7 +672,6 @@ def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "flo
     """`profile_workload` of a Hugging Face causal LM's config.json at micro_batch x seq_len tokens
     (`attention`: the attn_implementation, workload.HFWorkload; `checkpoint_every`: transformers' own
     checkpointing of every k-th layer, for the step's allocation log)."""
-    from .workload import HFWorkload
 
     work = HFWorkload(hf_config, micro_batch, seq_len, layers, attention)
     depth = work.depth()
@@ -1145,7 +1083,6 @@ def check_factory(factory_path: str, input_shape, path: str | None = None) -> No
     model and run one forward and backward on fake tensors (no memory, no weights touched). ValueError
     (one line, naming --module) when the factory or the model raises or calls sys.exit(), returns no
     nn.Module, or has no parameters."""
-    from .workload import FactoryWorkload
 
     load_factory(factory_path)
     profile_workload(FactoryWorkload(factory_path, parse_shape(input_shape), path), "float32")
@@ -1175,7 +1112,7 @@ def profile_workload(work, dtype: str = "float32", fake: bool = True, device: st
 def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: str = "cpu",
                       checkpoint_every: int = 0) -> dict:
     """Parameters (per wrapping unit), saved-activation bytes, output bytes and forward FLOPs of a
-    workload (`validate.workload`: a factory's module, or a Hugging Face causal LM).
+    workload (`planner.workload.traced_model`: a factory's module, or a Hugging Face causal LM).
 
     Returns a dict in base units: {"factory", "module_class", "input_shape", "dtype", "params": int,
     "param_bytes_dtype": int, "units": [{"name", "params": [[name, shape], ...], "numel"}],

@@ -1,6 +1,6 @@
 """What a traced model is: how to build it, its wrapping units, its input batch and its loss.
 
-The trace (`module_probe.profile_workload`) and the probes (`probe.py`) run the same workload, so the
+The trace (`trace.profile_workload`) and the probes (`probe.py`) run the same workload, so the
 plan and the measurement see the same code. Two kinds, both described by a small JSON-able dict (the
 "module" object of a probe spec):
 
@@ -26,6 +26,7 @@ Torch and transformers are imported inside the functions that need them.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -34,6 +35,65 @@ from pathlib import Path
 
 HF_LAYER_KEYS = ("num_hidden_layers", "n_layer")
 """config.json keys of the decoder depth (Llama-family, GPT-2)."""
+
+
+def load_factory(factory_path: str):
+    """`pkg.mod:factory` -> the callable; ValueError naming --module and the value on any failure."""
+    if not isinstance(factory_path, str) or factory_path.count(":") != 1:
+        raise ValueError(f"--module={factory_path!r}: expected PKG.MOD:FACTORY, e.g. examples.mnist_cnn:make_model")
+    mod_name, attr = factory_path.split(":")
+    if not mod_name or not attr:
+        raise ValueError(f"--module={factory_path!r}: expected PKG.MOD:FACTORY, e.g. examples.mnist_cnn:make_model")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        mod = importlib.import_module(mod_name)
+    except KeyboardInterrupt:
+        raise
+    except SystemExit as exc:  # user code ending the process: a one-line error, not a silent exit 0
+        raise ValueError(f"--module={factory_path!r}: importing {mod_name!r} called sys.exit({exc.code!r})") from None
+    except BaseException as exc:  # ImportError, SyntaxError, anything the module raises on import
+        raise ValueError(f"--module={factory_path!r}: cannot import {mod_name!r} "
+                         f"({type(exc).__name__}: {exc}); run from the directory that contains it") from None
+    factory = mod
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ValueError(f"--module={factory_path!r}: {mod_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise ValueError(f"--module={factory_path!r}: {attr!r} is not callable")
+    return factory
+
+
+def parse_shape(text, flag: str = "--input-shape") -> tuple[int, ...]:
+    """`128,1,28,28` (or `128x1x28x28`, or a tuple) -> (128, 1, 28, 28); the first dim is the batch."""
+    if isinstance(text, (tuple, list)):
+        parts = list(text)
+    else:
+        s = str(text or "").strip().strip("()[]").replace("x", ",").replace(" ", "")
+        parts = [p for p in s.split(",") if p != ""]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas, batch first, "
+                         f"e.g. 128,1,28,28")
+    return shape
+
+
+def module_loss(out):
+    """(loss, kind) for a module's output: cross-entropy against class 0 when the output is 2-D (a
+    classifier), else the sum of the outputs. The probe trains with the same loss."""
+    import torch
+
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if out.dim() == 2:
+        target = torch.zeros(out.shape[0], dtype=torch.long, device=out.device)
+        return torch.nn.functional.cross_entropy(out, target), "cross_entropy"
+    return out.sum(), "sum"
 
 
 def _callable_children(model, prefix: str = "") -> list:
@@ -66,7 +126,6 @@ class FactoryWorkload:
         return self.input_shape[0]
 
     def build(self):
-        from .module_probe import load_factory
         if self.path and self.path not in sys.path:
             sys.path.insert(0, self.path)
         return load_factory(self.factory)()
@@ -90,7 +149,6 @@ class FactoryWorkload:
 
     def loss(self, model, inputs):
         """(loss, kind, output): the output is what the caller holds until the loss is computed."""
-        from .module_probe import module_loss
         out = model(inputs[0])
         if isinstance(out, (tuple, list)):
             out = out[0]
