@@ -8,6 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The code paths (`Strategy.family`) the memory, event and communication models follow. Code outside this
+# module compares a family with these names, or better asks a Strategy for a capability (below), and never
+# spells a strategy's name.
+SINGLE = "single"
+"""The plain module on one device: no wrapper, no collectives."""
+DDP = "ddp"
+"""`DistributedDataParallel`: a full replica, gradients all-reduced in buckets by DDP's Reducer."""
+ZERO1 = "zero1"
+"""DDP plus `ZeroRedundancyOptimizer`: DDP's buckets, the optimizer state sharded, parameters broadcast."""
+FSDP1 = "fsdp1"
+"""`FullyShardedDataParallel` (FSDP1): one FlatParameter per wrapped unit, sharded per its strategy."""
+FSDP2 = "fsdp2"
+"""`fully_shard` (FSDP2): per-parameter DTensor shards, all-gathered per unit."""
+FAMILIES = (SINGLE, DDP, ZERO1, FSDP1, FSDP2)
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -31,9 +46,49 @@ class Strategy:
     """CPU offload modes the implementation supports ('optimizer', 'params')."""
     description: str = ""
 
+    @property
+    def distributed(self) -> bool:
+        """Wrapped for more than one rank (everything but `single`)."""
+        return self.family != SINGLE
+
+    @property
+    def ddp_reducer(self) -> bool:
+        """Gradients all-reduced by DDP's Reducer in buckets (DDP and ZeRO-1)."""
+        return self.family in (DDP, ZERO1)
+
+    @property
+    def fsdp(self) -> bool:
+        """Wrapped by FSDP, either version (FSDP1 or FSDP2)."""
+        return self.family in (FSDP1, FSDP2)
+
+    @property
+    def fsdp1(self) -> bool:
+        """FSDP1's FlatParameter per wrapped unit."""
+        return self.family == FSDP1
+
+    @property
+    def fsdp2(self) -> bool:
+        """FSDP2's `fully_shard`, per-parameter shards."""
+        return self.family == FSDP2
+
+    @property
+    def zero_optimizer(self) -> bool:
+        """The optimizer state sharded by `ZeroRedundancyOptimizer` over DDP (ZeRO-1)."""
+        return self.family == ZERO1
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded inside a node and replicated across nodes (HYBRID_SHARD)."""
+        return self.shard_group == "node"
+
+    @property
+    def fsdp_no_shard(self) -> bool:
+        """FSDP wrapping without sharding anything (FSDP1 NO_SHARD): all-reduce per unit."""
+        return self.fsdp and self.shard_group == "none"
+
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("single", False, False, False, False, "none", "plain nn.Module on one GPU", "single",
+    Strategy("single", False, False, False, False, "none", "plain nn.Module on one GPU", SINGLE,
              description="No parallelism; every state on one GPU."),
     Strategy("ddp", False, False, False, False, "none", "torch.nn.parallel.DistributedDataParallel",
              "ddp", description="Full replica per GPU; gradients all-reduced in 25 MiB buckets."),
