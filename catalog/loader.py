@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from distplan.planner.units import LIMITS
+
 __all__ = [
     "CatalogError", "GPU", "Interconnect", "Node", "ModelEntry", "Catalog", "load_catalog",
     "clear_cache", "BUILTIN_DIR", "KINDS", "UNIT_SUFFIXES",
@@ -392,7 +394,6 @@ _PLANNER_LIMITS = {("nodes", "gpus_per_node"): "gpus_per_node", ("nodes", "nics_
 def _upper(kind: str, base: str, dim: str) -> tuple[float, str]:
     """(largest accepted value in base units, why) of one numeric key."""
     if (kind, base) in _PLANNER_LIMITS:
-        from distplan.planner.units import LIMITS  # lazy: pure Python, no catalog import back
         _, hi, why = LIMITS[_PLANNER_LIMITS[kind, base]]
         return float(hi), f"{hi:,}, {why}"
     return _KEY_MAX.get((kind, base)) or _DIM_MAX[dim]

@@ -61,10 +61,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from math import prod
 
-from .config import CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, Cluster, TrainConfig  # noqa: F401
-from .memory import RESERVED_MARGIN, MemoryEstimate, _all_state_elems, estimate_memory, layout
-from .model import unit_sizes
+from .alloc_trace import CHECKPOINT_REPLAY_MODES, CHECKPOINT_REPLAY_STRATEGIES, allocation_events, checkpoint_events
+from .allocator import alloc_rounding, replay
+from .api import DEFAULT_GPU
+from .config import CHECKPOINT_MODES, Cluster, DEFAULT_STORAGE_GBPS, TrainConfig
+from .memory import MemoryEstimate, RESERVED_MARGIN, _all_state_elems, estimate_memory, layout
+from .model import ModelSpec, TPRankSpec, unit_sizes
 from .strategies import Strategy, get_strategy
+from .tp import tp_view
 
 MODES = CHECKPOINT_MODES
 
@@ -204,7 +208,6 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
         return None
     whole = None
     if train.tp > 1:  # one TP rank's parameters (tp.py); the strategy over the data-parallel ranks
-        from .tp import tp_view
         if mem is None:
             mem = estimate_memory(train, cluster, st, device=device)
         m = train.model
@@ -320,10 +323,6 @@ def _save_reserved(train, st, shard: int, mode: str, mem: MemoryEstimate, peak: 
     """The reserved peak through rank 0's save: the training run's allocations (mem.reserved_replay) and
     the save's (alloc_trace.checkpoint_events) replayed; None where they are not written (full-offload,
     pipeline stages, no training replay)."""
-    from .alloc_trace import (CHECKPOINT_REPLAY_MODES, CHECKPOINT_REPLAY_STRATEGIES, allocation_events,
-                              checkpoint_events)
-    from .allocator import alloc_rounding, replay
-    from .model import TPRankSpec
     args = mem.reserved_replay
     # the strategies and modes the recorded saves check (tests/test_alloc_trace.py); not tensor parallelism
     if (args is None or args[0] in ("pp-stage", "events") or mode not in CHECKPOINT_REPLAY_MODES
@@ -343,8 +342,6 @@ def predict_checkpoint_probe(spec: dict) -> list[dict]:
     """Predicted live bytes when the save of a CPU validation probe starts (`resident`) and at its peak
     (`peak`), per rank (`spec` as `distplan.validate.probe` takes it, with `checkpoint.mode`): device
     and host memory are one there, so the peak is what the rank holds plus everything the save adds."""
-    from .api import DEFAULT_GPU
-    from .model import ModelSpec
 
     t = spec["train"]
     train = TrainConfig(ModelSpec(**spec["model"]), seq_len=t["seq_len"], micro_batch=t["micro_batch"],

@@ -15,10 +15,16 @@ import sys
 
 import click
 
-from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINT_MODES, CHECKPOINTING, DEFAULT_STORAGE_GBPS, FRAMEWORKS, GRAD_SYNC,
-                     OFFLOAD, PP_SCHEDULES)
-from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+from distplan.catalog.loader import load_catalog
+
+from .api import plan, recommend as plan_with_layout_search
+from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINTING, CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, FRAMEWORKS,
+                     GRAD_SYNC, OFFLOAD, PP_SCHEDULES)
+from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS
+from .recommend import render_recommendation
+from .report import render_estimate
 from .strategies import NAMES
+from .units import check_count, parse_count, short_repr
 
 TABLE_FORMATS = ("simple", "github", "grid", "plain", "pipe", "rst", "psql", "fancy_grid", "tsv")
 
@@ -46,7 +52,7 @@ def _hub_config(ctx, param, value):
     """--hf-config: a Hub id that names no local file becomes its cached config.json (hf_config.py)."""
     if value is None:
         return None
-    from .hf_config import resolve_hf_config
+    from .hf_config import resolve_hf_config  # lazy, as below: a cold `estimate` imports only what it prints
     try:
         return resolve_hf_config(value)
     except ValueError as exc:
@@ -237,8 +243,6 @@ def use_trace(kw: dict) -> bool:
 def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=False):
     """The Plan of the flags in `kw`. `search` (recommend): search the parallel layout over the mesh
     flags the user did not give (`kw["given"]`, the set of flag names given; layout.py)."""
-    from .api import plan
-    from .units import check_count, short_repr
     # repeatable or comma-separated, as validate takes them (`--strategy zero3,fsdp`)
     strategies = [x.strip() for s in strategies for x in s.split(",")]
     for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum", "tp", "pp",
@@ -267,9 +271,8 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
     for s in strategies:
         if s not in NAMES:
             raise ValueError(f"--strategy={s!r}: accepted: {', '.join(NAMES)}")
-    call = plan
+    call = plan_with_layout_search if search else plan
     if search:
-        from .api import recommend as call
         given = kw.get("given") or set()
         mesh = {"tp": kw.get("tp") if "tp" in given else None, "pp": kw.get("pp") if "pp" in given else None,
                 "sequence_parallel": True if kw.get("sequence_parallel") else None}
@@ -361,15 +364,12 @@ def main():
 @_fail_on_value_error
 def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
     """Per-GPU memory (and communication, step time) of every strategy; which fits; which to use."""
-    from .report import render_estimate
-    from .units import parse_count
     kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
     if plot_path is not None:
-        from .chart import check_chart_path
+        from .chart import check_chart_path, write_chart
         check_chart_path(plot_path)
     p = build_plan(kw, strategies)
     if plot_path is not None:
-        from .chart import write_chart
         write_chart(p, plot_path)
     if as_json:
         click.echo(dump_json(p.to_dict()))
@@ -392,8 +392,6 @@ def recommend(strategies, tokens, as_json, table_format, **kw):
     """The parallel layout (dp x tp x pp, unless --tp and --pp are given) and strategy that fit with
     headroom and are fastest, the largest micro-batch, and why."""
     from click.core import ParameterSource
-    from .recommend import render_recommendation
-    from .units import parse_count
     kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
     ctx = click.get_current_context()
     kw["given"] = {k for k in ("tp", "pp", "sequence_parallel")
@@ -421,9 +419,8 @@ def recommend(strategies, tokens, as_json, table_format, **kw):
 @_fail_on_value_error
 def sweep(strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len, tokens, as_json, table_format, **kw):
     """A table over GPU counts, micro-batch sizes or sequence lengths, for one or all strategies."""
-    from .sweep import render_sweep, run_sweep
-    from .units import parse_count
     kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
+    from .sweep import render_sweep, run_sweep
     rows = run_sweep(kw, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len)
     if as_json:
         click.echo(dump_json(rows))
@@ -442,7 +439,6 @@ def catalog():
 @_fail_on_value_error
 def catalog_list(kind, catalog_dirs):
     """List catalog entries (all kinds, or one)."""
-    from distplan.catalog.loader import load_catalog
     cat = load_catalog(tuple(catalog_dirs))
     for k in ([kind] if kind else ["gpus", "interconnects", "nodes", "models"]):
         click.echo(f"{k}: {', '.join(cat.names(k))}")
@@ -454,7 +450,6 @@ def catalog_list(kind, catalog_dirs):
 @_fail_on_value_error
 def catalog_show(name, catalog_dirs):
     """Show one entry with its figures in base units and its sources."""
-    from distplan.catalog.loader import load_catalog
     cat = load_catalog(tuple(catalog_dirs))
     entry = cat.entry(name)
     d = entry.to_dict()

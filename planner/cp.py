@@ -46,8 +46,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import TrainConfig
+from .activations import attention_widths, regime_for
+from .config import TrainConfig, checkpoint_every
+from .pp import rank_stage_ids, stage_layers, virtual_stages
 from .tp import _HALF  # the compute dtype of each precision: one map for TP and CP
+from .units import short_repr
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,6 @@ def ring_backward_bytes(train: TrainConfig, regime: str) -> int:
     instant moves between the first and later ring steps with the shape (tests/test_cp.py)."""
     if not isinstance(train, CPView) or train.cp == 1:
         return 0
-    from .activations import attention_widths
     q_width, _, kv = attention_widths(train)
     n = train.micro_batch * train.seq_len
     e = _elem(regime)
@@ -113,8 +115,6 @@ def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:
     follow the probes' convention: an all-gather's gathered output, an all-to-all's input."""
     if not isinstance(train, CPView) or train.cp == 1:
         return ()
-    from .activations import attention_widths, regime_for
-    from .config import checkpoint_every
     c, m = train.cp, train.model
     _, _, kv = attention_widths(train)
     regime = regime_for(train, family)
@@ -123,7 +123,6 @@ def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:
     n = train.micro_batch * train.seq_len  # this rank's tokens
     layers, steps = m.layers, train.grad_accum
     if train.pp > 1:  # the busiest pipeline rank: its stages' layers, once per micro-batch (pp.py)
-        from .pp import rank_stage_ids, stage_layers, virtual_stages
         v = virtual_stages(train.pp_schedule)
         layers = sum(stage_layers(m.layers, train.pp * v, sid) for sid in rank_stage_ids(train.pp_schedule, train.pp, 0))
         steps = train.pp_microbatches
@@ -137,7 +136,6 @@ def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:
 
 def check_cp(cp: int, train_like, gpus: int | None = None, flag: str = "--cp") -> None:
     """A one-line ValueError unless context parallelism with `cp` ranks can run this configuration."""
-    from .units import short_repr
     if type(cp) is not int or cp < 1:
         raise ValueError(f"{flag}={short_repr(cp)}: must be a positive integer")
     if cp == 1:

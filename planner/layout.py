@@ -41,7 +41,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from .api import drop_conflicts, evaluate
+from .comm import cluster_links
 from .config import Cluster, TrainConfig, tp_divisors
+from .memory import estimate_memory
+from .pp import PP_STRATEGIES, _stages_to_walk, bubble_fraction, virtual_stages
+from .recommend import TIE_FRACTION, _headroom_ok, _rank
 from .strategies import NAMES, get_strategy
 from .units import LIMITS, fmt_gib, fmt_seconds
 
@@ -231,7 +236,6 @@ def _time(r) -> float:
 
 
 def _rank_key(cand: Candidate, r, nodes: int) -> tuple:
-    from .recommend import _rank
     return cand.layout.simplicity + (_rank(r.name, nodes),)
 
 
@@ -239,7 +243,6 @@ def _pick(rows: list, nodes: int | None = None):
     """recommend.py's rule over (Candidate, StrategyResult) rows: fits with headroom (else fits),
     fastest, the simplest within TIE_FRACTION. Walks the rows in step-time order so that the reserved
     peak is replayed only for the rows it must judge."""
-    from .recommend import TIE_FRACTION, _headroom_ok
     live = [x for x in rows if x[1].memory.allocated_fits and x[1].time is not None]
     if not live:
         return None
@@ -269,7 +272,6 @@ def candidate_layouts(train: TrainConfig, cluster: Cluster, *, fixed_tp: int | N
     out = []
     pps_seen: set = set()
     sps_seen: set = set()
-    from .pp import virtual_stages
     v = virtual_stages(train.pp_schedule)
     cps = cp_degrees(train, gpus)
     for tp, cp in ((t, c) for t in tps for c in cps):
@@ -317,20 +319,17 @@ def layout_strategies(layout: Layout, strategies=None, optimizer: str = "adamw",
     """The strategies evaluated on a layout: those `api.plan` would (`single` only with dp = 1; the
     pipeline's with pp > 1; none that cannot run `optimizer`, `api.drop_conflicts`), limited to `strategies`
     when given."""
-    from .pp import PP_STRATEGIES
     if strategies:
         names = [n for n in strategies if layout.pp == 1 or n in PP_STRATEGIES]
         return names
     if layout.dp * layout.cp == 1:  # the strategies run over the dp x cp ranks
         return ["single"]
-    from .api import drop_conflicts
     return drop_conflicts([n for n in NAMES if n != "single" and (layout.pp == 1 or n in PP_STRATEGIES)],
                           optimizer, False, framework)[0]
 
 
 def eval_cost_s(layout: Layout, n_strategies: int) -> float:
     """Estimated seconds to evaluate `n_strategies` strategies on `layout` (`SEARCH_BUDGET_S`)."""
-    from .pp import _stages_to_walk
     walk = len(_stages_to_walk(layout.pp)) * layout.pp_microbatches if layout.pp > 1 else 0
     return n_strategies * (EVAL_COST_S + STAGE_MICROBATCH_COST_S * walk)
 
@@ -347,8 +346,6 @@ def evaluate_layout(layout: Layout, train: TrainConfig, cluster: Cluster, strate
                     catalog_dirs=()) -> Candidate:
     """One layout's strategies: memory for each (closed form), communication and step time only for
     those whose allocated peak fits (the others cannot fit: the reserved peak is never below it)."""
-    from .api import evaluate
-    from .memory import estimate_memory
     cand = Candidate(layout, train, cluster.nodes)
     for name in layout_strategies(layout, strategies, train.optimizer, train.framework):
         st = get_strategy(name)
@@ -460,9 +457,6 @@ def _simpler_words(lay: "Layout", other: "Layout", name: str, other_name: str) -
 def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int) -> list[str]:
     """Why this layout: its mesh, why TP stays in a node and PP spans nodes, the bubble, the memory
     headroom, the runners-up, and what was searched."""
-    from .comm import cluster_links
-    from .pp import bubble_fraction, virtual_stages
-    from .recommend import TIE_FRACTION
     cand, r = search.pick
     lay, t = cand.layout, cand.train
     gib = fmt_gib(gpu_memory_bytes)

@@ -81,21 +81,31 @@ zero2 and zero3 out with the reason and `validate` predicts the error (`fsdp2_ba
 from __future__ import annotations
 
 import json
+import sys
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 from math import prod
 
-import sys
-from dataclasses import dataclass, field, replace
+from distplan.catalog.loader import load_catalog
+from distplan.planner.workload import kernel_workspace
+from distplan.planner.workload.trace import profile
+from distplan.planner.workload.traced_model import FactoryWorkload, HFWorkload, from_spec, hf_path, parse_shape, preload
 
-from .api import Plan, StrategyResult, resolve_cluster
-from .comm import DDP_BUCKET_CAP_MB, Collective, bucket_sizes, grad_ready_order, timed_collectives
-from .config import (CHECKPOINTING, GRAD_SYNC, Cluster, checkpoint_every,
+from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp1_events,
+                          logged_fsdp2_events, logged_step_events)
+from .api import Plan, StrategyResult, drop_conflicts, resolve_cluster, resolve_model
+from .comm import Collective, DDP_BUCKET_CAP_MB, bucket_sizes, grad_ready_order, timed_collectives
+from .compute import _gpu, _optimizer_bytes, _owned_elems, contention, step_time
+from .config import (CHECKPOINTING, Cluster, GRAD_SYNC, TrainConfig, checkpoint_every,
                      fsdp2_first_microstep_grads_in_reduce_dtype, fsdp2_reduce_keeps_last_grad, torch_followed)
 from .footprint import device_footprint
-from .kernels import matmul_rates
-from .memory import (COMPONENTS, RESERVED_MARGIN, MemoryEstimate, Snapshot,
-                     library_workspace_bytes, zero1_partition)
-from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, get_precision, optimizer_state_elems
+from .hardware import catalog_name
+from .hf_config import read_hf_config
+from .kernels import matmul_rates, optimizer_host_ops, step_bound
+from .memory import (COMPONENTS, MemoryEstimate, RESERVED_MARGIN, Snapshot, estimate_memory, library_workspace_bytes,
+                     zero1_partition)
+from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, get_precision, optimizer_state_elems
+from .recommend import Recommendation, TIE_FRACTION, _headroom_ok, _rank, _reasons
 from .strategies import NAMES, Strategy, get_strategy
 from .units import fmt_count, fmt_gib
 
@@ -1083,8 +1093,6 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
     wrapped (what the probes do); "meta": under FSDP built on the meta device and only this rank's shards
     materialized (alloc_trace.logged_fsdp2_events / logged_fsdp1_events `meta`: what a plan of a large model
     assumes, as the analytic front end's)."""
-    from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp1_events,
-                              logged_fsdp2_events, logged_step_events)
     pure, mixed = train.precision == "bf16", train.precision in ("bf16-mixed", "fp16-mixed")
     if (not desc.alloc_log or not desc.construct or train.optimizer not in LOGGED_OPTIMIZERS
             or train.precision not in ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
@@ -1280,8 +1288,6 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
     Communication in forward/backward hides behind that phase's compute, except the last bucket or unit of
     backward and the optimizer-phase broadcasts, which nothing follows; while it overlaps, the SMs NCCL
     holds slow the GEMMs and attention (`compute.contention`, as `compute.exposed_comm` charges it)."""
-    from .compute import _optimizer_bytes, _owned_elems, contention
-    from .kernels import optimizer_host_ops
     fwd_s, bwd_s, host_s = traced_compute(desc, train, gpu)
     compute = train.grad_accum * max(fwd_s + bwd_s, host_s)
     fwd_share = fwd_s / (fwd_s + bwd_s) if fwd_s + bwd_s > 0 else 1 / 3
@@ -1361,7 +1367,6 @@ class ModulePlan(Plan):
         """The traced workload under strategy `name` on another cluster (Plan.evaluate_on), as the plan's own
         results were made; where the trace's own run is not written, the reserved peak paired with the analytic
         twin's on that cluster."""
-        from distplan.catalog.loader import load_catalog
         gpu = load_catalog(tuple(cluster.catalog_dirs)).gpu(cluster.gpu_name)
         twin = analytic_twins(self.kw, cluster)[0] if self.twin is not None and self.kw else None
         hf = bool(self.kw and self.kw.get("hf_config") and not self.kw.get("module"))
@@ -1442,8 +1447,6 @@ def fsdp2_batchnorm_failure(desc: ModuleDesc, precision: str) -> str | None:
 
 def module_recommend(plan: ModulePlan):
     """recommend.recommend's rule, with the largest batch from the module's linear scaling."""
-    from .recommend import TIE_FRACTION, Recommendation, _headroom_ok, _rank, _reasons
-    from .units import fmt_gib
     results = plan.results
     ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits_cleanly]
 
@@ -1525,14 +1528,10 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     # torch (and below, for --hf-config, transformers and the model's modules) imported with the garbage
     # collector paused, then frozen: workload.preload says why (a cold --hf-config trace 11 s -> 7.3 s).
     # The traces' profile_s ("measured on fake tensors in") no longer counts transformers' imports.
-    from distplan.planner.workload.traced_model import preload
     try:
         preload()
     except ImportError:
         raise ValueError("--module needs torch: pip install 'distplan[validate]'") from None
-    from distplan.planner.workload.trace import profile
-    from distplan.planner.workload.traced_model import parse_shape
-    from distplan.planner.workload.traced_model import FactoryWorkload, HFWorkload, hf_path
     if hf:
         check_hf_config(kw["hf_config"], kw.get("seq_len") or 2048)
         work = HFWorkload(hf_path(kw["hf_config"]), kw.get("micro_batch") or 1, kw.get("seq_len") or 2048,
@@ -1561,7 +1560,6 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     names = list(strategies) or [n for n in NAMES if n != "single" or cluster.gpus == 1]
     if cluster.gpus == 1 and not strategies:
         names = ["single"]
-    from .api import drop_conflicts
     names, conflicts = drop_conflicts(names, kw.get("optimizer") or "adamw", bool(strategies))
     notes.extend(conflicts)
 
@@ -1656,7 +1654,6 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
             notes.append("cuDNN convolution workspaces not counted: they depend on the kernel cuDNN picks on the "
                          "GPU; plan on a machine with the GPU to measure them (tens of MiB for a small CNN)")
 
-    from distplan.catalog.loader import load_catalog
     gpu = load_catalog(tuple(kw.get("catalog_dirs") or ())).gpu(cluster.gpu_name)
     twin, why = analytic_twins(kw, cluster) if hf else (None, None)
     # a transformers model's plan builds it under FSDP on the meta device, as the analytic front end's does
@@ -1732,9 +1729,6 @@ def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: st
     conf) at `batch` sequences; or (None, why) where the analytic front end does not read the config or
     does not model the checkpointing. `device`, `backend`, `init` as memory.estimate_memory's; on the CPU
     (the probes' check, tests/test_alloc_trace.py) the replay is of the CPU run, which a plan never makes."""
-    from .api import resolve_model
-    from .config import TrainConfig
-    from .memory import estimate_memory
     ckpt = kw.get("activation_checkpointing") or "none"
     try:
         spec, _ = resolve_model(hf_config=kw["hf_config"], overrides={"layers": kw.get("layers")},
@@ -1767,7 +1761,6 @@ def analytic_twins(kw: dict, cluster: Cluster, device: str = "cuda", backend: st
 def twin_time(twin, strategy: str, batch: int, cluster: Cluster) -> ModuleTime | None:
     """The step time of the analytic twin's run (`compute.step_time`: the per-kernel model, one time model
     for both front ends) as a ModuleTime; None where that model does not take the run."""
-    from .compute import step_time
     try:
         t = step_time(replace(twin.train, micro_batch=batch), cluster, strategy)
     except (ValueError, KeyError):
@@ -1806,7 +1799,6 @@ def check_hf_config(path, seq_len: int | None = None) -> None:
     not describe (mixtral, gemma3, ...) is left to the trace, which takes any causal LM transformers knows. A
     sequence longer than learned position embeddings (GPT-2's n_positions) fails in a real run; the
     fake tensors would not notice, so it is refused here."""
-    from .hf_config import read_hf_config
     try:
         spec = read_hf_config(path)
     except ValueError as exc:
@@ -1820,7 +1812,6 @@ def check_hf_config(path, seq_len: int | None = None) -> None:
 def kernel_workspaces(descs) -> tuple[dict, str | None]:
     """cuDNN workspaces of every convolution in `descs` (ModuleDescs), measured on the local GPU
     (`validate.kernel_workspace`): ({key: bytes}, the GPU's name), or ({}, None) without one."""
-    from distplan.planner.workload import kernel_workspace
     name = kernel_workspace.available()
     calls = {key: args for d in descs for key, args in d.kernel_args}
     if not calls or name is None:
@@ -1832,8 +1823,6 @@ def probe_kernel_workspaces(module: dict, precision: str, strategies) -> dict:
     """For `distplan validate --module` on a GPU: the cuDNN workspaces of the module's convolutions in
     every regime the strategies run it in, measured here once ({key: bytes}); stored in the probes'
     inputs so the prediction can be repeated without the GPU."""
-    from distplan.planner.workload.trace import profile
-    from distplan.planner.workload.traced_model import from_spec
 
     if module.get("path") and module["path"] not in sys.path:
         sys.path.insert(0, module["path"])
@@ -1853,7 +1842,6 @@ def _traced(work, regime: str, device: str = "cpu", every: int = 0) -> ModuleDes
     """The workload's ModuleDesc in a regime with `device`'s kernels (workload.trace.KERNEL_DEVICES), traced
     once per process (a validation run predicts many probes of one model). `every`: with the allocation log
     of a run checkpointing every `every`-th unit (`ModuleDesc.with_checkpointed_log`)."""
-    from distplan.planner.workload.trace import profile
 
     key = (json.dumps(work.to_spec(), sort_keys=True), regime, device, every)
     if key not in _TRACES:
@@ -1875,7 +1863,6 @@ def predict_module_probe(spec: dict) -> dict:
     The module is profiled on fake tensors in the regime the strategy runs it in, exactly as
     `distplan estimate --module` does, then walked by `estimate_module_memory` on the probe's world.
     """
-    from distplan.planner.workload.traced_model import from_spec
 
     mod = spec["module"]
     if mod.get("path") and mod["path"] not in sys.path:
@@ -1947,8 +1934,6 @@ def _probe_step_time(spec: dict, d: ModuleDesc, train: ModuleTrain, cluster: Clu
     at once, so the exposed communication is left out (as api.predict_probe does for the reference decoder).
     'host' where the host issuing eager ops outlasts the GPU's kernels: reported by `validate`, not judged.
     (None, None) for a GPU the catalog does not name."""
-    from .compute import _gpu
-    from .hardware import catalog_name
     if spec.get("mode") not in ("gpu", "fake") or not spec.get("gpu_name"):
         return None, None
     cat = catalog_name(spec["gpu_name"])
@@ -1958,7 +1943,6 @@ def _probe_step_time(spec: dict, d: ModuleDesc, train: ModuleTrain, cluster: Clu
     gpu = _gpu(cat)
     timed = twin_time(twin, st.name, batch, cl) if twin is not None else None
     if timed is not None:
-        from .kernels import step_bound
         host_bound = step_bound(replace(twin.train, micro_batch=batch), gpu, st.family) == "host"
     else:
         timed = module_time(d, train, cl, module_collectives(d, train, cl, st.name), gpu, st)

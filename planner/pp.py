@@ -88,10 +88,17 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
-from .model import ModelSpec, ParamGroup, TPRankSpec, _linear_weights
-
-from .config import PP_SCHEDULES  # noqa: F401  (re-exported)
-from .config import pp_recv_buffers_per_receive
+from .activations import _selective_block_saved, activations_in, block_linears, regime_for, sp_tokens
+from .alloc_trace import MAX_LAYERS, MAX_MICROBATCHES, STAGE_FAMILIES
+from .allocator import parse_alloc_conf
+from .comm import DDP_BUCKET_CAP_MB, FSDP2_ROOT_RESHARD_EXPLICIT, _fsdp2_numel, _schedule_key, _timed_schedule
+from .config import Cluster, PP_SCHEDULES, TrainConfig, pp_recv_buffers_per_receive
+from .footprint import device_footprint, with_communicator
+from .memory import MemoryEstimate, _block_backward_peak, _opt_state, layout, library_workspace_bytes
+from .model import ModelSpec, ParamGroup, TPRankSpec, _linear_weights, unit_sizes
+from .strategies import get_strategy
+from .tp import tp_view
+from .units import short_repr
 PP_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 """The data-parallel strategies `PipelineStage` works with: a plain module, DDP (`no_sync` until the
 last micro-batch, `backward_maybe_with_nosync`) with or without ZeroRedundancyOptimizer, and FSDP2
@@ -431,7 +438,6 @@ def bubble_fraction(schedule: str, pp: int, M: int) -> float:
 def check_pp(train, flag: str = "--pp") -> None:
     """One-line ValueErrors for a pipeline configuration PyTorch would refuse or we do not model.
     `flag`: "--pp" names the CLI's flags in the messages, "pp" the API's arguments."""
-    from .units import short_repr
     cli = flag.startswith("--")
     ga, mb, fw = ("--grad-accum", "--pp-microbatches", "--framework") if cli else (
         "grad_accum", "pp_microbatches", "framework")
@@ -554,7 +560,6 @@ def boundary_bytes(train, family: str = "ddp") -> int:
 
 
 def _res_dtype(train, family: str) -> str:
-    from .activations import regime_for
     if regime_for(train, family) in ("fp32", "autocast"):
         return "float32"
     return "bfloat16" if train.precision in ("bf16", "bf16-mixed") else "float16"
@@ -634,7 +639,6 @@ def _retained_grads(strain, regime: str, n: int) -> int:
     Qwen3's q_norm / k_norm normalize the heads), in the activations' dtype (measured: Qwen3 under
     interleaved ZB on torch 2.15, -1.4% with its q/k norms left out, -0.03% with them,
     benchmarks/results/cpu-torch2.15-2026-11-29-pp-runtime-hf.jsonl)."""
-    from .activations import block_linears
     m = strain.model
     e = 4 if regime == "fp32" else 2
     widths = sum(o for _, o, _ in block_linears(m, strain.tp)) + 2 * m.hidden
@@ -684,10 +688,6 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
                  gpu_name: str | None = None):
     """`memory.MemoryEstimate` of pipeline stage `stage` under `strategy` on the stage's dp ranks (see
     the module docstring for what is walked)."""
-    from .activations import activations_in, regime_for, sp_tokens
-    from .footprint import device_footprint, with_communicator
-    from .memory import MemoryEstimate, _block_backward_peak, _opt_state, layout, library_workspace_bytes
-    from .strategies import get_strategy
 
     st = get_strategy(strategy)
     family = st.family
@@ -697,7 +697,6 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     strain = stage_train(train, stage)
     dpc = cluster
     if train.tp > 1:
-        from .tp import tp_view
         _, dpc = tp_view(train, cluster)
     dpc = pp_cluster(train, dpc)
     world = 1 if st.name == "single" else dpc.gpus
@@ -760,7 +759,6 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     elif train.checkpointing == "full":
         kept_block = nh  # a checkpointed block keeps its input
     else:
-        from .activations import _selective_block_saved
         kept_block = _selective_block_saved(strain, regime) + nh
     block0_part = max(0, act.blocks_total - (m.layers - 1) * kept_block - (0 if first else nh))
     block_elems = m.units()[1].numel
@@ -928,14 +926,12 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
                      "torchtitan's reshard_after_forward=False)")
     # The stage's allocations replayed through the caching allocator (alloc_trace.stage_allocation_events)
     # where they are written; else memory.RESERVED_MARGIN over the allocated peak.
-    from .alloc_trace import MAX_LAYERS, MAX_MICROBATCHES, STAGE_FAMILIES
     replay_args = None
     if device == "cuda":
         # (autocast's weight casts under pipelining are not written: those stages keep the margin)
         # (FSDP2 stages are written sharded over more than one rank, as the probes run them)
         if (family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS
                 and M <= MAX_MICROBATCHES and (family != "fsdp2" or shard > 1)):
-            from .allocator import parse_alloc_conf
             expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
             replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
                            max_split)
@@ -959,12 +955,9 @@ def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
     'dp'): the strategy's schedule over the stage's dp ranks for the stage's parameters, its M
     micro-batches accumulated (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync(False)` until the
     last one, as `PipelineStage.backward_maybe_with_nosync` runs them)."""
-    from .comm import _schedule_key, _timed_schedule, DDP_BUCKET_CAP_MB, FSDP2_ROOT_RESHARD_EXPLICIT
-    from .strategies import get_strategy
     s = get_strategy(strategy)
     dpc = cluster
     if train.tp > 1:
-        from .tp import tp_view
         dpc = tp_view(train, cluster)[1]
     dpc = pp_cluster(train, dpc)
     if s.family == "single" or dpc.gpus == 1:
@@ -993,8 +986,6 @@ def fsdp2_gathers_once(collectives, M: int, train=None, stage: int = 0, world: i
     embedding's and the final norm's + LM head's, each all-gathered and reduce-scattered on its own."""
     split = None
     if train is not None and train.pp_schedule == "zbv" and stage == 0:
-        from .comm import _fsdp2_numel
-        from .model import unit_sizes
         parts = [_fsdp2_numel(unit_sizes(stage_spec(train.model, train.tp, 1, a, b))[0], world)
                  for a, b in ((True, False), (False, True))]
         split = [x / sum(parts) for x in parts if x]
@@ -1017,7 +1008,6 @@ def fsdp2_gathers_once(collectives, M: int, train=None, stage: int = 0, world: i
 
 def probe_train(spec: dict):
     """The TrainConfig of a pipeline probe spec (fp32 on gloo, the probe's optimizer and schedule)."""
-    from .config import TrainConfig
     t = spec["train"]
     return TrainConfig(ModelSpec(**spec["model"]), seq_len=int(t["seq_len"]), micro_batch=int(t["micro_batch"]),
                        precision="fp32", optimizer=t.get("optimizer", "adamw"),
@@ -1033,9 +1023,7 @@ def predict_probe_ranks(spec: dict) -> list[dict]:
     replica x cp + cp index): the stage walk (`stage_memory`, the spec's strategy on its dp x cp ranks,
     CPU, gloo) and that stage's collectives (`stage_dp_schedule`, `p2p_counts`, `boundary_bytes`, and
     with cp > 1 the ring's, `cp.cp_raw_schedule` of the stage)."""
-    from .config import Cluster
     from .cp import cp_raw_schedule, cp_view
-    from .strategies import get_strategy
     train = cp_view(probe_train(spec))
     dp = int(spec.get("dp", 1)) * train.cp
     strategy = spec.get("strategy", "single")

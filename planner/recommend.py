@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .api import Plan, _catalog, evaluate
+from .checkpoint import estimate_checkpoint
 from .config import Cluster, TrainConfig
 from .memory import estimate_memory
+from .pp import ZERO_BUBBLE, virtual_stages
+from .report import comm_table, header, layout_table, memory_table, recommended_rows, wrap
 from .strategies import get_strategy
 from .units import LIMITS, fmt_bytes, fmt_gib, fmt_seconds
 
@@ -150,7 +154,6 @@ def _fitter(plan):
     if not mode:
         return lambda t, c, n: estimate_memory(t, c, n).fits_cleanly
 
-    from .checkpoint import estimate_checkpoint
 
     def fits(t, c, n) -> bool:
         mem = estimate_memory(t, c, n)
@@ -192,7 +195,6 @@ def _smallest_change(plan):
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
             t = smaller(lo)
             return (f"--micro-batch {lo} --grad-accum {t.grad_accum} (same global batch)", t, cluster)
-    from .pp import ZERO_BUBBLE
     # the zero-bubble schedules are modelled without checkpointing (pp.check_pp): keep theirs as it is
     ckpt_ok = not (train.pp > 1 and train.pp_schedule in ZERO_BUBBLE)
     if train.checkpointing != "full" and ckpt_ok:
@@ -212,7 +214,6 @@ def _smallest_change(plan):
         # The mesh: sequence parallelism (TP's norms and checkpointed block inputs split by tp), more
         # pipeline stages on the same GPUs (fewer layers, so fewer parameters per stage; 1F1B keeps at
         # least one micro-batch per stage), with full checkpointing.
-        from .pp import virtual_stages
         t0 = replace(train, checkpointing="full") if train.checkpointing != "full" and ckpt_ok else train
         ck = " --activation-checkpointing full" if t0 is not train else ""
         sps = [train.sequence_parallel] + ([True] if train.tp > 1 and not train.sequence_parallel else [])
@@ -265,7 +266,6 @@ def _choose(plan) -> tuple:
 
 def _changed_plan(plan, words: str, train, cluster):
     """The plan under the smallest change `words` (`_smallest_change`): every strategy evaluated again."""
-    from .api import Plan, evaluate
     mode = getattr(plan, "checkpoint", None)
     if mode and words.startswith("--checkpoint sharded"):
         mode = "sharded"
@@ -418,7 +418,6 @@ def _comm_bound(plan, best) -> list[str]:
     t = best.time
     if t is None or t.exposed_comm_s <= COMM_BOUND_FRACTION * t.compute_s:
         return []
-    from .api import _catalog
     cl = plan.cluster
     options = []
 
@@ -462,28 +461,23 @@ def _comm_bound(plan, best) -> list[str]:
 def _inter_gbps(cluster) -> float:
     if cluster.inter_bytes_per_s:
         return cluster.inter_bytes_per_s * 8 / 1e9
-    from .api import _catalog
     return _catalog().interconnect(cluster.inter_link).line_rate_bytes_per_s * cluster.nics_per_node * 8 / 1e9
 
 
 def render_recommendation(plan, table_format: str = "simple") -> str:
-    from .report import comm_table, header, memory_table
     rec = plan.recommendation
     lines = [header(plan), ""]
     if rec.search is not None:
-        from .report import layout_table
         lines += [layout_table(plan, table_format), ""]
     lines.append(memory_table(plan, table_format))
     ct = comm_table(plan, table_format)
     if ct:
         lines += ["", ct]
     lines.append("")
-    from .report import wrap
     if rec.strategy is None:
         lines.append("recommendation: nothing fits")
         lines.append(wrap(f"  - {rec.reasons[0]}"))
     else:
-        from .report import recommended_rows
         lines[-1:] = recommended_rows(plan, table_format) + [""]
         mb = f", largest micro-batch that fits: {rec.max_micro_batch}" if rec.max_micro_batch else ""
         change = f" with {rec.change}" if rec.change else ""

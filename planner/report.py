@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .chart import plan_html as _html, plan_svg as _svg, plot_matplotlib as _plot
+from .pp import bubble_fraction
 from .units import fmt_bytes, fmt_count, fmt_gib, fmt_seconds
 
 MEM_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
@@ -262,17 +264,14 @@ def render_estimate(plan, table_format: str = "simple") -> str:
 
 
 def plan_svg(plan) -> str:
-    from .chart import plan_svg as _svg
     return _svg(plan)
 
 
 def plan_html(plan) -> str:
-    from .chart import plan_html as _html
     return _html(plan)
 
 
 def plot_matplotlib(plan, path=None):
-    from .chart import plot_matplotlib as _plot
     return _plot(plan, path)
 
 
@@ -280,7 +279,6 @@ def _mesh_line(t, c) -> str:
     """The device mesh in words: pp (outermost) x dp x cp x tp, and what the strategies run over."""
     parts = []
     if t.pp > 1:
-        from .pp import bubble_fraction
         b = bubble_fraction(t.pp_schedule, t.pp, t.pp_microbatches)
         parts.append(f"pp {t.pp} ({t.pp_schedule}, {t.pp_microbatches} micro-batches of {t.micro_batch}, "
                      f"bubble {b:.0%} of compute)")

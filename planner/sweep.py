@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from .hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
+from .recommend import pick
+from .report import table as draw
 from .units import LIMITS, fmt_gib, fmt_seconds, short_repr
 
 MAX_SWEEP_VALUES = 32
@@ -37,7 +40,6 @@ def _parse_list(flag: str, text: str | None) -> list[int]:
 
 def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len) -> list[dict]:
     from .cli import build_plan
-    from .recommend import pick
     axes = [("gpus", _parse_list("--sweep-gpus", sweep_gpus)),
             ("micro_batch", _parse_list("--sweep-micro-batch", sweep_micro_batch)),
             ("seq_len", _parse_list("--sweep-seq-len", sweep_seq_len))]
@@ -52,7 +54,6 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
         # the trace (when torch and transformers are installed) for the types it does not (MoE models, ...)
         analytic = True
         if kw.get("hf_config"):
-            from .hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
             cfg, _ = load_hf_config(kw["hf_config"])
             analytic = cfg.get("model_type") in SUPPORTED_MODEL_TYPES or not use_trace(kw)
         kw = dict(kw, front_end="analytic" if analytic else "trace")
@@ -103,7 +104,6 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
     for r in rows:
         if r.get("smallest_change"):
             changes.setdefault(r[key], r["smallest_change"])
-    from .report import table as draw
     return (draw(table, headers, table_format) + "\n* recommended; front end: "
             + ("trace (the model run on fake tensors, traced again at each point)" if front == "trace"
                else "analytic (the formulas)")

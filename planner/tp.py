@@ -59,6 +59,8 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
+from .activations import regime_for
+from .comm import _interconnect
 from .config import Cluster, TrainConfig, check_tp, checkpoint_every, fsdp2_grads_in_reduce_dtype
 from .model import TPRankSpec
 
@@ -96,7 +98,6 @@ def _tp_view(train: TrainConfig, cluster: Cluster) -> tuple[TrainConfig, Cluster
     elif cluster.nics_per_node % t == 0:
         nics, inter = cluster.nics_per_node // t, None
     else:
-        from .comm import _interconnect
         ic = _interconnect(cluster.inter_link, cluster.catalog_dirs)
         nics, inter = cluster.nics_per_node, ic.busbw_bytes_per_s * cluster.nics_per_node / t
     dp = replace(cluster, gpus=cluster.gpus // t, gpus_per_node=g // t, nics_per_node=nics,
@@ -107,7 +108,6 @@ def _tp_view(train: TrainConfig, cluster: Cluster) -> tuple[TrainConfig, Cluster
 def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
     """The TP group's collectives of one optimizer step: (op, group, group_size, dtype, message_bytes,
     calls, phase, unit) tuples as `comm._raw_schedule` makes them (module docstring)."""
-    from .activations import regime_for
     m = train.model
     out = _tp_raw(m.hidden, m.layers, train.micro_batch * train.seq_len, train.grad_accum, train.tp,
                   train.sequence_parallel, train.precision, regime_for(train, family))

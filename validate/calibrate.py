@@ -46,6 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from distplan.catalog.loader import UNIT_SUFFIXES, clear_cache, load_catalog
+from distplan.planner.comm import bus_factor as _bf, latency_steps as _ls
+from distplan.planner.model import ModelSpec
+
 __all__ = [
     "CalibrationError", "MatmulFit", "CollectiveFit", "linear_fit", "fit_matmul", "fit_collective",
     "attention_flops", "fit_gpu", "match_gpu", "catalog_slug", "check_device", "measure_matmul",
@@ -158,13 +162,11 @@ def fit_matmul(flops: Sequence[float], seconds: Sequence[float], overhead_s: flo
 
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests doc/PERFORMANCE.md factors (the planner's, distplan.planner.comm.bus_factor)."""
-    from distplan.planner.comm import bus_factor as _bf
     return _bf(op, n)
 
 
 def latency_steps(op: str, n: int) -> int:
     """Ring steps of a collective (the planner's, distplan.planner.comm.latency_steps)."""
-    from distplan.planner.comm import latency_steps as _ls
     return _ls(op, n)
 
 
@@ -538,7 +540,6 @@ def reference_step(shape: dict, device: str = "cpu", precision: str = "fp32", ch
     AdamW), after three warm-up steps: (forward -> loss, backward(loss), optimizer step + zero_grad)."""
     import torch
 
-    from distplan.planner.model import ModelSpec
 
     from .model import Decoder
     from .wrap import wrap
@@ -765,7 +766,6 @@ def calibrate(device: str = "cuda", quick: bool = False, peak_tflops: float | No
 
     `progress(done, total, label)` is called before each measurement and once at the end. `collectives`:
     None = with 2+ GPUs on 'cuda'. `sweep` overrides SWEEPS entries (tests)."""
-    from distplan.catalog.loader import load_catalog
 
     peak = _peak_from_flag(peak_tflops)
     check_device(device)
@@ -874,7 +874,6 @@ def calibrate(device: str = "cuda", quick: bool = False, peak_tflops: float | No
 # -- the overlay -----------------------------------------------------------------------------------
 
 def _base_of(key: str) -> str:
-    from distplan.catalog.loader import UNIT_SUFFIXES
     for sfx in sorted(UNIT_SUFFIXES, key=len, reverse=True):
         if key.endswith(sfx) and len(key) > len(sfx):
             return key[: -len(sfx)]
@@ -934,7 +933,6 @@ def write_overlay(out_dir: str | os.PathLike, result: dict, catalog_dirs: Sequen
     """Write `<out>/gpus/<name>.yaml` (and `<out>/interconnects/<link>.yaml` with collectives) from a
     `calibrate` result; check that `load_catalog([out_dir])` reads back the measured values. Returns the
     paths written. A GPU not in the catalog (or the CPU) becomes a new entry, which needs a peak."""
-    from distplan.catalog.loader import clear_cache, load_catalog
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -1052,7 +1050,6 @@ class TextProgress:
 
 def render(result: dict, written: Sequence[str], out_dir: str) -> str:
     """The human-readable summary: the measured keys beside the catalog's, and where the overlay is."""
-    from distplan.catalog.loader import load_catalog
     lines = [f"device: {result['device_name']} (torch {result['torch']}, CUDA {result.get('cuda') or 'none'}"
              + (f", NCCL {result['nccl']}" if result.get("nccl") else "") + f"), {result['seconds']:.1f} s"
              + (" (--quick)" if result.get("quick") else "")]

@@ -26,6 +26,8 @@ import functools
 
 import torch
 
+from .measure import Tracker
+
 
 def head_tail_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Positions rank `rank` of `cp` keeps: chunk `rank` and chunk 2 * cp - 1 - rank of 2 * cp chunks
@@ -136,7 +138,6 @@ def measure_ring_backward(cp: int, rank: int, shapes=SHAPES) -> list[dict]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .measure import Tracker
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
     rows = []

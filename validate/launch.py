@@ -31,6 +31,9 @@ import importlib
 import os
 import sys
 
+from distplan.validate.guard import fresh_signals
+from distplan.validate.runner import STACKS_AT_ENV
+
 WORKER_FLAG = "--worker"
 
 
@@ -174,8 +177,6 @@ def method_name(depth: int = 2) -> str:
 def _worker(module: str, args: list[str]) -> int:
     # the agent's signal handlers (torchelastic's PContext.start) replaced by a new interpreter's, so that
     # the worker dies of a SIGTERM as torchrun's exec'd workers do (run as a script: absolute import)
-    from distplan.validate.guard import fresh_signals
-    from distplan.validate.runner import STACKS_AT_ENV
 
     fresh_signals()
     at = os.environ.get(STACKS_AT_ENV)  # a hung worker prints where it waits, once, shortly before the

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
 
+from distplan.planner.strategies import NAMES, get_strategy
+
 CHECKPOINTING = ("none", "full")
 
 SHAPES_CPU: dict[str, dict] = {
@@ -148,7 +150,6 @@ def standard_matrix(hw: dict, strategies=None, fake_world: int | None = None, fu
                     steps: int = 3, seed: int = 0) -> list[dict]:
     """The standard matrix for this machine (`hw` from `runner.detect_hardware()`), optionally only
     some strategies. Real-rank probes first, then fake-pg probes (which can run two at a time)."""
-    from distplan.planner.strategies import NAMES, get_strategy
 
     names = list(NAMES) if not strategies else [get_strategy(s).name for s in strategies]
     device = "gpu" if int(hw.get("gpus") or 0) else "cpu"
@@ -189,7 +190,6 @@ def tp_matrix(hw: dict, strategies=None, fake_world: int | None = None, steps: i
     `single` (dp = 1) on real ranks (gloo 2 processes on CPU, 2 GPUs with NCCL, else the fake group of 2)
     with and without sequence parallelism in both precisions; FSDP2 (zero3 with SP, zero2 without) on the
     dp dimension of the fake process group's (world / 2, 2) mesh. Only the strategies in `strategies`."""
-    from distplan.planner.strategies import NAMES, get_strategy
 
     names = list(NAMES) if not strategies else [get_strategy(s).name for s in strategies]
     device = "gpu" if int(hw.get("gpus") or 0) else "cpu"
@@ -213,7 +213,6 @@ def cp_matrix(hw: dict, strategies=None, fake_world: int | None = None, steps: i
     with cp = 2 on gloo's 2 real ranks; on the fake process group's ranks zero2 with cp = 4 (dp 2), zero3
     with cp = 8 and full checkpointing, and zero3 with cp = 2 x tp = 2 (sequence parallel). Only the
     strategies in `strategies`."""
-    from distplan.planner.strategies import NAMES, get_strategy
 
     if int(hw.get("gpus") or 0):
         return []
@@ -255,7 +254,6 @@ def pp_matrix(hw: dict, strategies=None, seed: int = 0) -> list[dict]:
     reshard_after_forward off) over a dp of 2 on each stage (4 processes), and 1F1B with full
     checkpointing and context parallelism over 2 ranks per stage (ring attention; DDP over the cp ranks;
     4 processes)."""
-    from distplan.planner.strategies import NAMES, get_strategy
 
     if int(hw.get("gpus") or 0):
         return []

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .cp import head_tail_indices, ring_attention
+
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs):
     """Selective checkpointing: keep the outputs of matmuls and SDPA, recompute everything else."""
@@ -127,7 +129,6 @@ class Attention(nn.Module):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         if self.cp_group is not None:
-            from .cp import ring_attention
             y = ring_attention(q, k, v, self.cp_group)
         elif self.attention == "sdpa":
             y = F.scaled_dot_product_attention(
@@ -227,7 +228,6 @@ class Decoder(nn.Module):
         """Run with context parallelism over `group` (rank `rank` of `cp`): every attention becomes ring
         attention and the forward takes the (B, 2 * seq_len / (2 * cp)) tokens of the head-tail positions
         `validate.cp.head_tail_indices` gives; the loss is the mean over those tokens, as torchtitan's."""
-        from .cp import head_tail_indices
 
         if self.spec.position != "rope":
             raise ValueError("cp > 1: context parallelism runs the RoPE decoder (learned positions are not sharded)")

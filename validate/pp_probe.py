@@ -41,6 +41,13 @@ import json
 import os
 import sys
 
+from distplan.planner.model import ModelSpec
+from distplan.planner.pp import predict_probe_ranks, probe_train
+from distplan.planner.workload.traced_model import from_spec
+
+from .probe import ALLOC_EVENTS_ENV, _one_line, preload as probe_preload, write_json
+from .runner import launcher, local_rendezvous, run_probe
+
 
 DDP_SCHEDULE_ERROR = ("DistributedDataParallel stops in its reducer's first bucket rebuild under ScheduleGPipe and "
                       "ScheduleInterleaved1F1B (\"rebuilt parameter indices size is not same as original model "
@@ -117,7 +124,6 @@ def build_hf_stage(module: dict, stage: int, pp: int, checkpointing: str = "none
     whole model's SDPA path does for a batch without padding. Full checkpointing is transformers' own
     (`activation_checkpointing_enable`, non-reentrant, per decoder layer) and applies to the layers called
     here (`GradientCheckpointingLayer`)."""
-    from distplan.planner.workload.traced_model import from_spec
 
     work = from_spec(module)
     model = work.build()
@@ -190,7 +196,6 @@ def run(spec: dict) -> dict:
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
 
-    from distplan.planner.model import ModelSpec
 
     from .measure import Tracker
     from .wrap import make_optimizer
@@ -227,7 +232,6 @@ def run(spec: dict) -> dict:
     b, s = int(train["micro_batch"]), int(train["seq_len"])
     device = torch.device("cpu")
     tracker = Tracker(settle_waits=True)
-    from .probe import ALLOC_EVENTS_ENV
     events_path = os.environ.get(ALLOC_EVENTS_ENV)
     if events_path:  # every rank its own: PATH.<rank> (planner/allocator.py replays one stage's events)
         tracker.events = []
@@ -392,7 +396,6 @@ def preload(argv: list[str]) -> None:
     """What a stage's run imports, before the launcher forks the stages (validate/launch.py)."""
     import importlib
 
-    from .probe import preload as probe_preload
 
     probe_preload(argv)
     importlib.import_module("torch.distributed.pipelining")
@@ -405,11 +408,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     with open(a.spec) as f:
         spec = json.load(f)
-    from .probe import write_json
     try:
         result = run(spec)
     except Exception as e:  # one line in the result, as the other probes
-        from .probe import _one_line
         write_json(a.out, {"id": spec.get("id"), "status": "error", "error": _one_line(e)}, clobber=False)
         raise
     if int(os.environ.get("RANK", "0")) == 0:
@@ -425,14 +426,12 @@ if __name__ == "__main__":
 
 def probe_cmd(pp: int) -> list[str]:
     """torchrun with one process per stage on this machine (`runner.local_rendezvous`)."""
-    from .runner import launcher, local_rendezvous
     return [sys.executable, "-m", launcher("cpu"), *local_rendezvous(), f"--nproc-per-node={pp}",
             "-m", "distplan.validate.pp_probe"]
 
 
 def run_pp_probe(spec: dict, timeout_s: float = 300.0) -> dict:
     """Run `spec` under the probe guard (`runner.run_probe`): gloo, `spec["pp"]` processes."""
-    from .runner import run_probe
     world = int(spec["pp"]) * int(spec.get("dp", 1)) * int(spec.get("cp", 1))
     spec = dict(spec, mode="cpu", world_size=world)
     return run_probe(spec, probe_cmd(world), timeout_s=timeout_s)
@@ -440,11 +439,9 @@ def run_pp_probe(spec: dict, timeout_s: float = 300.0) -> dict:
 
 def train_config(spec: dict):
     """The planner's TrainConfig for a probe spec (`planner.pp.probe_train`)."""
-    from distplan.planner.pp import probe_train
     return probe_train(spec)
 
 
 def predict(spec: dict) -> list[dict]:
     """Per rank, the planner's prediction (`planner.pp.predict_probe_ranks`)."""
-    from distplan.planner.pp import predict_probe_ranks
     return predict_probe_ranks(spec)

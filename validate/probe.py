@@ -40,6 +40,15 @@ import json
 import os
 import sys
 
+from distplan.planner.config import checkpoint_every
+from distplan.planner.model import ModelSpec
+from distplan.planner.strategies import get_strategy
+from distplan.planner.workload.traced_model import _preload_hf, from_spec, frozen_imports
+
+from .checkpoint import save_checkpoint
+from .guard import set_pdeathsig
+from .tp_probe import parallelize_decoder, parallelize_hf
+
 MODES = ("gpu", "cpu", "fake")
 SNAPSHOT_ENV = "DISTPLAN_MEMORY_SNAPSHOT"
 ALLOC_EVENTS_ENV = "DISTPLAN_ALLOC_EVENTS"
@@ -114,7 +123,6 @@ def _die_with_launcher() -> None:
     kill (validate/guard.py)."""
     if not os.environ.get("DISTPLAN_PROBE_DIR"):
         return
-    from .guard import set_pdeathsig
 
     import signal
 
@@ -231,8 +239,6 @@ class Probe:
     def run(self) -> None:
         import torch
 
-        from distplan.planner.config import checkpoint_every
-        from distplan.planner.model import ModelSpec
 
         from .measure import StepTimer, StreamTags, Tracker
         from .model import Decoder
@@ -241,7 +247,6 @@ class Probe:
         spec, train = self.spec, dict(self.spec.get("train", {}))
         module = spec.get("module")  # {"factory": "pkg.mod:fn", "input_shape": [...], "path": dir} or None
         if module:
-            from distplan.planner.workload.traced_model import from_spec
             if module.get("path") and module["path"] not in sys.path:
                 sys.path.insert(0, module["path"])  # where the user ran `distplan validate --module`
             work = from_spec(module)
@@ -289,7 +294,6 @@ class Probe:
                 raise ValueError(f"init={init!r}: accepted values are device, meta")
             # meta: built on the meta device and wrapped there, each rank materializing only what FSDP keeps
             # (validate/wrap.py `materialize`); DDP and one GPU hold the whole model anyway: built on the device
-            from distplan.planner.strategies import get_strategy
             meta = bool(module) and init == "meta" and get_strategy(spec["strategy"]).family in ("fsdp1", "fsdp2")
             if module:
                 with torch.device("meta") if meta else contextlib.nullcontext():
@@ -399,7 +403,6 @@ class Probe:
         self._record_memory(complete=True)
         self.result["collectives"] = tracker.collective_list(steps)
         if spec.get("checkpoint"):  # after the measured steps: optimizer state exists, gradients freed
-            from .checkpoint import save_checkpoint
             with tracker:
                 self.result["checkpoint"] = save_checkpoint(model, opt, spec["checkpoint"], tracker,
                                                             self.rank)
@@ -426,7 +429,6 @@ class Probe:
         model: `parallelize_hf`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .tp_probe import parallelize_decoder, parallelize_hf
 
         if tp < 2 or self.world_size % tp:
             raise ValueError(f"tp={tp}: must be >= 2 and divide world_size={self.world_size} (sequence_parallel "
@@ -449,7 +451,6 @@ class Probe:
         mesh = init_device_mesh(self.device.type, (self.world_size // (cp * tp), cp, tp),
                                 mesh_dim_names=("dp", "cp", "tp"))
         if tp > 1:
-            from .tp_probe import parallelize_decoder, parallelize_hf
             if self.spec.get("train", {}).get("precision") == "bf16":
                 model = model.to(__import__("torch").bfloat16)
             (parallelize_hf if hf else parallelize_decoder)(model, mesh["tp"], sp)
@@ -549,7 +550,6 @@ def preload(argv: list[str]) -> None:
     copy-on-write pages, leave torch's ~10^5 module objects alone."""
     import importlib
 
-    from distplan.planner.workload.traced_model import _preload_hf, frozen_imports, from_spec
 
     try:
         spec_path = argv[argv.index("--spec") + 1]

@@ -46,8 +46,14 @@ import sys
 import tempfile
 import time
 
+from distplan.planner.api import predict_probe
+from distplan.planner.config import installed_torch, torch_build, torch_version_file
+from distplan.planner.footprint import CUDA_CONTEXT_BYTES
+
 from .compare import DEFAULT_TOLERANCE, compare
-from .results import ResultsFile, done, read_records
+from .guard import kill_tree, probe_processes, remove_dir
+from .results import ResultsFile, deferred_signals, done, read_records
+from .warm import WarmStarter
 
 PROBE_MODULE = "distplan.validate.probe"
 PP_PROBE_MODULE = "distplan.validate.pp_probe"
@@ -101,7 +107,6 @@ _hw_cache: dict | None = None
 
 
 def _torch_version_file() -> str | None:
-    from distplan.planner.config import torch_version_file
 
     return torch_version_file()
 
@@ -110,7 +115,6 @@ def _torch_build() -> dict | None:
     """torch/version.py's `__version__`, `cuda` and `hip` (planner.config.torch_build), without importing
     torch (a 4-second import on a small CPU machine); None when torch is not installed or a field is
     missing (then torch is asked)."""
-    from distplan.planner.config import torch_build
 
     path = _torch_version_file()
     build = torch_build(path) if path else {}
@@ -405,7 +409,6 @@ class ProbeRun:
     def __init__(self, spec: dict, probe_cmd: list[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  nnodes: int = 1, rdzv_endpoint: str | None = None, env: dict | None = None,
                  warm=None):
-        from .guard import remove_dir
 
         self.spec = spec
         self.timeout_s = timeout_s
@@ -485,7 +488,6 @@ class ProbeRun:
     def kill(self) -> None:
         """SIGTERM the guard, its process group, every descendant and every process whose command line
         names this probe's folder; SIGKILL whatever is left after the grace period (validate/guard.py)."""
-        from .guard import kill_tree, probe_processes
 
         if self.proc.poll() is not None and not probe_processes(None, self.dir, self.pgid):
             return
@@ -495,8 +497,6 @@ class ProbeRun:
     def abandon(self) -> None:
         """Kill the probe and remove its scratch directory without reading a result (Ctrl-C, SIGTERM).
         Signals that arrive meanwhile (a second Ctrl-C) wait until the folder is gone."""
-        from .guard import remove_dir
-        from .results import deferred_signals
 
         with deferred_signals():
             try:
@@ -514,7 +514,6 @@ class ProbeRun:
             pass
 
     def _finish(self, rc: int | None, timed_out: bool) -> dict:
-        from .guard import remove_dir
 
         wall = self.elapsed_s
         for f in (self._stdout, self._stderr):
@@ -632,7 +631,6 @@ def _now() -> str:
 
 
 def default_predict(spec: dict) -> dict:
-    from distplan.planner.api import predict_probe  # the planner; imported when first needed
     return predict_probe(spec)
 
 
@@ -694,7 +692,6 @@ def gpu_need_bytes(spec: dict, prediction: dict | None) -> int:
     """Device bytes a probe sharing a GPU is expected to hold at most: the larger of its predicted reserved
     peak (else its allocated peak) and the whole model built before wrapping, plus a CUDA context
     (planner.footprint.CUDA_CONTEXT_BYTES). With no prediction, only the model and the context."""
-    from distplan.planner.footprint import CUDA_CONTEXT_BYTES
     mem = (prediction or {}).get("memory") or {}
     peak = int(mem.get("peak_reserved") or mem.get("peak_allocated") or 0)
     return max(peak, _full_param_bytes(spec)) + CUDA_CONTEXT_BYTES
@@ -733,7 +730,6 @@ def start_warm(specs: list[dict], probe_cmd: list[str] | None, nnodes: int = 1):
         return None
     if sum(warm_startable(s, nnodes) for s in specs) < WARM_MIN_PROBES or gpu_free_hardware() is None:
         return None
-    from .warm import WarmStarter
     try:  # started with the probes' environment: libgomp reads OMP_NUM_THREADS when it loads
         return WarmStarter(probe_base_env())
     except OSError:
@@ -763,7 +759,6 @@ def run_validation(specs: list[dict], out_path: str, *, tolerance: float = DEFAU
     predict = predict or default_predict
     on_event = on_event or (lambda *a: None)
     results = results or ResultsFile(out_path)
-    from distplan.planner.config import installed_torch
     # the torch the probes run (this interpreter's) is part of their inputs: the prediction follows its
     # release where PyTorch's implementations differ, and a record re-predicted later does the same
     specs = [s if s.get("torch_version") else dict(s, torch_version=installed_torch()) for s in specs]

@@ -22,6 +22,8 @@ import argparse
 import json
 import sys
 
+from distplan.planner.model import ModelSpec
+
 
 def _plan(block, sp: bool):
     from torch.distributed.tensor import Replicate, Shard
@@ -76,7 +78,6 @@ def _setup(case: dict):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from distplan.planner.model import ModelSpec
 
     spec = ModelSpec(**case["model"])
     t, sp = int(case["tp"]), bool(case.get("sequence_parallel"))
@@ -95,7 +96,6 @@ def run_case(case: dict) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from distplan.planner.model import ModelSpec
     from distplan.validate.model import Block, rope_tables
 
     spec, t, sp, tr, b, s, dtype, mesh = _setup(case)

@@ -44,6 +44,8 @@ import time
 import traceback
 
 from .guard import _preexec_child, fresh_signals, set_pdeathsig
+from .probe import preload
+from . import guard
 
 START_TIMEOUT_S = 300.0
 """How long the runner waits for the warm process's answer to a request (its first answer follows the
@@ -137,7 +139,6 @@ def _preload(cmd: list[str]) -> None:
 
 def _start_guard(req: dict, proto_fds: tuple[int, int]) -> int:
     """Fork a guard for request `req`; its pid."""
-    from . import guard
 
     argv = [str(os.getpid()), *req["argv"]]
     sys.stdout.flush()
@@ -173,7 +174,6 @@ def serve(parent: int) -> int:
     os.dup2(2, 1)  # stray prints go to stderr (the runner discards it), never into the protocol
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    from .probe import preload
 
     preload([])
 

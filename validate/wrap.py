@@ -24,6 +24,9 @@ from typing import Callable
 
 import torch
 
+from distplan.planner.strategies import get_strategy
+from distplan.planner.tp import TP_STRATEGIES
+
 from .measure import storage_key
 
 _LOW = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -326,8 +329,6 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
     dimension): the dp dimension of the (dp, tp) mesh, `world_size` its size. `meta`: the model is on the
     meta device (FSDP only): wrapped there, then each rank's parameters made on `device` (`materialize`).
     """
-    from distplan.planner.strategies import get_strategy
-    from distplan.planner.tp import TP_STRATEGIES
 
     strategy = get_strategy(strategy_name)
     if strategy.name not in WRAPPERS:

@@ -33,6 +33,9 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from distplan.planner.allocator import collector_paused
+from distplan.planner.config import ATTENTION
+
 HF_LAYER_KEYS = ("num_hidden_layers", "n_layer")
 """config.json keys of the decoder depth (Llama-family, GPT-2)."""
 
@@ -188,7 +191,6 @@ class HFWorkload:
 
     def __init__(self, hf_config: str, micro_batch: int, seq_len: int, layers: int | None = None,
                  attention: str = "sdpa"):
-        from distplan.planner.config import ATTENTION
         if attention not in ATTENTION:
             raise ValueError(f"--attention={attention!r}: accepted values are {', '.join(ATTENTION)}")
         self.hf_config = str(hf_config)
@@ -411,7 +413,6 @@ def frozen_imports():
     this way before they fork, as the `gc.freeze` documentation advises before a fork."""
     import gc
 
-    from distplan.planner.allocator import collector_paused
 
     before = len(sys.modules)
     with collector_paused():
