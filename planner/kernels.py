@@ -51,8 +51,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from .activations import _hf_mask, block_linears, saved_linears, sp_tokens
+from .activations import _hf_mask, block_linears, regime_for, saved_linears, sp_tokens
 from .config import TrainConfig
+from .cp import attention_flops_factor
 
 _EAGER_FWD_KERNELS, _COMPILED_FWD_KERNELS = 45, 12
 """Kernels per block forward: transformers' LlamaDecoderLayer issues ~45 (7 GEMMs, SDPA, 2 x 7 for the
@@ -124,7 +125,6 @@ def _gemm(flops: float, rate: float, fixed: float) -> float:
 def step_bound(train: TrainConfig, gpu, family: str) -> str:
     """'host' where the host issuing one micro-step's eager ops outlasts the GPU's kernels, else 'gpu' (what
     `distplan validate` judges a probe's step time by: a host-bound time is reported, not judged)."""
-    from .activations import regime_for
     kt = kernel_times(train, gpu, regime_for(train, family))
     return "host" if kt.host_s >= kt.gpu_s(train.model.layers) else "gpu"
 
@@ -174,30 +174,91 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
     peak, rate, half = matmul_rates(dict(flops), eff, half, train.precision)
     bw = hbm * hbm_eff
     m = train.model
-    # One tensor-parallel rank's shapes (tp.py): heads, MLP columns and vocabulary / tp; the norms,
-    # residual adds and dropouts on s/tp tokens with sequence parallelism, on all s without.
-    t = train.tp
-    b, s, h, f, V = train.micro_batch, train.seq_len, m.hidden, m.ffn_hidden // t, -(-m.vocab // t)
+    compiled = train.compile
+
+    # -- GEMMs of one block: (m, k, n) per Linear, forward; backward = 2 GEMMs of the same FLOPs
+    linears = block_linears(m, train.tp)
+    times = [_gemm(2.0 * train.micro_batch * train.seq_len * i * o, rate, half) for i, o, _ in linears]
+    gemm_fwd = sum(times)
+    gemms = len(linears)
+    attn_fwd, attn_bwd, attn_mem_fwd, attn_kernels = _attention_seconds_and_bytes(train, regime, peak, rate, half,
+                                                                                  att_eff, att_bwd_eff)
+    mem, qk_kernels = _block_pointwise_bytes(train, regime)
+    mem += attn_mem_fwd
+
+    fwd_kernels = (_COMPILED_FWD_KERNELS if compiled else _EAGER_FWD_KERNELS) - 1 + attn_kernels + qk_kernels
+    mem_fwd = mem / bw
+    # autocast casts each fp32 weight to 16-bit in forward (read 4, write 2 bytes per element; cached for the
+    # region, so once per micro-step) and casts its 16-bit gradient back to fp32 in backward (read 2, write 4)
+    cast = 6.0 * sum(i * o for i, o, _ in linears) / bw if regime == "autocast" else 0.0
+    mem_fwd += cast
+    block_fwd = gemm_fwd + attn_fwd + mem_fwd + fwd_kernels * k_over
+    block_bwd = 2 * gemm_fwd + attn_bwd + 2 * mem_fwd - cast + 2 * fwd_kernels * k_over
+    recompute_mem = 0.0
+    if train.checkpointing == "full" or train.checkpointing.startswith("every-"):
+        # the share of blocks recomputed: blocks 0, K, 2K, ... (ceil(L / K) of L)
+        per = recomputed_share(train)
+        block_bwd += per * block_fwd
+        recompute_mem = per * mem_fwd
+        recompute_gemm = per * gemm_fwd
+        recompute_attn = per * attn_fwd
+    elif train.checkpointing in ("selective", "selective-op"):
+        # the pointwise ops, and the GEMMs whose outputs the policy does not save (selective-op: every 2nd mm)
+        unsaved = [t for t, keep in zip(times, saved_linears(train)) if not keep]
+        recompute_gemm = sum(unsaved)
+        block_bwd += mem_fwd + recompute_gemm + (fwd_kernels - gemms - attn_kernels + len(unsaved)) * k_over
+        recompute_mem, recompute_attn = mem_fwd, 0.0
+    else:
+        recompute_gemm = recompute_attn = 0.0
+
+    head_gemm, head_mem_fwd, head_mem_bwd = _head_seconds_and_bytes(train, regime, rate, half)
+    head_kernels = 20
+    head_fwd = head_gemm + head_mem_fwd / bw + head_kernels * k_over
+    head_bwd = 2 * head_gemm + head_mem_bwd / bw + 2 * head_kernels * k_over
+
+    # -- once per optimizer step: with gradient accumulation, AccumulateGrad adds each later micro-step's
+    # gradient into .grad (read 2 x grad_bytes, write grad_bytes per parameter) where the grads are whole
+    per_step = 0.0
+    if regime == "autocast" and train.grad_accum > 1:
+        per_step += (train.grad_accum - 1) * m.param_count() * 3 * train.prec.grad_bytes / bw
+
+    L = m.layers
+    recompute_kernels = (fwd_kernels - gemms - attn_kernels if train.checkpointing.startswith("selective")
+                         else fwd_kernels * recomputed_share(train))
+    if compiled:
+        host = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
+    else:
+        ops_fwd, ops_bwd, out_fwd, out_bwd = host_ops(train, regime, linears)
+        host = (L * (ops_fwd + ops_bwd) + out_fwd + out_bwd) * host_op
+    matmul = L * (3 * gemm_fwd + recompute_gemm) + 3 * head_gemm
+    attention = L * (attn_fwd + attn_bwd + recompute_attn)
+    memory = (L * (3 * mem_fwd + recompute_mem) + (head_mem_fwd + head_mem_bwd) / bw)
+    launch = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * k_over
+    return KernelTimes(block_fwd, block_bwd, head_fwd, head_bwd, per_step, host, matmul, attention, memory, launch)
+
+
+def _matmul_output_bytes(regime: str) -> int:
+    return 4 if regime == "fp32" else 2            # matmul outputs, attention
+
+
+def _residual_bytes(regime: str) -> int:
+    return 4 if regime in ("fp32", "autocast") else 2  # residual stream (fp32 under autocast: fp32 + bf16 -> fp32)
+
+
+def _attention_seconds_and_bytes(train: TrainConfig, regime: str, peak: float, rate: float, half: float,
+                                 att_eff: float, att_bwd_eff: float) -> tuple:
+    """One block's attention: (forward seconds, backward seconds, forward memory-bound bytes, kernels)."""
+    m, t = train.model, train.tp
+    b, s = train.micro_batch, train.seq_len
     n = b * s
     d = m.head_dim
     q = m.q_dim // t
     kv = m.kv_heads * d // t
     heads = m.heads // t
-    n_res = sp_tokens(train, n)
-    c = 4 if regime == "fp32" else 2            # matmul outputs, attention
-    r = 4 if regime in ("fp32", "autocast") else 2  # residual stream (fp32 under autocast: fp32 + bf16 -> fp32)
-    compiled = train.compile
-
-    # -- GEMMs of one block: (m, k, n) per Linear, forward; backward = 2 GEMMs of the same FLOPs
-    linears = block_linears(m, t)
-    times = [_gemm(2.0 * n * i * o, rate, half) for i, o, _ in linears]
-    gemm_fwd = sum(times)
-    gemms = len(linears)
-
+    c = _matmul_output_bytes(regime)
     # -- attention
     attn_flops = 4.0 * b * s * s * m.q_dim / t  # QK^T and AV (Narayanan et al. 2021, Eq. 3; h = heads x head_dim)
     if train.cp > 1:  # a context-parallel rank's s/cp queries against the whole sequence (cp.py)
-        from .cp import attention_flops_factor
         attn_flops *= attention_flops_factor(train)
     masked = _hf_mask(train)
     if train.attention == "sdpa":
@@ -227,25 +288,42 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         if m.attn_softcap:  # Gemma-2: / cap, tanh, * cap over the scores, each a read and a write
             attn_mem_fwd += scores * 6 * c
             attn_kernels += 3
+    return attn_fwd, attn_bwd, attn_mem_fwd, attn_kernels
 
+
+def _norm_bytes(train: TrainConfig, elems: int, x: int) -> float:
+    """An RMSNorm over `elems` elements of `x` bytes (the residual stream's, or q/k's for Qwen3's q_norm
+    and k_norm, which read the projections' outputs)."""
+    if train.compile or train.model.norm == "layernorm":
+        return elems * 2.0 * x  # one fused kernel (or ATen's native layer_norm): read x, write y
+    upcast = 0 if x == 4 else x + 4
+    downcast = 0 if x == 4 else 4 + x
+    return elems * (upcast + 8 + 4 + 8 + downcast + 2 * x)  # to fp32, pow, mean, mul, to, weight mul
+
+
+def _block_pointwise_bytes(train: TrainConfig, regime: str) -> tuple:
+    """One block's forward memory-bound bytes outside attention's own, and the kernels Qwen3's q/k norms add."""
+    # One tensor-parallel rank's shapes (tp.py): heads, MLP columns and vocabulary / tp; the norms,
+    # residual adds and dropouts on s/tp tokens with sequence parallelism, on all s without.
+    m, t = train.model, train.tp
+    b, s, h, f = train.micro_batch, train.seq_len, m.hidden, m.ffn_hidden // t
+    n = b * s
+    d = m.head_dim
+    q = m.q_dim // t
+    kv = m.kv_heads * d // t
+    heads = m.heads // t
+    n_res = sp_tokens(train, n)
+    c, r = _matmul_output_bytes(regime), _residual_bytes(regime)
+    compiled = train.compile
     # -- memory-bound bytes of one block forward
-    def norm_bytes(elems: int, x: int = r) -> float:
-        """An RMSNorm over `elems` elements of `x` bytes (the residual stream's, or q/k's for Qwen3's q_norm
-        and k_norm, which read the projections' outputs)."""
-        if compiled or m.norm == "layernorm":
-            return elems * 2.0 * x  # one fused kernel (or ATen's native layer_norm): read x, write y
-        upcast = 0 if x == 4 else x + 4
-        downcast = 0 if x == 4 else 4 + x
-        return elems * (upcast + 8 + 4 + 8 + downcast + 2 * x)  # to fp32, pow, mean, mul, to, weight mul
-
     nh = n * h
     nh_res = n_res * h
     # Gemma-2's sandwich norms: four per block; its RMSNorm multiplies by (1 + weight) in fp32 before the
     # downcast, the same passes as Llama's in another order
-    mem = (4 if m.sandwich_norms else 2) * norm_bytes(nh_res)
+    mem = (4 if m.sandwich_norms else 2) * _norm_bytes(train, nh_res, r)
     qk_kernels = 0
     if m.qk_norm:  # Qwen3's q_norm and k_norm over head_dim, on the projections' outputs (c bytes)
-        mem += norm_bytes(n * (q + kv), c)
+        mem += _norm_bytes(train, n * (q + kv), c)
         qk_kernels = 0 if compiled else 14
     if m.position == "rope":
         rot = n * (q + kv) * (m.rotary_dim / d if m.rotary_dim else 1.0)
@@ -264,69 +342,30 @@ def _kernel_times(train: TrainConfig, regime: str, key: tuple) -> KernelTimes:
         mem += nh * (3 + (2 if m.mlp == "swiglu" else 1)) * 6
     drop = (m.resid_dropout > 0) * 2 * nh_res + (m.attn_dropout > 0 and train.attention != "sdpa") * b * heads * s * s
     mem += drop * (3 * c + 1)  # mask generation, mul
-    mem += attn_mem_fwd
+    return mem, qk_kernels
 
-    fwd_kernels = (_COMPILED_FWD_KERNELS if compiled else _EAGER_FWD_KERNELS) - 1 + attn_kernels + qk_kernels
-    mem_fwd = mem / bw
-    # autocast casts each fp32 weight to 16-bit in forward (read 4, write 2 bytes per element; cached for the
-    # region, so once per micro-step) and casts its 16-bit gradient back to fp32 in backward (read 2, write 4)
-    cast = 6.0 * sum(i * o for i, o, _ in linears) / bw if regime == "autocast" else 0.0
-    mem_fwd += cast
-    block_fwd = gemm_fwd + attn_fwd + mem_fwd + fwd_kernels * k_over
-    block_bwd = 2 * gemm_fwd + attn_bwd + 2 * mem_fwd - cast + 2 * fwd_kernels * k_over
-    recompute_mem = 0.0
-    if train.checkpointing == "full" or train.checkpointing.startswith("every-"):
-        # the share of blocks recomputed: blocks 0, K, 2K, ... (ceil(L / K) of L)
-        per = recomputed_share(train)
-        block_bwd += per * block_fwd
-        recompute_mem = per * mem_fwd
-        recompute_gemm = per * gemm_fwd
-        recompute_attn = per * attn_fwd
-    elif train.checkpointing in ("selective", "selective-op"):
-        # the pointwise ops, and the GEMMs whose outputs the policy does not save (selective-op: every 2nd mm)
-        unsaved = [t for t, keep in zip(times, saved_linears(train)) if not keep]
-        recompute_gemm = sum(unsaved)
-        block_bwd += mem_fwd + recompute_gemm + (fwd_kernels - gemms - attn_kernels + len(unsaved)) * k_over
-        recompute_mem, recompute_attn = mem_fwd, 0.0
-    else:
-        recompute_gemm = recompute_attn = 0.0
 
+def _head_seconds_and_bytes(train: TrainConfig, regime: str, rate: float, half: float) -> tuple:
+    """Outside the blocks: (the head GEMM's forward seconds, forward bytes, backward bytes)."""
     # -- outside the blocks: embedding, final norm, head, loss
+    m, t = train.model, train.tp
+    n = train.micro_batch * train.seq_len
+    h, V = m.hidden, -(-m.vocab // t)
+    nh_res = sp_tokens(train, n) * h
+    c, r = _matmul_output_bytes(regime), _residual_bytes(regime)
     head_gemm = _gemm(2.0 * n * h * V, rate, half)
     logits = n * V
     up = 0 if c == 4 else c + 4  # logits.float() and its backward
-    head_mem_fwd = norm_bytes(nh_res) + nh_res * (c + r) + logits * (up + 8)  # norm, embedding gather, cast + log_softmax
+    head_mem_fwd = _norm_bytes(train, nh_res, r) + nh_res * (c + r) + logits * (up + 8)  # norm, embedding gather, cast + log_softmax
     head_mem_fwd += 6.0 * V * h if regime == "autocast" else 0.0  # the head weight's cast (as the blocks')
     if m.final_softcap:  # Gemma-2: / cap, tanh, * cap over the logits (backward: the tanh's and two scalings)
         head_mem_fwd += logits * 6 * c
     grad_b = train.prec.grad_bytes
-    head_mem_bwd = (2 * norm_bytes(nh_res) + logits * (4 + 12 + up)  # nll grad fill, log_softmax bwd, cast bwd
+    head_mem_bwd = (2 * _norm_bytes(train, nh_res, r) + logits * (4 + 12 + up)  # nll grad fill, log_softmax bwd, cast bwd
                     + V * h * grad_b + nh_res * r                  # embedding grad: zero fill + index add
                     + (6.0 * V * h if regime == "autocast" else 0.0)  # the head weight gradient's cast
                     + (logits * 8 * c if m.final_softcap else 0.0))
-    head_kernels = 20
-    head_fwd = head_gemm + head_mem_fwd / bw + head_kernels * k_over
-    head_bwd = 2 * head_gemm + head_mem_bwd / bw + 2 * head_kernels * k_over
-
-    # -- once per optimizer step: with gradient accumulation, AccumulateGrad adds each later micro-step's
-    # gradient into .grad (read 2 x grad_bytes, write grad_bytes per parameter) where the grads are whole
-    per_step = 0.0
-    if regime == "autocast" and train.grad_accum > 1:
-        per_step += (train.grad_accum - 1) * m.param_count() * 3 * grad_b / bw
-
-    L = m.layers
-    recompute_kernels = (fwd_kernels - gemms - attn_kernels if train.checkpointing.startswith("selective")
-                         else fwd_kernels * recomputed_share(train))
-    if compiled:
-        host = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * _HOST_OPS_PER_KERNEL * host_op
-    else:
-        ops_fwd, ops_bwd, out_fwd, out_bwd = host_ops(train, regime, linears)
-        host = (L * (ops_fwd + ops_bwd) + out_fwd + out_bwd) * host_op
-    matmul = L * (3 * gemm_fwd + recompute_gemm) + 3 * head_gemm
-    attention = L * (attn_fwd + attn_bwd + recompute_attn)
-    memory = (L * (3 * mem_fwd + recompute_mem) + (head_mem_fwd + head_mem_bwd) / bw)
-    launch = (L * (3 * fwd_kernels + recompute_kernels) + 3 * head_kernels) * k_over
-    return KernelTimes(block_fwd, block_bwd, head_fwd, head_bwd, per_step, host, matmul, attention, memory, launch)
+    return head_gemm, head_mem_fwd, head_mem_bwd
 
 
 _RECOMPUTE_OPS = {"full": 1.9, "selective": 1.6, "selective-op": 1.8}

@@ -931,100 +931,140 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed, period: int = 1,
     events = log.get("events")
     if not events:
         return None
-    last = depth - 1
-    w0, m_last = period + 1, traced - 1  # the window's first traced layer, the last traced layer
+    x = _LogExpansion(depth, layer_of, renamed, period, traced)
+    x.tag_regions(events)
+    if not x.repeats_alike():
+        return None
+    if not x.group_blocks():
+        return None
+    try:
+        out = x.deep_events()
+    except (LookupError, KeyError):
+        return None
+    return x.renumbered(out, log)
 
-    def tmpl(j: int) -> int:  # the window layer a traced (or deep) layer j >= w0 repeats, by its kind
-        return w0 + (j - w0) % period
-    # traced layer -> its layer in the deep model (the window's: w0 .. last - 1, by kind)
-    target = {**{j: j for j in range(w0)}, m_last: last}
-    region = None
-    tagged = []  # (region (kind, traced layer) or None, event)
-    backward = False  # (a checkpointed layer's recomputation runs its forward hooks again inside its backward)
-    for e in events:
-        j = layer_of(e[1]) if e[0] >= 3 and isinstance(e[1], str) else None
-        backward = backward or e[0] == 5
-        if e[0] == 3 and j is not None and not backward:
-            region = ("F", j)
-        elif e[0] == 5 and j is not None:
-            region = ("B", j)
-        if e[0] == 4 and e[1] == "root":
-            region = None
-        tagged.append((region, e))
-        if e[0] == 6 and j == 0:
-            region = None
-    owner: dict = {}  # traced id -> (kind, traced layer, place) or ("root", id)
-    sizes: dict = {}  # (kind, traced layer) -> the region's allocation sizes in order
-    for r, e in tagged:
-        if e[0] == 1:
-            if r is None:
-                owner[e[1]] = ("root", e[1])
-            else:
-                got = sizes.setdefault(r, [])
-                owner[e[1]] = (r[0], r[1], len(got))
-                got.append(e[2])
-    for kind in ("F", "B"):  # (the last layer's forward goes on with the root's ops after it: the head, the loss)
-        for j in range(w0, w0 + period):  # each window layer as the layer of its kind one period before
-            middle = sizes.get((kind, j))
-            if not middle or sizes.get((kind, j - period)) != middle:
-                return None
-        if any(sizes.get((kind, u)) != sizes.get((kind, tmpl(u))) for u in range(w0 + period, m_last)):
-            return None
-        middle = sizes[(kind, tmpl(m_last))]
-        if sizes.get((kind, m_last), [])[:len(middle)] != middle:
-            return None
 
-    def layers(j: int) -> list:  # the deep model's layers traced layer j stands for, in forward order
-        if j < w0 or j == m_last:
-            return [target[j]]
-        return [t for t in range(w0, last) if tmpl(t) == j] if j < w0 + period else []
+class _LogExpansion:
+    """`_expanded_log`'s state: the layer scheme (`period`, `traced`, the deep model's `last` layer), each
+    event's region, each traced allocation's owner (region and place, or the root) and each region's
+    allocation sizes in order."""
 
-    def source(t: int) -> int:  # the traced layer whose tensors layer t's are
-        return t if t < w0 else m_last if t == last else tmpl(t)
+    def __init__(self, depth: int, layer_of, renamed, period: int, traced: int):
+        self.layer_of, self.renamed, self.period = layer_of, renamed, period
+        self.last = depth - 1
+        self.w0, self.m_last = period + 1, traced - 1  # the window's first traced layer, the last traced layer
+        # traced layer -> its layer in the deep model (the window's: w0 .. last - 1, by kind)
+        self.target = {**{j: j for j in range(self.w0)}, self.m_last: self.last}
 
-    def name(x, t: int):  # the deep model's tensor: x (traced) of layer t
-        o = owner[x]
+    def tmpl(self, j: int) -> int:  # the window layer a traced (or deep) layer j >= w0 repeats, by its kind
+        return self.w0 + (j - self.w0) % self.period
+
+    def tag_regions(self, events: list) -> None:
+        """`tagged`: (region (kind, traced layer) or None, event) of each event; `owner`: traced id -> (kind,
+        traced layer, place) or ("root", id); `sizes`: (kind, traced layer) -> the region's allocation sizes in order."""
+        region = None
+        tagged = []  # (region (kind, traced layer) or None, event)
+        backward = False  # (a checkpointed layer's recomputation runs its forward hooks again inside its backward)
+        for e in events:
+            j = self.layer_of(e[1]) if e[0] >= 3 and isinstance(e[1], str) else None
+            backward = backward or e[0] == 5
+            if e[0] == 3 and j is not None and not backward:
+                region = ("F", j)
+            elif e[0] == 5 and j is not None:
+                region = ("B", j)
+            if e[0] == 4 and e[1] == "root":
+                region = None
+            tagged.append((region, e))
+            if e[0] == 6 and j == 0:
+                region = None
+        owner: dict = {}  # traced id -> (kind, traced layer, place) or ("root", id)
+        sizes: dict = {}  # (kind, traced layer) -> the region's allocation sizes in order
+        for r, e in tagged:
+            if e[0] == 1:
+                if r is None:
+                    owner[e[1]] = ("root", e[1])
+                else:
+                    got = sizes.setdefault(r, [])
+                    owner[e[1]] = (r[0], r[1], len(got))
+                    got.append(e[2])
+        self.tagged, self.owner, self.sizes = tagged, owner, sizes
+
+    def repeats_alike(self) -> bool:
+        """Whether the repeated layers' allocations are alike in size."""
+        sizes, w0, period, m_last = self.sizes, self.w0, self.period, self.m_last
+        for kind in ("F", "B"):  # (the last layer's forward goes on with the root's ops after it: the head, the loss)
+            for j in range(w0, w0 + period):  # each window layer as the layer of its kind one period before
+                middle = sizes.get((kind, j))
+                if not middle or sizes.get((kind, j - period)) != middle:
+                    return False
+            if any(sizes.get((kind, u)) != sizes.get((kind, self.tmpl(u))) for u in range(w0 + period, m_last)):
+                return False
+            middle = sizes[(kind, self.tmpl(m_last))]
+            if sizes.get((kind, m_last), [])[:len(middle)] != middle:
+                return False
+        return True
+
+    def layers(self, j: int) -> list:  # the deep model's layers traced layer j stands for, in forward order
+        if j < self.w0 or j == self.m_last:
+            return [self.target[j]]
+        return [t for t in range(self.w0, self.last) if self.tmpl(t) == j] if j < self.w0 + self.period else []
+
+    def source(self, t: int) -> int:  # the traced layer whose tensors layer t's are
+        return t if t < self.w0 else self.m_last if t == self.last else self.tmpl(t)
+
+    def name(self, x, t: int):  # the deep model's tensor: x (traced) of layer t
+        o = self.owner[x]
         if o[0] == "root":
             return o
-        src = sizes.get((o[0], source(t)), ())
-        if not 0 <= t <= last or o[2] >= len(src) or src[o[2]] != sizes[(o[0], o[1])][o[2]]:
+        src = self.sizes.get((o[0], self.source(t)), ())
+        if not 0 <= t <= self.last or o[2] >= len(src) or src[o[2]] != self.sizes[(o[0], o[1])][o[2]]:
             raise LookupError
         return (o[0], t, o[2])
 
-    blocks: list = []  # (region, its events), consecutive
-    for r, e in tagged:
-        if blocks and blocks[-1][0] == r:
-            blocks[-1][1].append(e)
-        else:
-            blocks.append((r, [e]))
-    by_region: dict = {}
-    for r, block in blocks:
-        if r is not None:
-            if r in by_region:
-                return None
-            by_region[r] = block
+    def group_blocks(self) -> bool:
+        """`blocks`: (region, its events), consecutive; `by_region`: region -> its block. False where a
+        region's events are not one run."""
+        blocks: list = []  # (region, its events), consecutive
+        for r, e in self.tagged:
+            if blocks and blocks[-1][0] == r:
+                blocks[-1][1].append(e)
+            else:
+                blocks.append((r, [e]))
+        by_region: dict = {}
+        for r, block in blocks:
+            if r is not None:
+                if r in by_region:
+                    return False
+                by_region[r] = block
+        self.blocks, self.by_region = blocks, by_region
+        return True
 
-    def emitted(r) -> list:
+    def emitted(self, r) -> list:
         """(region, deep layer, events) to write where region r's events stand: a layer kept as traced or the
         last as itself; at the window's first region in run order (forward: its first layer; backward, which
         reaches deeper layers first: its last), every window copy in deep-layer order, each its kind's region;
         the window's other regions and the neighbours after it nothing."""
         kind, j = r
-        if j < w0 or j == m_last:
-            return [(r, target[j], by_region[r])]
-        if j != (w0 if kind == "F" else w0 + period - 1):
+        w0, last = self.w0, self.last
+        if j < w0 or j == self.m_last:
+            return [(r, self.target[j], self.by_region[r])]
+        if j != (w0 if kind == "F" else w0 + self.period - 1):
             return []
         deep = range(w0, last) if kind == "F" else range(last - 1, w0 - 1, -1)
-        return [((kind, tmpl(t)), t, by_region[(kind, tmpl(t))]) for t in deep]
+        return [((kind, self.tmpl(t)), t, self.by_region[(kind, self.tmpl(t))]) for t in deep]
 
-    def run():  # (region, deep layer, event) in the deep model's order
-        for r0, block0 in blocks:
-            for r, t, block in (emitted(r0) if r0 is not None else [(None, None, block0)]):
+    def run(self):  # (region, deep layer, event) in the deep model's order
+        for r0, block0 in self.blocks:
+            for r, t, block in (self.emitted(r0) if r0 is not None else [(None, None, block0)]):
                 for e in block:
                     yield r, t, e
-    out: list = []
-    try:
-        for r, t, e in run():
+
+    def deep_events(self) -> list:
+        """The deep model's events, tensors named (kind, deep layer, place) or ("root", id); raises
+        LookupError where a repeated region frees a tensor of the root or names a layer past the ends."""
+        layer_of, renamed, owner, name = self.layer_of, self.renamed, self.owner, self.name
+        out: list = []
+        for r, t, e in self.run():
             shift = 0 if r is None else t - r[1]
             if e[0] == 1:
                 out.append((1, name(e[1], t) if r is not None else owner[e[1]], e[2]))
@@ -1033,40 +1073,43 @@ def _expanded_log(log: dict, depth: int, layer_of, renamed, period: int = 1,
                 if o is None:  # (not made in the step: never logged)
                     continue
                 if o[0] == "root":
-                    if r is not None and w0 <= r[1] < w0 + period:  # (a repeated region)
+                    if r is not None and self.w0 <= r[1] < self.w0 + self.period:  # (a repeated region)
                         raise LookupError
                     out.append((0, o))
                 elif r is None:  # every copy's, where a middle layer's
-                    out.extend((0, name(e[1], t_)) for t_ in layers(o[1]))
+                    out.extend((0, name(e[1], t_)) for t_ in self.layers(o[1]))
                 else:
                     out.append((0, name(e[1], o[1] + shift)))
             elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None and r is not None:
                 m = layer_of(e[1]) + shift
-                if not 0 <= m <= last:
+                if not 0 <= m <= self.last:
                     raise LookupError
                 out.append((e[0], renamed(e[1], layer_of(e[1]), m)))
             elif e[0] >= 3 and isinstance(e[1], str) and layer_of(e[1]) is not None:
-                out.append((e[0], renamed(e[1], layer_of(e[1]), target.get(layer_of(e[1]), layer_of(e[1])))))
+                out.append((e[0], renamed(e[1], layer_of(e[1]), self.target.get(layer_of(e[1]), layer_of(e[1])))))
             else:
                 out.append(tuple(e))
-    except (LookupError, KeyError):
-        return None
-    ids: dict = {}
-    for e in out:
-        if e[0] == 1:
-            ids[e[1]] = len(ids) + 1
-    events_out = _frees_in_order([[1, ids[e[1]], e[2]] if e[0] == 1 else [0, ids[e[1]]] if e[0] == 0 else list(e)
-                                  for e in out])
+        return out
 
-    def every(x):  # the deep model's tensors of traced id x that outlive the step (each middle layer's)
-        o = owner.get(x)
-        if o is None or o[0] == "root":
-            return [(o, None)] if o is not None else []
-        return [((o[0], t, o[2]), t) for t in layers(o[1])]
-    kept = sorted(ids[n] for x in log.get("kept", ()) for n, _ in every(x) if n in ids)
-    grads = sorted([ids[n], renamed(g, layer_of(g), t) if t is not None and layer_of(g) is not None else g]
-                   for x, g in log.get("grads", ()) for n, t in every(x) if n in ids)
-    return {"events": events_out, "kept": kept, "grads": grads}
+    def renumbered(self, out: list, log: dict) -> dict:
+        """{"events", "kept", "grads"} as `close_log`'s, ids renumbered in allocation order."""
+        layer_of, renamed = self.layer_of, self.renamed
+        ids: dict = {}
+        for e in out:
+            if e[0] == 1:
+                ids[e[1]] = len(ids) + 1
+        events_out = _frees_in_order([[1, ids[e[1]], e[2]] if e[0] == 1 else [0, ids[e[1]]] if e[0] == 0 else list(e)
+                                      for e in out])
+
+        def every(x):  # the deep model's tensors of traced id x that outlive the step (each middle layer's)
+            o = self.owner.get(x)
+            if o is None or o[0] == "root":
+                return [(o, None)] if o is not None else []
+            return [((o[0], t, o[2]), t) for t in self.layers(o[1])]
+        kept = sorted(ids[n] for x in log.get("kept", ()) for n, _ in every(x) if n in ids)
+        grads = sorted([ids[n], renamed(g, layer_of(g), t) if t is not None and layer_of(g) is not None else g]
+                       for x, g in log.get("grads", ()) for n, t in every(x) if n in ids)
+        return {"events": events_out, "kept": kept, "grads": grads}
 
 
 def user_code_error(flag: str, label: str, what: str, exc: BaseException) -> ValueError:
@@ -1123,314 +1166,47 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
     """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_leaves
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: accepted values are {', '.join(_DTYPES)}")
     if device not in KERNEL_DEVICES:
         raise ValueError(f"device={device!r}: accepted values are {', '.join(KERNEL_DEVICES)}")
-    factory_path = work.label
-    shape = tuple(work.input_shape)
     t0 = time.perf_counter()
     autocast = dtype.startswith("autocast-")
     fsdp_mixed = dtype.startswith(("fsdp-", "fsdp1-"))  # FSDP's mixed precision: the root casts the batch
     tdtype = getattr(torch, dtype.split("-")[-1])
-    flag = "--hf-config" if work.kind == "hf" else "--module"
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-        try:
-            model = work.build()
-        except ValueError as exc:
-            raise ValueError(str(exc).splitlines()[0][:300]) from None
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - user code; SystemExit too
-            raise user_code_error(flag, factory_path, "building the model" if work.kind == "hf" else "the factory",
-                                  exc) from None
-        _check_model(torch, model, flag, factory_path)
-        if checkpoint_every:
-            # as the probes apply it (validate/probe.py; a transformers model: its own): only the step's log is of use from such a trace (its
-            # recomputations in backward, in host order); the rest of the profile is a checkpointed run's
-            work.enable_checkpointing(model, work.units(model), checkpoint_every)
-        # FSDP1 under mixed precision wraps each module of these classes apart, in full precision
-        # (`fsdp/wrap.py` `_wrap_module_cls_individually` with `mixed_precision=None`)
-        full_precision = _fsdp1_full_precision_modules(torch, model) if dtype.startswith("fsdp1-") else []
-        kept32 = {id(t) for _, m in full_precision for t in list(m.parameters()) + list(m.buffers())}
-        # each parameter's and buffer's bytes as the factory built them (before the casts below): pure
-        # 16-bit training builds the module so and casts it after `model.to(device)`
-        built_bytes = {id(t): int(t.numel() * t.element_size())
-                       for t in list(model.parameters()) + list(model.buffers())}
-        if not autocast and tdtype != torch.float32:
-            # Module.to() swaps tensors, which fake tensors refuse; assigning .data casts in place.
-            # FSDP's mixed precision casts parameters only; a module's own `.to(dtype)` casts buffers too
-            # (FSDP1's `buffer_dtype` too, the probes' MixedPrecision(buffer_dtype=param_dtype)).
-            casts = list(model.parameters()) + ([] if work.kind == "hf" else list(model.buffers()))
-            for t in casts:
-                if t.is_floating_point() and id(t) not in kept32:
-                    t.data = t.data.to(tdtype)
-        if full_precision:
-            from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
-            # the forward pre- and post-hooks FSDP1 registers on them: the input cast to fp32, the output
-            # back to the input's dtype
-            _override_module_mixed_precision(model, _fsdp1_full_precision_classes(torch))
+        model, full_precision, built_bytes = _built_model(torch, work, dtype, tdtype, checkpoint_every)
         model.train()
         unit_modules = work.units(model)
         owner = {}
         for uname, um in full_precision + unit_modules:  # a BatchNorm's parameters are its own unit's
             for p in um.parameters():
                 owner.setdefault(id(p), uname)
-
-        # Parameters, once each (tied weights), grouped by the unit that owns them.
-        seen: set = set()
-        units: dict[str, dict] = {}
-        param_keys = set()
-        for name, p in model.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            param_keys.add(_storage_key(p))
-            unit = owner.get(id(p), "root")
-            u = units.setdefault(unit, {"name": unit, "params": [], "numel": 0})
-            u["params"].append([name, list(p.shape)])
-            u["numel"] += p.numel()
-        # Tied parameters (an embedding shared with the LM head): reached under more than one name.
-        names_of: dict = {}
-        for _, p in model.named_parameters(remove_duplicate=False):
-            names_of[id(p)] = names_of.get(id(p), 0) + 1
-        tied = [int(p.numel()) for p in model.parameters() if p.requires_grad and names_of[id(p)] > 1]
-        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-        buffer_dtypes: dict = {}  # DDP broadcasts buffers per dtype (module_plan.module_collectives)
-        for b in model.buffers():
-            key = str(b.dtype).replace("torch.", "")
-            buffer_dtypes[key] = buffer_dtypes.get(key, []) + [int(b.numel() * b.element_size())]
-        construct: list = []
-        construct_names: list = []  # each one's parameter name ("" for a buffer)
-        construct_built: list = []  # each one's bytes as built
-        construct_paths: list = []  # each one's qualified name, a buffer's too (expand_layers repeats a layer's)
-        moved: set = set()
-        param_name = {id(p): n for n, p in model.named_parameters()}
-        tensor_path = {**{id(b): n for n, b in model.named_buffers()}, **param_name}
-
-        def apply_order(mod) -> None:
-            for child in mod.children():
-                apply_order(child)
-            for t in list(mod._parameters.values()) + list(mod._buffers.values()):
-                if t is not None and id(t) not in moved:
-                    moved.add(id(t))
-                    construct.append(int(t.numel() * t.element_size()))
-                    construct_names.append(param_name.get(id(t), ""))
-                    construct_built.append(built_bytes.get(id(t), construct[-1]))
-                    construct_paths.append(tensor_path.get(id(t), ""))
-        apply_order(model)
+        units, param_keys, tied = _parameters_by_unit(model, owner)
+        buffers, buffer_dtypes = _buffer_bytes_by_dtype(model)
+        construct = _construct_order(model, built_bytes)
         n_params = sum(u["numel"] for u in units.values())
         pbytes = next(iter(model.parameters())).element_size() if n_params else 4
 
         inputs = work.inputs(torch, torch.float32 if autocast or fsdp_mixed else tdtype)
-        # the root's FSDP hooks in the log (after FSDP's cast of the batch, before the units')
-        root_handles = [model.register_forward_pre_hook(lambda *_: bwd.log_marker(3, "root"), prepend=True),
-                        model.register_forward_hook(lambda *_: bwd.log_marker(4, "root"))]
-        if fsdp_mixed:
-            def cast_root_inputs(_mod, args, kwargs):
-                cast = lambda t: t.to(tdtype) if t.is_floating_point() and t.dtype != tdtype else t  # noqa: E731
-                return (tuple(cast(a) if isinstance(a, torch.Tensor) else a for a in args),
-                        {k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-            # first of the root's pre-hooks (FSDP's own runs before the module's forward)
-            model.register_forward_pre_hook(cast_root_inputs, prepend=True, with_kwargs=True)
-        batch_bytes = sum(t.numel() * t.element_size() for t in inputs)
-        saved: dict = {}
-        # Segments of the forward in execution order: each unit's call starts one; what the root
-        # computes between units (functional relu, flatten; a decoder's final norm and head) joins the
-        # segment before it.
-        segments: list[dict] = [{"unit": "root", "activation_bytes": 0, "input_bytes": int(batch_bytes)}]
-
-        bwd = _SegmentTracker(torch)
-        bwd.forward_segment = lambda: len(segments) - 1
-
-        shared_ids: dict = {}
-        in_keys: dict = {}  # the running unit's segment index -> its input's storage key (first positional tensor)
-
-        def pre_hook(name):
-            def hook(_mod, args, kwargs):
-                # The unit's input: its first positional tensor (a decoder layer's hidden states).
-                inp = sum(a.numel() * a.element_size() for a in args[:1] if isinstance(a, torch.Tensor))
-                # The unit's other tensor inputs (a decoder layer's attention mask, RoPE cos/sin and
-                # position ids, passed by keyword, or GPT-2's mask by position): shared by the units, and what
-                # a checkpointed unit's recompute closure keeps alive (`torch.utils.checkpoint`, non-reentrant)
-                # until its backward; counted once, however many units are given them (a positional one was
-                # counted in every unit's input as well: GPT-2 with eager attention's (B, 1, S, S) mask,
-                # one per layer, where the run keeps one).
-                first = {_storage_key(a) for a in args[:1] if isinstance(a, torch.Tensor)}
-                in_keys.clear()  # while the unit runs (its input is alive, so its storage key is its own)
-                in_keys[len(segments)] = first
-                shared = []
-                for t in tree_leaves((args[1:], kwargs)):
-                    if isinstance(t, torch.Tensor):
-                        k = _storage_key(t)
-                        if k not in not_activations and k not in first:
-                            idx = shared_ids.setdefault(k, len(shared_ids))
-                            if all(i != idx for i, _ in shared):
-                                shared.append([idx, int(_storage_nbytes(t))])
-                segments.append({"unit": name, "activation_bytes": 0, "input_bytes": int(inp),
-                                 "shared_inputs": shared,
-                                 # the batch itself (a temporary, not what a checkpointed unit keeps anew)
-                                 "input_is_batch": bool(first & batch_keys),
-                                 # saved already by the ops before (a ReLU's output): an activation, not
-                                 # a checkpointed forward's transient output
-                                 "input_already_saved": any(k_ in saved for k_ in first)})
-                unit = name if name in unit_names else None
-                bwd.log_marker(3, unit)
-                bwd.mark_input(args, len(segments) - 1, unit)
-            return hook
-
-        def post_hook(name):
-            return lambda mod, args, out: after_unit(name if name in unit_names else None, out)
-
-        def after_unit(unit, out):
-            in_keys.clear()  # the root's ops after the unit: a freed input's key may be another storage's
-            bwd.log_marker(4, unit)
-            bwd.mark_output(tree_leaves(out), len(segments) - 1, unit)
-            # what the unit's own call saved; the rest of the segment's saved bytes are the root's ops
-            # after it (kept under a unit's activation checkpointing)
-            segments[-1]["unit_bytes"] = segments[-1]["activation_bytes"]
-            # the unit's own kernels (what a checkpointed unit runs again in backward), before the root's ops
-            # after it join its segment
-            segments[-1]["unit_census"] = bwd.census.of(len(segments) - 1, "forward")
-            # what a checkpointed unit's recomputation holds at its peak: the unit's own forward peak (less
-            # the earlier segments' saved tensors, as `forward_bytes`) and its output
-            idx = len(segments) - 1
-            segments[-1]["unit_forward_bytes"] = int(max(0, bwd.fwd_peak.get(idx, 0)
-                                                         - sum(x["activation_bytes"] for x in segments[:idx])))
-            segments[-1]["unit_output_bytes"] = int(sum(_storage_nbytes(t) for t in tree_leaves(out)
-                                                        if isinstance(t, torch.Tensor)))
-
-        seg_modules = work.segment_modules(model)
-        handles = [m.register_forward_pre_hook(pre_hook(name), with_kwargs=True) for name, m in seg_modules]
-
-        def fp32_unit_hooks(name, mod) -> list:
-            """FSDP1's own units of the BatchNorm modules (inside a unit): their hooks in the log too."""
-            def after(_m, _a, out):
-                bwd.log_marker(4, name)
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(lambda _g: bwd.log_marker(5, name) if name not in fp32_started
-                                        else None)
-                        t.register_hook(lambda _g: fp32_started.add(name))
-            return [mod.register_forward_pre_hook(lambda *_: bwd.log_marker(3, name), prepend=True),
-                    mod.register_forward_hook(after)]
-        fp32_started: set = set()
-        for name, mod in full_precision:
-            handles += fp32_unit_hooks(name, mod)
-        handles += [m.register_forward_hook(post_hook(name)) for name, m in seg_modules]
-        unit_names = {name for name, _ in unit_modules}
-
-        # The input batch is not an activation: it exists before the forward and after it (the probes'
-        # tracker and the planner count it as a temporary, `batch_bytes`); nor are buffers (BatchNorm
-        # saves its running statistics for backward; the planner counts them with the parameters).
-        batch_keys = {_storage_key(x) for x in inputs}
-        not_activations = param_keys | batch_keys | {_storage_key(b) for b in model.buffers()}
-        bwd.not_activations = not_activations
-
-        def pack(t):
-            k = _storage_key(t)
-            if k not in not_activations and k not in saved:
-                saved[k] = _storage_nbytes(t)
-                segments[-1]["activation_bytes"] += saved[k]
-                if k in in_keys.get(len(segments) - 1, ()):
-                    # the unit saves its own input (an RMSNorm's `x.to(float32)` of fp32 hidden states, a
-                    # LayerNorm's input): under checkpointing the recompute saves the kept input again,
-                    # not a copy of it
-                    segments[-1]["input_saved_bytes"] = segments[-1].get("input_saved_bytes", 0) + saved[k]
-                bwd.mark_saved(t.untyped_storage(), saved[k], len(segments) - 1)
-            return t
-
-        # over the forward and the backward (the grouped GEMMs' gradients)
-        with _grouped_mm_any_dtype(torch):
-            try:
-                with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
-                        _quiet_fake_tensor_log(), bwd.forward_mode, \
-                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                        torch.autocast("cpu", dtype=tdtype, enabled=autocast):
-                    loss, loss_kind, out = work.loss(model, inputs)
-                    if not isinstance(out, torch.Tensor):
-                        raise TypeError(f"the forward returned {type(out).__name__}; profile needs a tensor output")
-                    for h in handles + root_handles:
-                        h.remove()
-                    if out.requires_grad:  # the root's pre-backward (FSDP's hook on the root's outputs)
-                        out.register_hook(lambda _g: bwd.log_marker(5, "root"))
-                    segments.append({"unit": "loss", "activation_bytes": 0,
-                                     "input_already_saved": _storage_key(out) in saved,
-                                     "input_bytes": out.numel() * out.element_size()})
-                    bwd.mark_input((out,), len(segments) - 1)
-                # The backward on the same fake tensors: the peak of the bytes it creates and frees within
-                # each segment (activation gradients; parameters' gradients, which outlive it, excluded).
-                # The order the parameters' gradients become ready in is recorded too: DDP rebuilds its
-                # buckets in that order after the first iteration (`Reducer::rebuild_buckets`).
-                ready: list = []
-                hooks = []
-                seen_ready: set = set()
-                # per unit, its parameters whose gradient is not accumulated yet: when none is left, FSDP1's
-                # flat parameter's AccumulateGrad runs its post-backward hook ([7, unit] in the log)
-                pending: dict = {}
-                for _, p in model.named_parameters():
-                    if p.requires_grad:
-                        pending.setdefault(owner.get(id(p), "root"), set()).add(id(p))
-                for name, p in model.named_parameters():
-                    if p.requires_grad and id(p) not in seen_ready:
-                        seen_ready.add(id(p))
-                        def on_ready(t, name=name) -> None:
-                            ready.append([name, int(t.numel())])
-                            bwd.mark_accumulated(t, name)
-                            left = pending.get(owner.get(id(t), "root"))
-                            if left is not None and id(t) in left:
-                                left.discard(id(t))
-                                if not left:
-                                    bwd.log_marker(7, owner.get(id(t), "root"))
-                        hooks.append(p.register_post_accumulate_grad_hook(on_ready))
-                # (a checkpointed unit's recomputation runs the forward's kernels again: CUDA's, as traced)
-                with _cuda_kernels(torch) if device == "cuda" and checkpoint_every else contextlib.nullcontext():
-                    if loss.requires_grad:
-                        bwd.run(loss, len(segments))
-                for h in hooks:
-                    h.remove()
-            except ValueError:
-                raise
-            except Exception as exc:
-                what = "--input-shape=" + ",".join(map(str, shape)) if work.kind != "hf" else f"--hf-config={factory_path!r}"
-                raise ValueError(f"{what}: the forward of {factory_path} "
-                                 f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        rec = _ForwardRecorder(torch, model, inputs, param_keys, {name for name, _ in unit_modules})
+        root_handles = rec.hook_root(model, tdtype if fsdp_mixed else None)
+        handles = rec.hook_units(work.segment_modules(model), full_precision)
+        loss, loss_kind, out, ready = _traced_step(torch, work, model, rec, inputs, handles + root_handles, owner,
+                                                   device, autocast, tdtype, checkpoint_every)
         out_bytes = out.numel() * out.element_size()
         out_shape = list(out.shape)
-        peaks = bwd.segment_peaks()
-        split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
-        split_acc = (bwd.segment_peaks_accumulating(started=False), bwd.segment_peaks_accumulating(started=True))
-        ends = bwd.segment_ends()
-        made = bwd.segment_grads()
-        # each kept segment's kernels, with those of the segments dropped below (a parameter-free child that
-        # saved nothing: a ReLU module) folded into the kept one before it
-        census: dict = {}
-        kept = 0
-        for i, seg in enumerate(segments):
-            if i == 0 or seg["activation_bytes"] or seg["unit"] in units or seg["unit"] == "loss":
-                kept = i
-            both = census.setdefault(kept, [[0] * len(CENSUS_FIELDS), [0] * len(CENSUS_FIELDS)])
-            for mine, theirs in zip(both, (bwd.census.of(i, "forward"), bwd.census.of(i, "backward"))):
-                mine[:] = [a + b for a, b in zip(mine, theirs)]
+        backward = _backward_peaks(rec.bwd)
+        census = _kept_segment_census(rec.segments, units, rec.bwd)
         del loss, out
-        alloc_log = bwd.close_log()
-        # The forward's FLOPs (MFU's numerator: x 3, no recompute) from the census: the GEMMs and convolutions
-        # by torch.utils.flop_counter's formulas, a MoE's grouped GEMMs, and fused attention halved when causal,
-        # as the analytic front end counts it (compute.model_flops; Narayanan et al. 2021, Eq. 3). Not
-        # FlopCounterMode's total: it has no grouped GEMM, and counts the CPU's SDPA in torch 2.15 (unhalved)
-        # but not in 2.13, so the same model's MFU moved with the installed torch.
-        fwd = {i: both[0] for i, both in census.items()}
-        fwd_flops = int(sum(f[0] + f[2] for f in fwd.values()))
-        layer = next((i for i, seg in enumerate(segments) if seg["unit"] == unit_modules[1][0]), None) \
-            if len(unit_modules) > 2 else None
-        layer_flops = int(fwd[layer][0] + fwd[layer][2]) if layer in fwd else 0
+        alloc_log = rec.bwd.close_log()
+        fwd_flops, layer_flops = _forward_flops(census, rec.segments, unit_modules)
     return {
-        "factory": factory_path,
+        "factory": work.label,
         "workload": work.to_spec(),
         "module_class": type(model).__name__,
-        "input_shape": list(shape),
+        "input_shape": list(tuple(work.input_shape)),
         "dtype": dtype,
         "kernels_of": device,
         "params": int(n_params),
@@ -1439,24 +1215,14 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         "tied": tied,
         "buffers_bytes": int(buffers),
         "buffers": [[d, sizes] for d, sizes in buffer_dtypes.items()],
-        "activation_bytes": int(sum(saved.values())),
-        "batch_bytes": int(batch_bytes),
+        "activation_bytes": int(sum(rec.saved.values())),
+        "batch_bytes": int(rec.batch_bytes),
         "output_bytes": int(out_bytes),
         "output_shape": out_shape,
-        "segments": [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
-                                          peaks.get(i, (0, 0, 0)))),
-                          backward_split=[list(p.get(i, (0, 0, 0))) for p in split],
-                          backward_split_accumulating=[list(p.get(i, (0, 0, 0))) for p in split_acc],
-                          backward_end=int(ends.get(i, 0)), grads_made=int(made.get(i, 0)),
-                          census=census.get(i, [[0] * len(CENSUS_FIELDS)] * 2),
-                          kernels=bwd.segment_kernels(i, sum(x["activation_bytes"] for x in segments[:i])),
-                          forward_bytes=max(0, bwd.fwd_peak.get(i, 0)
-                                            - sum(x["activation_bytes"] for x in segments[:i])))
-                     for i, seg in enumerate(segments)
-                     if i == 0 or seg["activation_bytes"] or seg["unit"] in units or seg["unit"] == "loss"],
+        "segments": _segment_records(rec, units, backward, census),
         "loss": loss_kind,
         "grad_ready": ready,
-        "linear_bias": bwd.linear_bias,
+        "linear_bias": rec.bwd.linear_bias,
         "batchnorm": any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()),
         "fp32_units": [name for name, _ in full_precision],
         "forward_flops": fwd_flops,
@@ -1464,7 +1230,383 @@ def _profile_workload(work, dtype: str = "float32", fake: bool = True, device: s
         # the parameters' and buffers' bytes in the order `model.to(device)` allocates them
         # (`Module._apply`: the children first, then the module's own parameters, then its buffers), and the
         # step's allocations (`_SegmentTracker.log`)
-        "construct_bytes": construct, "construct_names": construct_names, "construct_built": construct_built,
-        "construct_paths": construct_paths, "alloc_log": alloc_log,
+        **construct, "alloc_log": alloc_log,
         "profile_s": time.perf_counter() - t0,
     }
+
+
+def _built_model(torch, work, dtype: str, tdtype, checkpoint_every: int) -> tuple:
+    """The workload's model as the trace runs it: built (user code: what it raises, one line naming the
+    flag), checkpointed as the probes apply it, cast to the run's dtype. Returns (model, full_precision:
+    [(name, module)] kept in fp32 by FSDP1's mixed precision, built_bytes: {id(tensor): bytes as built})."""
+    factory_path = work.label
+    autocast = dtype.startswith("autocast-")
+    flag = "--hf-config" if work.kind == "hf" else "--module"
+    try:
+        model = work.build()
+    except ValueError as exc:
+        raise ValueError(str(exc).splitlines()[0][:300]) from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - user code; SystemExit too
+        raise user_code_error(flag, factory_path, "building the model" if work.kind == "hf" else "the factory",
+                              exc) from None
+    _check_model(torch, model, flag, factory_path)
+    if checkpoint_every:
+        # as the probes apply it (validate/probe.py; a transformers model: its own): only the step's log is of use from such a trace (its
+        # recomputations in backward, in host order); the rest of the profile is a checkpointed run's
+        work.enable_checkpointing(model, work.units(model), checkpoint_every)
+    # FSDP1 under mixed precision wraps each module of these classes apart, in full precision
+    # (`fsdp/wrap.py` `_wrap_module_cls_individually` with `mixed_precision=None`)
+    full_precision = _fsdp1_full_precision_modules(torch, model) if dtype.startswith("fsdp1-") else []
+    kept32 = {id(t) for _, m in full_precision for t in list(m.parameters()) + list(m.buffers())}
+    # each parameter's and buffer's bytes as the factory built them (before the casts below): pure
+    # 16-bit training builds the module so and casts it after `model.to(device)`
+    built_bytes = {id(t): int(t.numel() * t.element_size())
+                   for t in list(model.parameters()) + list(model.buffers())}
+    if not autocast and tdtype != torch.float32:
+        # Module.to() swaps tensors, which fake tensors refuse; assigning .data casts in place.
+        # FSDP's mixed precision casts parameters only; a module's own `.to(dtype)` casts buffers too
+        # (FSDP1's `buffer_dtype` too, the probes' MixedPrecision(buffer_dtype=param_dtype)).
+        casts = list(model.parameters()) + ([] if work.kind == "hf" else list(model.buffers()))
+        for t in casts:
+            if t.is_floating_point() and id(t) not in kept32:
+                t.data = t.data.to(tdtype)
+    if full_precision:
+        from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
+        # the forward pre- and post-hooks FSDP1 registers on them: the input cast to fp32, the output
+        # back to the input's dtype
+        _override_module_mixed_precision(model, _fsdp1_full_precision_classes(torch))
+    return model, full_precision, built_bytes
+
+
+def _parameters_by_unit(model, owner: dict) -> tuple:
+    """(units: {unit: {"name", "params": [[name, shape], ...], "numel"}}, the parameters' storage keys,
+    tied: [numel of each parameter reached under more than one name])."""
+    # Parameters, once each (tied weights), grouped by the unit that owns them.
+    seen: set = set()
+    units: dict[str, dict] = {}
+    param_keys = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        param_keys.add(_storage_key(p))
+        unit = owner.get(id(p), "root")
+        u = units.setdefault(unit, {"name": unit, "params": [], "numel": 0})
+        u["params"].append([name, list(p.shape)])
+        u["numel"] += p.numel()
+    # Tied parameters (an embedding shared with the LM head): reached under more than one name.
+    names_of: dict = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        names_of[id(p)] = names_of.get(id(p), 0) + 1
+    tied = [int(p.numel()) for p in model.parameters() if p.requires_grad and names_of[id(p)] > 1]
+    return units, param_keys, tied
+
+
+def _buffer_bytes_by_dtype(model) -> tuple:
+    """(the buffers' bytes, {dtype name: [each buffer's bytes]})."""
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    buffer_dtypes: dict = {}  # DDP broadcasts buffers per dtype (module_plan.module_collectives)
+    for b in model.buffers():
+        key = str(b.dtype).replace("torch.", "")
+        buffer_dtypes[key] = buffer_dtypes.get(key, []) + [int(b.numel() * b.element_size())]
+    return buffers, buffer_dtypes
+
+
+def _construct_order(model, built_bytes: dict) -> dict:
+    """The parameters' and buffers' bytes in the order `model.to(device)` allocates them: {"construct_bytes",
+    "construct_names", "construct_built", "construct_paths"}, one entry per tensor in each."""
+    construct: list = []
+    construct_names: list = []  # each one's parameter name ("" for a buffer)
+    construct_built: list = []  # each one's bytes as built
+    construct_paths: list = []  # each one's qualified name, a buffer's too (expand_layers repeats a layer's)
+    moved: set = set()
+    param_name = {id(p): n for n, p in model.named_parameters()}
+    tensor_path = {**{id(b): n for n, b in model.named_buffers()}, **param_name}
+
+    def apply_order(mod) -> None:
+        for child in mod.children():
+            apply_order(child)
+        for t in list(mod._parameters.values()) + list(mod._buffers.values()):
+            if t is not None and id(t) not in moved:
+                moved.add(id(t))
+                construct.append(int(t.numel() * t.element_size()))
+                construct_names.append(param_name.get(id(t), ""))
+                construct_built.append(built_bytes.get(id(t), construct[-1]))
+                construct_paths.append(tensor_path.get(id(t), ""))
+    apply_order(model)
+    return {"construct_bytes": construct, "construct_names": construct_names, "construct_built": construct_built,
+            "construct_paths": construct_paths}
+
+
+class _ForwardRecorder:
+    """The forward's segments as the traced step runs, and what autograd saves in each (`pack`).
+
+    Segments of the forward in execution order: each unit's call starts one; what the root
+    computes between units (functional relu, flatten; a decoder's final norm and head) joins the
+    segment before it. The units' hook points go to the step's log (`_SegmentTracker`, `bwd`)."""
+
+    def __init__(self, torch, model, inputs, param_keys: set, unit_names: set):
+        from torch.utils._pytree import tree_leaves
+
+        self._torch, self._leaves = torch, tree_leaves
+        self.unit_names = unit_names
+        self.batch_bytes = sum(t.numel() * t.element_size() for t in inputs)
+        self.saved: dict = {}
+        self.segments: list[dict] = [{"unit": "root", "activation_bytes": 0, "input_bytes": int(self.batch_bytes)}]
+        self.bwd = _SegmentTracker(torch)
+        self.bwd.forward_segment = lambda: len(self.segments) - 1
+        self.shared_ids: dict = {}
+        self.in_keys: dict = {}  # the running unit's segment index -> its input's storage key (first positional tensor)
+        self.fp32_started: set = set()
+        # The input batch is not an activation: it exists before the forward and after it (the probes'
+        # tracker and the planner count it as a temporary, `batch_bytes`); nor are buffers (BatchNorm
+        # saves its running statistics for backward; the planner counts them with the parameters).
+        self.batch_keys = {_storage_key(x) for x in inputs}
+        self.not_activations = param_keys | self.batch_keys | {_storage_key(b) for b in model.buffers()}
+        self.bwd.not_activations = self.not_activations
+
+    def hook_root(self, model, cast_to=None) -> list:
+        """The root's FSDP hooks in the log (after FSDP's cast of the batch, before the units'), their
+        handles; `cast_to` (FSDP's mixed precision): the root casts its floating inputs to that dtype."""
+        bwd = self.bwd
+        root_handles = [model.register_forward_pre_hook(lambda *_: bwd.log_marker(3, "root"), prepend=True),
+                        model.register_forward_hook(lambda *_: bwd.log_marker(4, "root"))]
+        if cast_to is not None:
+            torch = self._torch
+
+            def cast_root_inputs(_mod, args, kwargs):
+                cast = lambda t: t.to(cast_to) if t.is_floating_point() and t.dtype != cast_to else t  # noqa: E731
+                return (tuple(cast(a) if isinstance(a, torch.Tensor) else a for a in args),
+                        {k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+            # first of the root's pre-hooks (FSDP's own runs before the module's forward)
+            model.register_forward_pre_hook(cast_root_inputs, prepend=True, with_kwargs=True)
+        return root_handles
+
+    def hook_units(self, seg_modules: list, full_precision: list) -> list:
+        """Each segment module's pre- and post-forward hooks (and FSDP1's fp32 units'), their handles."""
+        handles = [m.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True) for name, m in seg_modules]
+        for name, mod in full_precision:
+            handles += self._fp32_unit_hooks(name, mod)
+        handles += [m.register_forward_hook(self._post_hook(name)) for name, m in seg_modules]
+        return handles
+
+    def _pre_hook(self, name):
+        torch, tree_leaves, segments, bwd = self._torch, self._leaves, self.segments, self.bwd
+
+        def hook(_mod, args, kwargs):
+            # The unit's input: its first positional tensor (a decoder layer's hidden states).
+            inp = sum(a.numel() * a.element_size() for a in args[:1] if isinstance(a, torch.Tensor))
+            # The unit's other tensor inputs (a decoder layer's attention mask, RoPE cos/sin and
+            # position ids, passed by keyword, or GPT-2's mask by position): shared by the units, and what
+            # a checkpointed unit's recompute closure keeps alive (`torch.utils.checkpoint`, non-reentrant)
+            # until its backward; counted once, however many units are given them (a positional one was
+            # counted in every unit's input as well: GPT-2 with eager attention's (B, 1, S, S) mask,
+            # one per layer, where the run keeps one).
+            first = {_storage_key(a) for a in args[:1] if isinstance(a, torch.Tensor)}
+            self.in_keys.clear()  # while the unit runs (its input is alive, so its storage key is its own)
+            self.in_keys[len(segments)] = first
+            shared = []
+            for t in tree_leaves((args[1:], kwargs)):
+                if isinstance(t, torch.Tensor):
+                    k = _storage_key(t)
+                    if k not in self.not_activations and k not in first:
+                        idx = self.shared_ids.setdefault(k, len(self.shared_ids))
+                        if all(i != idx for i, _ in shared):
+                            shared.append([idx, int(_storage_nbytes(t))])
+            segments.append({"unit": name, "activation_bytes": 0, "input_bytes": int(inp),
+                             "shared_inputs": shared,
+                             # the batch itself (a temporary, not what a checkpointed unit keeps anew)
+                             "input_is_batch": bool(first & self.batch_keys),
+                             # saved already by the ops before (a ReLU's output): an activation, not
+                             # a checkpointed forward's transient output
+                             "input_already_saved": any(k_ in self.saved for k_ in first)})
+            unit = name if name in self.unit_names else None
+            bwd.log_marker(3, unit)
+            bwd.mark_input(args, len(segments) - 1, unit)
+        return hook
+
+    def _post_hook(self, name):
+        return lambda mod, args, out: self._after_unit(name if name in self.unit_names else None, out)
+
+    def _after_unit(self, unit, out):
+        torch, tree_leaves, segments, bwd = self._torch, self._leaves, self.segments, self.bwd
+        self.in_keys.clear()  # the root's ops after the unit: a freed input's key may be another storage's
+        bwd.log_marker(4, unit)
+        bwd.mark_output(tree_leaves(out), len(segments) - 1, unit)
+        # what the unit's own call saved; the rest of the segment's saved bytes are the root's ops
+        # after it (kept under a unit's activation checkpointing)
+        segments[-1]["unit_bytes"] = segments[-1]["activation_bytes"]
+        # the unit's own kernels (what a checkpointed unit runs again in backward), before the root's ops
+        # after it join its segment
+        segments[-1]["unit_census"] = bwd.census.of(len(segments) - 1, "forward")
+        # what a checkpointed unit's recomputation holds at its peak: the unit's own forward peak (less
+        # the earlier segments' saved tensors, as `forward_bytes`) and its output
+        idx = len(segments) - 1
+        segments[-1]["unit_forward_bytes"] = int(max(0, bwd.fwd_peak.get(idx, 0)
+                                                     - sum(x["activation_bytes"] for x in segments[:idx])))
+        segments[-1]["unit_output_bytes"] = int(sum(_storage_nbytes(t) for t in tree_leaves(out)
+                                                    if isinstance(t, torch.Tensor)))
+
+    def _fp32_unit_hooks(self, name, mod) -> list:
+        """FSDP1's own units of the BatchNorm modules (inside a unit): their hooks in the log too."""
+        torch, tree_leaves, bwd, fp32_started = self._torch, self._leaves, self.bwd, self.fp32_started
+
+        def after(_m, _a, out):
+            bwd.log_marker(4, name)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda _g: bwd.log_marker(5, name) if name not in fp32_started
+                                    else None)
+                    t.register_hook(lambda _g: fp32_started.add(name))
+        return [mod.register_forward_pre_hook(lambda *_: bwd.log_marker(3, name), prepend=True),
+                mod.register_forward_hook(after)]
+
+    def pack(self, t):
+        """`saved_tensors_hooks`' pack: each storage autograd saves, counted once, in the running segment."""
+        segments, saved = self.segments, self.saved
+        k = _storage_key(t)
+        if k not in self.not_activations and k not in saved:
+            saved[k] = _storage_nbytes(t)
+            segments[-1]["activation_bytes"] += saved[k]
+            if k in self.in_keys.get(len(segments) - 1, ()):
+                # the unit saves its own input (an RMSNorm's `x.to(float32)` of fp32 hidden states, a
+                # LayerNorm's input): under checkpointing the recompute saves the kept input again,
+                # not a copy of it
+                segments[-1]["input_saved_bytes"] = segments[-1].get("input_saved_bytes", 0) + saved[k]
+            self.bwd.mark_saved(t.untyped_storage(), saved[k], len(segments) - 1)
+        return t
+
+
+def _traced_step(torch, work, model, rec: _ForwardRecorder, inputs, handles: list, owner: dict, device: str,
+                 autocast: bool, tdtype, checkpoint_every: int) -> tuple:
+    """One forward, the loss and the backward on the trace's tensors, recorded by `rec`: (loss, loss kind,
+    output, grad_ready: [[parameter name, numel], ...] in the order their gradients are accumulated)."""
+    factory_path, shape = work.label, tuple(work.input_shape)
+    segments, bwd = rec.segments, rec.bwd
+    # over the forward and the backward (the grouped GEMMs' gradients)
+    with _grouped_mm_any_dtype(torch):
+        try:
+            with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
+                    _quiet_fake_tensor_log(), bwd.forward_mode, \
+                    torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
+                    torch.autocast("cpu", dtype=tdtype, enabled=autocast):
+                loss, loss_kind, out = work.loss(model, inputs)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"the forward returned {type(out).__name__}; profile needs a tensor output")
+                for h in handles:
+                    h.remove()
+                if out.requires_grad:  # the root's pre-backward (FSDP's hook on the root's outputs)
+                    out.register_hook(lambda _g: bwd.log_marker(5, "root"))
+                segments.append({"unit": "loss", "activation_bytes": 0,
+                                 "input_already_saved": _storage_key(out) in rec.saved,
+                                 "input_bytes": out.numel() * out.element_size()})
+                bwd.mark_input((out,), len(segments) - 1)
+            # The backward on the same fake tensors: the peak of the bytes it creates and frees within
+            # each segment (activation gradients; parameters' gradients, which outlive it, excluded).
+            # The order the parameters' gradients become ready in is recorded too: DDP rebuilds its
+            # buckets in that order after the first iteration (`Reducer::rebuild_buckets`).
+            ready, hooks = _record_grad_ready(model, owner, bwd)
+            # (a checkpointed unit's recomputation runs the forward's kernels again: CUDA's, as traced)
+            with _cuda_kernels(torch) if device == "cuda" and checkpoint_every else contextlib.nullcontext():
+                if loss.requires_grad:
+                    bwd.run(loss, len(segments))
+            for h in hooks:
+                h.remove()
+        except ValueError:
+            raise
+        except Exception as exc:
+            what = "--input-shape=" + ",".join(map(str, shape)) if work.kind != "hf" else f"--hf-config={factory_path!r}"
+            raise ValueError(f"{what}: the forward of {factory_path} "
+                             f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return loss, loss_kind, out, ready
+
+
+def _record_grad_ready(model, owner: dict, bwd) -> tuple:
+    """(ready: [[name, numel], ...] filled as the backward accumulates each parameter's gradient, the hooks'
+    handles). Each accumulation is marked in `bwd`; a unit's last one logs FSDP1's post-backward [7, unit]."""
+    ready: list = []
+    hooks = []
+    seen_ready: set = set()
+    # per unit, its parameters whose gradient is not accumulated yet: when none is left, FSDP1's
+    # flat parameter's AccumulateGrad runs its post-backward hook ([7, unit] in the log)
+    pending: dict = {}
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            pending.setdefault(owner.get(id(p), "root"), set()).add(id(p))
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen_ready:
+            seen_ready.add(id(p))
+            def on_ready(t, name=name) -> None:
+                ready.append([name, int(t.numel())])
+                bwd.mark_accumulated(t, name)
+                left = pending.get(owner.get(id(t), "root"))
+                if left is not None and id(t) in left:
+                    left.discard(id(t))
+                    if not left:
+                        bwd.log_marker(7, owner.get(id(t), "root"))
+            hooks.append(p.register_post_accumulate_grad_hook(on_ready))
+    return ready, hooks
+
+
+def _backward_peaks(bwd) -> tuple:
+    """The backward's figures per segment, read before the step's log is closed: (peaks, split (not started,
+    started), split accumulating (not started, started), ends, grads made), each {segment index: ...}."""
+    peaks = bwd.segment_peaks()
+    split = (bwd.segment_peaks(started=False), bwd.segment_peaks(started=True))
+    split_acc = (bwd.segment_peaks_accumulating(started=False), bwd.segment_peaks_accumulating(started=True))
+    ends = bwd.segment_ends()
+    made = bwd.segment_grads()
+    return peaks, split, split_acc, ends, made
+
+
+def _kept(i: int, seg: dict, units: dict) -> bool:
+    """Whether segment i is one the profile keeps: the first, one that saved bytes, a unit's, the loss."""
+    return i == 0 or seg["activation_bytes"] or seg["unit"] in units or seg["unit"] == "loss"
+
+
+def _kept_segment_census(segments: list, units: dict, bwd) -> dict:
+    """{kept segment index: [forward census, backward census]} (`CENSUS_FIELDS`)."""
+    # each kept segment's kernels, with those of the segments dropped below (a parameter-free child that
+    # saved nothing: a ReLU module) folded into the kept one before it
+    census: dict = {}
+    kept = 0
+    for i, seg in enumerate(segments):
+        if _kept(i, seg, units):
+            kept = i
+        both = census.setdefault(kept, [[0] * len(CENSUS_FIELDS), [0] * len(CENSUS_FIELDS)])
+        for mine, theirs in zip(both, (bwd.census.of(i, "forward"), bwd.census.of(i, "backward"))):
+            mine[:] = [a + b for a, b in zip(mine, theirs)]
+    return census
+
+
+def _forward_flops(census: dict, segments: list, unit_modules: list) -> tuple:
+    """(the forward's FLOPs, one layer's forward FLOPs (0 without a middle unit))."""
+    # The forward's FLOPs (MFU's numerator: x 3, no recompute) from the census: the GEMMs and convolutions
+    # by torch.utils.flop_counter's formulas, a MoE's grouped GEMMs, and fused attention halved when causal,
+    # as the analytic front end counts it (compute.model_flops; Narayanan et al. 2021, Eq. 3). Not
+    # FlopCounterMode's total: it has no grouped GEMM, and counts the CPU's SDPA in torch 2.15 (unhalved)
+    # but not in 2.13, so the same model's MFU moved with the installed torch.
+    fwd = {i: both[0] for i, both in census.items()}
+    fwd_flops = int(sum(f[0] + f[2] for f in fwd.values()))
+    layer = next((i for i, seg in enumerate(segments) if seg["unit"] == unit_modules[1][0]), None) \
+        if len(unit_modules) > 2 else None
+    layer_flops = int(fwd[layer][0] + fwd[layer][2]) if layer in fwd else 0
+    return fwd_flops, layer_flops
+
+
+def _segment_records(rec: _ForwardRecorder, units: dict, backward: tuple, census: dict) -> list:
+    """The kept segments, each with its backward's figures (`_backward_peaks`), census and convolutions."""
+    peaks, split, split_acc, ends, made = backward
+    segments, bwd = rec.segments, rec.bwd
+    return [dict(seg, **dict(zip(("backward_bytes", "backward_grad_bytes", "backward_saved_bytes"),
+                                 peaks.get(i, (0, 0, 0)))),
+                 backward_split=[list(p.get(i, (0, 0, 0))) for p in split],
+                 backward_split_accumulating=[list(p.get(i, (0, 0, 0))) for p in split_acc],
+                 backward_end=int(ends.get(i, 0)), grads_made=int(made.get(i, 0)),
+                 census=census.get(i, [[0] * len(CENSUS_FIELDS)] * 2),
+                 kernels=bwd.segment_kernels(i, sum(x["activation_bytes"] for x in segments[:i])),
+                 forward_bytes=max(0, bwd.fwd_peak.get(i, 0)
+                                   - sum(x["activation_bytes"] for x in segments[:i])))
+            for i, seg in enumerate(segments) if _kept(i, seg, units)]
