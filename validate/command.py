@@ -367,16 +367,50 @@ def _build(p: dict, get_hw) -> dict:
     """The probe specs of one set of the command's options `p` (the command line, or a --plan group):
     {"specs", "model_label", "model_about", "mode_note", "matrix"}. Every check of the options is made
     here, before any probe runs; `get_hw()` is the machine (runner.detect_hardware, asked once)."""
+    matrix, tp, simulate_world_size, nproc, nnodes = (p[k] for k in ("matrix", "tp", "simulate_world_size", "nproc",
+                                                                     "nnodes"))
+    overrides = {k: p[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")}
+    user_model = any(v is not None for v in (p["model"], p["params"], p["hf_config"], *overrides.values()))
+    module_spec, hf_split = _probe_model(p, overrides, user_model)
+    strategies, tp_default = _layout_strategies(p, module_spec, hf_split)
+
+    hw = get_hw()
+    device = "gpu" if hw.get("gpus") else "cpu"
+    try:
+        mode, world, mode_note = runner.choose_mode(hw, simulate_world_size, nproc, nnodes, explain=True)
+    except ValueError as e:
+        raise UserError(str(e))
+
+    if tp > 1 and tp_default:  # FSDP2 where the dp dimension has 2+ ranks (a dp of 1 shards nothing)
+        strategies = tuple(s for s in strategies if not get_strategy(s).distributed
+                           or (world % tp == 0 and world // tp >= 2))
+    model_about = None
+    precision = p["precision"]
+    if matrix:
+        specs = mx.standard_matrix(hw, strategies, fake_world=simulate_world_size, steps=p["steps"])
+        model_label = ", ".join(mx.shapes_for(device))
+    elif module_spec is not None:
+        if precision is None:
+            precision = mx.matrix_precisions(hw)[0]
+        specs, model_label = _module_probe_specs(p, module_spec, strategies, precision, hw, mode, world)
+    else:
+        specs, model_label, model_about = _decoder_probe_specs(p, overrides, user_model, hf_split, strategies,
+                                                               precision, hw, mode, world)
+    _apply_session_options(p, specs, module_spec, hw)
+    if module_spec is not None and hw.get("gpus"):
+        # cuDNN's convolution workspaces, measured here once per call (planner/workload/kernel_workspace.py).
+        module_spec["kernel_workspaces"] = probe_kernel_workspaces(module_spec, precision, strategies)
+    return {"specs": specs, "model_label": model_label, "model_about": model_about, "mode_note": mode_note,
+            "matrix": matrix}
 
 
-    (strategies, model, params, hf_config, front_end, module_factory, input_shape, layers, hidden, heads,
-     kv_heads, ffn_hidden, vocab, seq_len, micro_batch, grad_accum, grad_sync, precision, optimizer,
-     optimizer_impl, checkpointing, attention, cpu_offload, alloc_conf, init, tp, sequence_parallel, cp, pp,
-     pp_schedule, pp_microbatches, matrix, simulate_world_size, nproc, nnodes, steps, probe_cmd) = \
-        (p[k] for k in GROUP_OPTIONS)
-    overrides = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
-                     vocab=vocab)
-    user_model = any(v is not None for v in (model, params, hf_config, *overrides.values()))
+def _probe_model(p: dict, overrides: dict, user_model: bool) -> tuple:
+    """(module_spec: a --module or traced --hf-config model, or None; hf_split: an --hf-config model split by
+    --tp, --pp or --cp, or None), the model options checked against --matrix, --init and --sequence-parallel."""
+    (model, params, hf_config, front_end, module_factory, input_shape, layers, micro_batch, seq_len, attention,
+     matrix, init, tp, pp, cp, sequence_parallel) = (p[k] for k in (
+        "model", "params", "hf_config", "front_end", "module_factory", "input_shape", "layers", "micro_batch",
+        "seq_len", "attention", "matrix", "init", "tp", "pp", "cp", "sequence_parallel"))
     module_spec = None
     if module_factory is not None or input_shape is not None:
         module_spec = _module_spec(module_factory, input_shape, matrix, user_model,
@@ -406,6 +440,15 @@ def _build(p: dict, get_hw) -> dict:
     # into stages (PP) or over ring-attention ranks (CP), predicted by the analytic front end
     if (tp > 1 or pp > 1 or cp > 1) and module_spec is not None and "hf_config" in module_spec:
         hf_split, module_spec = module_spec, None
+    return module_spec, hf_split
+
+
+def _layout_strategies(p: dict, module_spec, hf_split) -> tuple:
+    """(the strategies to probe, tp_default: --tp with no --strategy given), --strategy checked against
+    --tp, --pp and --cp (and those against --matrix and --module)."""
+    strategies, matrix, tp, pp, cp, pp_schedule, pp_microbatches = (p[k] for k in (
+        "strategies", "matrix", "tp", "pp", "cp", "pp_schedule", "pp_microbatches"))
+    tp_default = False
     if tp > 1:
         if matrix or module_spec is not None:
             raise click.UsageError(f"--tp={tp}: tensor-parallel probes run the reference decoder; drop "
@@ -418,142 +461,166 @@ def _build(p: dict, get_hw) -> dict:
         tp_default = not strategies
         strategies = strategies or TP_STRATEGIES
     if pp > 1 or pp_microbatches is not None:
-        if pp == 1:
-            raise click.BadParameter("needs --pp > 1", param_hint="'--pp-microbatches'")
-        if matrix or module_spec is not None or tp > 1:
-            raise click.UsageError(f"--pp={pp}: the pipeline probe runs the reference decoder or a transformers "
-                                   f"model alone; drop " + ("--matrix (it has its own pp probes)" if matrix else
-                                                            "--module" if module_spec is not None else "--tp"))
-        if hf_split and cp > 1:
-            raise click.UsageError(f"--pp={pp} with --cp={cp}: the pipeline probe's context parallelism runs the "
-                                   f"reference decoder; drop --hf-config or --cp")
-        if cp > 1 and "single" in strategies:
-            raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, zero2 or zero3",
-                                     param_hint="'--cp'")
-        bad = [s for s in strategies if s not in (*PP_PROBE_STRATEGIES, "zero1", "zero2")]
-        if bad:
-            raise click.BadParameter(f"{', '.join(bad)} with --pp={pp}: the pipeline probe runs each stage alone "
-                                     f"(single) or over 2 replicas under ddp, zero1, zero2 or zero3 (FSDP2)",
-                                     param_hint="'--strategy'")
-        ddp = [s for s in strategies if s in ("ddp", "zero1")]
-        if pp_schedule != "1f1b" and ddp:
-            raise click.BadParameter(f"{ddp[0]} with --pp-schedule {pp_schedule}: torch's DDP reducer stops under it "
-                                     f"(1f1b runs); use zero2 or zero3", param_hint="'--strategy'")
-        defaults = PP_PROBE_STRATEGIES if pp_schedule == "1f1b" else ("single", "zero3")
-        strategies = strategies or tuple(s for s in defaults if not (cp > 1 and s == "single"))
+        strategies = _pp_strategies(strategies, pp, cp, pp_schedule, pp_microbatches, matrix, module_spec, hf_split,
+                                    tp)
     if cp > 1:
         if matrix or module_spec is not None:
             raise click.UsageError(f"--cp={cp}: context-parallel probes run the reference decoder or a transformers "
                                    f"model; drop {'--matrix (it has its own cp probes)' if matrix else '--module'}")
-        if "single" in strategies:
+        single = [s for s in strategies if not get_strategy(s).distributed]
+        if single:
             raise click.BadParameter(f"single with --cp={cp}: the cp ranks' gradients must be averaged; use a "
                                      f"data-parallel strategy", param_hint="'--strategy'")
-        strategies = strategies or tuple(n for n in NAMES if n != "single")
-    strategies = strategies or tuple(NAMES)
+        strategies = strategies or tuple(n for n in NAMES if get_strategy(n).distributed)
+    return strategies or tuple(NAMES), tp_default
 
-    hw = get_hw()
+
+def _pp_strategies(strategies, pp: int, cp: int, pp_schedule: str, pp_microbatches, matrix, module_spec, hf_split,
+                   tp: int) -> tuple:
+    """The strategies of a --pp probe, --pp's options checked."""
+    if pp == 1:
+        raise click.BadParameter("needs --pp > 1", param_hint="'--pp-microbatches'")
+    if matrix or module_spec is not None or tp > 1:
+        raise click.UsageError(f"--pp={pp}: the pipeline probe runs the reference decoder or a transformers "
+                               f"model alone; drop " + ("--matrix (it has its own pp probes)" if matrix else
+                                                        "--module" if module_spec is not None else "--tp"))
+    if hf_split and cp > 1:
+        raise click.UsageError(f"--pp={pp} with --cp={cp}: the pipeline probe's context parallelism runs the "
+                               f"reference decoder; drop --hf-config or --cp")
+    if cp > 1 and any(not get_strategy(s).distributed for s in strategies):
+        raise click.BadParameter(f"--cp={cp} with --pp={pp}: the probe runs cp under ddp, zero2 or zero3",
+                                 param_hint="'--cp'")
+    bad = [s for s in strategies if get_strategy(s).fsdp1]  # the probe wraps stages by ddp, zero1 or FSDP2
+    if bad:
+        raise click.BadParameter(f"{', '.join(bad)} with --pp={pp}: the pipeline probe runs each stage alone "
+                                 f"(single) or over 2 replicas under ddp, zero1, zero2 or zero3 (FSDP2)",
+                                 param_hint="'--strategy'")
+    ddp = [s for s in strategies if get_strategy(s).ddp_reducer]
+    if pp_schedule != "1f1b" and ddp:
+        raise click.BadParameter(f"{ddp[0]} with --pp-schedule {pp_schedule}: torch's DDP reducer stops under it "
+                                 f"(1f1b runs); use zero2 or zero3", param_hint="'--strategy'")
+    defaults = PP_PROBE_STRATEGIES if pp_schedule == "1f1b" else ("single", "zero3")
+    return strategies or tuple(s for s in defaults if not (cp > 1 and not get_strategy(s).distributed))
+
+
+def _module_probe_specs(p: dict, module_spec: dict, strategies, precision: str, hw: dict, mode: str,
+                        world: int) -> tuple:
+    """(specs, model label) of a --module or traced --hf-config model's probes."""
     device = "gpu" if hw.get("gpus") else "cpu"
-    try:
-        mode, world, mode_note = runner.choose_mode(hw, simulate_world_size, nproc, nnodes, explain=True)
-    except ValueError as e:
-        raise UserError(str(e))
+    steps, init, hf_config, nnodes = p["steps"], p["init"], p["hf_config"], p["nnodes"]
+    hf = "hf_config" in module_spec
+    if hf and not module_spec["seq_len"]:
+        module_spec["seq_len"] = (mx.TRAIN_GPU if device == "gpu" else mx.TRAIN_CPU)["seq_len"]
+    train = dict(seq_len=module_spec["seq_len"] if hf else 1,
+                 micro_batch=module_spec["micro_batch"] if hf else module_spec["input_shape"][0],
+                 grad_accum=p["grad_accum"], grad_sync=p["grad_sync"],
+                 precision=precision, optimizer=p["optimizer"], optimizer_impl=p["optimizer_impl"],
+                 checkpointing=p["checkpointing"], attention=p["attention"])
+    specs = []
+    for s in strategies:
+        m, w = (("gpu" if device == "gpu" else "cpu"), 1) if not get_strategy(s).distributed else (mode, world)
+        label = f"hf:{module_spec['hf_config']}" if hf else module_spec["factory"]
+        sp = mx.make_spec(s, {"name": label}, w, m, steps=steps, **train)
+        sp["module"] = module_spec
+        if get_strategy(s).fsdp and (init or ("meta" if hf else "device")) == "meta":
+            sp["init"] = "meta"  # built on the meta device (validate/wrap.py materialize)
+            sp["id"] += "/init=meta"
+        specs.append(sp)
+    if hf:
+        _check_fits(specs, hw, nnodes, hint="shorten it with --layers 2 and a smaller --seq-len",
+                    hf_config=hf_config)
+    model_label = (f"{hf_config} (transformers, {module_spec['layers'] or 'all'} layers) at "
+                   f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
+                   f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
+    return specs, model_label
 
-    if tp > 1 and tp_default:  # FSDP2 where the dp dimension has 2+ ranks (a dp of 1 shards nothing)
-        strategies = tuple(s for s in strategies if s == "single" or (world % tp == 0 and world // tp >= 2))
-    model_about = None
-    if matrix:
-        specs = mx.standard_matrix(hw, strategies, fake_world=simulate_world_size, steps=steps)
-        model_label = ", ".join(mx.shapes_for(device))
-    elif module_spec is not None:
-        if precision is None:
-            precision = mx.matrix_precisions(hw)[0]
-        hf = "hf_config" in module_spec
-        if hf and not module_spec["seq_len"]:
-            module_spec["seq_len"] = (mx.TRAIN_GPU if device == "gpu" else mx.TRAIN_CPU)["seq_len"]
-        train = dict(seq_len=module_spec["seq_len"] if hf else 1,
-                     micro_batch=module_spec["micro_batch"] if hf else module_spec["input_shape"][0],
-                     grad_accum=grad_accum, grad_sync=grad_sync,
-                     precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-                     checkpointing=checkpointing, attention=attention)
-        specs = []
-        for s in strategies:
-            m, w = (("gpu" if device == "gpu" else "cpu"), 1) if s == "single" else (mode, world)
-            label = f"hf:{module_spec['hf_config']}" if hf else module_spec["factory"]
-            sp = mx.make_spec(s, {"name": label}, w, m, steps=steps, **train)
-            sp["module"] = module_spec
-            if get_strategy(s).family in ("fsdp1", "fsdp2") and (init or ("meta" if hf else "device")) == "meta":
-                sp["init"] = "meta"  # built on the meta device (validate/wrap.py materialize)
-                sp["id"] += "/init=meta"
-            specs.append(sp)
-        if hf:
-            _check_fits(specs, hw, nnodes, hint="shorten it with --layers 2 and a smaller --seq-len",
-                        hf_config=hf_config)
-        model_label = (f"{hf_config} (transformers, {module_spec['layers'] or 'all'} layers) at "
-                       f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
-                       f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
-    else:
-        spec_model = _resolve_model(model, params, hf_config, overrides, device, implementation=hf_split is not None)
-        if precision is None:
-            precision = mx.matrix_precisions(hw)[0]
-        if precision in ("bf16-mixed", "bf16") and device == "gpu" and not hw.get("bf16", True):
-            raise click.BadParameter(f"{precision!r}: this GPU has no bf16; accepted here: fp32, fp16-mixed",
-                                     param_hint="'--precision'")
-        train = dict(seq_len=seq_len or (mx.TRAIN_GPU if device == "gpu" else mx.TRAIN_CPU)["seq_len"],
-                     micro_batch=micro_batch, grad_accum=grad_accum, grad_sync=grad_sync, precision=precision, optimizer=optimizer,
-                     optimizer_impl=optimizer_impl, checkpointing=checkpointing, attention=attention)
-        if spec_model.get("position") == "learned" and train["seq_len"] > spec_model.get("max_positions", 0):
-            raise click.BadParameter(f"{train['seq_len']} exceeds the model's {spec_model['max_positions']} "
-                                     f"learned positions", param_hint="'--seq-len'")
-        specs = []
-        if pp > 1:
-            _check_pp(pp, pp_schedule, pp_microbatches, spec_model, train, hw, hf=hf_split is not None)
-            if cp > 1:
-                _check_cp(cp, 1, spec_model, train, "cpu", pp * cp, hw)
-            for s in strategies:
-                specs.append(mx.pp_spec(s, spec_model, pp, pp_schedule, pp_microbatches or 2 * pp,
-                                        dp=2 if s != "single" and cp == 1 else 1, cp=cp, checkpointing=checkpointing,
-                                        seq_len=train["seq_len"], micro_batch=micro_batch))
-                if hf_split:
-                    name = f"hf:{hf_split['hf_config']}"
-                    specs[-1]["id"] = specs[-1]["id"].replace(f"/{spec_model['name']}/", f"/{name}/", 1)
-                    specs[-1]["model"]["name"] = name
-                    specs[-1]["module"] = dict(hf_split, seq_len=train["seq_len"], micro_batch=micro_batch)
-            strategies = ()
-        if tp > 1:
-            _check_tp(tp, spec_model, train, strategies, mode, world, hw, hf=hf_split is not None)
-            if hf_split and sequence_parallel and attention == "eager":
-                # transformers sizes its materialized causal mask by the embedding output, s / tp tokens
-                raise click.BadParameter("--attention eager with --sequence-parallel: the eager mask is s/tp long; "
-                                         "drop one",
-                                         param_hint="'--sequence-parallel'")
-        if cp > 1 and pp == 1:
-            _check_cp(cp, tp, spec_model, train, mode, world, hw, hf=hf_split is not None)
-        for s in strategies:
-            if s == "single":
-                # tp ranks: real ones where there are (gloo on CPU, tp GPUs), else the fake group
-                real = "cpu" if device == "cpu" else ("gpu" if int(hw.get("gpus") or 0) >= tp else "fake")
-                m, w = (real if tp > 1 else ("gpu" if device == "gpu" else "cpu")), 1
-            else:
-                m, w = mode, world
-            specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, tp=tp,
-                                      sequence_parallel=sequence_parallel, cp=cp, **train,
-                                      model_name=f"hf:{hf_split['hf_config']}" if hf_split else None))
-            if hf_split:
-                specs[-1]["module"] = dict(hf_split, seq_len=train["seq_len"], micro_batch=micro_batch,
-                                           **({"attention": attention} if attention != "sdpa" else {}))
-        model_label = spec_model["name"]
-        model_about = describe_model(spec_model, default=not user_model)
+
+def _decoder_probe_specs(p: dict, overrides: dict, user_model: bool, hf_split, strategies, precision: str, hw: dict,
+                         mode: str, world: int) -> tuple:
+    """(specs, model label, model about) of the reference decoder's probes (a named or sized model, or an
+    --hf-config model split by --tp, --pp or --cp)."""
+    (model, params, hf_config, seq_len, micro_batch, checkpointing, attention, tp, sequence_parallel, cp, pp,
+     steps, nnodes) = (p[k] for k in ("model", "params", "hf_config", "seq_len", "micro_batch", "checkpointing",
+                                      "attention", "tp", "sequence_parallel", "cp", "pp", "steps", "nnodes"))
+    device = "gpu" if hw.get("gpus") else "cpu"
+    spec_model = _resolve_model(model, params, hf_config, overrides, device, implementation=hf_split is not None)
+    if precision is None:
+        precision = mx.matrix_precisions(hw)[0]
+    if precision in ("bf16-mixed", "bf16") and device == "gpu" and not hw.get("bf16", True):
+        raise click.BadParameter(f"{precision!r}: this GPU has no bf16; accepted here: fp32, fp16-mixed",
+                                 param_hint="'--precision'")
+    train = dict(seq_len=seq_len or (mx.TRAIN_GPU if device == "gpu" else mx.TRAIN_CPU)["seq_len"],
+                 micro_batch=micro_batch, grad_accum=p["grad_accum"], grad_sync=p["grad_sync"], precision=precision,
+                 optimizer=p["optimizer"], optimizer_impl=p["optimizer_impl"], checkpointing=checkpointing,
+                 attention=attention)
+    if spec_model.get("position") == "learned" and train["seq_len"] > spec_model.get("max_positions", 0):
+        raise click.BadParameter(f"{train['seq_len']} exceeds the model's {spec_model['max_positions']} "
+                                 f"learned positions", param_hint="'--seq-len'")
+    specs = []
+    if pp > 1:
+        specs += _pp_probe_specs(p, spec_model, train, strategies, hf_split, hw)
+        strategies = ()
+    if tp > 1:
+        _check_tp(tp, spec_model, train, strategies, mode, world, hw, hf=hf_split is not None)
+        if hf_split and sequence_parallel and attention == "eager":
+            # transformers sizes its materialized causal mask by the embedding output, s / tp tokens
+            raise click.BadParameter("--attention eager with --sequence-parallel: the eager mask is s/tp long; "
+                                     "drop one",
+                                     param_hint="'--sequence-parallel'")
+    if cp > 1 and pp == 1:
+        _check_cp(cp, tp, spec_model, train, mode, world, hw, hf=hf_split is not None)
+    for s in strategies:
+        if not get_strategy(s).distributed:
+            # tp ranks: real ones where there are (gloo on CPU, tp GPUs), else the fake group
+            real = "cpu" if device == "cpu" else ("gpu" if int(hw.get("gpus") or 0) >= tp else "fake")
+            m, w = (real if tp > 1 else ("gpu" if device == "gpu" else "cpu")), 1
+        else:
+            m, w = mode, world
+        specs.append(mx.make_spec(s, spec_model, w, m, steps=steps, tp=tp,
+                                  sequence_parallel=sequence_parallel, cp=cp, **train,
+                                  model_name=f"hf:{hf_split['hf_config']}" if hf_split else None))
         if hf_split:
-            model_label = (f"{hf_config} (transformers, {hf_split['layers'] or 'all'} layers) at {micro_batch}x"
-                           f"{train['seq_len']} tokens, split " + " and ".join(
-                               x for x, on in (("into pipeline stages", pp > 1),
-                                               ("by torchtitan's tensor-parallel plan", tp > 1),
-                                               ("over context-parallel ranks (ring attention)", cp > 1)) if on)
-                           + ", analytic front end")
-            model_about = None
-        if user_model:
-            _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
+            specs[-1]["module"] = dict(hf_split, seq_len=train["seq_len"], micro_batch=micro_batch,
+                                       **({"attention": attention} if attention != "sdpa" else {}))
+    model_label = spec_model["name"]
+    model_about = describe_model(spec_model, default=not user_model)
+    if hf_split:
+        model_label = (f"{hf_config} (transformers, {hf_split['layers'] or 'all'} layers) at {micro_batch}x"
+                       f"{train['seq_len']} tokens, split " + " and ".join(
+                           x for x, on in (("into pipeline stages", pp > 1),
+                                           ("by torchtitan's tensor-parallel plan", tp > 1),
+                                           ("over context-parallel ranks (ring attention)", cp > 1)) if on)
+                       + ", analytic front end")
+        model_about = None
+    if user_model:
+        _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
+    return specs, model_label, model_about
 
+
+def _pp_probe_specs(p: dict, spec_model: dict, train: dict, strategies, hf_split, hw: dict) -> list:
+    """The pipeline probes' specs, one per strategy, --pp's layout checked against the model."""
+    pp, cp, pp_schedule, pp_microbatches, micro_batch = (p[k] for k in ("pp", "cp", "pp_schedule",
+                                                                       "pp_microbatches", "micro_batch"))
+    _check_pp(pp, pp_schedule, pp_microbatches, spec_model, train, hw, hf=hf_split is not None)
+    if cp > 1:
+        _check_cp(cp, 1, spec_model, train, "cpu", pp * cp, hw)
+    specs = []
+    for s in strategies:
+        specs.append(mx.pp_spec(s, spec_model, pp, pp_schedule, pp_microbatches or 2 * pp,
+                                dp=2 if get_strategy(s).distributed and cp == 1 else 1, cp=cp,
+                                checkpointing=p["checkpointing"], seq_len=train["seq_len"], micro_batch=micro_batch))
+        if hf_split:
+            name = f"hf:{hf_split['hf_config']}"
+            specs[-1]["id"] = specs[-1]["id"].replace(f"/{spec_model['name']}/", f"/{name}/", 1)
+            specs[-1]["model"]["name"] = name
+            specs[-1]["module"] = dict(hf_split, seq_len=train["seq_len"], micro_batch=micro_batch)
+    return specs
+
+
+def _apply_session_options(p: dict, specs: list, module_spec, hw: dict) -> None:
+    """--alloc-conf (or PYTORCH_CUDA_ALLOC_CONF) and --cpu-offload checked and set on every spec, with the
+    device each probe runs on."""
+    alloc_conf, cpu_offload, pp, tp, cp = (p[k] for k in ("alloc_conf", "cpu_offload", "pp", "tp", "cp"))
     if alloc_conf is None and os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         alloc_conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     if alloc_conf:
@@ -579,11 +646,6 @@ def _build(p: dict, get_hw) -> dict:
         s["device_type"] = "cuda" if hw.get("gpus") else "cpu"
         if hw.get("gpus") and hw.get("gpu_names"):
             s["gpu_name"] = hw["gpu_names"][0]  # sizes the cuBLAS workspaces in the prediction
-    if module_spec is not None and hw.get("gpus"):
-        # cuDNN's convolution workspaces, measured here once per call (planner/workload/kernel_workspace.py).
-        module_spec["kernel_workspaces"] = probe_kernel_workspaces(module_spec, precision, strategies)
-    return {"specs": specs, "model_label": model_label, "model_about": model_about, "mode_note": mode_note,
-            "matrix": matrix}
 
 
 def _list_probes(specs: list[dict], hw: dict) -> None:
@@ -679,7 +741,7 @@ def _check_tp(tp: int, spec_model: dict, train: dict, strategies, mode: str, wor
         TrainConfig(ModelSpec(**spec_model), tp=tp, seq_len=train["seq_len"], micro_batch=train["micro_batch"])
     except ValueError as e:
         raise click.BadParameter(str(e).replace("tp=", "--tp=", 1), param_hint="'--tp'")
-    multi = [s for s in strategies if s != "single"]
+    multi = [s for s in strategies if get_strategy(s).distributed]
     if multi and (world % tp or world // tp < 2):
         raise click.BadParameter(f"{', '.join(multi)} with --tp={tp} needs a world of 2 x {tp} ranks or a multiple "
                                  f"of {tp} above it (the dp mesh dimension shards over world / tp ranks), not "

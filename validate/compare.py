@@ -98,6 +98,22 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
                  "rule": rule_text(tolerance), "peak": None, "components": {},
                  "worst_component": None, "worst_component_error": None,
                  "collectives": None, "step_time": None, "fits": None}
+    if _judged_by_status(out, prediction, measurement):
+        return out
+    pm, mm = prediction.get("memory") or {}, measurement.get("memory") or {}
+    unmeasured = set(measurement.get("unmeasured") or ())
+    _judge_peak(out, pm, mm, tolerance)
+    _judge_components(out, pm, mm, unmeasured, tolerance)
+    _judge_collectives(out, prediction, measurement, unmeasured)
+    _judge_step_time(out, prediction, measurement)
+    if not out["reasons"]:
+        out["verdict"] = "PASS"
+    return out
+
+
+def _judged_by_status(out: dict, prediction: dict | None, measurement: dict) -> bool:
+    """Whether the probe's status (remote, an error, an OOM, ...) or a missing prediction settles the verdict
+    (set in `out`); the predicted fit and refusal noted where the probe ran."""
     status = measurement.get("status")
     reasons = out["reasons"]
     pred_fits = None if prediction is None else prediction.get("fits")
@@ -105,18 +121,18 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
     if status == "remote":
         out["verdict"] = "SKIP"
         reasons.append(measurement.get("error") or "measured on another node")
-        return out
+        return True
     fails = None if prediction is None else prediction.get("fails")
     if fails and status == "error" and any(m in str(measurement.get("error") or "") for m in fails["error_contains"]):
         out["verdict"] = "PASS"
         reasons.append(f"probe raised as predicted ({fails['reason']}): {measurement.get('error')}")
-        return out
+        return True
     if status in ("timeout", "crashed", "error"):
         reasons.append(f"probe {status}: {measurement.get('error') or 'no reason given'}")
-        return out
+        return True
     if prediction is None:
         reasons.append("no prediction: " + str(measurement.get("prediction_error") or "planner failed"))
-        return out
+        return True
     if status == "oom":
         out["fits"] = {"predicted": pred_fits, "measured": False}
         if pred_fits is False:
@@ -124,18 +140,23 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
             reasons.append("measured OOM; predicted does not fit: agreement")
         else:
             reasons.append(f"measured OOM but predicted fits={pred_fits}")
-        return out
+        return True
     if status != "ok":
         reasons.append(f"probe status {status!r} is not one of ok, oom, error, timeout, crashed")
-        return out
+        return True
     if pred_fits is False:
         out["fits"] = {"predicted": False, "measured": True}
         reasons.append("predicted does not fit, but the probe ran")
     if fails:
         reasons.append(f"predicted PyTorch refuses the run ({fails['reason']}), but the probe ran")
 
-    pm, mm = prediction.get("memory") or {}, measurement.get("memory") or {}
-    unmeasured = set(measurement.get("unmeasured") or ())
+    return False
+
+
+def _judge_peak(out: dict, pm: dict, mm: dict, tolerance: float) -> None:
+    """The peak allocated bytes (judged), the peak reserved bytes (judged where both are known), NVML's
+    process bytes (reported)."""
+    reasons = out["reasons"]
     out["peak"] = _cell(pm.get("peak_allocated"), mm.get("peak_allocated"), tolerance, None)
     out["peak"]["predicted_phase"] = pm.get("peak_phase")
     out["peak"]["measured_phase"] = mm.get("peak_phase")
@@ -169,6 +190,11 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
             cell["note"] = f"NVML lists this process on {mm['nvml_gpus']} GPUs; the figure is their sum"
         out["device_total"] = cell
 
+
+
+def _judge_components(out: dict, pm: dict, mm: dict, unmeasured: set, tolerance: float) -> None:
+    """Each memory component within 2 x tolerance or ABS_FLOOR_BYTES; the worst one."""
+    reasons = out["reasons"]
     mcomp = mm.get("components") or {}
     worst, worst_err = None, -1.0
     for name in COMPONENTS:
@@ -202,6 +228,11 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
     out["worst_component"] = worst
     out["worst_component_error"] = None if worst is None else out["components"][worst]["error"]
 
+
+
+def _judge_collectives(out: dict, prediction: dict, measurement: dict, unmeasured: set) -> None:
+    """The collectives, call for call."""
+    reasons = out["reasons"]
     if "collectives" in unmeasured:
         out["collectives"] = {"exact": None, "rows": [], "unmeasured": True}
     else:
@@ -214,6 +245,11 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
                 f"predicted {r['predicted_calls']} counted {r['measured_calls']}" for r in bad[:3])
                 + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""))
 
+
+
+def _judge_step_time(out: dict, prediction: dict, measurement: dict) -> None:
+    """The step time (seconds), judged where the GPU bounds it and the GPU is not shared."""
+    reasons = out["reasons"]
     ps, ms = prediction.get("step_time_s"), measurement.get("step_time_s")
     bound = prediction.get("step_time_bound")
     shared = bool(measurement.get("shared_gpu"))
@@ -224,10 +260,6 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
     if judged and abs(err) > TIME_TOLERANCE:
         reasons.append(f"step time {err:+.1%} off (predicted {ps * 1e3:.1f} ms, measured {ms * 1e3:.1f} ms; "
                        f"tolerance {TIME_TOLERANCE:.0%})")
-
-    if not reasons:
-        out["verdict"] = "PASS"
-    return out
 
 
 def _pct(err: float | None) -> str:

@@ -43,6 +43,7 @@ import sys
 
 from distplan.planner.model import ModelSpec
 from distplan.planner.pp import predict_probe_ranks, probe_train
+from distplan.planner.strategies import NAMES, get_strategy
 from distplan.planner.workload.traced_model import from_spec
 
 from .probe import ALLOC_EVENTS_ENV, _one_line, preload as probe_preload, write_json
@@ -192,40 +193,17 @@ def loss_fn(logits, targets):
 def run(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import PipelineStage
 
-
-    from .measure import Tracker
-    from .wrap import make_optimizer
+    from .measure import Tracker  # (lazy: measure imports torch; the launcher imports this module without it)
+    from .wrap import make_optimizer  # (lazy: wrap imports torch)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     pp, dp, cp = int(spec["pp"]), int(spec.get("dp", 1)), int(spec.get("cp", 1))
     strategy = spec.get("strategy", "single")
-    if world != pp * dp * cp:
-        raise ValueError(f"world size {world} != pp {pp} x dp {dp} x cp {cp}")
-    if strategy not in ("single", "ddp", "zero1", "zero2", "zero3") or (strategy == "single") != (dp * cp == 1):
-        raise ValueError(f"strategy={strategy!r} with dp={dp}, cp={cp}: the probe runs single (dp x cp = 1), or "
-                         f"ddp, zero1, zero2 or zero3 (dp x cp > 1)")
-    # the mesh (pp, dp, cp), pp outermost as torchtitan lays it out: rank = stage * dp * cp + replica * cp +
-    # cp index; DDP runs over a stage's dp x cp ranks (torchtitan's dp_cp), the ring over its cp ranks
-    stage_idx, within = divmod(rank, dp * cp)
-    replica, cp_idx = divmod(within, cp)
-    pp_group = dp_group = cp_group = None
-    for w in range(dp * cp):
-        g = dist.new_group([s * dp * cp + w for s in range(pp)])
-        if w == within:
-            pp_group = g
-    for s_ in range(pp):
-        g = dist.new_group([s_ * dp * cp + w for w in range(dp * cp)])
-        if s_ == stage_idx:
-            dp_group = g
-        for d in range(dp):
-            g = dist.new_group([s_ * dp * cp + d * cp + c for c in range(cp)]) if cp > 1 else None
-            if s_ == stage_idx and d == replica:
-                cp_group = g
+    st = _checked_strategy(strategy, world, pp, dp, cp)
+    stage_idx, replica, cp_idx, pp_group, dp_group, cp_group = _pp_groups(dist, rank, pp, dp, cp)
     mspec = ModelSpec(**spec["model"])
     train = spec["train"]
     M = int(spec["microbatches"])
@@ -244,117 +222,16 @@ def run(spec: dict) -> dict:
         # 2 pp - 1 - r (ScheduleZBVZeroBubble's "v" mapping, `generate_stage_to_rank_mapping`)
         stage_ids = ([stage_idx, 2 * pp - 1 - stage_idx] if sched_name == "zbv"
                      else [stage_idx + k * pp for k in range(v)])
-        positions = None
-        if cp > 1:  # this rank's head-tail positions of each sequence (validate/cp.py)
-            from .cp import head_tail_indices
-            if mspec.position != "rope":
-                raise ValueError("cp > 1: context parallelism runs the RoPE decoder (learned positions are not sharded)")
-            positions = head_tail_indices(s, cp, cp_idx)
-        module = spec.get("module")
-        if module:  # a transformers model (validate --hf-config --pp)
-            if cp > 1:
-                raise ValueError("cp > 1: the pipeline probe's context parallelism runs the reference decoder")
-            models = [build_hf_stage(module, j, pp * v, train.get("checkpointing", "none")) for j in stage_ids]
-            hf_loss = models[0].hf_loss
-        else:
-            models = [build_stage(mspec, j, pp * v, train.get("attention", "sdpa"),
-                                  train.get("checkpointing", "none"), cp_group, positions) for j in stage_ids]
-        if strategy in ("ddp", "zero1") and spec["schedule"] != "1f1b":
-            raise ValueError(f"{strategy} with schedule={spec['schedule']!r}: {DDP_SCHEDULE_ERROR}")
-        if strategy in ("ddp", "zero1"):  # each stage of the rank; PipelineStage runs it under no_sync until the last micro-batch
-            from torch.nn.parallel import DistributedDataParallel
-            models = [DistributedDataParallel(mod, process_group=dp_group) for mod in models]
-        elif strategy in ("zero2", "zero3"):
-            # FSDP2 as torchtitan applies it with pipeline stages (`apply_fsdp`: `fully_shard` per block,
-            # then the stage, over the dp x cp mesh dimension, reshard_after_forward off with PP);
-            # PipelineStage turns gradient sync and resharding after backward off until the last micro-batch
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (pp, dp * cp), mesh_dim_names=("pp", "dp_cp"))["dp_cp"]
-            for mod in models:
-                for block in mod.layers.values():
-                    fully_shard(block, mesh=mesh, reshard_after_forward=False)
-                fully_shard(mod, mesh=mesh, reshard_after_forward=False)
-        model = models[0] if v == 1 else nn.ModuleList(models)
+        models, positions, hf_loss = _stage_models(spec, mspec, st, stage_ids, pp * v, cp, cp_idx, cp_group, dp_group)
+        model = models[0] if v == 1 else torch.nn.ModuleList(models)
         # zero1: DDP and ZeroRedundancyOptimizer over the stage's dp x cp ranks
-        opt = make_optimizer(model.parameters(), train, zero=strategy == "zero1", group=dp_group)
+        opt = make_optimizer(model.parameters(), train, zero=st.zero_optimizer, group=dp_group)
         stages = [PipelineStage(mod, j, pp * v, device, group=pp_group) for j, mod in zip(stage_ids, models)]
-        lf = loss_fn
-        if module:  # transformers' own loss (`loss_utils.ForCausalLMLoss`: shifted labels, fp32 logits)
-            def lf(logits, labels, _f=hf_loss[0], _v=hf_loss[1]):
-                return _f(logits=logits, labels=labels, vocab_size=_v)
-        if interleaved:
-            from torch.distributed.pipelining import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
-            cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
-                   "zbv": ScheduleZBVZeroBubble}[sched_name]
-            schedule = cls(stages, n_microbatches=M, loss_fn=lf)
-        else:
-            sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
-            schedule = sched_cls(stages[0], n_microbatches=M, loss_fn=lf)
-
-        def phased(fn, phase):
-            def call(*a, **k):
-                tracker.phase = phase
-                return fn(*a, **k)
-            return call
-
-        for st_ in stages:
-            st_.forward_one_chunk = phased(st_.forward_one_chunk, "forward")
-            st_.backward_one_chunk = phased(st_.backward_one_chunk, "backward")
-            st_.backward_weight_one_chunk = phased(st_.backward_weight_one_chunk, "backward")
-
-        params = list(model.parameters())  # as wrapped (FSDP2: the sharded DTensors, not the unsharded views)
-        fsdp_params = [fp for mod in models for m in mod.modules() if hasattr(m, "_get_fsdp_state")
-                       for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", ())]
-
-        def roles() -> dict:
-            from .measure import storage_key
-            out = {}
-
-            def put(t, role):
-                if isinstance(t, torch.Tensor):
-                    k = storage_key(getattr(t, "_local_tensor", t))  # DTensor (FSDP2): this rank's shard
-                    if k is not None:
-                        out.setdefault(k, role)
-
-            for p in params:
-                put(p, "params")
-                put(p.grad, "grads")
-            for fp in fsdp_params:  # FSDP2 without gradient sync: gradients accumulate unsharded
-                put(getattr(fp, "unsharded_accumulated_grad", None), "grads")
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    put(unsharded.grad, "grads")
-            for st in getattr(opt, "optim", opt).state.values():  # ZeroRedundancyOptimizer: its local optimizer
-                for v in st.values():
-                    put(v, "optimizer")
-            return out
-
-        tracker.roles = roles
-        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + replica)
-        tokens = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
-        targets = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
-        if module:  # labels = input ids, as `HFWorkload.loss` gives transformers
-            targets = tokens
-        if cp > 1:
-            tokens, targets = tokens[:, positions], targets[:, positions]
-        first, last = 0 in stage_ids, pp * v - 1 in stage_ids
-        if not first:
-            tokens = None
-        if not last:
-            targets = None
-
-        def step():
-            tracker.phase = "forward"
-            args = (tokens,) if first else ()
-            kw = {"target": targets, "losses": []} if last else {}
-            schedule.step(*args, return_outputs=False, **kw)
-            tracker.phase = "optimizer"
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            tracker.phase = "idle"
-
+        schedule = _pp_schedule(sched_name, stages, M, hf_loss)
+        _phase_stages(stages, tracker)
+        tracker.roles = _roles(model, models, opt)
+        step = _pp_step(spec, mspec, schedule, opt, tracker, M, b, s, replica, cp, positions,
+                        0 in stage_ids, pp * v - 1 in stage_ids)
         for _ in range(int(spec.get("warmup_steps", 1))):
             step()
         steps = int(spec.get("steps", 1))
@@ -375,8 +252,182 @@ def run(spec: dict) -> dict:
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     dist.destroy_process_group()
-    # The standard probe's shape too (validate/probe.py), so that `distplan validate` judges it: the most
-    # loaded rank's memory and collectives.
+    return _probe_result(spec, gathered, world, pp, dp, cp, strategy, M, torch.__version__)
+
+
+def _checked_strategy(strategy: str, world: int, pp: int, dp: int, cp: int):
+    """The spec's Strategy: single with dp x cp = 1, else one the probe wraps a stage by (not FSDP1)."""
+    if world != pp * dp * cp:
+        raise ValueError(f"world size {world} != pp {pp} x dp {dp} x cp {cp}")
+    st = get_strategy(strategy) if strategy in NAMES else None
+    if st is None or st.fsdp1 or st.distributed == (dp * cp == 1):
+        raise ValueError(f"strategy={strategy!r} with dp={dp}, cp={cp}: the probe runs single (dp x cp = 1), or "
+                         f"ddp, zero1, zero2 or zero3 (dp x cp > 1)")
+    return st
+
+
+def _pp_groups(dist, rank: int, pp: int, dp: int, cp: int) -> tuple:
+    """(stage index, replica, cp index, pp group, dp group, cp group) of this rank."""
+    # the mesh (pp, dp, cp), pp outermost as torchtitan lays it out: rank = stage * dp * cp + replica * cp +
+    # cp index; DDP runs over a stage's dp x cp ranks (torchtitan's dp_cp), the ring over its cp ranks
+    stage_idx, within = divmod(rank, dp * cp)
+    replica, cp_idx = divmod(within, cp)
+    pp_group = dp_group = cp_group = None
+    for w in range(dp * cp):
+        g = dist.new_group([s * dp * cp + w for s in range(pp)])
+        if w == within:
+            pp_group = g
+    for s_ in range(pp):
+        g = dist.new_group([s_ * dp * cp + w for w in range(dp * cp)])
+        if s_ == stage_idx:
+            dp_group = g
+        for d in range(dp):
+            g = dist.new_group([s_ * dp * cp + d * cp + c for c in range(cp)]) if cp > 1 else None
+            if s_ == stage_idx and d == replica:
+                cp_group = g
+    return stage_idx, replica, cp_idx, pp_group, dp_group, cp_group
+
+
+def _stage_models(spec: dict, mspec, st, stage_ids: list, n_stages: int, cp: int, cp_idx: int, cp_group,
+                  dp_group) -> tuple:
+    """(this rank's stage modules, wrapped by the strategy; this rank's positions under cp or None;
+    transformers' loss (function, vocab) or None)."""
+    from .cp import head_tail_indices  # (lazy: cp imports torch)
+    train = spec["train"]
+    s = int(train["seq_len"])
+    positions = hf_loss = None
+    if cp > 1:  # this rank's head-tail positions of each sequence (validate/cp.py)
+        if mspec.position != "rope":
+            raise ValueError("cp > 1: context parallelism runs the RoPE decoder (learned positions are not sharded)")
+        positions = head_tail_indices(s, cp, cp_idx)
+    module = spec.get("module")
+    if module:  # a transformers model (validate --hf-config --pp)
+        if cp > 1:
+            raise ValueError("cp > 1: the pipeline probe's context parallelism runs the reference decoder")
+        models = [build_hf_stage(module, j, n_stages, train.get("checkpointing", "none")) for j in stage_ids]
+        hf_loss = models[0].hf_loss
+    else:
+        models = [build_stage(mspec, j, n_stages, train.get("attention", "sdpa"),
+                              train.get("checkpointing", "none"), cp_group, positions) for j in stage_ids]
+    if st.ddp_reducer and spec["schedule"] != "1f1b":
+        raise ValueError(f"{st.name} with schedule={spec['schedule']!r}: {DDP_SCHEDULE_ERROR}")
+    if st.ddp_reducer:  # each stage of the rank; PipelineStage runs it under no_sync until the last micro-batch
+        from torch.nn.parallel import DistributedDataParallel
+        models = [DistributedDataParallel(mod, process_group=dp_group) for mod in models]
+    elif st.fsdp2:
+        # FSDP2 as torchtitan applies it with pipeline stages (`apply_fsdp`: `fully_shard` per block,
+        # then the stage, over the dp x cp mesh dimension, reshard_after_forward off with PP);
+        # PipelineStage turns gradient sync and resharding after backward off until the last micro-batch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        pp, dp = int(spec["pp"]), int(spec.get("dp", 1))
+        mesh = init_device_mesh("cpu", (pp, dp * cp), mesh_dim_names=("pp", "dp_cp"))["dp_cp"]
+        for mod in models:
+            for block in mod.layers.values():
+                fully_shard(block, mesh=mesh, reshard_after_forward=False)
+            fully_shard(mod, mesh=mesh, reshard_after_forward=False)
+    return models, positions, hf_loss
+
+
+def _pp_schedule(sched_name: str, stages: list, M: int, hf_loss):
+    """The pipeline schedule of `stages` over M micro-batches, with the reference loss or transformers' own."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    lf = loss_fn
+    if hf_loss is not None:  # transformers' own loss (`loss_utils.ForCausalLMLoss`: shifted labels, fp32 logits)
+        def lf(logits, labels, _f=hf_loss[0], _v=hf_loss[1]):
+            return _f(logits=logits, labels=labels, vocab_size=_v)
+    if sched_name in ("interleaved-1f1b", "interleaved-zb", "zbv"):
+        from torch.distributed.pipelining import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+        cls = {"interleaved-1f1b": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
+               "zbv": ScheduleZBVZeroBubble}[sched_name]
+        return cls(stages, n_microbatches=M, loss_fn=lf)
+    sched_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[sched_name]
+    return sched_cls(stages[0], n_microbatches=M, loss_fn=lf)
+
+
+def _phase_stages(stages: list, tracker) -> None:
+    """Each stage's forward and backward chunks set the tracker's phase."""
+    def phased(fn, phase):
+        def call(*a, **k):
+            tracker.phase = phase
+            return fn(*a, **k)
+        return call
+
+    for st_ in stages:
+        st_.forward_one_chunk = phased(st_.forward_one_chunk, "forward")
+        st_.backward_one_chunk = phased(st_.backward_one_chunk, "backward")
+        st_.backward_weight_one_chunk = phased(st_.backward_weight_one_chunk, "backward")
+
+
+def _roles(model, models: list, opt):
+    """The tracker's `roles`: {storage key: "params" | "grads" | "optimizer"} when asked."""
+    import torch
+
+    from .measure import storage_key  # (lazy: measure imports torch)
+    params = list(model.parameters())  # as wrapped (FSDP2: the sharded DTensors, not the unsharded views)
+    fsdp_params = [fp for mod in models for m in mod.modules() if hasattr(m, "_get_fsdp_state")
+                   for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", ())]
+
+    def roles() -> dict:
+        out = {}
+
+        def put(t, role):
+            if isinstance(t, torch.Tensor):
+                k = storage_key(getattr(t, "_local_tensor", t))  # DTensor (FSDP2): this rank's shard
+                if k is not None:
+                    out.setdefault(k, role)
+
+        for p in params:
+            put(p, "params")
+            put(p.grad, "grads")
+        for fp in fsdp_params:  # FSDP2 without gradient sync: gradients accumulate unsharded
+            put(getattr(fp, "unsharded_accumulated_grad", None), "grads")
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                put(unsharded.grad, "grads")
+        for st in getattr(opt, "optim", opt).state.values():  # ZeroRedundancyOptimizer: its local optimizer
+            for v in st.values():
+                put(v, "optimizer")
+        return out
+    return roles
+
+
+def _pp_step(spec: dict, mspec, schedule, opt, tracker, M: int, b: int, s: int, replica: int, cp: int, positions,
+             first: bool, last: bool):
+    """One optimizer step of the schedule over this replica's M x b sequences (the first stage's tokens, the
+    last stage's targets)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + replica)
+    tokens = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
+    targets = torch.randint(0, mspec.vocab, (M * b, s), generator=gen)
+    if spec.get("module"):  # labels = input ids, as `HFWorkload.loss` gives transformers
+        targets = tokens
+    if cp > 1:
+        tokens, targets = tokens[:, positions], targets[:, positions]
+    if not first:
+        tokens = None
+    if not last:
+        targets = None
+
+    def step():
+        tracker.phase = "forward"
+        args = (tokens,) if first else ()
+        kw = {"target": targets, "losses": []} if last else {}
+        schedule.step(*args, return_outputs=False, **kw)
+        tracker.phase = "optimizer"
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tracker.phase = "idle"
+    return step
+
+
+def _probe_result(spec: dict, gathered: list, world: int, pp: int, dp: int, cp: int, strategy: str, M: int,
+                  torch_version: str) -> dict:
+    """The standard probe's shape too (validate/probe.py), so that `distplan validate` judges it: the most
+    loaded rank's memory and collectives."""
     worst = max(gathered, key=lambda r: r["peak_bytes"])
     memory = {"peak_allocated": worst["peak_bytes"], "tracker_peak_allocated": worst["peak_bytes"],
               "peak_reserved": None, "baseline": 0, "peak_phase": worst["peak_phase"],
@@ -386,7 +437,7 @@ def run(spec: dict) -> dict:
             "strategy": strategy,
             "schedule": spec["schedule"], "microbatches": M, "ranks": gathered,
             "backend": "gloo", "device": "cpu", "measured_ranks": list(range(world)),
-            "torch_version": torch.__version__, "memory": memory, "collectives": worst["collectives"],
+            "torch_version": torch_version, "memory": memory, "collectives": worst["collectives"],
             "step_time_s": None,
             "unmeasured": ["step time (the pipeline probe does not time its steps)",
                            "allocator peak (CPU: live tensor storages from the storage tracker, no caching allocator)"]}

@@ -35,6 +35,7 @@ something only on a GPU, where `max_memory_allocated` leaves the host's memory o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -239,12 +240,55 @@ class Probe:
     def run(self) -> None:
         import torch
 
-
-        from .measure import StepTimer, StreamTags, Tracker
-        from .model import Decoder
+        # (lazy: measure and wrap import torch; the launcher imports this module without it)
+        from .measure import StepTimer
         from .wrap import wrap
 
+        spec = self.spec
+        train, module, work, mspec, steps, seq, mb, accum, sync_every, ckpt, every = self._run_options()
+        cuda = self.device.type == "cuda"
+        tracker, tags = self._start_recording(cuda)
+        with tracker, (tags or contextlib.nullcontext()):
+            torch.manual_seed(int(spec.get("seed", 0)))
+            model, units, meta, extra = self._built_model(module, work, mspec, train, ckpt, every, cuda)
+            model, dp_mesh, dp_world, cp, cp_rank, cp_context = self._parallelized(model, module, work, meta, seq)
+            model, opt, ctx = wrap(model, spec["strategy"], train, dp_world,
+                                   int(spec.get("gpus_per_node", self.world_size)), self.device,
+                                   fake=self.mode == "fake", units=units, dp_mesh=dp_mesh, meta=meta)
+            if self.mode == "fake" and train.get("precision") == "fp16-mixed" and self.device.type == "cuda":
+                self.result["unmeasured"].append("GradScaler (fake process group: garbage gradients)")
+            tracker.roles = ctx.roles
+            batches = self._batches(module, work, mspec, train, extra, seq, mb, accum, cp, cp_rank)
+            step = self._step(model, opt, ctx, work if module else None, batches, tracker, tags, sync_every,
+                              accum, cp_context)
+            self._measured_steps(step, steps, tracker, cuda)
+        self._record_memory(complete=True)
+        self.result["collectives"] = tracker.collective_list(steps)
+        if spec.get("checkpoint"):  # after the measured steps: optimizer state exists, gradients freed
+            with tracker:
+                self.result["checkpoint"] = save_checkpoint(model, opt, spec["checkpoint"], tracker,
+                                                            self.rank)
+        if tracker.events is not None:
+            with open(os.environ[ALLOC_EVENTS_ENV], "w") as f:
+                json.dump(tracker.events, f)
+        if cuda and os.environ.get(SNAPSHOT_ENV) and self.rank == 0:
+            torch.cuda.memory._dump_snapshot(os.environ[SNAPSHOT_ENV])
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+        if self.mode != "fake" or cuda:  # fake PG on a GPU: the compute part (collectives return at once)
+            timer = StepTimer(self.device)
+            for _ in range(steps):
+                with timer:
+                    step()
+            self.result["step_time_s"] = timer.median()
+        self._gather()
+        self.result["status"] = "ok"
+
+    def _run_options(self) -> tuple:
+        """The spec's run options, checked: (train, module, work, mspec, steps, seq_len, micro_batch, grad_accum,
+        sync_every, checkpointing, every: checkpoint every K-th layer or 0)."""
         spec, train = self.spec, dict(self.spec.get("train", {}))
+        work = mspec = None
         module = spec.get("module")  # {"factory": "pkg.mod:fn", "input_shape": [...], "path": dir} or None
         if module:
             if module.get("path") and module["path"] not in sys.path:
@@ -271,7 +315,13 @@ class Probe:
         if ckpt not in ("none", "full", "selective", "selective-op") and not every:
             self.result["unmeasured"].append(
                 f"checkpointing={ckpt!r} (the reference decoder implements only 'none' and 'full'; ran as 'none')")
-        cuda = self.device.type == "cuda"
+        return train, module, work, mspec, steps, seq, mb, accum, sync_every, ckpt, every
+
+    def _start_recording(self, cuda: bool) -> tuple:
+        """(the tracker, the stream tags or None): the baseline bytes and the snapshot's history started."""
+        import torch
+
+        from .measure import StreamTags, Tracker  # (lazy: measure imports torch)
         if cuda:
             torch.cuda.synchronize()
             self.baseline = torch.cuda.memory_allocated(self.device)
@@ -285,142 +335,143 @@ class Probe:
             tracker.events = []
             # on the CPU, each backward node's stream as a GPU would run it (measure.StreamTags)
             tags = StreamTags(tracker) if not cuda else None
-        import contextlib
-        with tracker, (tags or contextlib.nullcontext()):
-            torch.manual_seed(int(spec.get("seed", 0)))
-            units = None
-            init = spec.get("init", "device")
-            if init not in ("device", "meta"):
-                raise ValueError(f"init={init!r}: accepted values are device, meta")
-            # meta: built on the meta device and wrapped there, each rank materializing only what FSDP keeps
-            # (validate/wrap.py `materialize`); DDP and one GPU hold the whole model anyway: built on the device
-            meta = bool(module) and init == "meta" and get_strategy(spec["strategy"]).family in ("fsdp1", "fsdp2")
-            if module:
-                with torch.device("meta") if meta else contextlib.nullcontext():
-                    model = work.build()
-                if not isinstance(model, torch.nn.Module):
-                    raise TypeError(f"--module={work.label!r} returned {type(model).__name__}, "
-                                    f"not an nn.Module")
-                if not meta:
-                    model = model.to(self.device)
-                extra = {"vocab": work.vocab(model)} if work.kind == "hf" else {}
-                units = work.units(model)
-                if every:
-                    units = work.enable_checkpointing(model, units, every)
-                units = [m for _, m in units]
-            elif cuda:  # built in place (no CPU copy of a large model)
-                with torch.device(self.device):
-                    model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
-            else:  # (a torch.device context costs a torch._dynamo import through __torch_function__)
+        return tracker, tags
+
+    def _built_model(self, module, work, mspec, train: dict, ckpt: str, every: int, cuda: bool) -> tuple:
+        """(model, units: the wrapping units of a --module or transformers model or None, meta: built on the
+        meta device, extra: the inputs' extra arguments)."""
+        import torch
+
+        from .model import Decoder  # (lazy: model imports torch)
+        spec = self.spec
+        units, extra = None, {}
+        init = spec.get("init", "device")
+        if init not in ("device", "meta"):
+            raise ValueError(f"init={init!r}: accepted values are device, meta")
+        # meta: built on the meta device and wrapped there, each rank materializing only what FSDP keeps
+        # (validate/wrap.py `materialize`); DDP and one GPU hold the whole model anyway: built on the device
+        meta = bool(module) and init == "meta" and get_strategy(spec["strategy"]).fsdp
+        if module:
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                model = work.build()
+            if not isinstance(model, torch.nn.Module):
+                raise TypeError(f"--module={work.label!r} returned {type(model).__name__}, "
+                                f"not an nn.Module")
+            if not meta:
+                model = model.to(self.device)
+            extra = {"vocab": work.vocab(model)} if work.kind == "hf" else {}
+            units = work.units(model)
+            if every:
+                units = work.enable_checkpointing(model, units, every)
+            units = [m for _, m in units]
+        elif cuda:  # built in place (no CPU copy of a large model)
+            with torch.device(self.device):
                 model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
-            tp, dp_mesh, dp_world = int(spec.get("tp", 1)), None, self.world_size
-            cp, cp_rank = int(spec.get("cp", 1)), 0
-            cp_context = None
-            if meta and (cp > 1 or tp > 1 or spec.get("sequence_parallel")):
-                raise ValueError("init='meta' with tp or cp: the probes parallelize a model built on the device")
-            if cp > 1:
-                if module and work.kind != "hf":
-                    raise ValueError("cp: the context-parallel probe runs the reference decoder or a transformers "
-                                     "model (--hf-config), not --module")
-                model, dp_mesh, cp_rank = self._context_parallel(model, cp, tp, bool(spec.get("sequence_parallel")),
-                                                                 seq, hf=bool(module))
-                cp_context = getattr(model, "cp_context", None)  # a transformers model's (validate/cp.py)
-                dp_world = self.world_size // tp  # FSDP/DDP over the flattened (dp, cp) ranks
-            elif tp > 1 or spec.get("sequence_parallel"):
-                if module and work.kind != "hf":
-                    raise ValueError("tp: the tensor-parallel probe runs the reference decoder or a transformers "
-                                     "model (--hf-config), not --module")
-                model, dp_mesh = self._tensor_parallel(model, tp, bool(spec.get("sequence_parallel")),
-                                                       hf=bool(module))
-                dp_world = self.world_size // tp
-            model, opt, ctx = wrap(model, spec["strategy"], train, dp_world,
-                                   int(spec.get("gpus_per_node", self.world_size)), self.device,
-                                   fake=self.mode == "fake", units=units, dp_mesh=dp_mesh, meta=meta)
-            if self.mode == "fake" and train.get("precision") == "fp16-mixed" and self.device.type == "cuda":
-                self.result["unmeasured"].append("GradScaler (fake process group: garbage gradients)")
-            tracker.roles = ctx.roles
-            # the ranks of one context-parallel group share their sequences (each keeps its positions)
-            data_rank = self.rank if cp == 1 else self.rank // (cp * tp)
-            gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + data_rank)
-            if module:
-                dtype = torch.bfloat16 if train.get("precision") == "bf16" else torch.float32
-                batches = [work.inputs(torch, dtype, gen, self.device, **extra) for _ in range(accum)]
-                if cp > 1:  # this rank's positions of each sequence (validate/cp.py head_tail_indices)
-                    from .cp import head_tail_indices
-                    keep = head_tail_indices(seq, cp, cp_rank, self.device)
-                    batches = [tuple(x[:, keep].contiguous() for x in b_) for b_ in batches]
+        else:  # (a torch.device context costs a torch._dynamo import through __torch_function__)
+            model = Decoder(mspec, train.get("attention", "sdpa"), ckpt)
+        return model, units, meta, extra
+
+    def _parallelized(self, model, module, work, meta: bool, seq: int) -> tuple:
+        """(model, dp_mesh, dp_world, cp, cp_rank, cp_context): the model split by the spec's tp or cp."""
+        spec = self.spec
+        tp, dp_mesh, dp_world = int(spec.get("tp", 1)), None, self.world_size
+        cp, cp_rank = int(spec.get("cp", 1)), 0
+        cp_context = None
+        if meta and (cp > 1 or tp > 1 or spec.get("sequence_parallel")):
+            raise ValueError("init='meta' with tp or cp: the probes parallelize a model built on the device")
+        if cp > 1:
+            if module and work.kind != "hf":
+                raise ValueError("cp: the context-parallel probe runs the reference decoder or a transformers "
+                                 "model (--hf-config), not --module")
+            model, dp_mesh, cp_rank = self._context_parallel(model, cp, tp, bool(spec.get("sequence_parallel")),
+                                                             seq, hf=bool(module))
+            cp_context = getattr(model, "cp_context", None)  # a transformers model's (validate/cp.py)
+            dp_world = self.world_size // tp  # FSDP/DDP over the flattened (dp, cp) ranks
+        elif tp > 1 or spec.get("sequence_parallel"):
+            if module and work.kind != "hf":
+                raise ValueError("tp: the tensor-parallel probe runs the reference decoder or a transformers "
+                                 "model (--hf-config), not --module")
+            model, dp_mesh = self._tensor_parallel(model, tp, bool(spec.get("sequence_parallel")),
+                                                   hf=bool(module))
+            dp_world = self.world_size // tp
+        return model, dp_mesh, dp_world, cp, cp_rank, cp_context
+
+    def _batches(self, module, work, mspec, train: dict, extra: dict, seq: int, mb: int, accum: int, cp: int,
+                 cp_rank: int) -> list:
+        """This rank's micro-batches of one step (`accum` of them), seeded by its data rank."""
+        import torch
+
+        from .cp import head_tail_indices  # (lazy: cp imports torch)
+        spec = self.spec
+        tp = int(spec.get("tp", 1))
+        # the ranks of one context-parallel group share their sequences (each keeps its positions)
+        data_rank = self.rank if cp == 1 else self.rank // (cp * tp)
+        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)) + 1000 + data_rank)
+        if module:
+            dtype = torch.bfloat16 if train.get("precision") == "bf16" else torch.float32
+            batches = [work.inputs(torch, dtype, gen, self.device, **extra) for _ in range(accum)]
+            if cp > 1:  # this rank's positions of each sequence (validate/cp.py head_tail_indices)
+                keep = head_tail_indices(seq, cp, cp_rank, self.device)
+                batches = [tuple(x[:, keep].contiguous() for x in b_) for b_ in batches]
+        else:
+            batches = [(torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device),
+                        torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device))
+                       for _ in range(accum)]
+            if cp > 1:  # this rank's positions of each sequence (validate/cp.py head_tail_indices)
+                keep = head_tail_indices(seq, cp, cp_rank, self.device)
+                batches = [(x[:, keep].contiguous(), y[:, keep].contiguous()) for x, y in batches]
+        return batches
+
+    @staticmethod
+    def _step(model, opt, ctx, work, batches: list, tracker, tags, sync_every: bool, accum: int, cp_context):
+        """One optimizer step over `batches` (a --module's `work` computes its loss), the tracker's phases set."""
+        def forward(batch):
+            if work is None:
+                return model(*batch)
+            return work.loss(model, batch)[0]
+
+        # a transformers model under CP: ring attention in place of SDPA through forward and backward (the
+        # recompute of a checkpointed layer runs in backward)
+        cp_scope = cp_context or contextlib.nullcontext
+
+        def step():
+            for i, batch in enumerate(batches):
+                with ctx.sync(sync_every or i == accum - 1), ctx.loss_context(), cp_scope():
+                    tracker.phase = "forward"
+                    if tags is not None:
+                        tags.reset()
+                    with ctx.autocast():
+                        loss = forward(batch) / accum
+                    tracker.phase = "backward"
+                    (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
+                    del loss
+            tracker.phase = "optimizer"
+            if ctx.scaler is not None:
+                ctx.scaler.step(opt)
+                ctx.scaler.update()
             else:
-                batches = [(torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device),
-                            torch.randint(0, mspec.vocab, (mb, seq), generator=gen).to(self.device))
-                           for _ in range(accum)]
-                if cp > 1:  # this rank's positions of each sequence (validate/cp.py head_tail_indices)
-                    from .cp import head_tail_indices
-                    keep = head_tail_indices(seq, cp, cp_rank, self.device)
-                    batches = [(x[:, keep].contiguous(), y[:, keep].contiguous()) for x, y in batches]
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            tracker.phase = "idle"
+        return step
 
-            def forward(batch):
-                if not module:
-                    return model(*batch)
-                return work.loss(model, batch)[0]
+    def _measured_steps(self, step, steps: int, tracker, cuda: bool) -> None:
+        """The warm-up steps, then `steps` counted by the tracker from a reset peak."""
+        import torch
 
-            # a transformers model under CP: ring attention in place of SDPA through forward and backward (the
-            # recompute of a checkpointed layer runs in backward)
-            cp_scope = cp_context or contextlib.nullcontext
-
-            def step():
-                for i, batch in enumerate(batches):
-                    with ctx.sync(sync_every or i == accum - 1), ctx.loss_context(), cp_scope():
-                        tracker.phase = "forward"
-                        if tags is not None:
-                            tags.reset()
-                        with ctx.autocast():
-                            loss = forward(batch) / accum
-                        tracker.phase = "backward"
-                        (ctx.scaler.scale(loss) if ctx.scaler is not None else loss).backward()
-                        del loss
-                tracker.phase = "optimizer"
-                if ctx.scaler is not None:
-                    ctx.scaler.step(opt)
-                    ctx.scaler.update()
-                else:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-                tracker.phase = "idle"
-
-            # warm-up: optimizer state, FSDP lazy init, and DDP's bucket rebuild (in the 2nd forward)
-            for _ in range(int(spec.get("warmup_steps", 2))):
-                step()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(self.device)
-            tracker.reset_peak()
-            tracker.counting = True
-            for _ in range(steps):
-                step()
-            tracker.counting = False
-            if cuda:
-                torch.cuda.synchronize()
-        self._record_memory(complete=True)
-        self.result["collectives"] = tracker.collective_list(steps)
-        if spec.get("checkpoint"):  # after the measured steps: optimizer state exists, gradients freed
-            with tracker:
-                self.result["checkpoint"] = save_checkpoint(model, opt, spec["checkpoint"], tracker,
-                                                            self.rank)
-        if tracker.events is not None:
-            with open(os.environ[ALLOC_EVENTS_ENV], "w") as f:
-                json.dump(tracker.events, f)
-        if cuda and os.environ.get(SNAPSHOT_ENV) and self.rank == 0:
-            torch.cuda.memory._dump_snapshot(os.environ[SNAPSHOT_ENV])
-            torch.cuda.memory._record_memory_history(enabled=None)
-
-        if self.mode != "fake" or cuda:  # fake PG on a GPU: the compute part (collectives return at once)
-            timer = StepTimer(self.device)
-            for _ in range(steps):
-                with timer:
-                    step()
-            self.result["step_time_s"] = timer.median()
-        self._gather()
-        self.result["status"] = "ok"
+        # warm-up: optimizer state, FSDP lazy init, and DDP's bucket rebuild (in the 2nd forward)
+        for _ in range(int(self.spec.get("warmup_steps", 2))):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        tracker.reset_peak()
+        tracker.counting = True
+        for _ in range(steps):
+            step()
+        tracker.counting = False
+        if cuda:
+            torch.cuda.synchronize()
 
     def _tensor_parallel(self, model, tp: int, sp: bool, hf: bool = False):
         """(the model split over the tp dimension of a (dp, tp) mesh, the dp dimension's mesh), as
