@@ -18,7 +18,7 @@ from distplan.planner.activations import regime_for
 from distplan.planner.config import TrainConfig
 from distplan.planner.kernels import host_ops, optimizer_host_ops, param_tensors
 from distplan.planner.model import ModelSpec
-from distplan.validate.calibrate import count_aten_ops, reference_step
+from distplan.validate.calibrate_measure import count_aten_ops, reference_step
 from distplan.validate.matrix import SHAPES_CPU
 
 VARIANTS = {

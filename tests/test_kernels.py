@@ -92,7 +92,7 @@ def _dispatched_ops(shape: dict, precision: str, checkpointing: str) -> int:
     """ATen ops one eager training step of the reference decoder dispatches (forward, backward, foreach
     AdamW, zero_grad), after three warm-up steps (`validate.calibrate.reference_step`, `count_aten_ops`)."""
     pytest.importorskip("torch")
-    from distplan.validate.calibrate import count_aten_ops, reference_step
+    from distplan.validate.calibrate_measure import count_aten_ops, reference_step
 
     forward, backward, optimizer = reference_step(shape, precision=precision, checkpointing=checkpointing)
     return count_aten_ops(lambda: (backward(forward()), optimizer()))[1]
@@ -142,7 +142,7 @@ def test_host_ops_of_transformers_models(config, precision):
     from pathlib import Path
 
     from distplan.planner.hf_config import read_hf_config
-    from distplan.validate.calibrate import count_aten_ops
+    from distplan.validate.calibrate_measure import count_aten_ops
 
     path = Path(__file__).resolve().parent.parent / "examples" / "hf" / f"{config}.json"
     spec = ModelSpec(**dict(read_hf_config(path, implementation=True), layers=2))

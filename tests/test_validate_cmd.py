@@ -516,7 +516,7 @@ def test_fit_check_skips_a_traced_model_it_cannot_predict(monkeypatch):
     the traced spec has no architecture to fall back on, so the probe runs and its record says why it has no
     prediction. A spec of the reference decoder still falls back to 16 bytes per parameter."""
     from distplan.planner import api
-    from distplan.validate.command import _check_fits
+    from distplan.validate.probe_specs import _check_fits
 
     def fail(spec):
         raise ValueError("--hf-config='x': the forward of x failed: RuntimeError: boom")
@@ -538,7 +538,7 @@ def test_fit_check_counts_the_model_built_whole_before_wrapping():
     (it would be killed for memory, not refused). Two layers of it fit."""
     import click
 
-    from distplan.validate.command import _check_fits
+    from distplan.validate.probe_specs import _check_fits
     from distplan.validate.runner import _full_param_bytes as _built_bytes
     hf = str(Path(__file__).parent / "data" / "hf" / "mistral-7b.json")
     spec = mx.make_spec("zero3", {"name": "hf:" + hf}, 64, "fake")

@@ -18,7 +18,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import fake_probe  # noqa: E402
 
-from distplan.validate.command import _param_count, _worst_cell, validate_command  # noqa: E402
+from distplan.validate.command import validate_command  # noqa: E402
+from distplan.validate.render import _param_count, _worst_cell  # noqa: E402
 from distplan.validate import matrix as mx  # noqa: E402
 from distplan.validate import runner  # noqa: E402
 from distplan.validate.compare import compare  # noqa: E402

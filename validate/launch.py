@@ -32,7 +32,7 @@ import os
 import sys
 
 from distplan.validate.guard import fresh_signals
-from distplan.validate.runner import STACKS_AT_ENV
+from distplan.validate.probe_run import STACKS_AT_ENV
 
 WORKER_FLAG = "--worker"
 

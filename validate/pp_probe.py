@@ -47,7 +47,7 @@ from distplan.planner.strategies import NAMES, get_strategy
 from distplan.planner.workload.traced_model import from_spec
 
 from .probe import ALLOC_EVENTS_ENV, _one_line, preload as probe_preload, write_json
-from .runner import launcher, local_rendezvous, run_probe
+from .probe_run import launcher, local_rendezvous, run_probe
 
 
 DDP_SCHEDULE_ERROR = ("DistributedDataParallel stops in its reducer's first bucket rebuild under ScheduleGPipe and "
