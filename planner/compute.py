@@ -53,11 +53,14 @@ from typing import NamedTuple
 from .comm import _DTYPE_BYTES, Collective, Schedule, collective_schedule, schedule_totals
 from .activations import regime_for
 from .footprint import _footprint_for, nccl_env
-from .config import Cluster, TrainConfig
+from .config import Cluster, TrainConfig, checkpoint_every
+from .cp import attention_flops_factor, cp_view
 from .model import TPRankSpec
+from .pp import bubble_fraction, pp_cluster, stage_train
 from .kernels import KernelTimes, kernel_times, optimizer_host_ops, param_tensors, peak_flops
 
 from .strategies import Strategy, get_strategy
+from .tp import tp_view
 
 
 def _forward_flops(train: TrainConfig) -> tuple[float, float]:
@@ -70,7 +73,6 @@ def _forward_flops(train: TrainConfig) -> tuple[float, float]:
     # tensor-parallel rank runs heads / tp of them (`block_w`, `head_w` are its weights already).
     attn = 4.0 * b * s * s * m.q_dim * (0.5 if train.attention == "sdpa" else 1.0) / train.tp
     if train.cp > 1:  # a context-parallel rank's s/cp queries attend over the whole sequence (cp.py)
-        from .cp import attention_flops_factor
         attn *= attention_flops_factor(train)
     block = 2.0 * block_w * tokens + attn
     head = 2.0 * head_w * tokens  # Eq. 3's logits term 2*b*s*h*V
@@ -91,7 +93,6 @@ def step_flops(train: TrainConfig, forward: tuple[float, float] | None = None) -
     blocks' forward (+ L x block), every-K that of blocks 0, K, 2K, ... (+ ceil(L / K) x block);
     selective recomputes only non-matmul ops (~0 matmul FLOPs).
     """
-    from .config import checkpoint_every
     block, head = forward or _forward_flops(train)
     every = checkpoint_every(train.checkpointing)
     recompute = len(range(0, train.model.layers, every)) * block if every else 0.0
@@ -254,7 +255,6 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
     if not schedule:
         return 0.0
     s = get_strategy(strategy)
-    strategy = s.name
     A, L = train.grad_accum, train.model.layers
     F_blk, F_head = compute.block_forward_s, compute.head_forward_s
     B_blk, B_head = compute.block_backward_s, compute.head_backward_s
@@ -268,8 +268,8 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
         """Compute seconds lost per call of the collectives of `key` while they overlap."""
         return lpc.get(key, 0.0) * g
 
-    if train.framework == "deepspeed" and strategy in ("zero1", "zero2", "zero3"):
-        if strategy != "zero3":
+    if train.framework == "deepspeed" and s.deepspeed_stage:
+        if s.deepspeed_stage != 3:
             return sums.time_s
         fwd, bwd = by_phase.get("forward", 0.0), by_phase.get("backward", 0.0)
         lf = g * sum(t * sums.per_call[k][1] for k, t in lpc.items() if k[1] == "forward")
@@ -280,7 +280,7 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
     # Micro-steps that reduce: the last one, or each with grad_sync='every' (the schedule's reductions
     # count all of them; each backward hides its own).
     R = A if train.sync_every else 1
-    if s.family in ("ddp", "zero1"):
+    if s.ddp_reducer:
         # Per reducing micro-step: the bucket reduced last waits for nothing to hide it; the others
         # overlap that micro-step's backward (DDP's Reducer launches each bucket when it is ready).
         last = sums.time_by_unit.get("last_bucket", 0.0) / R
@@ -345,16 +345,16 @@ def copy_bytes(train: TrainConfig, strategy: str | Strategy, schedule: list[Coll
     - FSDP1 (`_flat_param.py`, `_runtime_utils.py`): all-gathers straight into the flat parameter; under
       mixed precision the unsharded gradient is cast to `reduce_dtype` before reduce-scatter.
     """
-    fam = get_strategy(strategy).family
+    st = get_strategy(strategy)
     prec = train.prec
     cb = prec.compute_bytes if prec.mixed else prec.param_bytes
     total = 0.0
     for (op, dtype), nbytes in schedule_totals(schedule).bytes_by_op_dtype.items():
-        if fam in ("ddp", "zero1") and op == "all_reduce":
+        if st.ddp_reducer and op == "all_reduce":
             total += 2 * 2 * nbytes
-        elif fam == "fsdp2" and op == "all_gather":
+        elif st.fsdp2 and op == "all_gather":
             total += 2 * nbytes
-        elif fam in ("fsdp2", "fsdp1") and op == "reduce_scatter" and (fam == "fsdp2" or prec.mixed):
+        elif st.fsdp and op == "reduce_scatter" and (st.fsdp2 or prec.mixed):
             total += nbytes * (1 + cb / _DTYPE_BYTES[dtype])
     return total
 
@@ -375,7 +375,6 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
         return _pp_step_time(train, cluster, s, schedule, gpu)
     tp_exposed, tp_calls = 0.0, 0
     if train.cp > 1:  # one context-parallel rank (cp.py); its ring's collectives are split off below
-        from .cp import cp_view
         train = cp_view(train)
     tp = train.tp > 1 and not isinstance(train.model, TPRankSpec)
     if tp or train.cp > 1:
@@ -383,7 +382,6 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
         # collectives sit between the block's kernels in eager PyTorch, exposed whole. So do context
         # parallelism's ring collectives, inside each attention (cp.py).
         if tp:
-            from .tp import tp_view
             train, cluster = tp_view(train, cluster)
         tp_part = [c for c in schedule if c.group in ("tp", "cp")]
         tp_exposed = sum(c.time_s for c in tp_part)
@@ -405,7 +403,7 @@ def step_time(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
     overhead = copy_bytes(train, s, schedule) / bw
     overhead += COLLECTIVE_LAUNCH_S * (sums.calls + tp_calls)
     total = compute + exposed + opt + overhead
-    gpus = 1 if s.family == "single" else cluster.gpus
+    gpus = cluster.gpus if s.distributed else 1
     tokens = train.tokens_per_micro_step * train.grad_accum * gpus
     mfu = model_flops(train, forward) / (total * peak) if total > 0 else 0.0
     return StepTime(compute, comm, exposed, opt, total, tokens / total if total else 0.0, mfu, overhead)
@@ -417,14 +415,11 @@ def _pp_step_time(train: TrainConfig, cluster: Cluster, s, schedule, gpu) -> Ste
     (p - 1) / (v M) (GPipe arXiv:1811.06965 §2.2; Narayanan et al. 2021 arXiv:2104.04473 §2.2.1-2.2.2);
     the TP group's collectives exposed whole (as without PP), and the point-to-point sends of the fill
     and the drain, 2 (p - 1) boundary messages (the steady state's overlap the compute)."""
-    from .pp import bubble_fraction, pp_cluster, stage_train
     if train.cp > 1:  # a context-parallel rank of each stage: s / cp tokens, the ring's collectives exposed
-        from .cp import cp_view
         train = cp_view(train)
     tv = stage_train(train, 0, time_view=True)
     dpc = cluster
     if train.tp > 1:
-        from .tp import tp_view
         dpc = tp_view(train, cluster)[1]
     dpc = pp_cluster(train, dpc)
     tp_part = [c for c in schedule if c.group in ("tp", "cp")]  # inside the blocks: exposed whole
@@ -441,7 +436,7 @@ def _pp_step_time(train: TrainConfig, cluster: Cluster, s, schedule, gpu) -> Ste
     exposed = base.exposed_comm_s + tp_exposed + pp_exposed
     total = compute + exposed + base.optimizer_s + overhead
     comm = base.comm_s + tp_exposed + sum(c.time_s for c in pp_part)
-    dp = 1 if s.family == "single" else dpc.gpus  # data-parallel replicas of the pipeline
+    dp = dpc.gpus if s.distributed else 1  # data-parallel replicas of the pipeline
     tokens = train.tokens_per_micro_step * train.pp_microbatches * dp
     block, head = _forward_flops(tv)
     flops = 3.0 * (train.model.layers * block + head) * train.pp_microbatches / train.pp
@@ -454,7 +449,8 @@ def _pp_step_time(train: TrainConfig, cluster: Cluster, s, schedule, gpu) -> Ste
 def _gpu(name: str, catalog_dirs: tuple = ()):
     """The catalog's GPU `name`, cached per (name, dirs) like `comm._interconnect` (looked up once per
     evaluated strategy; `api.clear_caches()` after editing catalog files in a running process)."""
-    from distplan.catalog.loader import load_catalog  # lazy
+    # lazy: catalog.loader imports distplan.planner, whose __init__ imports this module
+    from distplan.catalog.loader import load_catalog
 
     return load_catalog(catalog_dirs).gpu(name)
 
@@ -470,13 +466,12 @@ def required_inter_bandwidth(train: TrainConfig, cluster: Cluster, strategy: str
     get there (intra-node links or latency alone expose more than the target).
     """
     s = get_strategy(strategy)
-    if cluster.nodes <= 1 or s.family == "single" or train.pp > 1:  # not modelled with pipeline stages
+    if cluster.nodes <= 1 or not s.distributed or train.pp > 1:  # not modelled with pipeline stages
         return None
     if gpu is None:
         gpu = _gpu(cluster.gpu_name, cluster.catalog_dirs)
     if train.tp > 1 and not isinstance(train.model, TPRankSpec):
         # the data-parallel ranks' share of each node (1/tp of its NICs): per node it is tp times that
-        from .tp import tp_view
         t = train.tp
         rtrain, dp = tp_view(train, cluster)
         if dp.nodes <= 1:

@@ -368,7 +368,8 @@ def comm_footprint(name: str, topo: Topology, env_key: tuple = (), nccl_version:
 @lru_cache(maxsize=256)
 def _hardware(gpu_name: str, intra_link: str, catalog_dirs: tuple) -> tuple:
     """(cc, intra kind, per-GPU path bandwidth GB/s, NVSwitch) from the catalog (cached)."""
-    from distplan.catalog.loader import load_catalog  # lazy: the catalog is never loaded at import
+    # lazy: catalog.loader imports distplan.planner, whose __init__ imports this module
+    from distplan.catalog.loader import load_catalog
     cat = load_catalog(catalog_dirs)
     gpu = cat.gpu(gpu_name)
     ic = cat.interconnect(intra_link)

@@ -54,6 +54,7 @@ from functools import lru_cache
 from .activations import _hf_mask, block_linears, regime_for, saved_linears, sp_tokens
 from .config import TrainConfig
 from .cp import attention_flops_factor
+from .strategies import FSDP1
 
 _EAGER_FWD_KERNELS, _COMPILED_FWD_KERNELS = 45, 12
 """Kernels per block forward: transformers' LlamaDecoderLayer issues ~45 (7 GEMMs, SDPA, 2 x 7 for the
@@ -476,7 +477,7 @@ def param_tensors(model, family: str = "single") -> int:
     them, with transformers' fused projections as one Linear each: `block_linears`, which `units()`
     does not follow); FSDP1 (`use_orig_params=False`) steps one flat parameter per wrapped unit (the blocks and
     the root). ZeroRedundancyOptimizer's rank steps its share of them: counted as all (an upper bound)."""
-    if family == "fsdp1":
+    if family == FSDP1:
         return model.layers + 1
     lin = block_linears(model)
     ln = model.norm == "layernorm"

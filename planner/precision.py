@@ -20,6 +20,8 @@ from math import prod
 
 from dataclasses import dataclass
 
+from .strategies import FSDP2
+
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit", "adafactor")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
@@ -94,7 +96,7 @@ def optimizer_conflict(optimizer: str, family: str) -> str | None:
     foreach and for-loop: `validate --optimizer adafactor`, Qwen2.5-0.5B and a Llama on 8 fake ranks).
     FSDP1 runs it on the flat parameters, where it factors nothing (one vector per unit: its second moment
     is as large as the parameters); DDP and ZeRO-1 on the real shapes."""
-    if optimizer == "adafactor" and family == "fsdp2":
+    if optimizer == "adafactor" and family == FSDP2:
         return ("torch.optim.Adafactor fails on FSDP2's sharded DTensor parameters (an in-place update of its "
                 "row/column norms, a _NormPartial placement: measured with torch 2.13)")
     return None

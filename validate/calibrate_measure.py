@@ -237,8 +237,7 @@ def reference_step(shape: dict, device: str = "cpu", precision: str = "fp32", ch
     AdamW), after three warm-up steps: (forward -> loss, backward(loss), optimizer step + zero_grad)."""
     import torch
 
-
-    from .model import Decoder
+    from .model import Decoder  # (lazy: model and wrap import torch; calibrate imports this module without it)
     from .wrap import wrap
 
     spec = ModelSpec(**shape)

@@ -31,7 +31,7 @@ import importlib
 import os
 import sys
 
-from distplan.validate.guard import fresh_signals
+from distplan.validate.guard import fresh_signals, set_pdeathsig
 from distplan.validate.probe_run import STACKS_AT_ENV
 
 WORKER_FLAG = "--worker"
@@ -101,7 +101,6 @@ def _fork_passfds(path: str, args: list[str], passfds) -> int:
         return pid
     status = 1
     try:
-        from distplan.validate.guard import fresh_signals, set_pdeathsig
         import signal
 
         fresh_signals()

@@ -79,12 +79,19 @@ def spec_id(strategy: str, model_name: str, world_size: int, mode: str, checkpoi
     return f"{strategy}/{model_name}/{w}{t}/{checkpointing}/{precision}"
 
 
+def _known(name: str):
+    """The registry's Strategy of `name`, or None for a name it does not spell (the probe refuses that one)."""
+    return get_strategy(name) if name in NAMES else None
+
+
 def default_gpus_per_node(strategy: str, world_size: int, mode: str) -> int:
     # hsdp needs >= 2 ranks per shard group: with one, PyTorch's HYBRID_SHARD falls back to NO_SHARD and
     # all-reduces inside a group of one (nothing crosses replicas). Two replicas where there are 4+ ranks.
-    if strategy == "hsdp" and world_size >= 4:
+    st = _known(strategy)
+    hybrid = st is not None and st.hybrid
+    if hybrid and world_size >= 4:
         return max(2, world_size // 2)
-    if strategy == "hsdp":
+    if hybrid:
         return max(1, world_size)
     return max(1, min(world_size, 8)) if mode == "fake" else max(1, world_size)
 
@@ -110,7 +117,8 @@ def make_spec(strategy: str, model, world_size: int, mode: str, *, gpus_per_node
     m = model_dict(model)
     if model_name:
         m["name"] = model_name
-    if strategy == "single":
+    st = _known(strategy)
+    if st is not None and not st.distributed:
         world_size = tp
     tp_keys = {"tp": int(tp), "sequence_parallel": bool(sequence_parallel)} if tp > 1 else {}
     if cp > 1:
@@ -164,13 +172,13 @@ def standard_matrix(hw: dict, strategies=None, fake_world: int | None = None, fu
         specs.append(make_spec(strategy, dict(shapes[shape_name], name=shape_name), world, mode,
                                precision=prec, checkpointing=ckpt, steps=steps, seed=seed, **train))
 
-    if "single" in names:
+    if any(not get_strategy(n).distributed for n in names):
         single_mode = "gpu" if device == "gpu" else "cpu"
         for mi, shape_name in enumerate(shapes):
             picks = combos if full else [combos[mi % 4], combos[(mi + 2) % 4]]
             for ckpt, prec in picks:
                 add("single", shape_name, single_mode, 1, ckpt, prec)
-    multi = [n for n in names if n != "single"]
+    multi = [n for n in names if get_strategy(n).distributed]
     for wi, (mode, world) in enumerate(worlds):
         for si, strategy in enumerate(multi):
             for mi, shape_name in enumerate(shapes):

@@ -68,7 +68,7 @@ def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointin
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
-    from .model import Block, Norm, rope_tables
+    from .model import Block, Norm, rope_tables  # (lazy: model imports torch)
 
     class Stage(nn.Module):
         """One pipeline stage of the reference decoder (`validate.model.Decoder`), same names."""

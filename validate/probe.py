@@ -507,7 +507,7 @@ class Probe:
             (parallelize_hf if hf else parallelize_decoder)(model, mesh["tp"], sp)
         cp_rank = mesh["cp"].get_local_rank()
         if hf:
-            from .cp import hf_context_parallel
+            from .cp import hf_context_parallel  # (lazy: cp imports torch)
             hf_context_parallel(model, mesh["cp"].get_group(), cp_rank, cp, seq_len)
         else:
             model.context_parallel(mesh["cp"].get_group(), cp_rank, cp, seq_len)
@@ -554,7 +554,7 @@ class Probe:
         import torch
         import torch.distributed as dist
 
-        from .measure import CATEGORIES
+        from .measure import CATEGORIES  # (lazy: measure imports torch)
 
         if self.mode == "fake" or self.world_size == 1:
             return

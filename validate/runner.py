@@ -42,9 +42,10 @@ import subprocess
 import sys
 import time
 
-from distplan.planner.api import predict_probe
+from distplan.planner.api import predict_probe, resolve_model
 from distplan.planner.config import installed_torch, torch_build, torch_version_file
 from distplan.planner.footprint import CUDA_CONTEXT_BYTES
+from distplan.planner.model import ModelSpec
 
 from .compare import DEFAULT_TOLERANCE, compare
 from .results import ResultsFile, done, read_records
@@ -263,8 +264,6 @@ def _full_param_bytes(spec: dict) -> int:
     planner does not read the model's size from its spec (an `nn.Module` factory, a config the analytic
     front end does not read)."""
     try:
-        from distplan.planner.api import resolve_model
-        from distplan.planner.model import ModelSpec
         module = spec.get("module") or {}
         if module.get("hf_config"):
             model, _ = resolve_model(hf_config=module["hf_config"], overrides={"layers": module.get("layers")})

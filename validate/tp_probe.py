@@ -96,7 +96,7 @@ def run_case(case: dict) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from distplan.validate.model import Block, rope_tables
+    from distplan.validate.model import Block, rope_tables  # (lazy: model imports torch)
 
     spec, t, sp, tr, b, s, dtype, mesh = _setup(case)
     block = Block(spec, tr.get("attention", "sdpa")).to(dtype)
@@ -227,7 +227,7 @@ def run_model_case(case: dict) -> dict:
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from distplan.validate.model import Decoder, rope_tables
+    from distplan.validate.model import Decoder, rope_tables  # (lazy: model imports torch)
 
     spec, t, sp, tr, b, s, dtype, mesh = _setup(case)
     model = Decoder(spec, tr.get("attention", "sdpa")).to(dtype)

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from distplan.planner.strategies import get_strategy
+from distplan.planner.strategies import FSDP1, get_strategy
 from distplan.planner.tp import TP_STRATEGIES
 
 from .measure import storage_key
@@ -337,13 +337,13 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
     precision = train.get("precision", "fp32")
     if precision not in ("fp32", "bf16-mixed", "fp16-mixed", "bf16"):
         raise ValueError(f"precision={precision!r}: accepted values are fp32, bf16-mixed, fp16-mixed, bf16")
-    if meta and strategy.family not in ("fsdp1", "fsdp2"):
+    if meta and not strategy.fsdp:
         raise ValueError(f"strategy {strategy.name!r} on the meta device: only FSDP materializes a meta model")
     if meta and train.get("cpu_offload") not in (None, "none"):
         raise ValueError("a model on the meta device with CPU offload: the probes materialize it on the device")
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    if strategy.name == "single" and world_size != 1:
+    if not strategy.distributed and world_size != 1:
         raise ValueError(f"strategy 'single' runs on one rank, not world_size={world_size}")
     if dp_mesh is not None and strategy.name not in TP_STRATEGIES:
         raise ValueError(f"strategy {strategy.name!r} with tensor parallelism: the probes compose tp with "
@@ -353,10 +353,10 @@ def wrap(model, strategy_name: str, train: dict, world_size: int, gpus_per_node:
                                            world_size, gpus_per_node, device)
     ctx.loss_parallel = bool(getattr(model, "loss_parallel", False))
     ctx.params = list(wrapped.parameters())
-    optimizer = make_optimizer(ctx.params, train, zero=strategy.name == "zero1")
+    optimizer = make_optimizer(ctx.params, train, zero=strategy.zero_optimizer)
     ctx.optimizer_state_owner = getattr(optimizer, "optim", optimizer)
     if precision == "fp16-mixed" and device.type == "cuda" and not fake:
-        if ctx.family == "fsdp1":
+        if ctx.family == FSDP1:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             ctx.scaler = ShardedGradScaler()
