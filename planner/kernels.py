@@ -31,7 +31,7 @@ Every op of a decoder block is timed by what bounds it:
   counts them), the optimizer's per step (`optimizer_host_ops`).
 
 Kernel and op counts per block are those of transformers' Llama (forward ~45 kernels eager, ~12
-compiled; backward about twice), a round figure: the trace's kernel census (`workload.trace._KernelCensus`)
+compiled; backward about twice), a round figure: the trace's kernel census (`workload.census._KernelCensus`)
 counts 34 (fp32), 48 (bf16 autocast) and 38 (bf16) kernels in LlamaDecoderLayer's forward and 67 / 87 / 71
 in its backward, and for the memory-bound bytes of a block forward it agrees with the formulas below
 within 12% (backward 2.1-2.2x the forward's bytes, not 2x); on the step's compute time the two agree within

@@ -482,7 +482,7 @@ def probe_cmd(pp: int) -> list[str]:
 
 
 def run_pp_probe(spec: dict, timeout_s: float = 300.0) -> dict:
-    """Run `spec` under the probe guard (`runner.run_probe`): gloo, `spec["pp"]` processes."""
+    """Run `spec` under the probe guard (`probe_run.run_probe`): gloo, `spec["pp"]` processes."""
     world = int(spec["pp"]) * int(spec.get("dp", 1)) * int(spec.get("cp", 1))
     spec = dict(spec, mode="cpu", world_size=world)
     return run_probe(spec, probe_cmd(world), timeout_s=timeout_s)

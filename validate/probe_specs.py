@@ -315,7 +315,7 @@ def _apply_session_options(p: dict, specs: list, module_spec, hw: dict) -> None:
         if cpu_offload != "none":
             s["train"]["cpu_offload"] = cpu_offload
             s["id"] += f"/offload={cpu_offload}"
-        if alloc_conf:  # runner.ProbeRun exports it to the probe; the id tells the records apart
+        if alloc_conf:  # probe_run.ProbeRun exports it to the probe; the id tells the records apart
             s["train"]["alloc_conf"] = alloc_conf
             s["id"] += f"/alloc={alloc_conf}"
         s["device_type"] = "cuda" if hw.get("gpus") else "cpu"

@@ -7,7 +7,7 @@ Owns the process side of `distplan validate`:
   without the 4-second import: `gpu_free_hardware`); `choose_mode()` turns that into where probes run: GPUs -> `gpu` (NCCL, one rank
   per GPU); `--simulate-world-size N` -> `fake` (one process, rank 0 of N on the fake process group);
   no GPU -> `cpu` (gloo, 2 processes).
-- `ProbeRun` / `run_probe()` launch one probe under a guard (`python -m distplan.validate.guard`, in a
+- `ProbeRun` / `run_probe()` (validate/probe_run.py, named here too) launch one probe under a guard (`python -m distplan.validate.guard`, in a
   session of its own) that kills the probe if distplan dies, even by SIGKILL, and removes its temp
   folder: `python -m torch.distributed.run --nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0
   --local-addr=127.0.0.1 --nproc-per-node=W -m distplan.validate.probe --spec S --out R` (gpu: a

@@ -19,10 +19,10 @@ weights touched), and runs one forward pass plus the loss on a fake input of tha
 - FLOPs of the forward pass, from the census below: matmuls and convolutions by `torch.utils.flop_counter`'s
   formulas, a MoE's grouped GEMMs, fused attention (halved when causal).
 - per segment, the kernels its forward and backward launch (`census`; `unit_census`: the unit's own
-  forward), by FLOPs or bytes moved (`_KernelCensus`): what the planner times a traced step by.
+  forward), by FLOPs or bytes moved (`census._KernelCensus`): what the planner times a traced step by.
 - per segment, what its forward and its backward hold at their peaks (`forward_bytes`;
   `backward_bytes`, `backward_grad_bytes`, `backward_saved_bytes`): the backward runs too, on the same
-  fake tensors, and a dispatch mode follows every storage created (`_SegmentTracker`).
+  fake tensors, and a dispatch mode follows every storage created (`segment_tracker._SegmentTracker`).
 - per segment, its convolutions (`kernels`): the call's arguments and what is alive when it runs, for
   the cuDNN workspace measured on a GPU (`planner/workload/kernel_workspace.py`); `linear_bias`: an addmm ran.
 
