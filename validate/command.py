@@ -268,21 +268,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         why = runner.check_loopback()  # milliseconds; a torchrun probe without it waits for its timeout
         if why:
             raise click.ClickException(why)
-    count = f"{len(specs)} probe{'s' if len(specs) != 1 else ''}"
-    if plan_path is not None:
-        header = [f"distplan validate --plan {plan_path}: {count} in {len(groups)} groups"]
-        header += [f"  group {i}: {len(g['specs'])} probe{'s' if len(g['specs']) != 1 else ''}, model "
-                   f"{g['model_label']}" for i, g in enumerate(groups, 1)]
-    else:
-        header = [f"distplan validate: {count}, model {groups[0]['model_label']}"]
-        if groups[0]["model_about"]:
-            header.append(f"  {groups[0]['model_about']}")
-    notes = list(dict.fromkeys(g["mode_note"] for g in groups if g["mode_note"] and
-                               any(s["mode"] == "fake" for s in g["specs"])))
-    header += [f"  {n}" for n in notes]
-    header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]
-    header.append(f"  {rule_text(tol)}")
-    header.append(f"  results -> {out_path}" + (" (resume)" if resume else ""))
+    header = _session_header(plan_path, groups, specs, modes, hw, tol, out_path, resume)
     click.echo("\n".join(header), file=err if as_json else None)
     if dry_run:
         _list_probes(specs, hw)
@@ -308,6 +294,35 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
     progress.clear()
 
     failed = [r for r in records if r.get("verdict") not in ("PASS", "SKIP")]
+    _report(records, failed, as_json, out_path, tol, modes, hw, matrix)
+    ctx.exit(1 if failed else 0)
+
+
+def _session_header(plan_path, groups: list, specs: list, modes: list, hw: dict, tol: float, out_path: str,
+                    resume: bool) -> list:
+    """The lines that say what runs, on what model, where, by which rule, and where the records go."""
+    count = f"{len(specs)} probe{'s' if len(specs) != 1 else ''}"
+    if plan_path is not None:
+        header = [f"distplan validate --plan {plan_path}: {count} in {len(groups)} groups"]
+        header += [f"  group {i}: {len(g['specs'])} probe{'s' if len(g['specs']) != 1 else ''}, model "
+                   f"{g['model_label']}" for i, g in enumerate(groups, 1)]
+    else:
+        header = [f"distplan validate: {count}, model {groups[0]['model_label']}"]
+        if groups[0]["model_about"]:
+            header.append(f"  {groups[0]['model_about']}")
+    notes = list(dict.fromkeys(g["mode_note"] for g in groups if g["mode_note"] and
+                               any(s["mode"] == "fake" for s in g["specs"])))
+    header += [f"  {n}" for n in notes]
+    header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]
+    header.append(f"  {rule_text(tol)}")
+    header.append(f"  results -> {out_path}" + (" (resume)" if resume else ""))
+    return header
+
+
+def _report(records: list, failed: list, as_json: bool, out_path: str, tol: float, modes: list, hw: dict,
+            matrix: bool) -> None:
+    """The session's results: the JSON report, or the table, why probes failed, one probe's detail, the
+    summary and the count of PASS / SKIP / FAIL."""
     if as_json:
         report = {"out": out_path, "tolerance": tol, "rule": rule_text(tol),
                   "where": [runner.describe_mode(m, w, hw) for m, w in modes],
@@ -331,7 +346,6 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         click.echo(f"{len(records) - len(failed) - skipped}/{len(records)} PASS"
                    + (f"; {skipped} SKIP (rank 0 on another node)" if skipped else "")
                    + (f"; {len(failed)} FAIL" if failed else "") + f"; records in {out_path}")
-    ctx.exit(1 if failed else 0)
 
 
 GROUP_OPTIONS = (
