@@ -73,20 +73,6 @@ def expand_layers(prof: dict, depth: int, work, checkpoint_every: int = 0) -> di
     last = depth - 1
     # traced layer -> the layers it stands for; traced layer 2 only measures the per-layer growth
     mapping = {0: [0], 1: list(range(1, last)), 2: [], 3: [last]}
-    fwd = {layer_of(sg["unit"]): sg["forward_bytes"] for sg in prof["segments"]
-           if sg["unit"] not in ("root", "loss")}
-    grow = fwd[2] - fwd[1]  # autocast's cache of bias casts: one more layer's each layer
-    ufwd = {layer_of(sg["unit"]): sg.get("unit_forward_bytes", 0) for sg in prof["segments"]
-            if sg["unit"] not in ("root", "loss")}
-    ugrow = ufwd[2] - ufwd[1]  # the same cache, in the unit's own forward peak
-
-    def shifted(sgm: dict, j: int, i: int) -> dict:
-        layers = (i - 1) if j == 1 else ((depth - TRACE_LAYERS) if j == 3 else 0)
-        out_ = {**sgm, "unit": renamed(sgm["unit"], j, i), "forward_bytes": sgm["forward_bytes"] + layers * grow}
-        if "unit_forward_bytes" in sgm:
-            out_["unit_forward_bytes"] = sgm["unit_forward_bytes"] + layers * ugrow
-        return out_
-
     out = copy.deepcopy(prof)
     new_units = []
     for u in units:
@@ -98,47 +84,12 @@ def expand_layers(prof: dict, depth: int, work, checkpoint_every: int = 0) -> di
             new_units.append({**u, "name": renamed(u["name"], j, i),
                               "params": [[renamed(n, j, i), sh] for n, sh in u["params"]]})
     out["units"] = new_units
-    segs = []
-    for sgm in prof["segments"]:
-        j = layer_of(sgm["unit"]) if sgm["unit"] not in ("root", "loss") else None
-        if j is None:
-            segs.append(sgm)
-        else:
-            segs.extend(shifted(sgm, j, i) for i in mapping[j])
+    segs = _expanded_segments(prof, depth, mapping, layer_of, renamed)
     out["segments"] = segs
-    ready, run = [], []
-
-    def flush():
-        if run:
-            j = layer_of(run[0][0])
-            for i in sorted(mapping[j], reverse=True):  # backward reaches deeper layers first
-                ready.extend([renamed(n, j, i), k] for n, k in run)
-            run.clear()
-    for n, k in prof.get("grad_ready", ()):
-        j = layer_of(n)
-        if j is None:
-            flush()
-            ready.append([n, k])
-        else:
-            if run and layer_of(run[0][0]) != j:
-                flush()
-            run.append([n, k])
-    flush()
+    ready = _expanded_grad_ready(prof.get("grad_ready", ()), mapping, layer_of, renamed)
     out["grad_ready"] = ready
     # the construction and the step's allocations, the middle layer's repeated (`_expanded_log`)
-    construct = [(p, n, nm, b) for p, n, nm, b in zip(prof.get("construct_paths", ()), prof.get("construct_bytes", ()),
-                                                     prof.get("construct_names", ()), prof.get("construct_built", ()))]
-    expanded_construct = []
-    runs: list = []  # consecutive entries of one layer (`Module._apply` moves a child's tensors together)
-    for entry in construct:
-        j = layer_of(entry[0])
-        if runs and runs[-1][0] == j:
-            runs[-1][1].append(entry)
-        else:
-            runs.append((j, [entry]))
-    for j, run in runs:
-        expanded_construct.extend(run if j is None else [(renamed(p, j, i), n, renamed(nm, j, i), b)
-                                                         for i in mapping[j] for p, n, nm, b in run])
+    construct, expanded_construct = _expanded_construct(prof, mapping, layer_of, renamed)
     log = _expanded_log(prof.get("alloc_log") or {}, depth, layer_of, renamed) if checkpoint_every < 2 else None
     if log is not None and [(e[1], e[3]) for e in construct if layer_of(e[0]) == 1] == [
             (e[1], e[3]) for e in construct if layer_of(e[0]) == 2]:
@@ -156,6 +107,75 @@ def expand_layers(prof: dict, depth: int, work, checkpoint_every: int = 0) -> di
     out["factory"] = work.label
     out["traced_layers"] = TRACE_LAYERS
     return out
+
+
+def _expanded_segments(prof: dict, depth: int, mapping: dict, layer_of, renamed) -> list:
+    """The profile's segments with each traced layer's repeated for the layers it stands for (`mapping`),
+    their forward bytes grown by what each layer adds to what the forward holds."""
+    fwd = {layer_of(sg["unit"]): sg["forward_bytes"] for sg in prof["segments"]
+           if sg["unit"] not in ("root", "loss")}
+    grow = fwd[2] - fwd[1]  # autocast's cache of bias casts: one more layer's each layer
+    ufwd = {layer_of(sg["unit"]): sg.get("unit_forward_bytes", 0) for sg in prof["segments"]
+            if sg["unit"] not in ("root", "loss")}
+    ugrow = ufwd[2] - ufwd[1]  # the same cache, in the unit's own forward peak
+
+    def shifted(sgm: dict, j: int, i: int) -> dict:
+        layers = (i - 1) if j == 1 else ((depth - TRACE_LAYERS) if j == 3 else 0)
+        out_ = {**sgm, "unit": renamed(sgm["unit"], j, i), "forward_bytes": sgm["forward_bytes"] + layers * grow}
+        if "unit_forward_bytes" in sgm:
+            out_["unit_forward_bytes"] = sgm["unit_forward_bytes"] + layers * ugrow
+        return out_
+
+    segs = []
+    for sgm in prof["segments"]:
+        j = layer_of(sgm["unit"]) if sgm["unit"] not in ("root", "loss") else None
+        if j is None:
+            segs.append(sgm)
+        else:
+            segs.extend(shifted(sgm, j, i) for i in mapping[j])
+    return segs
+
+
+def _expanded_grad_ready(grad_ready, mapping: dict, layer_of, renamed) -> list:
+    """The gradient-ready order with each traced layer's run of parameters repeated, deeper layers first."""
+    ready, run = [], []
+
+    def flush():
+        if run:
+            j = layer_of(run[0][0])
+            for i in sorted(mapping[j], reverse=True):  # backward reaches deeper layers first
+                ready.extend([renamed(n, j, i), k] for n, k in run)
+            run.clear()
+    for n, k in grad_ready:
+        j = layer_of(n)
+        if j is None:
+            flush()
+            ready.append([n, k])
+        else:
+            if run and layer_of(run[0][0]) != j:
+                flush()
+            run.append([n, k])
+    flush()
+    return ready
+
+
+def _expanded_construct(prof: dict, mapping: dict, layer_of, renamed) -> tuple:
+    """(the traced construction entries (path, bytes, name, built bytes), the deep model's: each layer's run of
+    entries repeated for the layers it stands for)."""
+    construct = [(p, n, nm, b) for p, n, nm, b in zip(prof.get("construct_paths", ()), prof.get("construct_bytes", ()),
+                                                     prof.get("construct_names", ()), prof.get("construct_built", ()))]
+    expanded_construct = []
+    runs: list = []  # consecutive entries of one layer (`Module._apply` moves a child's tensors together)
+    for entry in construct:
+        j = layer_of(entry[0])
+        if runs and runs[-1][0] == j:
+            runs[-1][1].append(entry)
+        else:
+            runs.append((j, [entry]))
+    for j, run in runs:
+        expanded_construct.extend(run if j is None else [(renamed(p, j, i), n, renamed(nm, j, i), b)
+                                                         for i in mapping[j] for p, n, nm, b in run])
+    return construct, expanded_construct
 
 
 def _frees_in_order(events: list) -> list:
