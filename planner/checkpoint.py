@@ -63,10 +63,10 @@ from math import prod
 
 from .alloc_trace import CHECKPOINT_REPLAY_MODES, CHECKPOINT_REPLAY_STRATEGIES, allocation_events, checkpoint_events
 from .allocator import alloc_rounding, replay
-from .api import DEFAULT_GPU
 from .config import CHECKPOINT_MODES, Cluster, DEFAULT_STORAGE_GBPS, TrainConfig
 from .memory import MemoryEstimate, RESERVED_MARGIN, _all_state_elems, estimate_memory, layout
 from .model import ModelSpec, TPRankSpec, unit_sizes
+from .resolve import DEFAULT_GPU
 from .strategies import Strategy, get_strategy
 from .tp import tp_view
 

@@ -93,7 +93,6 @@ from distplan.planner.workload.traced_model import FactoryWorkload, HFWorkload, 
 
 from .alloc_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS, logged_fsdp1_events,
                           logged_fsdp2_events, logged_step_events)
-from .api import Plan, StrategyResult, drop_conflicts, resolve_cluster, resolve_model
 from .comm import Collective, DDP_BUCKET_CAP_MB, bucket_sizes, grad_ready_order, timed_collectives
 from .compute import _gpu, _optimizer_bytes, _owned_elems, contention, step_time
 from .config import (CHECKPOINTING, Cluster, GRAD_SYNC, TrainConfig, checkpoint_every,
@@ -104,9 +103,13 @@ from .hf_config import read_hf_config
 from .kernels import matmul_rates, optimizer_host_ops, step_bound
 from .memory import (COMPONENTS, MemoryEstimate, RESERVED_MARGIN, Snapshot, estimate_memory, library_workspace_bytes,
                      zero1_partition)
+from .plan_result import Plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, get_precision, optimizer_state_elems
-from .recommend import Recommendation, TIE_FRACTION, _headroom_ok, _rank, _reasons
+from .ranking import TIE_FRACTION, _headroom_ok, _rank
+from .recommend import Recommendation, _reasons
+from .resolve import resolve_cluster, resolve_model
 from .strategies import NAMES, Strategy, get_strategy
+from .strategy_result import StrategyResult, drop_conflicts
 from .units import fmt_count, fmt_gib
 
 
@@ -1512,7 +1515,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     """Plan a traced workload for every strategy (or `strategies`): `kw["module"]` (PKG.MOD:FACTORY) at
     `kw["input_shape"]`, or `kw["hf_config"]` (a Hugging Face causal LM) at `micro_batch` x `seq_len`.
 
-    `kw` holds the `estimate` command's options (see cli.build_plan). Raises ValueError naming the flag.
+    `kw` holds the `estimate` command's options (see from_flags.build_plan). Raises ValueError naming the flag.
     """
     hf = bool(kw.get("hf_config")) and not kw.get("module")
     factory = kw.get("module")
