@@ -201,9 +201,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
     cp = check_count("cp", cp)
     if cp > 1:
         check_cp(cp, _CPCheck(seq_len, attention, framework, pp, tp), cluster.gpus)
-        if strategies and "single" in strategies:
+        if strategies and [n for n in NAMES if not get_strategy(n).distributed and n in strategies]:
             raise ValueError(f"--strategy=single with --cp={cp}: the cp ranks' gradients must be averaged; "
-                             f"accepted: a data-parallel strategy ({', '.join(n for n in NAMES if n != 'single')})")
+                             f"accepted: a data-parallel strategy ({', '.join(n for n in NAMES if get_strategy(n).distributed)})")
         notes.append(f"context parallel: each sequence split over {cp} ranks ({seq_len // cp} tokens each), "
                      f"ring attention; the strategies run over the dp x cp ranks")
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
@@ -220,7 +220,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         if bad:
             raise ValueError(f"--strategy={short_repr(bad[0])} with --pp={pp}: PipelineStage drives DDP and FSDP2 "
                              f"(fully_shard) only; accepted: {', '.join(PP_STRATEGIES)}")
-    names = list(strategies) if strategies else [n for n in NAMES if (n != "single" or dp == 1)
+    names = list(strategies) if strategies else [n for n in NAMES if (get_strategy(n).distributed or dp == 1)
                                                  and (pp == 1 or n in PP_STRATEGIES)]
     if dp == 1 and not strategies:
         names = ["single"]

@@ -116,8 +116,8 @@ class CheckpointEstimate:
 
 def _shard_group(st: Strategy, cluster: Cluster) -> int:
     """Ranks a state is sharded over (memory.estimate_memory's rule)."""
-    world = 1 if st.name == "single" else cluster.gpus
-    if st.name == "fsdp-no-shard" or st.shard_group == "none":
+    world = cluster.gpus if st.distributed else 1
+    if st.fsdp_no_shard or st.shard_group == "none":
         return 1
     return world if st.shard_group == "world" else min(world, cluster.local_size)
 
@@ -158,7 +158,7 @@ def _sizes(train: TrainConfig, st: Strategy, shard: int, rank: int) -> _Sizes:
         return sum(_rows(s[0], w, rr) * prod(s[1:]) for s in order)
 
     pad_last = pad_gather = short = 0
-    if st.family == "fsdp2":
+    if st.fsdp2:
         gathered = lay.unshard_root + m.layers * lay.unshard_block
         full = [(-(-s[0] // w) * w * prod(s[1:]), -(-s[0] // w) * prod(s[1:]), _rows(s[0], w, r) * prod(s[1:]))
                 for s in order]  # (gathered, padded local chunk, this rank's chunk)
@@ -170,7 +170,7 @@ def _sizes(train: TrainConfig, st: Strategy, shard: int, rank: int) -> _Sizes:
             pad_last = padded[-1][1]  # the last parameter's last state is the last tensor gathered
             pad_gather = max(g + p for g, p, _ in padded)
             short = sum(n for _, _, n in padded)  # sharded params only: optimizer states are own-size
-    elif st.family == "fsdp1":
+    elif st.fsdp1:
         gathered = lay.unshard_root + m.layers * lay.unshard_block
         largest = max(lay.unshard_root, lay.unshard_block)
     else:
@@ -202,7 +202,7 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
     if mode not in MODES:
         raise ValueError(f"checkpoint={mode!r}: accepted: {', '.join(MODES)}")
     st = get_strategy(strategy)
-    if st.family == "zero1" or (train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3")):
+    if st.zero_optimizer or (train.framework == "deepspeed" and st.deepspeed_zero):
         return None
     if getattr(train, "pp", 1) > 1:  # pipeline stages (pp.py): each stage saves its own layers; not modelled
         return None
@@ -241,26 +241,25 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
     per_state = round(ratio)
     full_bytes = (sz.params + sz.states) * pb  # the state dict's tensors, unpadded
     gathered_bytes = sz.gathered * pb + round(sz.states * sz.gathered / elems) * pb if elems else 0
-    fam = st.family
     cpu = device == "cpu"
-    sharding = fam in ("fsdp2", "fsdp1") and shard > 1
+    sharding = st.fsdp and shard > 1
     notes: list[str] = []
 
     resident = mem.components["params"] + mem.components["optimizer"]  # the memory walk's rank 0
-    if fam == "fsdp2" and shard > 1:  # a rank with short shards holds less (dim-0 chunks)
+    if st.fsdp2 and shard > 1:  # a rank with short shards holds less (dim-0 chunks)
         resident -= round((sz.local0 - sz.local) * pb * (1 + ratio))
-    if fam == "ddp":
+    if st.ddp_reducer:
         resident += sz.params * train.prec.grad_bytes  # DDP's buckets, allocated at construction
     resident += 2 * train.micro_batch * train.seq_len * 8  # the last batch: token ids and labels, int64
 
     host = 0
     writer = full_bytes if rank == 0 else 0  # full state dicts: rank 0 writes everything
     if mode == "full":
-        if sharding and fam == "fsdp2":
+        if sharding and st.fsdp2:
             extra = gathered_bytes + sz.pad_last * pb
         elif sharding:  # FSDP1: parameters cloned (unpadded); states gathered into padded flat buffers
             extra = sz.params * pb + round(sz.states * sz.gathered / elems) * pb
-        elif fam == "fsdp1":  # NO_SHARD: the post-state-dict hook still clones every parameter
+        elif st.fsdp1:  # NO_SHARD: the post-state-dict hook still clones every parameter
             extra = sz.params * pb
         else:
             extra = 0
@@ -269,11 +268,11 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
     elif mode == "full-offload":
         if rank == 0 and not cpu:
             host = full_bytes
-        if sharding and fam == "fsdp2":
+        if sharding and st.fsdp2:
             # one gathered tensor on the device at a time; on a CPU device `.to("cpu")` is the tensor
             # itself, so rank 0 keeps every gathered (padded) tensor
             extra = gathered_bytes + sz.pad_last * pb if (cpu and rank == 0) else sz.pad_gather * pb
-        elif fam == "fsdp1":
+        elif st.fsdp1:
             # a unit unsharded for the parameters, then its states gathered (the unit's flat size each)
             extra = sz.largest_gathered * pb * max(1, per_state)
             if cpu:
@@ -281,10 +280,10 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
         else:
             extra = 0  # DDP: `.to("cpu")` copies to the host (on a CPU device it is the tensor itself)
     else:  # sharded: DCP
-        if sharding and fam == "fsdp1":
+        if sharding and st.fsdp1:
             # chunk clones of parameters and states stay; one unit's states gathered on top
             extra = (1 + per_state) * sz.local * pb + per_state * sz.largest_gathered * pb
-        elif fam == "fsdp1":
+        elif st.fsdp1:
             # NO_SHARD: FSDP1 returns a full state dict instead (`_post_state_dict_hook`: "When using
             # NO_SHARD ... full_state_dict will be returned"); measured on the CPU probes, the model's
             # tensors are not copied and the optimizer's flat-state path (`_optim_utils`) copies every
@@ -299,7 +298,7 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
         if sharding:  # this rank's chunks of the parameters and of their states
             writer = round(sz.local * (1 + ratio)) * pb
         else:  # replicated: each item written once, spread over the ranks (`_dedup_save_plans`)
-            writer = -(-full_bytes // max(1, cluster.gpus if st.name != "single" else 1))
+            writer = -(-full_bytes // max(1, cluster.gpus if st.distributed else 1))
         # On a GPU `_OverlappingCpuLoader` copies every item to the host and `tensor_dict` keeps it
         # until the rank's file is written: the rank's whole share, in host memory.
         host = 0 if cpu else writer

@@ -324,7 +324,7 @@ def layout_strategies(layout: Layout, strategies=None, optimizer: str = "adamw",
         return names
     if layout.dp * layout.cp == 1:  # the strategies run over the dp x cp ranks
         return ["single"]
-    return drop_conflicts([n for n in NAMES if n != "single" and (layout.pp == 1 or n in PP_STRATEGIES)],
+    return drop_conflicts([n for n in NAMES if get_strategy(n).distributed and (layout.pp == 1 or n in PP_STRATEGIES)],
                           optimizer, False, framework)[0]
 
 

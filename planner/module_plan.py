@@ -108,7 +108,7 @@ from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, get_precision, o
 from .ranking import TIE_FRACTION, _headroom_ok, _rank
 from .recommend import Recommendation, _reasons
 from .resolve import resolve_cluster, resolve_model
-from .strategies import NAMES, Strategy, get_strategy
+from .strategies import DDP, FSDP1, FSDP2, NAMES, ZERO1, Strategy, get_strategy
 from .strategy_result import StrategyResult, drop_conflicts
 from .units import fmt_count, fmt_gib
 
@@ -433,9 +433,9 @@ class ModuleTime:
 # -- memory ------------------------------------------------------------------------------------
 
 def _shard_group(st: Strategy, cluster: Cluster) -> tuple[int, int]:
-    world = 1 if st.name == "single" else cluster.gpus
+    world = cluster.gpus if st.distributed else 1
     shard = {"world": world, "node": min(world, cluster.local_size), "none": 1}[st.shard_group]
-    if st.name == "fsdp-no-shard":
+    if st.fsdp_no_shard:
         shard = 1
     return world, shard
 
@@ -456,7 +456,7 @@ def _unit_sizes(desc: ModuleDesc, family: str, shard: int, sharding: bool) -> di
     out = {}
     for u, ps in desc.units:
         shapes = [s for _, s in ps]
-        if family == "fsdp2" and sharding:  # FSDPParam: dim-0 shards, padded
+        if family == FSDP2 and sharding:  # FSDPParam: dim-0 shards, padded
             sh = sum(-(-s[0] // shard) * prod(s[1:]) if s else -(-1 // shard) for s in shapes)
             out[u] = (sh, sh * shard)
         elif sharding:  # FSDP1 FlatParameter padded to a multiple of the group
@@ -480,7 +480,7 @@ def fsdp2_padding_note(desc: ModuleDesc, names, shard: int) -> str | None:
     shard x that, and ranks past the last row hold padding (`FSDPParam._init_sharded_param`: `torch.chunk`
     on dim 0, padded to `padded_sharded_param_size`). None when the padding is under
     PADDING_NOTE_FRACTION or no FSDP2 strategy is planned."""
-    names = [n for n in names if get_strategy(n).family == "fsdp2"]
+    names = [n for n in names if get_strategy(n).fsdp2]
     if not names or shard <= 1:
         return None
     padded = exact = 0
@@ -535,19 +535,19 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
     shapes = desc.all_shapes()
     total = desc.param_count()
     largest = max((prod(s) for s in shapes), default=0)
-    fsdp = family in ("fsdp1", "fsdp2")
+    fsdp = st.fsdp
     sharding = fsdp and shard > 1 and st.shards_params
     sizes = _unit_sizes(desc, family, shard, sharding) if fsdp else {}
 
     # Optimizer state (precision.optimizer_state_elems) on this rank's elements.
-    if family == "zero1" and shard > 1:
+    if st.zero_optimizer and shard > 1:
         owned = _zero1_owned(shapes, shard, rank)
         elems, extra = optimizer_state_elems(train.optimizer, owned)
         step_elems = sum(prod(s) for s in owned)
     elif sharding:
         # The most loaded rank's shards: FSDP2 keeps each parameter's dim-0 chunk (rank 0 has
         # ceil(d0/shard) rows), FSDP1 one flat 1-D shard per unit; states are zeros_like(shard).
-        if family == "fsdp2":
+        if st.fsdp2:
             local = [(-(-s[0] // shard),) + tuple(s[1:]) if s else (1,) for s in shapes]
         else:
             local = [(v[0],) for v in sizes.values()]
@@ -711,10 +711,10 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
         for w, at in fwd_kernels.get(k, ()):
             yield (fwd_act[k], fwd_tmp[k], w) if ckpt[k] else (sum(acts[:k]) + at[0], 0, w)
     later, every_sync = train.grad_accum > 1, train.sync_every  # as memory.estimate_memory
-    if family in ("single", "ddp", "zero1"):
+    if not st.fsdp:
         unit_grad = {u: n * gb for u, n in numel.items()}
         base = dict(params=total * pb + buffers, optimizer=opt,
-                    comm_buffers=0 if family == "single" else total * gb)
+                    comm_buffers=total * gb if st.distributed else 0)
         if later:
             # Accumulation: every .grad is alive from the first micro-step on, later gradients added in
             # place (AccumulateGrad), synced or not (memory.estimate_memory's DDP walk).
@@ -774,7 +774,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             unit_carry = {u: v[1] * (red if every_sync else unit_dt[u]) for u, v in sizes.items()}
         elif every_sync:
             unit_carry = {u: v[0] * sg for u, v in sizes.items()}
-        elif family == "fsdp1":  # the padded flat gradient
+        elif st.fsdp1:  # the padded flat gradient
             unit_carry = {u: v[1] * unit_dt[u] for u, v in sizes.items()}
         else:
             # FSDP2's are the unsharded parameters' own .grad, of their real shapes
@@ -782,7 +782,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # Mixtral's experts at 16 fake ranks, 4 rows padded to 16, accumulating over 2 micro-steps: +62%
             # before)
             unit_carry = {u: numel[u] * red for u in sizes}
-        in_place = later and not every_sync and sharding and family == "fsdp2" and not prec.mixed
+        in_place = later and not every_sync and sharding and st.fsdp2 and not prec.mixed
         if later:
             notes.append("gradient accumulation keeps " + ("sharded" if every_sync and sharding else "unsharded")
                          + " gradients of every unit between micro-steps")
@@ -814,7 +814,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # until the next unit's all-gather (`FSDPParamGroup._all_gather_result`; measured on the
             # CIFAR ResNet: only the current unit's is alive), the last one until the root's
             # post-forward (as the decoder walk's `ag_tail`).
-            ag = cur if family == "fsdp2" and sharding else 0
+            ag = cur if st.fsdp2 and sharding else 0
             if ag and u not in copied:
                 # The unit's pre-forward copy-out (`FSDPParamGroup.wait_for_unshard`): the previous
                 # group's all-gather output (the root's, for the first unit), dropped from
@@ -828,7 +828,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 snap("forward", w, **base, comm_buffers=root + (cur + pre if reshard else kept) + ag,
                      activations=a, temporaries=t)
         kept_fwd = root + sum(unsh[x] for x in held)
-        ag_tail = unsh.get(order[-1], 0) if family == "fsdp2" and sharding and not reshard and order else 0
+        ag_tail = unsh.get(order[-1], 0) if st.fsdp2 and sharding and not reshard and order else 0
         for a in loss_fwd:
             snap("forward", **base, comm_buffers=kept_fwd + ag_tail, activations=a)
         snap("forward", **base, comm_buffers=kept_fwd + ag_tail, activations=all_acts, temporaries=out_tmp)
@@ -849,7 +849,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 mine = min(g_unit, max(g, rg))
             else:  # after the hook, g also counts the root's gradients made before it
                 mine = (0 if before else min(g_unit, max(0, g - root_g[k]))) + rg
-            return mine, mine if family == "fsdp2" else 0
+            return mine, mine if st.fsdp2 else 0
 
         reached = set()
         resharded: set = set()  # FSDP2 reshards each unit in its post-backward, before reducing
@@ -867,7 +867,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
             # (NO_SHARD under mixed precision prefetches the unit before too: its 16-bit copy, made by
             # `_unshard` -> `pre_unshard` -> `_use_low_precision_shard`)
             pre = unsh.get(prev, 0) if (reshard or one_copy) and prev else 0
-            fsdp1 = family == "fsdp1"
+            fsdp1 = st.fsdp1
             g_unit = sizes[u][1] * udt if u in sizes and first else 0
             # The unit's reduction input: FSDP1 NO_SHARD all-reduces its flat gradient where the sharded
             # strategies reduce-scatter it (`_reduce_grad_no_shard`), at the same instant.
@@ -925,23 +925,23 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                 kept_first = sum(unit_carry.get(x, 0) for x in done)
                 # (FSDP2 reshards a unit after its backward without sync too: reshard_after_backward)
                 held_first = root + (in_use + pre if reshard else
-                                     sum(unsh[x] for x in held if family == "fsdp1" or x not in done))
+                                     sum(unsh[x] for x in held if st.fsdp1 or x not in done))
                 for (tmp, g, saved), w, before in instants(k):
                     mine, own_grads = unit_grads_now(k, u, before, g, g_unit)
                     plain("backward", w, **base, comm_buffers=unsharded_before if before and reshard else held_first,
                           activations=sum(acts[:k]) + saved, grads=kept_first + own_grads,
                           temporaries=tmp + mine - own_grads)
             if rs:
-                if not every_sync and family == "fsdp2":  # `post_backward` collects the accumulated gradient
+                if not every_sync and st.fsdp2:  # `post_backward` collects the accumulated gradient
                     carry_now[0] = carried(done + [u])
                 # The unit's post-backward: its backward is over (its saved tensors and its output's
                 # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
                 # post_backward`). FSDP1 is measured (MNIST CNN, gloo and fake process group alike) with
                 # its flat parameter still unsharded and no extra copy at this point, and is walked so.
-                if family == "fsdp2" and u != "root":
+                if st.fsdp2 and u != "root":
                     resharded.add(u)
                     unsharded = root + (pre if reshard else sum(unsh[x] for x in held if x not in resharded))
-                elif family == "fsdp2":  # the root too: its post-backward reshards before it reduces
+                elif st.fsdp2:  # the root too: its post-backward reshards before it reduces
                     unsharded = 0
                 # The root's gradients made so far wait for the root's own reduction at the end.
                 rg = root_grads(k, False, 0) if u != "root" else 0
@@ -1030,7 +1030,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                          activations=sum(acts[:k]), grads=grads + rg, temporaries=end + split + last_g)
                     rs_held = rs
         k = next((i for i, s_ in enumerate(segs) if s_[0] == "root"), None)  # the root's last backward segment
-        if later and not every_sync and sharding and family == "fsdp1" and "root" in sizes and k is not None:
+        if later and not every_sync and sharding and st.fsdp1 and "root" in sizes and k is not None:
             # The first micro-step, without sync, at the root's last gradients (memory.estimate_memory walks
             # the same instant): every other unit's unsharded flat gradient is kept, none reduced, nothing
             # accumulated yet, and SHARD_GRAD_OP has freed no unit (`_should_free_in_backward` is False
@@ -1045,7 +1045,7 @@ def estimate_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluste
                      grads=kept_grads, temporaries=tmp + min(g_root, max(g, root_grads(k, before, g))))
             snap("backward", **base, comm_buffers=comm + g_root, activations=sum(acts[:k]), grads=kept_grads,
                  temporaries=g_root)
-        if (later and not every_sync and sharding and family == "fsdp2" and prec.mixed and desc.tied
+        if (later and not every_sync and sharding and st.fsdp2 and prec.mixed and desc.tied
                 and "root" in sizes and fsdp2_first_microstep_grads_in_reduce_dtype(train)):
             # torch 2.15, the first micro-step without sync (from the second step on; memory.estimate_memory
             # walks the same instant): its gradients land in reduce_dtype, so at the tied embedding's
@@ -1108,7 +1108,7 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
     if strategy in LOGGED_FSDP2 and shard > 1 and desc.alloc_grads and desc.construct_names:
         return tuple(logged_fsdp2_events(desc.construct, desc.construct_names, desc.alloc_log, desc.alloc_grads,
                                          desc.units, (desc.batch_bytes,) * train.grad_accum, shard,
-                                         strategy == "zero3", mixed, train.optimizer,
+                                         get_strategy(strategy).reshard_after_forward, mixed, train.optimizer,
                                          train.optimizer_impl, train.grad_accum, train.sync_every,
                                          fsdp2_reduce_keeps_last_grad(train), workspace, conv_workspaces,
                                          built, 2 if pure else 4, init == "meta"))
@@ -1122,10 +1122,10 @@ def logged_module_events(desc: ModuleDesc, train: "ModuleTrain", family: str, wo
         return None
     prec = train.prec
     shapes = desc.all_shapes()
-    owned = _zero1_owned(shapes, shard, rank) if family == "zero1" and shard > 1 else shapes
+    owned = _zero1_owned(shapes, shard, rank) if family == ZERO1 and shard > 1 else shapes
     autocast = mixed
     total = sum(prod(s) for s in shapes)
-    buckets = (total * prec.grad_bytes,) if family in ("ddp", "zero1") else ()
+    buckets = (total * prec.grad_bytes,) if family in (DDP, ZERO1) else ()
     rebuilt = tuple(ddp_buckets(desc, prec.grad_bytes, DDP_BUCKET_CAP_MB, autocast)) if buckets else ()
     return tuple(logged_step_events(desc.construct, desc.alloc_log, desc.alloc_kept,
                                     (desc.batch_bytes,) * train.grad_accum, family, world,
@@ -1160,7 +1160,7 @@ def ddp_buckets(desc: ModuleDesc, elem_bytes: int, bucket_cap_mb: int | None = D
 def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, strategy: str) -> list[Collective]:
     """One optimizer step's collectives for the module (comm._raw_schedule's rules, real unit sizes)."""
     st = get_strategy(strategy)
-    if st.family == "single":
+    if not st.distributed:
         return []
     world, g = cluster.gpus, cluster.local_size
     A = train.grad_accum
@@ -1177,7 +1177,7 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
             raw[key] = raw.get(key, 0) + int(calls)
 
     units = [(u, tuple(s for _, s in ps)) for u, ps in desc.units]
-    if st.family in ("ddp", "zero1"):
+    if st.ddp_reducer:
         buckets = ddp_buckets(desc, gb, autocast=train.precision in ("bf16-mixed", "fp16-mixed"))
         for b in buckets[:-1]:
             add("all_reduce", "world", world, gdt, b, R, "backward", "bucket")
@@ -1196,11 +1196,11 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
                     add("broadcast", "world", world, dtype, bucket, R, "forward", "buffers")
                     bucket = 0
             add("broadcast", "world", world, dtype, bucket, R, "forward", "buffers")
-        if st.family == "zero1":
+        if st.zero_optimizer:
             sdt = "bfloat16" if train.precision == "bf16" else "float32"
             for n in ready_order_sizes(desc):
                 add("broadcast", "world", world, sdt, n * nbytes[sdt], 1, "optimizer", "param")
-    elif st.family == "fsdp2":
+    elif st.fsdp2:
         for u, shapes in units:
             n = sum(-(-s[0] // world) * world * prod(s[1:]) if s else world for s in shapes)
             kind = "root" if u == "root" else "unit"
@@ -1211,7 +1211,7 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
                 add("all_gather", "world", world, pdt, n * pb, A, "backward", kind)
             add("reduce_scatter", "world", world, gdt, n * gb, R, "backward", kind)
     else:  # fsdp1
-        shard_n, group = (min(world, g), "intra_node") if st.name == "hsdp" else (world, "world")
+        shard_n, group = (min(world, g), "intra_node") if st.hybrid else (world, "world")
         # A BatchNorm unit inside a checkpointed unit is all-gathered once more in backward when its parent
         # recomputes: its forward runs again after it was resharded (measured: the CIFAR ResNet, fsdp and hsdp
         # bf16-mixed under full checkpointing, 3 all-gathers of each BatchNorm unit per step)
@@ -1224,19 +1224,19 @@ def module_collectives(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, s
         for u, shapes in units:
             n = sum(prod(s) for s in shapes)
             kind = "root" if u == "root" else "unit"
-            if st.name == "fsdp-no-shard":
+            if st.fsdp_no_shard:
                 add("all_reduce", "world", world, gdt, n * gb, R, "backward", kind)
                 continue
             flat = -(-n // shard_n) * shard_n
             # a BatchNorm unit under mixed precision gathers its fp32 parameters (`ModuleDesc.fp32_units`)
             udt = "float32" if u in desc.fp32_units else pdt
             add("all_gather", group, shard_n, udt, flat * nbytes[udt],
-                1 if st.name == "fsdp-grad-op" and not train.sync_every else A, "forward", kind)
+                1 if not st.reshard_after_forward and not train.sync_every else A, "forward", kind)
             if st.reshard_after_forward and u != "root":
                 add("all_gather", group, shard_n, udt, flat * nbytes[udt], A * (2 if in_recomputed(u) else 1),
                     "backward", kind)
             add("reduce_scatter", group, shard_n, gdt, flat * gb, R, "backward", kind)
-            if st.name == "hsdp":
+            if st.hybrid:
                 add("all_reduce", "inter_node", max(1, world // shard_n), gdt, flat // shard_n * gb, R,
                     "backward", kind)
     return timed_collectives([(op, group, n, dtype, msg, calls, phase, unit)
@@ -1296,7 +1296,7 @@ def module_time(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, collecti
     fwd_share = fwd_s / (fwd_s + bwd_s) if fwd_s + bwd_s > 0 else 1 / 3
     optimizer = _optimizer_bytes(train, _owned_elems(train, cluster, st)) / (gpu.hbm_bytes_per_s * gpu.hbm_efficiency)
     # the host issues the optimizer's ops too (kernels.optimizer_host_ops): FSDP1 steps a flat parameter per unit
-    tensors = (len(desc.units) if st.family == "fsdp1" else sum(len(params) for _, params in desc.units))
+    tensors = (len(desc.units) if st.fsdp1 else sum(len(params) for _, params in desc.units))
     optimizer = max(optimizer, optimizer_host_ops(train, tensors) * gpu.host_op_s)
     fwd = sum(c.time_s for c in collectives if c.phase == "forward")
     # the last bucket's or the root's reduction, exposed on each micro-step that reduces
@@ -1417,9 +1417,9 @@ def _regime(precision: str, family: str, batchnorm: bool = False) -> str:
     low = "float16" if precision == "fp16-mixed" else "bfloat16"
     if precision == "bf16":
         return "bfloat16"
-    if family == "fsdp1" and batchnorm:
+    if family == FSDP1 and batchnorm:
         return f"fsdp1-{low}"
-    return f"fsdp-{low}" if family in ("fsdp1", "fsdp2") else f"autocast-{low}"
+    return f"fsdp-{low}" if family in (FSDP1, FSDP2) else f"autocast-{low}"
 
 
 def _desc_for(descs: dict, precision: str, family: str) -> ModuleDesc:
@@ -1560,7 +1560,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                                      kw.get("node"), kw.get("intra"), kw.get("inter"), kw.get("nics_per_node"),
                                      kw.get("inter_gbps"), kw.get("detect_local", True),
                                      tuple(kw.get("catalog_dirs") or ()))
-    names = list(strategies) or [n for n in NAMES if n != "single" or cluster.gpus == 1]
+    names = list(strategies) or [n for n in NAMES if get_strategy(n).distributed or cluster.gpus == 1]
     if cluster.gpus == 1 and not strategies:
         names = ["single"]
     names, conflicts = drop_conflicts(names, kw.get("optimizer") or "adamw", bool(strategies))
@@ -1596,12 +1596,13 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
         profile_s += prof["profile_s"]
 
     for n in names:
-        family = get_strategy(n).family
+        st = get_strategy(n)
+        family = st.family
         regime = _regime(precision, family)
         trace(regime)
         if regime in descs and descs[regime].batchnorm:
             trace(_regime(precision, family, True))  # FSDP1 under mixed precision: BatchNorm apart, in fp32
-            why = fsdp2_batchnorm_failure(descs[regime], precision) if family == "fsdp2" else None
+            why = fsdp2_batchnorm_failure(descs[regime], precision) if st.fsdp2 else None
             if why:
                 unrunnable[n] = why
     if not descs:
@@ -1636,14 +1637,14 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
                      f"apply to {flag}; ignored" + (" (--layers does)" if hf else ""))
     if unrunnable:
         notes.append(f"{', '.join(unrunnable)} not planned: {next(iter(unrunnable.values()))}")
-    if batchnorm and get_precision(precision).mixed and any(get_strategy(n).family == "fsdp1" for n in names):
+    if batchnorm and get_precision(precision).mixed and any(get_strategy(n).fsdp1 for n in names):
         notes.append(f"FSDP1 under {precision} wraps each BatchNorm module apart and runs it in fp32, its input cast "
                      f"to fp32 and its output back (MixedPrecision._module_classes_to_ignore): traced so")
     loss_text = {"cross_entropy": "cross-entropy (2-D output)", "sum": "sum of the outputs",
                  "hf-causal-lm": "transformers' causal-LM loss (labels = input ids)"}.get(desc.loss, desc.loss)
     notes.append(f"front end: trace (the model run on fake tensors, activations from saved_tensors_hooks); "
                  f"loss: {loss_text}")
-    fsdp_names = [n for n in names if get_strategy(n).family in ("fsdp1", "fsdp2")]
+    fsdp_names = [n for n in names if get_strategy(n).fsdp]
     if hf and fsdp_names:
         notes.append(f"{', '.join(fsdp_names)}: the model built on the meta device and wrapped there, each rank then "
                      f"making only what FSDP keeps (torchtitan's way), as `distplan validate --hf-config` probes it")
@@ -1663,7 +1664,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     # (a 47B Mixtral built whole on each GPU first does not fit); the probes build it on the device
     results = [module_result(descs, train, cluster, n, gpu, workspaces, twin, desc.batch, "meta" if hf else "device")
                for n in names]
-    fsdp2 = [n for n in names if get_strategy(n).family == "fsdp2"]
+    fsdp2 = [n for n in names if get_strategy(n).fsdp2]
     padding = fsdp2_padding_note(desc, fsdp2, _shard_group(get_strategy(fsdp2[0]), cluster)[1]) if fsdp2 else None
     if padding:
         notes.append(padding)
@@ -1899,7 +1900,7 @@ def predict_module_probe(spec: dict) -> dict:
     # (the fake process group runs rank 0 alone: its ZeRO-1 partition, which need not be the most loaded; measured:
     # a ViT's, 11% below the most loaded rank's optimizer state)
     # the probe built the model on the device, or on the meta device for FSDP (spec "init", validate/probe.py)
-    init = "meta" if spec.get("init") == "meta" and st.family in ("fsdp1", "fsdp2") else "device"
+    init = "meta" if spec.get("init") == "meta" and st.fsdp else "device"
     mem = estimate_module_memory(d, train, cluster, st, device=device, backend=backend, workspaces=workspaces,
                                  rank=0 if spec.get("mode") == "fake" else None, init=init)
     out = {k: int(mem.components[k]) for k in COMPONENTS}
@@ -1923,7 +1924,7 @@ def predict_module_probe(spec: dict) -> dict:
               "calls": int(c.calls)} for c in module_collectives(d, train, cluster, st.name)]
     step, bound = _probe_step_time(spec, d, train, cluster, st, twin, shape[0]) if device == "cuda" else (None, None)
     pred = {"memory": out, "collectives": colls, "step_time_s": step, "step_time_bound": bound}
-    why = fsdp2_batchnorm_failure(d, precision) if st.family == "fsdp2" else None
+    why = fsdp2_batchnorm_failure(d, precision) if st.fsdp2 else None
     if why:  # what PyTorch raises (CUDA's batch_norm; the CPU's)
         pred["fails"] = {"reason": why, "error_contains": list(FSDP2_BATCHNORM_ERRORS)}
     return pred

@@ -3,6 +3,8 @@ recommendation's rule, recommend.py; the layout search's, layout.py; the trace f
 
 from __future__ import annotations
 
+from .strategies import NAMES, get_strategy
+
 HEADROOM_FRACTION = 0.05
 TIE_FRACTION = 0.05
 SIMPLICITY = ("single", "ddp", "fsdp-no-shard", "zero1", "zero2", "fsdp-grad-op", "hsdp", "zero3", "fsdp")
@@ -10,7 +12,7 @@ SIMPLICITY = ("single", "ddp", "fsdp-no-shard", "zero1", "zero2", "fsdp-grad-op"
 
 def _rank(name: str, nodes: int | None = None) -> int:
     """Simplicity order; on one node HSDP is FSDP plus a replica group of one, so it comes last."""
-    if name == "hsdp" and nodes == 1:
+    if nodes == 1 and name in NAMES and get_strategy(name).hybrid:
         return len(SIMPLICITY)
     return SIMPLICITY.index(name) if name in SIMPLICITY else len(SIMPLICITY)
 

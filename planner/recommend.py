@@ -363,7 +363,7 @@ def _reasons(plan, best, ok, timed) -> list[str]:
                    "not picked): " + ", ".join(f"{r.name} ({r.memory.alloc_retries} retries)"
                                                for r in sorted(retry, key=lambda r: _rank(r.name))))
     ddp = by.get("ddp")
-    sharded = best.name in ("zero3", "fsdp", "hsdp")
+    sharded = best.strategy.shards_params and best.strategy.reshard_after_forward
     if timed and sharded and ddp is not None and ddp.comm_bytes_per_gpu and best.comm_bytes_per_gpu:
         ratio = best.comm_bytes_per_gpu / ddp.comm_bytes_per_gpu
         extra = best.time.exposed_comm_s - ddp.time.exposed_comm_s
@@ -412,7 +412,7 @@ def _comm_bound(plan, best) -> list[str]:
 
     by = {r.name: r for r in plan.results}
     hs = by.get("hsdp")
-    if cl.nodes > 1 and best.name != "hsdp" and hs is not None and hs.fits_cleanly and hs.step_time_s < best.step_time_s:
+    if cl.nodes > 1 and not best.strategy.hybrid and hs is not None and hs.fits_cleanly and hs.step_time_s < best.step_time_s:
         options.append(f"hsdp: {fmt_seconds(hs.step_time_s)}")
     if cl.nodes > 1 and cl.nics_per_node < cl.gpus_per_node and not cl.inter_bytes_per_s:
         r = step_of(replace(cl, nics_per_node=cl.gpus_per_node), best.name)

@@ -86,6 +86,12 @@ class Strategy:
         """FSDP wrapping without sharding anything (FSDP1 NO_SHARD): all-reduce per unit."""
         return self.fsdp and self.shard_group == "none"
 
+    # -- added for the plan layer (checkpoint.py, module_plan.py) --
+    @property
+    def deepspeed_zero(self) -> bool:
+        """A ZeRO stage DeepSpeed runs under framework='deepspeed' (ZeRO-1, and the FSDP2 pair ZeRO-2/3)."""
+        return self.family in (ZERO1, FSDP2)
+
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in (
     Strategy("single", False, False, False, False, "none", "plain nn.Module on one GPU", SINGLE,
