@@ -66,6 +66,128 @@ class _PPCheck:
     checkpointing: str
 
 
+def _plan_by_trace(strategies, kw: dict):
+    """`plan(front_end="trace"|"auto")`: the trace front end's plan of `kw` (plan's arguments by the CLI's
+    names) where it plans it (front_end.use_trace), else None (the analytic front end plans it)."""
+    front_end, hf_config = kw["front_end"], kw["hf_config"]
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"--front-end={short_repr(front_end)}: accepted: {', '.join(FRONT_ENDS)}")
+    if hf_config is None:
+        raise ValueError(f"--front-end={front_end}: the trace front end reads a Hugging Face model; give "
+                         f"hf_config (a config.json, its folder or a Hub id)")
+    if not use_trace(kw):
+        return None
+    if isinstance(strategies, str):
+        strategies = [strategies]
+    return traced_plan(kw, check_flags(kw, list(strategies or ())))
+
+
+def _checked_strategies_and_tokens(strategies, tokens) -> tuple:
+    """`plan`'s `strategies` as a list of names (one name alone too) and `tokens` as a count: one-line
+    ValueErrors for anything else."""
+    if isinstance(strategies, str):
+        strategies = [strategies]
+    if strategies is not None and not isinstance(strategies, (list, tuple, set, frozenset)):
+        raise ValueError(f"strategies={short_repr(strategies)}: accepted: a list of names from "
+                         f"{', '.join(NAMES)}")
+    if tokens is not None:
+        if isinstance(tokens, str):
+            tokens = parse_count(tokens, "--tokens")
+        check_float("tokens", tokens, 1, 1e16, "tokens", "a positive count")
+    return strategies, tokens
+
+
+def _checked_tp(tp, sequence_parallel, spec: ModelSpec, cluster: Cluster, framework: str) -> int:
+    """The tensor-parallel degree, checked with sequence parallelism against the model and the nodes."""
+    tp = check_count("tp", tp)
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"--sequence-parallel={short_repr(sequence_parallel)}: accepted: True or False")
+    if sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel: needs --tp > 1 (it shards along the tensor-parallel group)")
+    if tp > 1:
+        check_tp(tp, spec, "--tp", cluster.gpus, cluster.local_size)
+        if framework != "pytorch":
+            raise ValueError(f"--tp={tp} with --framework={short_repr(framework)}: tensor parallelism is "
+                             f"modelled for PyTorch's parallelize_module; accepted: --framework pytorch")
+    return tp
+
+
+def _checked_pipeline(asked: _PPCheck, cluster: Cluster, tp: int, notes: list) -> tuple[int, int]:
+    """(pipeline stages, micro-batches per step) of `asked`, checked (pp.check_pp); the micro-batches
+    assumed when not given are added to `notes`."""
+    spec, pp, pp_schedule, pp_microbatches = asked.model, asked.pp, asked.pp_schedule, asked.pp_microbatches
+    pp = check_count("pp", pp)
+    if not isinstance(pp_schedule, str) or pp_schedule not in PP_SCHEDULES:
+        raise ValueError(f"--pp-schedule={short_repr(pp_schedule)}: accepted: {', '.join(PP_SCHEDULES)}")
+    if pp_microbatches is None:
+        pp_microbatches = 2 * pp if pp > 1 else 1
+        if pp > 1:
+            notes.append(f"pipeline: {pp_microbatches} micro-batches per step assumed (2 x --pp; "
+                         f"--pp-microbatches sets it)")
+    pp_microbatches = check_count("pp_microbatches", pp_microbatches)
+    if pp == 1 and pp_microbatches != 1:
+        raise ValueError(f"--pp-microbatches={pp_microbatches}: needs --pp > 1 (without pipeline stages use "
+                         f"--grad-accum)")
+    if pp > 1:
+        if cluster.gpus % (tp * pp):
+            raise ValueError(f"--pp={pp}: tp x pp = {tp * pp} must divide --gpus={cluster.gpus}; accepted: "
+                             + ", ".join(str(d) for d in range(1, cluster.gpus // tp + 1)
+                                         if (cluster.gpus // tp) % d == 0 and d <= spec.layers))
+        check_pp(replace(asked, pp=pp, pp_microbatches=pp_microbatches), "--pp")
+    return pp, pp_microbatches
+
+
+def _checked_cp(cp, asked: _CPCheck, cluster: Cluster, strategies, notes: list) -> int:
+    """The context-parallel degree, checked (cp.check_cp) against the strategies asked for; its note added
+    to `notes`."""
+    cp = check_count("cp", cp)
+    if cp > 1:
+        check_cp(cp, asked, cluster.gpus)
+        if strategies and [n for n in NAMES if not get_strategy(n).distributed and n in strategies]:
+            raise ValueError(f"--strategy=single with --cp={cp}: the cp ranks' gradients must be averaged; "
+                             f"accepted: a data-parallel strategy ({', '.join(n for n in NAMES if get_strategy(n).distributed)})")
+        notes.append(f"context parallel: each sequence split over {cp} ranks ({asked.seq_len // cp} tokens each), "
+                     f"ring attention; the strategies run over the dp x cp ranks")
+    return cp
+
+
+def _strategy_names(strategies, dp: int, pp: int, optimizer: str, framework: str) -> tuple[list, list]:
+    """(the strategies to plan, notes): those asked for, or every one that runs over `dp` data-parallel
+    ranks (x cp) and `pp` stages, less those the optimizer rules out (drop_conflicts)."""
+    if pp > 1:
+        bad = [n for n in (strategies or ()) if n not in PP_STRATEGIES]
+        if bad:
+            raise ValueError(f"--strategy={short_repr(bad[0])} with --pp={pp}: PipelineStage drives DDP and FSDP2 "
+                             f"(fully_shard) only; accepted: {', '.join(PP_STRATEGIES)}")
+    names = list(strategies) if strategies else [n for n in NAMES if (get_strategy(n).distributed or dp == 1)
+                                                 and (pp == 1 or n in PP_STRATEGIES)]
+    if dp == 1 and not strategies:
+        names = ["single"]
+    return drop_conflicts(names, optimizer, bool(strategies), framework)
+
+
+def _storage_bytes_per_s(checkpoint: str | None, storage_gbps: float | None) -> float | None:
+    """The checkpoint save's write bandwidth per writing rank, bytes/s (None without a save)."""
+    storage = None
+    if checkpoint is not None:
+        if checkpoint not in MODES:
+            raise ValueError(f"--checkpoint={short_repr(checkpoint)}: accepted: {', '.join(MODES)}")
+        storage = check_float("storage_gbps", DEFAULT_STORAGE_GBPS if storage_gbps is None else storage_gbps,
+                              1e-3, 1e5, "GB/s", "1 MB/s to 100 TB/s per writing rank") * 1e9
+    elif storage_gbps is not None:
+        raise ValueError("--storage-gbps: needs --checkpoint full|full-offload|sharded")
+    return storage
+
+
+def _analytic_front_end_note(hf_config, layout_kw: dict) -> str:
+    """The note naming the analytic front end, and with --hf-config why the trace did not plan it."""
+    layout_flag = analytic_only(layout_kw)
+    return ("front end: analytic (decoder formulas" + (
+        ")" if not hf_config else
+        f", as transformers implements this model: the trace does not follow {layout_flag.split('=')[0]})"
+        if layout_flag else "; --front-end trace runs the transformers model itself on fake tensors)"))
+
+
 def plan(model: str | ModelSpec | None = None, *, params: str | int | float | None = None,
          hf_config: str | None = None, gpus: int | None = None, gpus_per_node: int | None = None,
          gpu: str | None = None, gpu_mem: str | float | None = None, node: str | None = None,
@@ -123,38 +245,22 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
     """
     catalog_dirs = catalog_dirs_tuple(catalog_dirs)
     if front_end != "analytic":
-        if front_end not in FRONT_ENDS:
-            raise ValueError(f"--front-end={short_repr(front_end)}: accepted: {', '.join(FRONT_ENDS)}")
-        if hf_config is None:
-            raise ValueError(f"--front-end={front_end}: the trace front end reads a Hugging Face model; give "
-                             f"hf_config (a config.json, its folder or a Hub id)")
-        if use_trace({"hf_config": hf_config, "front_end": front_end, "tp": tp, "pp": pp, "cp": cp,
-                      "sequence_parallel": sequence_parallel, "checkpoint": checkpoint,
-                      "storage_gbps": storage_gbps, "attention_kernel": attention_kernel}):
-            kw = dict(overrides, model=model, params=params, hf_config=hf_config, front_end=front_end, gpus=gpus,
-                      gpus_per_node=gpus_per_node, gpu=gpu, gpu_mem=gpu_mem, node=node, intra=intra, inter=inter,
-                      nics_per_node=nics_per_node, inter_gbps=inter_gbps, seq_len=seq_len, micro_batch=micro_batch,
-                      grad_accum=grad_accum, grad_sync=grad_sync, precision=precision, optimizer=optimizer,
-                      optimizer_impl=optimizer_impl, activation_checkpointing=activation_checkpointing,
-                      attention=attention, attention_kernel=attention_kernel, cpu_offload=cpu_offload,
-                      framework=framework, compile_=compile,
-                      alloc_conf=alloc_conf, torch_version=torch_version, tp=tp, pp=pp, cp=cp,
-                      sequence_parallel=sequence_parallel, checkpoint=checkpoint, storage_gbps=storage_gbps,
-                      tokens=tokens, catalog_dirs=catalog_dirs, detect_local=detect_local)
-            if isinstance(strategies, str):
-                strategies = [strategies]
-            return traced_plan(kw, check_flags(kw, list(strategies or ())))
+        traced = _plan_by_trace(strategies, dict(
+            overrides, model=model, params=params, hf_config=hf_config, front_end=front_end, gpus=gpus,
+            gpus_per_node=gpus_per_node, gpu=gpu, gpu_mem=gpu_mem, node=node, intra=intra, inter=inter,
+            nics_per_node=nics_per_node, inter_gbps=inter_gbps, seq_len=seq_len, micro_batch=micro_batch,
+            grad_accum=grad_accum, grad_sync=grad_sync, precision=precision, optimizer=optimizer,
+            optimizer_impl=optimizer_impl, activation_checkpointing=activation_checkpointing,
+            attention=attention, attention_kernel=attention_kernel, cpu_offload=cpu_offload,
+            framework=framework, compile_=compile,
+            alloc_conf=alloc_conf, torch_version=torch_version, tp=tp, pp=pp, cp=cp,
+            sequence_parallel=sequence_parallel, checkpoint=checkpoint, storage_gbps=storage_gbps,
+            tokens=tokens, catalog_dirs=catalog_dirs, detect_local=detect_local))
+        if traced is not None:
+            return traced
     seq_len, micro_batch, grad_accum = (check_count(k, v) for k, v in (
         ("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum)))
-    if isinstance(strategies, str):
-        strategies = [strategies]
-    if strategies is not None and not isinstance(strategies, (list, tuple, set, frozenset)):
-        raise ValueError(f"strategies={short_repr(strategies)}: accepted: a list of names from "
-                         f"{', '.join(NAMES)}")
-    if tokens is not None:
-        if isinstance(tokens, str):
-            tokens = parse_count(tokens, "--tokens")
-        check_float("tokens", tokens, 1, 1e16, "tokens", "a positive count")
+    strategies, tokens = _checked_strategies_and_tokens(strategies, tokens)
     unknown = set(overrides) - set(_OVERRIDE_FIELDS)
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}; model overrides accepted: "
@@ -163,49 +269,16 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                                 overrides, catalog_dirs)
     cluster, cnotes = resolve_cluster(gpus, gpus_per_node, gpu, gpu_mem, node, intra, inter, nics_per_node,
                                       inter_gbps, detect_local, catalog_dirs)
-    tp = check_count("tp", tp)
-    if not isinstance(sequence_parallel, bool):
-        raise ValueError(f"--sequence-parallel={short_repr(sequence_parallel)}: accepted: True or False")
-    if sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel: needs --tp > 1 (it shards along the tensor-parallel group)")
-    if tp > 1:
-        check_tp(tp, spec, "--tp", cluster.gpus, cluster.local_size)
-        if framework != "pytorch":
-            raise ValueError(f"--tp={tp} with --framework={short_repr(framework)}: tensor parallelism is "
-                             f"modelled for PyTorch's parallelize_module; accepted: --framework pytorch")
+    tp = _checked_tp(tp, sequence_parallel, spec, cluster, framework)
     if torch_version:
         torch_release(torch_version, "--torch-version")  # one line naming the flag, before anything runs
     if alloc_conf:
         if not isinstance(alloc_conf, str):
             raise ValueError(f"--alloc-conf={short_repr(alloc_conf)}: accepted: a PYTORCH_CUDA_ALLOC_CONF string")
         notes = notes + parse_alloc_conf(alloc_conf, "--alloc-conf")[2]
-    pp = check_count("pp", pp)
-    if not isinstance(pp_schedule, str) or pp_schedule not in PP_SCHEDULES:
-        raise ValueError(f"--pp-schedule={short_repr(pp_schedule)}: accepted: {', '.join(PP_SCHEDULES)}")
-    if pp_microbatches is None:
-        pp_microbatches = 2 * pp if pp > 1 else 1
-        if pp > 1:
-            notes.append(f"pipeline: {pp_microbatches} micro-batches per step assumed (2 x --pp; "
-                         f"--pp-microbatches sets it)")
-    pp_microbatches = check_count("pp_microbatches", pp_microbatches)
-    if pp == 1 and pp_microbatches != 1:
-        raise ValueError(f"--pp-microbatches={pp_microbatches}: needs --pp > 1 (without pipeline stages use "
-                         f"--grad-accum)")
-    if pp > 1:
-        if cluster.gpus % (tp * pp):
-            raise ValueError(f"--pp={pp}: tp x pp = {tp * pp} must divide --gpus={cluster.gpus}; accepted: "
-                             + ", ".join(str(d) for d in range(1, cluster.gpus // tp + 1)
-                                         if (cluster.gpus // tp) % d == 0 and d <= spec.layers))
-        check_pp(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches, cpu_offload,
-                          activation_checkpointing), "--pp")
-    cp = check_count("cp", cp)
-    if cp > 1:
-        check_cp(cp, _CPCheck(seq_len, attention, framework, pp, tp), cluster.gpus)
-        if strategies and [n for n in NAMES if not get_strategy(n).distributed and n in strategies]:
-            raise ValueError(f"--strategy=single with --cp={cp}: the cp ranks' gradients must be averaged; "
-                             f"accepted: a data-parallel strategy ({', '.join(n for n in NAMES if get_strategy(n).distributed)})")
-        notes.append(f"context parallel: each sequence split over {cp} ranks ({seq_len // cp} tokens each), "
-                     f"ring attention; the strategies run over the dp x cp ranks")
+    pp, pp_microbatches = _checked_pipeline(_PPCheck(spec, grad_accum, framework, pp, pp_schedule, pp_microbatches,
+                                                     cpu_offload, activation_checkpointing), cluster, tp, notes)
+    cp = _checked_cp(cp, _CPCheck(seq_len, attention, framework, pp, tp), cluster, strategies, notes)
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                         grad_sync=grad_sync, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
                         checkpointing=activation_checkpointing, attention=attention,
@@ -214,36 +287,15 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
                         sequence_parallel=sequence_parallel, alloc_conf=alloc_conf, pp=pp,
                         pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, cp=cp,
                         torch_version=torch_version)
-    dp = cluster.gpus // (tp * pp)  # the ranks a strategy runs over (dp x cp)
-    if pp > 1:
-        bad = [n for n in (strategies or ()) if n not in PP_STRATEGIES]
-        if bad:
-            raise ValueError(f"--strategy={short_repr(bad[0])} with --pp={pp}: PipelineStage drives DDP and FSDP2 "
-                             f"(fully_shard) only; accepted: {', '.join(PP_STRATEGIES)}")
-    names = list(strategies) if strategies else [n for n in NAMES if (get_strategy(n).distributed or dp == 1)
-                                                 and (pp == 1 or n in PP_STRATEGIES)]
-    if dp == 1 and not strategies:
-        names = ["single"]
-    names, conflicts = drop_conflicts(names, optimizer, bool(strategies), framework)
+    names, conflicts = _strategy_names(strategies, cluster.gpus // (tp * pp), pp, optimizer, framework)
     notes = notes + conflicts
-    storage = None
-    if checkpoint is not None:
-        if checkpoint not in MODES:
-            raise ValueError(f"--checkpoint={short_repr(checkpoint)}: accepted: {', '.join(MODES)}")
-        storage = check_float("storage_gbps", DEFAULT_STORAGE_GBPS if storage_gbps is None else storage_gbps,
-                              1e-3, 1e5, "GB/s", "1 MB/s to 100 TB/s per writing rank") * 1e9
-    elif storage_gbps is not None:
-        raise ValueError("--storage-gbps: needs --checkpoint full|full-offload|sharded")
+    storage = _storage_bytes_per_s(checkpoint, storage_gbps)
     results = [evaluate(train, cluster, get_strategy(n), comm=comm, catalog_dirs=catalog_dirs,
                         checkpoint=checkpoint, storage_bytes_per_s=storage) for n in names]
     if tokens is not None and not tokens > 0:
         raise ValueError(f"tokens={short_repr(tokens)}: must be positive")
-    layout_flag = analytic_only({"tp": tp, "pp": pp, "cp": cp, "sequence_parallel": sequence_parallel,
-                                 "checkpoint": checkpoint, "storage_gbps": storage_gbps})
-    front = ("front end: analytic (decoder formulas" + (
-        ")" if not hf_config else
-        f", as transformers implements this model: the trace does not follow {layout_flag.split('=')[0]})"
-        if layout_flag else "; --front-end trace runs the transformers model itself on fake tensors)"))
+    front = _analytic_front_end_note(hf_config, {"tp": tp, "pp": pp, "cp": cp, "sequence_parallel": sequence_parallel,
+                                                 "checkpoint": checkpoint, "storage_gbps": storage_gbps})
     if spec.attn_softcap:
         notes.append("attention: eager, as transformers runs Gemma-2 by default (no SDPA path: SDPA cannot "
                      "soft-cap the scores), keeping B x heads x S^2 scores per layer; flash_attention_2 (the "

@@ -219,26 +219,40 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
     if rank is None:
         out = _most_loaded(train, cluster, st, mode, storage_bytes_per_s, device, mem)
         if whole is not None and mode != "sharded":
-            # A full state dict redistributes every DTensor to Replicate on every mesh dimension
-            # (`_gather_state_dict`'s `dtensor_func`), the tensor-parallel one too: the whole model,
-            # not one TP rank's slice, on every rank (full) or in rank 0's host memory (full-offload).
-            full_bytes, largest = whole
-            extra = full_bytes if mode == "full" else largest
-            out = replace(out, device_extra_bytes=extra, written_bytes=full_bytes, writer_bytes=full_bytes,
-                          host_bytes=full_bytes if mode == "full-offload" else largest,
-                          save_time_s=full_bytes / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf"))
-            peak = out.resident_bytes + extra
-            out.device_reserved_bytes = int((1 + RESERVED_MARGIN) * peak)  # the TP gathers are not written
-            out.reserved_source = f"{RESERVED_MARGIN:.0%} margin"
-            out.fits = out.device_reserved_bytes + mem.process_overhead <= cluster.gpu_memory_bytes
-            out.notes = out.notes + [f"--tp {train.tp}: the {mode} state dict gathers the tensor-parallel shards too"]
+            out = _with_tp_full_state(out, whole, mode, train, cluster, mem, storage_bytes_per_s)
         return out
+    return _rank_save(train, cluster, st, mode, storage_bytes_per_s, device, mem, rank)
+
+
+def _with_tp_full_state(out: CheckpointEstimate, whole: tuple, mode: str, train: TrainConfig, cluster: Cluster,
+                        mem: MemoryEstimate, storage_bytes_per_s: float) -> CheckpointEstimate:
+    """`out` (one TP rank's save) under tensor parallelism for a full state dict: `whole` is (the whole
+    model's state bytes, its largest unit's bytes)."""
+    # A full state dict redistributes every DTensor to Replicate on every mesh dimension
+    # (`_gather_state_dict`'s `dtensor_func`), the tensor-parallel one too: the whole model,
+    # not one TP rank's slice, on every rank (full) or in rank 0's host memory (full-offload).
+    full_bytes, largest = whole
+    extra = full_bytes if mode == "full" else largest
+    out = replace(out, device_extra_bytes=extra, written_bytes=full_bytes, writer_bytes=full_bytes,
+                  host_bytes=full_bytes if mode == "full-offload" else largest,
+                  save_time_s=full_bytes / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf"))
+    peak = out.resident_bytes + extra
+    out.device_reserved_bytes = int((1 + RESERVED_MARGIN) * peak)  # the TP gathers are not written
+    out.reserved_source = f"{RESERVED_MARGIN:.0%} margin"
+    out.fits = out.device_reserved_bytes + mem.process_overhead <= cluster.gpu_memory_bytes
+    out.notes = out.notes + [f"--tp {train.tp}: the {mode} state dict gathers the tensor-parallel shards too"]
+    return out
+
+
+def _rank_save(train: TrainConfig, cluster: Cluster, st: Strategy, mode: str, storage_bytes_per_s: float,
+               device: str, mem: MemoryEstimate, rank: int) -> CheckpointEstimate:
+    """The save of `mode` on `rank` (estimate_checkpoint): what the rank holds when it starts (`resident`),
+    what the save adds on the device and the host, what it writes, and whether it fits."""
     shard = _shard_group(st, cluster)
     sz = _sizes(train, st, shard, rank)
     pb = train.prec.param_bytes  # fp32 master parameters under mixed precision; optimizer states alike
     elems = sz.params
     ratio = sz.states / elems if elems else 0.0  # elementwise state elements per parameter (Adam: 2)
-    per_state = round(ratio)
     full_bytes = (sz.params + sz.states) * pb  # the state dict's tensors, unpadded
     gathered_bytes = sz.gathered * pb + round(sz.states * sz.gathered / elems) * pb if elems else 0
     cpu = device == "cpu"
@@ -252,6 +266,32 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
         resident += sz.params * train.prec.grad_bytes  # DDP's buckets, allocated at construction
     resident += 2 * train.micro_batch * train.seq_len * 8  # the last batch: token ids and labels, int64
 
+    extra, host, writer = _save_bytes(mode, st, sz, sharding, pb, full_bytes, gathered_bytes, rank, cpu,
+                                      cluster.gpus, notes)
+    written = full_bytes
+    time_s = writer / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf")
+    peak = resident + extra
+    # The save allocates after the step, from the caching allocator's segments: the run's allocations and
+    # the save's replayed (rank 0, where the training trace is written), else the margin.
+    reserved = _save_reserved(train, st, shard, mode, mem, peak) if rank == 0 and device == "cuda" else None
+    source = "allocator replay" if reserved is not None else f"{RESERVED_MARGIN:.0%} margin"
+    if reserved is None:
+        reserved = int((1 + RESERVED_MARGIN) * peak)
+    fits = reserved + mem.process_overhead <= cluster.gpu_memory_bytes
+    if not fits and mem.fits:
+        notes.append(f"the {mode} checkpoint save does not fit though the training step does")
+    return CheckpointEstimate(st.name, mode, int(resident), int(extra), int(host), int(written), int(writer),
+                              time_s, fits, notes, int(reserved), source)
+
+
+def _save_bytes(mode: str, st: Strategy, sz: _Sizes, sharding: bool, pb: int, full_bytes: int,
+                gathered_bytes: int, rank: int, cpu: bool, gpus: int, notes: list) -> tuple[int, int, int]:
+    """(device bytes the save adds, host bytes, bytes this rank writes) of a `mode` save on `rank`; `pb` the
+    bytes of a parameter and of a state element, `full_bytes` the state dict's, `gathered_bytes` its
+    gathered (padded) tensors'."""
+    elems = sz.params
+    ratio = sz.states / elems if elems else 0.0  # elementwise state elements per parameter (Adam: 2)
+    per_state = round(ratio)
     host = 0
     writer = full_bytes if rank == 0 else 0  # full state dicts: rank 0 writes everything
     if mode == "full":
@@ -298,24 +338,11 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
         if sharding:  # this rank's chunks of the parameters and of their states
             writer = round(sz.local * (1 + ratio)) * pb
         else:  # replicated: each item written once, spread over the ranks (`_dedup_save_plans`)
-            writer = -(-full_bytes // max(1, cluster.gpus if st.distributed else 1))
+            writer = -(-full_bytes // max(1, gpus if st.distributed else 1))
         # On a GPU `_OverlappingCpuLoader` copies every item to the host and `tensor_dict` keeps it
         # until the rank's file is written: the rank's whole share, in host memory.
         host = 0 if cpu else writer
-    written = full_bytes
-    time_s = writer / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf")
-    peak = resident + extra
-    # The save allocates after the step, from the caching allocator's segments: the run's allocations and
-    # the save's replayed (rank 0, where the training trace is written), else the margin.
-    reserved = _save_reserved(train, st, shard, mode, mem, peak) if rank == 0 and device == "cuda" else None
-    source = "allocator replay" if reserved is not None else f"{RESERVED_MARGIN:.0%} margin"
-    if reserved is None:
-        reserved = int((1 + RESERVED_MARGIN) * peak)
-    fits = reserved + mem.process_overhead <= cluster.gpu_memory_bytes
-    if not fits and mem.fits:
-        notes.append(f"the {mode} checkpoint save does not fit though the training step does")
-    return CheckpointEstimate(st.name, mode, int(resident), int(extra), int(host), int(written), int(writer),
-                              time_s, fits, notes, int(reserved), source)
+    return extra, host, writer
 
 
 def _save_reserved(train, st, shard: int, mode: str, mem: MemoryEstimate, peak: int) -> int | None:
