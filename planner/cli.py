@@ -17,6 +17,7 @@ import click
 
 from distplan.catalog.loader import load_catalog
 
+from .chart import check_chart_path, write_chart
 from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINTING, CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, FRAMEWORKS,
                      GRAD_SYNC, OFFLOAD, PP_SCHEDULES)
 from .front_end import FRONT_ENDS, use_trace
@@ -279,7 +280,6 @@ def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
     """Per-GPU memory (and communication, step time) of every strategy; which fits; which to use."""
     kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
     if plot_path is not None:
-        from .chart import check_chart_path, write_chart
         check_chart_path(plot_path)
     p = build_plan(kw, strategies)
     if plot_path is not None:
