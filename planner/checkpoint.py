@@ -63,10 +63,10 @@ from math import prod
 
 from .alloc_trace import CHECKPOINT_REPLAY_MODES, CHECKPOINT_REPLAY_STRATEGIES, allocation_events, checkpoint_events
 from .allocator import alloc_rounding, replay
-from .api import DEFAULT_GPU
 from .config import CHECKPOINT_MODES, Cluster, DEFAULT_STORAGE_GBPS, TrainConfig
 from .memory import MemoryEstimate, RESERVED_MARGIN, _all_state_elems, estimate_memory, layout
 from .model import ModelSpec, TPRankSpec, unit_sizes
+from .resolve import DEFAULT_GPU
 from .strategies import Strategy, get_strategy
 from .tp import tp_view
 
@@ -116,8 +116,8 @@ class CheckpointEstimate:
 
 def _shard_group(st: Strategy, cluster: Cluster) -> int:
     """Ranks a state is sharded over (memory.estimate_memory's rule)."""
-    world = 1 if st.name == "single" else cluster.gpus
-    if st.name == "fsdp-no-shard" or st.shard_group == "none":
+    world = cluster.gpus if st.distributed else 1
+    if st.fsdp_no_shard or st.shard_group == "none":
         return 1
     return world if st.shard_group == "world" else min(world, cluster.local_size)
 
@@ -158,7 +158,7 @@ def _sizes(train: TrainConfig, st: Strategy, shard: int, rank: int) -> _Sizes:
         return sum(_rows(s[0], w, rr) * prod(s[1:]) for s in order)
 
     pad_last = pad_gather = short = 0
-    if st.family == "fsdp2":
+    if st.fsdp2:
         gathered = lay.unshard_root + m.layers * lay.unshard_block
         full = [(-(-s[0] // w) * w * prod(s[1:]), -(-s[0] // w) * prod(s[1:]), _rows(s[0], w, r) * prod(s[1:]))
                 for s in order]  # (gathered, padded local chunk, this rank's chunk)
@@ -170,7 +170,7 @@ def _sizes(train: TrainConfig, st: Strategy, shard: int, rank: int) -> _Sizes:
             pad_last = padded[-1][1]  # the last parameter's last state is the last tensor gathered
             pad_gather = max(g + p for g, p, _ in padded)
             short = sum(n for _, _, n in padded)  # sharded params only: optimizer states are own-size
-    elif st.family == "fsdp1":
+    elif st.fsdp1:
         gathered = lay.unshard_root + m.layers * lay.unshard_block
         largest = max(lay.unshard_root, lay.unshard_block)
     else:
@@ -202,7 +202,7 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
     if mode not in MODES:
         raise ValueError(f"checkpoint={mode!r}: accepted: {', '.join(MODES)}")
     st = get_strategy(strategy)
-    if st.family == "zero1" or (train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3")):
+    if st.zero_optimizer or (train.framework == "deepspeed" and st.deepspeed_zero):
         return None
     if getattr(train, "pp", 1) > 1:  # pipeline stages (pp.py): each stage saves its own layers; not modelled
         return None
@@ -219,90 +219,55 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
     if rank is None:
         out = _most_loaded(train, cluster, st, mode, storage_bytes_per_s, device, mem)
         if whole is not None and mode != "sharded":
-            # A full state dict redistributes every DTensor to Replicate on every mesh dimension
-            # (`_gather_state_dict`'s `dtensor_func`), the tensor-parallel one too: the whole model,
-            # not one TP rank's slice, on every rank (full) or in rank 0's host memory (full-offload).
-            full_bytes, largest = whole
-            extra = full_bytes if mode == "full" else largest
-            out = replace(out, device_extra_bytes=extra, written_bytes=full_bytes, writer_bytes=full_bytes,
-                          host_bytes=full_bytes if mode == "full-offload" else largest,
-                          save_time_s=full_bytes / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf"))
-            peak = out.resident_bytes + extra
-            out.device_reserved_bytes = int((1 + RESERVED_MARGIN) * peak)  # the TP gathers are not written
-            out.reserved_source = f"{RESERVED_MARGIN:.0%} margin"
-            out.fits = out.device_reserved_bytes + mem.process_overhead <= cluster.gpu_memory_bytes
-            out.notes = out.notes + [f"--tp {train.tp}: the {mode} state dict gathers the tensor-parallel shards too"]
+            out = _with_tp_full_state(out, whole, mode, train, cluster, mem, storage_bytes_per_s)
         return out
+    return _rank_save(train, cluster, st, mode, storage_bytes_per_s, device, mem, rank)
+
+
+def _with_tp_full_state(out: CheckpointEstimate, whole: tuple, mode: str, train: TrainConfig, cluster: Cluster,
+                        mem: MemoryEstimate, storage_bytes_per_s: float) -> CheckpointEstimate:
+    """`out` (one TP rank's save) under tensor parallelism for a full state dict: `whole` is (the whole
+    model's state bytes, its largest unit's bytes)."""
+    # A full state dict redistributes every DTensor to Replicate on every mesh dimension
+    # (`_gather_state_dict`'s `dtensor_func`), the tensor-parallel one too: the whole model,
+    # not one TP rank's slice, on every rank (full) or in rank 0's host memory (full-offload).
+    full_bytes, largest = whole
+    extra = full_bytes if mode == "full" else largest
+    out = replace(out, device_extra_bytes=extra, written_bytes=full_bytes, writer_bytes=full_bytes,
+                  host_bytes=full_bytes if mode == "full-offload" else largest,
+                  save_time_s=full_bytes / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf"))
+    peak = out.resident_bytes + extra
+    out.device_reserved_bytes = int((1 + RESERVED_MARGIN) * peak)  # the TP gathers are not written
+    out.reserved_source = f"{RESERVED_MARGIN:.0%} margin"
+    out.fits = out.device_reserved_bytes + mem.process_overhead <= cluster.gpu_memory_bytes
+    out.notes = out.notes + [f"--tp {train.tp}: the {mode} state dict gathers the tensor-parallel shards too"]
+    return out
+
+
+def _rank_save(train: TrainConfig, cluster: Cluster, st: Strategy, mode: str, storage_bytes_per_s: float,
+               device: str, mem: MemoryEstimate, rank: int) -> CheckpointEstimate:
+    """The save of `mode` on `rank` (estimate_checkpoint): what the rank holds when it starts (`resident`),
+    what the save adds on the device and the host, what it writes, and whether it fits."""
     shard = _shard_group(st, cluster)
     sz = _sizes(train, st, shard, rank)
     pb = train.prec.param_bytes  # fp32 master parameters under mixed precision; optimizer states alike
     elems = sz.params
     ratio = sz.states / elems if elems else 0.0  # elementwise state elements per parameter (Adam: 2)
-    per_state = round(ratio)
     full_bytes = (sz.params + sz.states) * pb  # the state dict's tensors, unpadded
     gathered_bytes = sz.gathered * pb + round(sz.states * sz.gathered / elems) * pb if elems else 0
-    fam = st.family
     cpu = device == "cpu"
-    sharding = fam in ("fsdp2", "fsdp1") and shard > 1
+    sharding = st.fsdp and shard > 1
     notes: list[str] = []
 
     resident = mem.components["params"] + mem.components["optimizer"]  # the memory walk's rank 0
-    if fam == "fsdp2" and shard > 1:  # a rank with short shards holds less (dim-0 chunks)
+    if st.fsdp2 and shard > 1:  # a rank with short shards holds less (dim-0 chunks)
         resident -= round((sz.local0 - sz.local) * pb * (1 + ratio))
-    if fam == "ddp":
+    if st.ddp_reducer:
         resident += sz.params * train.prec.grad_bytes  # DDP's buckets, allocated at construction
     resident += 2 * train.micro_batch * train.seq_len * 8  # the last batch: token ids and labels, int64
 
-    host = 0
-    writer = full_bytes if rank == 0 else 0  # full state dicts: rank 0 writes everything
-    if mode == "full":
-        if sharding and fam == "fsdp2":
-            extra = gathered_bytes + sz.pad_last * pb
-        elif sharding:  # FSDP1: parameters cloned (unpadded); states gathered into padded flat buffers
-            extra = sz.params * pb + round(sz.states * sz.gathered / elems) * pb
-        elif fam == "fsdp1":  # NO_SHARD: the post-state-dict hook still clones every parameter
-            extra = sz.params * pb
-        else:
-            extra = 0
-        # rank 0's torch.save copies one storage at a time to the host (FSDP1: a unit's flat buffer)
-        host = sz.largest_gathered * pb if (rank == 0 and not cpu) else 0
-    elif mode == "full-offload":
-        if rank == 0 and not cpu:
-            host = full_bytes
-        if sharding and fam == "fsdp2":
-            # one gathered tensor on the device at a time; on a CPU device `.to("cpu")` is the tensor
-            # itself, so rank 0 keeps every gathered (padded) tensor
-            extra = gathered_bytes + sz.pad_last * pb if (cpu and rank == 0) else sz.pad_gather * pb
-        elif fam == "fsdp1":
-            # a unit unsharded for the parameters, then its states gathered (the unit's flat size each)
-            extra = sz.largest_gathered * pb * max(1, per_state)
-            if cpu:
-                notes.append("FSDP1 offload_to_cpu=True does not run on a CPU device (PyTorch raises)")
-        else:
-            extra = 0  # DDP: `.to("cpu")` copies to the host (on a CPU device it is the tensor itself)
-    else:  # sharded: DCP
-        if sharding and fam == "fsdp1":
-            # chunk clones of parameters and states stay; one unit's states gathered on top
-            extra = (1 + per_state) * sz.local * pb + per_state * sz.largest_gathered * pb
-        elif fam == "fsdp1":
-            # NO_SHARD: FSDP1 returns a full state dict instead (`_post_state_dict_hook`: "When using
-            # NO_SHARD ... full_state_dict will be returned"); measured on the CPU probes, the model's
-            # tensors are not copied and the optimizer's flat-state path (`_optim_utils`) copies every
-            # state once. Taken from the measurement, not traced line by line.
-            extra = sz.states * pb
-        elif sharding and cpu:
-            # `_SerialCpuLoader` clones a shard shorter than its padded storage, and
-            # `_write_files_from_queue` keeps every written tensor in `tensor_dict` until the file ends
-            extra = sz.short_views * pb
-        else:
-            extra = 0
-        if sharding:  # this rank's chunks of the parameters and of their states
-            writer = round(sz.local * (1 + ratio)) * pb
-        else:  # replicated: each item written once, spread over the ranks (`_dedup_save_plans`)
-            writer = -(-full_bytes // max(1, cluster.gpus if st.name != "single" else 1))
-        # On a GPU `_OverlappingCpuLoader` copies every item to the host and `tensor_dict` keeps it
-        # until the rank's file is written: the rank's whole share, in host memory.
-        host = 0 if cpu else writer
+    extra, host, writer = _save_bytes(mode, st, sz, sharding, pb, full_bytes, gathered_bytes, rank, cpu,
+                                      cluster.gpus, notes)
     written = full_bytes
     time_s = writer / storage_bytes_per_s if storage_bytes_per_s > 0 else float("inf")
     peak = resident + extra
@@ -317,6 +282,67 @@ def estimate_checkpoint(train: TrainConfig, cluster: Cluster, strategy: str | St
         notes.append(f"the {mode} checkpoint save does not fit though the training step does")
     return CheckpointEstimate(st.name, mode, int(resident), int(extra), int(host), int(written), int(writer),
                               time_s, fits, notes, int(reserved), source)
+
+
+def _save_bytes(mode: str, st: Strategy, sz: _Sizes, sharding: bool, pb: int, full_bytes: int,
+                gathered_bytes: int, rank: int, cpu: bool, gpus: int, notes: list) -> tuple[int, int, int]:
+    """(device bytes the save adds, host bytes, bytes this rank writes) of a `mode` save on `rank`; `pb` the
+    bytes of a parameter and of a state element, `full_bytes` the state dict's, `gathered_bytes` its
+    gathered (padded) tensors'."""
+    elems = sz.params
+    ratio = sz.states / elems if elems else 0.0  # elementwise state elements per parameter (Adam: 2)
+    per_state = round(ratio)
+    host = 0
+    writer = full_bytes if rank == 0 else 0  # full state dicts: rank 0 writes everything
+    if mode == "full":
+        if sharding and st.fsdp2:
+            extra = gathered_bytes + sz.pad_last * pb
+        elif sharding:  # FSDP1: parameters cloned (unpadded); states gathered into padded flat buffers
+            extra = sz.params * pb + round(sz.states * sz.gathered / elems) * pb
+        elif st.fsdp1:  # NO_SHARD: the post-state-dict hook still clones every parameter
+            extra = sz.params * pb
+        else:
+            extra = 0
+        # rank 0's torch.save copies one storage at a time to the host (FSDP1: a unit's flat buffer)
+        host = sz.largest_gathered * pb if (rank == 0 and not cpu) else 0
+    elif mode == "full-offload":
+        if rank == 0 and not cpu:
+            host = full_bytes
+        if sharding and st.fsdp2:
+            # one gathered tensor on the device at a time; on a CPU device `.to("cpu")` is the tensor
+            # itself, so rank 0 keeps every gathered (padded) tensor
+            extra = gathered_bytes + sz.pad_last * pb if (cpu and rank == 0) else sz.pad_gather * pb
+        elif st.fsdp1:
+            # a unit unsharded for the parameters, then its states gathered (the unit's flat size each)
+            extra = sz.largest_gathered * pb * max(1, per_state)
+            if cpu:
+                notes.append("FSDP1 offload_to_cpu=True does not run on a CPU device (PyTorch raises)")
+        else:
+            extra = 0  # DDP: `.to("cpu")` copies to the host (on a CPU device it is the tensor itself)
+    else:  # sharded: DCP
+        if sharding and st.fsdp1:
+            # chunk clones of parameters and states stay; one unit's states gathered on top
+            extra = (1 + per_state) * sz.local * pb + per_state * sz.largest_gathered * pb
+        elif st.fsdp1:
+            # NO_SHARD: FSDP1 returns a full state dict instead (`_post_state_dict_hook`: "When using
+            # NO_SHARD ... full_state_dict will be returned"); measured on the CPU probes, the model's
+            # tensors are not copied and the optimizer's flat-state path (`_optim_utils`) copies every
+            # state once. Taken from the measurement, not traced line by line.
+            extra = sz.states * pb
+        elif sharding and cpu:
+            # `_SerialCpuLoader` clones a shard shorter than its padded storage, and
+            # `_write_files_from_queue` keeps every written tensor in `tensor_dict` until the file ends
+            extra = sz.short_views * pb
+        else:
+            extra = 0
+        if sharding:  # this rank's chunks of the parameters and of their states
+            writer = round(sz.local * (1 + ratio)) * pb
+        else:  # replicated: each item written once, spread over the ranks (`_dedup_save_plans`)
+            writer = -(-full_bytes // max(1, gpus if st.distributed else 1))
+        # On a GPU `_OverlappingCpuLoader` copies every item to the host and `tensor_dict` keeps it
+        # until the rank's file is written: the rank's whole share, in host memory.
+        host = 0 if cpu else writer
+    return extra, host, writer
 
 
 def _save_reserved(train, st, shard: int, mode: str, mem: MemoryEstimate, peak: int) -> int | None:

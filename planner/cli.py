@@ -17,14 +17,16 @@ import click
 
 from distplan.catalog.loader import load_catalog
 
-from .api import plan, recommend as plan_with_layout_search
+from .chart import check_chart_path, write_chart
 from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINTING, CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, FRAMEWORKS,
                      GRAD_SYNC, OFFLOAD, PP_SCHEDULES)
+from .front_end import FRONT_ENDS, use_trace
+from .from_flags import build_plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS
 from .recommend import render_recommendation
 from .report import render_estimate
 from .strategies import NAMES
-from .units import check_count, parse_count, short_repr
+from .units import parse_count
 
 TABLE_FORMATS = ("simple", "github", "grid", "plain", "pipe", "rst", "psql", "fancy_grid", "tsv")
 
@@ -207,94 +209,6 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name}={value}: must be a positive integer")
 
 
-FRONT_ENDS = ("auto", "analytic", "trace")
-
-
-def analytic_only(kw: dict) -> str | None:
-    """The first flag in `kw` that only the analytic front end models (the parallel layouts and the
-    checkpoint save), as the user wrote it; None when there is none."""
-    if (kw.get("tp") or 1) > 1 or kw.get("sequence_parallel"):
-        return f"--tp={kw.get('tp') or 1}"
-    for flag in ("pp", "cp"):
-        if (kw.get(flag) or 1) > 1:
-            return f"--{flag}={kw[flag]}"
-    if kw.get("checkpoint") or kw.get("storage_gbps") is not None:
-        return f"--checkpoint={kw.get('checkpoint')}"
-    if (kw.get("attention_kernel") or "flash") != "flash":
-        return f"--attention-kernel={kw['attention_kernel']}"
-    return None
-
-
-def use_trace(kw: dict) -> bool:
-    """Whether --hf-config is planned by the trace (`--front-end`; 'auto': when torch and transformers
-    are installed, found without importing them, and no flag asks for what only the analytic front end
-    models: --tp, --pp, --cp, --checkpoint)."""
-    fe = kw.get("front_end") or "auto"
-    if not kw.get("hf_config") or fe == "analytic" or (fe == "auto" and analytic_only(kw)):
-        return False
-    import importlib.util
-    have = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
-    if fe == "trace" and not have:
-        raise ValueError("--front-end=trace: needs torch and transformers (pip install 'distplan[hf]'); "
-                         "or use --front-end analytic")
-    return have
-
-
-def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=False):
-    """The Plan of the flags in `kw`. `search` (recommend): search the parallel layout over the mesh
-    flags the user did not give (`kw["given"]`, the set of flag names given; layout.py)."""
-    # repeatable or comma-separated, as validate takes them (`--strategy zero3,fsdp`)
-    strategies = [x.strip() for s in strategies for x in s.split(",")]
-    for flag in ("gpus", "gpus_per_node", "nics_per_node", "seq_len", "micro_batch", "grad_accum", "tp", "pp",
-                 "pp_microbatches", "cp",
-                 "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab"):
-        if kw.get(flag) is not None:  # each bounded to what exists (units.LIMITS), before any work
-            check_count(flag, kw[flag])
-    for s in strategies:  # a name is echoed cut to 60 characters, on the trace path too
-        if s not in NAMES:
-            raise ValueError(f"--strategy={short_repr(s)}: accepted: {', '.join(NAMES)}")
-    if kw.get("hf_config") is not None:  # its sizes too, before the trace imports torch
-        from .hf_config import load_hf_config
-        load_hf_config(kw["hf_config"])
-    if kw.get("module") or use_trace(kw):
-        flag = analytic_only(kw)
-        if flag:
-            what = {"--tp": "tensor parallelism", "--pp": "pipeline parallelism", "--cp": "context parallelism",
-                    "--checkpoint": "the checkpoint save",
-                    "--attention-kernel": "an attention kernel other than the traced model's"}[flag.split("=")[0]]
-            raise ValueError(f"{flag}: {what} is modelled by the analytic front end only; with --hf-config drop "
-                             f"--front-end trace (auto picks the analytic front end for it; --module: not supported)")
-        from .module_plan import module_spec_plan
-        return module_spec_plan(kw, strategies)
-    overrides = {k: kw.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
-                                         "tie_embeddings")}
-    for s in strategies:
-        if s not in NAMES:
-            raise ValueError(f"--strategy={s!r}: accepted: {', '.join(NAMES)}")
-    call = plan_with_layout_search if search else plan
-    if search:
-        given = kw.get("given") or set()
-        mesh = {"tp": kw.get("tp") if "tp" in given else None, "pp": kw.get("pp") if "pp" in given else None,
-                "sequence_parallel": True if kw.get("sequence_parallel") else None}
-    else:
-        mesh = {"tp": kw.get("tp") or 1, "pp": kw.get("pp") or 1,
-                "sequence_parallel": bool(kw.get("sequence_parallel")), "comm": comm}
-    return call(kw.get("model"), params=kw.get("params"), hf_config=kw.get("hf_config"),
-                gpus=kw.get("gpus"), gpus_per_node=kw.get("gpus_per_node"), gpu=kw.get("gpu"),
-                gpu_mem=kw.get("gpu_mem"), node=kw.get("node"), intra=kw.get("intra"), inter=kw.get("inter"),
-                nics_per_node=kw.get("nics_per_node"), inter_gbps=kw.get("inter_gbps"),
-                seq_len=kw["seq_len"], micro_batch=kw["micro_batch"], grad_accum=kw["grad_accum"],
-                grad_sync=kw.get("grad_sync") or "last", precision=kw["precision"], optimizer=kw["optimizer"], optimizer_impl=kw["optimizer_impl"],
-                activation_checkpointing=kw["activation_checkpointing"], attention=kw["attention"],
-                attention_kernel=kw.get("attention_kernel") or "flash", cpu_offload=kw["cpu_offload"], framework=kw["framework"], compile=kw.get("compile_", False),
-                alloc_conf=kw.get("alloc_conf") or "", torch_version=kw.get("torch_version") or "",
-                pp_schedule=kw.get("pp_schedule") or "1f1b", pp_microbatches=kw.get("pp_microbatches"),
-                cp=kw.get("cp") or 1, strategies=list(strategies) or None,
-                tokens=kw.get("tokens"), checkpoint=kw.get("checkpoint"), storage_gbps=kw.get("storage_gbps"),
-                detect_local=detect_local, **mesh,
-                catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)
-
-
 class OneLineErrors(click.Group):
     """click's own usage errors (a value that is not an integer, an unknown option, a missing
     argument) as one `Error: ...` line with exit code 2, like ours: no usage banner."""
@@ -366,7 +280,6 @@ def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
     """Per-GPU memory (and communication, step time) of every strategy; which fits; which to use."""
     kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
     if plot_path is not None:
-        from .chart import check_chart_path, write_chart
         check_chart_path(plot_path)
     p = build_plan(kw, strategies)
     if plot_path is not None:
@@ -420,7 +333,7 @@ def recommend(strategies, tokens, as_json, table_format, **kw):
 def sweep(strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len, tokens, as_json, table_format, **kw):
     """A table over GPU counts, micro-batch sizes or sequence lengths, for one or all strategies."""
     kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
-    from .sweep import render_sweep, run_sweep
+    from .sweep import render_sweep, run_sweep  # lazy: it reads config.json files (json); a cold `estimate` does not
     rows = run_sweep(kw, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len)
     if as_json:
         click.echo(dump_json(rows))

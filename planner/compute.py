@@ -268,8 +268,8 @@ def exposed_comm(train: TrainConfig, strategy: str | Strategy, schedule: list[Co
         """Compute seconds lost per call of the collectives of `key` while they overlap."""
         return lpc.get(key, 0.0) * g
 
-    if train.framework == "deepspeed" and s.deepspeed_stage:
-        if s.deepspeed_stage != 3:
+    if train.framework == "deepspeed" and s.deepspeed_zero:
+        if not s.reshard_after_forward:  # ZeRO-1 and ZeRO-2; ZeRO-3 (zero3) reshards after forward
             return sums.time_s
         fwd, bwd = by_phase.get("forward", 0.0), by_phase.get("backward", 0.0)
         lf = g * sum(t * sums.per_call[k][1] for k, t in lpc.items() if k[1] == "forward")

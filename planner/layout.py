@@ -41,13 +41,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from .api import drop_conflicts, evaluate
 from .comm import cluster_links
 from .config import Cluster, TrainConfig, tp_divisors
 from .memory import estimate_memory
 from .pp import PP_STRATEGIES, _stages_to_walk, bubble_fraction, virtual_stages
-from .recommend import TIE_FRACTION, _headroom_ok, _rank
+from .ranking import TIE_FRACTION, _headroom_ok, _rank
 from .strategies import NAMES, get_strategy
+from .strategy_result import drop_conflicts, evaluate
 from .units import LIMITS, fmt_gib, fmt_seconds
 
 SEARCH_BUDGET_S = 4.0
@@ -324,7 +324,7 @@ def layout_strategies(layout: Layout, strategies=None, optimizer: str = "adamw",
         return names
     if layout.dp * layout.cp == 1:  # the strategies run over the dp x cp ranks
         return ["single"]
-    return drop_conflicts([n for n in NAMES if n != "single" and (layout.pp == 1 or n in PP_STRATEGIES)],
+    return drop_conflicts([n for n in NAMES if get_strategy(n).distributed and (layout.pp == 1 or n in PP_STRATEGIES)],
                           optimizer, False, framework)[0]
 
 

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .api import Plan, _catalog, evaluate
 from .checkpoint import estimate_checkpoint
 from .config import Cluster, TrainConfig
+from .layout import Layout, layout_reasons, nothing_fits_words
 from .memory import estimate_memory
 from .pp import ZERO_BUBBLE, virtual_stages
+from .ranking import HEADROOM_FRACTION, SIMPLICITY, TIE_FRACTION, _headroom_ok, _rank
 from .report import comm_table, header, layout_table, memory_table, recommended_rows, wrap
+from .resolve import _catalog
 from .strategies import get_strategy
 from .units import LIMITS, fmt_bytes, fmt_gib, fmt_seconds
 
-HEADROOM_FRACTION = 0.05
-TIE_FRACTION = 0.05
-SIMPLICITY = ("single", "ddp", "fsdp-no-shard", "zero1", "zero2", "fsdp-grad-op", "hsdp", "zero3", "fsdp")
-
+__all__ = ["HEADROOM_FRACTION", "SIMPLICITY", "TIE_FRACTION", "Recommendation", "max_micro_batch", "pick",
+           "recommend", "render_recommendation"]
 
 @dataclass
 class Recommendation:
@@ -76,17 +76,6 @@ class Recommendation:
         if self.search is not None:
             d["search"] = self.search.to_dict()
         return d
-
-
-def _rank(name: str, nodes: int | None = None) -> int:
-    """Simplicity order; on one node HSDP is FSDP plus a replica group of one, so it comes last."""
-    if name == "hsdp" and nodes == 1:
-        return len(SIMPLICITY)
-    return SIMPLICITY.index(name) if name in SIMPLICITY else len(SIMPLICITY)
-
-
-def _headroom_ok(r) -> bool:
-    return r.fits_cleanly and r.memory.headroom >= HEADROOM_FRACTION * r.memory.gpu_memory_bytes
 
 
 def _largest(fits, lo: int, hi: int) -> int:
@@ -270,9 +259,7 @@ def _changed_plan(plan, words: str, train, cluster):
     if mode and words.startswith("--checkpoint sharded"):
         mode = "sharded"
     storage = getattr(plan, "storage_bytes_per_s", None)
-    return Plan(train, cluster, [evaluate(train, cluster, r.strategy, checkpoint=mode,
-                                          storage_bytes_per_s=storage) for r in plan.results],
-                list(plan.notes), checkpoint=mode, storage_bytes_per_s=storage)
+    return plan.changed(train, cluster, mode, storage)
 
 
 def pick(plan) -> tuple:
@@ -311,7 +298,6 @@ def recommend(plan, _depth: int = 0) -> Recommendation:
         return rec
     reasons = _reasons(plan, best, ok, timed)
     mb = max_micro_batch(plan.train, plan.cluster, best.name)
-    from .layout import Layout
     return Recommendation(best.name, reasons, mb or None, pick_reason=reasons[0],
                           layout=Layout.of(plan.train, plan.cluster), result=best)
 
@@ -319,7 +305,6 @@ def recommend(plan, _depth: int = 0) -> Recommendation:
 def _recommend_searched(plan, search) -> Recommendation:
     """The recommendation of a layout search (layout.py): `plan` is the picked layout's plan (or the plan
     as given when nothing fits anywhere)."""
-    from .layout import layout_reasons, nothing_fits_words
     gpu = plan.cluster.gpu_memory_bytes
     if search.pick is None:
         # no layout fits, even with the checkpointing the search tries: the smallest change beyond the
@@ -378,7 +363,7 @@ def _reasons(plan, best, ok, timed) -> list[str]:
                    "not picked): " + ", ".join(f"{r.name} ({r.memory.alloc_retries} retries)"
                                                for r in sorted(retry, key=lambda r: _rank(r.name))))
     ddp = by.get("ddp")
-    sharded = best.name in ("zero3", "fsdp", "hsdp")
+    sharded = best.strategy.shards_params and best.strategy.reshard_after_forward
     if timed and sharded and ddp is not None and ddp.comm_bytes_per_gpu and best.comm_bytes_per_gpu:
         ratio = best.comm_bytes_per_gpu / ddp.comm_bytes_per_gpu
         extra = best.time.exposed_comm_s - ddp.time.exposed_comm_s
@@ -427,7 +412,7 @@ def _comm_bound(plan, best) -> list[str]:
 
     by = {r.name: r for r in plan.results}
     hs = by.get("hsdp")
-    if cl.nodes > 1 and best.name != "hsdp" and hs is not None and hs.fits_cleanly and hs.step_time_s < best.step_time_s:
+    if cl.nodes > 1 and not best.strategy.hybrid and hs is not None and hs.fits_cleanly and hs.step_time_s < best.step_time_s:
         options.append(f"hsdp: {fmt_seconds(hs.step_time_s)}")
     if cl.nodes > 1 and cl.nics_per_node < cl.gpus_per_node and not cl.inter_bytes_per_s:
         r = step_of(replace(cl, nics_per_node=cl.gpus_per_node), best.name)

@@ -86,17 +86,11 @@ class Strategy:
         """FSDP wrapping without sharding anything (FSDP1 NO_SHARD): all-reduce per unit."""
         return self.fsdp and self.shard_group == "none"
 
-    # -- asked by compute's DeepSpeed branch (kept together: one block, the edges refactor's) --
+    # -- added for the plan layer (checkpoint.py, module_plan.py) --
     @property
-    def deepspeed_stage(self) -> int:
-        """The DeepSpeed ZeRO stage the strategy stands for under `framework='deepspeed'`: 1 for ZeRO-1
-        (`zero1`), 2 for FSDP2 kept unsharded from forward to backward (`zero2`), 3 for FSDP2 resharded after
-        forward (`zero3`); 0 for the others (one device, DDP, FSDP1's wrappers)."""
-        if self.zero_optimizer:
-            return 1
-        if self.fsdp2:
-            return 3 if self.reshard_after_forward else 2
-        return 0
+    def deepspeed_zero(self) -> bool:
+        """A ZeRO stage DeepSpeed runs under framework='deepspeed' (ZeRO-1, and the FSDP2 pair ZeRO-2/3)."""
+        return self.family in (ZERO1, FSDP2)
 
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in (

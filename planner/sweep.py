@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .from_flags import build_plan
+from .front_end import use_trace
 from .hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from .recommend import pick
 from .report import table as draw
@@ -39,7 +41,6 @@ def _parse_list(flag: str, text: str | None) -> list[int]:
 
 
 def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len) -> list[dict]:
-    from .cli import build_plan
     axes = [("gpus", _parse_list("--sweep-gpus", sweep_gpus)),
             ("micro_batch", _parse_list("--sweep-micro-batch", sweep_micro_batch)),
             ("seq_len", _parse_list("--sweep-seq-len", sweep_seq_len))]
@@ -48,7 +49,6 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
         raise ValueError("sweep: give exactly one of --sweep-gpus, --sweep-micro-batch, --sweep-seq-len "
                          "(a comma-separated list)")
     key, values = axes[0]
-    from .cli import use_trace
     if kw.get("front_end") in (None, "auto"):
         # one trace per point would take seconds each: the analytic front end where it reads the model type;
         # the trace (when torch and transformers are installed) for the types it does not (MoE models, ...)
