@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from distplan.planner.units import LIMITS
+from .limits import LIMITS
 
 from .entries import GPU, CatalogError, Interconnect, ModelEntry, Node, _short
 
@@ -173,7 +173,7 @@ _KEY_MAX: dict[tuple[str, str], tuple[float, str]] = {
 _PLANNER_LIMITS = {("nodes", "gpus_per_node"): "gpus_per_node", ("nodes", "nics_per_node"): "nics_per_node",
                    **{("models", k): k for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden",
                                                  "vocab", "max_positions")}}
-"""Keys bounded like the planner's flags (distplan.planner.units.LIMITS)."""
+"""Keys bounded like the planner's flags (catalog/limits.py)."""
 
 
 def _upper(kind: str, base: str, dim: str) -> tuple[float, str]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from distplan.catalog.loader import clear_cache
-
 # each module by its own name (not `from . import`, which reads as an import of the package itself)
 import distplan.planner.activations as activations
 import distplan.planner.alloc_trace as alloc_trace
@@ -23,8 +21,9 @@ def clear_caches(catalog: bool = True) -> None:
     """Forget every cached lookup and figure (links, GPUs, layouts, schedules, activations, and with
     `catalog` the parsed catalog files): after editing catalog YAML in a running process, or to time
     the planner from cold."""
-    if catalog:
-        clear_cache()
+    loader = sys.modules.get("distplan.catalog.loader")  # parsed files, if the catalog was read at all
+    if catalog and loader is not None:
+        loader.clear_cache()
     for mod in (activations, alloc_trace, comm, compute, footprint, kernels, memory, model, pp, tp):
         for obj in vars(mod).values():
             if callable(getattr(obj, "cache_clear", None)):
