@@ -84,7 +84,7 @@ from .allocator import alloc_rounding, collector_paused, replay_fit, replay_peak
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
 from .model import unit_sizes
-from .strategies import REGISTRY, get_strategy
+from .strategies import DDP, FSDP1, FSDP2, REGISTRY, SINGLE, ZERO1, get_strategy
 
 MAX_MICROBATCHES = 64
 """Pipeline stages with more micro-batches per step are not replayed (GPipe writes every micro-batch's
@@ -673,7 +673,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     n_embed = 1 + (m.position == "learned")
     embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
     sharding = shard > 1 and st.shards_params
-    fsdp = family in ("fsdp1", "fsdp2")
+    fsdp = st.fsdp
     ud = (cb if prec.mixed else pb) if fsdp else pb  # unsharded parameter / gradient dtype
     rb = 4 if prec.mixed else gb  # FSDP reduce dtype
     ckpt = train.checkpointing != "none"
@@ -727,9 +727,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         if not meta:
             _tied_head_transient(E, m, built)
             full = cast_built(units, full)
-    if family == "fsdp2":
+    if st.fsdp2:
         param_shards = _fsdp2_construct(E, units, full, shard if sharding else 1, pb, meta)
-    elif family == "fsdp1":
+    elif st.fsdp1:
         # FlatParameter per block (ModuleWrapPolicy), the root's last; flatten, then keep a padded chunk
         order = list(range(1, L + 1)) + [0]
         for u in order:
@@ -750,7 +750,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     else:
         param_shards = [prod(s) for u in units for s in u]
     buckets: list = []
-    if family in ("ddp", "zero1") and world > 1:
+    if st.ddp_reducer and world > 1:
         # DistributedDataParallel.__init__: `_sync_module_states` broadcasts the parameters from rank 0
         # through `_broadcast_coalesced` (buckets of at least 250 MiB, two in flight), then the Reducer's
         # first-iteration bucket holds every gradient (one bucket: limits [sys.maxsize]); rebuilt in
@@ -758,7 +758,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
         buckets = [E.a(lay.total * gb)]
     # optimizer: states owned by this rank (ZeRO-1: its partition; FSDP: the shards)
-    if family == "zero1" and shard > 1:
+    if st.zero_optimizer and shard > 1:
         from .memory import zero1_owned_shapes
         owned = [prod(s) for s in zero1_owned_shapes(m, shard)]
     else:
@@ -911,8 +911,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         first = k == 0
         held: dict = dict(kept_unsharded)
         kept_unsharded.clear()
-        keep = family == "fsdp1" and not st.reshard_after_forward and not sync
-        in_place = not fsdp or (family == "fsdp2" and not prec.mixed)  # AccumulateGrad adds into .grad
+        keep = family == FSDP1 and not st.reshard_after_forward and not sync
+        in_place = not fsdp or (family == FSDP2 and not prec.mixed)  # AccumulateGrad adds into .grad
         # the tied weight's gradients at the root's backward: of the parameter itself (single, DDP, ZeRO-1),
         # FSDP2's unsharded parameter or FSDP1's view of its flat parameter
         tied = m.tie_embeddings and t == 1
@@ -944,10 +944,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             buckets[:] = [E.a(b) for b in bucket_sizes(ready_order_sizes(m, regime == "autocast"), gb,
                                                         DDP_BUCKET_CAP_MB)]
             bucket_rebuilt[0] = True
-        if family == "fsdp2" and sharding:
+        if family == FSDP2 and sharding:
             held["root"] = unshard(root_shapes)
             prev_flat = held["root"][0]
-        elif family == "fsdp1" and (sharding or prec.mixed) and "root" not in held:
+        elif family == FSDP1 and (sharding or prec.mixed) and "root" not in held:
             held["root"] = fsdp1_unshard(lay.shard_root)
         out_emb = E.a(n * m.hidden * r)
         cur = out_emb  # the hidden states (written op by op: `carry`)
@@ -962,12 +962,12 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # torch.autocast's __exit__ takes the nesting to 0; memory.py counts them as `weight_cache_forward`)
         cached: list = []
         for j in range(L):
-            if family == "fsdp2" and sharding:
+            if family == FSDP2 and sharding:
                 flat, params = unshard(block_shapes)
                 E.f(prev_flat)
                 prev_flat = flat
                 held[j] = params
-            elif family == "fsdp1" and (sharding or prec.mixed) and j not in held:
+            elif family == FSDP1 and (sharding or prec.mixed) and j not in held:
                 held[j] = fsdp1_unshard(lay.shard_block)
             if carry:  # op by op; a checkpointed block runs without saving and keeps its input
                 template, count, out_i, saved_i, saved_b, cast_i, _ = _compiled(
@@ -994,9 +994,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             tp_reduce()
             # resharded after forward: FULL_SHARD / zero3; NO_SHARD under mixed precision frees its 16-bit
             # copy (`_runtime_utils._post_forward` -> `_reshard` -> `handle.post_reshard`)
-            no_shard_mp = family == "fsdp1" and not sharding and prec.mixed
+            no_shard_mp = family == FSDP1 and not sharding and prec.mixed
             if ((st.reshard_after_forward and sharding) or no_shard_mp) and j in held:
-                E.f(*(held.pop(j) if family == "fsdp2" else [held.pop(j)]))
+                E.f(*(held.pop(j) if family == FSDP2 else [held.pop(j)]))
         # the final norm and the LM head's input (activations.ActivationBreakdown.outside): an RMSNorm's saved
         # tensors one by one in the order its forward makes them (`pow`'s output and, in lowp, the fp32 x * rstd
         # are transients), then under autocast the head's cached weight cast and its cast of the input
@@ -1042,7 +1042,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         up = E.a(n * v * 4) if upcast else None
         logp = E.a(act.loss_saved)
         E.f(up)  # the loss function's upcast, a local of ForCausalLMLoss
-        if family == "fsdp2" and sharding:
+        if family == FSDP2 and sharding:
             # the last block's all-gather output is kept for the copy-out's overlap with a next all-gather
             # (`comm_ctx.all_gather_state`) until the root's `_post_forward` frees it, the loss computed inside
             # the model's forward (transformers' and the reference decoder's); the logits are the output's,
@@ -1051,12 +1051,12 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         E.f(logits)
         E.f(*cached)  # the autocast region exits with the loss computed
         pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
-        if family == "fsdp2" and sharding and L and L - 1 not in held:
+        if family == FSDP2 and sharding and L and L - 1 not in held:
             # backward begins at the root's pre-backward hook on the loss (`FSDPState._pre_backward`), whose
             # `_backward_prefetch` all-gathers the unit before it in post-forward order, the last block, before
             # the loss's and the head's backward run (their n x V tensors beside it)
             pending[L - 1] = unshard_flat(block_shapes)
-        elif family == "fsdp1" and (sharding or prec.mixed) and L and L - 1 not in held:
+        elif family == FSDP1 and (sharding or prec.mixed) and L and L - 1 not in held:
             # FSDP1 the same: the root handle's `_pre_backward_hook` on the loss, then `_prefetch_handle`
             # (BACKWARD_PRE) unshards the handle before it in post-forward order, the last block's
             # (`_exec_order_utils.py` get_handle_to_backward_prefetch)
@@ -1100,11 +1100,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         for j in reversed(range(L)):
             # pre_backward: this block unsharded (or still so from forward), then `_backward_prefetch`
             # issues the next one's all-gather (BACKWARD_PRE for FSDP1)
-            if family == "fsdp2" and sharding:
+            if family == FSDP2 and sharding:
                 fsdp2_ready(j)
                 if j > 0 and j - 1 not in held and j - 1 not in pending:
                     pending[j - 1] = unshard_flat(block_shapes)
-            elif family == "fsdp1" and (sharding or prec.mixed):
+            elif family == FSDP1 and (sharding or prec.mixed):
                 for k in (j, j - 1):
                     if k >= 0 and k not in held:
                         held[k] = fsdp1_unshard(lay.shard_block)
@@ -1150,9 +1150,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 order = dict(zip(early + late, g_early + g_late))
                 g = [order[i] for i in sorted(order)]
                 E.f(*keys[:cut], *keys[len(keys) - rest_j:], *casts)
-            if family == "fsdp2" and sharding:
+            if family == FSDP2 and sharding:
                 rs_kept = fsdp2_post(j, g, held.pop(j), rs_kept, lay.unshard_block, lay.shard_block)
-            elif family == "fsdp1":
+            elif family == FSDP1:
                 u = fsdp1_reduce(j, g, held.pop(j, None), lay.unshard_block, lay.shard_block, sync, keep)
                 if u is not None:
                     kept_unsharded[j] = u
@@ -1177,10 +1177,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             emb_g = new_grads("root", emb_shapes)
         if not carry:  # (else block 0's input, freed with it)
             E.f(out_emb)
-        if family == "fsdp2" and sharding:
+        if family == FSDP2 and sharding:
             E.f(fsdp2_post("root", head_g + emb_g, held.pop("root")[1], rs_kept, lay.unshard_root,
                            lay.shard_root))
-        elif family == "fsdp1":
+        elif family == FSDP1:
             u = fsdp1_reduce("root", head_g + emb_g, held.pop("root", None), lay.unshard_root, lay.shard_root,
                              sync, keep)
             if u is not None:
@@ -1334,7 +1334,7 @@ def _reserved_peak(train, name, world, shard, device, backend, workspace, expand
     return got
 
 
-LOGGED_FAMILIES = ("single", "ddp", "zero1")
+LOGGED_FAMILIES = (SINGLE, DDP, ZERO1)
 """The families `logged_step_events` writes: the parameters stay whole, so the traced step's own allocations
 are the run's, plus DDP's buckets and ZeRO-1's partition of the optimizer state. FSDP's unit all-gathers
 and reduce-scatters between a module's ops are not written for a traced module (the margin instead)."""
@@ -1379,7 +1379,7 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
             E.f(keys[i])
             keys[i] = k
     bucket_keys: list = []
-    if family in ("ddp", "zero1") and world > 1:
+    if family in (DDP, ZERO1) and world > 1:
         _broadcast_coalesced(E, construct)  # (in construction order: a buffer made among the parameters moves
         # a bucket's boundary by its bytes)
         bucket_keys = [E.a(b) for b in buckets]
@@ -1396,7 +1396,7 @@ def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple
             if bucket_keys and step == 1 and k == 0 and rebuilt:
                 E.f(*bucket_keys)
                 bucket_keys = [E.a(b) for b in rebuilt]
-            if family in ("ddp", "zero1") and world > 1:
+            if family in (DDP, ZERO1) and world > 1:
                 for n in buffers:
                     E.f(E.a(n))
             keys: dict = {}
@@ -1453,7 +1453,7 @@ def _built_and_cast(E: _Events, construct: tuple, names: tuple, built: tuple, sh
     return full
 
 
-LOGGED_FSDP2 = ("zero2", "zero3")
+LOGGED_FSDP2 = tuple(n for n, s in REGISTRY.items() if s.fsdp2)
 """The FSDP2 strategies `logged_fsdp2_events` writes for a traced module (`fully_shard` per unit, then the
 root, sharded over the data-parallel ranks)."""
 
@@ -1605,7 +1605,7 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
     return E.ev
 
 
-LOGGED_FSDP1 = ("fsdp", "fsdp-grad-op", "hsdp", "fsdp-no-shard")
+LOGGED_FSDP1 = tuple(n for n, s in REGISTRY.items() if s.fsdp1)
 """The FSDP1 strategies `logged_fsdp1_events` writes for a traced module (FULL_SHARD, SHARD_GRAD_OP,
 HYBRID_SHARD within the node, NO_SHARD; `use_orig_params=False`, BACKWARD_PRE prefetch)."""
 
@@ -1657,8 +1657,9 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
     shape_of = {n: s for _, ps in units for n, s in ps}
     params_of = {u: [n for n, _ in ps] for u, ps in units}
     unit_of = {n: u for u, ps in units for n, _ in ps}
-    sharded = strategy != "fsdp-no-shard" and shard > 1
-    reshard_fwd = strategy in ("fsdp", "hsdp")
+    st = get_strategy(strategy)
+    sharded = st.shards_params and shard > 1  # all but NO_SHARD
+    reshard_fwd = st.reshard_after_forward  # FULL_SHARD, HYBRID_SHARD
     pb = param_bytes  # the parameters' (and, without mixed precision, the gradients' and reductions') bytes
     full = _meta_built(E, construct, construct_names, shape_of) if meta else \
         _built_and_cast(E, construct, construct_names, built, shape_of, pb)
@@ -1755,7 +1756,7 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
                         unsh = held.pop(u, None)
                         if not sync:
                             acc[u] = flat_g
-                            if strategy == "fsdp-grad-op" and unsh is not None:
+                            if st.fsdp1_shard_grad_op and unsh is not None:
                                 kept_unsharded[u] = unsh
                             else:
                                 E.f(unsh)
@@ -1789,7 +1790,7 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
     return E.ev
 
 
-STAGE_FAMILIES = ("single", "ddp", "fsdp2")
+STAGE_FAMILIES = (SINGLE, DDP, FSDP2)
 """The strategy families whose pipeline stages `stage_allocation_events` writes, those the PP probe runs and
 the recorded traces check: a plain stage module, DDP with no_sync until the last micro-batch, FSDP2
 (zero2/zero3: `fully_shard` per block and the stage, reshard_after_forward off as torchtitan applies it
@@ -1839,7 +1840,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     from .pp import releases_sent_outputs, stage_actions, stage_train, virtual_stages
     st = get_strategy(strategy)
     family = st.family
-    fsdp2 = family == "fsdp2"
+    fsdp2 = st.fsdp2
     if family not in STAGE_FAMILIES or virtual_stages(train.pp_schedule) != 1 or (fsdp2 and shard <= 1):
         raise ValueError(f"stage_allocation_events: {st.name} / {train.pp_schedule} / shard {shard}: accepted: "
                          f"{', '.join(STAGE_FAMILIES)} with one stage per rank (fsdp2 sharded over > 1 rank)")
@@ -1878,7 +1879,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     else:
         owned = [prod(s) for u in units for s in u]
     buckets: list = []
-    if family == "ddp" and world > 1:
+    if family == DDP and world > 1:
         _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
         buckets = [E.a(lay.total * gb)]
     from .memory import _opt_state
@@ -2128,7 +2129,8 @@ def _stage_reserved_peak_within(limit, train, name, stage, world, shard, device,
                       rounding=alloc_rounding(train.alloc_conf))
 
 
-CHECKPOINT_REPLAY_STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp", "fsdp-grad-op")
+CHECKPOINT_REPLAY_STRATEGIES = tuple(n for n, s in REGISTRY.items()
+                                     if s.family in (SINGLE, DDP, FSDP2) or s.fsdp1 and s.shards_params and not s.hybrid)
 """Strategies whose saves `checkpoint_events` writes and the recorded saves check (single's path is DDP's:
 the live tensors); NO_SHARD, HSDP and tensor-parallel saves keep the margin."""
 CHECKPOINT_REPLAY_MODES = ("full", "sharded")
@@ -2154,14 +2156,13 @@ def checkpoint_events(train: TrainConfig, strategy, shard: int, mode: str, first
       each parameter cloned (`_ext_chunk_tensor`), and each FlatParameter's states gathered, their chunks
       cloned, the gathered buffers freed."""
     st = get_strategy(strategy)
-    family = st.family
     if mode not in CHECKPOINT_REPLAY_MODES:
         raise ValueError(f"checkpoint_events: mode={mode!r}: accepted: {', '.join(CHECKPOINT_REPLAY_MODES)}")
     E = _Events()
     E.n = first_key
     m = train.model
     pb = train.prec.param_bytes
-    sharding = shard > 1 and st.shards_params and family in ("fsdp1", "fsdp2")
+    sharding = shard > 1 and st.shards_params and st.fsdp
     if not sharding:
         return E.ev
     from .memory import _all_state_elems
@@ -2174,7 +2175,7 @@ def checkpoint_events(train: TrainConfig, strategy, shard: int, mode: str, first
     def chunk(s) -> int:  # rank 0's rows (torch.chunk): ceil(d0 / shard)
         return -(-s[0] // shard) * prod(s[1:])
 
-    if family == "fsdp2":
+    if st.fsdp2:
         if mode == "full":
             for s in order:
                 E.a(chunk(s) * shard * pb)

@@ -585,7 +585,7 @@ def _tp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_ex
     from .tp import tp_raw_schedule, tp_view
     rtrain, dp = tp_view(train, cluster)
     out = []
-    if s.family != "single":
+    if s.distributed:
         key = _schedule_key(rtrain, s.name, dp.gpus, dp.local_size, dp.nodes, cap, root_explicit)
         out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dp)[0]]
     out += timed_collectives(tp_raw_schedule(train, s.family), cluster)
@@ -623,10 +623,10 @@ def _pp_schedule(train: TrainConfig, cluster: Cluster, s: Strategy, cap, root_ex
         dpc = tp_view(train, cluster)[1]
     dpc = pp_cluster(train, dpc)
     out = []
-    if s.family != "single" and dpc.gpus > 1:
+    if s.distributed and dpc.gpus > 1:
         key = _schedule_key(view, s.name, dpc.gpus, dpc.local_size, dpc.nodes, cap, root_explicit)
         out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]]
-        if s.family == "fsdp2":
+        if s.fsdp2:
             from .pp import fsdp2_gathers_once
             out = fsdp2_gathers_once(out, train.pp_microbatches, train, 0 if view is views[0] else train.pp - 1,
                                      dpc.gpus)
@@ -729,10 +729,10 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, every: bool, framewo
     `every`: gradients are reduced on each of the A micro-steps (grad_sync='every'), else on the last
     one only. DeepSpeed keeps its own schedule either way."""
     s = get_strategy(name)
-    if s.family == "single":
+    if not s.distributed:
         return ()
-    if framework == "deepspeed" and name in ("zero1", "zero2", "zero3"):
-        return tuple(_deepspeed(model, precision, A, int(name[-1]), world))
+    if framework == "deepspeed" and s.zero_stage:
+        return tuple(_deepspeed(model, precision, A, s.zero_stage, world))
     L = model.layers
     root, block, root_n, block_n, _ = unit_sizes(model)
     pdt, gdt = _param_dtype(precision), _grad_dtype(precision)
@@ -747,7 +747,7 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, every: bool, framewo
     # `no_sync()`: `require_backward_grad_sync` / `_sync_gradients` False, FSDP2's
     # `set_requires_gradient_sync(False)`: `FSDPParamGroup.reduce_grads` False).
     R = A if every else 1
-    if s.family in ("ddp", "zero1"):
+    if s.ddp_reducer:
         counts, last = _ddp_bucket_counts(model, gb, cap, _autocast(precision))
         for b, c in counts:
             add("all_reduce", "world", world, gdt, b, c * R, "backward", "bucket")
@@ -760,13 +760,13 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, every: bool, framewo
             # each one syncs (the trace's `module_plan.module_collectives` counts the same from the module)
             bdt = _stored_dtype(precision)
             add("broadcast", "world", world, bdt, model.head_dim * _DTYPE_BYTES[bdt], R, "forward", "buffers")
-        if s.family == "zero1":
+        if s.zero_optimizer:
             sdt = _stored_dtype(precision)
             for n, c in _param_size_counts(model):
                 add("broadcast", "world", world, sdt, n * _DTYPE_BYTES[sdt], c, "optimizer", "param")
         return tuple(out)
 
-    if s.family == "fsdp2":
+    if s.fsdp2:
         blk, rt = _fsdp2_numel(block, world), _fsdp2_numel(root, world)
         reshard = s.reshard_after_forward
         root_bwd = reshard and root_explicit
@@ -780,26 +780,26 @@ def _raw_schedule(model: ModelSpec, precision: str, A: int, every: bool, framewo
         add("reduce_scatter", "world", world, gdt, rt * gb, R, "backward", "root")
         return tuple(out)
 
-    if s.family == "fsdp1":
-        if name == "fsdp-no-shard":
+    if s.fsdp1:
+        if s.fsdp_no_shard:
             add("all_reduce", "world", world, gdt, block_n * gb, L * R, "backward", "block")
             add("all_reduce", "world", world, gdt, root_n * gb, R, "backward", "root")
             return tuple(out)
-        if name == "hsdp":
+        if s.hybrid:
             shard_n, group = min(world, g), "intra_node"
         else:
             shard_n, group = world, "world"
         blk, rt = _fsdp1_numel(block_n, shard_n), _fsdp1_numel(root_n, shard_n)
         # SHARD_GRAD_OP keeps params unsharded under no_sync (`_should_free_in_backward`), so only the first
         # micro-step all-gathers; a synced micro-step frees them, so with every one synced all A do.
-        fwd_calls = 1 if name == "fsdp-grad-op" and not every else A
+        fwd_calls = 1 if s.fsdp1_shard_grad_op and not every else A
         add("all_gather", group, shard_n, pdt, blk * pb, L * fwd_calls, "forward", "block")
         add("all_gather", group, shard_n, pdt, rt * pb, fwd_calls, "forward", "root")
         if s.reshard_after_forward:
             add("all_gather", group, shard_n, pdt, blk * pb, L * A, "backward", "block")
         add("reduce_scatter", group, shard_n, gdt, blk * gb, L * R, "backward", "block")
         add("reduce_scatter", group, shard_n, gdt, rt * gb, R, "backward", "root")
-        if name == "hsdp":
+        if s.hybrid:
             replicas = max(1, world // shard_n)
             add("all_reduce", "inter_node", replicas, gdt, blk // shard_n * gb, L * R, "backward", "block")
             add("all_reduce", "inter_node", replicas, gdt, rt // shard_n * gb, R, "backward", "root")

@@ -52,7 +52,7 @@ from .config import Cluster, TrainConfig, fsdp2_first_microstep_grads_in_reduce_
 from .footprint import CUDA_CONTEXT_BYTES, DeviceFootprint, device_footprint  # noqa: F401 (re-exported)
 from .model import ModelSpec, unit_sizes
 from .precision import optimizer_state_elems
-from .strategies import Strategy, get_strategy
+from .strategies import FSDP1, FSDP2, ZERO1, Strategy, get_strategy
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
 DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25)
@@ -376,14 +376,14 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
     root_shapes, block_shapes, root, block, largest = unit_sizes(model)
     total = model.param_count()
 
-    if family == "fsdp2":
+    if family == FSDP2:
         def fsdp2_shard(shapes):  # per-parameter dim-0 sharding, padded (FSDPParam._init_sharded_param)
             return sum(-(-s[0] // shard) * prod(s[1:]) for s in shapes)
         sb, sr = fsdp2_shard(block_shapes), fsdp2_shard(root_shapes)
         shard_total = sr + model.layers * sb
         ub, ur = sb * shard, sr * shard
         owned = 0
-    elif family == "fsdp1":
+    elif family == FSDP1:
         def fsdp1_shard(n):  # one FlatParameter, padded to a multiple of the group (_flat_param.py)
             return -(-n // shard) if shards_params or shards_optimizer else n
         sb, sr = fsdp1_shard(block), fsdp1_shard(root)
@@ -395,7 +395,7 @@ def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shard
         sb, sr, ub, ur = block, root, block, root
         shard_total = total
         owned = 0
-        if family == "zero1" and shard > 1:
+        if family == ZERO1 and shard > 1:
             # ZeroRedundancyOptimizer._partition_parameters (zero1_partition): the most loaded rank.
             runs = _size_runs(model)
             if shard >= sum(len(run) for _, run in runs):
@@ -429,19 +429,19 @@ def _all_state_elems(model: ModelSpec, optimizer: str) -> tuple[int, float]:
 @lru_cache(maxsize=4096)
 def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int) -> tuple[int, float]:
     """(state elements, extra bytes) held by the most loaded rank."""
-    if family == "zero1" and shard > 1:
+    if family == ZERO1 and shard > 1:
         if optimizer == "adafactor":  # factored state: each tensor's shape matters
             return optimizer_state_elems(optimizer, list(zero1_owned_shapes(model, shard)))
         # Elementwise state (Adam's moments, momentum, 8-bit blocks): only the element count matters.
         return optimizer_state_elems(optimizer, [(layout(model, family, shard, False, True).opt_owned,)])
-    if optimizer == "adafactor" and family == "fsdp1":
+    if optimizer == "adafactor" and family == FSDP1:
         # FSDP1 (use_orig_params=False) steps one 1-D FlatParameter per unit, so Adafactor factors nothing: a
         # full `variance` per flat parameter (torch/optim/_adafactor.py `_init_group`: a tensor of fewer than
         # two dims). Measured: Qwen2.5-0.5B fsdp fp32 on 8 fake ranks, -5.1% when factored by the real shapes.
         lay = layout(model, family, shard, shard > 1, shard > 1)
         return (lay.shard_total if shard > 1 else lay.total), 0.0
     elems, extra = _all_state_elems(model, optimizer)
-    if family in ("fsdp2", "fsdp1") and shard > 1:
+    if family in (FSDP2, FSDP1) and shard > 1:
         # Sharded flat/dim-0 shards: states are elementwise (Adam, momentum): shard elements.
         return -(-elems // shard), extra / shard
     return elems, extra
@@ -471,17 +471,17 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     if train.tp > 1:  # one TP rank's parameters, the strategy over the data-parallel ranks (tp.py)
         from .tp import tp_view
         train, cluster = tp_view(train, cluster)
-    if train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3"):
+    if train.framework == "deepspeed" and st.zero_stage:
         from .deepspeed import estimate_deepspeed
         return estimate_deepspeed(train, cluster, st)
     family = st.family
-    world = 1 if st.name == "single" else cluster.gpus
+    world = cluster.gpus if st.distributed else 1
     group = st.shard_group
     shard = world if group == "world" else (min(world, cluster.local_size) if group == "node" else 1)
-    if family == "fsdp1" and st.name == "fsdp-no-shard":
+    if st.fsdp_no_shard:
         shard = 1
     notes_pre = []
-    if st.name == "hsdp" and shard == 1 and world > 1:
+    if st.hybrid and shard == 1 and world > 1:
         notes_pre.append("hsdp with 1 GPU per node: PyTorch's HYBRID_SHARD falls back to NO_SHARD and "
                          "all-reduces only inside the node's group of one; use ddp or fsdp instead")
     prec = train.prec
@@ -497,7 +497,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     opt_elems, opt_extra = _opt_state(m, train.optimizer, family, shard)
     opt = opt_elems * state_bytes + int(opt_extra)
 
-    offload_params = train.cpu_offload == "params" and family in ("fsdp1", "fsdp2")
+    offload_params = train.cpu_offload == "params" and st.fsdp
     if train.cpu_offload != "none" and not offload_params:
         notes.append(f"cpu_offload={train.cpu_offload} is not supported by {st.implementation}; ignored")
 
@@ -506,8 +506,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     L = m.layers
 
     # Optimizer-step intermediates (adam.py _multi_tensor_adam: exp_avg_sq_sqrt).
-    step_elems = lay.shard_total if family in ("fsdp1", "fsdp2") else (
-        lay.opt_owned if family == "zero1" and shard > 1 else lay.total)
+    step_elems = lay.shard_total if st.fsdp else (
+        lay.opt_owned if st.zero_optimizer and shard > 1 else lay.total)
     if train.optimizer in ("adam", "adamw"):
         if train.optimizer_impl == "foreach":
             opt_tmp = step_elems * state_bytes
@@ -578,7 +578,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok, device)
     # FSDP2 without sync and without mixed precision: a later micro-step adds each new gradient into the
     # kept .grad in place, so only the weight gradient just made is alive (`_in_place_block_peak`)
-    in_place = (train.grad_accum > 1 and not train.sync_every and family == "fsdp2" and not prec.mixed
+    in_place = (train.grad_accum > 1 and not train.sync_every and st.fsdp2 and not prec.mixed
                 and shard > 1 and st.shards_params)
     if in_place:
         freed, blk_tmp, wgrad_elems = _in_place_block_peak(train, regime, n_tok, (freed, blk_tmp, wgrad_elems),
@@ -630,9 +630,9 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         head_bwd = v * h * cb + n_tok * h * 4
         head_acts -= v * h * cb + n_tok * h * cb
     every = train.sync_every
-    if family in ("single", "ddp", "zero1"):
+    if not st.fsdp:
         params = lay.total * pb
-        buckets = 0 if family == "single" else lay.total * gb
+        buckets = 0 if not st.distributed else lay.total * gb
         base_comm = buckets
         # Gradient accumulation, synced or not: every parameter's unsharded .grad is alive from the first
         # micro-step's backward to the optimizer step; AccumulateGrad adds each later gradient in place
@@ -693,7 +693,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # accumulates it there: none stays. FSDP1 with CPUOffload keeps the GPU shard in `_saved_grad_shard`
         # after copying it to `_cpu_grad` (`_runtime_utils._offload_grad`) until the end-of-backward callback
         # deletes it (`FlatParamHandle.prepare_gradient_for_optim`).
-        gsh_gpu = 0 if offload_params and family == "fsdp2" else gsh
+        gsh_gpu = 0 if offload_params and st.fsdp2 else gsh
         params = 0 if offload_params else lay.shard_total * pb
         sharding = shard > 1 and st.shards_params
         reshard = st.reshard_after_forward and sharding
@@ -724,7 +724,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         #   parameter's (fp32 under mixed precision).
         # - NO_SHARD: the full flat gradient, either way (param_dtype without sync; all-reduced in
         #   reduce_dtype when synced).
-        acc_bytes = ud if family == "fsdp1" else rb
+        acc_bytes = ud if st.fsdp1 else rb
         if not later:
             unit_root = unit_block = 0
         elif not sharding:  # without sync in param_dtype (as FSDP1's unsharded gradient), else reduced
@@ -771,8 +771,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         fwd_comm = ur + (0 if reshard else held * ub)
         # FSDP2 without resharding keeps the last block's all-gather output until the root's
         # post-forward (measured: freed right after the loss).
-        ag_tail = ub if (family == "fsdp2" and sharding and not reshard and L) else 0
-        if family == "fsdp2" and sharding and L:
+        ag_tail = ub if (st.fsdp2 and sharding and not reshard and L) else 0
+        if st.fsdp2 and sharding and L:
             # A block's pre-forward copy-out (FSDPParamGroup.wait_for_unshard in FORWARD): the previous
             # group's all-gather output, kept in `comm_ctx.all_gather_state` for implicit prefetching,
             # is dropped from comm_ctx first, but the walrus local `prev_all_gather_state` holds it until
@@ -793,7 +793,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # the head's weight gradient: FSDP2's untied head's .grad; a tied one's (FSDP2) and FSDP1's views'
             # wait in autograd's input buffer, and so does one a later micro-step adds into the kept .grad
             w_head = v * h * ud
-            as_grad = family == "fsdp2" and not m.tie_embeddings and fresh
+            as_grad = st.fsdp2 and not m.tie_embeddings and fresh
             snap("backward", comm_buffers=fwd_comm + (ub if reshard else 0), grads=acc + (w_head if as_grad else 0),
                  activations=head_acts, temporaries=head_bwd + (0 if as_grad else w_head))
         # Gradients of the unsharded parameters. FSDP2: each parameter's .grad; the root reduces at the
@@ -804,10 +804,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         head_g = head_elems * ud
         cur_g = wgrad_elems * ud
         # SHARD_GRAD_OP keeps its parameters unsharded between no_sync micro-steps (`_should_free_in_backward`)
-        keep_all = family == "fsdp1" and not st.reshard_after_forward and later and not every
+        keep_all = st.fsdp1 and not st.reshard_after_forward and later and not every
         blocks_unsharded = ub + prefetch if reshard else held * ub
         shards = max(0, L - 1) * lay.shard_block * gsh_gpu if sharding else max(0, L - 1) * lay.block * gb
-        rs_held = lay.unshard_block * rb if (sharding and family == "fsdp2" and L > 1) else 0
+        rs_held = lay.unshard_block * rb if (sharding and st.fsdp2 and L > 1) else 0
         blocks_unsharded_last = (held * ub if keep_all else ub)
         at_rs = prefetch if reshard else (held * ub if keep_all else max(0, held - 1) * ub)
 
@@ -817,7 +817,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             Not resharding: blocks 0..j, which forward left unsharded; FSDPParamGroup.post_backward
             reshards each block once its backward is done (`reshard_after_backward`)."""
             return ub + (prefetch if j > 0 else 0) if reshard else (j + 1) * ub
-        if family == "fsdp2":
+        if st.fsdp2:
             tied_buf = head_g if m.tie_embeddings else 0
             head_new = fresh * (head_g - tied_buf)  # the head's gradient not yet added to an accumulator
             shard_unit = lay.shard_block * gsh_gpu if sharding else lay.block * gb

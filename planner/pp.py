@@ -96,10 +96,10 @@ from .config import Cluster, PP_SCHEDULES, TrainConfig, pp_recv_buffers_per_rece
 from .footprint import device_footprint, with_communicator
 from .memory import MemoryEstimate, _block_backward_peak, _opt_state, layout, library_workspace_bytes
 from .model import ModelSpec, ParamGroup, TPRankSpec, _linear_weights, unit_sizes
-from .strategies import get_strategy
+from .strategies import DDP, FSDP2, REGISTRY, SINGLE, ZERO1, get_strategy
 from .tp import tp_view
 from .units import short_repr
-PP_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
+PP_STRATEGIES = tuple(n for n, s in REGISTRY.items() if s.family in (SINGLE, DDP, ZERO1, FSDP2))
 """The data-parallel strategies `PipelineStage` works with: a plain module, DDP (`no_sync` until the
 last micro-batch, `backward_maybe_with_nosync`) with or without ZeroRedundancyOptimizer, and FSDP2
 (`FSDPModule`: `perform_reduce_grad` reduces once). FSDP1 modules get no such handling (stage.py)."""
@@ -366,7 +366,7 @@ def stage_layers(layers: int, stages: int, stage: int) -> int:
 def releases_sent_outputs(family: str, last: bool) -> bool:
     """Whether torch 2.15's `PipelineStage` drops a forward output once its send completes
     (`_output_slot_is_releasable`): not the last stage's, not a DDP-wrapped stage's (DDP, ZeRO-1)."""
-    return not last and family not in ("ddp", "zero1")
+    return not last and family not in (DDP, ZERO1)
 
 
 def in_flight(schedule: str, pp: int, M: int, rank: int) -> int:
@@ -549,7 +549,7 @@ def pp_cluster(train, cluster):
 
 # -- communication ----------------------------------------------------------------------------------
 
-def boundary_bytes(train, family: str = "ddp") -> int:
+def boundary_bytes(train, family: str = DDP) -> int:
     """Bytes of the tensor crossing a stage boundary for one micro-batch: the residual stream
     (b, s, h) in its dtype (fp32 under fp32 and autocast; 16-bit for a 16-bit model and under FSDP2's
     `MixedPrecisionPolicy(param_dtype)`), / tp with sequence parallelism (each TP rank sends its
@@ -580,7 +580,7 @@ def p2p_counts(train, rank: int) -> tuple[int, int, int, int]:
     return M * not_last, M * not_first, M * not_first, M * not_last
 
 
-def pp_raw_schedule(train, family: str = "ddp") -> tuple:
+def pp_raw_schedule(train, family: str = DDP) -> tuple:
     """The pp group's point-to-point traffic of the busiest pipeline rank per optimizer step, as
     (op, group, group_size, dtype, message_bytes, calls, phase, unit) tuples (`p2p_counts`); every
     message is one micro-batch's boundary tensor (`boundary_bytes`)."""
@@ -699,10 +699,10 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     if train.tp > 1:
         _, dpc = tp_view(train, cluster)
     dpc = pp_cluster(train, dpc)
-    world = 1 if st.name == "single" else dpc.gpus
+    world = dpc.gpus if st.distributed else 1
     group = st.shard_group
     shard = world if group == "world" else (min(world, dpc.local_size) if group == "node" else 1)
-    if st.name == "fsdp-no-shard":
+    if st.fsdp_no_shard:
         shard = 1
     m = strain.model
     prec = train.prec
@@ -719,23 +719,23 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     nh = sp_tokens(strain, n) * h * r  # the boundary tensor (one micro-batch)
 
     # Static parts and the gradients once the first micro-batch's backward made them.
-    sharding = family in ("fsdp1", "fsdp2") and shard > 1 and st.shards_params
-    if family in ("fsdp1", "fsdp2"):
+    sharding = st.fsdp and shard > 1 and st.shards_params
+    if st.fsdp:
         ud = cb if prec.mixed else pb
         rb = 4 if prec.mixed else gb
         unsharded = (lay.unshard_root + m.layers * lay.unshard_block)
         params = lay.shard_total * pb
         static_comm = unsharded * ud if sharding else (unsharded * cb if prec.mixed else 0)
         wgrad_b = ud
-        g_full = unsharded * (rb if family == "fsdp2" else ud) if sharding else lay.total * gb
+        g_full = unsharded * (rb if st.fsdp2 else ud) if sharding else lay.total * gb
         g_opt = lay.shard_total * (4 if prec.mixed else gb) if sharding else lay.total * gb
         step_elems = lay.shard_total
     else:
         params = lay.total * pb
-        static_comm = 0 if family == "single" else lay.total * gb  # DDP's buckets
+        static_comm = 0 if not st.distributed else lay.total * gb  # DDP's buckets
         wgrad_b = gb
         g_full = g_opt = lay.total * gb
-        step_elems = lay.opt_owned if family == "zero1" and shard > 1 else lay.total
+        step_elems = lay.opt_owned if st.zero_optimizer and shard > 1 else lay.total
     if train.optimizer in ("adam", "adamw") and train.optimizer_impl == "foreach":
         opt_tmp = step_elems * pb  # _multi_tensor_adam's exp_avg_sq_sqrt
     elif train.optimizer in ("adam", "adamw") and train.optimizer_impl == "for-loop" or train.optimizer == "adafactor":
@@ -916,11 +916,11 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
              + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
              + f"; {sched}, {M} micro-batches) is the most loaded"]
-    if family in ("ddp", "zero1") and world > 1 and sched != "1f1b":
+    if st.ddp_reducer and world > 1 and sched != "1f1b":
         notes.append(f"pipeline parallelism with DDP under {sched}: torch's DistributedDataParallel stops in its "
                      f"reducer's first bucket rebuild under ScheduleGPipe and ScheduleInterleaved1F1B (measured on "
                      f"torch 2.13, validate/pp_probe.py); Schedule1F1B runs, and so do FSDP2's zero2/zero3")
-    if family in ("fsdp1", "fsdp2") and world > 1:
+    if st.fsdp and world > 1:
         notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
                      "accumulate unsharded through the step, all-gathered once per step (PipelineStage with "
                      "torchtitan's reshard_after_forward=False)")
@@ -931,14 +931,14 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         # (autocast's weight casts under pipelining are not written: those stages keep the margin)
         # (FSDP2 stages are written sharded over more than one rank, as the probes run them)
         if (family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS
-                and M <= MAX_MICROBATCHES and (family != "fsdp2" or shard > 1)):
+                and M <= MAX_MICROBATCHES and (not st.fsdp2 or shard > 1)):
             expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
             replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
                            max_split)
         else:
             why = [w for w, applies in ((f"{st.name} stages", family not in STAGE_FAMILIES),
                                         (f"{st.name} stages on one data-parallel rank",
-                                         family == "fsdp2" and shard <= 1),
+                                         st.fsdp2 and shard <= 1),
                                         (f"{sched} schedules", v > 1),
                                         ("stages under autocast", regime == "autocast"),
                                         (f"more than {MAX_MICROBATCHES} micro-batches", M > MAX_MICROBATCHES),
@@ -960,7 +960,7 @@ def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
     if train.tp > 1:
         dpc = tp_view(train, cluster)[1]
     dpc = pp_cluster(train, dpc)
-    if s.family == "single" or dpc.gpus == 1:
+    if not s.distributed or dpc.gpus == 1:
         return []
     view = stage_train(train, stage)
     key = _schedule_key(view, s.name, dpc.gpus, dpc.local_size, dpc.nodes, DDP_BUCKET_CAP_MB,
@@ -971,7 +971,7 @@ def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
     # transformers stages under DDP, 1F1B over 2 replicas, count none)
     out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]
            if c.unit != "buffers"]
-    return fsdp2_gathers_once(out, train.pp_microbatches, train, stage, dpc.gpus) if s.family == "fsdp2" else out
+    return fsdp2_gathers_once(out, train.pp_microbatches, train, stage, dpc.gpus) if s.fsdp2 else out
 
 
 def fsdp2_gathers_once(collectives, M: int, train=None, stage: int = 0, world: int = 1) -> list:
@@ -1026,7 +1026,7 @@ def predict_probe_ranks(spec: dict) -> list[dict]:
     from .cp import cp_raw_schedule, cp_view
     train = cp_view(probe_train(spec))
     dp = int(spec.get("dp", 1)) * train.cp
-    strategy = spec.get("strategy", "single")
+    strategy = spec.get("strategy", SINGLE)
     family = get_strategy(strategy).family
     world = train.pp * dp
     cluster = Cluster(gpus=world, gpus_per_node=world)
