@@ -81,9 +81,13 @@ from math import prod
 from .activations import (_hf_attention_parts, _hf_mask, _hf_sdpa_backend, _mlp_parts, _norm_parts, activations_in,
                           block_saved, hf_eager, hf_output_copied, regime_for, sdpa_math, sp_tokens)
 from .allocator import alloc_rounding, collector_paused, replay_fit, replay_peaks
+from .block_backward import _block_backward_peak
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
 from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
-from .model import unit_sizes
+from .model import ModelSpec, unit_sizes
+from .pp_schedule import stage_actions, virtual_stages
+from .pp_stage import releases_sent_outputs, stage_train
+from .state_layout import _all_state_elems, _opt_state, layout, zero1_owned_shapes
 from .strategies import DDP, FSDP1, FSDP2, REGISTRY, SINGLE, ZERO1, get_strategy
 
 MAX_MICROBATCHES = 64
@@ -660,7 +664,6 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     prec = train.prec
     regime = regime_for(train, family)
     act = activations_in(train, regime, device)
-    from .memory import _block_backward_peak, layout
     lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
     L = m.layers
     n = train.micro_batch * train.seq_len
@@ -706,7 +709,6 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # `parallelize_module` (`distribute_tensor`: each sharded parameter's local chunk scattered into
         # a new tensor, the whole one dropped; replicated ones kept as they are)
         from dataclasses import fields
-        from .model import ModelSpec
         whole_spec = ModelSpec(**{f.name: getattr(m, f.name) for f in fields(ModelSpec)})
         w_root, w_block, _, _, _ = unit_sizes(whole_spec)
         w_units = [list(w_root[:n_embed])] + [list(w_block)] * L + [list(w_root[n_embed:])]
@@ -759,14 +761,12 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         buckets = [E.a(lay.total * gb)]
     # optimizer: states owned by this rank (ZeRO-1: its partition; FSDP: the shards)
     if st.zero_optimizer and shard > 1:
-        from .memory import zero1_owned_shapes
         owned = [prod(s) for s in zero1_owned_shapes(m, shard)]
     else:
         owned = list(param_shards)
     # The walk's optimizer-state bytes (memory._opt_state: AdamW 2 states, SGD-momentum 1, 8-bit AdamW
     # uint8 states plus block statistics, Adafactor factored rows/columns), two tensors per parameter
     # (one for SGD-momentum), in proportion to its elements.
-    from .memory import _opt_state
     st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
     st_total = st_elems * pb + int(st_extra)
     per_param = 1 if train.optimizer == "sgd-momentum" else 2
@@ -1836,8 +1836,6 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     the last input goes with `_root_post_backward_final_callback`. The optimizer's states are the shards'.
     zero2 and zero3 are written alike (both reshard_after_forward=False under PP). The recorded traces
     are fp32; mixed precision's upcast accumulation is `allocation_events`' (checked there, without PP)."""
-    from .memory import _block_backward_peak, layout
-    from .pp import releases_sent_outputs, stage_actions, stage_train, virtual_stages
     st = get_strategy(strategy)
     family = st.family
     fsdp2 = st.fsdp2
@@ -1882,7 +1880,6 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     if family == DDP and world > 1:
         _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
         buckets = [E.a(lay.total * gb)]
-    from .memory import _opt_state
     st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
     st_total = st_elems * pb + int(st_extra)
     per_param = 1 if train.optimizer == "sgd-momentum" else 2
@@ -2165,7 +2162,6 @@ def checkpoint_events(train: TrainConfig, strategy, shard: int, mode: str, first
     sharding = shard > 1 and st.shards_params and st.fsdp
     if not sharding:
         return E.ev
-    from .memory import _all_state_elems
     states, _ = _all_state_elems(m, train.optimizer)
     per_state = round(states / (m.param_count() or 1))  # elementwise states per parameter (AdamW: 2)
     root_shapes, block_shapes, *_ = unit_sizes(m)

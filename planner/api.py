@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
-from .comm import collective_schedule
+from .comm_schedule import collective_schedule
 from .compute import _gpu, required_inter_bandwidth, step_time
 from .config import CHECKPOINTING, Cluster, TrainConfig
 from .memory import COMPONENTS, MemoryEstimate, estimate_memory

@@ -18,7 +18,8 @@ from __future__ import annotations
 from .activations import activations
 from .config import Cluster, TrainConfig
 from .footprint import device_footprint
-from .memory import COMPONENTS, MemoryEstimate, layout
+from .estimate import COMPONENTS, MemoryEstimate
+from .state_layout import layout
 from .strategies import DDP, FSDP2, Strategy
 
 REDUCE_BUCKET_ELEMS = 500_000_000
