@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .alloc_trace import (reserved_peak, reserved_peak_below, reserved_peak_within, stage_reserved_peak,
-                          stage_reserved_peak_within)
+from .alloc_trace import reserved_peak, reserved_peak_below, reserved_peak_within
 from .allocator import alloc_rounding, parse_alloc_conf, replay_fit, replay_peaks
 from .config import TrainConfig
 from .footprint import DeviceFootprint
+from .stage_trace import stage_reserved_peak, stage_reserved_peak_within
 
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")

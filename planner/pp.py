@@ -86,7 +86,7 @@ not modelled.
 from __future__ import annotations
 
 from .activations import _selective_block_saved, activations_in, block_linears, regime_for, sp_tokens
-from .alloc_trace import MAX_LAYERS, MAX_MICROBATCHES, STAGE_FAMILIES
+from .alloc_trace import MAX_LAYERS, MAX_MICROBATCHES
 from .allocator import parse_alloc_conf
 from .block_backward import _block_backward_peak
 from .comm import DDP_BUCKET_CAP_MB, FSDP2_ROOT_RESHARD_EXPLICIT, _fsdp2_numel, _schedule_key, _timed_schedule
@@ -103,6 +103,7 @@ from .pp_schedule import (PP_STRATEGIES, PP_VIRTUAL_STAGES, ZERO_BUBBLE, bubble_
                           zero_bubble_actions)
 from .pp_stage import (PPStageSpec, _res_dtype, boundary_bytes, p2p_counts, pp_cluster, pp_raw_schedule,  # noqa: F401
                        releases_sent_outputs, stage_spec, stage_train)
+from .stage_trace import STAGE_FAMILIES
 from .state_layout import _opt_state, layout
 from .strategies import SINGLE, get_strategy
 from .tp import tp_view
