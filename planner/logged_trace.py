@@ -206,83 +206,96 @@ def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, gr
         saved: dict = {}  # unit -> its sharded gradient, reduced every micro-step
         for k in sorted({0, min(1, A - 1), A - 1}):
             sync = sync_every or k == A - 1
-            keys: dict = {}
-            held: dict = {}  # unit -> its unsharded parameters
-            pending: dict = {}  # unit -> its prefetched all-gather output, not yet copied out
-            fwd_order: list = []
-            done: set = set()
-            made: dict = {}  # unit -> {position: key} of its new gradients
-            flat = [None]
-            rs = [None]
-
-            def unshard(u) -> None:
-                f, held[u] = _fsdp2_unshard(E, shapes[u], shard, ud, mixed)
-                E.f(flat[0])
-                flat[0] = f
-
-            def ready(u) -> None:
-                if u in held or u not in elems:
-                    return
-                f = pending.pop(u, None)
-                if f is None:
-                    f = _fsdp2_gather(E, shapes[u], shard, ud, mixed)
-                held[u] = _fsdp2_copy_out(E, shapes[u], shard, ud)
-                E.f(f)
-
-            def post(u) -> None:
-                if u in done or u not in elems:
-                    return
-                done.add(u)
-                g = [v for _, v in sorted(made.pop(u, {}).items())]
-                rs[0] = _fsdp2_post_backward(E, u, g, held.pop(u, []), rs[0], elems[u] * shard, elems[u],
-                                             shapes[u], sync=sync, reshard=True, mixed=mixed, rb=rb, acc=acc,
-                                             saved=saved, grads=kept, last_grad_late=last_grad_late)
-            for ev in log:
-                kind = ev[0]
-                if kind == 1:
-                    u = grad_unit.get(ev[1])
-                    if u is not None and u in acc and not mixed:  # AccumulateGrad into the kept .grad
-                        E.f(E.a(ev[2]))
-                    elif u is not None:
-                        made.setdefault(u, {})[grad_pos[ev[1]]] = E.a(ev[2])
-                    else:
-                        keys[ev[1]] = E.a(ev[2])
-                elif kind == 0:
-                    E.f(keys.pop(ev[1], None))
-                elif kind == 2:
-                    if ws.get(ev[1]):
-                        E.f(E.a(ws[ev[1]]))
-                elif ev[1] in elems or ev[1] == "root":
-                    u = ev[1]
-                    if kind == 3 and u in elems and u not in held:
-                        unshard(u)
-                    elif kind == 4:
-                        if u == "root":
-                            E.f(flat[0])
-                            flat[0] = None
-                        elif reshard and u in held:
-                            E.f(*held.pop(u))
-                        if u in elems:
-                            fwd_order.append(u)
-                    elif kind == 5:
-                        ready(u)
-                        i = fwd_order.index(u) if u in fwd_order else 0
-                        if i > 0:
-                            t = fwd_order[i - 1]
-                            if t not in held and t not in pending:
-                                pending[t] = _fsdp2_gather(E, shapes[t], shard, ud, mixed)
-                    elif kind == 6:
-                        post(u)
-            # _root_post_backward_final_callback: the root's state first, then the units' (module order)
-            for u in ["root"] + [u for u in order if u != "root"]:
-                post(u)
-            E.f(rs[0], flat[0], *pending.values())
-            for u in list(held):
-                E.f(*held.pop(u))
-            E.f(*keys.values())
+            _fsdp2_logged_micro_step(E, log, sync, acc, saved, kept, shapes, elems, order, shard, reshard, mixed,
+                                     ud, rb, grad_unit, grad_pos, ws, last_grad_late)
         _logged_optimizer_step(E, states, owned, optimizer, optimizer_impl)
         E.f(*kept)
     return E.ev
+
+
+def _fsdp2_logged_micro_step(E: _Events, log: tuple, sync: bool, acc: dict, saved: dict, kept: list, shapes: dict,
+                             elems: dict, order: list, shard: int, reshard: bool, mixed: bool, ud: int, rb: int,
+                             grad_unit: dict, grad_pos: dict, ws: dict, last_grad_late: bool) -> None:
+    """One micro-step of `logged_fsdp2_events`: the traced step's allocations (`log`) with FSDP2's hooks where
+    the trace marked them (pre-forward unshard, post-forward reshard, pre-backward copy-out and prefetch,
+    post-backward reduce-scatter), then `_root_post_backward_final_callback`. `acc`, `saved`, `kept`: the
+    unsharded gradients kept without sync, the sharded ones reduced every micro-step, and those `zero_grad`
+    drops, carried between micro-steps; `ud`, `rb`: the unsharded parameters' and the reduction's bytes
+    per element."""
+    keys: dict = {}
+    held: dict = {}  # unit -> its unsharded parameters
+    pending: dict = {}  # unit -> its prefetched all-gather output, not yet copied out
+    fwd_order: list = []
+    done: set = set()
+    made: dict = {}  # unit -> {position: key} of its new gradients
+    flat = [None]
+    rs = [None]
+
+    def unshard(u) -> None:
+        f, held[u] = _fsdp2_unshard(E, shapes[u], shard, ud, mixed)
+        E.f(flat[0])
+        flat[0] = f
+
+    def ready(u) -> None:
+        if u in held or u not in elems:
+            return
+        f = pending.pop(u, None)
+        if f is None:
+            f = _fsdp2_gather(E, shapes[u], shard, ud, mixed)
+        held[u] = _fsdp2_copy_out(E, shapes[u], shard, ud)
+        E.f(f)
+
+    def post(u) -> None:
+        if u in done or u not in elems:
+            return
+        done.add(u)
+        g = [v for _, v in sorted(made.pop(u, {}).items())]
+        rs[0] = _fsdp2_post_backward(E, u, g, held.pop(u, []), rs[0], elems[u] * shard, elems[u],
+                                     shapes[u], sync=sync, reshard=True, mixed=mixed, rb=rb, acc=acc,
+                                     saved=saved, grads=kept, last_grad_late=last_grad_late)
+    for ev in log:
+        kind = ev[0]
+        if kind == 1:
+            u = grad_unit.get(ev[1])
+            if u is not None and u in acc and not mixed:  # AccumulateGrad into the kept .grad
+                E.f(E.a(ev[2]))
+            elif u is not None:
+                made.setdefault(u, {})[grad_pos[ev[1]]] = E.a(ev[2])
+            else:
+                keys[ev[1]] = E.a(ev[2])
+        elif kind == 0:
+            E.f(keys.pop(ev[1], None))
+        elif kind == 2:
+            if ws.get(ev[1]):
+                E.f(E.a(ws[ev[1]]))
+        elif ev[1] in elems or ev[1] == "root":
+            u = ev[1]
+            if kind == 3 and u in elems and u not in held:
+                unshard(u)
+            elif kind == 4:
+                if u == "root":
+                    E.f(flat[0])
+                    flat[0] = None
+                elif reshard and u in held:
+                    E.f(*held.pop(u))
+                if u in elems:
+                    fwd_order.append(u)
+            elif kind == 5:
+                ready(u)
+                i = fwd_order.index(u) if u in fwd_order else 0
+                if i > 0:
+                    t = fwd_order[i - 1]
+                    if t not in held and t not in pending:
+                        pending[t] = _fsdp2_gather(E, shapes[t], shard, ud, mixed)
+            elif kind == 6:
+                post(u)
+    # _root_post_backward_final_callback: the root's state first, then the units' (module order)
+    for u in ["root"] + [u for u in order if u != "root"]:
+        post(u)
+    E.f(rs[0], flat[0], *pending.values())
+    for u in list(held):
+        E.f(*held.pop(u))
+    E.f(*keys.values())
 
 
 LOGGED_FSDP1 = tuple(n for n, s in REGISTRY.items() if s.fsdp1)
@@ -384,87 +397,103 @@ def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, gr
         saved: dict = {}  # unit -> its gradient (sharded when synced) kept for later micro-steps
         for k in sorted({0, min(1, A - 1), A - 1}):
             sync = sync_every or k == A - 1
-            keys: dict = {}
-            held: dict = dict(kept_unsharded)
-            kept_unsharded.clear()
-            fwd_order: list = []
-            made: dict = {}
-            for ev in log:
-                kind = ev[0]
-                if kind == 1:
-                    u = grad_unit.get(ev[1])
-                    if u is not None:
-                        made.setdefault(u, {})[grad_pos[ev[1]]] = E.a(ev[2])
-                    else:
-                        keys[ev[1]] = E.a(ev[2])
-                elif kind == 0:
-                    E.f(keys.pop(ev[1], None))
-                elif kind == 2:
-                    if ws.get(ev[1]):
-                        E.f(E.a(ws[ev[1]]))
-                elif ev[1] in elems or (ev[1] == "root" and kind == 3):
-                    u = ev[1]
-                    if kind == 3:
-                        if u == "root" and step == 0 and k == 0:  # _lazy_init
-                            for v in order:
-                                if sharded or low[v]:
-                                    pad = chunk[v] * shard if sharded else elems[v]
-                                    parts = ([chunk[v] * 2] if low[v] else []) + \
-                                        ([pad * (2 if low[v] else pb)] if sharded else []) + \
-                                        ([pad * pb] if low[v] and sharded else [])
-                                    for n in parts:
-                                        E.f(E.a(n))
-                        if u in elems and u not in held and (sharded or low[u]):
-                            held[u] = unshard(u)
-                    elif kind == 4:
-                        if u not in fwd_order:  # (a recomputation's post-forward is not recorded again)
-                            fwd_order.append(u)
-                        if u != "root" and u in held and (reshard_fwd or not sharded):
-                            E.f(held.pop(u))
-                    elif kind == 5:
-                        i = fwd_order.index(u) if u in fwd_order else 0
-                        for v in ([u] + ([fwd_order[i - 1]] if i > 0 else [])):
-                            if v not in held and (sharded or low[v]):
-                                held[v] = unshard(v)
-                    elif kind == 7:
-                        g = [x for _, x in sorted(made.pop(u, {}).items())]
-                        flat_g = E.a(elems[u] * (2 if low[u] else pb), 1)
-                        E.f(*g)
-                        if u in acc:  # AccumulateGrad: added into the kept flat gradient
-                            E.f(flat_g)
-                            flat_g = acc.pop(u)
-                        unsh = held.pop(u, None)
-                        if not sync:
-                            acc[u] = flat_g
-                            if st.fsdp1_shard_grad_op and unsh is not None:
-                                kept_unsharded[u] = unsh
-                            else:
-                                E.f(unsh)
-                            continue
-                        E.f(unsh)
-                        cast = E.a(elems[u] * 4, 2) if low[u] else None
-                        src = cast if cast is not None else flat_g
-                        rb = 4 if low[u] else pb
-                        if sharded:
-                            pad = E.a(chunk[u] * shard * rb, 2) if chunk[u] * shard != elems[u] else None
-                            out = E.a(chunk[u] * rb, 2)
-                            E.f(cast, pad, flat_g)
-                            if u in saved:  # `_saved_grad_shard += sharded_grad`
-                                E.f(out)
-                            else:
-                                saved[u] = out
-                                kept.append(out)
-                        else:
-                            if cast is not None:  # cast back to the parameter's dtype (fp32)
-                                E.f(flat_g)
-                            if u in saved:
-                                E.f(src)
-                            else:
-                                saved[u] = src
-                                kept.append(src)
-            for u in list(held):
-                E.f(held.pop(u))
-            E.f(*keys.values())
+            _fsdp1_logged_micro_step(E, log, sync, step == 0 and k == 0, acc, saved, kept, kept_unsharded, unshard,
+                                     st, order, elems, chunk, low, shard, sharded, reshard_fwd, pb, grad_unit,
+                                     grad_pos, ws)
         _logged_optimizer_step(E, states, owned, optimizer, optimizer_impl)
         E.f(*kept)
     return E.ev
+
+
+def _fsdp1_logged_micro_step(E: _Events, log: tuple, sync: bool, lazy_init: bool, acc: dict, saved: dict, kept: list,
+                             kept_unsharded: dict, unshard, st, order: list, elems: dict, chunk: dict, low: dict,
+                             shard: int, sharded: bool, reshard_fwd: bool, pb: int, grad_unit: dict, grad_pos: dict,
+                             ws: dict) -> None:
+    """One micro-step of `logged_fsdp1_events`: the traced step's allocations (`log`) with FSDP1's hooks where
+    the trace marked them (the root's `_lazy_init` on the first, pre-forward and pre-backward unshards with
+    the backward prefetch, post-forward reshard, `_post_backward_hook`'s reduction). `acc`, `saved`, `kept`,
+    `kept_unsharded`: the flat gradients kept without sync, the reduced ones, those `zero_grad` drops, and
+    SHARD_GRAD_OP's units left unsharded, carried between micro-steps; `unshard(u)`: a unit's unshard
+    (its key); `chunk`, `elems`: each unit's shard and flat elements; `low`: its mixed-precision units;
+    `pb`: the parameters' bytes per element."""
+    keys: dict = {}
+    held: dict = dict(kept_unsharded)
+    kept_unsharded.clear()
+    fwd_order: list = []
+    made: dict = {}
+    for ev in log:
+        kind = ev[0]
+        if kind == 1:
+            u = grad_unit.get(ev[1])
+            if u is not None:
+                made.setdefault(u, {})[grad_pos[ev[1]]] = E.a(ev[2])
+            else:
+                keys[ev[1]] = E.a(ev[2])
+        elif kind == 0:
+            E.f(keys.pop(ev[1], None))
+        elif kind == 2:
+            if ws.get(ev[1]):
+                E.f(E.a(ws[ev[1]]))
+        elif ev[1] in elems or (ev[1] == "root" and kind == 3):
+            u = ev[1]
+            if kind == 3:
+                if u == "root" and lazy_init:  # _lazy_init
+                    for v in order:
+                        if sharded or low[v]:
+                            pad = chunk[v] * shard if sharded else elems[v]
+                            parts = ([chunk[v] * 2] if low[v] else []) + \
+                                ([pad * (2 if low[v] else pb)] if sharded else []) + \
+                                ([pad * pb] if low[v] and sharded else [])
+                            for n in parts:
+                                E.f(E.a(n))
+                if u in elems and u not in held and (sharded or low[u]):
+                    held[u] = unshard(u)
+            elif kind == 4:
+                if u not in fwd_order:  # (a recomputation's post-forward is not recorded again)
+                    fwd_order.append(u)
+                if u != "root" and u in held and (reshard_fwd or not sharded):
+                    E.f(held.pop(u))
+            elif kind == 5:
+                i = fwd_order.index(u) if u in fwd_order else 0
+                for v in ([u] + ([fwd_order[i - 1]] if i > 0 else [])):
+                    if v not in held and (sharded or low[v]):
+                        held[v] = unshard(v)
+            elif kind == 7:
+                g = [x for _, x in sorted(made.pop(u, {}).items())]
+                flat_g = E.a(elems[u] * (2 if low[u] else pb), 1)
+                E.f(*g)
+                if u in acc:  # AccumulateGrad: added into the kept flat gradient
+                    E.f(flat_g)
+                    flat_g = acc.pop(u)
+                unsh = held.pop(u, None)
+                if not sync:
+                    acc[u] = flat_g
+                    if st.fsdp1_shard_grad_op and unsh is not None:
+                        kept_unsharded[u] = unsh
+                    else:
+                        E.f(unsh)
+                    continue
+                E.f(unsh)
+                cast = E.a(elems[u] * 4, 2) if low[u] else None
+                src = cast if cast is not None else flat_g
+                rb = 4 if low[u] else pb
+                if sharded:
+                    pad = E.a(chunk[u] * shard * rb, 2) if chunk[u] * shard != elems[u] else None
+                    out = E.a(chunk[u] * rb, 2)
+                    E.f(cast, pad, flat_g)
+                    if u in saved:  # `_saved_grad_shard += sharded_grad`
+                        E.f(out)
+                    else:
+                        saved[u] = out
+                        kept.append(out)
+                else:
+                    if cast is not None:  # cast back to the parameter's dtype (fp32)
+                        E.f(flat_g)
+                    if u in saved:
+                        E.f(src)
+                    else:
+                        saved[u] = src
+                        kept.append(src)
+    for u in list(held):
+        E.f(held.pop(u))
+    E.f(*keys.values())

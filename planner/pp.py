@@ -184,41 +184,13 @@ def _zero_bubble_walk(snap, actions, sids, nstages, lay_k, a_k, g_layer, weight_
         w[k] += 1
 
 
-def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", backend: str = "nccl",
-                 gpu_name: str | None = None):
-    """`memory.MemoryEstimate` of pipeline stage `stage` under `strategy` on the stage's dp ranks (see
-    the module docstring for what is walked)."""
-
-    st = get_strategy(strategy)
-    family = st.family
-    p, M, sched = train.pp, train.pp_microbatches, train.pp_schedule
-    v = virtual_stages(sched)
-    first, last = stage == 0, stage == p - 1
-    strain = stage_train(train, stage)
-    dpc = cluster
-    if train.tp > 1:
-        _, dpc = tp_view(train, cluster)
-    dpc = pp_cluster(train, dpc)
-    world = dpc.gpus if st.distributed else 1
-    group = st.shard_group
-    shard = world if group == "world" else (min(world, dpc.local_size) if group == "node" else 1)
-    if st.fsdp_no_shard:
-        shard = 1
-    m = strain.model
+def _stage_state_bytes(train, st, m, lay, shard: int) -> tuple:
+    """A stage's static parts and its gradients once the first micro-batch's backward made them, in bytes:
+    (parameters, static communication buffers (FSDP's unsharded parameters, DDP's buckets), a weight
+    gradient's bytes per element, the gradients through the step, the gradients the optimizer reads, the
+    optimizer step's temporaries)."""
     prec = train.prec
     pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
-    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
-    opt_elems, opt_extra = _opt_state(m, train.optimizer, family, shard)
-    opt = opt_elems * pb + int(opt_extra)
-    regime = regime_for(strain, family)
-    act = activations_in(strain, regime, device)
-    n = train.micro_batch * train.seq_len
-    h, vloc = m.hidden, -(-m.vocab // train.tp)
-    r = 4 if regime in ("fp32", "autocast") else 2
-    e = 4 if regime == "fp32" else 2
-    nh = sp_tokens(strain, n) * h * r  # the boundary tensor (one micro-batch)
-
-    # Static parts and the gradients once the first micro-batch's backward made them.
     sharding = st.fsdp and shard > 1 and st.shards_params
     if st.fsdp:
         ud = cb if prec.mixed else pb
@@ -242,6 +214,211 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         opt_tmp = 2 * lay.largest_param * pb
     else:
         opt_tmp = 0
+    return params, static_comm, wgrad_b, g_full, g_opt, opt_tmp
+
+
+def _stage_notes_and_replay(train, st, stage: int, m, world: int, shard: int, regime: str, device: str,
+                            workspace: int) -> tuple[list, tuple | None]:
+    """The stage's notes (which stage, what PyTorch does with its wrapper under pipelining) and the
+    arguments of its allocator replay (`MemoryEstimate.replay_args`; None where the margin stands in)."""
+    p, M, sched = train.pp, train.pp_microbatches, train.pp_schedule
+    v = virtual_stages(sched)
+    first, last = stage == 0, stage == p - 1
+    family = st.family
+    notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
+             + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
+             + f"; {sched}, {M} micro-batches) is the most loaded"]
+    if st.ddp_reducer and world > 1 and sched != "1f1b":
+        notes.append(f"pipeline parallelism with DDP under {sched}: torch's DistributedDataParallel stops in its "
+                     f"reducer's first bucket rebuild under ScheduleGPipe and ScheduleInterleaved1F1B (measured on "
+                     f"torch 2.13, validate/pp_probe.py); Schedule1F1B runs, and so do FSDP2's zero2/zero3")
+    if st.fsdp and world > 1:
+        notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
+                     "accumulate unsharded through the step, all-gathered once per step (PipelineStage with "
+                     "torchtitan's reshard_after_forward=False)")
+    # The stage's allocations replayed through the caching allocator (alloc_trace.stage_allocation_events)
+    # where they are written; else memory.RESERVED_MARGIN over the allocated peak.
+    replay_args = None
+    if device == "cuda":
+        # (autocast's weight casts under pipelining are not written: those stages keep the margin)
+        # (FSDP2 stages are written sharded over more than one rank, as the probes run them)
+        if (family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS
+                and M <= MAX_MICROBATCHES and (not st.fsdp2 or shard > 1)):
+            expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
+            replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
+                           max_split)
+        else:
+            why = [w for w, applies in ((f"{st.name} stages", family not in STAGE_FAMILIES),
+                                        (f"{st.name} stages on one data-parallel rank",
+                                         st.fsdp2 and shard <= 1),
+                                        (f"{sched} schedules", v > 1),
+                                        ("stages under autocast", regime == "autocast"),
+                                        (f"more than {MAX_MICROBATCHES} micro-batches", M > MAX_MICROBATCHES),
+                                        (f"stages of more than {MAX_LAYERS} layers", m.layers > MAX_LAYERS))
+                   if applies]
+            notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator "
+                         "replay of " + ", nor of ".join(why) + ")")
+    return notes, replay_args
+
+
+def _interleaved_walk(snap, train, strain, stage: int, act, regime: str, m, p: int, v: int, M: int, sched: str,
+                      n: int, nh: int, vloc: int, e: int, weight_cache: int, g_full: int, head_g: int,
+                      batch_ids: int, wdown_tmp: int, blk_tmp: int, freed: int, wg: int, wgrad_b: int) -> int:
+    """Interleaved 1F1B and the zero-bubble schedules: the rank's v local stages walked in the order their
+    schedule runs them, each backward instant taken by `snap` (bytes); returns the bytes of the receive
+    buffers kept through the step."""
+    # Interleaved 1F1B: the rank's v local stages (stage ids stage + k p), walked in the order
+    # `ScheduleInterleaved1F1B` runs them (`interleaved_actions`). A chunk (local stage, micro-batch)
+    # holds its own layers' activations, less its receive buffer's share when it is not stage 0,
+    # plus the embedding's (stage 0) or the head's and logits (the last stage).
+    nstages = p * v
+    sids = rank_stage_ids(sched, p, stage)
+    lay_k = [stage_layers(train.model.layers, nstages, sid) for sid in sids]
+    per_layer = act.blocks_total / max(1, m.layers)  # this rank's layers' share (RoPE tables spread)
+    a_k = []
+    for k, sid in enumerate(sids):
+        a = per_layer * lay_k[k] - (0 if sid == 0 else nh)
+        if sid == nstages - 1:
+            a += (act.outside - act.inputs) + act.loss_saved + n * vloc * e
+        a_k.append(a)
+    # receive buffers: activations for each non-first stage, gradients for each non-last one, but none
+    # from a neighbour on this rank (zbv's stages p - 1 and p hand their tensors over directly)
+    persistent = M * nh * (sum(sid != 0 and sid - 1 not in sids for sid in sids)
+                           + sum(sid != nstages - 1 and sid + 1 not in sids for sid in sids))
+    f_k, b_k = [0] * v, [0] * v
+    runtime = None
+    if pp_recv_buffers_per_receive(train):
+        # torch >= 2.15 lowers these schedules with receives and send waits of their own
+        # (`runtime_boundary_tensors`): the boundary tensors alive at each action replace the buffers
+        # kept for the run and the sends held to the step's end
+        runtime, left = runtime_boundary_tensors(sched, p, M, stage)
+        persistent = left * nh
+    if sched in ZERO_BUBBLE:
+        # with checkpointing the input pass recomputes each block, and the retained graph keeps what it
+        # rebuilt until the weight pass
+        _zero_bubble_walk(snap, zero_bubble_actions(sched, p, M, stage), sids, nstages, lay_k, a_k,
+                          _retained_grads(strain, regime, n), weight_cache, persistent, nh,
+                          g_full, head_g, batch_ids, max(wdown_tmp, blk_tmp - nh - freed), wg * wgrad_b,
+                          n * vloc * e, act.loss_saved + n * vloc * e, runtime)
+    for i, (k, kind, _mb) in enumerate(() if sched in ZERO_BUBBLE else interleaved_actions(p, M, stage, v)):
+        if kind == "F":
+            f_k[k] += 1
+            continue
+        held = [f_k[j] - b_k[j] for j in range(v)]
+        acts = sum(held[j] * a_k[j] for j in range(v)) + weight_cache
+        # Every tensor sent so far (through torch 2.14): `_PipelineScheduleRuntime._step_microbatches`
+        # keeps each send's work in `send_ops` and waits for them all at the end of the step, so the
+        # outputs of the non-last chunks' forwards and the input gradients of the non-first chunks'
+        # backwards stay alive until then.
+        sent = (sum(f_k[j] for j in range(v) if sids[j] != nstages - 1)
+                + sum(b_k[j] for j in range(v) if sids[j] != 0))
+        comm = persistent + sent * nh if runtime is None else runtime[i] * nh
+        g = g_full if sum(b_k) else head_g
+        # the chunk's last layer, MLP backward: at w_down, then at the product's backward (the tensors
+        # the MLP backward frees gone, the gate and up gradients beside the product's), as for one stage
+        snap("backward", int(acts), g, comm, batch_ids + wdown_tmp)
+        snap("backward", int(acts - freed), g, comm, batch_ids + blk_tmp - nh)
+        b_k[k] += 1
+    return persistent
+
+
+def _one_stage_walk(snap, train, stage: int, act, regime: str, m, p: int, M: int, sched: str, first: bool,
+                    last: bool, per_receive: bool, releasable: bool, n: int, h: int, nh: int, vloc: int,
+                    persistent: int, a_mb: int, weight_cache: int, blocks_part: int, block0_part: int,
+                    block_elems: int, head_keep: int, g_full: int, head_g: int, batch_ids: int, wdown_tmp: int,
+                    t_in: int, freed: int, wg: int, blk_tmp: int, wgrad_b: int) -> None:
+    """GPipe and 1F1B (one stage per rank): the stage's forward and backward actions in the order its
+    schedule runs them, each backward instant taken by `snap` (bytes): the loss's and the LM head's on the
+    last stage, the last layer's MLP backward, and the first layer's on the first micro-batch."""
+    k = in_flight(sched, p, M, stage)
+    f = b = 0
+    for kind, mb in stage_actions(sched, p, M, stage):
+        if kind == "F":
+            f += 1
+            continue
+        inflight = f - b
+        if per_receive:
+            # 1F1B and GPipe wait for (and release) every forward send before the next backward; a
+            # DDP stage's outputs stay in its forward state until their backward
+            held_out = 0 if last or releasable else inflight
+            held_grad = 0 if first else (b if sched == "gpipe" else min(b, 1))
+            received = (0 if first else (f if last else inflight)) + (0 if last else 1)
+            comm = (received + held_out + held_grad) * nh
+        else:
+            if sched == "gpipe":
+                held_out, held_grad = (0 if last else f), (0 if first else b)
+            else:
+                held_out = 0 if last else inflight + (1 if k >= 2 and b > k - 2 else 0)
+                held_grad = 0 if first else min(b, 1)
+            comm = persistent + (held_out + held_grad) * nh
+        others = (inflight - 1) * a_mb + weight_cache  # the other micro-batches in flight
+        if last:  # the loss's backward: nll_loss_backward's dense gradient and log_softmax_backward's
+            snap("backward", others + a_mb, g_full if b else 0, comm, batch_ids + 2 * n * vloc * 4)
+        if last and regime == "fp32" and train.tp == 1:
+            # The LM head's backward (memory.estimate_memory's head instant): log_softmax's saved output
+            # gone, the logits' gradient alive beside the hidden states' gradient and the head's weight
+            # gradient, which becomes .grad on the first micro-batch and is a transient until
+            # AccumulateGrad adds it after. Measured (transformers Llama, GPipe over 2 stages, 4
+            # micro-batches of 1024 x 1024 logits): the last stage peaks here, 128 KiB above the loss
+            # instant.
+            snap("backward", others + a_mb - act.loss_saved - (n * vloc * 4 if m.final_softcap else 0),
+                 g_full if b else head_g, comm,
+                 batch_ids + n * vloc * 4 + n * h * 4 + (vloc * h * wgrad_b if b else 0))
+        # The stage's last layer, MLP backward: at w_down (its input and weight gradients: the
+        # weight gradient becomes .grad on the first micro-batch, is added into it after), then at
+        # the product's backward (the gate and up gradients beside the product's, `prod` freed).
+        # Its incoming gradient is the receive buffer, except on the last stage (the norm's).
+        acts = others + blocks_part + head_keep
+        g = g_full if b else head_g
+        snap("backward", acts, g, comm, batch_ids + wdown_tmp + t_in)
+        snap("backward", acts - freed, g if b else g + wg * wgrad_b, comm, batch_ids + blk_tmp - nh + t_in)
+        if b == 0 and m.layers > 1:
+            # The stage's first layer on the first micro-batch: every gradient but most of this
+            # block's, this micro-batch's other blocks freed (later micro-batches: fewer bytes than
+            # the last layer's instants, the gradients being whole there).
+            acts0 = others + block0_part + head_keep
+            g0 = g_full - (block_elems - wg) * wgrad_b
+            snap("backward", acts0, g0 - wg * wgrad_b, comm, batch_ids + wdown_tmp + nh)
+            snap("backward", acts0 - freed, g0, comm, batch_ids + blk_tmp)
+        b += 1
+
+
+def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", backend: str = "nccl",
+                 gpu_name: str | None = None):
+    """`memory.MemoryEstimate` of pipeline stage `stage` under `strategy` on the stage's dp ranks (see
+    the module docstring for what is walked)."""
+
+    st = get_strategy(strategy)
+    family = st.family
+    p, M, sched = train.pp, train.pp_microbatches, train.pp_schedule
+    v = virtual_stages(sched)
+    first, last = stage == 0, stage == p - 1
+    strain = stage_train(train, stage)
+    dpc = cluster
+    if train.tp > 1:
+        _, dpc = tp_view(train, cluster)
+    dpc = pp_cluster(train, dpc)
+    world = dpc.gpus if st.distributed else 1
+    group = st.shard_group
+    shard = world if group == "world" else (min(world, dpc.local_size) if group == "node" else 1)
+    if st.fsdp_no_shard:
+        shard = 1
+    m = strain.model
+    prec = train.prec
+    pb = prec.param_bytes
+    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
+    opt_elems, opt_extra = _opt_state(m, train.optimizer, family, shard)
+    opt = opt_elems * pb + int(opt_extra)
+    regime = regime_for(strain, family)
+    act = activations_in(strain, regime, device)
+    n = train.micro_batch * train.seq_len
+    h, vloc = m.hidden, -(-m.vocab // train.tp)
+    r = 4 if regime in ("fp32", "autocast") else 2
+    e = 4 if regime == "fp32" else 2
+    nh = sp_tokens(strain, n) * h * r  # the boundary tensor (one micro-batch)
+
+    # Static parts and the gradients once the first micro-batch's backward made them.
+    params, static_comm, wgrad_b, g_full, g_opt, opt_tmp = _stage_state_bytes(train, st, m, lay, shard)
 
     # One micro-batch's saved activations on this stage.
     a_mb = act.blocks_total
@@ -294,110 +471,13 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         persistent = M * nh if last and not first else 0
     releasable = releases_sent_outputs(family, last)
     if v == 1:
-        k = in_flight(sched, p, M, stage)
-        f = b = 0
-        for kind, mb in stage_actions(sched, p, M, stage):
-            if kind == "F":
-                f += 1
-                continue
-            inflight = f - b
-            if per_receive:
-                # 1F1B and GPipe wait for (and release) every forward send before the next backward; a
-                # DDP stage's outputs stay in its forward state until their backward
-                held_out = 0 if last or releasable else inflight
-                held_grad = 0 if first else (b if sched == "gpipe" else min(b, 1))
-                received = (0 if first else (f if last else inflight)) + (0 if last else 1)
-                comm = (received + held_out + held_grad) * nh
-            else:
-                if sched == "gpipe":
-                    held_out, held_grad = (0 if last else f), (0 if first else b)
-                else:
-                    held_out = 0 if last else inflight + (1 if k >= 2 and b > k - 2 else 0)
-                    held_grad = 0 if first else min(b, 1)
-                comm = persistent + (held_out + held_grad) * nh
-            others = (inflight - 1) * a_mb + weight_cache  # the other micro-batches in flight
-            if last:  # the loss's backward: nll_loss_backward's dense gradient and log_softmax_backward's
-                snap("backward", others + a_mb, g_full if b else 0, comm, batch_ids + 2 * n * vloc * 4)
-            if last and regime == "fp32" and train.tp == 1:
-                # The LM head's backward (memory.estimate_memory's head instant): log_softmax's saved output
-                # gone, the logits' gradient alive beside the hidden states' gradient and the head's weight
-                # gradient, which becomes .grad on the first micro-batch and is a transient until
-                # AccumulateGrad adds it after. Measured (transformers Llama, GPipe over 2 stages, 4
-                # micro-batches of 1024 x 1024 logits): the last stage peaks here, 128 KiB above the loss
-                # instant.
-                snap("backward", others + a_mb - act.loss_saved - (n * vloc * 4 if m.final_softcap else 0),
-                     g_full if b else head_g, comm,
-                     batch_ids + n * vloc * 4 + n * h * 4 + (vloc * h * wgrad_b if b else 0))
-            # The stage's last layer, MLP backward: at w_down (its input and weight gradients: the
-            # weight gradient becomes .grad on the first micro-batch, is added into it after), then at
-            # the product's backward (the gate and up gradients beside the product's, `prod` freed).
-            # Its incoming gradient is the receive buffer, except on the last stage (the norm's).
-            acts = others + blocks_part + head_keep
-            g = g_full if b else head_g
-            snap("backward", acts, g, comm, batch_ids + wdown_tmp + t_in)
-            snap("backward", acts - freed, g if b else g + wg * wgrad_b, comm, batch_ids + blk_tmp - nh + t_in)
-            if b == 0 and m.layers > 1:
-                # The stage's first layer on the first micro-batch: every gradient but most of this
-                # block's, this micro-batch's other blocks freed (later micro-batches: fewer bytes than
-                # the last layer's instants, the gradients being whole there).
-                acts0 = others + block0_part + head_keep
-                g0 = g_full - (block_elems - wg) * wgrad_b
-                snap("backward", acts0, g0 - wg * wgrad_b, comm, batch_ids + wdown_tmp + nh)
-                snap("backward", acts0 - freed, g0, comm, batch_ids + blk_tmp)
-            b += 1
+        _one_stage_walk(snap, train, stage, act, regime, m, p, M, sched, first, last, per_receive, releasable, n, h,
+                        nh, vloc, persistent, a_mb, weight_cache, blocks_part, block0_part, block_elems, head_keep,
+                        g_full, head_g, batch_ids, wdown_tmp, t_in, freed, wg, blk_tmp, wgrad_b)
     else:
-        # Interleaved 1F1B: the rank's v local stages (stage ids stage + k p), walked in the order
-        # `ScheduleInterleaved1F1B` runs them (`interleaved_actions`). A chunk (local stage, micro-batch)
-        # holds its own layers' activations, less its receive buffer's share when it is not stage 0,
-        # plus the embedding's (stage 0) or the head's and logits (the last stage).
-        nstages = p * v
-        sids = rank_stage_ids(sched, p, stage)
-        lay_k = [stage_layers(train.model.layers, nstages, sid) for sid in sids]
-        per_layer = act.blocks_total / max(1, m.layers)  # this rank's layers' share (RoPE tables spread)
-        a_k = []
-        for k, sid in enumerate(sids):
-            a = per_layer * lay_k[k] - (0 if sid == 0 else nh)
-            if sid == nstages - 1:
-                a += (act.outside - act.inputs) + act.loss_saved + n * vloc * e
-            a_k.append(a)
-        # receive buffers: activations for each non-first stage, gradients for each non-last one, but none
-        # from a neighbour on this rank (zbv's stages p - 1 and p hand their tensors over directly)
-        persistent = M * nh * (sum(sid != 0 and sid - 1 not in sids for sid in sids)
-                               + sum(sid != nstages - 1 and sid + 1 not in sids for sid in sids))
-        f_k, b_k = [0] * v, [0] * v
-        runtime = None
-        if pp_recv_buffers_per_receive(train):
-            # torch >= 2.15 lowers these schedules with receives and send waits of their own
-            # (`runtime_boundary_tensors`): the boundary tensors alive at each action replace the buffers
-            # kept for the run and the sends held to the step's end
-            runtime, left = runtime_boundary_tensors(sched, p, M, stage)
-            persistent = left * nh
-        if sched in ZERO_BUBBLE:
-            # with checkpointing the input pass recomputes each block, and the retained graph keeps what it
-            # rebuilt until the weight pass
-            _zero_bubble_walk(snap, zero_bubble_actions(sched, p, M, stage), sids, nstages, lay_k, a_k,
-                              _retained_grads(strain, regime, n), weight_cache, persistent, nh,
-                              g_full, head_g, batch_ids, max(wdown_tmp, blk_tmp - nh - freed), wg * wgrad_b,
-                              n * vloc * e, act.loss_saved + n * vloc * e, runtime)
-        for i, (k, kind, _mb) in enumerate(() if sched in ZERO_BUBBLE else interleaved_actions(p, M, stage, v)):
-            if kind == "F":
-                f_k[k] += 1
-                continue
-            held = [f_k[j] - b_k[j] for j in range(v)]
-            acts = sum(held[j] * a_k[j] for j in range(v)) + weight_cache
-            # Every tensor sent so far (through torch 2.14): `_PipelineScheduleRuntime._step_microbatches`
-            # keeps each send's work in `send_ops` and waits for them all at the end of the step, so the
-            # outputs of the non-last chunks' forwards and the input gradients of the non-first chunks'
-            # backwards stay alive until then.
-            sent = (sum(f_k[j] for j in range(v) if sids[j] != nstages - 1)
-                    + sum(b_k[j] for j in range(v) if sids[j] != 0))
-            comm = persistent + sent * nh if runtime is None else runtime[i] * nh
-            g = g_full if sum(b_k) else head_g
-            # the chunk's last layer, MLP backward: at w_down, then at the product's backward (the tensors
-            # the MLP backward frees gone, the gate and up gradients beside the product's), as for one stage
-            snap("backward", int(acts), g, comm, batch_ids + wdown_tmp)
-            snap("backward", int(acts - freed), g, comm, batch_ids + blk_tmp - nh)
-            b_k[k] += 1
+        persistent = _interleaved_walk(snap, train, strain, stage, act, regime, m, p, v, M, sched, n, nh, vloc, e,
+                                       weight_cache, g_full, head_g, batch_ids, wdown_tmp, blk_tmp, freed, wg,
+                                       wgrad_b)
     snap("optimizer", 0, g_opt, persistent, batch_ids + opt_tmp)
 
     _, phase, (a, g, c, t) = best
@@ -413,39 +493,7 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         g, stride = cluster.local_size, cluster.gpus // p
         fp = with_communicator(fp, cluster, "pipeline", p, g // stride if stride < g else 1)
     overhead = fp.total
-    notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
-             + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
-             + f"; {sched}, {M} micro-batches) is the most loaded"]
-    if st.ddp_reducer and world > 1 and sched != "1f1b":
-        notes.append(f"pipeline parallelism with DDP under {sched}: torch's DistributedDataParallel stops in its "
-                     f"reducer's first bucket rebuild under ScheduleGPipe and ScheduleInterleaved1F1B (measured on "
-                     f"torch 2.13, validate/pp_probe.py); Schedule1F1B runs, and so do FSDP2's zero2/zero3")
-    if st.fsdp and world > 1:
-        notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
-                     "accumulate unsharded through the step, all-gathered once per step (PipelineStage with "
-                     "torchtitan's reshard_after_forward=False)")
-    # The stage's allocations replayed through the caching allocator (alloc_trace.stage_allocation_events)
-    # where they are written; else memory.RESERVED_MARGIN over the allocated peak.
-    replay_args = None
-    if device == "cuda":
-        # (autocast's weight casts under pipelining are not written: those stages keep the margin)
-        # (FSDP2 stages are written sharded over more than one rank, as the probes run them)
-        if (family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS
-                and M <= MAX_MICROBATCHES and (not st.fsdp2 or shard > 1)):
-            expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
-            replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
-                           max_split)
-        else:
-            why = [w for w, applies in ((f"{st.name} stages", family not in STAGE_FAMILIES),
-                                        (f"{st.name} stages on one data-parallel rank",
-                                         st.fsdp2 and shard <= 1),
-                                        (f"{sched} schedules", v > 1),
-                                        ("stages under autocast", regime == "autocast"),
-                                        (f"more than {MAX_MICROBATCHES} micro-batches", M > MAX_MICROBATCHES),
-                                        (f"stages of more than {MAX_LAYERS} layers", m.layers > MAX_LAYERS))
-                   if applies]
-            notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator "
-                         "replay of " + ", nor of ".join(why) + ")")
+    notes, replay_args = _stage_notes_and_replay(train, st, stage, m, world, shard, regime, device, workspace)
     return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace,
                           replay_args, footprint=fp)
 
