@@ -66,6 +66,69 @@ DDP_FIRST_BUCKET_BYTES = 1 * 2**20  # dist._DEFAULT_FIRST_BUCKET_BYTES
 
 # -- the walk ------------------------------------------------------------------------------------
 
+def _replica_walk(snap, train, st, m, act, lay, notes: list, pb: int, gb: int, later: bool, L: int, v: int, h: int,
+                  ev: int, acts_fwd: int, acts_bwd: int, loss_bwd_tmp: int, head_bwd: int, head_acts: int,
+                  head_elems: int, first_acts: int, outside_first: int, last_acts: int, outside_last: int,
+                  freed: int, blk_tmp: int, wgrad_elems: int, blk_bwd, opt_tmp: int) -> tuple[int, int]:
+    """The walk's phases for a full replica per rank (single, DDP, ZeRO-1): forward, the loss's and the head's
+    backward, the first and last blocks' backward, the optimizer step, each instant taken by `snap` (bytes).
+    Returns (the parameters' bytes, DDP's gradient buckets' bytes)."""
+    params = lay.total * pb
+    buckets = 0 if not st.distributed else lay.total * gb
+    base_comm = buckets
+    # Gradient accumulation, synced or not: every parameter's unsharded .grad is alive from the first
+    # micro-step's backward to the optimizer step; AccumulateGrad adds each later gradient in place
+    # (torch/csrc/autograd/functions/accumulate_grad.h `accumulateGrad`: `variable_grad += new_grad`
+    # outside grad mode), so the new gradient is the same transient as at grad_accum=1. DDP's reducer
+    # all-reduces a bucket copy and copies it back into .grad (`Reducer::copy_bucket_to_grad`).
+    if later:
+        notes.append("gradient accumulation keeps every parameter's gradient between micro-steps")
+        carried, snap_inner = lay.total * gb, snap
+
+        def snap(phase, grads=0, **parts):  # noqa: F811 -- every .grad of a later micro-step is alive
+            snap_inner(phase, grads=max(grads, carried) if phase != "optimizer" else grads, **parts)
+    snap("forward", activations=acts_fwd)
+    snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
+    if head_bwd:  # the head's weight gradient: .grad, or (tied; or a later micro-step's, before its add)
+        # waiting in autograd's input buffer
+        w_head = v * h * gb
+        pending = m.tie_embeddings or later
+        snap("backward", activations=head_acts, grads=0 if pending else w_head,
+             temporaries=head_bwd + (w_head if pending else 0))
+    # First block's MLP backward: the head's gradient exists, every block's activations live.
+    # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
+    # AccumulateGrad runs; so does a tied head's, until the embedding's half arrives.
+    head_in_buf = head_elems * gb if m.tie_embeddings else 0
+    # Last block (block 0): every gradient but the embedding's and most of block 0's.
+    emb = v * h + (m.max_positions * h if m.position == "learned" else 0)
+    grads_last = (lay.total - emb - lay.block) * gb
+    if not ev:
+        snap("backward", activations=first_acts + outside_first - freed,
+             grads=head_elems * gb - head_in_buf, temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
+        snap("backward", activations=last_acts + outside_last - freed, grads=grads_last,
+             temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
+    for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
+        fr, tmp = blk_bwd(j)
+        snap("backward", activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
+             grads=grads_last if j == 0 else head_elems * gb - head_in_buf + (L - 1 - j) * lay.block * gb,
+             temporaries=tmp + wgrad_elems * gb + head_in_buf)
+    if m.tie_embeddings:
+        # The embedding's backward, the step's last: its dense (V x h) gradient is made while the tied
+        # head's half still waits in autograd's input buffer, and the two are summed there
+        # (`InputBuffer::accumulate`) before the parameter's one AccumulateGrad runs. Measured (CPU
+        # probe of a tied Gemma-2 with a 64k vocabulary, torch 2.13, and the trace on fake tensors):
+        # three V x h gradients alive at once beside every other parameter's, the peak of a
+        # large-vocabulary model (-13% without this instant).
+        snap("backward", activations=act.inputs, grads=(lay.total - emb) * gb, temporaries=3 * v * h * gb)
+    # Tensor parallelism: the vocabulary-sharded embedding's gradient is the whole vocabulary on every
+    # TP rank, a Replicate DTensor: DTensor's `embedding_dense_backward` strategies
+    # (`tensor/_ops/_embedding_ops.py`) have no row-sharded output, so the replicated incoming
+    # gradient gives a replicated (V x h) weight gradient; `.grad` keeps that placement.
+    emb_full = (m.vocab - v) * h * gb if train.tp > 1 else 0
+    snap("optimizer", grads=lay.total * gb + emb_full, temporaries=opt_tmp)
+    return params, base_comm
+
+
 def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
                     device: str = "cuda", backend: str = "nccl", gpu_name: str | None = None,
                     init: str = "meta") -> MemoryEstimate:
@@ -244,59 +307,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         head_acts -= v * h * cb + n_tok * h * cb
     every = train.sync_every
     if not st.fsdp:
-        params = lay.total * pb
-        buckets = 0 if not st.distributed else lay.total * gb
-        base_comm = buckets
-        # Gradient accumulation, synced or not: every parameter's unsharded .grad is alive from the first
-        # micro-step's backward to the optimizer step; AccumulateGrad adds each later gradient in place
-        # (torch/csrc/autograd/functions/accumulate_grad.h `accumulateGrad`: `variable_grad += new_grad`
-        # outside grad mode), so the new gradient is the same transient as at grad_accum=1. DDP's reducer
-        # all-reduces a bucket copy and copies it back into .grad (`Reducer::copy_bucket_to_grad`).
-        if later:
-            notes.append("gradient accumulation keeps every parameter's gradient between micro-steps")
-            carried, snap_inner = lay.total * gb, snap
-
-            def snap(phase, grads=0, **parts):  # noqa: F811 -- every .grad of a later micro-step is alive
-                snap_inner(phase, grads=max(grads, carried) if phase != "optimizer" else grads, **parts)
-        snap("forward", activations=acts_fwd)
-        snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
-        if head_bwd:  # the head's weight gradient: .grad, or (tied; or a later micro-step's, before its add)
-            # waiting in autograd's input buffer
-            w_head = v * h * gb
-            pending = m.tie_embeddings or later
-            snap("backward", activations=head_acts, grads=0 if pending else w_head,
-                 temporaries=head_bwd + (w_head if pending else 0))
-        # First block's MLP backward: the head's gradient exists, every block's activations live.
-        # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
-        # AccumulateGrad runs; so does a tied head's, until the embedding's half arrives.
-        head_in_buf = head_elems * gb if m.tie_embeddings else 0
-        # Last block (block 0): every gradient but the embedding's and most of block 0's.
-        emb = v * h + (m.max_positions * h if m.position == "learned" else 0)
-        grads_last = (lay.total - emb - lay.block) * gb
-        if not ev:
-            snap("backward", activations=first_acts + outside_first - freed,
-                 grads=head_elems * gb - head_in_buf, temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
-            snap("backward", activations=last_acts + outside_last - freed, grads=grads_last,
-                 temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
-        for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
-            fr, tmp = blk_bwd(j)
-            snap("backward", activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
-                 grads=grads_last if j == 0 else head_elems * gb - head_in_buf + (L - 1 - j) * lay.block * gb,
-                 temporaries=tmp + wgrad_elems * gb + head_in_buf)
-        if m.tie_embeddings:
-            # The embedding's backward, the step's last: its dense (V x h) gradient is made while the tied
-            # head's half still waits in autograd's input buffer, and the two are summed there
-            # (`InputBuffer::accumulate`) before the parameter's one AccumulateGrad runs. Measured (CPU
-            # probe of a tied Gemma-2 with a 64k vocabulary, torch 2.13, and the trace on fake tensors):
-            # three V x h gradients alive at once beside every other parameter's, the peak of a
-            # large-vocabulary model (-13% without this instant).
-            snap("backward", activations=act.inputs, grads=(lay.total - emb) * gb, temporaries=3 * v * h * gb)
-        # Tensor parallelism: the vocabulary-sharded embedding's gradient is the whole vocabulary on every
-        # TP rank, a Replicate DTensor: DTensor's `embedding_dense_backward` strategies
-        # (`tensor/_ops/_embedding_ops.py`) have no row-sharded output, so the replicated incoming
-        # gradient gives a replicated (V x h) weight gradient; `.grad` keeps that placement.
-        emb_full = (m.vocab - v) * h * gb if train.tp > 1 else 0
-        snap("optimizer", grads=lay.total * gb + emb_full, temporaries=opt_tmp)
+        params, base_comm = _replica_walk(snap, train, st, m, act, lay, notes, pb, gb, later, L, v, h, ev, acts_fwd,
+                                          acts_bwd, loss_bwd_tmp, head_bwd, head_acts, head_elems, first_acts,
+                                          outside_first, last_acts, outside_last, freed, blk_tmp, wgrad_elems,
+                                          blk_bwd, opt_tmp)
     else:
         ud = cb if prec.mixed else pb  # dtype of unsharded parameters and of their gradients
         rb = 4 if prec.mixed else gb  # reduce_dtype
