@@ -29,6 +29,42 @@ the recorded traces check: a plain stage module, DDP with no_sync until the last
 with PP, sharded over more than one rank). ZeRO-1 stages keep the margin (pp.PP_STRATEGIES: no FSDP1)."""
 
 
+def _stage_construction_events(E: _Events, train: TrainConfig, st, m, first: bool, last: bool, world: int,
+                               shard: int, lay) -> tuple[list, list, list]:
+    """A stage's construction (as allocation_events'): its parameters, DDP's broadcast and first bucket,
+    FSDP2's shards, then the batch's token ids (first stage) and targets (last stage). Returns (the elements
+    of the parameters or shards this rank owns, DDP's gradient buckets, each optimizer state's bytes)."""
+    family = st.family
+    fsdp2 = st.fsdp2
+    L = m.layers
+    n = train.micro_batch * train.seq_len
+    M = train.pp_microbatches
+    pb, gb = train.prec.param_bytes, train.prec.grad_bytes
+    root_shapes, block_shapes, _, _, _ = unit_sizes(m)
+    n_embed = (1 + (m.position == "learned")) if first else 0
+    embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
+    units = [list(embed_shapes)] + [list(block_shapes)] * L + [list(head_shapes)]
+    full = [[E.a(prod(s) * pb) for s in u] for u in units]
+    if fsdp2:
+        owned = _fsdp2_construct(E, units, full, shard, pb)
+    else:
+        owned = [prod(s) for u in units for s in u]
+    buckets: list = []
+    if family == DDP and world > 1:
+        _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
+        buckets = [E.a(lay.total * gb)]
+    st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
+    st_total = st_elems * pb + int(st_extra)
+    per_param = 1 if train.optimizer == "sgd-momentum" else 2
+    owned_sum = sum(owned) or 1
+    state_sizes = [st_total * s // owned_sum // per_param for s in owned for _ in range(per_param)] if st_total else []
+    if first:
+        E.a(M * n * 8)  # the batch's token ids
+    if last:
+        E.a(M * n * 8)  # its targets
+    return owned, buckets, state_sizes
+
+
 @_collector_paused
 def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int, shard: int,
                             device: str = "cuda", workspace: int = 0, steps: int = 2) -> list:
@@ -102,25 +138,7 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
 
     # -- construction: the stage's parameters; DDP's broadcast and first bucket, FSDP2's shards (as
     # allocation_events)
-    units = [list(embed_shapes)] + [list(block_shapes)] * L + [list(head_shapes)]
-    full = [[E.a(prod(s) * pb) for s in u] for u in units]
-    if fsdp2:
-        owned = _fsdp2_construct(E, units, full, shard, pb)
-    else:
-        owned = [prod(s) for u in units for s in u]
-    buckets: list = []
-    if family == DDP and world > 1:
-        _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
-        buckets = [E.a(lay.total * gb)]
-    st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
-    st_total = st_elems * pb + int(st_extra)
-    per_param = 1 if train.optimizer == "sgd-momentum" else 2
-    owned_sum = sum(owned) or 1
-    state_sizes = [st_total * s // owned_sum // per_param for s in owned for _ in range(per_param)] if st_total else []
-    if first:
-        E.a(M * n * 8)  # the batch's token ids
-    if last:
-        E.a(M * n * 8)  # its targets
+    owned, buckets, state_sizes = _stage_construction_events(E, train, st, m, first, last, world, shard, lay)
 
     blk_saved = _split(act.per_block, _block_saved_shapes(strain, regime, n, device))
     kept = act.blocks_total // L if L else 0
