@@ -60,7 +60,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from .activations import regime_for
-from .comm import _interconnect
+from .nccl_model import _interconnect
 from .config import Cluster, TrainConfig, check_tp, checkpoint_every, fsdp2_grads_in_reduce_dtype
 from .model import TPRankSpec
 from .strategies import REGISTRY, SINGLE
