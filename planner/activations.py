@@ -109,6 +109,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .config import TrainConfig, checkpoint_every
+from .strategies import FSDP1, FSDP2
 
 
 def regime_for(train: TrainConfig, family: str) -> str:
@@ -116,7 +117,7 @@ def regime_for(train: TrainConfig, family: str) -> str:
     p = train.prec
     if not p.mixed:
         return "fp32" if p.compute_bytes == 4 else "lowp"
-    return "lowp" if family in ("fsdp1", "fsdp2") else "autocast"
+    return "lowp" if family in (FSDP1, FSDP2) else "autocast"
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,16 +75,28 @@ saves, models over MAX_LAYERS.
 
 from __future__ import annotations
 
-from functools import lru_cache, wraps
+from functools import lru_cache
 from math import prod
 
-from .activations import (_hf_attention_parts, _hf_mask, _hf_sdpa_backend, _mlp_parts, _norm_parts, activations_in,
-                          block_saved, hf_eager, hf_output_copied, regime_for, sdpa_math, sp_tokens)
-from .allocator import alloc_rounding, collector_paused, replay_fit, replay_peaks
+from .activations import _norm_parts, activations_in, regime_for, sp_tokens
+from .allocator import alloc_rounding, replay_fit, replay_peaks
+from .block_backward import _block_backward_peak
+from .block_trace import _block_saved_shapes, _compiled, _consumed, _grads_by_peak, _split, block_program
+# The other writers (a traced module's run, a pipeline stage, a checkpoint save) live in their own modules
+# above the shared pieces (trace_events.py, block_trace.py); importers of alloc_trace keep finding them here.
+from .checkpoint_trace import CHECKPOINT_REPLAY_MODES, CHECKPOINT_REPLAY_STRATEGIES, checkpoint_events  # noqa: F401
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
-from .config import TrainConfig, fsdp2_reduce_keeps_last_grad, pp_recv_buffers_per_receive
-from .model import unit_sizes
-from .strategies import REGISTRY, get_strategy
+from .config import TrainConfig
+from .logged_trace import (LOGGED_FAMILIES, LOGGED_FSDP1, LOGGED_FSDP2, LOGGED_OPTIMIZERS,  # noqa: F401
+                           _built_and_cast, logged_fsdp1_events, logged_fsdp2_events, logged_step_events)
+from .model import ModelSpec, unit_sizes
+from .stage_trace import (STAGE_FAMILIES, _stage_reserved_peak, _stage_reserved_peak_within,  # noqa: F401
+                          stage_allocation_events, stage_reserved_peak, stage_reserved_peak_within)
+from .state_layout import _opt_state, layout, zero1_owned_shapes
+from .strategies import FSDP1, FSDP2, REGISTRY, get_strategy
+from .trace_events import (MEASURED_STEPS, WARMUP_STEPS, _adam_temporaries, _broadcast_coalesced,  # noqa: F401
+                           _collector_paused, _Events, _fsdp2_construct, _fsdp2_copy_out, _fsdp2_gather,
+                           _fsdp2_post_backward, _fsdp2_unshard, _logged_optimizer_step)
 
 MAX_MICROBATCHES = 64
 """Pipeline stages with more micro-batches per step are not replayed (GPipe writes every micro-batch's
@@ -93,594 +105,24 @@ MAX_LAYERS = 160
 """Deeper models are not replayed (the work grows with the layers): 160 covers the deepest published
 dense models (Llama-3.1-405B 126 layers, PaLM 540B 118, GPT-3 96); beyond it the reserved peak is the
 margin (memory.RESERVED_MARGIN) and the output says so."""
-WARMUP_STEPS = 2  # validate/probe.py: optimizer state, FSDP lazy init, DDP's bucket rebuild
-MEASURED_STEPS = 1
-"""Later steps repeat the second one's allocations, but the caching allocator settles only by the third step's
-end (the second is the first with optimizer state): after it a long run reserves no more, with the default
-allocator and with expandable segments; under max_split_size_mb up to 1% more by the fifth
-(tests/test_alloc_trace.py test_three_steps_reach_a_long_runs_reserved_peak)."""
 
 
-def _collector_paused(write):
-    """`write` (an event writer) under allocator.collector_paused, as allocator.replay runs: a trace is
-    thousands of new tuples, which would trigger a collection every 700 of them and now and then a full one
-    over every object of the process (14 ms of a cold 7B estimate's 230 on the 2-core VM); they hold no
-    cycles, so nothing is left to collect. The collector looks at them once, after."""
-
-    @wraps(write)
-    def paused(*args, **kwargs):
-        with collector_paused():
-            return write(*args, **kwargs)
-    return paused
-
-
-class _Events:
-    """An event list with handles: `a(size, stream)` returns a key, `f(key)` frees it."""
-
-    __slots__ = ("ev", "n")
-
-    def __init__(self) -> None:
-        self.ev: list = []
-        self.n = 0
-
-    def a(self, size: int, stream: int = 0) -> int:
-        self.n += 1
-        self.ev.append(("alloc", self.n, int(size), stream))
-        return self.n
-
-    def f(self, *keys) -> None:
-        for k in keys:
-            if k is not None:
-                self.ev.append(("free", k))
-
-    def put(self, template: tuple, count: int, x: int) -> int:
-        """`_compiled` events, the input's key `x`: returns the base its keys count from."""
-        base = self.n
-        self.ev.extend([("alloc", base + i, size, 0) if size is not None else ("free", base + i if i else x)
-                        for size, i in template])
-        self.n = base + count
-        return base
-
-
-BROADCAST_BUCKET = 250 << 20
-"""DistributedDataParallel's `broadcast_bucket_size` (torch/nn/parallel/distributed.py: int(250 * 1024 * 1024))."""
-
-
-def _broadcast_coalesced(E: _Events, sizes) -> None:
-    """DistributedDataParallel.__init__'s `_sync_module_states`: the module's states (its parameters, then
-    its buffers: `sizes`, the bytes of each) broadcast from rank 0 by `_broadcast_coalesced`
-    (torch/csrc/distributed/c10d/comm.cpp `broadcast_coalesced`). `compute_bucket_assignment_by_size`
-    (reducer.cpp) fills a bucket in order until it holds at least BROADCAST_BUCKET bytes; each bucket's
-    BroadcastWork flattens its tensors into one new tensor (`flatten_dense_tensors`: `at::cat`, or a view of a
-    bucket's only tensor, which allocates nothing), at most 2 in flight: the third waits for the first's
-    `finish()`, which copies it back and frees it; the last two are freed in order at the end."""
-    buckets, cur, n = [], 0, 0
-    for b in sizes:
-        cur, n = cur + b, n + 1
-        if cur >= BROADCAST_BUCKET:
-            buckets.append((cur, n))
-            cur, n = 0, 0
-    if n:
-        buckets.append((cur, n))
-    flight: list = []
-    for nbytes, count in buckets:
-        if len(flight) >= 2:
-            E.f(flight.pop(0))
-        flight.append(E.a(nbytes) if count > 1 else None)
-    E.f(*flight)
-
-
-def _adam_temporaries(E: _Events, sizes, optimizer: str, impl: str) -> None:
-    """Adam(W)'s step temporaries over parameters of `sizes` bytes: `_multi_tensor_adam`'s exp_avg_sq_sqrt,
-    one per parameter at once (foreach), or `_single_tensor_adam`'s two at a time per parameter (for-loop);
-    the fused kernel and the other optimizers make none."""
-    if optimizer in ("adam", "adamw"):
-        if impl == "foreach":
-            E.f(*[E.a(n) for n in sizes])
-        elif impl == "for-loop":
-            for n in sizes:
-                E.f(E.a(n), E.a(n))
-
-
-def _logged_optimizer_step(E: _Events, states: list, owned, optimizer: str, impl: str) -> None:
-    """A traced module's optimizer step (torch/optim/adam.py, sgd.py) over parameters of `owned` bytes: in the
-    first step `_init_group` makes each one's state into `states` -- Adam(W) `exp_avg` and `exp_avg_sq`
-    (fused: a 4-byte `step` on the device before them), SGD with momentum the `momentum_buffer` -- then
-    Adam's step temporaries (`_adam_temporaries`)."""
-    if not states:
-        for n in owned:
-            if optimizer in ("adam", "adamw"):
-                if impl == "fused":
-                    states.append(E.a(4))
-                states.extend((E.a(n), E.a(n)))
-            elif optimizer == "sgd-momentum":
-                states.append(E.a(n))
-    _adam_temporaries(E, owned, optimizer, impl)
-
-
-@lru_cache(maxsize=256)
-def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda", grad: bool = False) -> tuple | None:
-    """One block's forward op by op: ("a", name, bytes) allocates, ("f", *names) frees, ("w", (i, ...)) makes
-    the 16-bit cast under autocast of the Linear made of the block's i-th, ... 2-D weights (one for a fused
-    projection; autocast_mode.cpp `cached_cast`: kept in its cache).
-    "x" is the block's input (never allocated here), "out" its output (the next block's input). Every
-    intermediate goes as soon as nothing refers to it: Python drops a temporary after the op that reads it and
-    a local when the function returns or rebinds it; the caller holds the input until the block returns.
-
-    `grad=False`: a checkpointed block's forward, which runs without saving (`torch.utils.checkpoint`,
-    non-reentrant: the forward under no_grad). `grad=True`: what autograd saves is not freed, and the last op
-    is ("s", *names): the saved tensors in the order `_block_saved_shapes` lists them (the input itself first
-    where the first norm's `x.float()` is it: fp32 hidden states), whose bytes add up to
-    activations.block_saved's. ("stop",) comes where the last tensor is saved (the MLP's output projection's
-    input, which the mm's autograd saves before the mm runs): a checkpointed block's recomputation ends there
-    (non-reentrant checkpoint's early stop, `torch.utils.checkpoint` `_StopRecomputationError`, on by default),
-    its temporaries dropped.
-
-    None where the block is not written so (the writer then puts down its saved tensors as one burst): tensor
-    or context parallelism, a transformers model's LayerNorm (GPT-2), sandwich norms, q/k norms, dropout, eager
-    attention or SDPA's math backend, GELU-new, partial rotary embeddings.
-
-    Followed from transformers' modeling code (modeling_llama.py `LlamaRMSNorm.forward`, `LlamaAttention.
-    forward`, `apply_rotary_pos_emb`/`rotate_half`, `LlamaMLP.forward`, `LlamaDecoderLayer.forward`;
-    integrations/sdpa_attention.py `sdpa_attention_forward` with `repeat_kv`; modeling_phi3.py's fused
-    projections and its `torch.cat([..., q_pass])`) and from validate/model.py for the reference decoder; the
-    order and sizes are those a TorchDispatchMode sees under no_grad on the CPU (Llama fp32, bf16, autocast;
-    Mistral with a materialized mask; Phi-3). What autograd saves: each op's derivatives.yaml formula (mul
-    saves the other factor only where it requires grad, so RoPE's `q * cos` saves the table, not q; rsqrt
-    its result; silu its input; mm its input). Autocast casts a Linear's weight (cached) and then its fp32
-    input; SDPA's bool mask becomes a float one inside the call (attention.cpp `convert_boolean_attn_mask`);
-    the flash kernels return a logsumexp (saved for backward, else dropped by the Python call), the
-    memory-efficient one computes none without grad (`compute_log_sumexp`). Left out: autocast's cached casts of
-    the biases (Qwen2's q/k/v, the reference decoder's GPT-2 style), 1-D and small-pool sized."""
-    m = train.model
-    hf = bool(m.hf_model_type)
-    if (train.tp > 1 or train.cp > 1 or train.sequence_parallel or (hf and m.norm != "rmsnorm") or m.sandwich_norms
-            or m.qk_norm or m.attn_dropout > 0 or m.resid_dropout > 0 or m.activation == "gelu_new"
-            or train.attention != "sdpa" or (hf and hf_eager(train)) or m.final_softcap
-            or (m.rotary_dim and m.rotary_dim != m.head_dim) or m.mlp not in ("swiglu", "gelu")
-            or (m.mlp == "gelu" and hf)):
-        return None
-    if hf:
-        backend = _hf_sdpa_backend(train, regime, device)
-    elif sdpa_math(train, regime, device):
-        backend = "math"
-    else:  # the reference decoder: no fp32 flash on CUDA (activations.sdpa_math)
-        backend = "efficient" if device == "cuda" and regime == "fp32" else "flash"
-    if backend == "math":
-        return None
-    h, q, kv, f, a, hd = m.hidden, m.q_dim, m.kv_dim, m.ffn_hidden, m.heads, m.head_dim
-    b, s = train.micro_batch, train.seq_len
-    auto = regime == "autocast"
-    r = 4 if regime in ("fp32", "autocast") else 2  # the residual stream (the embedding's dtype)
-    e = 4 if regime == "fp32" else 2  # a Linear's output
-    ops: list = []
-    names = iter(range(1 << 30))
-    saved: list = []  # in `_block_saved_shapes` order
-    keep: set = set()
-    sizes = {"x": n * h * r}
-
-    def new(nbytes: int, save: bool = False) -> str:
-        k = f"t{next(names)}"
-        ops.append(("a", k, nbytes))
-        sizes[k] = nbytes
-        if save and grad:
-            saved.append(k)
-            keep.add(k)
-        return k
-
-    def free(*keys) -> None:
-        gone = tuple(k for k in keys if k is not None and k not in keep)
-        if gone:
-            ops.append(("f",) + gone)
-
-    def save(k: str) -> None:
-        if grad:
-            saved.append(k)
-            keep.add(k)
-
-    def norm(x: str, x_bytes: int) -> str:
-        if m.norm == "layernorm":
-            # F.layer_norm -> native_layer_norm: its output, then mean and rstd (fp32 on CUDA, the input's dtype
-            # on the CPU: activations._norm_parts), which it saves with its input; the output in the input's
-            # dtype (autocast runs it in fp32: the residual stream is fp32 there)
-            save(x)
-            stat = 4 if device == "cuda" else x_bytes
-            out = new(n * h * x_bytes)
-            mean, rstd = new(n * stat, True), new(n * stat, True)
-            free(mean, rstd)
-            if not auto:
-                save(out)
-            return out
-        # x.float() (a copy of a 16-bit input; pow and mul save it), pow(2), mean, + eps, rsqrt (saved),
-        # x * rstd (saved by `weight *`; in 16 bits its cast is), .to(input dtype), * weight
-        xf = new(n * h * 4, True) if x_bytes != 4 else None
-        if xf is None:
-            save(x)
-        pw = new(n * h * 4)
-        var = new(n * 4)
-        free(pw)
-        ve = new(n * 4)
-        if not hf:  # validate/model.py: the mean is a temporary of the `+ eps`
-            free(var)
-        rs = new(n * 4, True)
-        free(ve)
-        xn = new(n * h * 4, x_bytes == 4)
-        free(rs)
-        if xf:
-            free(xf)
-        if x_bytes != 4:
-            xc = new(n * h * 2, True)
-            out = new(n * h * 2, True)
-            free(xc, xn)
-        else:
-            out = new(n * h * 4, not auto)  # under autocast each Linear saves its own 16-bit cast instead
-            free(xn)
-        if hf:  # LlamaRMSNorm's `variance`, a local to the return
-            free(var)
-        return out
-
-    def linear(out_elems: int, weights: tuple, fp32_input: bool, save_out: bool, last: bool = False) -> str:
-        # `last`: the mm's autograd saves its input before it runs (VariableType), the block's last save
-        c = None
-        if auto:
-            ops.append(("w", weights))
-            c = new(n * h * 2, True) if fp32_input else None  # saved by the mm
-        if last:
-            ops.append(("stop",))
-        y = new(n * out_elems * (2 if auto else e), save_out)
-        free(c)
-        return y
-
-    # attention
-    n1 = norm("x", r)
-    fused = m.fused_qkv
-    rope = m.position == "rope"
-    if fused:
-        qkv = linear(q + 2 * kv, (0, 1, 2), True, True)  # v is a view of it: SDPA keeps the whole buffer
-        qk, kk, vk = None, None, qkv
-    else:
-        qk = linear(q, (0,), True, False)
-        kk = linear(kv, (1,), True, False)
-        vk = None
-    cos_sin = []
-    rr = r if hf else e  # q * cos: HF's tables are in the embedding's dtype (fp32 under autocast), ours in q's
-    q_bytes = k_bytes = e
-    embedded = []
-    mask = hf and _hf_mask(train)
-    repeated = mask and kv < q  # `repeat_kv`: SDPA saves the repeated K/V instead
-    if not fused:
-        vk = linear(kv, (2,), True, False)
-    if rope and not hf and e != 4:  # validate/model.py `cos.to(q.dtype)`: a per-block copy of each table,
-        cos_sin = [new(s * hd * e, True), new(s * hd * e, True)]  # which `q * cos` saves
-    for width, src in ((q, qk), (kv, kk)):
-        if not rope:
-            break
-        c1 = new(n * width * rr)
-        ng = new(n * width // 2 * e)
-        ct = new(n * width * e)
-        free(ng)
-        c2 = new(n * width * rr)
-        free(ct)
-        emb = new(n * width * rr)
-        free(c1, c2)
-        if m.hf_model_type == "phi3":  # torch.cat([rotated, q_pass], dim=-1)
-            cat = new(n * width * rr)
-            free(emb)
-            emb = cat
-        if not hf and src is not None:  # `q = q * cos + rotate_half(q) * sin` rebinds q
-            free(src)
-        embedded.append(emb)
-    if rope:
-        if hf and not fused:  # `query_states, key_states = apply_rotary_pos_emb(...)` rebinds both
-            free(qk, kk)
-        q_bytes = k_bytes = rr
-        qe, ke = embedded
-    else:
-        qe, ke = qk, kk
-    # sdpa_attention_forward: K/V repeated to every head where a mask is passed (`repeat_kv`), then SDPA
-    temps = []
-    q_in, k_in, v_in = qe, ke, vk
-    if repeated:
-        k_in, v_in = new(n * q * k_bytes), new(n * q * e)
-        temps += [k_in, v_in]
-    if auto:  # SDPA is on autocast's lower-precision list: fp32 q (and k) cast, k first
-        if k_bytes == 4:
-            k_in = new(sizes[k_in] // 2)
-            temps.append(k_in)
-        if q_bytes == 4:
-            q_in = new(n * q * 2)
-            temps.append(q_in)
-    for k in (q_in, k_in) + (() if fused and not repeated else (v_in,)):  # what SDPA saves (v: a view of qkv)
-        save(k)
-    if mask:  # `where(mask, 0, -inf)`: the two scalars, then the float mask
-        me = 2 if auto else e
-        sc = (new(me), new(me))
-        mc = new(b * s * s * me)
-        free(*sc)
-        temps.append(mc)
-    es = 2 if auto else e
-    y = new(n * q * es, True)
-    if backend == "flash" or grad:
-        free(new(n * a * 4, True))  # logsumexp
-    if mask:
-        save(mc)
-    free(*temps)
-    if hf_output_copied(train, device, backend):
-        yc = new(n * q * es, True)  # `.transpose(1, 2).contiguous()` of a (B, nh, S, hd) output
-        free(y)
-        y = yc
-    o = linear(h, (3,), False, False)
-    free(y, *(x for x in (qe, ke) if rope), *([qkv] if fused else [vk] if rope else [qk, kk, vk]), *cos_sin)
-    free(n1)
-    x1 = new(n * h * r)
-    free(o)
-    # MLP
-    n2 = norm(x1, r)
-    if m.mlp == "gelu":  # the reference decoder's F.gelu(fc(x), approximate="tanh")
-        fc = linear(f, (4,), True, True)
-        g = new(n * f * e, True)
-        free(fc)
-        d = linear(h, (5,), False, False, last=True)
-        free(g)
-    elif m.fused_gate_up:
-        gu = linear(2 * f, (4, 5), True, True)
-        sl = new(n * f * e, True)
-        p = new(n * f * e, True)
-        free(sl)
-        d = linear(h, (6,), False, False, last=True)
-        free(p, gu)
-    else:
-        g = linear(f, (4,), True, True)
-        sl = new(n * f * e)
-        free(g)
-        u = linear(f, (5,), True, True)
-        save(sl)  # listed gate, up, silu(gate), product
-        p = new(n * f * e, True)
-        free(sl, u)
-        d = linear(h, (6,), False, False, last=True)
-        free(p)
-    free(n2)
-    ops.append(("a", "out", n * h * r))
-    free(d, x1)
-    if grad:
-        free("x")
-        ops.append(("s",) + tuple(saved))
-        if sum(sizes[k] for k in saved) != block_saved(train, regime, device):
-            return None
-    return tuple(ops)
-
-
-@lru_cache(maxsize=256)
-def _compiled(ops: tuple, cast_sizes: tuple, x_size: int, recompute: bool = False) -> tuple:
-    """`block_program` ops as the events `_Events.put` writes in one go (what writing them one by one would:
-    keys in allocation order): (template, count, out, saved, saved bytes, casts, unwind), where a template entry
-    (bytes, i) allocates the block's i-th key (1-based) and (None, i) frees it, 0 being the input; `out` the
-    output's key, `saved` / `casts` those of the saved tensors and of the weight casts. `recompute`: to the early
-    stop, `unwind` then the keys of what is not saved (the temporaries it drops)."""
-    idx: dict = {"x": 0}
-    sizes = {"x": x_size}
-    template: list = []
-    casts: list = []
-    count = 0
-    for op in ops:
-        kind = op[0]
-        if kind in ("a", "w"):
-            count += 1
-            name = op[1] if kind == "a" else ("w", count)
-            idx[name] = count
-            sizes[name] = op[2] if kind == "a" else sum(cast_sizes[i] for i in op[1])
-            template.append((sizes[name], count))
-            if kind == "w":
-                casts.append(count)
-        elif kind == "f":
-            template.extend((None, idx.pop(k)) for k in op[1:])
-        elif kind == "stop" and recompute:
-            break
-    names = ops[-1][1:] if ops[-1][0] == "s" else ()
-    unwind = tuple(i for k, i in idx.items() if recompute and k != "x" and k not in names and i not in casts)
-    return (tuple(template), count, idx.get("out"), tuple(idx[k] for k in names), tuple(sizes[k] for k in names),
-            tuple(casts), unwind)
-
-
-def _split(total: int, parts: list[int]) -> list[int]:
-    """`parts` (the shapes' bytes) scaled so they add up to `total` (the planner's bytes): the largest
-    part absorbs the difference when it is small, else every part is scaled."""
-    if total <= 0:
-        return []
-    s = sum(parts)
-    if s <= 0:
-        return [total]
-    if s <= total:
-        return parts + ([total - s] if total - s >= 512 else [])
-    k = total / s
-    return [max(1, int(p * k)) for p in parts]
-
-
-def _consumed(sizes: list[int], freed: int, rest: int = 0) -> int:
-    """Index of the first of `sizes`' last entries that add up to at most `freed` bytes (the saved tensors a
-    block's backward has consumed by its peak, backward running from the block's end); `rest` trailing entries
-    (`_split`'s remainder) are not counted."""
-    cut, got = len(sizes) - rest, 0
-    while cut > 0 and got + sizes[cut - 1] <= freed:
-        cut -= 1
-        got += sizes[cut]
-    return cut
-
-
-def _grads_by_peak(shapes, elems: int) -> list[int]:
-    """Indices into a block's parameter `shapes` (registration order) of the weight gradients made by the block
-    backward's peak: its last Linears' (the MLP's output projection first) while they add up to at most
-    `elems` (memory._block_backward_peak's weight-gradient elements)."""
-    out, got = [], 0
-    for i in reversed(range(len(shapes))):
-        if len(shapes[i]) != 2:
-            continue
-        if got + prod(shapes[i]) > elems:
-            break
-        out.append(i)
-        got += prod(shapes[i])
-    return sorted(out)
-
-
-def _block_saved_shapes(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> list[int]:
-    """The tensors one block keeps for backward, in the order forward makes them (bytes of each); what is not
-    listed is the last entry (`_split`: dropout masks, Qwen3's q/k norms, per-block RoPE tables, the math
-    and eager attention's scores).
-
-    A transformers model: the tensors activations.py counts, read from it one by one: each norm's saved
-    input, rsqrt and x*rstd and its output as each Linear after it saves it (under autocast, one 16-bit cast
-    per Linear; `activations._norm_parts`); SDPA's q, k, v (repeated to every head where transformers passes
-    a mask), output, logsumexp and mask (`_hf_attention_parts`); the MLP's (`_mlp_parts`). Eager attention,
-    SDPA's math backend and a fused q/k/v projection keep the coarse list. Against the trace's own
-    run at real size (16 ranks, 4096 tokens; Mistral, Llama-3, Qwen2.5, Qwen3, Phi-3; 72 strategy x model
-    rows) the analytic reserved peak moved from median |1.0|% (ZeRO-1 and DDP 3-7% under, where the
-    remainder was one tensor of up to 304 MiB) to 0.3%, 66 of 72 within 5% (64 before); zero3 with full
-    checkpointing moved further over (+0.5 to +8 points: tests/test_hf_reserved.py REAL_SIZE). The CPU
-    recordings read by this writer: median |0.65|% -> 0.3%. The reference decoder keeps the coarser list (its
-    recorded pipeline stages agree better with it: tests/test_alloc_trace.py)."""
-    m = train.model
-    e = 4 if regime == "fp32" else 2
-    h, q, kv, f, a = m.hidden, m.q_dim, m.kv_dim, m.ffn_hidden, m.heads
-    # SwiGLU: gate, up, silu(gate), their product; GELU: fc's output and the activation's; transformers'
-    # NewGELUActivation (gelu_new) also its tanh's output, 0.5 x and 1 + tanh (activations._mlp_saved)
-    mlp = [n * f * e] * (4 if m.mlp == "swiglu" else 5 if m.activation == "gelu_new" else 2)
-    attn = [n * q * e, n * kv * e, n * kv * e, n * q * e, n * a * 4]
-    if not m.hf_model_type:
-        norm = [n * h * 4, n * 4, n * h * e] if regime != "fp32" else [n * h * 4, n * 4]
-        return norm + attn + norm + mlp
-    if (train.attention == "sdpa" and not hf_eager(train) and not m.fused_qkv
-            and _hf_sdpa_backend(train, regime, device) != "math"):
-        # (a fused projection's and the math backend's tensors one by one read further from the trace's own
-        # run: Phi-3-mini at real size, 16 ranks, full checkpointing: zero2 +5.3% -> +7.2%, ddp +1.2 -> +2.2%)
-        attn = _hf_attention_parts(train, regime, n, device)
-    attn_consumers = 1 if m.fused_qkv else 3
-    mlp_consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
-    return (_norm_parts(train, regime, n, attn_consumers, device) + attn
-            + _norm_parts(train, regime, n, mlp_consumers, device) + _mlp_parts(train, regime, n))
-
-
-def _fsdp2_construct(E: _Events, units: list, full: list, shard: int, pb: int, meta: bool = False) -> list[int]:
-    """FSDP2 construction (`fully_shard` per block, then the root: units[0] and units[-1], the embedding and
-    the head): each parameter's padded dim-0 shard (`FSDPParam._init_sharded_param`, kept for the run),
-    then its full tensor (`full`'s key) goes. Built on the meta device (`meta`), `fully_shard` allocates
-    nothing and `to_empty` materializes the shards in module order instead (`nn.Module._apply`: children
-    first, depth first: the embedding, the blocks, the final norm and the head), as the recorded CPU traces
-    show. Returns the shards' elements in parameter order."""
-    def shard_of(s):
-        return -(-s[0] // shard) * prod(s[1:])
-    L = len(units) - 2
-    for u in (range(L + 2) if meta else list(range(1, L + 1)) + [0, L + 1]):
-        for i, s in enumerate(units[u]):
-            E.a(shard_of(s) * pb)
-            E.f(full[u][i])
-    return [shard_of(s) for u in units for s in u]
-
-
-def _fsdp2_gather(E: _Events, shapes, shard: int, ud: int, mixed: bool = False) -> int:
-    """FSDP2 `foreach_all_gather`: one flat output (padded shards of every rank) on the copy-in stream.
-    Under mixed precision `_get_param_all_gather_inputs` first casts the unit's shards into one
-    `flat_foreach_copy_input` there (param_dtype), gone once the copy-in has read it."""
-    elems = sum(-(-s[0] // shard) * prod(s[1:]) for s in shapes)
-    cast = E.a(elems * ud, 1) if mixed else None
-    out = E.a(elems * shard * ud, 1)
-    E.f(cast)
-    return out
-
-
-def _fsdp2_unshard(E: _Events, shapes, shard: int, ud: int, mixed: bool = False) -> tuple[int, list[int]]:
-    """All-gather + `foreach_all_gather_copy_out`: (flat output, per-parameter unsharded tensors)."""
-    flat = _fsdp2_gather(E, shapes, shard, ud, mixed)
-    return flat, _fsdp2_copy_out(E, shapes, shard, ud)
-
-
-def _fsdp2_copy_out(E: _Events, shapes, shard: int, ud: int) -> list[int]:
-    """The unsharded parameters `foreach_all_gather_copy_out` copies into: `FSDPParam.init_all_gather_outputs`
-    makes each one of its padded shard's numel x the shard group's ranks (_fsdp_param.py), the parameter
-    being an `as_strided` view of it, so a parameter whose dim 0 does not divide by the ranks (a MoE's
-    experts: 4 rows over 8 ranks) holds its padding too."""
-    return [E.a(-(-s[0] // shard) * prod(s[1:]) * shard * ud if s else ud) for s in shapes]
-
-
-def _fsdp2_post_backward(E: _Events, u, g: list, params: list, rs_kept, unsharded: int, sharded: int, shapes,
-                         *, sync: bool, reshard: bool, mixed: bool, rb: int, acc: dict, saved: dict,
-                         grads: list, last_grad_late: bool = False):
-    """FSDP2 `post_backward` (_fsdp_param_group.py) of unit `u`: `accumulate_unsharded_grad_if_needed`
-    adds a new 16-bit gradient `g` to the kept reduce_dtype one (`acc`); without sync, reshard (unless
-    `reshard` is off: set_reshard_after_backward(False)) and keep the gradients
-    (`to_accumulated_grad_if_needed` upcasts them under mixed precision: the copy of each of `shapes`,
-    then the 16-bit one goes); else collect, reshard, drop the previous reduce-scatter input, then
-    `foreach_reduce`: its input, the new shard (added to `sharded_param.grad` if one is kept, `saved`:
-    `to_accumulate_grad`; else appended to `grads`). `last_grad_late`: the unit's last
-    gradient outlives the copy-in's `unsharded_grads.clear()` until `foreach_reduce` returns (its loop over
-    `zip(fsdp_params, unsharded_grads)` leaves it in `unsharded_grad` when the shard group has more than one
-    rank). Returns the reduce-scatter input now kept."""
-    if u in acc:
-        E.f(*g)
-        g = []
-    if not sync:
-        if reshard:
-            E.f(*params)
-        if u not in acc:
-            if mixed:
-                up = []
-                for x, s in zip(g, shapes):
-                    up.append(E.a(prod(s) * rb))
-                    E.f(x)
-                g = up
-            acc[u] = g
-        return rs_kept
-    collected = acc.pop(u, g)
-    E.f(*params, rs_kept)
-    rs_in = E.a(unsharded * rb)  # on the compute stream: foreach_reduce allocates it before entering the RS stream
-    late = collected[-1:] if last_grad_late else []
-    E.f(*collected[:len(collected) - len(late)])
-    out = E.a(sharded * rb, 2)
-    E.f(*late)
-    if u in saved:
-        E.f(out)
-    else:
-        saved[u] = out
-        grads.append(out)
-    return rs_in
-
-
-@_collector_paused
-def allocation_events(train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
-                      backend: str = "nccl", workspace: int = 0, init: str = "device") -> list:
-    """The events of a run (construction, WARMUP_STEPS + MEASURED_STEPS steps) on the most loaded rank; see
-    the module docstring. `world`/`shard`: the data-parallel ranks and the shard group size. `init`:
-    'device' builds the whole model on the device and then wraps it (what the probes do); 'meta' builds
-    it on the meta device and materializes only this rank's parameters after wrapping (`to_empty` +
-    `init_weights`, torchtitan's way for FSDP), so no full-model copy ever exists on the device.
-    `backend` does not change the events: what only gloo allocates (reduce_scatter's split copy) is on the
-    CPU, where nothing is reserved."""
-    st = get_strategy(strategy)
-    family = st.family
+def _construction_events(E: _Events, train: TrainConfig, st, world: int, shard: int, lay, init: str) -> tuple:
+    """Construction: the model built on the device (or the meta device), the wrapper's sharding (FSDP2's
+    shards, FSDP1's flat parameters), DDP's broadcast and first bucket, and the optimizer state's sizes (made
+    lazily in the first step). Returns (DDP's gradient buckets, each optimizer state's bytes, the elements of
+    the parameters or shards this rank owns)."""
     m = train.model
     prec = train.prec
-    regime = regime_for(train, family)
-    act = activations_in(train, regime, device)
-    from .memory import _block_backward_peak, layout
-    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
+    family = st.family
     L = m.layers
-    n = train.micro_batch * train.seq_len
     t = train.tp
-    v = -(-m.vocab // t)  # one tensor-parallel rank's vocabulary (loss parallel: logits sharded over it)
-    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
-    r = 4 if regime in ("fp32", "autocast") else 2
-    e = 4 if regime == "fp32" else 2
+    pb, gb = prec.param_bytes, prec.grad_bytes
     root_shapes, block_shapes, _, _, _ = unit_sizes(m)
     n_embed = 1 + (m.position == "learned")
     embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
     sharding = shard > 1 and st.shards_params
-    fsdp = family in ("fsdp1", "fsdp2")
-    ud = (cb if prec.mixed else pb) if fsdp else pb  # unsharded parameter / gradient dtype
-    rb = 4 if prec.mixed else gb  # FSDP reduce dtype
-    ckpt = train.checkpointing != "none"
-    A, every = train.grad_accum, train.sync_every
-    E = _Events()
-
-    # -- construction -------------------------------------------------------------------------------
+    fsdp = st.fsdp
     units = [list(embed_shapes)] + [list(block_shapes)] * L + [list(head_shapes)]
     meta = init == "meta" and fsdp
     # Pure 16-bit training, built on the device: the model is made in fp32 (the factory's and transformers'
@@ -706,7 +148,6 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # `parallelize_module` (`distribute_tensor`: each sharded parameter's local chunk scattered into
         # a new tensor, the whole one dropped; replicated ones kept as they are)
         from dataclasses import fields
-        from .model import ModelSpec
         whole_spec = ModelSpec(**{f.name: getattr(m, f.name) for f in fields(ModelSpec)})
         w_root, w_block, _, _, _ = unit_sizes(whole_spec)
         w_units = [list(w_root[:n_embed])] + [list(w_block)] * L + [list(w_root[n_embed:])]
@@ -727,9 +168,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         if not meta:
             _tied_head_transient(E, m, built)
             full = cast_built(units, full)
-    if family == "fsdp2":
+    if st.fsdp2:
         param_shards = _fsdp2_construct(E, units, full, shard if sharding else 1, pb, meta)
-    elif family == "fsdp1":
+    elif st.fsdp1:
         # FlatParameter per block (ModuleWrapPolicy), the root's last; flatten, then keep a padded chunk
         order = list(range(1, L + 1)) + [0]
         for u in order:
@@ -750,7 +191,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
     else:
         param_shards = [prod(s) for u in units for s in u]
     buckets: list = []
-    if family in ("ddp", "zero1") and world > 1:
+    if st.ddp_reducer and world > 1:
         # DistributedDataParallel.__init__: `_sync_module_states` broadcasts the parameters from rank 0
         # through `_broadcast_coalesced` (buckets of at least 250 MiB, two in flight), then the Reducer's
         # first-iteration bucket holds every gradient (one bucket: limits [sys.maxsize]); rebuilt in
@@ -758,15 +199,13 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
         buckets = [E.a(lay.total * gb)]
     # optimizer: states owned by this rank (ZeRO-1: its partition; FSDP: the shards)
-    if family == "zero1" and shard > 1:
-        from .memory import zero1_owned_shapes
+    if st.zero_optimizer and shard > 1:
         owned = [prod(s) for s in zero1_owned_shapes(m, shard)]
     else:
         owned = list(param_shards)
     # The walk's optimizer-state bytes (memory._opt_state: AdamW 2 states, SGD-momentum 1, 8-bit AdamW
     # uint8 states plus block statistics, Adafactor factored rows/columns), two tensors per parameter
     # (one for SGD-momentum), in proportion to its elements.
-    from .memory import _opt_state
     st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
     st_total = st_elems * pb + int(st_extra)
     per_param = 1 if train.optimizer == "sgd-momentum" else 2
@@ -774,6 +213,46 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         st_total, owned = 0, []
     owned_sum = sum(owned) or 1
     state_sizes = [st_total * s // owned_sum // per_param for s in owned for _ in range(per_param)]
+    return buckets, state_sizes, owned
+
+
+@_collector_paused
+def allocation_events(train: TrainConfig, strategy, world: int, shard: int, device: str = "cuda",
+                      backend: str = "nccl", workspace: int = 0, init: str = "device") -> list:
+    """The events of a run (construction, WARMUP_STEPS + MEASURED_STEPS steps) on the most loaded rank; see
+    the module docstring. `world`/`shard`: the data-parallel ranks and the shard group size. `init`:
+    'device' builds the whole model on the device and then wraps it (what the probes do); 'meta' builds
+    it on the meta device and materializes only this rank's parameters after wrapping (`to_empty` +
+    `init_weights`, torchtitan's way for FSDP), so no full-model copy ever exists on the device.
+    `backend` does not change the events: what only gloo allocates (reduce_scatter's split copy) is on the
+    CPU, where nothing is reserved."""
+    st = get_strategy(strategy)
+    family = st.family
+    m = train.model
+    prec = train.prec
+    regime = regime_for(train, family)
+    act = activations_in(train, regime, device)
+    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
+    L = m.layers
+    n = train.micro_batch * train.seq_len
+    t = train.tp
+    v = -(-m.vocab // t)  # one tensor-parallel rank's vocabulary (loss parallel: logits sharded over it)
+    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
+    r = 4 if regime in ("fp32", "autocast") else 2
+    e = 4 if regime == "fp32" else 2
+    root_shapes, block_shapes, _, _, _ = unit_sizes(m)
+    n_embed = 1 + (m.position == "learned")
+    embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
+    sharding = shard > 1 and st.shards_params
+    fsdp = st.fsdp
+    ud = (cb if prec.mixed else pb) if fsdp else pb  # unsharded parameter / gradient dtype
+    rb = 4 if prec.mixed else gb  # FSDP reduce dtype
+    ckpt = train.checkpointing != "none"
+    A, every = train.grad_accum, train.sync_every
+    E = _Events()
+
+    # -- construction -------------------------------------------------------------------------------
+    buckets, state_sizes, owned = _construction_events(E, train, st, world, shard, lay, init)
     E.a(train.micro_batch * train.seq_len * 8), E.a(train.micro_batch * train.seq_len * 8)  # ids, targets
 
     # -- one step -------------------------------------------------------------------------------------
@@ -911,8 +390,8 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         first = k == 0
         held: dict = dict(kept_unsharded)
         kept_unsharded.clear()
-        keep = family == "fsdp1" and not st.reshard_after_forward and not sync
-        in_place = not fsdp or (family == "fsdp2" and not prec.mixed)  # AccumulateGrad adds into .grad
+        keep = family == FSDP1 and not st.reshard_after_forward and not sync
+        in_place = not fsdp or (family == FSDP2 and not prec.mixed)  # AccumulateGrad adds into .grad
         # the tied weight's gradients at the root's backward: of the parameter itself (single, DDP, ZeRO-1),
         # FSDP2's unsharded parameter or FSDP1's view of its flat parameter
         tied = m.tie_embeddings and t == 1
@@ -944,10 +423,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             buckets[:] = [E.a(b) for b in bucket_sizes(ready_order_sizes(m, regime == "autocast"), gb,
                                                         DDP_BUCKET_CAP_MB)]
             bucket_rebuilt[0] = True
-        if family == "fsdp2" and sharding:
+        if family == FSDP2 and sharding:
             held["root"] = unshard(root_shapes)
             prev_flat = held["root"][0]
-        elif family == "fsdp1" and (sharding or prec.mixed) and "root" not in held:
+        elif family == FSDP1 and (sharding or prec.mixed) and "root" not in held:
             held["root"] = fsdp1_unshard(lay.shard_root)
         out_emb = E.a(n * m.hidden * r)
         cur = out_emb  # the hidden states (written op by op: `carry`)
@@ -962,12 +441,12 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         # torch.autocast's __exit__ takes the nesting to 0; memory.py counts them as `weight_cache_forward`)
         cached: list = []
         for j in range(L):
-            if family == "fsdp2" and sharding:
+            if family == FSDP2 and sharding:
                 flat, params = unshard(block_shapes)
                 E.f(prev_flat)
                 prev_flat = flat
                 held[j] = params
-            elif family == "fsdp1" and (sharding or prec.mixed) and j not in held:
+            elif family == FSDP1 and (sharding or prec.mixed) and j not in held:
                 held[j] = fsdp1_unshard(lay.shard_block)
             if carry:  # op by op; a checkpointed block runs without saving and keeps its input
                 template, count, out_i, saved_i, saved_b, cast_i, _ = _compiled(
@@ -994,9 +473,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             tp_reduce()
             # resharded after forward: FULL_SHARD / zero3; NO_SHARD under mixed precision frees its 16-bit
             # copy (`_runtime_utils._post_forward` -> `_reshard` -> `handle.post_reshard`)
-            no_shard_mp = family == "fsdp1" and not sharding and prec.mixed
+            no_shard_mp = family == FSDP1 and not sharding and prec.mixed
             if ((st.reshard_after_forward and sharding) or no_shard_mp) and j in held:
-                E.f(*(held.pop(j) if family == "fsdp2" else [held.pop(j)]))
+                E.f(*(held.pop(j) if family == FSDP2 else [held.pop(j)]))
         # the final norm and the LM head's input (activations.ActivationBreakdown.outside): an RMSNorm's saved
         # tensors one by one in the order its forward makes them (`pow`'s output and, in lowp, the fp32 x * rstd
         # are transients), then under autocast the head's cached weight cast and its cast of the input
@@ -1042,7 +521,7 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         up = E.a(n * v * 4) if upcast else None
         logp = E.a(act.loss_saved)
         E.f(up)  # the loss function's upcast, a local of ForCausalLMLoss
-        if family == "fsdp2" and sharding:
+        if family == FSDP2 and sharding:
             # the last block's all-gather output is kept for the copy-out's overlap with a next all-gather
             # (`comm_ctx.all_gather_state`) until the root's `_post_forward` frees it, the loss computed inside
             # the model's forward (transformers' and the reference decoder's); the logits are the output's,
@@ -1051,12 +530,12 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         E.f(logits)
         E.f(*cached)  # the autocast region exits with the loss computed
         pending: dict = {}  # FSDP2: prefetched all-gather outputs not yet copied out
-        if family == "fsdp2" and sharding and L and L - 1 not in held:
+        if family == FSDP2 and sharding and L and L - 1 not in held:
             # backward begins at the root's pre-backward hook on the loss (`FSDPState._pre_backward`), whose
             # `_backward_prefetch` all-gathers the unit before it in post-forward order, the last block, before
             # the loss's and the head's backward run (their n x V tensors beside it)
             pending[L - 1] = unshard_flat(block_shapes)
-        elif family == "fsdp1" and (sharding or prec.mixed) and L and L - 1 not in held:
+        elif family == FSDP1 and (sharding or prec.mixed) and L and L - 1 not in held:
             # FSDP1 the same: the root handle's `_pre_backward_hook` on the loss, then `_prefetch_handle`
             # (BACKWARD_PRE) unshards the handle before it in post-forward order, the last block's
             # (`_exec_order_utils.py` get_handle_to_backward_prefetch)
@@ -1100,11 +579,11 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
         for j in reversed(range(L)):
             # pre_backward: this block unsharded (or still so from forward), then `_backward_prefetch`
             # issues the next one's all-gather (BACKWARD_PRE for FSDP1)
-            if family == "fsdp2" and sharding:
+            if family == FSDP2 and sharding:
                 fsdp2_ready(j)
                 if j > 0 and j - 1 not in held and j - 1 not in pending:
                     pending[j - 1] = unshard_flat(block_shapes)
-            elif family == "fsdp1" and (sharding or prec.mixed):
+            elif family == FSDP1 and (sharding or prec.mixed):
                 for k in (j, j - 1):
                     if k >= 0 and k not in held:
                         held[k] = fsdp1_unshard(lay.shard_block)
@@ -1150,9 +629,9 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
                 order = dict(zip(early + late, g_early + g_late))
                 g = [order[i] for i in sorted(order)]
                 E.f(*keys[:cut], *keys[len(keys) - rest_j:], *casts)
-            if family == "fsdp2" and sharding:
+            if family == FSDP2 and sharding:
                 rs_kept = fsdp2_post(j, g, held.pop(j), rs_kept, lay.unshard_block, lay.shard_block)
-            elif family == "fsdp1":
+            elif family == FSDP1:
                 u = fsdp1_reduce(j, g, held.pop(j, None), lay.unshard_block, lay.shard_block, sync, keep)
                 if u is not None:
                     kept_unsharded[j] = u
@@ -1177,10 +656,10 @@ def allocation_events(train: TrainConfig, strategy, world: int, shard: int, devi
             emb_g = new_grads("root", emb_shapes)
         if not carry:  # (else block 0's input, freed with it)
             E.f(out_emb)
-        if family == "fsdp2" and sharding:
+        if family == FSDP2 and sharding:
             E.f(fsdp2_post("root", head_g + emb_g, held.pop("root")[1], rs_kept, lay.unshard_root,
                            lay.shard_root))
-        elif family == "fsdp1":
+        elif family == FSDP1:
             u = fsdp1_reduce("root", head_g + emb_g, held.pop("root", None), lay.unshard_root, lay.shard_root,
                              sync, keep)
             if u is not None:
@@ -1334,874 +813,3 @@ def _reserved_peak(train, name, world, shard, device, backend, workspace, expand
     return got
 
 
-LOGGED_FAMILIES = ("single", "ddp", "zero1")
-"""The families `logged_step_events` writes: the parameters stay whole, so the traced step's own allocations
-are the run's, plus DDP's buckets and ZeRO-1's partition of the optimizer state. FSDP's unit all-gathers
-and reduce-scatters between a module's ops are not written for a traced module (the margin instead)."""
-LOGGED_OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum")
-"""The optimizers whose state and temporaries `logged_step_events` writes (torch.optim's `_init_group`
-and foreach, for-loop and fused kernels); the others keep the margin."""
-
-
-@_collector_paused
-def logged_step_events(construct: tuple, log: tuple, kept: tuple, batches: tuple, family: str, world: int,
-                       owned: tuple, optimizer: str, optimizer_impl: str, grad_accum: int = 1,
-                       buckets: tuple = (), rebuilt: tuple = (), buffers: tuple = (), workspace: int = 0,
-                       conv_workspaces: dict | None = None, built: tuple = ()) -> list:
-    """The events of a traced module's run (the `--module` front end) on one rank of `family` in
-    LOGGED_FAMILIES, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it:
-
-    - `construct`: the bytes of each parameter and buffer in the order `model.to(device)` copies them
-      (planner.workload.trace's `construct_bytes`); DDP (world > 1) then broadcasts them from rank 0
-      (`_sync_module_states`: buckets of 250 MiB or more, two in flight; `_broadcast_coalesced`) and makes its
-      Reducer's first bucket of
-      every gradient; `batches`: the input tensors' bytes, made before the first step;
-    - each micro-step replays the traced step's `log` ([1, id, bytes] made, [0, id] gone, [2, conv key]: a
-      cuDNN workspace taken and given back, of `conv_workspaces[key]` bytes where measured), `kept` being
-      the ids that outlive it (the parameters' gradients); from the second micro-step of an accumulating
-      step each new gradient is added into .grad and freed (AccumulateGrad). DDP: in the second step's
-      forward the rebuilt `rebuilt` buckets replace the first (`_rebuild_buckets`), and every forward
-      broadcasts the module's `buffers` (bytes per dtype: one flat tensor each, `_sync_buffers`);
-    - the optimizer (torch/optim/adam.py, sgd.py): in the first step `_init_group` makes each owned
-      parameter's state (`owned`: their bytes, ZeRO-1's partition for zero1) -- Adam(W) `exp_avg` and
-      `exp_avg_sq` (fused: a 4-byte `step` on the device before them), SGD with momentum the
-      `momentum_buffer` (a clone of the gradient); `_multi_tensor_adam`'s `exp_avg_sq_sqrt` (one per
-      parameter, foreach) or `_single_tensor_adam`'s two per parameter (for-loop); then
-      `zero_grad(set_to_none=True)` drops the gradients.
-    `workspace`: the cuBLAS workspaces, taken at the first GEMM and kept. `built`: the tensors' bytes as the
-    factory built them, where a pure 16-bit run then casts the module (`model.to(dtype)`, validate/wrap.py:
-    each tensor cast anew in `Module._apply`'s order, the old one freed) to `construct`'s."""
-    E = _Events()
-    keys = [E.a(n) for n in (built or construct)]
-    for i, n in enumerate(construct if built else ()):
-        if n != built[i]:
-            k = E.a(n)
-            E.f(keys[i])
-            keys[i] = k
-    bucket_keys: list = []
-    if family in ("ddp", "zero1") and world > 1:
-        _broadcast_coalesced(E, construct)  # (in construction order: a buffer made among the parameters moves
-        # a bucket's boundary by its bytes)
-        bucket_keys = [E.a(b) for b in buckets]
-    for n in batches:
-        E.a(n)
-    ws = conv_workspaces or {}
-    kept_ids = set(kept)
-    states: list = []
-    for step in range(WARMUP_STEPS + MEASURED_STEPS):
-        if step == 0 and workspace:
-            E.a(workspace)
-        grads: list = []
-        for k in sorted({0, min(1, grad_accum - 1), grad_accum - 1}):
-            if bucket_keys and step == 1 and k == 0 and rebuilt:
-                E.f(*bucket_keys)
-                bucket_keys = [E.a(b) for b in rebuilt]
-            if family in ("ddp", "zero1") and world > 1:
-                for n in buffers:
-                    E.f(E.a(n))
-            keys: dict = {}
-            for ev in log:
-                if ev[0] == 1:
-                    if k and ev[1] in kept_ids:  # added into the kept .grad, then freed
-                        E.f(E.a(ev[2]))
-                    else:
-                        keys[ev[1]] = E.a(ev[2])
-                elif ev[0] == 0:
-                    key = keys.pop(ev[1], None)
-                    if key is not None:
-                        E.f(key)
-                elif ws.get(ev[1]):
-                    E.f(E.a(ws[ev[1]]))
-            if not k:
-                grads = [keys.pop(i) for i in kept if i in keys]
-            E.f(*keys.values())  # (nothing else outlives a micro-step)
-        _logged_optimizer_step(E, states, owned, optimizer, optimizer_impl)
-        E.f(*grads)
-    return E.ev
-
-
-def _meta_built(E: _Events, construct: tuple, names: tuple, shape_of: dict) -> dict:
-    """A traced module built on the meta device and wrapped there (torchtitan's way for FSDP): only its
-    buffers are made whole on the device; the parameters are made by the wrapper, this rank's shards
-    (FSDP2) or one unit at a time (FSDP1's `_materialize_meta_module`). Returns {} (no whole parameter)."""
-    for n, name in zip(construct, names):
-        if name not in shape_of:
-            E.a(n)
-    return {}
-
-
-def _built_and_cast(E: _Events, construct: tuple, names: tuple, built: tuple, shape_of: dict,
-                    param_bytes: int) -> dict:
-    """`model.to(device)` of a traced module: each tensor as the factory built it (`built`, else a parameter
-    in fp32 from its shape, a buffer as traced), in `Module._apply`'s order; for pure 16-bit training
-    (`param_bytes` 2) then `model.to(dtype)` (validate/wrap.py): each one cast anew, the old one freed.
-    Returns {parameter name: key of its tensor}."""
-    full: dict = {}
-    keys = []
-    for i, (n, name) in enumerate(zip(construct, names)):
-        keys.append(E.a(built[i] if built else prod(shape_of[name]) * 4 if name in shape_of else n))
-    if param_bytes == 2:
-        for i, (n, name) in enumerate(zip(construct, names)):
-            size = prod(shape_of[name]) * 2 if name in shape_of else n
-            if size != (built[i] if built else n):
-                k = E.a(size)
-                E.f(keys[i])
-                keys[i] = k
-    for k, name in zip(keys, names):
-        if name in shape_of:
-            full[name] = k
-    return full
-
-
-LOGGED_FSDP2 = ("zero2", "zero3")
-"""The FSDP2 strategies `logged_fsdp2_events` writes for a traced module (`fully_shard` per unit, then the
-root, sharded over the data-parallel ranks)."""
-
-
-@_collector_paused
-def logged_fsdp2_events(construct: tuple, construct_names: tuple, log: tuple, grads: tuple, units: tuple,
-                        batches: tuple, shard: int, reshard: bool, mixed: bool, optimizer: str, optimizer_impl: str,
-                        grad_accum: int = 1, sync_every: bool = False, last_grad_late: bool = True,
-                        workspace: int = 0, conv_workspaces: dict | None = None, built: tuple = (),
-                        param_bytes: int = 4, meta: bool = False) -> list:
-    """The events of a traced module's run under FSDP2 (zero2: `reshard`=False, zero3: True) on rank 0 of
-    `shard`, over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own
-    allocations (`log`, as logged_step_events replays them) with FSDP2's between them where the trace marked
-    its hooks (workload.trace._SegmentTracker.log: [3, unit] pre-forward, [4, unit] post-forward, [5, unit]
-    pre-backward, [6, unit] post-backward; torch/distributed/fsdp/_fully_shard/_fsdp_state.py and
-    _fsdp_param_group.py):
-
-    - construction: `construct` (bytes per tensor in `Module._apply`'s order; `construct_names` its parameter's
-      name, "" for a buffer; `built`: their bytes as the factory built them, else a parameter in fp32 from
-      `units`' shapes; pure 16-bit (`param_bytes` 2): the module cast after, `_built_and_cast`), then
-      `fully_shard` per unit and the root last (`units`: (name, ((parameter, shape),
-      ...)), "root" for the parameters no unit owns): each parameter's padded dim-0 shard
-      (`FSDPParam._init_sharded_param`), then the unit's full tensors go; then the input `batches`;
-    - pre-forward: `unshard` (foreach_all_gather's flat output on the all-gather stream, under mixed
-      precision after the cast of the shards into `flat_foreach_copy_input`) and `wait_for_unshard`'s copy-out
-      (each unsharded parameter in param_dtype), the previous unit's all-gather output freed after it; the
-      root's last one goes at the root's post-forward; post-forward: `reshard` (zero3; the root is never
-      resharded after forward: reshard_after_forward=None);
-    - pre-backward: the unit copied out (all-gathered first unless prefetched), then `_backward_prefetch`
-      all-gathers the unit before it in post-forward order (the root, last in that order, prefetches the
-      last unit); post-backward: `_fsdp2_post_backward` over the unit's gradients (`grads`: [log id,
-      parameter name] of the traced step's parameter gradients) in parameter order; units whose inputs need
-      no gradient (the first, taking the batch; the root) at `_root_post_backward_final_callback`, the root
-      first, which then frees the last reduce-scatter input. Accumulation without sync keeps the unsharded
-      gradients (fp32: later micro-steps add into .grad in place; mixed: upcast, later ones added and freed);
-    - the optimizer over the shards (logged_step_events' states and temporaries), then `zero_grad`.
-    `workspace`, `conv_workspaces`: as logged_step_events. `meta`: the module built on the meta device and
-    wrapped there, then `to_empty` (`_meta_built`): no whole parameter is ever made, each shard as
-    `fully_shard` makes it."""
-    E = _Events()
-    shape_of = {n: s for _, ps in units for n, s in ps}
-    unit_of = {n: u for u, ps in units for n, _ in ps}
-    pb = param_bytes
-    ud, rb = (2, 4) if mixed else (pb, pb)
-
-    def shard_of(s) -> int:
-        return -(-s[0] // shard) * prod(s[1:]) if s else 1
-    full = _meta_built(E, construct, construct_names, shape_of) if meta else \
-        _built_and_cast(E, construct, construct_names, built, shape_of, pb)
-    order = [u for u, ps in units if u != "root" and ps] + [u for u, ps in units if u == "root" and ps]
-    shapes = {u: [s for _, s in ps] for u, ps in units}
-    for u in order:
-        for s in shapes[u]:
-            E.a(shard_of(s) * pb)
-        E.f(*[full.pop(n) for n, _ in dict(units)[u] if n in full])
-    for n in batches:
-        E.a(n)
-    grad_unit = {i: unit_of[n] for i, n in grads if n in unit_of}
-    grad_pos = {i: [n for n, _ in dict(units)[unit_of[n]]].index(n) for i, n in grads if n in unit_of}
-    owned = [shard_of(s) * pb for u in order for s in shapes[u]]
-    elems = {u: sum(shard_of(s) for s in shapes[u]) for u in order}
-    ws = conv_workspaces or {}
-    states: list = []
-    A = grad_accum
-    for step in range(WARMUP_STEPS + MEASURED_STEPS):
-        if step == 0 and workspace:
-            E.a(workspace)
-        kept: list = []  # the sharded gradients, to zero_grad
-        acc: dict = {}  # unit -> its unsharded gradients kept between micro-steps without sync
-        saved: dict = {}  # unit -> its sharded gradient, reduced every micro-step
-        for k in sorted({0, min(1, A - 1), A - 1}):
-            sync = sync_every or k == A - 1
-            keys: dict = {}
-            held: dict = {}  # unit -> its unsharded parameters
-            pending: dict = {}  # unit -> its prefetched all-gather output, not yet copied out
-            fwd_order: list = []
-            done: set = set()
-            made: dict = {}  # unit -> {position: key} of its new gradients
-            flat = [None]
-            rs = [None]
-
-            def unshard(u) -> None:
-                f, held[u] = _fsdp2_unshard(E, shapes[u], shard, ud, mixed)
-                E.f(flat[0])
-                flat[0] = f
-
-            def ready(u) -> None:
-                if u in held or u not in elems:
-                    return
-                f = pending.pop(u, None)
-                if f is None:
-                    f = _fsdp2_gather(E, shapes[u], shard, ud, mixed)
-                held[u] = _fsdp2_copy_out(E, shapes[u], shard, ud)
-                E.f(f)
-
-            def post(u) -> None:
-                if u in done or u not in elems:
-                    return
-                done.add(u)
-                g = [v for _, v in sorted(made.pop(u, {}).items())]
-                rs[0] = _fsdp2_post_backward(E, u, g, held.pop(u, []), rs[0], elems[u] * shard, elems[u],
-                                             shapes[u], sync=sync, reshard=True, mixed=mixed, rb=rb, acc=acc,
-                                             saved=saved, grads=kept, last_grad_late=last_grad_late)
-            for ev in log:
-                kind = ev[0]
-                if kind == 1:
-                    u = grad_unit.get(ev[1])
-                    if u is not None and u in acc and not mixed:  # AccumulateGrad into the kept .grad
-                        E.f(E.a(ev[2]))
-                    elif u is not None:
-                        made.setdefault(u, {})[grad_pos[ev[1]]] = E.a(ev[2])
-                    else:
-                        keys[ev[1]] = E.a(ev[2])
-                elif kind == 0:
-                    E.f(keys.pop(ev[1], None))
-                elif kind == 2:
-                    if ws.get(ev[1]):
-                        E.f(E.a(ws[ev[1]]))
-                elif ev[1] in elems or ev[1] == "root":
-                    u = ev[1]
-                    if kind == 3 and u in elems and u not in held:
-                        unshard(u)
-                    elif kind == 4:
-                        if u == "root":
-                            E.f(flat[0])
-                            flat[0] = None
-                        elif reshard and u in held:
-                            E.f(*held.pop(u))
-                        if u in elems:
-                            fwd_order.append(u)
-                    elif kind == 5:
-                        ready(u)
-                        i = fwd_order.index(u) if u in fwd_order else 0
-                        if i > 0:
-                            t = fwd_order[i - 1]
-                            if t not in held and t not in pending:
-                                pending[t] = _fsdp2_gather(E, shapes[t], shard, ud, mixed)
-                    elif kind == 6:
-                        post(u)
-            # _root_post_backward_final_callback: the root's state first, then the units' (module order)
-            for u in ["root"] + [u for u in order if u != "root"]:
-                post(u)
-            E.f(rs[0], flat[0], *pending.values())
-            for u in list(held):
-                E.f(*held.pop(u))
-            E.f(*keys.values())
-        _logged_optimizer_step(E, states, owned, optimizer, optimizer_impl)
-        E.f(*kept)
-    return E.ev
-
-
-LOGGED_FSDP1 = ("fsdp", "fsdp-grad-op", "hsdp", "fsdp-no-shard")
-"""The FSDP1 strategies `logged_fsdp1_events` writes for a traced module (FULL_SHARD, SHARD_GRAD_OP,
-HYBRID_SHARD within the node, NO_SHARD; `use_orig_params=False`, BACKWARD_PRE prefetch)."""
-
-
-def _fsdp1_wrap_order(units: tuple) -> list:
-    """FSDP1's auto-wrap order (`_recursive_wrap`, post-order): a unit's nested units (FSDP1's own units of
-    its BatchNorm modules) before it, the root last."""
-    names = [u for u, ps in units if u != "root" and ps]
-    tops = [u for u in names if not any(u.startswith(o + ".") for o in names if o != u)]
-    order = []
-    for t in tops:
-        order += [u for u in names if u.startswith(t + ".")] + [t]
-    return order + [u for u, ps in units if u == "root" and ps]
-
-
-@_collector_paused
-def logged_fsdp1_events(construct: tuple, construct_names: tuple, log: tuple, grads: tuple, units: tuple,
-                        batches: tuple, shard: int, strategy: str, mixed: bool, fp32_units: tuple,
-                        optimizer: str, optimizer_impl: str, grad_accum: int = 1, sync_every: bool = False,
-                        workspace: int = 0, conv_workspaces: dict | None = None, built: tuple = (),
-                        param_bytes: int = 4, meta: bool = False) -> list:
-    """The events of a traced module's run under FSDP1 (`strategy` in LOGGED_FSDP1) on rank 0 of `shard`,
-    over WARMUP_STEPS + MEASURED_STEPS steps, as validate/probe.py runs it: the traced step's own allocations
-    (`log`) with FSDP1's between them where the trace marked its hooks ([3]/[4] a unit's forward starts /
-    ends, [5] its outputs' gradient is ready, [7] every gradient of its parameters is accumulated: the flat
-    parameter's AccumulateGrad; torch/distributed/fsdp/_runtime_utils.py, _flat_param.py):
-
-    - construction: `construct` as logged_fsdp2_events writes it, then per unit in auto-wrap order
-      (`_fsdp1_wrap_order`) `FlatParamHandle`: the flat parameter, the rank's padded chunk kept and the flat
-      freed (sharded; NO_SHARD keeps the flat one), the originals freed; then the input `batches`. The first
-      forward's `_lazy_init` allocates and frees each handle's buffers (`init_flat_param_attributes`: under
-      mixed precision `_mp_shard`, `_full_param_padded` and `_full_prec_full_param_padded`);
-    - `_unshard` at a unit's pre-forward (and pre-backward, then the BACKWARD_PRE prefetch of the unit before
-      it in post-forward order; the root's prefetches the last unit): the low-precision shard on the
-      pre-unshard stream under mixed precision, the padded unsharded flat parameter on the unshard stream,
-      the shard freed; NO_SHARD only makes the low-precision copy. `_reshard` at post-forward under
-      FULL_SHARD / HYBRID_SHARD (never the root), and of NO_SHARD's low-precision copy;
-    - at [7]: the views' gradients concatenated into the flat gradient (on the unshard stream), then
-      `_post_backward_hook`: reshard, the cast to reduce_dtype, `_get_reduce_scatter_tensors` (`F.pad` where
-      the flat gradient does not divide by the ranks, and the new shard), on the post-backward stream;
-      `autograd_computed_grad` is freed as the hook returns. NO_SHARD all-reduces the flat gradient in place
-      and keeps it. Accumulation without sync keeps the unsharded flat gradient (later micro-steps add into it
-      and free theirs), SHARD_GRAD_OP keeps the unit unsharded;
-    - the optimizer over the flat parameters (the root's first), then `zero_grad`.
-    `fp32_units`: FSDP1's own units of BatchNorm modules, without mixed precision. `workspace`,
-    `conv_workspaces`: as logged_step_events. `meta`: built on the meta device, each unit materialized just
-    before it is flattened (`_init_utils.py` `_materialize_meta_module`: `to_empty` + `reset_parameters`)."""
-    E = _Events()
-    shape_of = {n: s for _, ps in units for n, s in ps}
-    params_of = {u: [n for n, _ in ps] for u, ps in units}
-    unit_of = {n: u for u, ps in units for n, _ in ps}
-    sharded = strategy != "fsdp-no-shard" and shard > 1
-    reshard_fwd = strategy in ("fsdp", "hsdp")
-    pb = param_bytes  # the parameters' (and, without mixed precision, the gradients' and reductions') bytes
-    full = _meta_built(E, construct, construct_names, shape_of) if meta else \
-        _built_and_cast(E, construct, construct_names, built, shape_of, pb)
-    order = _fsdp1_wrap_order(units)
-    elems = {u: sum(prod(shape_of[n]) for n in params_of[u]) for u in order}
-    chunk = {u: -(-elems[u] // shard) if sharded else elems[u] for u in order}
-    low = {u: mixed and u not in fp32_units for u in order}
-    flats: dict = {}
-    for u in order:
-        if meta:
-            full.update((n, E.a(prod(shape_of[n]) * pb)) for n in params_of[u])
-        flat = E.a(elems[u] * pb)
-        if sharded:
-            E.a(chunk[u] * pb)
-            E.f(flat)
-        else:
-            flats[u] = flat
-        E.f(*[full.pop(n) for n in reversed(params_of[u]) if n in full])
-    for n in batches:
-        E.a(n)
-    grad_unit = {i: unit_of[n] for i, n in grads if n in unit_of}
-    grad_pos = {i: params_of[unit_of[n]].index(n) for i, n in grads if n in unit_of}
-    opt_order = [u for u in order if u == "root"] + [u for u in order if u != "root"]
-    owned = [chunk[u] * pb for u in opt_order]
-    ws = conv_workspaces or {}
-    states: list = []
-    A = grad_accum
-    kept_unsharded: dict = {}  # SHARD_GRAD_OP without sync: units left unsharded between micro-steps
-
-    def unshard(u):
-        mp = E.a(chunk[u] * 2, 3) if low[u] else None
-        if not sharded:
-            return mp
-        flat = E.a(chunk[u] * shard * (2 if low[u] else pb), 1)
-        E.f(mp)
-        return flat
-    for step in range(WARMUP_STEPS + MEASURED_STEPS):
-        if step == 0 and workspace:
-            E.a(workspace)
-        kept: list = []
-        acc: dict = {}  # unit -> its unsharded flat gradient kept between micro-steps without sync
-        saved: dict = {}  # unit -> its gradient (sharded when synced) kept for later micro-steps
-        for k in sorted({0, min(1, A - 1), A - 1}):
-            sync = sync_every or k == A - 1
-            keys: dict = {}
-            held: dict = dict(kept_unsharded)
-            kept_unsharded.clear()
-            fwd_order: list = []
-            made: dict = {}
-            for ev in log:
-                kind = ev[0]
-                if kind == 1:
-                    u = grad_unit.get(ev[1])
-                    if u is not None:
-                        made.setdefault(u, {})[grad_pos[ev[1]]] = E.a(ev[2])
-                    else:
-                        keys[ev[1]] = E.a(ev[2])
-                elif kind == 0:
-                    E.f(keys.pop(ev[1], None))
-                elif kind == 2:
-                    if ws.get(ev[1]):
-                        E.f(E.a(ws[ev[1]]))
-                elif ev[1] in elems or (ev[1] == "root" and kind == 3):
-                    u = ev[1]
-                    if kind == 3:
-                        if u == "root" and step == 0 and k == 0:  # _lazy_init
-                            for v in order:
-                                if sharded or low[v]:
-                                    pad = chunk[v] * shard if sharded else elems[v]
-                                    parts = ([chunk[v] * 2] if low[v] else []) + \
-                                        ([pad * (2 if low[v] else pb)] if sharded else []) + \
-                                        ([pad * pb] if low[v] and sharded else [])
-                                    for n in parts:
-                                        E.f(E.a(n))
-                        if u in elems and u not in held and (sharded or low[u]):
-                            held[u] = unshard(u)
-                    elif kind == 4:
-                        if u not in fwd_order:  # (a recomputation's post-forward is not recorded again)
-                            fwd_order.append(u)
-                        if u != "root" and u in held and (reshard_fwd or not sharded):
-                            E.f(held.pop(u))
-                    elif kind == 5:
-                        i = fwd_order.index(u) if u in fwd_order else 0
-                        for v in ([u] + ([fwd_order[i - 1]] if i > 0 else [])):
-                            if v not in held and (sharded or low[v]):
-                                held[v] = unshard(v)
-                    elif kind == 7:
-                        g = [x for _, x in sorted(made.pop(u, {}).items())]
-                        flat_g = E.a(elems[u] * (2 if low[u] else pb), 1)
-                        E.f(*g)
-                        if u in acc:  # AccumulateGrad: added into the kept flat gradient
-                            E.f(flat_g)
-                            flat_g = acc.pop(u)
-                        unsh = held.pop(u, None)
-                        if not sync:
-                            acc[u] = flat_g
-                            if strategy == "fsdp-grad-op" and unsh is not None:
-                                kept_unsharded[u] = unsh
-                            else:
-                                E.f(unsh)
-                            continue
-                        E.f(unsh)
-                        cast = E.a(elems[u] * 4, 2) if low[u] else None
-                        src = cast if cast is not None else flat_g
-                        rb = 4 if low[u] else pb
-                        if sharded:
-                            pad = E.a(chunk[u] * shard * rb, 2) if chunk[u] * shard != elems[u] else None
-                            out = E.a(chunk[u] * rb, 2)
-                            E.f(cast, pad, flat_g)
-                            if u in saved:  # `_saved_grad_shard += sharded_grad`
-                                E.f(out)
-                            else:
-                                saved[u] = out
-                                kept.append(out)
-                        else:
-                            if cast is not None:  # cast back to the parameter's dtype (fp32)
-                                E.f(flat_g)
-                            if u in saved:
-                                E.f(src)
-                            else:
-                                saved[u] = src
-                                kept.append(src)
-            for u in list(held):
-                E.f(held.pop(u))
-            E.f(*keys.values())
-        _logged_optimizer_step(E, states, owned, optimizer, optimizer_impl)
-        E.f(*kept)
-    return E.ev
-
-
-STAGE_FAMILIES = ("single", "ddp", "fsdp2")
-"""The strategy families whose pipeline stages `stage_allocation_events` writes, those the PP probe runs and
-the recorded traces check: a plain stage module, DDP with no_sync until the last micro-batch, FSDP2
-(zero2/zero3: `fully_shard` per block and the stage, reshard_after_forward off as torchtitan applies it
-with PP, sharded over more than one rank). ZeRO-1 stages keep the margin (pp.PP_STRATEGIES: no FSDP1)."""
-
-
-@_collector_paused
-def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int, shard: int,
-                            device: str = "cuda", workspace: int = 0, steps: int = 2) -> list:
-    """The events of pipeline stage `stage` (planner/pp.py) over `steps` steps (validate/pp_probe.py: one
-    warm-up step and one measured), for the families in STAGE_FAMILIES and one stage per rank
-    (GPipe, 1F1B). `world`/`shard`: the stage's data-parallel ranks (DDP, FSDP2) and its shard group (1;
-    FSDP2: the ranks its parameters are sharded over, more than one).
-
-    What `torch.distributed.pipelining` allocates (`stage.py`, `schedules.py`), in the order of
-    `pp.stage_actions`: in the first step `_prepare_forward_infra` makes one receive buffer per
-    micro-batch (not on the first stage) and `_prepare_backward_infra` one gradient buffer per micro-batch
-    (not on the last), kept for the run; a forward keeps the micro-batch's saved activations (a
-    non-first stage's first block saves the receive buffer, not a new tensor) and its output in
-    `fwd_cache` (the last stage: the logits, and the loss's log-probabilities); a backward frees them,
-    makes the block transients and the weight gradients (kept from the first micro-batch on, later ones
-    added in place: AccumulateGrad) and the input's gradient, which the pending send keeps (GPipe:
-    `bwd_sends_to_wait` to the step's end; 1F1B: `bwd_sends`, until the next backward's send). GPipe's
-    `fwd_sends_to_wait` keep every output to the step's end.
-
-    FSDP2 (`_fsdp_param_group.py`, `_fsdp_collectives.py`, `_fsdp_param.py`), as the probe and torchtitan
-    apply it (`fully_shard` per block, then the stage module: the root, the embedding and/or the final
-    norm and head; reshard_after_forward=False): construction as `allocation_events` (each parameter's
-    shard, then the full one goes). The first step's `_prepare_forward_infra`/`_prepare_backward_infra`
-    infer the shapes with a real forward (and, but on the first stage, a backward to the stage's input) of
-    one micro-batch (`_forward_metadata_inference`, `_backward_metadata_inference`): every unit is
-    unsharded for it, the backward reshards each block after its own (FSDP's defaults), and
-    `_post_metadata_inference_cleanup` reshards the rest. In each step the first micro-batch's forward
-    all-gathers the root, then each block before its forward (`foreach_all_gather` on the all-gather
-    stream, `foreach_all_gather_copy_out` into the unsharded parameters, the flat output freed after the
-    next unit's copy-out); they stay unsharded through the step. Each backward runs under
-    `backward_maybe_with_nosync` (set_requires_gradient_sync(False), set_reshard_after_backward(False)):
-    the unsharded gradients are kept (`unsharded_accumulated_grad` in reduce_dtype under mixed precision,
-    each later micro-batch's 16-bit one added and freed; else `.grad`, added in place). After the last
-    backward (and the pending sends) `perform_reduce_grad` runs `post_backward` on the root and then each
-    block: reshard, the previous reduce-scatter input dropped, the new one on the reduce-scatter stream,
-    the unsharded gradients freed (the unit's last one when `foreach_reduce` returns), the gradient shard;
-    the last input goes with `_root_post_backward_final_callback`. The optimizer's states are the shards'.
-    zero2 and zero3 are written alike (both reshard_after_forward=False under PP). The recorded traces
-    are fp32; mixed precision's upcast accumulation is `allocation_events`' (checked there, without PP)."""
-    from .memory import _block_backward_peak, layout
-    from .pp import releases_sent_outputs, stage_actions, stage_train, virtual_stages
-    st = get_strategy(strategy)
-    family = st.family
-    fsdp2 = family == "fsdp2"
-    if family not in STAGE_FAMILIES or virtual_stages(train.pp_schedule) != 1 or (fsdp2 and shard <= 1):
-        raise ValueError(f"stage_allocation_events: {st.name} / {train.pp_schedule} / shard {shard}: accepted: "
-                         f"{', '.join(STAGE_FAMILIES)} with one stage per rank (fsdp2 sharded over > 1 rank)")
-    p, M = train.pp, train.pp_microbatches
-    first, last = stage == 0, stage == p - 1
-    strain = stage_train(train, stage)
-    m = strain.model
-    prec = train.prec
-    regime = regime_for(strain, family)
-    act = activations_in(strain, regime, device)
-    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
-    L = m.layers
-    n = train.micro_batch * train.seq_len
-    t = train.tp
-    v = -(-m.vocab // t)
-    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
-    ud = cb if prec.mixed else pb  # FSDP2's unsharded parameter / gradient dtype
-    rb = 4 if prec.mixed else gb  # its reduce dtype
-    r = 4 if regime in ("fp32", "autocast") else 2
-    e = 4 if regime == "fp32" else 2
-    nh = sp_tokens(strain, n) * m.hidden * r  # the boundary tensor
-    root_shapes, block_shapes, _, _, _ = unit_sizes(m)
-    n_embed = (1 + (m.position == "learned")) if first else 0
-    embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
-    ckpt = train.checkpointing != "none"
-    per_receive = pp_recv_buffers_per_receive(train)  # torch >= 2.15: buffers made per receive
-    releasable = per_receive and releases_sent_outputs(family, last)  # outputs dropped once sent
-    E = _Events()
-
-    # -- construction: the stage's parameters; DDP's broadcast and first bucket, FSDP2's shards (as
-    # allocation_events)
-    units = [list(embed_shapes)] + [list(block_shapes)] * L + [list(head_shapes)]
-    full = [[E.a(prod(s) * pb) for s in u] for u in units]
-    if fsdp2:
-        owned = _fsdp2_construct(E, units, full, shard, pb)
-    else:
-        owned = [prod(s) for u in units for s in u]
-    buckets: list = []
-    if family == "ddp" and world > 1:
-        _broadcast_coalesced(E, [prod(x) * pb for u in units for x in u])
-        buckets = [E.a(lay.total * gb)]
-    from .memory import _opt_state
-    st_elems, st_extra = _opt_state(m, train.optimizer, family, shard)
-    st_total = st_elems * pb + int(st_extra)
-    per_param = 1 if train.optimizer == "sgd-momentum" else 2
-    owned_sum = sum(owned) or 1
-    state_sizes = [st_total * s // owned_sum // per_param for s in owned for _ in range(per_param)] if st_total else []
-    if first:
-        E.a(M * n * 8)  # the batch's token ids
-    if last:
-        E.a(M * n * 8)  # its targets
-
-    blk_saved = _split(act.per_block, _block_saved_shapes(strain, regime, n, device))
-    kept = act.blocks_total // L if L else 0
-    kept_saved = blk_saved if not ckpt else _split(kept, [n * m.hidden * r])
-    _, blk_tmp, _ = _block_backward_peak(strain, regime, n, device)
-    tmp_shapes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden // t * e] * 3)
-    states: list = []
-    grads: list = []
-    recv: list = []
-    held: dict = {}  # FSDP2: unit ("root" or block j) -> its unsharded parameters
-    acc: dict = {}  # FSDP2: unit -> its unsharded gradients, kept through the step's micro-batches
-
-    def accumulate(shapes, i: int):
-        """Weight gradients: kept from the first micro-batch on; later ones added in place (AccumulateGrad),
-        each freed as its Linear's backward makes it."""
-        for s in shapes:
-            g = E.a(prod(s) * gb)
-            if i == 0:
-                grads.append(g)
-            else:
-                E.f(g)
-
-    def new_grads(u, shapes) -> list:
-        """FSDP2: unit u's new unsharded gradients; where the kept .grad takes them in place (fp32 / pure
-        16-bit: AccumulateGrad), each is freed as its Linear's backward makes it."""
-        if u in acc and not prec.mixed:
-            for s in shapes:
-                E.f(E.a(prod(s) * ud))
-            return []
-        return [E.a(prod(s) * ud) for s in shapes]
-
-    def post_backward(u, g, sync: bool, rs_kept=None):
-        unsharded, sharded, shapes = ((lay.unshard_root, lay.shard_root, root_shapes) if u == "root"
-                                      else (lay.unshard_block, lay.shard_block, block_shapes))
-        return _fsdp2_post_backward(E, u, g, held.pop(u, []) if sync else held.get(u, []), rs_kept, unsharded,
-                                    sharded, shapes, sync=sync, reshard=sync, mixed=prec.mixed, rb=rb, acc=acc,
-                                    saved={}, grads=grads,
-                                    last_grad_late=fsdp2_reduce_keeps_last_grad(train))
-
-    def gather(u, shapes, prev):
-        """FSDP2 pre_forward: unit u all-gathered and copied out unless it is unsharded; the previous
-        unit's all-gather output goes after the copy-out. Returns the all-gather output now held."""
-        if not fsdp2 or u in held or not shapes:
-            return prev
-        flat, held[u] = _fsdp2_unshard(E, shapes, shard, ud, prec.mixed)
-        E.f(prev)
-        return flat
-
-    def forward():
-        """One micro-batch's forward: (embedding output, each block's saved tensors, the head's), and the
-        stage output (not on the last stage)."""
-        ag = gather("root", root_shapes, None)
-        # The embedding's output (sequence-sharded with SP: torchtitan's RowwiseParallel(output_layouts=
-        # Shard(1)) on the embedding) is block 0's input, as the receive buffer is on a later stage: what
-        # checkpointing keeps of block 0, and in fp32/autocast the tensor the first norm's x.float() saves.
-        # In 16-bit the norm saves a new fp32 copy and the output is dropped after block 0.
-        emb = E.a(nh) if first else None
-        blocks = []
-        for j in range(L):
-            ag = gather(j, block_shapes, ag)
-            if ckpt:  # run without saving, keep the block's input (the receive buffer or the embedding's output)
-                E.f(*[E.a(s) for s in blk_saved])
-                shapes = kept_saved if j else []
-            else:
-                shapes = blk_saved if (j or (first and r == 2)) else blk_saved[1:]
-            blocks.append([E.a(s) for s in shapes])
-            if j == 0 and first and r == 2 and not ckpt:
-                E.f(emb)
-                emb = None
-        E.f(ag)
-        head = []
-        if last:
-            head.append(E.a(act.outside - act.inputs))  # final norm, the head's input
-            head.append(E.a(n * v * e))  # the logits, kept in fwd_cache
-            head.append(E.a(act.loss_saved))  # log_softmax's output
-        return (emb, blocks, head), (None if last else E.a(nh))  # the stage output, in fwd_cache and the send
-
-    def block_backward(j, blocks, grads_of):
-        rec = []
-        if ckpt:  # recomputed: everything but its kept input
-            rec = [E.a(s) for s in blk_saved[1:]]
-        tmp = [E.a(s) for s in tmp_shapes]
-        g = grads_of(j)
-        E.f(*tmp, *rec, *blocks[j])
-        return g
-
-    def metadata_inference():
-        """FSDP2, first step: the shape inference's real forward of one micro-batch (every unit unsharded),
-        the backward to the input on a non-first stage (each block resharded after its backward, then the
-        root), the receive buffers, then `_post_metadata_inference_cleanup`'s reshard."""
-        x = None if first else E.a(nh)  # the inferred input (an empty tensor)
-        (emb, blocks, head), out = forward()
-        if not first and not per_receive:
-            recv.extend(E.a(nh) for _ in range(M))
-        if not first:
-            lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)] if last else []
-            E.f(*lt[:-1])
-            E.f(*lt[-1:], *head[::2])  # (the logits stay in the inference's outputs until the cleanup)
-            for j in reversed(range(L)):
-                block_backward(j, blocks, lambda j: [])
-                E.f(*held.pop(j))
-            E.f(*held.pop("root", []))
-            gi = E.a(nh)  # the input's gradient
-            E.f(gi)
-        else:
-            for j in reversed(range(L)):
-                E.f(*blocks[j])
-        E.f(emb, out, x, *head[1:2])
-        if not last and not per_receive:
-            recv.extend(E.a(nh) for _ in range(M))
-        for u in list(held):
-            E.f(*held.pop(u))
-
-    def step(k_step: int):
-        if fsdp2 and k_step == 0:
-            metadata_inference()
-        elif k_step == 0 and not per_receive:  # _prepare_forward_infra / _prepare_backward_infra, in the first step
-            recv.extend(E.a(nh) for _ in range(M * ((not first) + (not last))))
-        if buckets and k_step == 1:  # DDP's rebuild in the second step's first forward
-            E.f(*buckets)
-            buckets[:] = [E.a(b) for b in bucket_sizes(ready_order_sizes(m, regime == "autocast"), gb,
-                                                        DDP_BUCKET_CAP_MB)]
-        saved: dict = {}
-        outs: dict = {}
-        sends: list = []
-        inputs: dict = {}  # torch >= 2.15: micro-batch -> its received activation
-        grad_in = None
-        for kind, i in stage_actions(train.pp_schedule, p, M, stage):
-            if kind == "F":
-                if per_receive and not first:
-                    inputs[i] = E.a(nh)
-                saved[i], out = forward()
-                if out is not None:
-                    outs[i] = out
-                if releasable and train.pp_schedule != "gpipe":  # 1F1B's warm-up: the previous forward's
-                    # send waited for and released
-                    E.f(*[outs.pop(j) for j in list(outs) if j < i])
-                continue
-            if releasable:  # every forward send waited for and released before a backward (GPipe: before
-                # its backward loop; 1F1B: fused with this backward's receive, its buffer made first)
-                if train.pp_schedule != "gpipe":
-                    grad_in = E.a(nh)
-                E.f(*outs.values())
-                outs.clear()
-            if per_receive and not last and grad_in is None:
-                grad_in = E.a(nh)
-            emb, blocks, head = saved.pop(i)
-            head_g: list = []
-            if last:
-                lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)]
-                # log_softmax's saved output goes with its backward node, before the head's matmul backward
-                # makes the weight gradient (as in allocation_events); the logits' gradient lives through it
-                E.f(*lt[:-1], head[2])
-                if fsdp2:
-                    head_g = new_grads("root", head_shapes)
-                else:
-                    accumulate(head_shapes, i)
-                E.f(lt[-1], *head[:2])
-            if train.pp_schedule != "gpipe":
-                E.f(outs.pop(i, None))
-            for j in reversed(range(L)):
-                if fsdp2:
-                    g = block_backward(j, blocks, lambda j: new_grads(j, block_shapes))
-                    post_backward(j, g, sync=False)
-                else:
-                    block_backward(j, blocks, lambda j: accumulate(block_shapes, i))
-            E.f(emb)
-            emb_g: list = []
-            if first:
-                if fsdp2:
-                    emb_g = new_grads("root", embed_shapes)
-                else:
-                    accumulate(embed_shapes, i)
-            else:
-                gi = E.a(nh)  # the input's gradient, kept by its send
-                if train.pp_schedule != "gpipe":
-                    E.f(*sends)
-                    sends.clear()
-                sends.append(gi)
-            if per_receive:  # the gradient buffer goes with its backward, and so does a middle stage's input
-                E.f(grad_in, None if last else inputs.pop(i, None))
-                grad_in = None
-            if fsdp2 and root_shapes:  # (its gradients in parameter order: the embedding's, the head's)
-                post_backward("root", emb_g + head_g, sync=False)
-        if fsdp2:  # perform_reduce_grad: the root's post_backward, then the blocks'
-            rs = None
-            for u in (["root"] if root_shapes else []) + list(range(L)):
-                rs = post_backward(u, [], sync=True, rs_kept=rs)
-            E.f(rs)  # _root_post_backward_final_callback
-        E.f(*sends, *outs.values())
-        if state_sizes and not states:
-            states.extend(E.a(z) for z in state_sizes)
-        _adam_temporaries(E, [s * pb for s in owned], train.optimizer, train.optimizer_impl)
-        E.f(*grads)
-        grads.clear()
-        E.f(*inputs.values())  # the last stage's: the returned losses' graphs kept them to the step's end
-        assert not acc and not held, "FSDP2: gradients or parameters left unsharded at the optimizer step"
-
-    for k in range(steps):
-        if k == 0 and workspace:
-            E.a(workspace)
-        step(k)
-    return E.ev
-
-
-def stage_reserved_peak(train: TrainConfig, strategy, stage: int, world: int, shard: int, device: str = "cuda",
-                        workspace: int = 0, expandable_segments: bool = False,
-                        max_split_size: int | None = None) -> tuple[int, int]:
-    """(reserved peak, allocated peak) of pipeline stage `stage`'s replayed run."""
-    return _stage_reserved_peak(train, get_strategy(strategy).name, stage, world, shard, device, workspace,
-                                expandable_segments, max_split_size)
-
-
-@lru_cache(maxsize=256)
-def _stage_reserved_peak(train, name, stage, world, shard, device, workspace, expandable_segments,
-                         max_split_size):
-    return replay_peaks(stage_allocation_events(train, name, stage, world, shard, device, workspace),
-                        expandable_segments=expandable_segments, max_split_size=max_split_size,
-                        rounding=alloc_rounding(train.alloc_conf))
-
-
-def stage_reserved_peak_within(limit: int, train: TrainConfig, strategy, stage: int, world: int, shard: int,
-                               device: str = "cuda", workspace: int = 0, expandable_segments: bool = False,
-                               max_split_size: int | None = None) -> tuple[int, int, int] | None:
-    """`reserved_peak_within` for pipeline stage `stage` (`stage_reserved_peak`'s run)."""
-    return _stage_reserved_peak_within(limit, train, get_strategy(strategy).name, stage, world, shard, device,
-                                       workspace, expandable_segments, max_split_size)
-
-
-@lru_cache(maxsize=256)
-def _stage_reserved_peak_within(limit, train, name, stage, world, shard, device, workspace, expandable_segments,
-                                max_split_size):
-    return replay_fit(stage_allocation_events(train, name, stage, world, shard, device, workspace), limit,
-                      expandable_segments=expandable_segments, max_split_size=max_split_size,
-                      rounding=alloc_rounding(train.alloc_conf))
-
-
-CHECKPOINT_REPLAY_STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp", "fsdp-grad-op")
-"""Strategies whose saves `checkpoint_events` writes and the recorded saves check (single's path is DDP's:
-the live tensors); NO_SHARD, HSDP and tensor-parallel saves keep the margin."""
-CHECKPOINT_REPLAY_MODES = ("full", "sharded")
-"""Checkpoint saves whose allocations `checkpoint_events` writes; `full-offload` keeps the margin (its
-device transients differ between a GPU and the CPU probes, so the recorded traces cannot check them)."""
-
-
-def checkpoint_events(train: TrainConfig, strategy, shard: int, mode: str, first_key: int) -> list:
-    """Rank 0's allocations while it saves model and optimizer state after the measured step
-    (planner/checkpoint.py, validate/checkpoint.py), to append to `allocation_events` (keys from
-    `first_key` on). Only what is made on the device; what stays until the save ends is not freed.
-
-    - single / DDP: the state dicts are the live tensors (`full`), DCP writes them as they are
-      (`sharded`): nothing.
-    - FSDP2 `full`: each parameter, then each of its optimizer states, `redistribute`d to Replicate
-      (`_state_dict_utils._gather_state_dict`): an all-gather into a new tensor of the padded unsharded
-      size, kept (the narrowed parameter is a view of it). `sharded`: the DTensors as they are: nothing
-      (rank 0's shards fill their storage, so DCP's CPU loader clones none).
-    - FSDP1 `full`: the root unit unsharded (`_full_pre_state_dict_hook`) while each block is unsharded
-      in turn, its parameters cloned (kept) and resharded, then the root's cloned; the optimizer
-      (`_optim_utils._allgather_orig_param_states`) all-gathers each state of a FlatParameter (the root's
-      first) into a new padded flat buffer, kept. `sharded`: the same unsharding with this rank's chunk of
-      each parameter cloned (`_ext_chunk_tensor`), and each FlatParameter's states gathered, their chunks
-      cloned, the gathered buffers freed."""
-    st = get_strategy(strategy)
-    family = st.family
-    if mode not in CHECKPOINT_REPLAY_MODES:
-        raise ValueError(f"checkpoint_events: mode={mode!r}: accepted: {', '.join(CHECKPOINT_REPLAY_MODES)}")
-    E = _Events()
-    E.n = first_key
-    m = train.model
-    pb = train.prec.param_bytes
-    sharding = shard > 1 and st.shards_params and family in ("fsdp1", "fsdp2")
-    if not sharding:
-        return E.ev
-    from .memory import _all_state_elems
-    states, _ = _all_state_elems(m, train.optimizer)
-    per_state = round(states / (m.param_count() or 1))  # elementwise states per parameter (AdamW: 2)
-    root_shapes, block_shapes, *_ = unit_sizes(m)
-    embed, _, head = m.units()
-    order = [s for _, s in embed.params] + list(block_shapes) * m.layers + [s for _, s in head.params]
-
-    def chunk(s) -> int:  # rank 0's rows (torch.chunk): ceil(d0 / shard)
-        return -(-s[0] // shard) * prod(s[1:])
-
-    if family == "fsdp2":
-        if mode == "full":
-            for s in order:
-                E.a(chunk(s) * shard * pb)
-            for s in order:
-                for _ in range(per_state):
-                    E.a(chunk(s) * shard * pb)
-        return E.ev
-    # FSDP1: units of flat parameters, padded to a multiple of the shard group
-    def padded(elems: int) -> int:
-        return -(-elems // shard) * shard
-    root_elems = sum(prod(s) for s in root_shapes)
-    block_elems = sum(prod(s) for s in block_shapes)
-    kept = (lambda s: prod(s)) if mode == "full" else chunk
-    root_flat = E.a(padded(root_elems) * pb)
-    for _ in range(m.layers):
-        flat = E.a(padded(block_elems) * pb)
-        for s in block_shapes:
-            E.a(kept(s) * pb)
-        E.f(flat)
-    for s in root_shapes:
-        E.a(kept(s) * pb)
-    E.f(root_flat)
-    for elems, shapes in [(root_elems, root_shapes)] + [(block_elems, block_shapes)] * m.layers:
-        for _ in range(per_state):
-            buf = E.a(padded(elems) * pb)
-            if mode == "sharded":
-                for s in shapes:
-                    E.a(chunk(s) * pb)
-                E.f(buf)
-    return E.ev

@@ -67,6 +67,8 @@ from bisect import bisect_left, insort
 from contextlib import contextmanager
 from functools import lru_cache
 
+from .strategies import FSDP1, FSDP2
+
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
 SMALL_BUFFER = 2 << 20
@@ -499,7 +501,7 @@ def comm_streams(events, family: str) -> list:
 
     Traces recorded with their streams (validate.measure.StreamTags: an alloc event's fourth field) are
     returned as recorded, less their ("comm", ...) events."""
-    if family not in ("fsdp1", "fsdp2"):
+    if family not in (FSDP1, FSDP2):
         raise ValueError(f"comm_streams: family {family!r}: accepted: fsdp1, fsdp2")
     if any(e[0] == "alloc" and len(e) > 3 for e in events):
         # a trace recorded with its streams (validate.measure.StreamTags: each allocation's stream as a GPU
@@ -527,7 +529,7 @@ def comm_streams(events, family: str) -> list:
             prev = i
     for op, idx, before in calls:
         idx.sort()
-        if family == "fsdp2":
+        if family == FSDP2:
             for j in (idx[1:] if op == "reduce_scatter" and len(idx) > 1 else idx):
                 stream.setdefault(j, 1 if op in GATHERS else 2)
         elif op in GATHERS:

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 from .allocator import parse_alloc_conf
 from .caches import clear_caches
 from .checkpoint import DEFAULT_STORAGE_GBPS, MODES
-from .comm import collective_schedule
+from .comm_schedule import collective_schedule
 from .compute import _gpu, step_time
 from .config import PP_SCHEDULES, Cluster, TrainConfig, check_tp, torch_release
 from .cp import check_cp

@@ -50,7 +50,8 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-from .comm import _DTYPE_BYTES, Collective, Schedule, collective_schedule, schedule_totals
+from .comm import _DTYPE_BYTES, Collective, Schedule, schedule_totals
+from .comm_schedule import collective_schedule
 from .activations import regime_for
 from .footprint import _footprint_for, nccl_env
 from .config import Cluster, TrainConfig, checkpoint_every

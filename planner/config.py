@@ -6,7 +6,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
-from .model import ModelSpec, cached_hash, state_without_hash
+from .allocator import parse_alloc_conf
+from .model import ModelSpec, cached_hash, state_without_hash, tp_rank_spec
+from .pp_schedule import check_pp
 from .precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Precision, get_precision
 from .units import LIMITS, check_count, short_repr
 
@@ -291,13 +293,10 @@ class TrainConfig:
         if self.alloc_conf:
             if not isinstance(self.alloc_conf, str):
                 raise ValueError(f"alloc_conf={short_repr(self.alloc_conf)}: accepted: a PYTORCH_CUDA_ALLOC_CONF string")
-            from .allocator import parse_alloc_conf
             parse_alloc_conf(self.alloc_conf, "alloc_conf")
         if self.pp > 1:
-            from .pp import check_pp
             check_pp(self, "pp")
         if self.cp > 1 and not self._cp_local:
-            from .cp import check_cp
             check_cp(self.cp, self, flag="cp")
         object.__setattr__(self, "_prec", get_precision(self.precision))
 
@@ -349,7 +348,6 @@ class TrainConfig:
     @property
     def rank_model(self) -> ModelSpec:
         """The model's parameters as one tensor-parallel rank holds them (`model.TPRankSpec`)."""
-        from .model import tp_rank_spec
         return tp_rank_spec(self.model, self.tp)
 
 
@@ -424,3 +422,23 @@ class Cluster:
         d = asdict(self)
         d["notes"] = list(self.notes)
         return d
+
+
+def check_cp(cp: int, train_like, gpus: int | None = None, flag: str = "--cp") -> None:
+    """A one-line ValueError unless context parallelism with `cp` ranks can run this configuration."""
+    if type(cp) is not int or cp < 1:
+        raise ValueError(f"{flag}={short_repr(cp)}: must be a positive integer")
+    if cp == 1:
+        return
+    s = train_like.seq_len
+    if s % (2 * cp):
+        raise ValueError(f"{flag}={cp}: the sequence length {s} must be a multiple of 2 x cp = {2 * cp} "
+                         f"(head-tail load balancing splits it into 2 x cp chunks)")
+    if train_like.attention != "sdpa":
+        raise ValueError(f"{flag}={cp} with attention={train_like.attention}: ring attention replaces SDPA's "
+                         f"kernels; accepted: attention sdpa")
+    if train_like.framework != "pytorch":
+        raise ValueError(f"{flag}={cp} with framework={train_like.framework}: context parallelism is modelled "
+                         f"for torch.distributed.tensor.experimental.context_parallel; accepted: pytorch")
+    if gpus is not None and gpus % (cp * train_like.tp):
+        raise ValueError(f"{flag}={cp}: cp x tp = {cp * train_like.tp} must divide the {gpus} GPUs")

@@ -47,10 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import attention_widths, regime_for
-from .config import TrainConfig, checkpoint_every
-from .pp import rank_stage_ids, stage_layers, virtual_stages
+from .config import TrainConfig, check_cp, checkpoint_every  # noqa: F401 (check_cp re-exported: config checks)
+from .pp_schedule import rank_stage_ids, stage_layers, virtual_stages
 from .tp import _HALF  # the compute dtype of each precision: one map for TP and CP
-from .units import short_repr
 
 
 @dataclass(frozen=True)
@@ -134,21 +133,3 @@ def cp_raw_schedule(train: TrainConfig, family: str) -> tuple:
             ("all_to_all", "cp", c, "float32", 2 * n * kv * 4, c * calls, "backward", "cp_dkv"))
 
 
-def check_cp(cp: int, train_like, gpus: int | None = None, flag: str = "--cp") -> None:
-    """A one-line ValueError unless context parallelism with `cp` ranks can run this configuration."""
-    if type(cp) is not int or cp < 1:
-        raise ValueError(f"{flag}={short_repr(cp)}: must be a positive integer")
-    if cp == 1:
-        return
-    s = train_like.seq_len
-    if s % (2 * cp):
-        raise ValueError(f"{flag}={cp}: the sequence length {s} must be a multiple of 2 x cp = {2 * cp} "
-                         f"(head-tail load balancing splits it into 2 x cp chunks)")
-    if train_like.attention != "sdpa":
-        raise ValueError(f"{flag}={cp} with attention={train_like.attention}: ring attention replaces SDPA's "
-                         f"kernels; accepted: attention sdpa")
-    if train_like.framework != "pytorch":
-        raise ValueError(f"{flag}={cp} with framework={train_like.framework}: context parallelism is modelled "
-                         f"for torch.distributed.tensor.experimental.context_parallel; accepted: pytorch")
-    if gpus is not None and gpus % (cp * train_like.tp):
-        raise ValueError(f"{flag}={cp}: cp x tp = {cp * train_like.tp} must divide the {gpus} GPUs")

@@ -18,8 +18,9 @@ from __future__ import annotations
 from .activations import activations
 from .config import Cluster, TrainConfig
 from .footprint import device_footprint
-from .memory import COMPONENTS, MemoryEstimate, layout
-from .strategies import Strategy
+from .estimate import COMPONENTS, MemoryEstimate
+from .state_layout import layout
+from .strategies import DDP, FSDP2, Strategy
 
 REDUCE_BUCKET_ELEMS = 500_000_000
 ALLGATHER_BUCKET_ELEMS = 500_000_000
@@ -29,16 +30,16 @@ PREFETCH_BUCKET_ELEMS = 50_000_000
 def estimate_deepspeed(train: TrainConfig, cluster: Cluster, st: Strategy) -> MemoryEstimate:
     n = cluster.gpus
     m = train.model
-    lay = layout(m, "ddp", 1, False, False)
+    lay = layout(m, DDP, 1, False, False)
     p = lay.total
-    act = activations(train, "fsdp2", "cuda")  # a 16-bit module: the lowp regime
+    act = activations(train, FSDP2, "cuda")  # a 16-bit module: the lowp regime
     tok = train.micro_batch * train.seq_len
     adam = 8 if train.optimizer in ("adam", "adamw") else (4 if train.optimizer == "sgd-momentum" else 0)
     comps = {k: 0 for k in COMPONENTS}
-    if st.name == "zero1":
+    if st.zero_stage == 1:
         comps.update(params=2 * p + 4 * p // n, grads=2 * p + 4 * p // n, optimizer=adam * p // n,
                      comm_buffers=2 * min(p, REDUCE_BUCKET_ELEMS) + 2 * min(p, ALLGATHER_BUCKET_ELEMS))
-    elif st.name == "zero2":
+    elif st.zero_stage == 2:
         comps.update(params=2 * p + 4 * p // n, grads=6 * p // n, optimizer=adam * p // n,
                      comm_buffers=2 * min(p, REDUCE_BUCKET_ELEMS) + 2 * min(p, ALLGATHER_BUCKET_ELEMS))
     else:

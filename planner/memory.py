@@ -40,414 +40,94 @@ from __future__ import annotations
 
 from math import prod
 
-from bisect import bisect_left
-from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .alloc_trace import MAX_LAYERS
-from .allocator import alloc_rounding, parse_alloc_conf
-from .activations import (ActivationBreakdown, _gemma_norm_body, _mlp_saved, _norm_saved, activations_in, hf_eager,
-                          regime_for, sdpa_math, sp_tokens)
+from .activations import ActivationBreakdown, _norm_saved, activations_in, regime_for, sp_tokens
+from .block_backward import _block_backward_peak
 from .config import Cluster, TrainConfig, fsdp2_first_microstep_grads_in_reduce_dtype, fsdp2_reduce_keeps_last_grad
+from .cp import cp_view
+from .deepspeed import estimate_deepspeed
+# The answer, its workspaces and the states' layout live below the walk (estimate.py, state_layout.py);
+# importers of memory keep finding them here.
+from .estimate import (COMPONENTS, RESERVED_MARGIN, MemoryEstimate, Snapshot, _alloc_conf,  # noqa: F401
+                       cublas_workspace_bytes, library_workspace_bytes)
 from .footprint import CUDA_CONTEXT_BYTES, DeviceFootprint, device_footprint  # noqa: F401 (re-exported)
-from .model import ModelSpec, unit_sizes
-from .precision import optimizer_state_elems
+from .model import unit_sizes
+from .pp import pp_memory
+from .state_layout import (Layout, _all_state_elems, _opt_state, _size_runs, layout, zero1_owned_shapes,  # noqa: F401
+                           zero1_partition)
 from .strategies import Strategy, get_strategy
+from .tp import tp_view
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
 DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25)
 DDP_FIRST_BUCKET_BYTES = 1 * 2**20  # dist._DEFAULT_FIRST_BUCKET_BYTES
-# cuBLAS workspace per (handle, stream), from `parseChosenWorkspaceSize` in
-# aten/src/ATen/cuda/CublasHandlePool.cpp: ":4096:8" (32 MiB) on compute capability 9.x-12.x (Hopper,
-# Blackwell), ":4096:2:16:8" otherwise; on ROCm 32 MiB, 128 MiB on gfx942/gfx950 (MI300X, MI350).
-CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024
-CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
-ROCBLAS_WORKSPACE_DEFAULT = 32 * 2**20
-ROCBLAS_WORKSPACE_GFX942 = 128 * 2**20
-CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
-"""`getCUDABlasLtWorkspace()`: CUBLASLT_WORKSPACE_SIZE default 1024 KiB, per thread that runs an addmm with
-a bias through cuBLASLt (measured on torch 2.11 + H100: a separate 1 MiB block beside the cuBLAS one)."""
-_LARGE_WORKSPACE_GPUS = ("h100", "h200", "h800", "h20", "gh200", "b100", "b200", "b300", "gb200", "gb300",
-                         "blackwell", "rtx 5050", "rtx 5060", "rtx 5070", "rtx 5080", "rtx 5090")
-"""Names of compute capability 9.x-12.x parts (Hopper, Blackwell); "RTX 5000 Ada" is 8.9 and not here."""
-_GFX942_GPUS = ("mi300", "mi325", "mi350", "mi355")
-
-
-@dataclass
-class Snapshot:
-    phase: str
-    parts: dict
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-
-RESERVED_MARGIN = 0.10
-"""Where no allocation trace is written (`--module` under FSDP and outside alloc_trace.logged_step_events'
-runs, `--hf-config` traces the analytic front end cannot
-pair, see module_plan.analytic_twins; DeepSpeed, ZeRO-1 pipeline stages and FSDP2 stages on one rank,
-interleaved and zero-bubble schedules, autocast under pipelining, models over alloc_trace.MAX_LAYERS):
-the reserved peak is the allocated peak plus this margin, and `reserved_source` says so."""
-
-
-@dataclass(slots=True)
-class MemoryEstimate:
-    """Per-rank memory of one strategy: the components at the peak, and what surrounds them.
-
-    `peak_reserved` is what `torch.cuda.max_memory_reserved` should read: the caching allocator's
-    segments, from replaying the run's allocations (alloc_trace.py), computed on first use (a replay costs
-    milliseconds to a tenth of a second for a 100-layer model, so sweeps only pay for configurations whose
-    allocated peak fits). `device_total` adds `process_overhead`, the CUDA context and NCCL's
-    communicators (footprint.py, itemised in `footprint`): what the process holds on the device, the
-    number the OOM line is drawn against."""
-
-    strategy: str
-    components: dict
-    peak_allocated: int
-    peak_phase: str
-    process_overhead: int
-    gpu_memory_bytes: int
-    notes: list = field(default_factory=list)
-    workspace: int = 0
-    """cuBLAS/cuBLASLt workspaces (CUDA only), included in `peak_allocated`, in no component."""
-    reserved_replay: tuple | None = None
-    """Arguments of alloc_trace.reserved_peak, or ("pp-stage", arguments of alloc_trace.stage_reserved_peak)
-    for a pipeline stage, or ("events", the events, the alloc conf) for a traced module (alloc_trace.logged_step_events);
-    None: `RESERVED_MARGIN` over the allocated peak."""
-    footprint: DeviceFootprint | None = None
-    """The parts of `process_overhead` (footprint.py); None where an estimate was built without it."""
-    reserved_from: "MemoryEstimate | None" = None
-    """The trace front end of a Hugging Face model (module_plan.py): the analytic front end's estimate of
-    the same model and run, whose replayed cached-but-free bytes at the reserved peak (its peak_reserved -
-    peak_allocated) this estimate adds to its own allocated peak; None: not used."""
-    host_bytes: int = 0
-    """CPU offload: the node's CPU memory that its ranks' parameters, gradients and optimizer state take."""
-    host_memory_bytes: int = 0
-    """The node's CPU memory (Cluster.host_memory_bytes); 0: not known, `host_bytes` not checked."""
-    alloc_retries: int = 0
-    """Times the replayed run releases the caching allocator's cache to fit on this GPU (what
-    `torch.cuda.memory_stats()["num_alloc_retries"]` counts; each a synchronize and cudaFree/cudaMalloc):
-    0 where the reserved peak fits without it (allocator.CachingAllocator.capacity)."""
-    _reserved: int | None = None
-    _fit: bool | None = None
-
-    @property
-    def reserved_source(self) -> str:
-        if self.reserved_replay is not None:
-            return "allocator replay"
-        if self.reserved_from is not None:
-            return "allocator replay of the analytic front end"
-        return f"{RESERVED_MARGIN:.0%} margin"
-
-    @property
-    def peak_reserved(self) -> int:
-        if self._reserved is None:
-            if self.reserved_from is not None:
-                # the caching allocator's cached-but-free bytes of the same allocations; reserved bytes are
-                # whole segments, each a multiple of kSmallBuffer = 2 MiB (allocator.allocation_size)
-                # (the two allocated peaks agree within module_plan.TWIN_TOLERANCE: their difference moves
-                # the reserved peak by as many whole segments)
-                f, seg = self.reserved_from, 2 << 20
-                shift = seg * round((self.peak_allocated - f.peak_allocated) / seg)
-                self._reserved = max(f.peak_reserved + shift, seg * -(-self.peak_allocated // seg))
-                self.alloc_retries = f.alloc_retries  # the analytic run's, on the same GPU
-            elif self.reserved_replay is None:
-                self._reserved = int((1 + RESERVED_MARGIN) * self.peak_allocated)
-            else:
-                if self._fit is None and self.allocated_fits:
-                    self._replay_on_device()  # the run on this GPU: its reserved peak where it fits
-                if self._reserved is None:  # does not fit: what it would reserve on a device without a limit
-                    from .alloc_trace import reserved_peak, stage_reserved_peak
-                    args = self.reserved_replay
-                    if args[0] == "events":
-                        from .allocator import replay_peaks
-                        self._set_replayed(*replay_peaks(args[1], **_replay_options(args[2])))
-                    else:
-                        self._set_replayed(*(stage_reserved_peak(*args[1:]) if args[0] == "pp-stage"
-                                             else reserved_peak(*args)))
-        return self._reserved
-
-    def _replay_on_device(self) -> None:
-        """Replay the run with the caching allocator limited to this GPU less the process overhead
-        (alloc_trace.reserved_peak_within): where it fits, possibly by releasing its cache, the reserved peak
-        is that run's, as `max_memory_reserved` would read it on this GPU; else `_fit` is False."""
-        from .alloc_trace import reserved_peak_within, stage_reserved_peak_within
-        args = self.reserved_replay
-        limit = self.gpu_memory_bytes - self.process_overhead
-        if args[0] == "events":  # a traced module's own events (alloc_trace.logged_step_events), its alloc conf
-            from .allocator import replay_fit
-            got = replay_fit(args[1], limit, **_replay_options(args[2]))
-        else:
-            got = (stage_reserved_peak_within(limit, *args[1:]) if args[0] == "pp-stage"
-                   else reserved_peak_within(limit, *args))
-        self._fit = got is not None
-        if got is not None:
-            self._set_replayed(got[0], got[1])
-            if self.device_total > self.gpu_memory_bytes:  # the walk's excess over the trace passes the line
-                self._fit, self._reserved = False, None
-                return
-            self.alloc_retries = got[2]
-            if got[2]:
-                self.notes.append(f"{self.strategy}: fits by the caching allocator releasing its cached segments "
-                                  f"{got[2]} time(s) in the replayed warm-up and measured steps (a cudaMalloc "
-                                  f"that fails is retried after release_cached_blocks; "
-                                  f"torch.cuda.memory_stats()['num_alloc_retries']): slower steps")
-
-    def _set_replayed(self, replayed: int, allocated: int) -> None:
-        # The trace is written from the same sizes as this walk, but not byte for byte: where it
-        # allocates less than the walk's peak, the difference is still reserved.
-        seg = 2 << 20
-        self._reserved = replayed + seg * -(-max(0, self.peak_allocated - allocated) // seg)
-
-    @property
-    def device_total(self) -> int:
-        return self.peak_reserved + self.process_overhead
-
-    @property
-    def allocated_fits(self) -> bool:
-        """The allocated peak and the process overhead fit: necessary for `fits` (reserved >= allocated),
-        and known without an allocator replay."""
-        return (self.peak_allocated + self.process_overhead <= self.gpu_memory_bytes
-                and not (self.host_memory_bytes and self.host_bytes > self.host_memory_bytes))
-
-    @property
-    def fits(self) -> bool:
-        """The run fits this GPU: the allocated peak and the overhead do, and the replayed run does not run
-        out of memory with the allocator limited to the GPU (a run whose reserved peak would pass the line
-        may fit by releasing the allocator's cache: `alloc_retries`)."""
-        if not self.allocated_fits:
-            return False
-        if self.reserved_replay is not None:
-            if self._fit is None:
-                self._replay_on_device()
-            if not self._fit:
-                return False
-        return self.device_total <= self.gpu_memory_bytes
-
-    @property
-    def fits_cleanly(self) -> bool:
-        """Fits without the allocator releasing its cache (`alloc_retries` 0): what `recommend` asks. Where
-        the run has not been replayed on this GPU yet, a replay that stops at the first segment past the
-        line answers a no (alloc_trace.reserved_peak_below) without finding out whether retries would save
-        it."""
-        if not self.allocated_fits:
-            return False
-        if self._fit is None and self.reserved_replay is not None and self.reserved_replay[0] not in ("pp-stage",
-                                                                                                      "events"):
-            from .alloc_trace import reserved_peak_below
-            got = reserved_peak_below(self.gpu_memory_bytes - self.process_overhead, *self.reserved_replay)
-            if got is None:
-                return False
-            self._set_replayed(*got)  # the run without a limit stays below it: the run on this GPU
-            self._fit = self.device_total <= self.gpu_memory_bytes
-            if not self._fit:
-                self._reserved = None
-                return False
-        return self.fits and not self.alloc_retries
-
-    @property
-    def total_required(self) -> int:
-        return self.device_total
-
-    @property
-    def headroom(self) -> int:
-        return self.gpu_memory_bytes - self.total_required
-
-    def to_dict(self) -> dict:
-        d = {k: int(self.components[k]) for k in COMPONENTS}
-        d.update(workspace=int(self.workspace), peak_allocated=int(self.peak_allocated),
-                 peak_reserved=int(self.peak_reserved), reserved_source=self.reserved_source,
-                 alloc_retries=int(self.alloc_retries),
-                 process_overhead=int(self.process_overhead), device_total=int(self.device_total))
-        if self.footprint is not None:
-            d["device_footprint"] = self.footprint.to_dict()
-        return d
-
-
-# -- library workspaces ------------------------------------------------------------------------------
-
-@lru_cache(maxsize=64)
-def cublas_workspace_bytes(gpu_name: str) -> int:
-    """Bytes of one cuBLAS (rocBLAS) workspace on this GPU, as PyTorch sizes it by default."""
-    g = (gpu_name or "").lower()
-    if g.startswith("mi") or "instinct" in g or "amd" in g:
-        return ROCBLAS_WORKSPACE_GFX942 if any(k in g for k in _GFX942_GPUS) else ROCBLAS_WORKSPACE_DEFAULT
-    return CUBLAS_WORKSPACE_LARGE if any(k in g for k in _LARGE_WORKSPACE_GPUS) else CUBLAS_WORKSPACE_DEFAULT
-
-
-def library_workspace_bytes(train: TrainConfig, gpu_name: str, linear_biases: bool | None = None) -> int:
-    """cuBLAS/cuBLASLt workspaces a training step leaves allocated on a CUDA device.
-
-    PyTorch keeps one cuBLAS workspace per (handle, stream) and one handle per thread
-    (`cublas_handle_stream_to_workspace`): forward's matmuls run on the Python thread, backward's on
-    autograd's device thread, so two workspaces live from the first step on (measured: 2 x 32 MiB on an
-    H100, `validate/snapshot.py`). A Linear with a bias goes through cuBLASLt's `addmm`, which takes one
-    more 1 MiB workspace on each thread that runs it: forward, and backward too when full activation
-    checkpointing recomputes the block there. Not part of the six components: no tensor owns these
-    bytes, so the probes' tracker does not see them, but `torch.cuda.max_memory_allocated` does.
-    """
-    if linear_biases is None:
-        m = train.model
-        linear_biases = bool(m.linear_bias or m.qkv_bias)
-    lt = CUBLASLT_WORKSPACE_BYTES * (2 if train.checkpointing == "full" else 1) if linear_biases else 0
-    return 2 * cublas_workspace_bytes(gpu_name) + lt
-
-
-# -- parameter layout -------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Layout:
-    """Element counts per rank for one (model, strategy, shard group) — cached."""
-
-    total: int  # all parameters (unsharded)
-    block: int  # one block, unsharded
-    root: int  # embed + head (+ final norm), unsharded
-    shard_total: int  # this rank's stored parameter elements (most loaded rank)
-    shard_block: int  # one block's shard
-    shard_root: int
-    unshard_block: int  # one block as all-gathered (padded)
-    unshard_root: int
-    largest_param: int
-    opt_owned: int  # ZeRO-1 with >1 rank: parameter elements whose optimizer state this rank holds; else 0
-
-
-
-@lru_cache(maxsize=256)
-def _size_runs(model: ModelSpec) -> tuple:
-    """Every parameter as ZeroRedundancyOptimizer orders them, `sorted(params, key=numel, reverse=True)`
-    (a stable sort: equal sizes keep registration order), grouped into runs of equal size:
-    ((numel, (shape, shape, ...)), ...). Registration order is embed, block 0..L-1, head, and the blocks
-    are identical, so a run is the embed's shapes of that size, then the block's L times, then the head's."""
-    embed, block, head = ([s for _, s in u.params] for u in model.units())
-    runs = []
-    for n in sorted({prod(s) for s in embed + block + head}, reverse=True):
-        pick = [tuple(s for s in shapes if prod(s) == n) for shapes in (embed, block, head)]
-        runs.append((n, pick[0] + pick[1] * model.layers + pick[2]))
-    return tuple(runs)
-
-
-def zero1_partition(runs, ranks: int, shapes: bool = True) -> tuple[list[int], list[list[tuple]] | None]:
-    """(elements per rank, shapes per rank or None when not `shapes`) of
-    `ZeroRedundancyOptimizer._partition_parameters`.
-
-    There each parameter, largest first, goes to the rank with the smallest total so far (the lowest
-    rank among equal totals: `sizes.index(min(sizes))`). For a run of equal-size parameters that is
-    the run's first m "slots" (total_r + j * numel, r), j = 0, 1, ..., in increasing order. The ranks
-    whose totals lie within one parameter of the smallest (the band) take their slots in rounds of one
-    parameter each, always in the same (total, rank) order, until the band reaches the next rank's
-    total; so whole rounds are assigned at once with a slice, and a partition costs O(runs x ranks)
-    rather than O(parameters x log ranks) (tests compare it with the one-at-a-time loop).
-    """
-    # Each rank as one int, total * ranks + rank: ascending order is the (total, rank) order slots are
-    # taken in, and ints sort and compare much faster than (total, rank) tuples.
-    R = ranks
-    order = list(range(R))
-    owned: list[list[tuple]] | None = [[] for _ in range(R)] if shapes else None
-    for n, run in runs:
-        m, pos, step = len(run), 0, n * R
-        while pos < m:
-            k = bisect_left(order, (order[0] // R + n) * R)  # the band: totals below the smallest + n
-            band, rest = order[:k], order[k:]
-            left = m - pos
-            if left < k:  # one each to the first `left` of the band: their first slots come first
-                if owned is not None:
-                    for j, key in enumerate(band[:left]):
-                        owned[key % R].append(run[pos + j])
-                order = sorted([key + step for key in band[:left]] + band[left:] + rest)
-                break
-            rounds = left // k
-            if rest:  # a round stays ahead of the next rank while the band's top slot is below its total
-                rounds = min(rounds, -(-(rest[0] // R - band[-1] // R) // n))
-            if owned is not None:
-                for p, key in enumerate(band):
-                    owned[key % R].extend(run[pos + p: pos + rounds * k: k])
-            add = rounds * step
-            order = sorted([key + add for key in band] + rest)  # two sorted runs: a linear merge
-            pos += rounds * k
-    totals = [0] * R
-    for key in order:
-        totals[key % R] = key // R
-    return totals, owned
-
-
-@lru_cache(maxsize=4096)
-def layout(model: ModelSpec, family: str, shard: int, shards_params: bool, shards_optimizer: bool) -> Layout:
-    root_shapes, block_shapes, root, block, largest = unit_sizes(model)
-    total = model.param_count()
-
-    if family == "fsdp2":
-        def fsdp2_shard(shapes):  # per-parameter dim-0 sharding, padded (FSDPParam._init_sharded_param)
-            return sum(-(-s[0] // shard) * prod(s[1:]) for s in shapes)
-        sb, sr = fsdp2_shard(block_shapes), fsdp2_shard(root_shapes)
-        shard_total = sr + model.layers * sb
-        ub, ur = sb * shard, sr * shard
-        owned = 0
-    elif family == "fsdp1":
-        def fsdp1_shard(n):  # one FlatParameter, padded to a multiple of the group (_flat_param.py)
-            return -(-n // shard) if shards_params or shards_optimizer else n
-        sb, sr = fsdp1_shard(block), fsdp1_shard(root)
-        shard_total = sr + model.layers * sb
-        ub = sb * shard if shards_params or shards_optimizer else sb
-        ur = sr * shard if shards_params or shards_optimizer else sr
-        owned = 0
-    else:
-        sb, sr, ub, ur = block, root, block, root
-        shard_total = total
-        owned = 0
-        if family == "zero1" and shard > 1:
-            # ZeroRedundancyOptimizer._partition_parameters (zero1_partition): the most loaded rank.
-            runs = _size_runs(model)
-            if shard >= sum(len(run) for _, run in runs):
-                # as many ranks as parameters: each parameter lands on an empty rank (independent of
-                # the rank count, which may be 2**20)
-                owned = max(n for n, _ in runs)
-            else:
-                owned = max(zero1_partition(runs, shard, shapes=False)[0])
-    return Layout(total, block, root, shard_total, sb, sr, ub, ur, largest, owned)
-
-
-@lru_cache(maxsize=256)
-def zero1_owned_shapes(model: ModelSpec, ranks: int) -> tuple:
-    """Shapes of the parameters whose optimizer state ZeroRedundancyOptimizer gives the most loaded
-    rank (the first of equally loaded ones)."""
-    totals, owned = zero1_partition(_size_runs(model), ranks)
-    return tuple(owned[totals.index(max(totals))])
-
-
-@lru_cache(maxsize=1024)
-def _all_state_elems(model: ModelSpec, optimizer: str) -> tuple[int, float]:
-    """optimizer_state_elems over every parameter: a sum over tensors, so the root's plus `layers` times
-    one block's (the blocks are identical)."""
-    embed, block, head = model.units()
-    root = [s for u in (embed, head) for _, s in u.params]
-    er, xr = optimizer_state_elems(optimizer, root)
-    eb, xb = optimizer_state_elems(optimizer, [s for _, s in block.params])
-    return er + model.layers * eb, xr + model.layers * xb
-
-
-@lru_cache(maxsize=4096)
-def _opt_state(model: ModelSpec, optimizer: str, family: str, shard: int) -> tuple[int, float]:
-    """(state elements, extra bytes) held by the most loaded rank."""
-    if family == "zero1" and shard > 1:
-        if optimizer == "adafactor":  # factored state: each tensor's shape matters
-            return optimizer_state_elems(optimizer, list(zero1_owned_shapes(model, shard)))
-        # Elementwise state (Adam's moments, momentum, 8-bit blocks): only the element count matters.
-        return optimizer_state_elems(optimizer, [(layout(model, family, shard, False, True).opt_owned,)])
-    if optimizer == "adafactor" and family == "fsdp1":
-        # FSDP1 (use_orig_params=False) steps one 1-D FlatParameter per unit, so Adafactor factors nothing: a
-        # full `variance` per flat parameter (torch/optim/_adafactor.py `_init_group`: a tensor of fewer than
-        # two dims). Measured: Qwen2.5-0.5B fsdp fp32 on 8 fake ranks, -5.1% when factored by the real shapes.
-        lay = layout(model, family, shard, shard > 1, shard > 1)
-        return (lay.shard_total if shard > 1 else lay.total), 0.0
-    elems, extra = _all_state_elems(model, optimizer)
-    if family in ("fsdp2", "fsdp1") and shard > 1:
-        # Sharded flat/dim-0 shards: states are elementwise (Adam, momentum): shard elements.
-        return -(-elems // shard), extra / shard
-    return elems, extra
 
 
 # -- the walk ------------------------------------------------------------------------------------
+
+def _replica_walk(snap, train, st, m, act, lay, notes: list, pb: int, gb: int, later: bool, L: int, v: int, h: int,
+                  ev: int, acts_fwd: int, acts_bwd: int, loss_bwd_tmp: int, head_bwd: int, head_acts: int,
+                  head_elems: int, first_acts: int, outside_first: int, last_acts: int, outside_last: int,
+                  freed: int, blk_tmp: int, wgrad_elems: int, blk_bwd, opt_tmp: int) -> tuple[int, int]:
+    """The walk's phases for a full replica per rank (single, DDP, ZeRO-1): forward, the loss's and the head's
+    backward, the first and last blocks' backward, the optimizer step, each instant taken by `snap` (bytes).
+    Returns (the parameters' bytes, DDP's gradient buckets' bytes)."""
+    params = lay.total * pb
+    buckets = 0 if not st.distributed else lay.total * gb
+    base_comm = buckets
+    # Gradient accumulation, synced or not: every parameter's unsharded .grad is alive from the first
+    # micro-step's backward to the optimizer step; AccumulateGrad adds each later gradient in place
+    # (torch/csrc/autograd/functions/accumulate_grad.h `accumulateGrad`: `variable_grad += new_grad`
+    # outside grad mode), so the new gradient is the same transient as at grad_accum=1. DDP's reducer
+    # all-reduces a bucket copy and copies it back into .grad (`Reducer::copy_bucket_to_grad`).
+    if later:
+        notes.append("gradient accumulation keeps every parameter's gradient between micro-steps")
+        carried, snap_inner = lay.total * gb, snap
+
+        def snap(phase, grads=0, **parts):  # noqa: F811 -- every .grad of a later micro-step is alive
+            snap_inner(phase, grads=max(grads, carried) if phase != "optimizer" else grads, **parts)
+    snap("forward", activations=acts_fwd)
+    snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
+    if head_bwd:  # the head's weight gradient: .grad, or (tied; or a later micro-step's, before its add)
+        # waiting in autograd's input buffer
+        w_head = v * h * gb
+        pending = m.tie_embeddings or later
+        snap("backward", activations=head_acts, grads=0 if pending else w_head,
+             temporaries=head_bwd + (w_head if pending else 0))
+    # First block's MLP backward: the head's gradient exists, every block's activations live.
+    # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
+    # AccumulateGrad runs; so does a tied head's, until the embedding's half arrives.
+    head_in_buf = head_elems * gb if m.tie_embeddings else 0
+    # Last block (block 0): every gradient but the embedding's and most of block 0's.
+    emb = v * h + (m.max_positions * h if m.position == "learned" else 0)
+    grads_last = (lay.total - emb - lay.block) * gb
+    if not ev:
+        snap("backward", activations=first_acts + outside_first - freed,
+             grads=head_elems * gb - head_in_buf, temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
+        snap("backward", activations=last_acts + outside_last - freed, grads=grads_last,
+             temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
+    for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
+        fr, tmp = blk_bwd(j)
+        snap("backward", activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
+             grads=grads_last if j == 0 else head_elems * gb - head_in_buf + (L - 1 - j) * lay.block * gb,
+             temporaries=tmp + wgrad_elems * gb + head_in_buf)
+    if m.tie_embeddings:
+        # The embedding's backward, the step's last: its dense (V x h) gradient is made while the tied
+        # head's half still waits in autograd's input buffer, and the two are summed there
+        # (`InputBuffer::accumulate`) before the parameter's one AccumulateGrad runs. Measured (CPU
+        # probe of a tied Gemma-2 with a 64k vocabulary, torch 2.13, and the trace on fake tensors):
+        # three V x h gradients alive at once beside every other parameter's, the peak of a
+        # large-vocabulary model (-13% without this instant).
+        snap("backward", activations=act.inputs, grads=(lay.total - emb) * gb, temporaries=3 * v * h * gb)
+    # Tensor parallelism: the vocabulary-sharded embedding's gradient is the whole vocabulary on every
+    # TP rank, a Replicate DTensor: DTensor's `embedding_dense_backward` strategies
+    # (`tensor/_ops/_embedding_ops.py`) have no row-sharded output, so the replicated incoming
+    # gradient gives a replicated (V x h) weight gradient; `.grad` keeps that placement.
+    emb_full = (m.vocab - v) * h * gb if train.tp > 1 else 0
+    snap("optimizer", grads=lay.total * gb + emb_full, temporaries=opt_tmp)
+    return params, base_comm
+
 
 def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strategy,
                     device: str = "cuda", backend: str = "nccl", gpu_name: str | None = None,
@@ -463,25 +143,21 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     """
     st = get_strategy(strategy)
     if train.cp > 1:  # one context-parallel rank: s / cp tokens of each sequence, a ring attention (cp.py)
-        from .cp import cp_view
         train = cp_view(train)
     if train.pp > 1:  # pipeline stages: the most loaded stage's walk (pp.py)
-        from .pp import pp_memory
         return pp_memory(train, cluster, st, device, backend, gpu_name)
     if train.tp > 1:  # one TP rank's parameters, the strategy over the data-parallel ranks (tp.py)
-        from .tp import tp_view
         train, cluster = tp_view(train, cluster)
-    if train.framework == "deepspeed" and st.name in ("zero1", "zero2", "zero3"):
-        from .deepspeed import estimate_deepspeed
+    if train.framework == "deepspeed" and st.zero_stage:
         return estimate_deepspeed(train, cluster, st)
     family = st.family
-    world = 1 if st.name == "single" else cluster.gpus
+    world = cluster.gpus if st.distributed else 1
     group = st.shard_group
     shard = world if group == "world" else (min(world, cluster.local_size) if group == "node" else 1)
-    if family == "fsdp1" and st.name == "fsdp-no-shard":
+    if st.fsdp_no_shard:
         shard = 1
     notes_pre = []
-    if st.name == "hsdp" and shard == 1 and world > 1:
+    if st.hybrid and shard == 1 and world > 1:
         notes_pre.append("hsdp with 1 GPU per node: PyTorch's HYBRID_SHARD falls back to NO_SHARD and "
                          "all-reduces only inside the node's group of one; use ddp or fsdp instead")
     prec = train.prec
@@ -497,7 +173,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     opt_elems, opt_extra = _opt_state(m, train.optimizer, family, shard)
     opt = opt_elems * state_bytes + int(opt_extra)
 
-    offload_params = train.cpu_offload == "params" and family in ("fsdp1", "fsdp2")
+    offload_params = train.cpu_offload == "params" and st.fsdp
     if train.cpu_offload != "none" and not offload_params:
         notes.append(f"cpu_offload={train.cpu_offload} is not supported by {st.implementation}; ignored")
 
@@ -506,8 +182,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     L = m.layers
 
     # Optimizer-step intermediates (adam.py _multi_tensor_adam: exp_avg_sq_sqrt).
-    step_elems = lay.shard_total if family in ("fsdp1", "fsdp2") else (
-        lay.opt_owned if family == "zero1" and shard > 1 else lay.total)
+    step_elems = lay.shard_total if st.fsdp else (
+        lay.opt_owned if st.zero_optimizer and shard > 1 else lay.total)
     if train.optimizer in ("adam", "adamw"):
         if train.optimizer_impl == "foreach":
             opt_tmp = step_elems * state_bytes
@@ -578,7 +254,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
     freed, blk_tmp, wgrad_elems = _block_backward_peak(train, regime, n_tok, device)
     # FSDP2 without sync and without mixed precision: a later micro-step adds each new gradient into the
     # kept .grad in place, so only the weight gradient just made is alive (`_in_place_block_peak`)
-    in_place = (train.grad_accum > 1 and not train.sync_every and family == "fsdp2" and not prec.mixed
+    in_place = (train.grad_accum > 1 and not train.sync_every and st.fsdp2 and not prec.mixed
                 and shard > 1 and st.shards_params)
     if in_place:
         freed, blk_tmp, wgrad_elems = _in_place_block_peak(train, regime, n_tok, (freed, blk_tmp, wgrad_elems),
@@ -630,60 +306,11 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         head_bwd = v * h * cb + n_tok * h * 4
         head_acts -= v * h * cb + n_tok * h * cb
     every = train.sync_every
-    if family in ("single", "ddp", "zero1"):
-        params = lay.total * pb
-        buckets = 0 if family == "single" else lay.total * gb
-        base_comm = buckets
-        # Gradient accumulation, synced or not: every parameter's unsharded .grad is alive from the first
-        # micro-step's backward to the optimizer step; AccumulateGrad adds each later gradient in place
-        # (torch/csrc/autograd/functions/accumulate_grad.h `accumulateGrad`: `variable_grad += new_grad`
-        # outside grad mode), so the new gradient is the same transient as at grad_accum=1. DDP's reducer
-        # all-reduces a bucket copy and copies it back into .grad (`Reducer::copy_bucket_to_grad`).
-        if later:
-            notes.append("gradient accumulation keeps every parameter's gradient between micro-steps")
-            carried, snap_inner = lay.total * gb, snap
-
-            def snap(phase, grads=0, **parts):  # noqa: F811 -- every .grad of a later micro-step is alive
-                snap_inner(phase, grads=max(grads, carried) if phase != "optimizer" else grads, **parts)
-        snap("forward", activations=acts_fwd)
-        snap("backward", activations=acts_bwd, temporaries=loss_bwd_tmp)
-        if head_bwd:  # the head's weight gradient: .grad, or (tied; or a later micro-step's, before its add)
-            # waiting in autograd's input buffer
-            w_head = v * h * gb
-            pending = m.tie_embeddings or later
-            snap("backward", activations=head_acts, grads=0 if pending else w_head,
-                 temporaries=head_bwd + (w_head if pending else 0))
-        # First block's MLP backward: the head's gradient exists, every block's activations live.
-        # The weight gradient just computed waits in autograd's input buffer (a temporary) until its
-        # AccumulateGrad runs; so does a tied head's, until the embedding's half arrives.
-        head_in_buf = head_elems * gb if m.tie_embeddings else 0
-        # Last block (block 0): every gradient but the embedding's and most of block 0's.
-        emb = v * h + (m.max_positions * h if m.position == "learned" else 0)
-        grads_last = (lay.total - emb - lay.block) * gb
-        if not ev:
-            snap("backward", activations=first_acts + outside_first - freed,
-                 grads=head_elems * gb - head_in_buf, temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
-            snap("backward", activations=last_acts + outside_last - freed, grads=grads_last,
-                 temporaries=blk_tmp + wgrad_elems * gb + head_in_buf)
-        for j in walked_blocks((), L, ev):  # every-K: block j's backward, recomputed or not
-            fr, tmp = blk_bwd(j)
-            snap("backward", activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
-                 grads=grads_last if j == 0 else head_elems * gb - head_in_buf + (L - 1 - j) * lay.block * gb,
-                 temporaries=tmp + wgrad_elems * gb + head_in_buf)
-        if m.tie_embeddings:
-            # The embedding's backward, the step's last: its dense (V x h) gradient is made while the tied
-            # head's half still waits in autograd's input buffer, and the two are summed there
-            # (`InputBuffer::accumulate`) before the parameter's one AccumulateGrad runs. Measured (CPU
-            # probe of a tied Gemma-2 with a 64k vocabulary, torch 2.13, and the trace on fake tensors):
-            # three V x h gradients alive at once beside every other parameter's, the peak of a
-            # large-vocabulary model (-13% without this instant).
-            snap("backward", activations=act.inputs, grads=(lay.total - emb) * gb, temporaries=3 * v * h * gb)
-        # Tensor parallelism: the vocabulary-sharded embedding's gradient is the whole vocabulary on every
-        # TP rank, a Replicate DTensor: DTensor's `embedding_dense_backward` strategies
-        # (`tensor/_ops/_embedding_ops.py`) have no row-sharded output, so the replicated incoming
-        # gradient gives a replicated (V x h) weight gradient; `.grad` keeps that placement.
-        emb_full = (m.vocab - v) * h * gb if train.tp > 1 else 0
-        snap("optimizer", grads=lay.total * gb + emb_full, temporaries=opt_tmp)
+    if not st.fsdp:
+        params, base_comm = _replica_walk(snap, train, st, m, act, lay, notes, pb, gb, later, L, v, h, ev, acts_fwd,
+                                          acts_bwd, loss_bwd_tmp, head_bwd, head_acts, head_elems, first_acts,
+                                          outside_first, last_acts, outside_last, freed, blk_tmp, wgrad_elems,
+                                          blk_bwd, opt_tmp)
     else:
         ud = cb if prec.mixed else pb  # dtype of unsharded parameters and of their gradients
         rb = 4 if prec.mixed else gb  # reduce_dtype
@@ -693,7 +320,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         # accumulates it there: none stays. FSDP1 with CPUOffload keeps the GPU shard in `_saved_grad_shard`
         # after copying it to `_cpu_grad` (`_runtime_utils._offload_grad`) until the end-of-backward callback
         # deletes it (`FlatParamHandle.prepare_gradient_for_optim`).
-        gsh_gpu = 0 if offload_params and family == "fsdp2" else gsh
+        gsh_gpu = 0 if offload_params and st.fsdp2 else gsh
         params = 0 if offload_params else lay.shard_total * pb
         sharding = shard > 1 and st.shards_params
         reshard = st.reshard_after_forward and sharding
@@ -724,7 +351,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         #   parameter's (fp32 under mixed precision).
         # - NO_SHARD: the full flat gradient, either way (param_dtype without sync; all-reduced in
         #   reduce_dtype when synced).
-        acc_bytes = ud if family == "fsdp1" else rb
+        acc_bytes = ud if st.fsdp1 else rb
         if not later:
             unit_root = unit_block = 0
         elif not sharding:  # without sync in param_dtype (as FSDP1's unsharded gradient), else reduced
@@ -771,8 +398,8 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         fwd_comm = ur + (0 if reshard else held * ub)
         # FSDP2 without resharding keeps the last block's all-gather output until the root's
         # post-forward (measured: freed right after the loss).
-        ag_tail = ub if (family == "fsdp2" and sharding and not reshard and L) else 0
-        if family == "fsdp2" and sharding and L:
+        ag_tail = ub if (st.fsdp2 and sharding and not reshard and L) else 0
+        if st.fsdp2 and sharding and L:
             # A block's pre-forward copy-out (FSDPParamGroup.wait_for_unshard in FORWARD): the previous
             # group's all-gather output, kept in `comm_ctx.all_gather_state` for implicit prefetching,
             # is dropped from comm_ctx first, but the walrus local `prev_all_gather_state` holds it until
@@ -793,7 +420,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             # the head's weight gradient: FSDP2's untied head's .grad; a tied one's (FSDP2) and FSDP1's views'
             # wait in autograd's input buffer, and so does one a later micro-step adds into the kept .grad
             w_head = v * h * ud
-            as_grad = family == "fsdp2" and not m.tie_embeddings and fresh
+            as_grad = st.fsdp2 and not m.tie_embeddings and fresh
             snap("backward", comm_buffers=fwd_comm + (ub if reshard else 0), grads=acc + (w_head if as_grad else 0),
                  activations=head_acts, temporaries=head_bwd + (0 if as_grad else w_head))
         # Gradients of the unsharded parameters. FSDP2: each parameter's .grad; the root reduces at the
@@ -804,10 +431,10 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
         head_g = head_elems * ud
         cur_g = wgrad_elems * ud
         # SHARD_GRAD_OP keeps its parameters unsharded between no_sync micro-steps (`_should_free_in_backward`)
-        keep_all = family == "fsdp1" and not st.reshard_after_forward and later and not every
+        keep_all = st.fsdp1 and not st.reshard_after_forward and later and not every
         blocks_unsharded = ub + prefetch if reshard else held * ub
         shards = max(0, L - 1) * lay.shard_block * gsh_gpu if sharding else max(0, L - 1) * lay.block * gb
-        rs_held = lay.unshard_block * rb if (sharding and family == "fsdp2" and L > 1) else 0
+        rs_held = lay.unshard_block * rb if (sharding and st.fsdp2 and L > 1) else 0
         blocks_unsharded_last = (held * ub if keep_all else ub)
         at_rs = prefetch if reshard else (held * ub if keep_all else max(0, held - 1) * ub)
 
@@ -817,7 +444,7 @@ def estimate_memory(train: TrainConfig, cluster: Cluster, strategy: str | Strate
             Not resharding: blocks 0..j, which forward left unsharded; FSDPParamGroup.post_backward
             reshards each block once its backward is done (`reshard_after_backward`)."""
             return ub + (prefetch if j > 0 else 0) if reshard else (j + 1) * ub
-        if family == "fsdp2":
+        if st.fsdp2:
             tied_buf = head_g if m.tie_embeddings else 0
             head_new = fresh * (head_g - tied_buf)  # the head's gradient not yet added to an accumulator
             shard_unit = lay.shard_block * gsh_gpu if sharding else lay.block * gb
@@ -1133,18 +760,6 @@ def _first_linear_grads(m) -> tuple[int, int]:
     return in_buffer, in_buffer + sum(prod(s) for s in shapes[:first])
 
 
-def _replay_options(conf: str) -> dict:
-    """allocator.replay's keyword arguments for an alloc conf (`_alloc_conf`, allocator.alloc_rounding)."""
-    expandable, max_split, _ = _alloc_conf(conf)
-    return {"expandable_segments": expandable, "max_split_size": max_split, "rounding": alloc_rounding(conf)}
-
-
-@lru_cache(maxsize=64)
-def _alloc_conf(conf: str) -> tuple:
-    """allocator.parse_alloc_conf of a TrainConfig's alloc_conf (validated when the config was made)."""
-    return parse_alloc_conf(conf, "alloc_conf")
-
-
 @lru_cache(maxsize=1024)
 def walked_blocks(base: tuple, layers: int, every: int) -> tuple[int, ...]:
     """The blocks whose backward the walk takes: `base` (the ends and their neighbours, which bound blocks
@@ -1156,62 +771,6 @@ def walked_blocks(base: tuple, layers: int, every: int) -> tuple[int, ...]:
     if every > 1:
         js.update(j for j in range(layers) if j < 2 * every or j >= layers - 2 * every)
     return tuple(sorted(js))
-
-
-def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> tuple[int, int, int]:
-    """(saved bytes already freed, transient bytes, weight-gradient elements) at a block's backward peak.
-
-    The peak inside a block's backward is in the MLP (or, for eager attention with long sequences, at the
-    softmax): SwiGLU `w_down` backward makes d(prod) (n*f) and its weight gradient and frees `prod`; the
-    product's backward then makes d(silu) and d(up) (n*f each) while d(prod) is alive. GELU: d(gelu) and
-    d(fc) (n*f each). The gradient of the residual stream (n*h) is alive throughout.
-    """
-    m = train.model
-    t = train.tp
-    h, f = m.hidden, m.ffn_hidden // t  # one tensor-parallel rank's MLP columns
-    e = 4 if regime == "fp32" else 2
-    r = 4 if regime in ("fp32", "autocast") else 2
-    resid = sp_tokens(train, n) * h * r
-    if m.mlp == "swiglu":
-        mlp = (n * f * e, resid + 3 * n * f * e, h * f)
-    else:
-        mlp = (n * f * e, resid + 2 * n * f * e, h * f)
-    def mlp_freed() -> int:
-        """At the attention's backward: the MLP's saved tensors and its norm's, freed (their backward ran first)."""
-        consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
-        return _mlp_saved(train, regime, n) + _norm_saved(train, regime, n, consumers, device)
-    if hf_eager(train):
-        # transformers' eager attention backward (Llama family, Gemma-2), at the softmax's: the score gradient
-        # in q's dtype and the fp32 one (`softmax(..., dtype=torch.float32)`), the MLP, its norm (Gemma-2:
-        # its two norms and the post-attention norm) and o_proj's input already freed by then (their
-        # backward ran first)
-        probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2
-        freed = mlp_freed() + n * (m.q_dim // t) * e
-        if m.sandwich_norms:
-            body, const = _gemma_norm_body(h)
-            freed += 2 * (sp_tokens(train, n) * body + const)
-        att = (freed, resid + probs * (4 + e), h * f * 3 + h * m.q_dim // t)
-        if att[1] - att[0] > mlp[1] - mlp[0]:
-            return att
-    elif train.attention == "eager" or sdpa_math(train, regime, device):
-        probs = train.micro_batch * (m.heads // t) * train.seq_len ** 2 * e
-        # At the softmax's backward: the MLP's saved tensors and its norm's are freed (their backward ran
-        # first), as in Gemma-2's branch above; the MLP's and o_proj's weight gradients are made by then,
-        # so the two instants are compared with them (in the compute dtype). Measured against the trace
-        # (CUDA's fp32 math composite for grouped KV heads): Mistral-7B's blocks at 2 x 1024 tokens under
-        # zero3, -5.6% before (the MLP's saved tensors held and the MLP's instant picked), -0.33% now.
-        att = (mlp_freed(), resid + 2 * probs, h * f * (3 if m.mlp == "swiglu" else 2) + h * m.q_dim // t)
-        if att[1] - att[0] + att[2] * e > mlp[1] - mlp[0] + mlp[2] * e:
-            return att
-    if train.cp > 1:
-        # Context parallelism: inside the attention's ring backward (cp.py), the MLP's saved tensors freed,
-        # the output projection's input gradient (n x h/t) and weight gradient alive.
-        from .cp import ring_backward_bytes
-        ring = ring_backward_bytes(train, regime)
-        att = (_mlp_saved(train, regime, n), resid + n * (m.q_dim // t) * e + ring, h * m.q_dim // t)
-        if att[1] - att[0] > mlp[1] - mlp[0]:  # what each instant adds to the saved activations
-            return att
-    return mlp
 
 
 def _in_place_block_peak(train: TrainConfig, regime: str, n: int, peak: tuple[int, int, int],

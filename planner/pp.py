@@ -85,531 +85,31 @@ not modelled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from functools import lru_cache
-
 from .activations import _selective_block_saved, activations_in, block_linears, regime_for, sp_tokens
-from .alloc_trace import MAX_LAYERS, MAX_MICROBATCHES, STAGE_FAMILIES
+from .alloc_trace import MAX_LAYERS, MAX_MICROBATCHES
 from .allocator import parse_alloc_conf
+from .block_backward import _block_backward_peak
 from .comm import DDP_BUCKET_CAP_MB, FSDP2_ROOT_RESHARD_EXPLICIT, _fsdp2_numel, _schedule_key, _timed_schedule
 from .config import Cluster, PP_SCHEDULES, TrainConfig, pp_recv_buffers_per_receive
+from .cp import cp_raw_schedule, cp_view
+from .estimate import MemoryEstimate, library_workspace_bytes
 from .footprint import device_footprint, with_communicator
-from .memory import MemoryEstimate, _block_backward_peak, _opt_state, layout, library_workspace_bytes
-from .model import ModelSpec, ParamGroup, TPRankSpec, _linear_weights, unit_sizes
-from .strategies import get_strategy
+from .model import ModelSpec, unit_sizes
+# The schedules' arithmetic and one stage's configuration live below the walks (pp_schedule.py,
+# pp_stage.py); importers of pp keep finding them here.
+from .pp_schedule import (PP_STRATEGIES, PP_VIRTUAL_STAGES, ZERO_BUBBLE, bubble_fraction, check_pp,  # noqa: F401
+                          in_flight, interleaved_actions, lowered_actions, rank_stage_ids, runtime_boundary_tensors,
+                          runtime_compute_actions, stage_actions, stage_layers, stage_rank, virtual_stages,
+                          zero_bubble_actions)
+from .pp_stage import (PPStageSpec, _res_dtype, boundary_bytes, p2p_counts, pp_cluster, pp_raw_schedule,  # noqa: F401
+                       releases_sent_outputs, stage_spec, stage_train)
+from .stage_trace import STAGE_FAMILIES
+from .state_layout import _opt_state, layout
+from .strategies import SINGLE, get_strategy
 from .tp import tp_view
-from .units import short_repr
-PP_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
-"""The data-parallel strategies `PipelineStage` works with: a plain module, DDP (`no_sync` until the
-last micro-batch, `backward_maybe_with_nosync`) with or without ZeroRedundancyOptimizer, and FSDP2
-(`FSDPModule`: `perform_reduce_grad` reduces once). FSDP1 modules get no such handling (stage.py)."""
-PP_VIRTUAL_STAGES = 2
-"""Stages per rank for interleaved-1f1b (torchtitan's default: 2 per rank for the looped schedules)."""
-
-
-ZERO_BUBBLE = ("interleaved-zb", "zbv")
-"""The zero-bubble schedules (Qi et al. 2024, arXiv:2401.10241): `ScheduleInterleavedZeroBubble` (the
-paper's ZB1P, looped over 2 stages per rank) and `ScheduleZBVZeroBubble` (ZB-V: 2 stages per rank in a V,
-rank r holding stages r and 2p - 1 - r). Each backward is split into an input-gradient pass (I) and a
-weight-gradient pass (W) run later (`zero_bubble_actions`)."""
-
-
-def virtual_stages(schedule: str) -> int:
-    return PP_VIRTUAL_STAGES if schedule in ("interleaved-1f1b", *ZERO_BUBBLE) else 1
-
-
-def rank_stage_ids(schedule: str, pp: int, rank: int) -> list[int]:
-    """The global ids of pipeline rank `rank`'s stages: rank + k pp for the looped schedules, rank and
-    2 pp - 1 - rank for zbv (`generate_stage_to_rank_mapping(style="v")`)."""
-    if schedule == "zbv":
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(virtual_stages(schedule))]
-
-
-def zero_bubble_actions(schedule: str, pp: int, M: int, rank: int) -> list[tuple[int, str, int]]:
-    """(local stage k, 'F' | 'I' | 'W', micro-batch) in the order the zero-bubble schedule runs them on
-    `rank` (ports of `_calculate_single_rank_operations`: interleaved-zb through `_get_warmup_ops` with
-    multiply_factor 1 and `_get_1f1b_rank_ops(enable_zero_bubble=True)`, whose weight passes start
-    `rank` steps into the steady state; zbv in its warm-up / stable / cool-down phases, planned for
-    max(2 pp - 1, M) micro-batches and the ones past M dropped). The padding (`None` slots, the bubbles)
-    does not change a rank's order."""
-    out: list[tuple[int, str, int]] = []
-    cnt = {kind: [0, 0] for kind in "FIW"}  # per pass kind and local stage: the next micro-batch
-
-    def act(kind: str, k: int, times: int = 1) -> None:
-        for _ in range(times):
-            out.append((k, kind, cnt[kind][k]))
-            cnt[kind][k] += 1
-
-    if schedule == "interleaved-zb":
-        v = PP_VIRTUAL_STAGES
-        rounds = max(1, M // pp)
-        per_round = M // rounds
-        warm = min((v - 1) * per_round + (pp - 1 - rank), M * v)
-        steady = M * v - warm
-        bwd_ops: list[int] = []
-
-        def bwd_k(step):
-            return v - 1 - ((step - warm) // per_round) % v
-
-        for op in range(warm + steady + warm):
-            if op < warm + steady:
-                act("F", (op // per_round) % v)
-            if op < warm:
-                continue
-            act("I", bwd_k(op))
-            bwd_ops.append(op)
-            if op - warm >= rank:  # the weight passes start `rank` steps into the steady state
-                act("W", bwd_k(bwd_ops[cnt["W"][0] + cnt["W"][1]]))
-        for op in bwd_ops[cnt["W"][0] + cnt["W"][1]:]:
-            act("W", bwd_k(op))
-        return out
-    if schedule != "zbv":
-        raise ValueError(f"zero_bubble_actions: schedule {schedule!r}: accepted: {', '.join(ZERO_BUBBLE)}")
-    n = max(2 * pp - 1, M)
-    act("F", 0, 2 * (pp - rank) - 1)  # warm-up
-    for _ in range(rank):
-        act("F", 1)
-        act("F", 0)
-    for _ in range(pp - rank):
-        act("F", 1)
-        act("I", 1)
-        act("W", 1)
-    while cnt["F"][1] < cnt["F"][0] or cnt["F"][0] < n:  # stable
-        if cnt["F"][0] < n:
-            act("F", 0)
-        for k in (0, 1):
-            if k:
-                act("F", 1)
-            act("I", k)
-            act("W", k)
-    for _ in range(rank):  # cool-down
-        act("I", 0)
-        act("I", 1)
-    for _ in range(pp - rank):
-        act("I", 0)
-        act("W", 0)
-    act("W", 1, cnt["I"][1] - cnt["W"][1])
-    act("W", 0, cnt["I"][0] - cnt["W"][0])
-    return [a for a in out if a[2] < M]
-
-
-def stage_rank(schedule: str, pp: int, sid: int) -> int:
-    """The pipeline rank holding global stage `sid` (`rank_stage_ids` inverted)."""
-    if schedule == "zbv":
-        return sid if sid < pp else 2 * pp - 1 - sid
-    return sid % pp
-
-
-def runtime_compute_actions(schedule: str, pp: int, M: int, rank: int) -> list[tuple[str, int, int]]:
-    """Rank `rank`'s compute actions of a runtime schedule as (kind, global stage, micro-batch): the order
-    `interleaved_actions` / `zero_bubble_actions` give, local stages mapped by `rank_stage_ids`."""
-    sids = rank_stage_ids(schedule, pp, rank)
-    acts = (zero_bubble_actions(schedule, pp, M, rank) if schedule in ZERO_BUBBLE
-            else interleaved_actions(pp, M, rank, virtual_stages(schedule)))
-    return [(kind, sids[k], mb) for k, kind, mb in acts]
-
-
-@lru_cache(maxsize=64)
-def lowered_actions(schedule: str, pp: int, M: int) -> tuple:
-    """Each pipeline rank's actions as torch 2.15's `_PipelineScheduleRuntime` runs the runtime schedules
-    (interleaved 1F1B, interleaved ZB, ZB-V): ((kind, global stage, micro-batch), ...) per rank, kinds F, B,
-    I, W, SEND_F, RECV_F, SEND_B, RECV_B, WAIT_SEND_F, WAIT_SEND_B, UNSHARD, RESHARD, REDUCE_GRAD,
-    WAIT_REDUCE_GRAD. Ports of torch/distributed/pipelining/schedules.py (2.15), in the order
-    `_prepare_schedule_with_comms` applies them with its defaults: `_add_unshard_reshard`
-    (max_active_stages 3, unshard_lookahead "full"), `_add_reduce_grad` (the wait right after the
-    reduction), `_add_send_recv` (a simulation over the ranks in lock-step: an action runs once its input
-    was received or computed on the rank, and each send puts the matching receive at the receiving rank's
-    current end), `_add_wait_send` (a forward send waits right after its stage's backward of the same
-    micro-batch, a backward send at the end). The compute order is `interleaved_actions` /
-    `zero_bubble_actions` (the `None` slots are dropped by the first pass)."""
-    v = virtual_stages(schedule)
-    nst = pp * v
-    compute = {r: runtime_compute_actions(schedule, pp, M, r) for r in range(pp)}
-    lowered = {}
-    for r, acts in compute.items():
-        # _add_unshard_reshard: the next max_active_stages distinct stages resident (found from each
-        # stage's next use, scanned backwards: a linear pass where torch rescans the rest of the list)
-        nxt: dict = {}
-        upcoming = [None] * len(acts)
-        for i in range(len(acts) - 1, -1, -1):
-            nxt[acts[i][1]] = i
-            upcoming[i] = [sid for _, sid in sorted((j, sid) for sid, j in nxt.items())[:3]]
-        out, active = [], []
-        for i, a in enumerate(acts):
-            resident = upcoming[i]
-            for sid in [x for x in active if x not in resident]:
-                active.remove(sid)
-                out.append(("RESHARD", sid, None))
-            for sid in [x for x in resident if x not in active]:
-                active.append(sid)
-                out.append(("UNSHARD", sid, None))
-            out.append(a)
-        out += [("RESHARD", sid, None) for sid in active]
-        # _add_reduce_grad: after a stage's M-th B or W
-        done: dict = {}
-        red = []
-        for a in out:
-            red.append(a)
-            if a[0] in ("B", "W"):
-                done[a[1]] = done.get(a[1], 0) + 1
-                if done[a[1]] == M:
-                    red += [("REDUCE_GRAD", a[1], None), ("WAIT_REDUCE_GRAD", a[1], None)]
-        lowered[r] = red
-
-    def has_comms(a) -> bool:
-        kind, sid, _ = a
-        if kind == "F":
-            return sid != nst - 1 and stage_rank(schedule, pp, sid + 1) != stage_rank(schedule, pp, sid)
-        if kind in ("I", "B"):
-            return sid != 0 and stage_rank(schedule, pp, sid - 1) != stage_rank(schedule, pp, sid)
-        return False
-
-    def ready(a, prev) -> bool:
-        kind, sid, mb = a
-        if kind == "F" and sid != 0:
-            return ("RECV_F", sid, mb) in prev or ("F", sid - 1, mb) in prev
-        if kind in ("I", "B") and sid != nst - 1:
-            return (("RECV_B", sid, mb) in prev or ("I", sid + 1, mb) in prev
-                    or ("B", sid + 1, mb) in prev)
-        return True
-
-    # _add_send_recv
-    comm = {r: [] for r in lowered}
-    prev = {r: set() for r in lowered}
-    pending = {r: list(a) for r, a in lowered.items()}
-    while pending:
-        progress = False
-        for r in sorted(pending):
-            a = pending[r][0]
-            if not ready(a, prev[r]):
-                continue
-            comm[r].append(a)
-            prev[r].add(a)
-            if has_comms(a):
-                kind, sid, mb = a
-                fwd = kind == "F"
-                send = ("SEND_F" if fwd else "SEND_B", sid, mb)
-                recv = ("RECV_F" if fwd else "RECV_B", sid + 1 if fwd else sid - 1, mb)
-                comm[r].append(send)
-                prev[r].add(send)
-                dst = stage_rank(schedule, pp, recv[1])
-                comm[dst].append(recv)
-                prev[dst].add(recv)
-            pending[r].pop(0)
-            if not pending[r]:
-                del pending[r]
-            progress = True
-        if not progress:
-            raise AssertionError(f"lowered_actions: {schedule} over {pp} ranks, {M} micro-batches: no progress")
-    # _add_wait_send
-    result = []
-    for r in range(pp):
-        sends: dict = {}
-        acts = []
-        for a in comm[r]:
-            acts.append(a)
-            if a[0] in ("SEND_F", "SEND_B"):
-                sends[a] = None
-            if a[0] in ("B", "I") and ("SEND_F", a[1], a[2]) in sends:
-                acts.append(("WAIT_SEND_F", a[1], a[2]))
-                del sends[("SEND_F", a[1], a[2])]
-        acts += [("WAIT_" + kind, sid, mb) for kind, sid, mb in sends]
-        result.append(tuple(acts))
-    return tuple(result)
-
-
-def runtime_boundary_tensors(schedule: str, pp: int, M: int, rank: int) -> tuple[list[int], int]:
-    """Boundary tensors (one micro-batch's n x h each) rank `rank` holds under torch 2.15's
-    `_PipelineScheduleRuntime`, walked over `lowered_actions`: (the count at each of the rank's compute
-    actions, in `interleaved_actions` / `zero_bubble_actions` order, before the action's own effects; the
-    count left at the step's end). A receive buffer is made at its RECV (`_RecvInfo.allocate_buffer` in
-    `PipelineStage._get_recv_ops`); an activation buffer is the forward's input until the chunk's graph
-    goes (its backward; W after I: the first norm saves it), on the last stage to the step's end (the
-    returned losses keep their graphs) unless the backward is split (`_backward.stage_backward_input`
-    detaches the loss: `stage_output.detach_()`, so the graph goes with W); a gradient buffer lives
-    through its backward (I). A sent output lives until its WAIT_SEND_F (`release_fwd_send_outputs`),
-    right after its backward; a sent input gradient until the step's end (WAIT_SEND_B). Measured (the
-    transformers Llama on 2 gloo ranks, 4 micro-batches, interleaved 1F1B, ZB-V and interleaved ZB):
-    the peak rank's boundary tensors exact (benchmarks/results/cpu-torch2.15-2026-11-29-pp-hf.jsonl)."""
-    nst = pp * virtual_stages(schedule)
-    acts_buf, grad_buf, outs, grads_sent = 0, 0, 0, 0
-    counts = []
-    for kind, sid, mb in lowered_actions(schedule, pp, M)[rank]:
-        if kind == "RECV_F":
-            acts_buf += 1
-        elif kind == "RECV_B":
-            grad_buf += 1
-        elif kind == "SEND_F":
-            outs += 1
-        elif kind == "WAIT_SEND_F":
-            outs -= 1
-        elif kind in ("F", "B", "I", "W"):
-            counts.append(acts_buf + grad_buf + outs + grads_sent)
-            remote_prev = sid != 0 and stage_rank(schedule, pp, sid - 1) != rank
-            remote_next = sid != nst - 1 and stage_rank(schedule, pp, sid + 1) != rank
-            if kind in ("B", "I") and remote_next:
-                grad_buf -= 1
-            if kind in ("B", "I") and remote_prev:
-                grads_sent += 1
-            if (kind == "W" or kind == "B" and sid != nst - 1) and remote_prev:
-                acts_buf -= 1
-    return counts, acts_buf
-
-
-def stage_layers(layers: int, stages: int, stage: int) -> int:
-    """Decoder layers of `stage` of `stages`: an even split, the first `layers % stages` one more."""
-    base, extra = divmod(layers, stages)
-    return base + (stage < extra)
-
-
-def releases_sent_outputs(family: str, last: bool) -> bool:
-    """Whether torch 2.15's `PipelineStage` drops a forward output once its send completes
-    (`_output_slot_is_releasable`): not the last stage's, not a DDP-wrapped stage's (DDP, ZeRO-1)."""
-    return not last and family not in ("ddp", "zero1")
-
-
-def in_flight(schedule: str, pp: int, M: int, rank: int) -> int:
-    """Micro-batches (chunks, interleaved) whose activations rank `rank` holds before its first backward.
-
-    gpipe: all M (`ScheduleGPipe._step_microbatches`); 1f1b: `warmup_chunks = min(M, p - stage)`
-    (`Schedule1F1B._step_microbatches`), and each later backward is preceded by one forward, so it
-    stays there; interleaved-1f1b: `_get_warmup_ops` (v - 1) * per_round + 2 (p - 1 - rank), capped at
-    M v, plus the forward that each 1F1B step runs before its backward (`_get_1f1b_rank_ops`)."""
-    if schedule == "gpipe":
-        return M
-    if schedule == "1f1b":
-        return min(M, pp - rank)
-    v = PP_VIRTUAL_STAGES
-    rounds = max(1, M // pp)
-    per_round = M // rounds
-    warm = min((v - 1) * per_round + 2 * (pp - 1 - rank), M * v)
-    return min(warm + 1, M * v)
-
-
-def interleaved_actions(pp: int, M: int, rank: int, v: int = PP_VIRTUAL_STAGES) -> list[tuple[int, str, int]]:
-    """(local stage k, 'F' | 'B', micro-batch) in the order `ScheduleInterleaved1F1B` runs them on `rank`
-    (`schedules.py` `_calculate_single_rank_operations`: `_get_warmup_ops` forwards, then one forward and
-    one backward per step, then the remaining backwards; a forward's local stage advances every
-    `microbatches_per_round` steps, a backward's runs from the last local stage down)."""
-    rounds = max(1, M // pp)
-    per_round = M // rounds
-    warm = min((v - 1) * per_round + 2 * (pp - 1 - rank), M * v)
-    total = M * v
-    steady = total - warm
-    f_mb, b_mb = [0] * v, [0] * v
-    out = []
-
-    def fwd(step):
-        k = (step // per_round) % v
-        out.append((k, "F", f_mb[k]))
-        f_mb[k] += 1
-
-    def bwd(step):
-        k = v - 1 - ((step - warm) // per_round) % v
-        out.append((k, "B", b_mb[k]))
-        b_mb[k] += 1
-
-    for step in range(warm + steady + warm):
-        if step < warm:
-            fwd(step)
-        elif step < warm + steady:
-            fwd(step)
-            bwd(step)
-        else:
-            bwd(step)
-    return out
-
-
-def bubble_fraction(schedule: str, pp: int, M: int) -> float:
-    """Idle time over compute time of one stage: (p - 1) / M (GPipe arXiv:1811.06965 §2.2; 1F1B,
-    Narayanan et al. 2021 arXiv:2104.04473 §2.2.1), divided by v for interleaved 1F1B (§2.2.2). The
-    zero-bubble schedules as their authors give them for equal forward, input-gradient and weight-gradient
-    times (Qi et al. 2024, arXiv:2401.10241, ZB-H1 §2.1: a third of 1F1B's bubble; ZB-V §6: none): ZB1P
-    looped over v stages per rank (`interleaved-zb`) (p - 1) / (3 v M), an extrapolation of the paper's
-    ZB-H1 as interleaving divides 1F1B's; `zbv` 0. Real backward passes are not split evenly (attention's
-    backward is all input gradient), so these are lower bounds."""
-    if schedule == "zbv":
-        return 0.0
-    div = 3 if schedule == "interleaved-zb" else 1
-    return (pp - 1) / (div * virtual_stages(schedule) * M)
-
-
-def check_pp(train, flag: str = "--pp") -> None:
-    """One-line ValueErrors for a pipeline configuration PyTorch would refuse or we do not model.
-    `flag`: "--pp" names the CLI's flags in the messages, "pp" the API's arguments."""
-    cli = flag.startswith("--")
-    ga, mb, fw = ("--grad-accum", "--pp-microbatches", "--framework") if cli else (
-        "grad_accum", "pp_microbatches", "framework")
-    p, M, sched = train.pp, train.pp_microbatches, train.pp_schedule
-    L = train.model.layers
-    v = virtual_stages(sched)
-    if p * v > L:
-        raise ValueError(f"{flag}={p}: {p * v} stages ({sched}) need at least as many layers and the model "
-                         f"has {L}; accepted: {flag} <= {L // v}")
-    if train.model.tie_embeddings:
-        raise ValueError(f"{flag}={p} with a tied embedding ({train.model.name}): the first and last stages "
-                         f"would hold two copies; accepted: {flag}=1 for tied models")
-    if train.checkpointing.startswith("every-"):
-        ck = "--activation-checkpointing" if cli else "checkpointing"
-        raise ValueError(f"{ck}={train.checkpointing} with {flag}={p}: a stage's walk assumes its blocks alike; "
-                         f"accepted: {ck} none, selective, selective-op or full")
-    if train.grad_accum != 1:
-        raise ValueError(f"{ga}={train.grad_accum} with {flag}={p}: the pipeline's micro-batches are the "
-                         f"accumulation; accepted: {ga} 1 and {mb} M")
-    if sched == "1f1b" and M < p:
-        raise ValueError(f"{mb}={short_repr(M)}: Schedule1F1B needs at least as many micro-batches as "
-                         f"stages ({p}); accepted: {mb} >= {p}")
-    if sched in ("interleaved-1f1b", "interleaved-zb"):
-        rounds = max(1, M // p)
-        if M % rounds:
-            raise ValueError(f"{mb}={M}: {'ScheduleInterleaved1F1B' if sched == 'interleaved-1f1b' else 'ScheduleInterleavedZeroBubble'} "
-                             f"needs a multiple of max(1, M // pp) = {rounds}; accepted: e.g. {rounds * p}")
-    if sched in ZERO_BUBBLE and train.checkpointing != "none":
-        ck = "--activation-checkpointing" if cli else "checkpointing"
-        raise ValueError(f"{ck}={train.checkpointing} with the zero-bubble schedule {sched}: the input-gradient "
-                         f"pass keeps the recomputed blocks past the weight pass (20-37% above a per-chunk "
-                         f"model on the CPU probe); not modelled; accepted: {ck} none")
-    if train.framework != "pytorch":
-        raise ValueError(f"{flag}={p} with {fw}={train.framework}: pipeline parallelism is modelled for "
-                         f"torch.distributed.pipelining; accepted: {fw} pytorch")
-    if train.cpu_offload != "none":
-        off = "--cpu-offload" if cli else "cpu_offload"
-        raise ValueError(f"{off}={train.cpu_offload} with {flag}={p}: offload is not modelled with pipeline "
-                         f"stages; accepted: {off} none")
-
-
-# -- one stage's parameters -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PPStageSpec(TPRankSpec):
-    """One pipeline stage of a (tensor-parallel rank's) model: `layers` is the stage's, the embedding
-    only on the first stage, the final norm and LM head only on the last. Widths stay the model's."""
-
-    pp_first: bool = True
-    pp_last: bool = True
-
-    def _build_units(self):
-        embed, block, head = TPRankSpec._build_units(self)
-        if not self.pp_first:
-            embed = ParamGroup("embed", ())
-        if not self.pp_last:
-            head = ParamGroup("head", ())
-        return embed, block, head
-
-    def _count_params(self) -> int:
-        embed, block, head = self.units()
-        return embed.numel + self.layers * block.numel + head.numel
-
-    def linear_weights(self) -> tuple[int, int]:
-        block, _ = _linear_weights(self)
-        return block, (-(-self.vocab // self.tp) * self.hidden if self.pp_last else 0)
-
-    def to_dict(self) -> dict:
-        d = TPRankSpec.to_dict(self)
-        d.pop("pp_first")
-        d.pop("pp_last")
-        return d
-
-
-@lru_cache(maxsize=1024)
-def stage_spec(spec: ModelSpec, tp: int, layers: int, first: bool, last: bool) -> PPStageSpec:
-    kw = {f.name: getattr(spec, f.name) for f in fields(ModelSpec)}
-    kw["layers"] = layers
-    return PPStageSpec(**kw, tp=tp, pp_first=first, pp_last=last)
-
-
-def stage_train(train, stage: int, *, time_view: bool = False):
-    """The TrainConfig of one stage: its `PPStageSpec`, pp = 1, grad_accum = M (the micro-batches are
-    the accumulation: DDP's `no_sync`, FSDP's `set_requires_gradient_sync(False)` until the last one).
-    `time_view`: the slowest stage for the time model: ceil(L/p) layers, the head and the embedding."""
-    p = train.pp
-    v = virtual_stages(train.pp_schedule)
-    m = train.model
-    if time_view:
-        spec = stage_spec(m, train.tp, -(-m.layers // p), True, True)
-    else:
-        sids = rank_stage_ids(train.pp_schedule, p, stage)
-        layers = sum(stage_layers(m.layers, p * v, sid) for sid in sids)
-        spec = stage_spec(m, train.tp, layers, 0 in sids, p * v - 1 in sids)
-    # torch.distributed.pipelining's stage (`_PipelineStageBase.backward_maybe_with_nosync`) runs every
-    # micro-batch but the last under DDP's `no_sync()` / FSDP's `set_requires_gradient_sync(False)`.
-    return replace(train, model=spec, pp=1, pp_schedule="1f1b", pp_microbatches=1,
-                   grad_accum=train.pp_microbatches, grad_sync="last")
-
-
-def pp_cluster(train, cluster):
-    """The cluster one pipeline stage's data-parallel x tensor-parallel ranks see: gpus / pp GPUs, the
-    same nodes' links (torchtitan's mesh puts pp outermost, so a stage's dp x tp ranks are contiguous)."""
-    p = train.pp
-    g = cluster.local_size
-    gpus = cluster.gpus // p
-    return replace(cluster, gpus=gpus, gpus_per_node=min(g, gpus))
-
-
-# -- communication ----------------------------------------------------------------------------------
-
-def boundary_bytes(train, family: str = "ddp") -> int:
-    """Bytes of the tensor crossing a stage boundary for one micro-batch: the residual stream
-    (b, s, h) in its dtype (fp32 under fp32 and autocast; 16-bit for a 16-bit model and under FSDP2's
-    `MixedPrecisionPolicy(param_dtype)`), / tp with sequence parallelism (each TP rank sends its
-    sequence shard)."""
-    res = 4 if _res_dtype(train, family) == "float32" else 2
-    s = -(-train.seq_len // train.tp) if train.sequence_parallel else train.seq_len
-    return train.micro_batch * s * train.model.hidden * res
-
-
-def _res_dtype(train, family: str) -> str:
-    if regime_for(train, family) in ("fp32", "autocast"):
-        return "float32"
-    return "bfloat16" if train.precision in ("bf16", "bf16-mixed") else "float16"
-
-
-def p2p_counts(train, rank: int) -> tuple[int, int, int, int]:
-    """(activation sends, gradient sends, activation receives, gradient receives) of pipeline rank
-    `rank` per step: each of its stages j (`rank_stage_ids`) sends its output forward unless it is
-    the last stage and its input's gradient backward unless it is the first, M times each
-    (`PipelineStage.get_fwd_send_ops` / `get_bwd_send_ops`; the receives mirror them)."""
-    p, M = train.pp, train.pp_microbatches
-    v = virtual_stages(train.pp_schedule)
-    S = p * v
-    stages = rank_stage_ids(train.pp_schedule, p, rank)
-    # a neighbour on the same rank (zbv's stages p - 1 and p) is handed its tensor without a send
-    not_last = sum(j != S - 1 and j + 1 not in stages for j in stages)
-    not_first = sum(j != 0 and j - 1 not in stages for j in stages)
-    return M * not_last, M * not_first, M * not_first, M * not_last
-
-
-def pp_raw_schedule(train, family: str = "ddp") -> tuple:
-    """The pp group's point-to-point traffic of the busiest pipeline rank per optimizer step, as
-    (op, group, group_size, dtype, message_bytes, calls, phase, unit) tuples (`p2p_counts`); every
-    message is one micro-batch's boundary tensor (`boundary_bytes`)."""
-    msg = boundary_bytes(train, family)
-    dt = _res_dtype(train, family)
-    counts = max((p2p_counts(train, r) for r in range(train.pp)), key=sum)
-    af, gb, ar, gr = counts
-    out = [("send", "pp", train.pp, dt, msg, af, "forward", "pp_activation"),
-           ("recv", "pp", train.pp, dt, msg, ar, "forward", "pp_activation"),
-           ("send", "pp", train.pp, dt, msg, gb, "backward", "pp_gradient"),
-           ("recv", "pp", train.pp, dt, msg, gr, "backward", "pp_gradient")]
-    return tuple(c for c in out if c[5])
 
 
 # -- memory -----------------------------------------------------------------------------------------
-
-def stage_actions(schedule: str, pp: int, M: int, stage: int) -> list[tuple[str, int]]:
-    """('F' | 'B', micro-batch) in the order `Schedule1F1B` / `ScheduleGPipe` runs them on `stage`."""
-    if schedule == "gpipe":
-        return [("F", i) for i in range(M)] + [("B", i) for i in range(M)]
-    k = min(M, pp - stage)
-    out = [("F", i) for i in range(k)]
-    f = k
-    for b in range(M):
-        out.append(("B", b))
-        if f < M:
-            out.append(("F", f))
-            f += 1
-    return out
 
 
 def pp_memory(train, cluster, strategy, device: str = "cuda", backend: str = "nccl",
@@ -684,6 +184,205 @@ def _zero_bubble_walk(snap, actions, sids, nstages, lay_k, a_k, g_layer, weight_
         w[k] += 1
 
 
+def _stage_state_bytes(train, st, m, lay, shard: int) -> tuple:
+    """A stage's static parts and its gradients once the first micro-batch's backward made them, in bytes:
+    (parameters, static communication buffers (FSDP's unsharded parameters, DDP's buckets), a weight
+    gradient's bytes per element, the gradients through the step, the gradients the optimizer reads, the
+    optimizer step's temporaries)."""
+    prec = train.prec
+    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
+    sharding = st.fsdp and shard > 1 and st.shards_params
+    if st.fsdp:
+        ud = cb if prec.mixed else pb
+        rb = 4 if prec.mixed else gb
+        unsharded = (lay.unshard_root + m.layers * lay.unshard_block)
+        params = lay.shard_total * pb
+        static_comm = unsharded * ud if sharding else (unsharded * cb if prec.mixed else 0)
+        wgrad_b = ud
+        g_full = unsharded * (rb if st.fsdp2 else ud) if sharding else lay.total * gb
+        g_opt = lay.shard_total * (4 if prec.mixed else gb) if sharding else lay.total * gb
+        step_elems = lay.shard_total
+    else:
+        params = lay.total * pb
+        static_comm = 0 if not st.distributed else lay.total * gb  # DDP's buckets
+        wgrad_b = gb
+        g_full = g_opt = lay.total * gb
+        step_elems = lay.opt_owned if st.zero_optimizer and shard > 1 else lay.total
+    if train.optimizer in ("adam", "adamw") and train.optimizer_impl == "foreach":
+        opt_tmp = step_elems * pb  # _multi_tensor_adam's exp_avg_sq_sqrt
+    elif train.optimizer in ("adam", "adamw") and train.optimizer_impl == "for-loop" or train.optimizer == "adafactor":
+        opt_tmp = 2 * lay.largest_param * pb
+    else:
+        opt_tmp = 0
+    return params, static_comm, wgrad_b, g_full, g_opt, opt_tmp
+
+
+def _stage_notes_and_replay(train, st, stage: int, m, world: int, shard: int, regime: str, device: str,
+                            workspace: int) -> tuple[list, tuple | None]:
+    """The stage's notes (which stage, what PyTorch does with its wrapper under pipelining) and the
+    arguments of its allocator replay (`MemoryEstimate.replay_args`; None where the margin stands in)."""
+    p, M, sched = train.pp, train.pp_microbatches, train.pp_schedule
+    v = virtual_stages(sched)
+    first, last = stage == 0, stage == p - 1
+    family = st.family
+    notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
+             + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
+             + f"; {sched}, {M} micro-batches) is the most loaded"]
+    if st.ddp_reducer and world > 1 and sched != "1f1b":
+        notes.append(f"pipeline parallelism with DDP under {sched}: torch's DistributedDataParallel stops in its "
+                     f"reducer's first bucket rebuild under ScheduleGPipe and ScheduleInterleaved1F1B (measured on "
+                     f"torch 2.13, validate/pp_probe.py); Schedule1F1B runs, and so do FSDP2's zero2/zero3")
+    if st.fsdp and world > 1:
+        notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
+                     "accumulate unsharded through the step, all-gathered once per step (PipelineStage with "
+                     "torchtitan's reshard_after_forward=False)")
+    # The stage's allocations replayed through the caching allocator (alloc_trace.stage_allocation_events)
+    # where they are written; else memory.RESERVED_MARGIN over the allocated peak.
+    replay_args = None
+    if device == "cuda":
+        # (autocast's weight casts under pipelining are not written: those stages keep the margin)
+        # (FSDP2 stages are written sharded over more than one rank, as the probes run them)
+        if (family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS
+                and M <= MAX_MICROBATCHES and (not st.fsdp2 or shard > 1)):
+            expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
+            replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
+                           max_split)
+        else:
+            why = [w for w, applies in ((f"{st.name} stages", family not in STAGE_FAMILIES),
+                                        (f"{st.name} stages on one data-parallel rank",
+                                         st.fsdp2 and shard <= 1),
+                                        (f"{sched} schedules", v > 1),
+                                        ("stages under autocast", regime == "autocast"),
+                                        (f"more than {MAX_MICROBATCHES} micro-batches", M > MAX_MICROBATCHES),
+                                        (f"stages of more than {MAX_LAYERS} layers", m.layers > MAX_LAYERS))
+                   if applies]
+            notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator "
+                         "replay of " + ", nor of ".join(why) + ")")
+    return notes, replay_args
+
+
+def _interleaved_walk(snap, train, strain, stage: int, act, regime: str, m, p: int, v: int, M: int, sched: str,
+                      n: int, nh: int, vloc: int, e: int, weight_cache: int, g_full: int, head_g: int,
+                      batch_ids: int, wdown_tmp: int, blk_tmp: int, freed: int, wg: int, wgrad_b: int) -> int:
+    """Interleaved 1F1B and the zero-bubble schedules: the rank's v local stages walked in the order their
+    schedule runs them, each backward instant taken by `snap` (bytes); returns the bytes of the receive
+    buffers kept through the step."""
+    # Interleaved 1F1B: the rank's v local stages (stage ids stage + k p), walked in the order
+    # `ScheduleInterleaved1F1B` runs them (`interleaved_actions`). A chunk (local stage, micro-batch)
+    # holds its own layers' activations, less its receive buffer's share when it is not stage 0,
+    # plus the embedding's (stage 0) or the head's and logits (the last stage).
+    nstages = p * v
+    sids = rank_stage_ids(sched, p, stage)
+    lay_k = [stage_layers(train.model.layers, nstages, sid) for sid in sids]
+    per_layer = act.blocks_total / max(1, m.layers)  # this rank's layers' share (RoPE tables spread)
+    a_k = []
+    for k, sid in enumerate(sids):
+        a = per_layer * lay_k[k] - (0 if sid == 0 else nh)
+        if sid == nstages - 1:
+            a += (act.outside - act.inputs) + act.loss_saved + n * vloc * e
+        a_k.append(a)
+    # receive buffers: activations for each non-first stage, gradients for each non-last one, but none
+    # from a neighbour on this rank (zbv's stages p - 1 and p hand their tensors over directly)
+    persistent = M * nh * (sum(sid != 0 and sid - 1 not in sids for sid in sids)
+                           + sum(sid != nstages - 1 and sid + 1 not in sids for sid in sids))
+    f_k, b_k = [0] * v, [0] * v
+    runtime = None
+    if pp_recv_buffers_per_receive(train):
+        # torch >= 2.15 lowers these schedules with receives and send waits of their own
+        # (`runtime_boundary_tensors`): the boundary tensors alive at each action replace the buffers
+        # kept for the run and the sends held to the step's end
+        runtime, left = runtime_boundary_tensors(sched, p, M, stage)
+        persistent = left * nh
+    if sched in ZERO_BUBBLE:
+        # with checkpointing the input pass recomputes each block, and the retained graph keeps what it
+        # rebuilt until the weight pass
+        _zero_bubble_walk(snap, zero_bubble_actions(sched, p, M, stage), sids, nstages, lay_k, a_k,
+                          _retained_grads(strain, regime, n), weight_cache, persistent, nh,
+                          g_full, head_g, batch_ids, max(wdown_tmp, blk_tmp - nh - freed), wg * wgrad_b,
+                          n * vloc * e, act.loss_saved + n * vloc * e, runtime)
+    for i, (k, kind, _mb) in enumerate(() if sched in ZERO_BUBBLE else interleaved_actions(p, M, stage, v)):
+        if kind == "F":
+            f_k[k] += 1
+            continue
+        held = [f_k[j] - b_k[j] for j in range(v)]
+        acts = sum(held[j] * a_k[j] for j in range(v)) + weight_cache
+        # Every tensor sent so far (through torch 2.14): `_PipelineScheduleRuntime._step_microbatches`
+        # keeps each send's work in `send_ops` and waits for them all at the end of the step, so the
+        # outputs of the non-last chunks' forwards and the input gradients of the non-first chunks'
+        # backwards stay alive until then.
+        sent = (sum(f_k[j] for j in range(v) if sids[j] != nstages - 1)
+                + sum(b_k[j] for j in range(v) if sids[j] != 0))
+        comm = persistent + sent * nh if runtime is None else runtime[i] * nh
+        g = g_full if sum(b_k) else head_g
+        # the chunk's last layer, MLP backward: at w_down, then at the product's backward (the tensors
+        # the MLP backward frees gone, the gate and up gradients beside the product's), as for one stage
+        snap("backward", int(acts), g, comm, batch_ids + wdown_tmp)
+        snap("backward", int(acts - freed), g, comm, batch_ids + blk_tmp - nh)
+        b_k[k] += 1
+    return persistent
+
+
+def _one_stage_walk(snap, train, stage: int, act, regime: str, m, p: int, M: int, sched: str, first: bool,
+                    last: bool, per_receive: bool, releasable: bool, n: int, h: int, nh: int, vloc: int,
+                    persistent: int, a_mb: int, weight_cache: int, blocks_part: int, block0_part: int,
+                    block_elems: int, head_keep: int, g_full: int, head_g: int, batch_ids: int, wdown_tmp: int,
+                    t_in: int, freed: int, wg: int, blk_tmp: int, wgrad_b: int) -> None:
+    """GPipe and 1F1B (one stage per rank): the stage's forward and backward actions in the order its
+    schedule runs them, each backward instant taken by `snap` (bytes): the loss's and the LM head's on the
+    last stage, the last layer's MLP backward, and the first layer's on the first micro-batch."""
+    k = in_flight(sched, p, M, stage)
+    f = b = 0
+    for kind, mb in stage_actions(sched, p, M, stage):
+        if kind == "F":
+            f += 1
+            continue
+        inflight = f - b
+        if per_receive:
+            # 1F1B and GPipe wait for (and release) every forward send before the next backward; a
+            # DDP stage's outputs stay in its forward state until their backward
+            held_out = 0 if last or releasable else inflight
+            held_grad = 0 if first else (b if sched == "gpipe" else min(b, 1))
+            received = (0 if first else (f if last else inflight)) + (0 if last else 1)
+            comm = (received + held_out + held_grad) * nh
+        else:
+            if sched == "gpipe":
+                held_out, held_grad = (0 if last else f), (0 if first else b)
+            else:
+                held_out = 0 if last else inflight + (1 if k >= 2 and b > k - 2 else 0)
+                held_grad = 0 if first else min(b, 1)
+            comm = persistent + (held_out + held_grad) * nh
+        others = (inflight - 1) * a_mb + weight_cache  # the other micro-batches in flight
+        if last:  # the loss's backward: nll_loss_backward's dense gradient and log_softmax_backward's
+            snap("backward", others + a_mb, g_full if b else 0, comm, batch_ids + 2 * n * vloc * 4)
+        if last and regime == "fp32" and train.tp == 1:
+            # The LM head's backward (memory.estimate_memory's head instant): log_softmax's saved output
+            # gone, the logits' gradient alive beside the hidden states' gradient and the head's weight
+            # gradient, which becomes .grad on the first micro-batch and is a transient until
+            # AccumulateGrad adds it after. Measured (transformers Llama, GPipe over 2 stages, 4
+            # micro-batches of 1024 x 1024 logits): the last stage peaks here, 128 KiB above the loss
+            # instant.
+            snap("backward", others + a_mb - act.loss_saved - (n * vloc * 4 if m.final_softcap else 0),
+                 g_full if b else head_g, comm,
+                 batch_ids + n * vloc * 4 + n * h * 4 + (vloc * h * wgrad_b if b else 0))
+        # The stage's last layer, MLP backward: at w_down (its input and weight gradients: the
+        # weight gradient becomes .grad on the first micro-batch, is added into it after), then at
+        # the product's backward (the gate and up gradients beside the product's, `prod` freed).
+        # Its incoming gradient is the receive buffer, except on the last stage (the norm's).
+        acts = others + blocks_part + head_keep
+        g = g_full if b else head_g
+        snap("backward", acts, g, comm, batch_ids + wdown_tmp + t_in)
+        snap("backward", acts - freed, g if b else g + wg * wgrad_b, comm, batch_ids + blk_tmp - nh + t_in)
+        if b == 0 and m.layers > 1:
+            # The stage's first layer on the first micro-batch: every gradient but most of this
+            # block's, this micro-batch's other blocks freed (later micro-batches: fewer bytes than
+            # the last layer's instants, the gradients being whole there).
+            acts0 = others + block0_part + head_keep
+            g0 = g_full - (block_elems - wg) * wgrad_b
+            snap("backward", acts0, g0 - wg * wgrad_b, comm, batch_ids + wdown_tmp + nh)
+            snap("backward", acts0 - freed, g0, comm, batch_ids + blk_tmp)
+        b += 1
+
+
 def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", backend: str = "nccl",
                  gpu_name: str | None = None):
     """`memory.MemoryEstimate` of pipeline stage `stage` under `strategy` on the stage's dp ranks (see
@@ -699,14 +398,14 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     if train.tp > 1:
         _, dpc = tp_view(train, cluster)
     dpc = pp_cluster(train, dpc)
-    world = 1 if st.name == "single" else dpc.gpus
+    world = dpc.gpus if st.distributed else 1
     group = st.shard_group
     shard = world if group == "world" else (min(world, dpc.local_size) if group == "node" else 1)
-    if st.name == "fsdp-no-shard":
+    if st.fsdp_no_shard:
         shard = 1
     m = strain.model
     prec = train.prec
-    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
+    pb = prec.param_bytes
     lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
     opt_elems, opt_extra = _opt_state(m, train.optimizer, family, shard)
     opt = opt_elems * pb + int(opt_extra)
@@ -719,29 +418,7 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
     nh = sp_tokens(strain, n) * h * r  # the boundary tensor (one micro-batch)
 
     # Static parts and the gradients once the first micro-batch's backward made them.
-    sharding = family in ("fsdp1", "fsdp2") and shard > 1 and st.shards_params
-    if family in ("fsdp1", "fsdp2"):
-        ud = cb if prec.mixed else pb
-        rb = 4 if prec.mixed else gb
-        unsharded = (lay.unshard_root + m.layers * lay.unshard_block)
-        params = lay.shard_total * pb
-        static_comm = unsharded * ud if sharding else (unsharded * cb if prec.mixed else 0)
-        wgrad_b = ud
-        g_full = unsharded * (rb if family == "fsdp2" else ud) if sharding else lay.total * gb
-        g_opt = lay.shard_total * (4 if prec.mixed else gb) if sharding else lay.total * gb
-        step_elems = lay.shard_total
-    else:
-        params = lay.total * pb
-        static_comm = 0 if family == "single" else lay.total * gb  # DDP's buckets
-        wgrad_b = gb
-        g_full = g_opt = lay.total * gb
-        step_elems = lay.opt_owned if family == "zero1" and shard > 1 else lay.total
-    if train.optimizer in ("adam", "adamw") and train.optimizer_impl == "foreach":
-        opt_tmp = step_elems * pb  # _multi_tensor_adam's exp_avg_sq_sqrt
-    elif train.optimizer in ("adam", "adamw") and train.optimizer_impl == "for-loop" or train.optimizer == "adafactor":
-        opt_tmp = 2 * lay.largest_param * pb
-    else:
-        opt_tmp = 0
+    params, static_comm, wgrad_b, g_full, g_opt, opt_tmp = _stage_state_bytes(train, st, m, lay, shard)
 
     # One micro-batch's saved activations on this stage.
     a_mb = act.blocks_total
@@ -794,110 +471,13 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         persistent = M * nh if last and not first else 0
     releasable = releases_sent_outputs(family, last)
     if v == 1:
-        k = in_flight(sched, p, M, stage)
-        f = b = 0
-        for kind, mb in stage_actions(sched, p, M, stage):
-            if kind == "F":
-                f += 1
-                continue
-            inflight = f - b
-            if per_receive:
-                # 1F1B and GPipe wait for (and release) every forward send before the next backward; a
-                # DDP stage's outputs stay in its forward state until their backward
-                held_out = 0 if last or releasable else inflight
-                held_grad = 0 if first else (b if sched == "gpipe" else min(b, 1))
-                received = (0 if first else (f if last else inflight)) + (0 if last else 1)
-                comm = (received + held_out + held_grad) * nh
-            else:
-                if sched == "gpipe":
-                    held_out, held_grad = (0 if last else f), (0 if first else b)
-                else:
-                    held_out = 0 if last else inflight + (1 if k >= 2 and b > k - 2 else 0)
-                    held_grad = 0 if first else min(b, 1)
-                comm = persistent + (held_out + held_grad) * nh
-            others = (inflight - 1) * a_mb + weight_cache  # the other micro-batches in flight
-            if last:  # the loss's backward: nll_loss_backward's dense gradient and log_softmax_backward's
-                snap("backward", others + a_mb, g_full if b else 0, comm, batch_ids + 2 * n * vloc * 4)
-            if last and regime == "fp32" and train.tp == 1:
-                # The LM head's backward (memory.estimate_memory's head instant): log_softmax's saved output
-                # gone, the logits' gradient alive beside the hidden states' gradient and the head's weight
-                # gradient, which becomes .grad on the first micro-batch and is a transient until
-                # AccumulateGrad adds it after. Measured (transformers Llama, GPipe over 2 stages, 4
-                # micro-batches of 1024 x 1024 logits): the last stage peaks here, 128 KiB above the loss
-                # instant.
-                snap("backward", others + a_mb - act.loss_saved - (n * vloc * 4 if m.final_softcap else 0),
-                     g_full if b else head_g, comm,
-                     batch_ids + n * vloc * 4 + n * h * 4 + (vloc * h * wgrad_b if b else 0))
-            # The stage's last layer, MLP backward: at w_down (its input and weight gradients: the
-            # weight gradient becomes .grad on the first micro-batch, is added into it after), then at
-            # the product's backward (the gate and up gradients beside the product's, `prod` freed).
-            # Its incoming gradient is the receive buffer, except on the last stage (the norm's).
-            acts = others + blocks_part + head_keep
-            g = g_full if b else head_g
-            snap("backward", acts, g, comm, batch_ids + wdown_tmp + t_in)
-            snap("backward", acts - freed, g if b else g + wg * wgrad_b, comm, batch_ids + blk_tmp - nh + t_in)
-            if b == 0 and m.layers > 1:
-                # The stage's first layer on the first micro-batch: every gradient but most of this
-                # block's, this micro-batch's other blocks freed (later micro-batches: fewer bytes than
-                # the last layer's instants, the gradients being whole there).
-                acts0 = others + block0_part + head_keep
-                g0 = g_full - (block_elems - wg) * wgrad_b
-                snap("backward", acts0, g0 - wg * wgrad_b, comm, batch_ids + wdown_tmp + nh)
-                snap("backward", acts0 - freed, g0, comm, batch_ids + blk_tmp)
-            b += 1
+        _one_stage_walk(snap, train, stage, act, regime, m, p, M, sched, first, last, per_receive, releasable, n, h,
+                        nh, vloc, persistent, a_mb, weight_cache, blocks_part, block0_part, block_elems, head_keep,
+                        g_full, head_g, batch_ids, wdown_tmp, t_in, freed, wg, blk_tmp, wgrad_b)
     else:
-        # Interleaved 1F1B: the rank's v local stages (stage ids stage + k p), walked in the order
-        # `ScheduleInterleaved1F1B` runs them (`interleaved_actions`). A chunk (local stage, micro-batch)
-        # holds its own layers' activations, less its receive buffer's share when it is not stage 0,
-        # plus the embedding's (stage 0) or the head's and logits (the last stage).
-        nstages = p * v
-        sids = rank_stage_ids(sched, p, stage)
-        lay_k = [stage_layers(train.model.layers, nstages, sid) for sid in sids]
-        per_layer = act.blocks_total / max(1, m.layers)  # this rank's layers' share (RoPE tables spread)
-        a_k = []
-        for k, sid in enumerate(sids):
-            a = per_layer * lay_k[k] - (0 if sid == 0 else nh)
-            if sid == nstages - 1:
-                a += (act.outside - act.inputs) + act.loss_saved + n * vloc * e
-            a_k.append(a)
-        # receive buffers: activations for each non-first stage, gradients for each non-last one, but none
-        # from a neighbour on this rank (zbv's stages p - 1 and p hand their tensors over directly)
-        persistent = M * nh * (sum(sid != 0 and sid - 1 not in sids for sid in sids)
-                               + sum(sid != nstages - 1 and sid + 1 not in sids for sid in sids))
-        f_k, b_k = [0] * v, [0] * v
-        runtime = None
-        if pp_recv_buffers_per_receive(train):
-            # torch >= 2.15 lowers these schedules with receives and send waits of their own
-            # (`runtime_boundary_tensors`): the boundary tensors alive at each action replace the buffers
-            # kept for the run and the sends held to the step's end
-            runtime, left = runtime_boundary_tensors(sched, p, M, stage)
-            persistent = left * nh
-        if sched in ZERO_BUBBLE:
-            # with checkpointing the input pass recomputes each block, and the retained graph keeps what it
-            # rebuilt until the weight pass
-            _zero_bubble_walk(snap, zero_bubble_actions(sched, p, M, stage), sids, nstages, lay_k, a_k,
-                              _retained_grads(strain, regime, n), weight_cache, persistent, nh,
-                              g_full, head_g, batch_ids, max(wdown_tmp, blk_tmp - nh - freed), wg * wgrad_b,
-                              n * vloc * e, act.loss_saved + n * vloc * e, runtime)
-        for i, (k, kind, _mb) in enumerate(() if sched in ZERO_BUBBLE else interleaved_actions(p, M, stage, v)):
-            if kind == "F":
-                f_k[k] += 1
-                continue
-            held = [f_k[j] - b_k[j] for j in range(v)]
-            acts = sum(held[j] * a_k[j] for j in range(v)) + weight_cache
-            # Every tensor sent so far (through torch 2.14): `_PipelineScheduleRuntime._step_microbatches`
-            # keeps each send's work in `send_ops` and waits for them all at the end of the step, so the
-            # outputs of the non-last chunks' forwards and the input gradients of the non-first chunks'
-            # backwards stay alive until then.
-            sent = (sum(f_k[j] for j in range(v) if sids[j] != nstages - 1)
-                    + sum(b_k[j] for j in range(v) if sids[j] != 0))
-            comm = persistent + sent * nh if runtime is None else runtime[i] * nh
-            g = g_full if sum(b_k) else head_g
-            # the chunk's last layer, MLP backward: at w_down, then at the product's backward (the tensors
-            # the MLP backward frees gone, the gate and up gradients beside the product's), as for one stage
-            snap("backward", int(acts), g, comm, batch_ids + wdown_tmp)
-            snap("backward", int(acts - freed), g, comm, batch_ids + blk_tmp - nh)
-            b_k[k] += 1
+        persistent = _interleaved_walk(snap, train, strain, stage, act, regime, m, p, v, M, sched, n, nh, vloc, e,
+                                       weight_cache, g_full, head_g, batch_ids, wdown_tmp, blk_tmp, freed, wg,
+                                       wgrad_b)
     snap("optimizer", 0, g_opt, persistent, batch_ids + opt_tmp)
 
     _, phase, (a, g, c, t) = best
@@ -913,39 +493,7 @@ def stage_memory(train, cluster, strategy, stage: int, device: str = "cuda", bac
         g, stride = cluster.local_size, cluster.gpus // p
         fp = with_communicator(fp, cluster, "pipeline", p, g // stride if stride < g else 1)
     overhead = fp.total
-    notes = [f"pipeline stage {stage} of {p} ({m.layers} layers"
-             + (", embedding" if first else "") + (", final norm + LM head + loss" if last else "")
-             + f"; {sched}, {M} micro-batches) is the most loaded"]
-    if family in ("ddp", "zero1") and world > 1 and sched != "1f1b":
-        notes.append(f"pipeline parallelism with DDP under {sched}: torch's DistributedDataParallel stops in its "
-                     f"reducer's first bucket rebuild under ScheduleGPipe and ScheduleInterleaved1F1B (measured on "
-                     f"torch 2.13, validate/pp_probe.py); Schedule1F1B runs, and so do FSDP2's zero2/zero3")
-    if family in ("fsdp1", "fsdp2") and world > 1:
-        notes.append("pipeline parallelism with FSDP2: the stage's parameters stay unsharded and its gradients "
-                     "accumulate unsharded through the step, all-gathered once per step (PipelineStage with "
-                     "torchtitan's reshard_after_forward=False)")
-    # The stage's allocations replayed through the caching allocator (alloc_trace.stage_allocation_events)
-    # where they are written; else memory.RESERVED_MARGIN over the allocated peak.
-    replay_args = None
-    if device == "cuda":
-        # (autocast's weight casts under pipelining are not written: those stages keep the margin)
-        # (FSDP2 stages are written sharded over more than one rank, as the probes run them)
-        if (family in STAGE_FAMILIES and v == 1 and regime != "autocast" and m.layers <= MAX_LAYERS
-                and M <= MAX_MICROBATCHES and (family != "fsdp2" or shard > 1)):
-            expandable, max_split, _ = parse_alloc_conf(train.alloc_conf, "alloc_conf")
-            replay_args = ("pp-stage", train, st.name, stage, world, shard, device, workspace, expandable,
-                           max_split)
-        else:
-            why = [w for w, applies in ((f"{st.name} stages", family not in STAGE_FAMILIES),
-                                        (f"{st.name} stages on one data-parallel rank",
-                                         family == "fsdp2" and shard <= 1),
-                                        (f"{sched} schedules", v > 1),
-                                        ("stages under autocast", regime == "autocast"),
-                                        (f"more than {MAX_MICROBATCHES} micro-batches", M > MAX_MICROBATCHES),
-                                        (f"stages of more than {MAX_LAYERS} layers", m.layers > MAX_LAYERS))
-                   if applies]
-            notes.append("pipeline parallelism: the reserved peak is the allocated peak + 10% (no allocator "
-                         "replay of " + ", nor of ".join(why) + ")")
+    notes, replay_args = _stage_notes_and_replay(train, st, stage, m, world, shard, regime, device, workspace)
     return MemoryEstimate(st.name, comps, peak, phase, overhead, cluster.gpu_memory_bytes, notes, workspace,
                           replay_args, footprint=fp)
 
@@ -960,7 +508,7 @@ def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
     if train.tp > 1:
         dpc = tp_view(train, cluster)[1]
     dpc = pp_cluster(train, dpc)
-    if s.family == "single" or dpc.gpus == 1:
+    if not s.distributed or dpc.gpus == 1:
         return []
     view = stage_train(train, stage)
     key = _schedule_key(view, s.name, dpc.gpus, dpc.local_size, dpc.nodes, DDP_BUCKET_CAP_MB,
@@ -971,7 +519,7 @@ def stage_dp_schedule(train, cluster, strategy, stage: int) -> list:
     # transformers stages under DDP, 1F1B over 2 replicas, count none)
     out = [c._replace(group="dp") if c.group == "world" else c for c in _timed_schedule(key, dpc)[0]
            if c.unit != "buffers"]
-    return fsdp2_gathers_once(out, train.pp_microbatches, train, stage, dpc.gpus) if s.family == "fsdp2" else out
+    return fsdp2_gathers_once(out, train.pp_microbatches, train, stage, dpc.gpus) if s.fsdp2 else out
 
 
 def fsdp2_gathers_once(collectives, M: int, train=None, stage: int = 0, world: int = 1) -> list:
@@ -1023,10 +571,9 @@ def predict_probe_ranks(spec: dict) -> list[dict]:
     replica x cp + cp index): the stage walk (`stage_memory`, the spec's strategy on its dp x cp ranks,
     CPU, gloo) and that stage's collectives (`stage_dp_schedule`, `p2p_counts`, `boundary_bytes`, and
     with cp > 1 the ring's, `cp.cp_raw_schedule` of the stage)."""
-    from .cp import cp_raw_schedule, cp_view
     train = cp_view(probe_train(spec))
     dp = int(spec.get("dp", 1)) * train.cp
-    strategy = spec.get("strategy", "single")
+    strategy = spec.get("strategy", SINGLE)
     family = get_strategy(strategy).family
     world = train.pp * dp
     cluster = Cluster(gpus=world, gpus_per_node=world)

@@ -86,11 +86,26 @@ class Strategy:
         """FSDP wrapping without sharding anything (FSDP1 NO_SHARD): all-reduce per unit."""
         return self.fsdp and self.shard_group == "none"
 
-    # -- added for the plan layer (checkpoint.py, module_plan.py) --
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage whose sharding this matches (DeepSpeed's `zero_optimization.stage`): 1 the optimizer
+        state (ZeRO-1 over DDP), 2 also the gradients (FSDP2 kept unsharded to backward), 3 also the parameters
+        (FSDP2 resharded after forward); 0 for the others."""
+        if self.zero_optimizer:
+            return 1
+        if self.fsdp2:
+            return 3 if self.reshard_after_forward else 2
+        return 0
+
+    @property
+    def fsdp1_shard_grad_op(self) -> bool:
+        """FSDP1 SHARD_GRAD_OP: sharded, but a unit's parameters kept unsharded from forward to backward."""
+        return self.fsdp1 and self.shards_params and not self.reshard_after_forward
+
     @property
     def deepspeed_zero(self) -> bool:
         """A ZeRO stage DeepSpeed runs under framework='deepspeed' (ZeRO-1, and the FSDP2 pair ZeRO-2/3)."""
-        return self.family in (ZERO1, FSDP2)
+        return self.zero_stage > 0
 
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in (

@@ -60,11 +60,12 @@ from dataclasses import replace
 from functools import lru_cache
 
 from .activations import regime_for
-from .comm import _interconnect
+from .nccl_model import _interconnect
 from .config import Cluster, TrainConfig, check_tp, checkpoint_every, fsdp2_grads_in_reduce_dtype
 from .model import TPRankSpec
+from .strategies import REGISTRY, SINGLE
 
-TP_STRATEGIES = ("single", "zero2", "zero3")
+TP_STRATEGIES = tuple(n for n, s in REGISTRY.items() if not s.distributed or s.fsdp2)
 """The data-parallel strategies `distplan validate` composes tensor parallelism with: FSDP2 on the dp
 dimension of the (dp, tp) mesh as torchtitan lays it out, or none (`single`: dp = 1). DDP and FSDP1 over
 DTensor parameters are not torchtitan layouts; the planner still estimates them."""
@@ -147,11 +148,11 @@ def tp_raw_schedule(train: TrainConfig, family: str) -> tuple:
         # pure bf16
         regime = regime_for(train, family)
         gdt = "float32" if regime in ("fp32", "autocast") else _HALF[train.precision]
-        if family != "single" and (train.grad_accum > 1 or fsdp2_grads_in_reduce_dtype(train)):
+        if family != SINGLE and (train.grad_accum > 1 or fsdp2_grads_in_reduce_dtype(train)):
             # accumulated in reduce_dtype (fp32), still Partial; from torch 2.15 made in it
             gdt = "float32" if train.precision != "bf16" else gdt
         for count, elems in replicated:
-            if family == "single":
+            if family == SINGLE:
                 if train.optimizer in ("adam", "adamw"):
                     out += (("all_reduce", "tp", train.tp, gdt, elems * (4 if gdt == "float32" else 2),
                              3 * count, "optimizer", "tp_norm_grad"),)

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from distplan.planner import comm
-from distplan.planner.comm import (Collective, LinkModel, bus_factor, collective_schedule,
-                                   collective_time, comm_summary, ddp_buckets)
+from distplan.planner.comm import Collective, LinkModel, bus_factor, collective_time, comm_summary, ddp_buckets
+from distplan.planner.comm_schedule import collective_schedule
 from distplan.planner.config import Cluster, TrainConfig
 from distplan.planner.model import ModelSpec
 

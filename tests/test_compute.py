@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from distplan.planner.comm import collective_schedule
+from distplan.planner.comm_schedule import collective_schedule
 from distplan.planner.compute import (contention, exposed_comm, model_flops, required_inter_bandwidth,
                                       sm_bound_share, step_flops, step_time)
 from distplan.catalog.loader import load_catalog

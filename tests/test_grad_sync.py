@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from distplan.planner.api import plan
 from distplan.planner.cli import main
-from distplan.planner.comm import collective_schedule
+from distplan.planner.comm_schedule import collective_schedule
 from distplan.planner.compute import exposed_comm
 from distplan.planner.config import Cluster, TrainConfig
 from distplan.planner.kernels import kernel_times
