@@ -50,16 +50,17 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-from .comm import _DTYPE_BYTES, Collective, Schedule, schedule_totals
-from .comm_schedule import collective_schedule
+from distplan.catalog.loader import load_catalog
+
 from .activations import regime_for
-from .footprint import _footprint_for, nccl_env
+from .comm import Collective, Schedule, _DTYPE_BYTES, schedule_totals
+from .comm_schedule import collective_schedule
 from .config import Cluster, TrainConfig, checkpoint_every
 from .cp import attention_flops_factor, cp_view
+from .footprint import _footprint_for, nccl_env
+from .kernels import KernelTimes, kernel_times, optimizer_host_ops, param_tensors, peak_flops
 from .model import TPRankSpec
 from .pp import bubble_fraction, pp_cluster, stage_train
-from .kernels import KernelTimes, kernel_times, optimizer_host_ops, param_tensors, peak_flops
-
 from .strategies import Strategy, get_strategy
 from .tp import tp_view
 
@@ -451,7 +452,6 @@ def _gpu(name: str, catalog_dirs: tuple = ()):
     """The catalog's GPU `name`, cached per (name, dirs) like `comm._interconnect` (looked up once per
     evaluated strategy; `api.clear_caches()` after editing catalog files in a running process)."""
     # lazy: catalog.loader imports distplan.planner, whose __init__ imports this module
-    from distplan.catalog.loader import load_catalog
 
     return load_catalog(catalog_dirs).gpu(name)
 

@@ -73,6 +73,8 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
+from distplan.catalog.loader import load_catalog
+
 MIB = 2**20
 
 NCCL_VERSION = (2, 29, 7)
@@ -369,7 +371,6 @@ def comm_footprint(name: str, topo: Topology, env_key: tuple = (), nccl_version:
 def _hardware(gpu_name: str, intra_link: str, catalog_dirs: tuple) -> tuple:
     """(cc, intra kind, per-GPU path bandwidth GB/s, NVSwitch) from the catalog (cached)."""
     # lazy: catalog.loader imports distplan.planner, whose __init__ imports this module
-    from distplan.catalog.loader import load_catalog
     cat = load_catalog(catalog_dirs)
     gpu = cat.gpu(gpu_name)
     ic = cat.interconnect(intra_link)

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from distplan.catalog.loader import load_catalog
+
 from .config import Cluster
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -259,7 +261,6 @@ _HW_CLASS = {"nvlink": "nvlink", "xgmi": "nvlink", "pcie": "pci", "infiniband": 
 
 @lru_cache(maxsize=256)
 def _interconnect(name: str, catalog_dirs: tuple = ()):
-    from distplan.catalog.loader import load_catalog  # lazy: the catalog is never loaded at import
 
     return load_catalog(catalog_dirs).interconnect(name)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .units import short_repr
+
 # The code paths (`Strategy.family`) the memory, event and communication models follow. Code outside this
 # module compares a family with these names, or better asks a Strategy for a capability (below), and never
 # spells a strategy's name.
@@ -151,6 +153,5 @@ def get_strategy(name: str | Strategy) -> Strategy:
         return name
     key = name.strip().lower() if isinstance(name, str) else None
     if key not in REGISTRY:
-        from .units import short_repr
         raise ValueError(f"unknown strategy {short_repr(name)}; accepted: {', '.join(NAMES)}")
     return REGISTRY[key]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .checkpoint import DEFAULT_STORAGE_GBPS, estimate_checkpoint
-from .comm import collective_schedule
+from .comm_schedule import collective_schedule
 from .compute import _gpu, required_inter_bandwidth, step_time
 from .config import Cluster, TrainConfig
 from .memory import MemoryEstimate, estimate_memory
