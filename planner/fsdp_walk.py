@@ -21,27 +21,27 @@ from .walk_terms import WalkTerms
 @dataclass(frozen=True)
 class FsdpTerms:
     """The FSDP walk's own terms (bytes unless a per-element width), from `fsdp_terms`."""
-    ud: int  # bytes per element of unsharded parameters and of their gradients
-    rb: int  # reduce_dtype bytes per element
-    gsh: int  # sharded gradient bytes per element (the fp32 parameter's)
-    gsh_gpu: int  # `gsh` of shards kept on the GPU through backward (0 with FSDP2's CPU offload)
+    unsharded_elem_bytes: int  # bytes per element of unsharded parameters and of their gradients
+    reduce_elem_bytes: int  # reduce_dtype bytes per element
+    grad_shard_elem_bytes: int  # sharded gradient bytes per element (the fp32 parameter's)
+    gpu_grad_shard_elem_bytes: int  # the same, of shards kept on the GPU through backward (0: FSDP2's CPU offload)
     sharding: bool
     reshard: bool  # reshard after forward
-    ub: int  # one block's unsharded parameters
-    ur: int  # the root's unsharded parameters
-    held: int  # blocks unsharded at the end of forward
-    unit_root: int  # gradients earlier micro-steps accumulated in the root
-    unit_block: int  # gradients earlier micro-steps accumulated in one block
+    block_unsharded_bytes: int  # one block's unsharded parameters
+    root_unsharded_bytes: int  # the root's unsharded parameters
+    blocks_held: int  # blocks unsharded at the end of forward
+    root_carried_bytes: int  # gradients earlier micro-steps accumulated in the root
+    block_carried_bytes: int  # gradients earlier micro-steps accumulated in one block
     fresh: int  # 1 unless a later micro-step's gradients are added in place (FSDP2 fp32 without sync)
-    fwd_comm: int  # unsharded parameters through forward
-    prefetch: int  # backward prefetch of the next block's all-gather
-    head_g: int  # the head's (and final norm's) unsharded gradient
-    cur_g: int  # the weight gradient just made at a block's backward peak
+    forward_unsharded_bytes: int  # unsharded parameters through forward
+    prefetch_bytes: int  # backward prefetch of the next block's all-gather
+    head_grad_bytes: int  # the head's (and final norm's) unsharded gradient
+    new_wgrad_bytes: int  # the weight gradient just made at a block's backward peak
     keep_all: bool  # SHARD_GRAD_OP keeps its parameters unsharded between no_sync micro-steps
-    blocks_unsharded: int  # unsharded blocks at the first block's backward
-    blocks_unsharded_last: int  # unsharded blocks at the last block's (block 0's) backward
-    shards: int  # gradients of blocks 1..L-1 at block 0's backward
-    rs_held: int  # FSDP2's kept reduce-scatter input (one block's)
+    first_bwd_unsharded_bytes: int  # unsharded blocks at the first block's backward
+    last_bwd_unsharded_bytes: int  # unsharded blocks at the last block's (block 0's) backward
+    later_blocks_grad_bytes: int  # gradients of blocks 1..L-1 at block 0's backward
+    rs_input_held_bytes: int  # FSDP2's kept reduce-scatter input (one block's)
     L: int
     later: bool
 
@@ -49,14 +49,15 @@ class FsdpTerms:
         """Gradients accumulated by earlier micro-steps, held by the root and blocks 0..j."""
         if not self.later:  # nothing accumulated: the walk asks dozens of times per estimate
             return 0
-        return self.unit_root + min(j + 1, self.L) * self.unit_block if j >= 0 else 0
+        return self.root_carried_bytes + min(j + 1, self.L) * self.block_carried_bytes if j >= 0 else 0
 
     def unsharded_during(self, j: int) -> int:
         """FSDP2: bytes of unsharded blocks while block j's backward runs (blocks run L-1 .. 0).
         Resharding after forward: block j and the prefetched block j-1 (`_backward_prefetch`).
         Not resharding: blocks 0..j, which forward left unsharded; FSDPParamGroup.post_backward
         reshards each block once its backward is done (`reshard_after_backward`)."""
-        return self.ub + (self.prefetch if j > 0 else 0) if self.reshard else (j + 1) * self.ub
+        ub = self.block_unsharded_bytes
+        return ub + (self.prefetch_bytes if j > 0 else 0) if self.reshard else (j + 1) * ub
 
 
 def fsdp_walk(snap, w: WalkTerms) -> tuple[int, int]:
@@ -74,7 +75,7 @@ def fsdp_walk(snap, w: WalkTerms) -> tuple[int, int]:
     else:
         fsdp1_blocks_backward(snap, w, f)
         fsdp1_root_backward(snap, w, f)
-    grads_final = w.lay.shard_total * f.gsh if f.sharding else w.lay.total * w.gb
+    grads_final = w.lay.shard_total * f.grad_shard_elem_bytes if f.sharding else w.lay.total * w.gb
     if w.offload_params:
         grads_final = 0
     snap("optimizer", grads=grads_final, temporaries=w.opt_tmp)
@@ -107,7 +108,7 @@ def fsdp_terms(w: WalkTerms) -> FsdpTerms:
     # FSDP2 in fp32 without sync: a later micro-step's gradients are added in place into the kept
     # .grad (AccumulateGrad), so the block's and head's earlier gradients are not extra; the weight
     # gradient just made is, until its add (`_in_place_block_peak` picked the block's instant and
-    # that gradient, `cur_g`); under mixed precision the bf16 .grad is new and added to the fp32
+    # that gradient, `new_wgrad_bytes`); under mixed precision the bf16 .grad is new and added to the fp32
     # accumulator in `post_backward`.
     fresh = 0 if w.in_place else 1
     if w.later:
@@ -122,13 +123,17 @@ def fsdp_terms(w: WalkTerms) -> FsdpTerms:
     # SHARD_GRAD_OP keeps its parameters unsharded between no_sync micro-steps (`_should_free_in_backward`)
     keep_all = st.fsdp1 and not st.reshard_after_forward and w.later and not w.every
     return FsdpTerms(
-        ud=ud, rb=rb, gsh=gsh, gsh_gpu=gsh_gpu, sharding=sharding, reshard=reshard, ub=ub, ur=ur, held=held,
-        unit_root=unit_root, unit_block=unit_block, fresh=fresh, fwd_comm=ur + (0 if reshard else held * ub),
-        prefetch=prefetch, head_g=w.head_elems * ud, cur_g=w.wgrad_elems * ud, keep_all=keep_all,
-        blocks_unsharded=ub + prefetch if reshard else held * ub,
-        blocks_unsharded_last=(held * ub if keep_all else ub),
-        shards=max(0, L - 1) * lay.shard_block * gsh_gpu if sharding else max(0, L - 1) * lay.block * w.gb,
-        rs_held=lay.unshard_block * rb if (sharding and st.fsdp2 and L > 1) else 0, L=L, later=w.later)
+        unsharded_elem_bytes=ud, reduce_elem_bytes=rb, grad_shard_elem_bytes=gsh, gpu_grad_shard_elem_bytes=gsh_gpu,
+        sharding=sharding, reshard=reshard, block_unsharded_bytes=ub, root_unsharded_bytes=ur, blocks_held=held,
+        root_carried_bytes=unit_root, block_carried_bytes=unit_block, fresh=fresh,
+        forward_unsharded_bytes=ur + (0 if reshard else held * ub),
+        prefetch_bytes=prefetch, head_grad_bytes=w.head_elems * ud, new_wgrad_bytes=w.wgrad_elems * ud,
+        keep_all=keep_all,
+        first_bwd_unsharded_bytes=ub + prefetch if reshard else held * ub,
+        last_bwd_unsharded_bytes=(held * ub if keep_all else ub),
+        later_blocks_grad_bytes=(max(0, L - 1) * lay.shard_block * gsh_gpu if sharding
+                                 else max(0, L - 1) * lay.block * w.gb),
+        rs_input_held_bytes=lay.unshard_block * rb if (sharding and st.fsdp2 and L > 1) else 0, L=L, later=w.later)
 
 
 def _accumulated_grad_bytes(w: WalkTerms, ud: int, rb: int, gsh_gpu: int, sharding: bool) -> tuple[int, int]:
@@ -180,13 +185,13 @@ def snap_tied_embedding(snap, w: WalkTerms, f: FsdpTerms, comm_buffers: int, sha
     L, lay = w.L, w.lay
     snap("backward", comm_buffers=comm_buffers, activations=w.act.inputs,
          grads=f.carry(L - 1) if w.later and (w.every or not f.sharding)
-         else (L * lay.shard_block * shard_bytes if f.sharding else L * lay.block * w.gb) + f.unit_root,
-         temporaries=3 * w.v * w.h * f.ud)
+         else (L * lay.shard_block * shard_bytes if f.sharding else L * lay.block * w.gb) + f.root_carried_bytes,
+         temporaries=3 * w.v * w.h * f.unsharded_elem_bytes)
 
 
 def fsdp_forward_and_loss(snap, w: WalkTerms, f: FsdpTerms) -> None:
     """Forward (FSDP2's copy-out instants, the end of forward), the loss's and the LM head's backward."""
-    st, act, L, ub, ur = w.st, w.act, w.L, f.ub, f.ur
+    st, act, L, ub, ur = w.st, w.act, w.L, f.block_unsharded_bytes, f.root_unsharded_bytes
     acc = f.carry(L)
     # FSDP2 without resharding keeps the last block's all-gather output until the root's
     # post-forward (measured: freed right after the loss).
@@ -203,16 +208,17 @@ def fsdp_forward_and_loss(snap, w: WalkTerms, f: FsdpTerms) -> None:
             prev_flat = ur if j == 0 else ub
             snap("forward", comm_buffers=ur + (0 if f.reshard else j * ub) + prev_flat + 2 * ub, grads=acc,
                  activations=act.inputs + act.below(j))
-    snap("forward", comm_buffers=f.fwd_comm + ag_tail, grads=acc, activations=w.acts_fwd)
+    snap("forward", comm_buffers=f.forward_unsharded_bytes + ag_tail, grads=acc, activations=w.acts_fwd)
     # At the loss: the root is unsharded; the last block's all-gather is prefetched.
-    snap("backward", comm_buffers=f.fwd_comm + (ub if f.reshard else 0), grads=acc,
+    snap("backward", comm_buffers=f.forward_unsharded_bytes + (ub if f.reshard else 0), grads=acc,
          activations=w.acts_bwd, temporaries=w.loss_bwd_tmp)
     if w.head_bwd:
         # the head's weight gradient: FSDP2's untied head's .grad; a tied one's (FSDP2) and FSDP1's views'
         # wait in autograd's input buffer, and so does one a later micro-step adds into the kept .grad
-        w_head = w.v * w.h * f.ud
+        w_head = w.v * w.h * f.unsharded_elem_bytes
         as_grad = st.fsdp2 and not w.m.tie_embeddings and f.fresh
-        snap("backward", comm_buffers=f.fwd_comm + (ub if f.reshard else 0), grads=acc + (w_head if as_grad else 0),
+        snap("backward", comm_buffers=f.forward_unsharded_bytes + (ub if f.reshard else 0),
+             grads=acc + (w_head if as_grad else 0),
              activations=w.head_acts, temporaries=w.head_bwd + (0 if as_grad else w_head))
 
 
@@ -221,29 +227,29 @@ def fsdp_forward_and_loss(snap, w: WalkTerms, f: FsdpTerms) -> None:
 def _fsdp2_head_bytes(w: WalkTerms, f: FsdpTerms) -> tuple[int, int]:
     """(a tied head's gradient waiting in autograd's input buffer, the head's gradient not yet added to an
     accumulator), bytes."""
-    tied_buf = f.head_g if w.m.tie_embeddings else 0
-    return tied_buf, f.fresh * (f.head_g - tied_buf)
+    tied_buf = f.head_grad_bytes if w.m.tie_embeddings else 0
+    return tied_buf, f.fresh * (f.head_grad_bytes - tied_buf)
 
 
 def fsdp2_blocks_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
     """FSDP2: each block's backward peak (every-K: block j's, recomputed or not; else the first, the last and
     the middle blocks next to them)."""
-    act, lay, L, ur, carry = w.act, w.lay, w.L, f.ur, f.carry
+    act, lay, L, ur, carry = w.act, w.lay, w.L, f.root_unsharded_bytes, f.carry
     tied_buf, head_new = _fsdp2_head_bytes(w, f)
-    shard_unit = lay.shard_block * f.gsh_gpu if f.sharding else lay.block * w.gb
+    shard_unit = lay.shard_block * f.gpu_grad_shard_elem_bytes if f.sharding else lay.block * w.gb
     for j in w.walked_blocks((), L, w.ev):  # every-K: block j's backward, recomputed or not
         fr, tmp = w.block_backward_bytes(j)
-        snap("backward", comm_buffers=ur + f.unsharded_during(j) + (f.rs_held if j < L - 1 else 0),
+        snap("backward", comm_buffers=ur + f.unsharded_during(j) + (f.rs_input_held_bytes if j < L - 1 else 0),
              activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
              grads=(L - 1 - j) * shard_unit + head_new + carry(j),
-             temporaries=tmp + f.cur_g + tied_buf)
+             temporaries=tmp + f.new_wgrad_bytes + tied_buf)
     if not w.ev:
-        snap("backward", comm_buffers=ur + f.blocks_unsharded,
+        snap("backward", comm_buffers=ur + f.first_bwd_unsharded_bytes,
              activations=w.first_acts + w.outside_first - w.freed, grads=head_new + carry(L - 1),
-             temporaries=w.blk_tmp + f.cur_g + tied_buf)
-        snap("backward", comm_buffers=ur + f.blocks_unsharded_last + f.rs_held,
-             activations=w.last_acts + w.outside_last - w.freed, grads=f.shards + head_new + carry(0),
-             temporaries=w.blk_tmp + f.cur_g + tied_buf)
+             temporaries=w.blk_tmp + f.new_wgrad_bytes + tied_buf)
+        snap("backward", comm_buffers=ur + f.last_bwd_unsharded_bytes + f.rs_input_held_bytes,
+             activations=w.last_acts + w.outside_last - w.freed, grads=f.later_blocks_grad_bytes + head_new + carry(0),
+             temporaries=w.blk_tmp + f.new_wgrad_bytes + tied_buf)
     # A middle block j (0 < j < L-1) is the only one that has all three at once: its
     # unsharded parameters, the prefetched all-gather of block j-1, and block j+1's
     # reduce-scatter input, which FSDP2 keeps until the next reduce-scatter
@@ -252,12 +258,12 @@ def fsdp2_blocks_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
     # linear in j, so the two middle blocks next to the ends bound it. (Measured on the H100
     # with 4 blocks.)
     for j in sorted({1, L - 2}) if L >= 3 and not w.ev else ():
-        snap("backward", comm_buffers=ur + f.unsharded_during(j) + f.rs_held,
+        snap("backward", comm_buffers=ur + f.unsharded_during(j) + f.rs_input_held_bytes,
              activations=w.last_acts + j * (w.first_acts - w.last_acts) // (L - 1)
              + act.inputs + (j + 1) * act.block_cache - w.freed,
-             grads=(L - 1 - j) * (lay.shard_block * f.gsh_gpu if f.sharding else lay.block * w.gb)
+             grads=(L - 1 - j) * (lay.shard_block * f.gpu_grad_shard_elem_bytes if f.sharding else lay.block * w.gb)
              + head_new + carry(j),
-             temporaries=w.blk_tmp + f.cur_g + tied_buf)
+             temporaries=w.blk_tmp + f.new_wgrad_bytes + tied_buf)
 
 
 def fsdp2_block_hooks(snap, w: WalkTerms, f: FsdpTerms) -> None:
@@ -268,11 +274,11 @@ def fsdp2_block_hooks(snap, w: WalkTerms, f: FsdpTerms) -> None:
     # `reduce_output`, viewed as the sharded parameters' .grad); so are the saved
     # activations of blocks 0..j-1, and block j+1's reduce-scatter input, which
     # `comm_ctx.reduce_scatter_states` keeps until block j's `post_backward` pops it.
-    train, m, act, L, ur, ub, carry = w.train, w.m, w.act, w.L, f.ur, f.ub, f.carry
+    train, m, act, L, ur, ub, carry = w.train, w.m, w.act, w.L, f.root_unsharded_bytes, f.block_unsharded_bytes, f.carry
     n_tok, h, r = w.n_tok, w.h, w.r
     tied_buf, head_new = _fsdp2_head_bytes(w, f)
     block_elems = w.lay.block
-    shard_g = w.lay.shard_block * f.gsh_gpu
+    shard_g = w.lay.shard_block * f.gpu_grad_shard_elem_bytes
     e = 4 if w.regime == "fp32" else 2
 
     def below(j: int) -> int:
@@ -281,7 +287,7 @@ def fsdp2_block_hooks(snap, w: WalkTerms, f: FsdpTerms) -> None:
         return act.inputs + act.below(j) + act.cache_below(j)
 
     def rs_prev(j: int) -> int:
-        return f.rs_held if j < L - 1 else 0
+        return f.rs_input_held_bytes if j < L - 1 else 0
 
     def shards_after(j: int) -> int:
         """Gradient shards of the blocks after j, the head's new gradient, and what earlier
@@ -321,8 +327,8 @@ def fsdp2_block_hooks(snap, w: WalkTerms, f: FsdpTerms) -> None:
         ckpt = act.checkpointed(j, train.checkpointing)
         snap("backward", comm_buffers=ur + f.unsharded_during(j) + rs_prev(j),
              activations=below(j) + (0 if ckpt else norm_kept),
-             grads=shards_after(j) + f.fresh * (block_elems - pending) * f.ud,
-             temporaries=n_tok * h * (r + 3 * e) + in_buffer * f.ud + (norm_kept if ckpt else 0)
+             grads=shards_after(j) + f.fresh * (block_elems - pending) * f.unsharded_elem_bytes,
+             temporaries=n_tok * h * (r + 3 * e) + in_buffer * f.unsharded_elem_bytes + (norm_kept if ckpt else 0)
              + tied_buf)
     # 3. `post_backward`: the gradients are collected, the block resharded (`reshard` ->
     #    `FSDPParam.free_unsharded_param`), block j+1's reduce-scatter input dropped from
@@ -338,14 +344,14 @@ def fsdp2_block_hooks(snap, w: WalkTerms, f: FsdpTerms) -> None:
     #    loop variable keeps until it returns: `fsdp2_reduce_keeps_last_grad`); then the output
     #    `reduce_output` (one shard) is allocated before the collective; gloo's
     #    reduce_scatter_tensor also splits its input (one more input-sized copy).
-    split = w.lay.unshard_block * f.rb if w.backend == "gloo" else 0
-    rs_in = w.lay.unshard_block * f.rb
-    rs_out = w.lay.shard_block * f.rb
-    last_g = prod(shapes[-1]) * f.ud if fsdp2_reduce_keeps_last_grad(train) else 0
+    split = w.lay.unshard_block * f.reduce_elem_bytes if w.backend == "gloo" else 0
+    rs_in = w.lay.unshard_block * f.reduce_elem_bytes
+    rs_out = w.lay.shard_block * f.reduce_elem_bytes
+    last_g = prod(shapes[-1]) * f.unsharded_elem_bytes if fsdp2_reduce_keeps_last_grad(train) else 0
     for j in ends:
-        held_at_rs = (f.prefetch if j > 0 else 0) if f.reshard else j * ub
+        held_at_rs = (f.prefetch_bytes if j > 0 else 0) if f.reshard else j * ub
         # (without sync, block j's accumulated gradient, in carry(j), is what is collected)
-        collected = block_elems * f.ud if not (w.later and not w.every) else 0
+        collected = block_elems * f.unsharded_elem_bytes if not (w.later and not w.every) else 0
         snap("backward", comm_buffers=ur + held_at_rs + rs_in, activations=below(j),
              grads=shards_after(j) + collected, temporaries=n_tok * h * r + tied_buf)
         snap("backward", comm_buffers=ur + held_at_rs + rs_in + rs_out,
@@ -355,9 +361,10 @@ def fsdp2_block_hooks(snap, w: WalkTerms, f: FsdpTerms) -> None:
 
 def fsdp2_root_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
     """FSDP2: a tied embedding's backward, then the root's post_backward (its reduce-scatter), last."""
-    train, m, lay, L, ur, v, h = w.train, w.m, w.lay, w.L, f.ur, w.v, w.h
+    train, m, lay, L, ur, v, h = w.train, w.m, w.lay, w.L, f.root_unsharded_bytes, w.v, w.h
     if m.tie_embeddings:  # next to the unsharded root and the last block's reduce-scatter input
-        snap_tied_embedding(snap, w, f, ur + (f.rs_held if f.sharding else 0), f.gsh_gpu)  # (`reduce_scatter_states`)
+        snap_tied_embedding(snap, w, f, ur + (f.rs_input_held_bytes if f.sharding else 0),  # (`reduce_scatter_states`)
+                            f.gpu_grad_shard_elem_bytes)
     if (m.tie_embeddings and f.sharding and w.mixed and w.later and not w.every
             and fsdp2_first_microstep_grads_in_reduce_dtype(train)):
         # torch 2.15, the first micro-step without sync (from the second step on): its gradients
@@ -368,22 +375,23 @@ def fsdp2_root_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
         # (config.fsdp2_first_microstep_grads_in_reduce_dtype; measured: GPT-2 medium, zero3 over
         # 2 micro-steps, this instant the peak within 4 KiB)
         snap("backward", comm_buffers=ur, activations=w.act.inputs,
-             grads=L * f.unit_block + max(0, lay.unshard_root - v * h) * f.rb, temporaries=3 * v * h * f.rb)
+             grads=L * f.block_carried_bytes + max(0, lay.unshard_root - v * h) * f.reduce_elem_bytes,
+             temporaries=3 * v * h * f.reduce_elem_bytes)
     if f.sharding:
         # The root's post_backward, last: it reshards first (the root too: FSDP2 keeps it
         # unsharded from forward to backward only, `_auto_reshard_after_forward`), then
         # `foreach_reduce` copies its unsharded gradients (collected from .grad, so no longer
         # counted as gradients) into the reduce-scatter input, frees them and allocates the
         # output shard; gloo's reduce_scatter_tensor splits the input once more.
-        rs_root = lay.unshard_root * f.rb
-        root_old = f.unit_root if w.every else 0  # the root's accumulated shard (sync every micro-step)
-        snap("backward", comm_buffers=rs_root, grads=L * lay.shard_block * f.gsh_gpu + root_old,
-             temporaries=lay.unshard_root * f.ud)
+        rs_root = lay.unshard_root * f.reduce_elem_bytes
+        root_old = f.root_carried_bytes if w.every else 0  # the root's accumulated shard (sync every micro-step)
+        snap("backward", comm_buffers=rs_root, grads=L * lay.shard_block * f.gpu_grad_shard_elem_bytes + root_old,
+             temporaries=lay.unshard_root * f.unsharded_elem_bytes)
         # As at the blocks' (`last_g`), the root's last parameter's unsharded gradient (an untied
         # LM head's, V x h) is kept by the loop variable until `foreach_reduce` returns (to 2.14).
-        last_root_g = prod(unit_sizes(m)[0][-1]) * f.ud if fsdp2_reduce_keeps_last_grad(train) else 0
-        snap("backward", comm_buffers=rs_root + lay.shard_root * f.rb,
-             grads=L * lay.shard_block * f.gsh_gpu + root_old,
+        last_root_g = prod(unit_sizes(m)[0][-1]) * f.unsharded_elem_bytes if fsdp2_reduce_keeps_last_grad(train) else 0
+        snap("backward", comm_buffers=rs_root + lay.shard_root * f.reduce_elem_bytes,
+             grads=L * lay.shard_block * f.gpu_grad_shard_elem_bytes + root_old,
              temporaries=(rs_root if w.backend == "gloo" else 0) + last_root_g)
 
 
@@ -397,17 +405,18 @@ def _fsdp1_acts_before(w: WalkTerms, j: int) -> int:
 
 def _fsdp1_shards_after(w: WalkTerms, f: FsdpTerms, j: int) -> int:
     """Gradient shards of blocks j+1..L-1 (synced every micro-step: inside the carried ones)."""
-    return 0 if w.later and w.every else (w.L - 1 - j) * w.lay.shard_block * f.gsh
+    return 0 if w.later and w.every else (w.L - 1 - j) * w.lay.shard_block * f.grad_shard_elem_bytes
 
 
 def fsdp1_blocks_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
     """FSDP1: each block's backward peak, the end of each block's backward and (sharded) its reduce-scatter."""
-    act, lay, L, ur, ub, carry = w.act, w.lay, w.L, f.ur, f.ub, f.carry
-    held, keep_all, prefetch = f.held, f.keep_all, f.prefetch
+    act, lay, L, ur, ub, carry = w.act, w.lay, w.L, f.root_unsharded_bytes, f.block_unsharded_bytes, f.carry
+    held, keep_all, prefetch = f.blocks_held, f.keep_all, f.prefetch_bytes
     # (with accumulation, the new flat gradient is added in place to the kept one: a transient)
     if not w.ev:
-        snap("backward", comm_buffers=ur + f.blocks_unsharded, grads=carry(L - 1),
-             activations=w.first_acts + w.outside_first - w.freed, temporaries=w.blk_tmp + f.head_g + f.cur_g)
+        snap("backward", comm_buffers=ur + f.first_bwd_unsharded_bytes, grads=carry(L - 1),
+             activations=w.first_acts + w.outside_first - w.freed,
+             temporaries=w.blk_tmp + f.head_grad_bytes + f.new_wgrad_bytes)
     # Block j's MLP backward (every-K: each block's, recomputed or not). Uniform blocks: the middle ones,
     # as FSDP2's above: its parameters and the prefetched block j-1's unsharded, the gradient shards of
     # the blocks after it; linear in j, so blocks 1 and L-2 bound them. Under checkpointing the shards
@@ -418,15 +427,16 @@ def fsdp1_blocks_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
         in_bwd = (ub + (prefetch if j > 0 else 0) if f.reshard
                   else held * ub if keep_all else min(j + 1, held) * ub)
         snap("backward", comm_buffers=ur + in_bwd,
-             grads=(L - 1 - j) * (lay.shard_block * f.gsh if f.sharding else lay.block * w.gb) + carry(j),
+             grads=(L - 1 - j) * (lay.shard_block * f.grad_shard_elem_bytes if f.sharding else lay.block * w.gb)
+             + carry(j),
              activations=act.through(j) + act.inputs + act.cache_below(j + 1) - fr,
-             temporaries=tmp + f.head_g + f.cur_g)
+             temporaries=tmp + f.head_grad_bytes + f.new_wgrad_bytes)
     # End of the first block's backward: its view gradients and their concatenation (which is
     # the reduce-scatter's input, a comm buffer, unless mixed precision casts it first).
     # Every block ends so (run L-1 .. 0); as at its reduce-scatter below, blocks L-1, 1 and 0
     # bound it (measured: fp32 with full checkpointing peaks here at block 1, next to the
     # gradient shards of the blocks after it; the first block alone was 7.9% under).
-    flat = lay.unshard_block * f.ud
+    flat = lay.unshard_block * f.unsharded_elem_bytes
     walked = w.walked_blocks((0, 1, L - 1), L, w.ev)
     for j in walked:
         if f.reshard:
@@ -436,18 +446,19 @@ def fsdp1_blocks_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
         snap("backward", comm_buffers=ur + unsharded_j + (0 if w.mixed else flat),
              grads=(_fsdp1_shards_after(w, f, j) if f.sharding else 0) + carry(L - 1 if w.every else j),
              activations=_fsdp1_acts_before(w, j),
-             temporaries=w.n_tok * w.h * w.r + f.head_g + flat + (flat if w.mixed else 0))
+             temporaries=w.n_tok * w.h * w.r + f.head_grad_bytes + flat + (flat if w.mixed else 0))
     if not w.ev:
-        snap("backward", comm_buffers=ur + f.blocks_unsharded_last,
-             activations=w.last_acts + w.outside_last - w.freed, grads=f.shards + carry(0),
-             temporaries=w.blk_tmp + f.head_g + f.cur_g)
+        snap("backward", comm_buffers=ur + f.last_bwd_unsharded_bytes,
+             activations=w.last_acts + w.outside_last - w.freed, grads=f.later_blocks_grad_bytes + carry(0),
+             temporaries=w.blk_tmp + f.head_grad_bytes + f.new_wgrad_bytes)
     if f.sharding:
         fsdp1_blocks_reduce_scatter(snap, w, f, walked)
 
 
 def fsdp1_blocks_reduce_scatter(snap, w: WalkTerms, f: FsdpTerms, walked) -> None:
     """FSDP1, sharded: each walked block's reduce-scatter."""
-    lay, L, ur, ub, rb, carry, mixed = w.lay, w.L, f.ur, f.ub, f.rb, f.carry, w.mixed
+    lay, L, carry, mixed = w.lay, w.L, f.carry, w.mixed
+    ur, ub, rb = f.root_unsharded_bytes, f.block_unsharded_bytes, f.reduce_elem_bytes
     gloo = w.backend == "gloo"
     # The first block's reduce-scatter: its flat gradient (the input, unless mixed precision
     # casts it to reduce_dtype first), the output shard (flat_param.grad; on gloo a buffer
@@ -459,15 +470,15 @@ def fsdp1_blocks_reduce_scatter(snap, w: WalkTerms, f: FsdpTerms, walked) -> Non
     # the first where activations dominate (no checkpointing), block 1 where the gradient
     # shards do (checkpointing: measured, a transformers Llama of 8 wide blocks, fsdp full
     # checkpointing on 8 fake ranks; the first block alone was 11% under).
-    flat = lay.unshard_block * f.ud
+    flat = lay.unshard_block * f.unsharded_elem_bytes
     cast = lay.unshard_block * rb if mixed else 0
     out_shard = lay.shard_block * rb
     split = lay.unshard_block * rb if gloo else 0
     for j in walked:
         if f.reshard:
-            unsharded_j = f.prefetch if j > 0 else 0
+            unsharded_j = f.prefetch_bytes if j > 0 else 0
         else:
-            unsharded_j = f.held * ub if f.keep_all else min(j, max(0, f.held - 1)) * ub
+            unsharded_j = f.blocks_held * ub if f.keep_all else min(j, max(0, f.blocks_held - 1)) * ub
         # without sync the block's accumulated gradient is the input (blocks 0..j-1 still
         # carry theirs); synced every micro-step each block's `_saved_grad_shard` is kept
         # (the blocks after j have added their new shard into it) and waits for the new one.
@@ -485,14 +496,16 @@ def fsdp1_blocks_reduce_scatter(snap, w: WalkTerms, f: FsdpTerms, walked) -> Non
              grads=(0 if gloo else out_shard) + _fsdp1_shards_after(w, f, j)
              + carry(L - 1 if w.every else j - 1),
              activations=_fsdp1_acts_before(w, j),
-             temporaries=w.n_tok * w.h * w.r + f.head_g + split + (flat if mixed else 0) + new_flat)
+             temporaries=w.n_tok * w.h * w.r + f.head_grad_bytes + split + (flat if mixed else 0) + new_flat)
 
 
 def fsdp1_root_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
     """FSDP1: a tied embedding's backward, the first micro-step's end without sync, the root's post-backward."""
-    m, lay, L, ur, ub, ud, rb, v, h = w.m, w.lay, w.L, f.ur, f.ub, f.ud, f.rb, w.v, w.h
+    m, lay, L, v, h = w.m, w.lay, w.L, w.v, w.h
+    ur, ub = f.root_unsharded_bytes, f.block_unsharded_bytes
+    ud, rb = f.unsharded_elem_bytes, f.reduce_elem_bytes
     if m.tie_embeddings:  # next to the unsharded root
-        snap_tied_embedding(snap, w, f, ur, f.gsh)
+        snap_tied_embedding(snap, w, f, ur, f.grad_shard_elem_bytes)
     if f.sharding and w.later and not w.every:
         # The first micro-step, without sync, at its end: `_post_backward_hook` returned before
         # reducing, so every block's unsharded flat gradient is kept (`prepare_gradient_for_backward`
@@ -502,8 +515,8 @@ def fsdp1_root_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
         # their concatenation. Where every block's parameters and gradients outweigh what a later
         # micro-step carries (SHARD_GRAD_OP, a wide tied vocabulary), this instant is the peak
         # (measured: Qwen2.5-0.5B at 8 layers, fsdp-grad-op fp32 over 2 micro-steps, -4.69% without it).
-        first_comm = ur + (0 if f.reshard else f.held * ub)
-        first_grads = L * f.unit_block
+        first_comm = ur + (0 if f.reshard else f.blocks_held * ub)
+        first_grads = L * f.block_carried_bytes
         if m.tie_embeddings:
             snap("backward", comm_buffers=first_comm, activations=w.act.inputs, grads=first_grads,
                  temporaries=3 * v * h * ud)
@@ -516,8 +529,8 @@ def fsdp1_root_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
         # reduce_dtype under mixed precision (the 16-bit one alive to the hook's end) and
         # `_reduce_grad` reduce-scatters into a new shard.
         g_root = lay.unshard_root * ud
-        shards_done = L * lay.shard_block * f.gsh
-        root_old = f.unit_root if w.every else 0  # the root's `_saved_grad_shard` (synced every micro-step)
+        shards_done = L * lay.shard_block * f.grad_shard_elem_bytes
+        root_old = f.root_carried_bytes if w.every else 0  # the root's `_saved_grad_shard` (synced every micro-step)
         snap("backward", comm_buffers=ur + g_root, grads=shards_done + root_old, temporaries=g_root)
         # On gloo, as at the blocks' reduce-scatter: the output shard is a buffer the collective
         # writes, and it splits the input once more (measured: CPU probes of a 64k-vocabulary
@@ -529,7 +542,7 @@ def fsdp1_root_backward(snap, w: WalkTerms, f: FsdpTerms) -> None:
     else:
         # The root at the end: its view gradients, their concatenation, then the cast.
         root_tmp = max(2 * lay.unshard_root * ud, lay.unshard_root * (ud + rb) if w.mixed else 0)
-        snap("backward", comm_buffers=ur, grads=L * lay.block * w.gb + f.unit_root,
+        snap("backward", comm_buffers=ur, grads=L * lay.block * w.gb + f.root_carried_bytes,
              temporaries=root_tmp)
 
 

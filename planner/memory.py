@@ -341,7 +341,8 @@ def _head_backward_bytes(train: TrainConfig, regime: str, act: ActivationBreakdo
 
 
 def _estimate_at_peak(train: TrainConfig, cluster: Cluster, st: Strategy, device: str, backend: str,
-                      gpu_name: str | None, init: str, phase: str, parts: tuple, params: int, opt: int, base_comm: int, world: int, shard: int,
+                      gpu_name: str | None, init: str, phase: str, parts: tuple, params: int, opt: int,
+                      base_comm: int, world: int, shard: int,
                       offload_params: bool, host_bytes: int, notes: list) -> MemoryEstimate:
     """The answer from the walk's peak `parts` (activations, comm buffers, grads, temporaries; bytes): the
     components, the workspaces, the device footprint and the allocator replay's arguments."""
