@@ -13,6 +13,29 @@ from .activations import (_hf_attention_parts, _hf_mask, _hf_sdpa_backend, _mlp_
 from .config import TrainConfig
 
 
+def _block_unwritten(train: TrainConfig) -> bool:
+    """Whether `block_program` leaves the block unwritten (before the attention backend is known): tensor or
+    context parallelism, a transformers model's LayerNorm, sandwich or q/k norms, dropout, GELU-new, eager
+    attention, a final softcap, partial rotary embeddings, an MLP other than SwiGLU or the reference GELU."""
+    m = train.model
+    hf = bool(m.hf_model_type)
+    return (train.tp > 1 or train.cp > 1 or train.sequence_parallel or (hf and m.norm != "rmsnorm")
+            or m.sandwich_norms or m.qk_norm or m.attn_dropout > 0 or m.resid_dropout > 0
+            or m.activation == "gelu_new" or train.attention != "sdpa" or (hf and hf_eager(train))
+            or m.final_softcap or (m.rotary_dim and m.rotary_dim != m.head_dim) or m.mlp not in ("swiglu", "gelu")
+            or (m.mlp == "gelu" and hf))
+
+
+def _block_sdpa_backend(train: TrainConfig, regime: str, device: str) -> str:
+    """The SDPA backend the block's attention runs on: "flash", "efficient" or "math"."""
+    if train.model.hf_model_type:
+        return _hf_sdpa_backend(train, regime, device)
+    if sdpa_math(train, regime, device):
+        return "math"
+    # the reference decoder: no fp32 flash on CUDA (activations.sdpa_math)
+    return "efficient" if device == "cuda" and regime == "fp32" else "flash"
+
+
 @lru_cache(maxsize=256)
 def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda", grad: bool = False) -> tuple | None:
     """One block's forward op by op: ("a", name, bytes) allocates, ("f", *names) frees, ("w", (i, ...)) makes
@@ -47,65 +70,91 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
     the flash kernels return a logsumexp (saved for backward, else dropped by the Python call), the
     memory-efficient one computes none without grad (`compute_log_sumexp`). Left out: autocast's cached casts of
     the biases (Qwen2's q/k/v, the reference decoder's GPT-2 style), 1-D and small-pool sized."""
-    m = train.model
-    hf = bool(m.hf_model_type)
-    if (train.tp > 1 or train.cp > 1 or train.sequence_parallel or (hf and m.norm != "rmsnorm") or m.sandwich_norms
-            or m.qk_norm or m.attn_dropout > 0 or m.resid_dropout > 0 or m.activation == "gelu_new"
-            or train.attention != "sdpa" or (hf and hf_eager(train)) or m.final_softcap
-            or (m.rotary_dim and m.rotary_dim != m.head_dim) or m.mlp not in ("swiglu", "gelu")
-            or (m.mlp == "gelu" and hf)):
+    if _block_unwritten(train):
         return None
-    if hf:
-        backend = _hf_sdpa_backend(train, regime, device)
-    elif sdpa_math(train, regime, device):
-        backend = "math"
-    else:  # the reference decoder: no fp32 flash on CUDA (activations.sdpa_math)
-        backend = "efficient" if device == "cuda" and regime == "fp32" else "flash"
+    backend = _block_sdpa_backend(train, regime, device)
     if backend == "math":
         return None
-    h, q, kv, f, a, hd = m.hidden, m.q_dim, m.kv_dim, m.ffn_hidden, m.heads, m.head_dim
-    b, s = train.micro_batch, train.seq_len
-    auto = regime == "autocast"
-    r = 4 if regime in ("fp32", "autocast") else 2  # the residual stream (the embedding's dtype)
-    e = 4 if regime == "fp32" else 2  # a Linear's output
-    ops: list = []
-    names = iter(range(1 << 30))
-    saved: list = []  # in `_block_saved_shapes` order
-    keep: set = set()
-    sizes = {"x": n * h * r}
+    return _BlockForward(train, regime, n, device, grad, backend).program()
 
-    def new(nbytes: int, save: bool = False) -> str:
-        k = f"t{next(names)}"
-        ops.append(("a", k, nbytes))
-        sizes[k] = nbytes
-        if save and grad:
-            saved.append(k)
-            keep.add(k)
+
+class _BlockForward:
+    """`block_program`'s writer: one block's forward op by op, one method per part of the block. Holds the ops
+    written so far, the tensors' names and bytes (`sizes`), and what autograd saves (`saved`, in
+    `_block_saved_shapes` order; `keep`: never freed)."""
+
+    def __init__(self, train: TrainConfig, regime: str, n: int, device: str, grad: bool, backend: str):
+        self.train, self.regime, self.device, self.grad, self.backend = train, regime, device, grad, backend
+        self.m = m = train.model
+        self.hf = bool(m.hf_model_type)
+        self.n = n  # tokens in the micro-batch
+        self.auto = regime == "autocast"
+        self.resid_bytes = 4 if regime in ("fp32", "autocast") else 2  # the residual stream (the embedding's dtype)
+        self.out_bytes = 4 if regime == "fp32" else 2  # bytes of a Linear's output element
+        self.ops: list = []
+        self.names = iter(range(1 << 30))
+        self.saved: list = []  # in `_block_saved_shapes` order
+        self.keep: set = set()
+        self.sizes = {"x": n * m.hidden * self.resid_bytes}  # tensor name -> bytes
+
+    def new(self, nbytes: int, save: bool = False) -> str:
+        k = f"t{next(self.names)}"
+        self.ops.append(("a", k, nbytes))
+        self.sizes[k] = nbytes
+        if save and self.grad:
+            self.saved.append(k)
+            self.keep.add(k)
         return k
 
-    def free(*keys) -> None:
-        gone = tuple(k for k in keys if k is not None and k not in keep)
+    def free(self, *keys) -> None:
+        gone = tuple(k for k in keys if k is not None and k not in self.keep)
         if gone:
-            ops.append(("f",) + gone)
+            self.ops.append(("f",) + gone)
 
-    def save(k: str) -> None:
-        if grad:
-            saved.append(k)
-            keep.add(k)
+    def save(self, k: str) -> None:
+        if self.grad:
+            self.saved.append(k)
+            self.keep.add(k)
 
-    def norm(x: str, x_bytes: int) -> str:
-        if m.norm == "layernorm":
-            # F.layer_norm -> native_layer_norm: its output, then mean and rstd (fp32 on CUDA, the input's dtype
-            # on the CPU: activations._norm_parts), which it saves with its input; the output in the input's
-            # dtype (autocast runs it in fp32: the residual stream is fp32 there)
-            save(x)
-            stat = 4 if device == "cuda" else x_bytes
-            out = new(n * h * x_bytes)
-            mean, rstd = new(n * stat, True), new(n * stat, True)
-            free(mean, rstd)
-            if not auto:
-                save(out)
-            return out
+    def program(self) -> tuple | None:
+        """The whole block: attention, then the MLP; its output; with grad, the saved tensors' list."""
+        m, n, free = self.m, self.n, self.free
+        x1 = self.attention()
+        # MLP
+        n2 = self.norm(x1, self.resid_bytes)
+        d = self.mlp(n2)
+        free(n2)
+        self.ops.append(("a", "out", n * m.hidden * self.resid_bytes))
+        free(d, x1)
+        if self.grad:
+            free("x")
+            self.ops.append(("s",) + tuple(self.saved))
+            if sum(self.sizes[k] for k in self.saved) != block_saved(self.train, self.regime, self.device):
+                return None
+        return tuple(self.ops)
+
+    def norm(self, x: str, x_bytes: int) -> str:
+        """A norm of `x` (elements of `x_bytes` bytes): its output's name."""
+        if self.m.norm == "layernorm":
+            return self.layer_norm(x, x_bytes)
+        return self.rms_norm(x, x_bytes)
+
+    def layer_norm(self, x: str, x_bytes: int) -> str:
+        n, new, free, save = self.n, self.new, self.free, self.save
+        # F.layer_norm -> native_layer_norm: its output, then mean and rstd (fp32 on CUDA, the input's dtype
+        # on the CPU: activations._norm_parts), which it saves with its input; the output in the input's
+        # dtype (autocast runs it in fp32: the residual stream is fp32 there)
+        save(x)
+        stat = 4 if self.device == "cuda" else x_bytes
+        out = new(n * self.m.hidden * x_bytes)
+        mean, rstd = new(n * stat, True), new(n * stat, True)
+        free(mean, rstd)
+        if not self.auto:
+            save(out)
+        return out
+
+    def rms_norm(self, x: str, x_bytes: int) -> str:
+        n, h, hf, new, free, save = self.n, self.m.hidden, self.hf, self.new, self.free, self.save
         # x.float() (a copy of a 16-bit input; pow and mul save it), pow(2), mean, + eps, rsqrt (saved),
         # x * rstd (saved by `weight *`; in 16 bits its cast is), .to(input dtype), * weight
         xf = new(n * h * 4, True) if x_bytes != 4 else None
@@ -128,141 +177,156 @@ def block_program(train: TrainConfig, regime: str, n: int, device: str = "cuda",
             out = new(n * h * 2, True)
             free(xc, xn)
         else:
-            out = new(n * h * 4, not auto)  # under autocast each Linear saves its own 16-bit cast instead
+            out = new(n * h * 4, not self.auto)  # under autocast each Linear saves its own 16-bit cast instead
             free(xn)
         if hf:  # LlamaRMSNorm's `variance`, a local to the return
             free(var)
         return out
 
-    def linear(out_elems: int, weights: tuple, fp32_input: bool, save_out: bool, last: bool = False) -> str:
+    def linear(self, out_elems: int, weights: tuple, fp32_input: bool, save_out: bool, last: bool = False) -> str:
+        """A Linear of the block's `weights` (indices of its 2-D weights) with `out_elems` output elements per
+        token: its output's name."""
         # `last`: the mm's autograd saves its input before it runs (VariableType), the block's last save
         c = None
-        if auto:
-            ops.append(("w", weights))
-            c = new(n * h * 2, True) if fp32_input else None  # saved by the mm
+        if self.auto:
+            self.ops.append(("w", weights))
+            c = self.new(self.n * self.m.hidden * 2, True) if fp32_input else None  # saved by the mm
         if last:
-            ops.append(("stop",))
-        y = new(n * out_elems * (2 if auto else e), save_out)
-        free(c)
+            self.ops.append(("stop",))
+        y = self.new(self.n * out_elems * (2 if self.auto else self.out_bytes), save_out)
+        self.free(c)
         return y
 
-    # attention
-    n1 = norm("x", r)
-    fused = m.fused_qkv
-    rope = m.position == "rope"
-    if fused:
-        qkv = linear(q + 2 * kv, (0, 1, 2), True, True)  # v is a view of it: SDPA keeps the whole buffer
-        qk, kk, vk = None, None, qkv
-    else:
-        qk = linear(q, (0,), True, False)
-        kk = linear(kv, (1,), True, False)
-        vk = None
-    cos_sin = []
-    rr = r if hf else e  # q * cos: HF's tables are in the embedding's dtype (fp32 under autocast), ours in q's
-    q_bytes = k_bytes = e
-    embedded = []
-    mask = hf and _hf_mask(train)
-    repeated = mask and kv < q  # `repeat_kv`: SDPA saves the repeated K/V instead
-    if not fused:
-        vk = linear(kv, (2,), True, False)
-    if rope and not hf and e != 4:  # validate/model.py `cos.to(q.dtype)`: a per-block copy of each table,
-        cos_sin = [new(s * hd * e, True), new(s * hd * e, True)]  # which `q * cos` saves
-    for width, src in ((q, qk), (kv, kk)):
-        if not rope:
-            break
-        c1 = new(n * width * rr)
-        ng = new(n * width // 2 * e)
-        ct = new(n * width * e)
-        free(ng)
-        c2 = new(n * width * rr)
-        free(ct)
-        emb = new(n * width * rr)
-        free(c1, c2)
-        if m.hf_model_type == "phi3":  # torch.cat([rotated, q_pass], dim=-1)
-            cat = new(n * width * rr)
-            free(emb)
-            emb = cat
-        if not hf and src is not None:  # `q = q * cos + rotate_half(q) * sin` rebinds q
-            free(src)
-        embedded.append(emb)
-    if rope:
-        if hf and not fused:  # `query_states, key_states = apply_rotary_pos_emb(...)` rebinds both
+    def attention(self) -> str:
+        """The attention half: norm, q/k/v projections, RoPE, SDPA, output projection, residual add. Returns
+        the residual stream's name after it."""
+        m, n, free = self.m, self.n, self.free
+        fused = m.fused_qkv
+        rope = m.position == "rope"
+        n1 = self.norm("x", self.resid_bytes)
+        qkv, qk, kk, vk = self.qkv_projections()
+        qe, ke, qk_bytes, cos_sin = self.rope(qk, kk)
+        y = self.sdpa(qe, ke, vk, qk_bytes)
+        o = self.linear(m.hidden, (3,), False, False)
+        free(y, *(x for x in (qe, ke) if rope), *([qkv] if fused else [vk] if rope else [qk, kk, vk]), *cos_sin)
+        free(n1)
+        x1 = self.new(n * m.hidden * self.resid_bytes)
+        free(o)
+        return x1
+
+    def qkv_projections(self) -> tuple:
+        """q, k and v's projections: (the fused buffer or None, q, k, v); v is a view of a fused buffer."""
+        m, linear = self.m, self.linear
+        if m.fused_qkv:
+            # v is a view of it: SDPA keeps the whole buffer
+            qkv = linear(m.q_dim + 2 * m.kv_dim, (0, 1, 2), True, True)
+            return qkv, None, None, qkv
+        qk = linear(m.q_dim, (0,), True, False)
+        kk = linear(m.kv_dim, (1,), True, False)
+        vk = linear(m.kv_dim, (2,), True, False)
+        return None, qk, kk, vk
+
+    def rope(self, qk, kk) -> tuple:
+        """The rotary embedding of q and k: (embedded q, embedded k, the bytes of their elements, the per-block
+        copies of the cos/sin tables)."""
+        m, n, hf, e, new, free = self.m, self.n, self.hf, self.out_bytes, self.new, self.free
+        if m.position != "rope":
+            return qk, kk, e, []
+        rr = self.resid_bytes if hf else e  # q * cos: HF's tables are in the embedding's dtype (fp32 under
+        # autocast), ours in q's
+        cos_sin = []
+        if not hf and e != 4:  # validate/model.py `cos.to(q.dtype)`: a per-block copy of each table,
+            s, hd = self.train.seq_len, m.head_dim
+            cos_sin = [new(s * hd * e, True), new(s * hd * e, True)]  # which `q * cos` saves
+        embedded = []
+        for width, src in ((m.q_dim, qk), (m.kv_dim, kk)):
+            c1 = new(n * width * rr)
+            ng = new(n * width // 2 * e)
+            ct = new(n * width * e)
+            free(ng)
+            c2 = new(n * width * rr)
+            free(ct)
+            emb = new(n * width * rr)
+            free(c1, c2)
+            if m.hf_model_type == "phi3":  # torch.cat([rotated, q_pass], dim=-1)
+                cat = new(n * width * rr)
+                free(emb)
+                emb = cat
+            if not hf and src is not None:  # `q = q * cos + rotate_half(q) * sin` rebinds q
+                free(src)
+            embedded.append(emb)
+        if hf and not m.fused_qkv:  # `query_states, key_states = apply_rotary_pos_emb(...)` rebinds both
             free(qk, kk)
-        q_bytes = k_bytes = rr
         qe, ke = embedded
-    else:
-        qe, ke = qk, kk
-    # sdpa_attention_forward: K/V repeated to every head where a mask is passed (`repeat_kv`), then SDPA
-    temps = []
-    q_in, k_in, v_in = qe, ke, vk
-    if repeated:
-        k_in, v_in = new(n * q * k_bytes), new(n * q * e)
-        temps += [k_in, v_in]
-    if auto:  # SDPA is on autocast's lower-precision list: fp32 q (and k) cast, k first
-        if k_bytes == 4:
-            k_in = new(sizes[k_in] // 2)
-            temps.append(k_in)
-        if q_bytes == 4:
-            q_in = new(n * q * 2)
-            temps.append(q_in)
-    for k in (q_in, k_in) + (() if fused and not repeated else (v_in,)):  # what SDPA saves (v: a view of qkv)
-        save(k)
-    if mask:  # `where(mask, 0, -inf)`: the two scalars, then the float mask
-        me = 2 if auto else e
-        sc = (new(me), new(me))
-        mc = new(b * s * s * me)
-        free(*sc)
-        temps.append(mc)
-    es = 2 if auto else e
-    y = new(n * q * es, True)
-    if backend == "flash" or grad:
-        free(new(n * a * 4, True))  # logsumexp
-    if mask:
-        save(mc)
-    free(*temps)
-    if hf_output_copied(train, device, backend):
-        yc = new(n * q * es, True)  # `.transpose(1, 2).contiguous()` of a (B, nh, S, hd) output
-        free(y)
-        y = yc
-    o = linear(h, (3,), False, False)
-    free(y, *(x for x in (qe, ke) if rope), *([qkv] if fused else [vk] if rope else [qk, kk, vk]), *cos_sin)
-    free(n1)
-    x1 = new(n * h * r)
-    free(o)
-    # MLP
-    n2 = norm(x1, r)
-    if m.mlp == "gelu":  # the reference decoder's F.gelu(fc(x), approximate="tanh")
-        fc = linear(f, (4,), True, True)
-        g = new(n * f * e, True)
-        free(fc)
-        d = linear(h, (5,), False, False, last=True)
-        free(g)
-    elif m.fused_gate_up:
-        gu = linear(2 * f, (4, 5), True, True)
-        sl = new(n * f * e, True)
-        p = new(n * f * e, True)
-        free(sl)
-        d = linear(h, (6,), False, False, last=True)
-        free(p, gu)
-    else:
-        g = linear(f, (4,), True, True)
-        sl = new(n * f * e)
-        free(g)
-        u = linear(f, (5,), True, True)
-        save(sl)  # listed gate, up, silu(gate), product
-        p = new(n * f * e, True)
-        free(sl, u)
-        d = linear(h, (6,), False, False, last=True)
-        free(p)
-    free(n2)
-    ops.append(("a", "out", n * h * r))
-    free(d, x1)
-    if grad:
-        free("x")
-        ops.append(("s",) + tuple(saved))
-        if sum(sizes[k] for k in saved) != block_saved(train, regime, device):
-            return None
-    return tuple(ops)
+        return qe, ke, rr, cos_sin
+
+    def sdpa(self, qe, ke, vk, qk_bytes: int) -> str:
+        """sdpa_attention_forward on q, k, v (q and k's elements of `qk_bytes` bytes): its output's name."""
+        m, n, e, new, free, save = self.m, self.n, self.out_bytes, self.new, self.free, self.save
+        q, kv = m.q_dim, m.kv_dim
+        mask = self.hf and _hf_mask(self.train)
+        repeated = mask and kv < q  # `repeat_kv`: SDPA saves the repeated K/V instead
+        # sdpa_attention_forward: K/V repeated to every head where a mask is passed (`repeat_kv`), then SDPA
+        temps = []
+        q_in, k_in, v_in = qe, ke, vk
+        if repeated:
+            k_in, v_in = new(n * q * qk_bytes), new(n * q * e)
+            temps += [k_in, v_in]
+        if self.auto:  # SDPA is on autocast's lower-precision list: fp32 q (and k) cast, k first
+            if qk_bytes == 4:
+                k_in = new(self.sizes[k_in] // 2)
+                q_in = new(n * q * 2)
+                temps += [k_in, q_in]
+        # what SDPA saves (v: a view of qkv)
+        for k in (q_in, k_in) + (() if m.fused_qkv and not repeated else (v_in,)):
+            save(k)
+        if mask:  # `where(mask, 0, -inf)`: the two scalars, then the float mask
+            me = 2 if self.auto else e
+            sc = (new(me), new(me))
+            mc = new(self.train.micro_batch * self.train.seq_len ** 2 * me)
+            free(*sc)
+            temps.append(mc)
+        es = 2 if self.auto else e
+        y = new(n * q * es, True)
+        if self.backend == "flash" or self.grad:
+            free(new(n * m.heads * 4, True))  # logsumexp
+        if mask:
+            save(mc)
+        free(*temps)
+        if hf_output_copied(self.train, self.device, self.backend):
+            yc = new(n * q * es, True)  # `.transpose(1, 2).contiguous()` of a (B, nh, S, hd) output
+            free(y)
+            y = yc
+        return y
+
+    def mlp(self, n2: str) -> str:
+        """The MLP on the norm's output `n2`: its output's name."""
+        n, e, new, free, save, linear = self.n, self.out_bytes, self.new, self.free, self.save, self.linear
+        h, f = self.m.hidden, self.m.ffn_hidden
+        if self.m.mlp == "gelu":  # the reference decoder's F.gelu(fc(x), approximate="tanh")
+            fc = linear(f, (4,), True, True)
+            g = new(n * f * e, True)
+            free(fc)
+            d = linear(h, (5,), False, False, last=True)
+            free(g)
+        elif self.m.fused_gate_up:
+            gu = linear(2 * f, (4, 5), True, True)
+            sl = new(n * f * e, True)
+            p = new(n * f * e, True)
+            free(sl)
+            d = linear(h, (6,), False, False, last=True)
+            free(p, gu)
+        else:
+            g = linear(f, (4,), True, True)
+            sl = new(n * f * e)
+            free(g)
+            u = linear(f, (5,), True, True)
+            save(sl)  # listed gate, up, silu(gate), product
+            p = new(n * f * e, True)
+            free(sl, u)
+            d = linear(h, (6,), False, False, last=True)
+            free(p)
+        return d
 
 
 @lru_cache(maxsize=256)

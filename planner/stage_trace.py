@@ -105,243 +105,298 @@ def stage_allocation_events(train: TrainConfig, strategy, stage: int, world: int
     zero2 and zero3 are written alike (both reshard_after_forward=False under PP). The recorded traces
     are fp32; mixed precision's upcast accumulation is `allocation_events`' (checked there, without PP)."""
     st = get_strategy(strategy)
-    family = st.family
-    fsdp2 = st.fsdp2
-    if family not in STAGE_FAMILIES or virtual_stages(train.pp_schedule) != 1 or (fsdp2 and shard <= 1):
+    if st.family not in STAGE_FAMILIES or virtual_stages(train.pp_schedule) != 1 or (st.fsdp2 and shard <= 1):
         raise ValueError(f"stage_allocation_events: {st.name} / {train.pp_schedule} / shard {shard}: accepted: "
                          f"{', '.join(STAGE_FAMILIES)} with one stage per rank (fsdp2 sharded over > 1 rank)")
-    p, M = train.pp, train.pp_microbatches
-    first, last = stage == 0, stage == p - 1
-    strain = stage_train(train, stage)
-    m = strain.model
-    prec = train.prec
-    regime = regime_for(strain, family)
-    act = activations_in(strain, regime, device)
-    lay = layout(m, family, shard, st.shards_params, st.shards_optimizer)
-    L = m.layers
-    n = train.micro_batch * train.seq_len
-    t = train.tp
-    v = -(-m.vocab // t)
-    pb, gb, cb = prec.param_bytes, prec.grad_bytes, prec.compute_bytes
-    ud = cb if prec.mixed else pb  # FSDP2's unsharded parameter / gradient dtype
-    rb = 4 if prec.mixed else gb  # its reduce dtype
-    r = 4 if regime in ("fp32", "autocast") else 2
-    e = 4 if regime == "fp32" else 2
-    nh = sp_tokens(strain, n) * m.hidden * r  # the boundary tensor
-    root_shapes, block_shapes, _, _, _ = unit_sizes(m)
-    n_embed = (1 + (m.position == "learned")) if first else 0
-    embed_shapes, head_shapes = root_shapes[:n_embed], root_shapes[n_embed:]
-    ckpt = train.checkpointing != "none"
-    per_receive = pp_recv_buffers_per_receive(train)  # torch >= 2.15: buffers made per receive
-    releasable = per_receive and releases_sent_outputs(family, last)  # outputs dropped once sent
-    E = _Events()
+    w = _StageWriter(train, st, stage, world, shard, device)
+    for k in range(steps):
+        if k == 0 and workspace:
+            w.E.a(workspace)
+        w.step(k)
+    return w.E.ev
 
-    # -- construction: the stage's parameters; DDP's broadcast and first bucket, FSDP2's shards (as
-    # allocation_events)
-    owned, buckets, state_sizes = _stage_construction_events(E, train, st, m, first, last, world, shard, lay)
 
-    blk_saved = _split(act.per_block, _block_saved_shapes(strain, regime, n, device))
-    kept = act.blocks_total // L if L else 0
-    kept_saved = blk_saved if not ckpt else _split(kept, [n * m.hidden * r])
-    _, blk_tmp, _ = _block_backward_peak(strain, regime, n, device)
-    tmp_shapes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden // t * e] * 3)
-    states: list = []
-    grads: list = []
-    recv: list = []
-    held: dict = {}  # FSDP2: unit ("root" or block j) -> its unsharded parameters
-    acc: dict = {}  # FSDP2: unit -> its unsharded gradients, kept through the step's micro-batches
+class _StageWriter:
+    """`stage_allocation_events`' writer: the stage's sizes, its construction (written when made), the events
+    so far (`E`) and what lives across micro-batches and steps; one method per phase of the schedule."""
 
-    def accumulate(shapes, i: int):
+    def __init__(self, train: TrainConfig, st, stage: int, world: int, shard: int, device: str):
+        self.train, self.st, self.stage, self.shard = train, st, stage, shard
+        self.family, self.fsdp2 = st.family, st.fsdp2
+        self.stages, self.microbatches = train.pp, train.pp_microbatches
+        self.first, self.last = stage == 0, stage == train.pp - 1
+        strain = stage_train(train, stage)
+        self.m = m = strain.model
+        self.prec = prec = train.prec
+        self.regime = regime = regime_for(strain, self.family)
+        self.act = act = activations_in(strain, regime, device)
+        self.lay = lay = layout(m, self.family, shard, st.shards_params, st.shards_optimizer)
+        self.layers = L = m.layers
+        self.tokens = n = train.micro_batch * train.seq_len  # tokens in a micro-batch
+        self.tp = t = train.tp
+        self.vocab_shard = -(-m.vocab // t)  # the head's output columns on this rank
+        self.param_bytes, self.grad_bytes = prec.param_bytes, prec.grad_bytes
+        # FSDP2's unsharded parameter / gradient dtype (bytes)
+        self.unsharded_bytes = prec.compute_bytes if prec.mixed else prec.param_bytes
+        self.reduce_bytes = 4 if prec.mixed else prec.grad_bytes  # its reduce dtype (bytes)
+        self.resid_bytes = r = 4 if regime in ("fp32", "autocast") else 2
+        self.out_bytes = e = 4 if regime == "fp32" else 2
+        self.boundary_bytes = sp_tokens(strain, n) * m.hidden * r  # the boundary tensor
+        self.root_shapes, self.block_shapes, _, _, _ = unit_sizes(m)
+        n_embed = (1 + (m.position == "learned")) if self.first else 0
+        self.embed_shapes, self.head_shapes = self.root_shapes[:n_embed], self.root_shapes[n_embed:]
+        self.ckpt = train.checkpointing != "none"
+        self.per_receive = pp_recv_buffers_per_receive(train)  # torch >= 2.15: buffers made per receive
+        # outputs dropped once sent
+        self.releasable = self.per_receive and releases_sent_outputs(self.family, self.last)
+        self.E = _Events()
+
+        # -- construction: the stage's parameters; DDP's broadcast and first bucket, FSDP2's shards (as
+        # allocation_events)
+        self.owned, self.buckets, self.state_sizes = _stage_construction_events(self.E, train, st, m, self.first,
+                                                                                self.last, world, shard, lay)
+
+        # a block's saved tensors and its backward's temporaries, bytes each
+        self.block_saved_bytes = _split(act.per_block, _block_saved_shapes(strain, regime, n, device))
+        kept = act.blocks_total // L if L else 0
+        self.kept_saved_bytes = self.block_saved_bytes if not self.ckpt else _split(kept, [n * m.hidden * r])
+        _, blk_tmp, _ = _block_backward_peak(strain, regime, n, device)
+        self.block_temp_bytes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden // t * e] * 3)
+        self.states: list = []
+        self.grads: list = []
+        self.recv: list = []
+        self.held: dict = {}  # FSDP2: unit ("root" or block j) -> its unsharded parameters
+        self.acc: dict = {}  # FSDP2: unit -> its unsharded gradients, kept through the step's micro-batches
+
+    def accumulate(self, shapes, i: int):
         """Weight gradients: kept from the first micro-batch on; later ones added in place (AccumulateGrad),
         each freed as its Linear's backward makes it."""
+        E = self.E
         for s in shapes:
-            g = E.a(prod(s) * gb)
+            g = E.a(prod(s) * self.grad_bytes)
             if i == 0:
-                grads.append(g)
+                self.grads.append(g)
             else:
                 E.f(g)
 
-    def new_grads(u, shapes) -> list:
+    def new_grads(self, u, shapes) -> list:
         """FSDP2: unit u's new unsharded gradients; where the kept .grad takes them in place (fp32 / pure
         16-bit: AccumulateGrad), each is freed as its Linear's backward makes it."""
-        if u in acc and not prec.mixed:
+        E, ud = self.E, self.unsharded_bytes
+        if u in self.acc and not self.prec.mixed:
             for s in shapes:
                 E.f(E.a(prod(s) * ud))
             return []
         return [E.a(prod(s) * ud) for s in shapes]
 
-    def post_backward(u, g, sync: bool, rs_kept=None):
-        unsharded, sharded, shapes = ((lay.unshard_root, lay.shard_root, root_shapes) if u == "root"
-                                      else (lay.unshard_block, lay.shard_block, block_shapes))
-        return _fsdp2_post_backward(E, u, g, held.pop(u, []) if sync else held.get(u, []), rs_kept, unsharded,
-                                    sharded, shapes, sync=sync, reshard=sync, mixed=prec.mixed, rb=rb, acc=acc,
-                                    saved={}, grads=grads,
-                                    last_grad_late=fsdp2_reduce_keeps_last_grad(train))
+    def post_backward(self, u, g, sync: bool, rs_kept=None):
+        lay, held = self.lay, self.held
+        unsharded, sharded, shapes = ((lay.unshard_root, lay.shard_root, self.root_shapes) if u == "root"
+                                      else (lay.unshard_block, lay.shard_block, self.block_shapes))
+        return _fsdp2_post_backward(self.E, u, g, held.pop(u, []) if sync else held.get(u, []), rs_kept, unsharded,
+                                    sharded, shapes, sync=sync, reshard=sync, mixed=self.prec.mixed,
+                                    rb=self.reduce_bytes, acc=self.acc, saved={}, grads=self.grads,
+                                    last_grad_late=fsdp2_reduce_keeps_last_grad(self.train))
 
-    def gather(u, shapes, prev):
+    def gather(self, u, shapes, prev):
         """FSDP2 pre_forward: unit u all-gathered and copied out unless it is unsharded; the previous
         unit's all-gather output goes after the copy-out. Returns the all-gather output now held."""
-        if not fsdp2 or u in held or not shapes:
+        if not self.fsdp2 or u in self.held or not shapes:
             return prev
-        flat, held[u] = _fsdp2_unshard(E, shapes, shard, ud, prec.mixed)
-        E.f(prev)
+        flat, self.held[u] = _fsdp2_unshard(self.E, shapes, self.shard, self.unsharded_bytes, self.prec.mixed)
+        self.E.f(prev)
         return flat
 
-    def forward():
+    def forward(self):
         """One micro-batch's forward: (embedding output, each block's saved tensors, the head's), and the
         stage output (not on the last stage)."""
-        ag = gather("root", root_shapes, None)
+        E, first, r, act = self.E, self.first, self.resid_bytes, self.act
+        blk_saved = self.block_saved_bytes
+        ag = self.gather("root", self.root_shapes, None)
         # The embedding's output (sequence-sharded with SP: torchtitan's RowwiseParallel(output_layouts=
         # Shard(1)) on the embedding) is block 0's input, as the receive buffer is on a later stage: what
         # checkpointing keeps of block 0, and in fp32/autocast the tensor the first norm's x.float() saves.
         # In 16-bit the norm saves a new fp32 copy and the output is dropped after block 0.
-        emb = E.a(nh) if first else None
+        emb = E.a(self.boundary_bytes) if first else None
         blocks = []
-        for j in range(L):
-            ag = gather(j, block_shapes, ag)
-            if ckpt:  # run without saving, keep the block's input (the receive buffer or the embedding's output)
+        for j in range(self.layers):
+            ag = self.gather(j, self.block_shapes, ag)
+            # checkpointed: run without saving, keep the block's input (the receive buffer or the embedding's output)
+            if self.ckpt:
                 E.f(*[E.a(s) for s in blk_saved])
-                shapes = kept_saved if j else []
+                shapes = self.kept_saved_bytes if j else []
             else:
                 shapes = blk_saved if (j or (first and r == 2)) else blk_saved[1:]
             blocks.append([E.a(s) for s in shapes])
-            if j == 0 and first and r == 2 and not ckpt:
+            if j == 0 and first and r == 2 and not self.ckpt:
                 E.f(emb)
                 emb = None
         E.f(ag)
         head = []
-        if last:
+        if self.last:
             head.append(E.a(act.outside - act.inputs))  # final norm, the head's input
-            head.append(E.a(n * v * e))  # the logits, kept in fwd_cache
+            head.append(E.a(self.tokens * self.vocab_shard * self.out_bytes))  # the logits, kept in fwd_cache
             head.append(E.a(act.loss_saved))  # log_softmax's output
-        return (emb, blocks, head), (None if last else E.a(nh))  # the stage output, in fwd_cache and the send
+        # the stage output, in fwd_cache and the send
+        return (emb, blocks, head), (None if self.last else E.a(self.boundary_bytes))
 
-    def block_backward(j, blocks, grads_of):
+    def block_backward(self, j, blocks, grads_of):
+        E = self.E
         rec = []
-        if ckpt:  # recomputed: everything but its kept input
-            rec = [E.a(s) for s in blk_saved[1:]]
-        tmp = [E.a(s) for s in tmp_shapes]
+        if self.ckpt:  # recomputed: everything but its kept input
+            rec = [E.a(s) for s in self.block_saved_bytes[1:]]
+        tmp = [E.a(s) for s in self.block_temp_bytes]
         g = grads_of(j)
         E.f(*tmp, *rec, *blocks[j])
         return g
 
-    def metadata_inference():
+    def loss_grads(self) -> list:
+        """The last stage's loss backward: the fp32 logits-sized gradients (three with TP)."""
+        return [self.E.a(self.tokens * self.vocab_shard * 4) for _ in range(3 if self.tp > 1 else 2)]
+
+    def metadata_inference(self):
         """FSDP2, first step: the shape inference's real forward of one micro-batch (every unit unsharded),
         the backward to the input on a non-first stage (each block resharded after its backward, then the
         root), the receive buffers, then `_post_metadata_inference_cleanup`'s reshard."""
+        E, first, last, nh, M, held = self.E, self.first, self.last, self.boundary_bytes, self.microbatches, self.held
         x = None if first else E.a(nh)  # the inferred input (an empty tensor)
-        (emb, blocks, head), out = forward()
-        if not first and not per_receive:
-            recv.extend(E.a(nh) for _ in range(M))
+        (emb, blocks, head), out = self.forward()
+        if not first and not self.per_receive:
+            self.recv.extend(E.a(nh) for _ in range(M))
         if not first:
-            lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)] if last else []
+            lt = self.loss_grads() if last else []
             E.f(*lt[:-1])
             E.f(*lt[-1:], *head[::2])  # (the logits stay in the inference's outputs until the cleanup)
-            for j in reversed(range(L)):
-                block_backward(j, blocks, lambda j: [])
+            for j in reversed(range(self.layers)):
+                self.block_backward(j, blocks, lambda j: [])
                 E.f(*held.pop(j))
             E.f(*held.pop("root", []))
             gi = E.a(nh)  # the input's gradient
             E.f(gi)
         else:
-            for j in reversed(range(L)):
+            for j in reversed(range(self.layers)):
                 E.f(*blocks[j])
         E.f(emb, out, x, *head[1:2])
-        if not last and not per_receive:
-            recv.extend(E.a(nh) for _ in range(M))
+        if not last and not self.per_receive:
+            self.recv.extend(E.a(nh) for _ in range(M))
         for u in list(held):
             E.f(*held.pop(u))
 
-    def step(k_step: int):
-        if fsdp2 and k_step == 0:
-            metadata_inference()
-        elif k_step == 0 and not per_receive:  # _prepare_forward_infra / _prepare_backward_infra, in the first step
-            recv.extend(E.a(nh) for _ in range(M * ((not first) + (not last))))
-        if buckets and k_step == 1:  # DDP's rebuild in the second step's first forward
-            E.f(*buckets)
-            buckets[:] = [E.a(b) for b in bucket_sizes(ready_order_sizes(m, regime == "autocast"), gb,
-                                                        DDP_BUCKET_CAP_MB)]
-        saved: dict = {}
-        outs: dict = {}
-        sends: list = []
-        inputs: dict = {}  # torch >= 2.15: micro-batch -> its received activation
-        grad_in = None
-        for kind, i in stage_actions(train.pp_schedule, p, M, stage):
+    def step(self, k_step: int):
+        """One training step: the first step's buffers, the schedule's forwards and backwards, FSDP2's
+        gradient reduction, the optimizer step."""
+        self.step_buffers(k_step)
+        self.saved: dict = {}
+        self.outs: dict = {}
+        self.sends: list = []
+        self.inputs: dict = {}  # torch >= 2.15: micro-batch -> its received activation
+        self.grad_in = None
+        for kind, i in stage_actions(self.train.pp_schedule, self.stages, self.microbatches, self.stage):
             if kind == "F":
-                if per_receive and not first:
-                    inputs[i] = E.a(nh)
-                saved[i], out = forward()
-                if out is not None:
-                    outs[i] = out
-                if releasable and train.pp_schedule != "gpipe":  # 1F1B's warm-up: the previous forward's
-                    # send waited for and released
-                    E.f(*[outs.pop(j) for j in list(outs) if j < i])
-                continue
-            if releasable:  # every forward send waited for and released before a backward (GPipe: before
-                # its backward loop; 1F1B: fused with this backward's receive, its buffer made first)
-                if train.pp_schedule != "gpipe":
-                    grad_in = E.a(nh)
-                E.f(*outs.values())
-                outs.clear()
-            if per_receive and not last and grad_in is None:
-                grad_in = E.a(nh)
-            emb, blocks, head = saved.pop(i)
-            head_g: list = []
-            if last:
-                lt = [E.a(n * v * 4) for _ in range(3 if t > 1 else 2)]
-                # log_softmax's saved output goes with its backward node, before the head's matmul backward
-                # makes the weight gradient (as in allocation_events); the logits' gradient lives through it
-                E.f(*lt[:-1], head[2])
-                if fsdp2:
-                    head_g = new_grads("root", head_shapes)
-                else:
-                    accumulate(head_shapes, i)
-                E.f(lt[-1], *head[:2])
-            if train.pp_schedule != "gpipe":
-                E.f(outs.pop(i, None))
-            for j in reversed(range(L)):
-                if fsdp2:
-                    g = block_backward(j, blocks, lambda j: new_grads(j, block_shapes))
-                    post_backward(j, g, sync=False)
-                else:
-                    block_backward(j, blocks, lambda j: accumulate(block_shapes, i))
-            E.f(emb)
-            emb_g: list = []
-            if first:
-                if fsdp2:
-                    emb_g = new_grads("root", embed_shapes)
-                else:
-                    accumulate(embed_shapes, i)
+                self.forward_action(i)
             else:
-                gi = E.a(nh)  # the input's gradient, kept by its send
-                if train.pp_schedule != "gpipe":
-                    E.f(*sends)
-                    sends.clear()
-                sends.append(gi)
-            if per_receive:  # the gradient buffer goes with its backward, and so does a middle stage's input
-                E.f(grad_in, None if last else inputs.pop(i, None))
-                grad_in = None
-            if fsdp2 and root_shapes:  # (its gradients in parameter order: the embedding's, the head's)
-                post_backward("root", emb_g + head_g, sync=False)
-        if fsdp2:  # perform_reduce_grad: the root's post_backward, then the blocks'
+                self.backward_action(i)
+        if self.fsdp2:  # perform_reduce_grad: the root's post_backward, then the blocks'
             rs = None
-            for u in (["root"] if root_shapes else []) + list(range(L)):
-                rs = post_backward(u, [], sync=True, rs_kept=rs)
-            E.f(rs)  # _root_post_backward_final_callback
-        E.f(*sends, *outs.values())
-        if state_sizes and not states:
-            states.extend(E.a(z) for z in state_sizes)
-        _adam_temporaries(E, [s * pb for s in owned], train.optimizer, train.optimizer_impl)
-        E.f(*grads)
-        grads.clear()
-        E.f(*inputs.values())  # the last stage's: the returned losses' graphs kept them to the step's end
-        assert not acc and not held, "FSDP2: gradients or parameters left unsharded at the optimizer step"
+            for u in (["root"] if self.root_shapes else []) + list(range(self.layers)):
+                rs = self.post_backward(u, [], sync=True, rs_kept=rs)
+            self.E.f(rs)  # _root_post_backward_final_callback
+        self.optimizer_step()
 
-    for k in range(steps):
-        if k == 0 and workspace:
-            E.a(workspace)
-        step(k)
-    return E.ev
+    def step_buffers(self, k_step: int):
+        """The buffers a step makes before its first action: in the first, FSDP2's metadata inference or the
+        receive / gradient buffers; in the second, DDP's rebuilt buckets."""
+        E, first, last = self.E, self.first, self.last
+        if self.fsdp2 and k_step == 0:
+            self.metadata_inference()
+        elif k_step == 0 and not self.per_receive:  # _prepare_forward_infra / _prepare_backward_infra, first step
+            self.recv.extend(E.a(self.boundary_bytes) for _ in range(self.microbatches * ((not first) + (not last))))
+        if self.buckets and k_step == 1:  # DDP's rebuild in the second step's first forward
+            E.f(*self.buckets)
+            self.buckets[:] = [E.a(b) for b in bucket_sizes(ready_order_sizes(self.m, self.regime == "autocast"),
+                                                             self.grad_bytes, DDP_BUCKET_CAP_MB)]
+
+    def forward_action(self, i: int):
+        """The schedule's forward of micro-batch i."""
+        E, outs = self.E, self.outs
+        if self.per_receive and not self.first:
+            self.inputs[i] = E.a(self.boundary_bytes)
+        self.saved[i], out = self.forward()
+        if out is not None:
+            outs[i] = out
+        if self.releasable and self.train.pp_schedule != "gpipe":  # 1F1B's warm-up: the previous forward's
+            # send waited for and released
+            E.f(*[outs.pop(j) for j in list(outs) if j < i])
+
+    def backward_action(self, i: int):
+        """The schedule's backward of micro-batch i: the head's (last stage), each block's, the embedding's
+        (first stage) or the input's gradient."""
+        E, outs, gpipe, fsdp2 = self.E, self.outs, self.train.pp_schedule == "gpipe", self.fsdp2
+        if self.releasable:  # every forward send waited for and released before a backward (GPipe: before
+            # its backward loop; 1F1B: fused with this backward's receive, its buffer made first)
+            if not gpipe:
+                self.grad_in = E.a(self.boundary_bytes)
+            E.f(*outs.values())
+            outs.clear()
+        if self.per_receive and not self.last and self.grad_in is None:
+            self.grad_in = E.a(self.boundary_bytes)
+        emb, blocks, head = self.saved.pop(i)
+        head_g = self.head_backward(i, head) if self.last else []
+        if not gpipe:
+            E.f(outs.pop(i, None))
+        for j in reversed(range(self.layers)):
+            if fsdp2:
+                g = self.block_backward(j, blocks, lambda j: self.new_grads(j, self.block_shapes))
+                self.post_backward(j, g, sync=False)
+            else:
+                self.block_backward(j, blocks, lambda j: self.accumulate(self.block_shapes, i))
+        E.f(emb)
+        emb_g: list = []
+        if self.first:
+            if fsdp2:
+                emb_g = self.new_grads("root", self.embed_shapes)
+            else:
+                self.accumulate(self.embed_shapes, i)
+        else:
+            gi = E.a(self.boundary_bytes)  # the input's gradient, kept by its send
+            if not gpipe:
+                E.f(*self.sends)
+                self.sends.clear()
+            self.sends.append(gi)
+        if self.per_receive:  # the gradient buffer goes with its backward, and so does a middle stage's input
+            E.f(self.grad_in, None if self.last else self.inputs.pop(i, None))
+            self.grad_in = None
+        if fsdp2 and self.root_shapes:  # (its gradients in parameter order: the embedding's, the head's)
+            self.post_backward("root", emb_g + head_g, sync=False)
+
+    def head_backward(self, i: int, head: list) -> list:
+        """The last stage's loss and head backward of micro-batch i: FSDP2's new head gradients."""
+        E = self.E
+        head_g: list = []
+        lt = self.loss_grads()
+        # log_softmax's saved output goes with its backward node, before the head's matmul backward
+        # makes the weight gradient (as in allocation_events); the logits' gradient lives through it
+        E.f(*lt[:-1], head[2])
+        if self.fsdp2:
+            head_g = self.new_grads("root", self.head_shapes)
+        else:
+            self.accumulate(self.head_shapes, i)
+        E.f(lt[-1], *head[:2])
+        return head_g
+
+    def optimizer_step(self):
+        """The step's end: the pending sends and outputs freed, the optimizer's states (made in the first
+        step), its temporaries, the gradients freed."""
+        E = self.E
+        E.f(*self.sends, *self.outs.values())
+        if self.state_sizes and not self.states:
+            self.states.extend(E.a(z) for z in self.state_sizes)
+        _adam_temporaries(E, [s * self.param_bytes for s in self.owned], self.train.optimizer,
+                          self.train.optimizer_impl)
+        E.f(*self.grads)
+        self.grads.clear()
+        E.f(*self.inputs.values())  # the last stage's: the returned losses' graphs kept them to the step's end
+        assert not self.acc and not self.held, "FSDP2: gradients or parameters left unsharded at the optimizer step"
 
 
 def stage_reserved_peak(train: TrainConfig, strategy, stage: int, world: int, shard: int, device: str = "cuda",
