@@ -37,62 +37,11 @@ def _construction_events(E: _Events, train: TrainConfig, st, world: int, shard: 
     # validate/wrap.py, probe.py). `nn.Module._apply` casts children first, each parameter into a new
     # tensor before the fp32 one goes (`param.data = fn(param)`), so its fp32 segments stay reserved.
     built = 4 if pb == 2 and not prec.mixed and not meta else pb
-
-    def cast_built(units_of: list, keys_of: list) -> list:
-        """`model.to(16-bit)` over the units' fp32 parameters (in module order): each one's 16-bit copy,
-        the fp32 one freed."""
-        if built == pb:
-            return keys_of
-        out = []
-        for u, keys in zip(units_of, keys_of):
-            out.append([])
-            for s, k in zip(u, keys):
-                out[-1].append(E.a(prod(s) * pb))
-                E.f(k)
-        return out
-    if t > 1 and not meta:
-        # Tensor parallelism on a model built on the device (the probes): the whole model first, then
-        # `parallelize_module` (`distribute_tensor`: each sharded parameter's local chunk scattered into
-        # a new tensor, the whole one dropped; replicated ones kept as they are)
-        whole_spec = ModelSpec(**{f.name: getattr(m, f.name) for f in fields(ModelSpec)})
-        w_root, w_block, _, _, _ = unit_sizes(whole_spec)
-        w_units = [list(w_root[:n_embed])] + [list(w_block)] * L + [list(w_root[n_embed:])]
-        whole = [[E.a(prod(s) * built) for s in u] for u in w_units]
-        _tied_head_transient(E, m, built)
-        whole = cast_built(w_units, whole)
-        full = []
-        for u, wu, keys in zip(units, w_units, whole):
-            full.append([])
-            for s, ws, k in zip(u, wu, keys):
-                if tuple(s) == tuple(ws):
-                    full[-1].append(k)
-                else:
-                    full[-1].append(E.a(prod(s) * pb))
-                    E.f(k)
-    else:
-        full = [[None if meta else E.a(prod(s) * built) for s in u] for u in units]
-        if not meta:
-            _tied_head_transient(E, m, built)
-            full = cast_built(units, full)
+    full = _built_parameters(E, m, units, n_embed, t, meta, built, pb)
     if st.fsdp2:
         param_shards = _fsdp2_construct(E, units, full, shard if sharding else 1, pb, meta)
     elif st.fsdp1:
-        # FlatParameter per block (ModuleWrapPolicy), the root's last; flatten, then keep a padded chunk
-        order = list(range(1, L + 1)) + [0]
-        for u in order:
-            keys = full[u] + (full[L + 1] if u == 0 else [])
-            elems = sum(prod(s) for s in units[u]) + (sum(prod(s) for s in units[L + 1]) if u == 0 else 0)
-            if meta:  # FSDP1 materializes a meta unit before flattening it (_init_utils.py
-                # `_materialize_meta_module`: to_empty + reset_parameters), one unit at a time
-                keys = [E.a(prod(s) * pb) for s in units[u] + (units[L + 1] if u == 0 else [])]
-            # `FlatParamHandle`: flatten_tensors_into_flat_param, then shard() keeps a chunk and frees the flat
-            # tensor; the originals go after, once the module holds views of the flat parameter (the order the
-            # recorded CPU traces show: flat, shard, flat freed, the originals freed)
-            flat = E.a(elems * pb)
-            if st.shards_params or st.shards_optimizer:
-                E.a(-(-elems // shard) * pb)
-                E.f(flat)
-            E.f(*keys)
+        _fsdp1_flatten(E, st, units, full, shard, pb, meta)
         param_shards = [lay.shard_root] + [lay.shard_block] * L
     else:
         param_shards = [prod(s) for u in units for s in u]
@@ -132,3 +81,70 @@ def _tied_head_transient(E: _Events, m, pb: int) -> None:
     makes no head when tied."""
     if m.tie_embeddings and m.hf_model_type:
         E.f(E.a(m.vocab * m.hidden * pb))
+
+
+def _cast_built(E: _Events, units_of: list, keys_of: list, built: int, pb: int) -> list:
+    """`model.to(16-bit)` over the units' fp32 parameters (in module order): each one's 16-bit copy,
+    the fp32 one freed."""
+    if built == pb:
+        return keys_of
+    out = []
+    for u, keys in zip(units_of, keys_of):
+        out.append([])
+        for s, k in zip(u, keys):
+            out[-1].append(E.a(prod(s) * pb))
+            E.f(k)
+    return out
+
+
+def _built_parameters(E: _Events, m, units: list, n_embed: int, t: int, meta: bool, built: int,
+                      pb: int) -> list:
+    """The parameters as built on the device (None each on the meta device): one event key per parameter
+    of each unit (the embedding, the blocks, the head), in this rank's tensor-parallel shapes."""
+    L = m.layers
+    if t > 1 and not meta:
+        # Tensor parallelism on a model built on the device (the probes): the whole model first, then
+        # `parallelize_module` (`distribute_tensor`: each sharded parameter's local chunk scattered into
+        # a new tensor, the whole one dropped; replicated ones kept as they are)
+        whole_spec = ModelSpec(**{f.name: getattr(m, f.name) for f in fields(ModelSpec)})
+        w_root, w_block, _, _, _ = unit_sizes(whole_spec)
+        w_units = [list(w_root[:n_embed])] + [list(w_block)] * L + [list(w_root[n_embed:])]
+        whole = [[E.a(prod(s) * built) for s in u] for u in w_units]
+        _tied_head_transient(E, m, built)
+        whole = _cast_built(E, w_units, whole, built, pb)
+        full = []
+        for u, wu, keys in zip(units, w_units, whole):
+            full.append([])
+            for s, ws, k in zip(u, wu, keys):
+                if tuple(s) == tuple(ws):
+                    full[-1].append(k)
+                else:
+                    full[-1].append(E.a(prod(s) * pb))
+                    E.f(k)
+    else:
+        full = [[None if meta else E.a(prod(s) * built) for s in u] for u in units]
+        if not meta:
+            _tied_head_transient(E, m, built)
+            full = _cast_built(E, units, full, built, pb)
+    return full
+
+
+def _fsdp1_flatten(E: _Events, st, units: list, full: list, shard: int, pb: int, meta: bool) -> None:
+    """FSDP1's construction: each unit's parameters flattened into its FlatParameter, a padded chunk kept."""
+    L = len(units) - 2
+    # FlatParameter per block (ModuleWrapPolicy), the root's last; flatten, then keep a padded chunk
+    order = list(range(1, L + 1)) + [0]
+    for u in order:
+        keys = full[u] + (full[L + 1] if u == 0 else [])
+        elems = sum(prod(s) for s in units[u]) + (sum(prod(s) for s in units[L + 1]) if u == 0 else 0)
+        if meta:  # FSDP1 materializes a meta unit before flattening it (_init_utils.py
+            # `_materialize_meta_module`: to_empty + reset_parameters), one unit at a time
+            keys = [E.a(prod(s) * pb) for s in units[u] + (units[L + 1] if u == 0 else [])]
+        # `FlatParamHandle`: flatten_tensors_into_flat_param, then shard() keeps a chunk and frees the flat
+        # tensor; the originals go after, once the module holds views of the flat parameter (the order the
+        # recorded CPU traces show: flat, shard, flat freed, the originals freed)
+        flat = E.a(elems * pb)
+        if st.shards_params or st.shards_optimizer:
+            E.a(-(-elems // shard) * pb)
+            E.f(flat)
+        E.f(*keys)
