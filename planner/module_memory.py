@@ -73,7 +73,7 @@ def walk_module_memory(desc: ModuleDesc, train: ModuleTrain, cluster: Cluster,
     walk = (FsdpWalk if st.fsdp else DdpWalk)(desc, train, cluster, st, device, backend, workspaces, rank)
     walk.walk()
     snaps, extra, notes, family, world, shard, ws = (
-        walk.snaps, walk.extra, walk.notes, walk.family, walk.world, walk.shard, walk.ws)
+        walk.snaps, walk.workspace_bytes, walk.notes, walk.family, walk.world, walk.shard, walk.ws)
 
     if snapshots is not None:  # debugging: every instant the walk looked at
         snapshots[:] = snaps

@@ -16,9 +16,10 @@ from .strategies import Strategy
 
 class ModuleWalk:
     """One walk of a measured module's step for one strategy: its shared state, set up in the order the
-    step's phases need it, and `snaps` (the instants walked) with `extra` (the cuDNN workspace, bytes, taken
-    at each instant). `pb`, `gb`, `cb`: bytes of a parameter, a gradient and a compute-dtype element;
-    `opt` the optimizer state's bytes on this rank, `opt_tmp` the optimizer step's temporaries."""
+    step's phases need it, and `snaps` (the instants walked) with `workspace_bytes` (the cuDNN workspace
+    taken at each instant). `pb`, `gb`, `cb`: bytes of a parameter, a gradient and a compute-dtype element;
+    `optimizer_bytes` the optimizer state on this rank, `optimizer_tmp_bytes` the optimizer step's
+    temporaries."""
 
     def __init__(self, desc: ModuleDesc, train: ModuleTrain, cluster: Cluster, st: Strategy, device: str,
                  backend: str, workspaces: dict | None, rank: int | None):
@@ -34,7 +35,7 @@ class ModuleWalk:
         self.fsdp = st.fsdp
         self.sharding = self.fsdp and self.shard > 1 and st.shards_params
         self.sizes = _unit_sizes(desc, self.family, self.shard, self.sharding) if self.fsdp else {}
-        self.opt, self.opt_tmp = self._optimizer_bytes(rank)
+        self.optimizer_bytes, self.optimizer_tmp_bytes = self._optimizer_bytes(rank)
         self._checkpointed_segments()
         self._convolution_kernels(device, workspaces)
         self._root_gradients()
@@ -115,7 +116,7 @@ class ModuleWalk:
     def _convolution_kernels(self, device: str, workspaces: dict | None) -> None:
         """Each segment's convolutions with the cuDNN workspace (bytes) they take, forward and backward."""
         self.snaps: list[Snapshot] = []
-        self.extra: list[int] = []  # cuDNN workspace taken at each snapshot's instant
+        self.workspace_bytes: list[int] = []  # cuDNN workspace taken at each snapshot's instant
         self.ws = ws = workspaces if device == "cuda" and workspaces else {}
         self.fwd_kernels: dict = {}  # segment -> [(workspace, (forward bytes,))]
         self.bwd_kernels: dict = {}  # segment -> [(workspace, (transient, grads, saved))]
@@ -132,7 +133,7 @@ class ModuleWalk:
         # its micro-batches together; the probe makes them before the first forward)
         full["temporaries"] += self.desc.batch_bytes * self.train.grad_accum
         self.snaps.append(Snapshot(phase, full))
-        self.extra.append(int(workspace))
+        self.workspace_bytes.append(int(workspace))
 
     def snap(self, phase, workspace=0, **parts):
         """An instant of the walk: `record`, with what the strategy family's walk adds to every instant."""
@@ -198,16 +199,17 @@ class ModuleWalk:
         # ends) less its unit's own (in the traced dtype). A profile without that figure: the segment's
         # gradients at its before-hook instant, which misses a root gradient still autograd's transient at
         # that instant (a 16-bit LM head's at long sequences: Llama-3-8B's 1 GiB at 1024 tokens).
-        traced_gb = 2 if prec.mixed and self.fsdp or self.train.precision == "bf16" else 4  # the trace's parameters' dtype
+        # the trace's parameters' dtype
+        traced_gb = 2 if prec.mixed and self.fsdp or self.train.precision == "bf16" else 4
         self.numel = {u: sum(prod(s) for _, s in ps) for u, ps in desc.units}  # each unit's parameters, real shapes
         own_g = {u: n * traced_gb for u, n in self.numel.items()}
-        self.root_g = [0 if s[0] == "root" else max(0, s[7] - own_g.get(s[0], 0)) if s[7] >= 0 else s[3][0][1]
+        self.root_grad_bytes = [0 if s[0] == "root" else max(0, s[7] - own_g.get(s[0], 0)) if s[7] >= 0 else s[3][0][1]
                        for s in segs]
 
     def root_grads(self, k: int, before: bool, g: int) -> int:
         """Bytes of root gradients alive at segment k's instant: those of the segments after it, plus
         this segment's so far (at its before-hook instant, `g` itself)."""
-        return sum(self.root_g[k + 1:]) + (g if before else self.root_g[k])
+        return sum(self.root_grad_bytes[k + 1:]) + (g if before else self.root_grad_bytes[k])
 
     def _forward_peaks(self) -> None:
         """Each segment's forward peak: `fwd_act` the activations' bytes, `fwd_tmp` the transient's;
@@ -253,13 +255,13 @@ class DdpWalk(ModuleWalk):
         """The step's forward, backward and optimizer step, instant by instant into `snaps`."""
         total, gb = self.total, self.gb
         self.unit_grad = {u: n * gb for u, n in self.numel.items()}
-        self.base = dict(params=total * self.pb + self.buffers, optimizer=self.opt,
+        self.base = dict(params=total * self.pb + self.buffers, optimizer=self.optimizer_bytes,
                          comm_buffers=total * gb if self.st.distributed else 0)
         if self.later:
             self.notes.append("gradient accumulation keeps every parameter's gradient between micro-steps")
         self.forward()
         self.backward()
-        self.snap("optimizer", **self.base, grads=total * gb, temporaries=self.opt_tmp)
+        self.snap("optimizer", **self.base, grads=total * gb, temporaries=self.optimizer_tmp_bytes)
 
     def forward(self) -> None:
         base, snap = self.base, self.snap
@@ -288,6 +290,6 @@ class DdpWalk(ModuleWalk):
                 if u == "root":
                     mine = min(max(0, own - rg), g)
                 else:  # after the hook, g also counts the root's gradients made before it
-                    mine = 0 if before else min(own, max(0, g - self.root_g[k]))
+                    mine = 0 if before else min(own, max(0, g - self.root_grad_bytes[k]))
                 snap("backward", w, **base, activations=sum(acts[:k]) + saved,
                      grads=done + mine + (rg if u != "root" else min(rg, own)), temporaries=tmp)

@@ -33,20 +33,22 @@ class SegmentBackward:
 
 
 class FsdpWalk(ModuleWalk):
-    """The walk of FSDP1 and FSDP2: `unsh` each unit's unsharded parameters (bytes), `held` the units
-    unsharded and kept, `carry_now` the gradients earlier micro-steps left in the units not yet reduced
-    at the instant walked."""
+    """The walk of FSDP1 and FSDP2: `unsharded_bytes` each unit's unsharded parameters, `held` the units
+    unsharded and kept, `carried_grad_bytes` the gradients earlier micro-steps left in the units not yet
+    reduced at the instant walked; `unsharded_elem_bytes`, `reduce_elem_bytes`, `shard_grad_elem_bytes`:
+    bytes of an element of the unsharded parameters (param_dtype), of the reduction (reduce_dtype) and of
+    a gradient shard."""
 
     def __init__(self, *args):
         super().__init__(*args)
         st, prec, sizes, sharding, later, every_sync = \
             self.st, self.prec, self.sizes, self.sharding, self.later, self.every_sync
-        self.udt = udt = self.cb if prec.mixed else self.pb  # param_dtype of the unsharded unit
-        self.red = red = 4 if prec.mixed else self.gb  # reduce_dtype
-        self.sg = sg = 4 if prec.mixed else self.gb  # sharded gradient (fp32 under mixed precision)
+        self.unsharded_elem_bytes = udt = self.cb if prec.mixed else self.pb  # param_dtype of the unsharded unit
+        self.reduce_elem_bytes = red = 4 if prec.mixed else self.gb  # reduce_dtype
+        self.shard_grad_elem_bytes = sg = 4 if prec.mixed else self.gb  # sharded gradient (fp32 under mixed precision)
         self.reshard = st.reshard_after_forward and sharding
         self.shard_params = sum(v[0] for v in sizes.values())
-        self.base = dict(params=self.shard_params * self.pb + self.buffers, optimizer=self.opt)
+        self.base = dict(params=self.shard_params * self.pb + self.buffers, optimizer=self.optimizer_bytes)
         # FSDP1's BatchNorm units keep fp32 (no mixed precision: `ModuleDesc.fp32_units`); so small they are
         # counted with the shards, not walked (their unsharded parameters and gradients live within their
         # parent unit's segment)
@@ -55,8 +57,8 @@ class FsdpWalk(ModuleWalk):
         if not sharding:  # NO_SHARD: only a 16-bit copy of the unit in use under mixed precision
             unsh = {u: (v[1] * self.cb if prec.mixed and u not in self.desc.fp32_units else 0)
                     for u, v in sizes.items()}
-        self.unsh = unsh
-        self.root = unsh.get("root", 0)
+        self.unsharded_bytes = unsh
+        self.root_unsharded_bytes = unsh.get("root", 0)
         self.order = [s[0] for s in self.segs if s[0] in sizes and s[0] != "root"]
         # Gradient accumulation (memory.estimate_memory's `carry`): what earlier micro-steps left in each
         # unit until the unit reduces on this (the last) micro-step: without sync its unsharded gradient
@@ -76,12 +78,12 @@ class FsdpWalk(ModuleWalk):
             # Mixtral's experts at 16 fake ranks, 4 rows padded to 16, accumulating over 2 micro-steps: +62%
             # before)
             unit_carry = {u: self.numel[u] * red for u in sizes}
-        self.unit_carry = unit_carry
+        self.unit_carry_bytes = unit_carry
         self.in_place = later and not every_sync and sharding and st.fsdp2 and not prec.mixed
         if later:
             self.notes.append("gradient accumulation keeps " + ("sharded" if every_sync and sharding else "unsharded")
                               + " gradients of every unit between micro-steps")
-        self.carry_now = self.carried(())  # the units that have not reduced yet, at the instant walked
+        self.carried_grad_bytes = self.carried(())  # the units that have not reduced yet, at the instant walked
         self.held: list = []  # units unsharded and kept to backward (no reshard)
         # NO_SHARD under mixed precision frees each unit's 16-bit copy when it "reshards" after its forward
         # (`FlatParamHandle.post_reshard` -> `_free_low_precision_sharded_param`) and casts it again for
@@ -89,24 +91,24 @@ class FsdpWalk(ModuleWalk):
         self.one_copy = not sharding and prec.mixed
 
     def carried(self, reduced) -> int:
-        return sum(v for x, v in self.unit_carry.items() if x not in reduced)
+        return sum(v for x, v in self.unit_carry_bytes.items() if x not in reduced)
 
     def snap(self, phase, workspace=0, grads=0, **parts):
-        self.record(phase, workspace, grads=grads + (self.carry_now if phase != "optimizer" else 0), **parts)
+        self.record(phase, workspace, grads=grads + (self.carried_grad_bytes if phase != "optimizer" else 0), **parts)
 
     def walk(self) -> None:
         """The step's forward, backward and optimizer step, instant by instant into `snaps`."""
         self.forward()
         self.backward()
         self.last_microstep_root_instants()
-        grads_end = self.shard_params * self.sg if self.sharding else self.total * self.gb
-        self.snap("optimizer", **self.base, grads=grads_end, temporaries=self.opt_tmp)
+        grads_end = self.shard_params * self.shard_grad_elem_bytes if self.sharding else self.total * self.gb
+        self.snap("optimizer", **self.base, grads=grads_end, temporaries=self.optimizer_tmp_bytes)
 
     def forward(self) -> None:
         """The forward, unit by unit, to the root's pre-backward hook."""
         st, sharding, reshard, base, snap, unsh, order, held, root, acts = (
-            self.st, self.sharding, self.reshard, self.base, self.snap, self.unsh, self.order, self.held,
-            self.root, self.acts)
+            self.st, self.sharding, self.reshard, self.base, self.snap, self.unsharded_bytes, self.order, self.held,
+            self.root_unsharded_bytes, self.acts)
         copied: set = set()  # FSDP2 units past their pre-forward copy-out
         for k, (u, *_) in enumerate(self.segs):
             cur = unsh.get(u, 0) if u != "root" else 0
@@ -157,7 +159,7 @@ class FsdpWalk(ModuleWalk):
         if u == "root":  # its own gradients so far include those made in other segments
             mine = min(g_unit, max(g, rg))
         else:  # after the hook, g also counts the root's gradients made before it
-            mine = (0 if before else min(g_unit, max(0, g - self.root_g[k]))) + rg
+            mine = (0 if before else min(g_unit, max(0, g - self.root_grad_bytes[k]))) + rg
         return mine, mine if self.st.fsdp2 else 0
 
     def backward(self) -> None:
@@ -167,7 +169,7 @@ class FsdpWalk(ModuleWalk):
         self.resharded: set = set()  # FSDP2 reshards each unit in its post-backward, before reducing
         # FSDP2 keeps a unit's reduce-scatter input until the next unit's post-backward replaces it
         # (`comm_ctx.reduce_scatter_state`), as the decoder walk's `rs_held`.
-        self.rs_held = 0
+        self.rs_held_bytes = 0
         for k in range(len(self.segs) - 1, -1, -1):
             seg = self.segment_backward(k)
             self.segment_instants(seg)
@@ -180,7 +182,8 @@ class FsdpWalk(ModuleWalk):
         """Segment k's backward as it starts: its unit's unsharded parameters, the prefetched ones, its
         gradients and its reduction's input (bytes); sets the gradients carried at its instants."""
         sizes, unsh, order, held, root, reshard, one_copy = (
-            self.sizes, self.unsh, self.order, self.held, self.root, self.reshard, self.one_copy)
+            self.sizes, self.unsharded_bytes, self.order, self.held, self.root_unsharded_bytes, self.reshard,
+            self.one_copy)
         segs = self.segs
         u = segs[k][0]
         first = u not in self.reached
@@ -193,13 +196,13 @@ class FsdpWalk(ModuleWalk):
         # `_unshard` -> `pre_unshard` -> `_use_low_precision_shard`)
         pre = unsh.get(prev, 0) if (reshard or one_copy) and prev else 0
         fsdp1 = self.st.fsdp1
-        g_unit = sizes[u][1] * self.udt if u in sizes and first else 0
+        g_unit = sizes[u][1] * self.unsharded_elem_bytes if u in sizes and first else 0
         # The unit's reduction input: FSDP1 NO_SHARD all-reduces its flat gradient where the sharded
         # strategies reduce-scatter it (`_reduce_grad_no_shard`), at the same instant.
-        rs = sizes[u][1] * self.red if u in sizes and first and (self.sharding or fsdp1) else 0
+        rs = sizes[u][1] * self.reduce_elem_bytes if u in sizes and first and (self.sharding or fsdp1) else 0
         done = [x for x in self.reached if x in sizes and x != u]
-        self.carry_now = self.carried(done)
-        grads = (sum(sizes[x][0] for x in done) * self.sg if self.sharding
+        self.carried_grad_bytes = self.carried(done)
+        grads = (sum(sizes[x][0] for x in done) * self.shard_grad_elem_bytes if self.sharding
                  else sum(sizes[x][1] for x in done) * self.gb)
         kept_now = sum(unsh[x] for x in held if x not in self.resharded)
         unsharded = root + (in_use + pre if reshard else kept_now)
@@ -235,29 +238,29 @@ class FsdpWalk(ModuleWalk):
         for (tmp, g, saved), w, before in (self.instants_accumulating(k) if self.in_place else self.instants(k)):
             comm = seg.unsharded_before if before else seg.unsharded
             if self.in_place:
-                # every unit's .grad is kept (`carry_now`): the new gradients made and not yet added
+                # every unit's .grad is kept (`carried_grad_bytes`): the new gradients made and not yet added
                 # into it are temporaries (measured: Llama-3.2-1B's width at 2 layers, zero3 fp32 over 2
                 # micro-steps, the tied embedding's gradient, the head's and their sum alive at once
                 # next to the kept one: -17% when they were not counted)
                 mine, own_grads = g, 0
             else:
                 mine, own_grads = self.unit_grads_now(k, u, before, g, seg.g_unit)
-            self.snap("backward", w, **self.base, comm_buffers=comm + self.rs_held,
+            self.snap("backward", w, **self.base, comm_buffers=comm + self.rs_held_bytes,
                       activations=sum(self.acts[:k]) + saved, grads=seg.grads + own_grads,
                       temporaries=tmp + mine - own_grads)
 
     def first_microstep_instants(self, seg: SegmentBackward) -> None:
         """The segment's instants on the first micro-step, accumulating without sync."""
-        k, u, unsh, done = seg.k, seg.u, self.unsh, seg.done
+        k, u, unsh, done = seg.k, seg.u, self.unsharded_bytes, seg.done
         # The first micro-step without sync, at the same instants: the units already reached keep
         # their unsharded gradients (`unit_carry`), none reduced, none resharded in backward
         # (FSDP1's SHARD_GRAD_OP keeps them unsharded: `_should_free_in_backward`), nothing carried from
         # before. Measured: the CIFAR ResNet, every FSDP strategy in fp32 over 2 micro-steps with full
         # checkpointing, its peak at layer1's recomputation of the first micro-step, next to the
         # unsharded gradients of layer2, layer3 and fc (the later units are the larger in a CNN).
-        kept_first = sum(self.unit_carry.get(x, 0) for x in done)
+        kept_first = sum(self.unit_carry_bytes.get(x, 0) for x in done)
         # (FSDP2 reshards a unit after its backward without sync too: reshard_after_backward)
-        held_first = self.root + (seg.in_use + seg.pre if self.reshard else
+        held_first = self.root_unsharded_bytes + (seg.in_use + seg.pre if self.reshard else
                                   sum(unsh[x] for x in self.held if self.st.fsdp1 or x not in done))
         for (tmp, g, saved), w, before in self.instants(k):
             mine, own_grads = self.unit_grads_now(k, u, before, g, seg.g_unit)
@@ -268,9 +271,9 @@ class FsdpWalk(ModuleWalk):
 
     def post_backward(self, seg: SegmentBackward) -> None:
         """The unit's post-backward: its reshard and its reduction, per FSDP flavour."""
-        u, st, root = seg.u, self.st, self.root
+        u, st, root = seg.u, self.st, self.root_unsharded_bytes
         if not self.every_sync and st.fsdp2:  # `post_backward` collects the accumulated gradient
-            self.carry_now = self.carried(seg.done + [u])
+            self.carried_grad_bytes = self.carried(seg.done + [u])
         # The unit's post-backward: its backward is over (its saved tensors and its output's
         # gradient are freed). FSDP2 reshards the unit, then reduces (`FSDPParamGroup.
         # post_backward`). FSDP1 is measured (MNIST CNN, gloo and fake process group alike) with
@@ -279,7 +282,7 @@ class FsdpWalk(ModuleWalk):
         if st.fsdp2 and u != "root":
             self.resharded.add(u)
             unsharded = root + (seg.pre if self.reshard else
-                                sum(self.unsh[x] for x in self.held if x not in self.resharded))
+                                sum(self.unsharded_bytes[x] for x in self.held if x not in self.resharded))
         elif st.fsdp2:  # the root too: its post-backward reshards before it reduces
             unsharded = 0
         # The root's gradients made so far wait for the root's own reduction at the end.
@@ -294,7 +297,8 @@ class FsdpWalk(ModuleWalk):
         """FSDP1's root at the end of backward: the concatenation of its view gradients, then its reduction."""
         k, u, g_unit, rs, grads, done = seg.k, seg.u, seg.g_unit, seg.rs, seg.grads, seg.done
         sizes, red, sharding, root, base, snap, acts, every_sync = (
-            self.sizes, self.red, self.sharding, self.root, self.base, self.snap, self.acts, self.every_sync)
+            self.sizes, self.reduce_elem_bytes, self.sharding, self.root_unsharded_bytes, self.base, self.snap,
+            self.acts, self.every_sync)
         # The root's post-backward runs after every other unit's (the end of backward):
         # `_post_backward_hook` reshards first (`_post_backward_reshard`; the root too
         # frees its unsharded flat parameter, `_should_free_in_backward`), casts
@@ -315,7 +319,7 @@ class FsdpWalk(ModuleWalk):
              grads=grads, temporaries=g_unit)
         out = sizes[u][0] * red if sharding else 0
         if not every_sync:  # the accumulated flat gradient is the reduction's input
-            self.carry_now = self.carried(done + [u])
+            self.carried_grad_bytes = self.carried(done + [u])
         # on gloo the output shard is a buffer the collective writes and the input is split once
         # more (memory.estimate_memory's root reduce-scatter; measured on gloo, 2 ranks)
         gloo = self.backend == "gloo" and sharding
@@ -330,17 +334,18 @@ class FsdpWalk(ModuleWalk):
         k, u, g_unit, rs, grads, done, prev, pre = (
             seg.k, seg.u, seg.g_unit, seg.rs, seg.grads, seg.done, seg.prev, seg.pre)
         sizes, red, sharding, root, base, snap, acts, ends, held, unsh = (
-            self.sizes, self.red, self.sharding, self.root, self.base, self.snap, self.acts, self.ends, self.held,
-            self.unsh)
+            self.sizes, self.reduce_elem_bytes, self.sharding, self.root_unsharded_bytes, self.base, self.snap,
+            self.acts, self.ends, self.held,
+            self.unsharded_bytes)
         later, every_sync, reshard, one_copy, resharded = (
             self.later, self.every_sync, self.reshard, self.one_copy, self.resharded)
         # The view gradients are concatenated into flat_param.grad (both alive), which is
         # the reduce-scatter (NO_SHARD: all-reduce) input unless mixed precision casts it
         # to reduce_dtype first. Accumulating without sync, the flat gradient kept from the
-        # earlier micro-steps (`carry_now`) takes the concatenation in place: a temporary
+        # earlier micro-steps (`carried_grad_bytes`) takes the concatenation in place: a temporary
         # (measured: the MNIST CNN, fsdp fp32 over 2 micro-steps on 8 fake ranks); so does
         # NO_SHARD's reduced gradient, kept as the flat gradient when each micro-step syncs.
-        into = later and (not every_sync or not sharding) and u in self.unit_carry
+        into = later and (not every_sync or not sharding) and u in self.unit_carry_bytes
         snap("backward", **base, comm_buffers=unsharded + (0 if into else g_unit),
              activations=sum(acts[:k]), grads=grads, temporaries=ends[k] + g_unit * (1 + into) + rg)
         if sharding and u != "root" or one_copy:
@@ -375,7 +380,7 @@ class FsdpWalk(ModuleWalk):
         """An FSDP2 unit's post-backward: `foreach_reduce`'s copy-in, then its reduce-scatter."""
         k, u, g_unit, rs, grads = seg.k, seg.u, seg.g_unit, seg.rs, seg.grads
         sizes, red, base, snap, acts, ends, udt = (
-            self.sizes, self.red, self.base, self.snap, self.acts, self.ends, self.udt)
+            self.sizes, self.reduce_elem_bytes, self.base, self.snap, self.acts, self.ends, self.unsharded_elem_bytes)
         # FSDP2 `foreach_reduce` (_fsdp_collectives.py): the unsharded gradients are copied
         # into the reduce-scatter input and freed only then (`unsharded_grads.clear()`);
         # next the output (one shard of the input) is allocated and the collective runs,
@@ -391,14 +396,15 @@ class FsdpWalk(ModuleWalk):
                   if u in sizes and fsdp2_reduce_keeps_last_grad(self.train) else 0)
         snap("backward", **base, comm_buffers=unsharded + rs + sizes[u][0] * red,
              activations=sum(acts[:k]), grads=grads + rg, temporaries=end + split + last_g)
-        self.rs_held = rs
+        self.rs_held_bytes = rs
 
     def last_microstep_root_instants(self) -> None:
         """After the backward: the first micro-step's instants at the root's last gradients, where gradients
         accumulate without sync."""
         st, desc, prec, segs, sizes, unsh, held, root, base, snap, acts, udt, red = (
-            self.st, self.desc, self.prec, self.segs, self.sizes, self.unsh, self.held, self.root, self.base,
-            self.snap, self.acts, self.udt, self.red)
+            self.st, self.desc, self.prec, self.segs, self.sizes, self.unsharded_bytes, self.held,
+            self.root_unsharded_bytes, self.base,
+            self.snap, self.acts, self.unsharded_elem_bytes, self.reduce_elem_bytes)
         later, every_sync, sharding, reshard, numel = (
             self.later, self.every_sync, self.sharding, self.reshard, self.numel)
         k = next((i for i, s_ in enumerate(segs) if s_[0] == "root"), None)  # the root's last backward segment
@@ -408,7 +414,7 @@ class FsdpWalk(ModuleWalk):
             # accumulated yet, and SHARD_GRAD_OP has freed no unit (`_should_free_in_backward` is False
             # without sync). Measured: Qwen2.5-0.5B at 8 layers, fsdp-grad-op fp32 over 2 micro-steps, its
             # tied 152K-vocabulary gradients next to every unit's: -4.69% without it.
-            self.carry_now = 0
+            self.carried_grad_bytes = 0
             comm = root + (0 if reshard else sum(unsh[x] for x in held))
             kept_grads = sum(v[1] for x, v in sizes.items() if x != "root") * udt
             g_root = sizes["root"][1] * udt
@@ -425,7 +431,7 @@ class FsdpWalk(ModuleWalk):
             # other unit's unsharded gradient of this micro-step and the root's others; nothing accumulated
             # yet, every unit but the root resharded. Measured: GPT-2 medium, zero3 bf16-mixed over 2
             # micro-steps on 8 fake ranks, 15% above the peak walked without it.
-            self.carry_now = 0
+            self.carried_grad_bytes = 0
             tied = sum(desc.tied)
             others = sum(n for u, n in numel.items() if u != "root") + max(0, numel["root"] - tied)
             snap("backward", **base, comm_buffers=root, grads=others * red, temporaries=3 * tied * red)
