@@ -299,12 +299,13 @@ def test_numpy_warning_silenced_and_nothing_else(tmp_path):
     plain = subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1)"], capture_output=True,
                            text=True, env=env)
     assert "Failed to initialize NumPy" in plain.stderr  # the warning this test is about exists
-    ours = subprocess.run([sys.executable, "-c", "import distplan.planner.workload.traced_model, torch, warnings; "
-                           "torch.zeros(1); warnings.warn('another warning')"],
-                          capture_output=True, text=True, env=env)
-    assert ours.returncode == 0, ours.stderr
-    assert "Failed to initialize NumPy" not in ours.stderr
-    assert "UserWarning: another warning" in ours.stderr
+    for first in ("distplan.validate.probe", "distplan.planner.workload.traced_model"):  # a probe; the trace
+        ours = subprocess.run([sys.executable, "-c", f"import {first}, torch, warnings; "
+                               "torch.zeros(1); warnings.warn('another warning')"],
+                              capture_output=True, text=True, env=env)
+        assert ours.returncode == 0, ours.stderr
+        assert "Failed to initialize NumPy" not in ours.stderr, first
+        assert "UserWarning: another warning" in ours.stderr, first
 
 
 # -- 7. small input checks -----------------------------------------------------------------------------
