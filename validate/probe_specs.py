@@ -22,11 +22,10 @@ from distplan.planner.workload.traced_model import parse_shape
 from distplan.planner.workload.traced_model import hf_path
 
 from . import matrix as mx
+from .matrix import HF_PP_TYPES, HF_TP_TYPES
 from . import runner
 from .render import _param_count, describe_model
-from .pp_probe import HF_PP_TYPES
 from .runner import _full_param_bytes
-from .tp_probe import HF_TP_TYPES
 
 
 RAM_FRACTION = 0.5

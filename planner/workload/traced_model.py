@@ -409,7 +409,7 @@ def preload(work=None) -> None:
 def frozen_imports():
     """The body's imports with the cyclic garbage collector paused (its previous state restored after
     them), then, where the body imported anything, every object alive moved to the collector's permanent
-    generation (`gc.freeze`): see `preload`. The probes' launcher and warm process (`probe.preload`) import
+    generation (`gc.freeze`): see `preload`. The probes' launcher and warm process (validate/preload.py) import
     this way before they fork, as the `gc.freeze` documentation advises before a fork."""
     import gc
 
