@@ -54,6 +54,8 @@ def _build(p: dict, get_hw) -> dict:
         mode, world, mode_note = runner.choose_mode(hw, simulate_world_size, nproc, nnodes, explain=True)
     except ValueError as e:
         raise UserError(str(e))
+    if not (simulate_world_size or nproc or tp_default) and nnodes == 1:
+        mode, world, mode_note = _mesh_world(p, strategies, hw, mode, world, mode_note)
 
     if tp > 1 and tp_default:  # FSDP2 where the dp dimension has 2+ ranks (a dp of 1 shards nothing)
         strategies = tuple(s for s in strategies if not get_strategy(s).distributed
@@ -147,6 +149,27 @@ def _layout_strategies(p: dict, module_spec, hf_split) -> tuple:
                                      f"data-parallel strategy", param_hint="'--strategy'")
         strategies = strategies or tuple(n for n in NAMES if get_strategy(n).distributed)
     return strategies or tuple(NAMES), tp_default
+
+
+def _mesh_world(p: dict, strategies, hw: dict, mode: str, world: int, note: str | None) -> tuple:
+    """(mode, world, note): the default world grown to the smallest the --tp x --cp mesh fits with a
+    data-parallel dimension (FSDP2 over world / tp ranks: 2 or more; cp x tp divides the world), when a
+    data-parallel strategy was asked for and neither --nproc nor --simulate-world-size was given. On the CPU
+    that many gloo processes; on a machine with fewer GPUs, rank 0 of that world on the fake process group."""
+    tp, cp = p["tp"], p["cp"] if p["pp"] == 1 else 1
+    if tp * cp == 1 or not any(get_strategy(s).distributed for s in strategies):
+        return mode, world, note
+    need = tp * cp * (2 if cp == 1 else 1)
+    if world % (tp * cp) == 0 and world // tp >= 2:
+        return mode, world, note
+    layout = " x ".join(f"{flag} {n}" for flag, n in (("--tp", tp), ("--cp", cp)) if n > 1)
+    gpus = int(hw.get("gpus") or 0)
+    if gpus and gpus < need:
+        return "fake", need, (f"{layout} with a data-parallel dimension needs {need} ranks and this machine has "
+                              f"{gpus} GPU(s): probing rank 0 of {need} on the fake process group (as "
+                              f"--simulate-world-size {need})")
+    return mode, need, (f"{layout} with a data-parallel dimension needs {need} ranks: running {need} "
+                        f"{'processes' if mode == 'cpu' else 'GPUs'} (as --nproc {need})")
 
 
 def _pp_strategies(strategies, pp: int, cp: int, pp_schedule: str, pp_microbatches, matrix, module_spec, hf_split,
