@@ -65,3 +65,58 @@ def test_free_ram_is_what_linux_calls_available():
     assert abs(got - fields["MemAvailable"]) <= 0.01 * fields["MemTotal"]
     if fields["MemAvailable"] - fields["MemFree"] > 0.02 * fields["MemTotal"]:
         assert got > fields["MemFree"] + 0.01 * fields["MemTotal"]
+
+
+# -- an --hf-config probe scaled to the machine ---------------------------------------------------------------
+
+LLAMA3 = os.path.join(os.path.dirname(__file__), "data", "hf", "llama-3-8b.json")
+
+
+def _header(output: str) -> str:
+    return output.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_a_7b_config_is_scaled_to_a_24_gib_machine(cpu_machine):
+    pytest.importorskip("transformers")
+    r = dry_run("--hf-config", LLAMA3)
+    assert r.exit_code == 0, r.output
+    # 2 gloo ranks of ddp within half of 24 GiB: one layer and a 2,048-token vocabulary (SCALE_LADDER)
+    assert "1 of 32 layers, vocabulary 2,048 of 128,256, scaled to this machine's memory" in _header(r.output)
+
+
+@pytest.mark.slow
+def test_a_machine_with_room_runs_the_model_as_configured(monkeypatch):
+    pytest.importorskip("transformers")
+    big = dict(CPU, ram_bytes=2**42)
+    monkeypatch.setattr(runner, "detect_hardware", lambda: big)
+    r = dry_run("--hf-config", LLAMA3, "--strategy", "zero3")
+    assert r.exit_code == 0, r.output
+    assert "(transformers, all layers)" in _header(r.output)
+
+
+def test_given_layers_are_kept_and_the_error_names_the_flags(cpu_machine):
+    pytest.importorskip("transformers")
+    r = dry_run("--hf-config", LLAMA3, "--layers", "4", "--strategy", "single")
+    assert r.exit_code == 2, r.output
+    line = r.output.strip().splitlines()[-1]
+    assert "more than half the free RAM (12.00 GiB)" in line and "--vocab" in line, line
+
+
+def test_vocab_applies_under_the_trace(cpu_machine):
+    pytest.importorskip("transformers")
+    r = dry_run("--hf-config", LLAMA3, "--layers", "1", "--vocab", "4096", "--strategy", "single")
+    assert r.exit_code == 0, r.output
+    assert "(transformers, 1 layers, vocabulary 4,096)" in _header(r.output)
+
+
+def test_a_workload_with_its_vocabulary_replaced():
+    pytest.importorskip("transformers")
+    from distplan.planner.workload.traced_model import HFWorkload, from_spec
+    phi3 = os.path.join(os.path.dirname(__file__), "data", "hf", "phi-3-mini.json")  # pad_token_id 32000
+    w = HFWorkload(phi3, 2, 64, layers=1, vocab=1024)
+    cfg = w.config()
+    assert cfg.vocab_size == 1024 and cfg.pad_token_id is None  # padding_idx must lie in the table
+    assert from_spec(w.to_spec()).vocab_size == 1024 and "vocab 1024" in w.label
+    assert "vocab" not in HFWorkload(phi3, 2, 64).to_spec()
+    assert HFWorkload(phi3, 2, 64).config().pad_token_id == 32000

@@ -276,7 +276,8 @@ def _full_param_bytes(spec: dict) -> int:
     try:
         module = spec.get("module") or {}
         if module.get("hf_config"):
-            model, _ = resolve_model(hf_config=module["hf_config"], overrides={"layers": module.get("layers")})
+            model, _ = resolve_model(hf_config=module["hf_config"],
+                                     overrides={"layers": module.get("layers"), "vocab": module.get("vocab")})
         elif module:
             return 0
         else:
