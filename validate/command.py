@@ -35,7 +35,7 @@ from . import runner
 from .compare import rule_text
 from .probe_specs import _build
 from .render import FAIL_MEANS, _Progress, render_detail, render_summary, render_table, render_why, summarize
-from .results import ResultsFile, check_results_path
+from .results import ResultsFile, ResultsWriteError, check_results_path
 from .runner import MAX_FAKE_WORLD
 
 MODEL_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
@@ -283,6 +283,9 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             probe_cmd=shlex.split(probe_cmd) if probe_cmd else None, nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint, resume=resume, jobs=jobs, on_event=progress.event, results=results,
             device_memory_bytes=min(hw.get("gpu_memory_bytes") or [0]) or None)
+    except ResultsWriteError as e:  # disk full: the records before it are on disk, the probes stopped
+        progress.clear()
+        raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, runner.Terminated) as e:
         progress.clear()
         what = "terminated" if isinstance(e, runner.Terminated) else "interrupted"
