@@ -445,3 +445,40 @@ def test_json_has_no_infinity():
     assert r.exit_code == 0, r.output
     assert "Infinity" not in r.output and "NaN" not in r.output
     json.loads(r.output)
+
+
+# -- every YAML the tool reads goes through the catalog's guards (issue 62, item 2) -------------------
+
+PLAN_BOMB = """\
+- a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+  b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+  c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+  d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+  e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+  f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+  g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+  layers: [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+"""
+
+
+def test_validate_plan_alias_bomb_is_refused_fast_and_small(tmp_path):
+    assert len(PLAN_BOMB) < 400
+    plan = tmp_path / "bomb.yaml"
+    plan.write_text(PLAN_BOMB)
+    r = _child({"cli": ["validate", "--plan", str(plan), "--dry-run", "--out", str(tmp_path / "r.jsonl")]})
+    lines = error_lines(r["output"])
+    assert r["exit"] == 2 and len(lines) == 1, r
+    assert "--plan=" in lines[0] and "alias" in lines[0]
+    assert r["wall_s"] < 1.0 and r["rss_mb"] < 100, r
+
+
+def test_validate_plan_of_50_mb_is_refused_unread(tmp_path):
+    plan = tmp_path / "big.yaml"
+    with open(plan, "wb") as f:
+        f.write(b"- {layers: 2}\n")
+        f.truncate(50 * 2**20)
+    r = _child({"cli": ["validate", "--plan", str(plan), "--dry-run", "--out", str(tmp_path / "r.jsonl")]})
+    lines = error_lines(r["output"])
+    assert r["exit"] == 2 and len(lines) == 1, r
+    assert "--plan=" in lines[0] and "over 1 MiB" in lines[0]
+    assert r["wall_s"] < 1.0 and r["rss_mb"] < 100, r

@@ -20,7 +20,6 @@ import shlex
 import sys
 
 import click
-import yaml
 from tabulate import tabulate
 
 from distplan.planner.api import predict_probe
@@ -29,7 +28,8 @@ from distplan.planner.cli import _hub_config as _estimate_hub_config
 from distplan.planner.config import ATTENTION, CHECKPOINTING, GRAD_SYNC, OFFLOAD
 from distplan.planner.precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from distplan.planner.strategies import NAMES, get_strategy
-from distplan.planner.units import fmt_bytes
+from distplan.catalog.yaml_guard import Refused, read_yaml
+from distplan.planner.units import fmt_bytes, short_repr
 
 from . import runner
 from .compare import rule_text
@@ -381,6 +381,9 @@ def _list_probes(specs: list[dict], hw: dict) -> None:
     click.echo(f"{len(specs)} probe{'s' if len(specs) != 1 else ''} (dry run: nothing ran)")
 
 
+PLAN_ACCEPTED = ("a non-empty YAML list of mappings (one per probe group), e.g. "
+                 "- {hf-config: config.json, strategy: all}")
+
 SESSION_OPTIONS = ("out", "resume", "jobs", "timeout", "tolerance", "json", "plan", "dry-run", "nnodes",
                    "rdzv-endpoint", "probe-cmd")
 """Options a --plan group may not set: they belong to the whole session (one results file, one scheduler)."""
@@ -393,17 +396,13 @@ def _plan_groups(ctx, plan_path: str, given: dict, get_hw) -> list[dict]:
     silent. Errors are one line naming the file, the group (from 1) and the option."""
 
 
-    where = f"--plan={plan_path!r}"
-    try:
-        with open(plan_path) as f:
-            doc = yaml.safe_load(f)
-    except OSError as e:
-        raise UserError(f"{where}: cannot read it ({e.strerror or e})")
-    except yaml.YAMLError as e:
-        raise UserError(f"{where}: not valid YAML ({' '.join(str(e).split())})")
+    where = f"--plan={short_repr(plan_path, 240)}"
+    try:  # the catalog's guards: size cap, no anchors or aliases (a 337-byte bomb), bounded nesting
+        doc = read_yaml(plan_path, what="a plan file: a YAML list of probe groups", accepted=PLAN_ACCEPTED)
+    except Refused as e:
+        raise UserError(f"{where}: {e}") from None
     if not isinstance(doc, list) or not doc or not all(isinstance(g, dict) for g in doc):
-        raise UserError(f"{where}: expected a non-empty YAML list of mappings (one per probe group), e.g. "
-                        f"- {{hf-config: config.json, strategy: all}}")
+        raise UserError(f"{where}: expected {PLAN_ACCEPTED}")
     defaults = {k: v for k, v in given.items() if k != "probe_cmd"}
     out = []
     for i, group in enumerate(doc, 1):
