@@ -549,7 +549,7 @@ def load_catalog(extra_dirs: Sequence[str | Path] = ()) -> Catalog:
         raise CatalogError(f"catalog directories {_short(extra_dirs)}: accepted: a directory (str or path) "
                            f"or a list of them")
     resolved: list[Path] = [BUILTIN_DIR]
-    for raw, origin in [(p, ENV_VAR) for p in _env_dirs()] + [(p, "extra_dirs") for p in extra_dirs]:
+    for raw, origin in [(p, ENV_VAR) for p in _env_dirs()] + [(p, "--catalog / catalog_dirs") for p in extra_dirs]:
         try:
             p = Path(raw).expanduser().resolve()
             found = p.is_dir()

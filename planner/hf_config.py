@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,17 @@ def resolve_hf_config(value):
     return str(path)
 
 
+def _file_kind(p: Path) -> str:
+    """What a path that exists but is no regular file is, in words (`/dev/zero`, a FIFO, `/dev/stdin` on
+    a pipe or a terminal)."""
+    mode = p.stat().st_mode
+    for test, words in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
 def load_hf_config(path: str | Path) -> tuple[dict, Path]:
     """(the JSON object of a config.json, its path as messages name it), checked to be a readable JSON
     object of at most MAX_CONFIG_BYTES whose size keys (num_hidden_layers, hidden_size, ... of any
@@ -160,8 +172,12 @@ def load_hf_config(path: str | Path) -> tuple[dict, Path]:
             p = p / "config.json"
             shown = _short_path(p)
         is_file = p.is_file()
+        kind = None if is_file or not p.exists() else _file_kind(p)
     except (OSError, ValueError) as e:  # a name too long for the file system, ...
         raise _fail(f"cannot read '{_short_path(path)}': {type(e).__name__}") from None
+    if kind:  # never opened: a device or a pipe may never end, or never answer
+        raise _fail(f"'{shown}' is {kind}, not a file; accepted: the path of a config.json (a regular file of "
+                    f"at most {MAX_CONFIG_BYTES // 2**20} MiB), or of a folder holding one")
     if not is_file:
         raise _fail(f"file '{shown}' not found")
     try:

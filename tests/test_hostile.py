@@ -482,3 +482,47 @@ def test_validate_plan_of_50_mb_is_refused_unread(tmp_path):
     assert r["exit"] == 2 and len(lines) == 1, r
     assert "--plan=" in lines[0] and "over 1 MiB" in lines[0]
     assert r["wall_s"] < 1.0 and r["rss_mb"] < 100, r
+
+
+# -- error lines that read whole and state the accepted range (issue 62, item 8) ----------------------
+
+def test_an_apostrophe_is_not_a_closing_quote():
+    """The quote-cutting of click's values paired `'1e15'`'s quote with "Switch-C's": the line read
+    `(60 times the largest publ...'s 1.6T)`."""
+    line = _error({"cli": ["estimate", "--params", "1e15"]}, "--params='1e15'", "Switch-C's 1.6T)")
+    assert "..." not in line
+
+
+def test_params_range_reads_the_same_whatever_the_value():
+    lines = [_error({"cli": ["estimate", "--params", v]}, "--params") for v in ("1e15", "1e30", "0", "lots")]
+    accepted = {ln.split(": accepted: ", 1)[1].split(", such as")[0] for ln in lines}
+    assert accepted == {f"a count from 1 to 10^14 ({LIMITS['params'][2]})"}, lines
+
+
+@pytest.mark.parametrize("flag, value, key", [("--gpus", "1e9", "gpus"), ("--micro-batch", "1e9", "micro_batch"),
+                                              ("--grad-accum", "1e12", "grad_accum"), ("--seq-len", "1e9", "seq_len"),
+                                              ("--pp", "2.5", "pp"), ("--layers", "many", "layers")])
+def test_a_non_integer_states_the_accepted_range(flag, value, key):
+    lo, hi, why = LIMITS[key]
+    _error({"cli": ["estimate", "--params", "7B", flag, value]},
+           f"{flag}='{value}'", f"accepted: an integer from {lo:,} to {hi:,} ({why})")
+
+
+def test_hf_config_error_with_an_apostrophe_reads_whole(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(LLAMA, hidden_size=10**9)))
+    _error({"cli": ["estimate", "--hf-config", str(path), "--front-end", "analytic"]},
+           "key 'hidden_size' is 1000000000; accepted: a positive integer up to 131,072 (six times the widest "
+           "published model, MT-NLG 530B's 20,480)")
+
+
+@pytest.mark.parametrize("what", ["/dev/zero", "fifo", "/dev/stdin"])
+def test_hf_config_device_or_pipe_says_what_it_is(tmp_path, what):
+    """Never opened (a device or a pipe may not end); the fork server's stdin is a pipe."""
+    if what == "fifo":
+        what = str(tmp_path / "fifo")
+        os.mkfifo(what)
+    line = _error({"cli": ["estimate", "--hf-config", what, "--front-end", "analytic"]}, "--hf-config",
+                  "not a file", "accepted: the path of a config.json")
+    assert "not found" not in line
+    assert any(k in line for k in ("character device", "FIFO")), line
