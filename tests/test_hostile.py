@@ -526,3 +526,19 @@ def test_hf_config_device_or_pipe_says_what_it_is(tmp_path, what):
                   "not a file", "accepted: the path of a config.json")
     assert "not found" not in line
     assert any(k in line for k in ("character device", "FIFO")), line
+
+
+# -- unbounded work from an accepted value (issue 62, item 4) ------------------------------------------
+
+def test_a_million_pipeline_micro_batches_is_refused_naming_the_range():
+    """2^20 micro-batches ran 7 minutes (each stage's schedule is walked micro-batch by micro-batch)."""
+    _error({"cli": ["estimate", "--model", "llama-2-7b", "--pp", "2", "--pp-microbatches", str(2**20)]},
+           f"--pp-microbatches={2**20}", "accepted: an integer from 1 to 1,024", "4 x --pp")
+    _error({"api": "plan(model='llama-2-7b', gpus=8, pp=2, pp_microbatches=5000)"}, "pp-microbatches=5000", "1,024")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_most_pipeline_micro_batches_accepted_answer_in_bounded_work(schedule):
+    from distplan.planner.pp_schedule import PP_MICROBATCHES_WALKED
+    _answer({"cli": ["estimate", "--model", "llama-2-7b", "--pp", "2", "--pp-schedule", schedule,
+                     "--pp-microbatches", str(PP_MICROBATCHES_WALKED)]})
