@@ -495,8 +495,8 @@ def test_an_apostrophe_is_not_a_closing_quote():
 
 def test_params_range_reads_the_same_whatever_the_value():
     lines = [_error({"cli": ["estimate", "--params", v]}, "--params") for v in ("1e15", "1e30", "0", "lots")]
-    accepted = {ln.split(": accepted: ", 1)[1].split(", such as")[0] for ln in lines}
-    assert accepted == {f"a count from 1 to 10^14 ({LIMITS['params'][2]})"}, lines
+    accepted = {ln.split(": accepted: ", 1)[1].split(", written as")[0] for ln in lines}
+    assert accepted == {f"1 to 10^14 parameters ({LIMITS['params'][2]})"}, lines
 
 
 @pytest.mark.parametrize("flag, value, key", [("--gpus", "1e9", "gpus"), ("--micro-batch", "1e9", "micro_batch"),
