@@ -384,3 +384,36 @@ def test_dev_full_as_results_file_is_one_line():
     with pytest.raises(ResultsWriteError, match="No space left on device") as e:
         rf.append({"id": "a", "status": "ok"})
     assert "\n" not in str(e.value)
+
+
+# -- probes bigger than the machine are refused before they start (issue 62, item 3) ------------------
+
+_WIDE = """
+import torch.nn as nn
+
+def wide():
+    return nn.Sequential(nn.Linear(40_000, 40_000), nn.Linear(40_000, 8))
+"""
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--strategy", "ddp", "--micro-batch", "20000"], ["--micro-batch=20000 --seq-len=64", "per rank", "RAM"]),
+    (["--strategy", "ddp", "--seq-len", "1000000000"], ["--seq-len=1000000000", "accepted: an integer from 1 to"]),
+    (["--strategy", "ddp", "--seq-len", "1e9"], ["--seq-len='1e9'", "accepted: an integer from 1 to"]),
+    (["--strategy", "ddp", "--nproc", "1000"], ["--nproc=1000", "2 CPU cores", "accepted: 1..8"]),
+    (["--strategy", "ddp", "--module", "wide_for_62:wide", "--input-shape", "4,40000"],
+     ["--module=wide_for_62:wide", "per rank", "RAM"]),
+])
+def test_a_probe_bigger_than_the_machine_is_refused_before_it_starts(fake_validate, tmp_path, monkeypatch, args,
+                                                                      words):
+    (tmp_path / "wide_for_62.py").write_text(_WIDE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "r.jsonl"
+    for dry in ([], ["--dry-run"]):
+        r = fake_validate(*args, *dry, "--out", str(out))
+        assert r.exit_code == 2, r.output
+        line = _one_line(r.output)
+        assert line.startswith("Error: ") and "distplan validate:" not in r.output
+        for w in words:
+            assert w in line, (w, line)
+        assert not out.exists()

@@ -201,9 +201,9 @@ def _module_probe_specs(p: dict, module_spec: dict, strategies, precision: str, 
             sp["init"] = "meta"  # built on the meta device (validate/wrap.py materialize)
             sp["id"] += "/init=meta"
         specs.append(sp)
-    if hf:
-        _check_fits(specs, hw, nnodes, hint="shorten it with --layers 2 and a smaller --seq-len",
-                    hf_config=hf_config)
+    _check_fits(specs, hw, nnodes, hint="shorten it with --layers 2 and a smaller --seq-len" if hf else
+                "give a smaller --input-shape or module", hf_config=hf_config,
+                module=None if hf else module_spec["factory"])
     model_label = (f"{hf_config} (transformers, {module_spec['layers'] or 'all'} layers) at "
                    f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
                    f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
@@ -267,7 +267,7 @@ def _decoder_probe_specs(p: dict, overrides: dict, user_model: bool, hf_split, s
                                            ("over context-parallel ranks (ring attention)", cp > 1)) if on)
                        + ", analytic front end")
         model_about = None
-    if user_model:
+    if user_model or not p["matrix"]:  # the matrix's own probes are sized for the machine they run on
         _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
     return specs, model_label, model_about
 
@@ -503,7 +503,11 @@ def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = Non
     while it is built if that is more (`runner._full_param_bytes`: every probe builds its model whole
     before wrapping shards it; a 7B model is 29 GB then and 0.5 GB per rank of 64 after `fully_shard`),
     x local ranks <= half the free RAM (CPU ranks, fake rank 0) or <= the GPU's memory (GPU ranks)."""
-    flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), "the model")
+    flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), None)
+    if flag is None and specs:  # the default model at the sizes given: name them
+        train = specs[0].get("train") or {}
+        flag = f"--micro-batch={train.get('micro_batch')} --seq-len={train.get('seq_len')}"
+        hint = hint or "give a smaller --micro-batch or --seq-len"
     for spec in specs:
         try:
             peak = int(predict_probe(spec)["memory"]["peak_allocated"])
