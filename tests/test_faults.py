@@ -417,3 +417,40 @@ def test_a_probe_bigger_than_the_machine_is_refused_before_it_starts(fake_valida
         for w in words:
             assert w in line, (w, line)
         assert not out.exists()
+
+
+# -- user code before any probe: bounded by --timeout, its exit one line (issue 62, item 5, in part) -----
+
+_USER = """
+import os, time
+import torch.nn as nn
+
+def hangs():
+    time.sleep(3600)
+
+def exits3():
+    os._exit(3)
+
+def fine():
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+"""
+
+
+@pytest.mark.parametrize("factory, words", [("hangs", ["did not return in 3 s (--timeout)"]),
+                                            ("exits3", ["ended the process (exit code 3)"])])
+def test_user_code_that_hangs_or_exits_is_one_line(fake_validate, tmp_path, monkeypatch, factory, words):
+    (tmp_path / "user_for_62.py").write_text(_USER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import torch  # noqa: F401  (imported before the clock starts, as validate does before its child)
+    t0 = time.monotonic()
+    r = fake_validate("--strategy", "ddp", "--module", f"user_for_62:{factory}", "--input-shape", "4,8",
+                      "--timeout", "3", "--dry-run", "--out", str(tmp_path / "r.jsonl"))
+    assert time.monotonic() - t0 < 30
+    assert r.exit_code == 2, r.output
+    line = _one_line(r.output)
+    assert line.startswith(f"Error: --module='user_for_62:{factory}': ")
+    for w in words:
+        assert w in line, line
+    r = fake_validate("--strategy", "ddp", "--module", "user_for_62:fine", "--input-shape", "4,8", "--timeout", "60",
+                      "--dry-run", "--out", str(tmp_path / "r.jsonl"))
+    assert r.exit_code == 0, r.output

@@ -258,6 +258,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         return hw_cache
 
     given = {k: ctx.params[k] for k in GROUP_OPTIONS}  # what a --plan group may set, as given here
+    given["timeout_s"] = timeout_s  # the session's: user code run before any probe gets it too
     if plan_path is not None:
         groups = _plan_groups(ctx, plan_path, given, get_hw)
     else:
@@ -434,6 +435,7 @@ def _plan_groups(ctx, plan_path: str, given: dict, get_hw) -> list[dict]:
         named = {flags[str(k).replace("_", "-")] for k in group}
         p = {k: (sub.params[k] if k in named else defaults.get(k)) for k in GROUP_OPTIONS}
         p["probe_cmd"] = given["probe_cmd"]
+        p["timeout_s"] = given.get("timeout_s")
         try:
             out.append(_build(p, get_hw))
         except click.UsageError as e:

@@ -27,6 +27,7 @@ from .render import _param_count, describe_model
 from .pp_probe import HF_PP_TYPES
 from .runner import _full_param_bytes
 from .tp_probe import HF_TP_TYPES
+from .user_code import run_bounded
 
 
 RAM_FRACTION = 0.5
@@ -89,7 +90,8 @@ def _probe_model(p: dict, overrides: dict, user_model: bool) -> tuple:
     module_spec = None
     if module_factory is not None or input_shape is not None:
         module_spec = _module_spec(module_factory, input_shape, matrix, user_model,
-                                   dict(model=model, params=params, hf_config=hf_config, **overrides))
+                                   dict(model=model, params=params, hf_config=hf_config, **overrides),
+                                   p.get("timeout_s"))
     if hf_config is not None and module_spec is None:
         try:
             trace = use_trace({"hf_config": hf_config, "front_end": front_end})
@@ -419,7 +421,8 @@ def _check_hf_split(flag: str, spec_model: dict, train: dict, what: str, why_sdp
 
 # -- model resolution and fit check -----------------------------------------------------------------
 
-def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: dict) -> dict:
+def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: dict,
+                 timeout_s: float | None = None) -> dict:
     """The probe spec's "module" object for --module/--input-shape, after checking the combination."""
     if factory is None:
         raise click.BadParameter(f"{input_shape!r} needs --module PKG.MOD:FACTORY", param_hint="'--input-shape'")
@@ -435,7 +438,8 @@ def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: di
         shape = parse_shape(input_shape, "--input-shape")
         # as `estimate --module` does, before any probe: the factory builds, the model runs on fake
         # tensors; a factory that raises or calls sys.exit() is one line, exit 2
-        check_factory(factory, shape, os.getcwd())
+        cwd = os.getcwd()
+        run_bounded(lambda: check_factory(factory, shape, cwd), timeout_s, "--module", factory)
     except ValueError as e:
         raise click.UsageError(str(e).splitlines()[0])
     return {"factory": factory, "input_shape": list(shape), "path": os.getcwd()}
