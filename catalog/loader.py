@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .limits import LIMITS
+from .yaml_guard import MAX_FILE_BYTES, MAX_YAML_DEPTH, Refused, read_yaml, yaml_load  # noqa: F401
 
 from .entries import GPU, CatalogError, Interconnect, ModelEntry, Node, _short
 
@@ -186,36 +187,8 @@ def _upper(kind: str, base: str, dim: str) -> tuple[float, str]:
 
 # -- parsing one file -----------------------------------------------------------------------------
 
-MAX_FILE_BYTES = 2**20
-"""A catalog file is a few KB; a larger one is refused before it is read (1 MiB)."""
-MAX_YAML_DEPTH = 4
-"""Catalog files are a mapping of scalars and lists of strings (depth 2); deeper nesting is refused."""
-
-
-class _Refused(Exception):
-    """A YAML construct the catalog does not accept (anchors, aliases, deep nesting)."""
-
-
-def _yaml_load(text: str):
-    """The YAML document, refusing anchors and aliases (`&a` / `*a`: a few hundred bytes of them expand
-    to gigabytes, the "billion laughs") and nesting deeper than MAX_YAML_DEPTH, before anything is
-    built: the events pass costs time linear in the file, which is capped at MAX_FILE_BYTES."""
-    import yaml  # lazy: the planner imports nothing from here until a lookup is needed
-
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    depth = 0
-    for event in yaml.parse(text, Loader=loader):
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise _Refused("uses a YAML anchor or alias (&name / *name); accepted: plain YAML, "
-                           "each value written out")
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_YAML_DEPTH:
-                raise _Refused(f"nests deeper than {MAX_YAML_DEPTH} levels; accepted: a mapping of "
-                               f"key: value, values numbers, strings or lists of strings")
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
-    return yaml.load(text, Loader=loader)
+_Refused = Refused
+_yaml_load = yaml_load
 
 
 def _err(path: Path, key: str | None, msg: str) -> CatalogError:
@@ -251,26 +224,9 @@ def _parse_file(path: Path, kind: str) -> dict[str, Any]:
         raise _err(path, None, f"file name {_short(stem)} is not a catalog name; "
                    "accepted: lowercase letters, digits, '-' and '.', e.g. 'h100-sxm.yaml'")
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_FILE_BYTES + 1)
-        if len(raw) > MAX_FILE_BYTES:
-            raise _Refused(f"is over {MAX_FILE_BYTES // 2**20} MiB; accepted: a catalog file (a few KB)")
-        data = _yaml_load(raw.decode("utf-8"))
-    except _Refused as e:
+        data = read_yaml(path)
+    except Refused as e:
         raise _err(path, None, str(e)) from None
-    except OSError as e:
-        raise _err(path, None, f"cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise _err(path, None, f"is not UTF-8 text (byte {e.start}); accepted: a UTF-8 YAML file") from None
-    except RecursionError:
-        raise _err(path, None, "nests too deeply; accepted: a mapping of key: value") from None
-    except Exception as e:  # yaml.YAMLError; keep it to one line
-        if isinstance(e, ValueError) and "integer string conversion" in str(e):  # int() of 4,300+ digits
-            raise _err(path, None, "holds an integer of over 4,300 digits; accepted: catalog figures "
-                                   "(a few digits each)") from None
-        msg = " ".join(str(e).split())
-        msg = msg if len(msg) <= 200 else msg[:197] + "..."
-        raise _err(path, None, f"invalid YAML ({msg})") from None
     if not isinstance(data, dict):
         raise _err(path, None, "must be a YAML mapping of key: value")
 
@@ -593,7 +549,7 @@ def load_catalog(extra_dirs: Sequence[str | Path] = ()) -> Catalog:
         raise CatalogError(f"catalog directories {_short(extra_dirs)}: accepted: a directory (str or path) "
                            f"or a list of them")
     resolved: list[Path] = [BUILTIN_DIR]
-    for raw, origin in [(p, ENV_VAR) for p in _env_dirs()] + [(p, "extra_dirs") for p in extra_dirs]:
+    for raw, origin in [(p, ENV_VAR) for p in _env_dirs()] + [(p, "--catalog / catalog_dirs") for p in extra_dirs]:
         try:
             p = Path(raw).expanduser().resolve()
             found = p.is_dir()

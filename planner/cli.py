@@ -17,6 +17,7 @@ import click
 
 from distplan.catalog.loader import load_catalog
 
+from .allocator import parse_alloc_conf
 from .chart import check_chart_path, write_chart
 from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINTING, CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, FRAMEWORKS,
                      GRAD_SYNC, OFFLOAD, PP_SCHEDULES)
@@ -28,7 +29,7 @@ from .recommend import render_recommendation
 from .report import render_estimate
 from .strategies import NAMES
 from .sweep import render_sweep, run_sweep
-from .units import parse_count
+from .units import LIMITS, parse_count
 
 TABLE_FORMATS = ("simple", "github", "grid", "plain", "pipe", "rst", "psql", "fancy_grid", "tsv")
 
@@ -40,6 +41,31 @@ class UserError(click.UsageError):
 
     def show(self, file=None) -> None:
         click.echo(f"Error: {self.format_message()}", err=True, file=file)
+
+
+class _Int(click.ParamType):
+    """An integer option: a value that is not an integer (`--gpus 1e9`, `--seq-len 2k`) is refused as an
+    out-of-range one is, naming the flag, the value and the accepted range (`units.LIMITS`)."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            pass
+        key = param.name if param is not None else ""
+        flag = next((o for o in getattr(param, "opts", ()) if o.startswith("--")), f"--{key}")
+        lo_hi = LIMITS.get(key)
+        accepted = (f"an integer from {lo_hi[0]:,} to {lo_hi[1]:,} ({lo_hi[2]})" if lo_hi else "an integer")
+        text = str(value)
+        shown = f"'{text[:60]}...'" if len(text) > 63 else repr(text)  # as click's quoted values are cut
+        raise UserError(f"{flag}={shown}: accepted: {accepted}")
+
+
+INT = _Int()
 
 
 def _fail_on_value_error(fn):
@@ -62,6 +88,18 @@ def _hub_config(ctx, param, value):
         raise UserError(str(exc).splitlines()[0]) from None
 
 
+def _env_alloc_conf(ctx, param, value):
+    """PYTORCH_CUDA_ALLOC_CONF read from the environment is checked here, so that an error names the
+    variable, not --alloc-conf, which was not given."""
+    if value and ctx.get_parameter_source(param.name) == click.core.ParameterSource.ENVIRONMENT:
+        try:
+            parse_alloc_conf(value, "PYTORCH_CUDA_ALLOC_CONF")
+        except ValueError as exc:
+            raise UserError(f"{str(exc).splitlines()[0]}; it is read from the environment (--alloc-conf "
+                            f"overrides it)") from None
+    return value
+
+
 def model_options(fn):
     """--model/--params/--hf-config/--module and the architecture overrides."""
     opts = [
@@ -77,12 +115,12 @@ def model_options(fn):
                      help="How --hf-config is planned: 'trace' runs the transformers model on fake tensors "
                           "(needs torch and transformers: pip install 'distplan[hf]'), 'analytic' uses the "
                           "decoder formulas (pure Python, fast); 'auto' traces when both are installed."),
-        click.option("--layers", type=int, help="Override: decoder blocks."),
-        click.option("--hidden", type=int, help="Override: model width."),
-        click.option("--heads", type=int, help="Override: attention heads."),
-        click.option("--kv-heads", type=int, help="Override: key/value heads (GQA)."),
-        click.option("--ffn-hidden", type=int, help="Override: MLP inner width."),
-        click.option("--vocab", type=int, help="Override: vocabulary size."),
+        click.option("--layers", type=INT, help="Override: decoder blocks."),
+        click.option("--hidden", type=INT, help="Override: model width."),
+        click.option("--heads", type=INT, help="Override: attention heads."),
+        click.option("--kv-heads", type=INT, help="Override: key/value heads (GQA)."),
+        click.option("--ffn-hidden", type=INT, help="Override: MLP inner width."),
+        click.option("--vocab", type=INT, help="Override: vocabulary size."),
         click.option("--tie-embeddings/--no-tie-embeddings", default=None, help="Override: tie LM head to embeddings."),
     ]
     for opt in reversed(opts):
@@ -92,9 +130,9 @@ def model_options(fn):
 
 def training_options(fn):
     opts = [
-        click.option("--seq-len", type=int, default=2048, show_default=True, help="Tokens per sequence."),
-        click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per GPU per micro-step."),
-        click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-steps per optimizer step."),
+        click.option("--seq-len", type=INT, default=2048, show_default=True, help="Tokens per sequence."),
+        click.option("--micro-batch", type=INT, default=1, show_default=True, help="Sequences per GPU per micro-step."),
+        click.option("--grad-accum", type=INT, default=1, show_default=True, help="Micro-steps per optimizer step."),
         click.option("--grad-sync", type=click.Choice(GRAD_SYNC), default="last", show_default=True,
                      help="With --grad-accum > 1: reduce gradients on the last micro-step only (no_sync / "
                           "set_requires_gradient_sync(False) before it) or on every micro-step."),
@@ -116,26 +154,27 @@ def training_options(fn):
         click.option("--compile", "compile_", is_flag=True, default=False,
                      help="The blocks run under torch.compile: fused pointwise kernels in the step time "
                           "(memory is modelled for eager)."),
-        click.option("--tp", type=int, default=1, show_default=True,
+        click.option("--tp", type=INT, default=1, show_default=True,
                      help="Tensor-parallel degree inside a node (torchtitan's Llama plan); the strategies "
                           "run over gpus / tp data-parallel ranks."),
         click.option("--sequence-parallel", "sequence_parallel", is_flag=True, default=False,
                      help="With --tp: sequence parallelism (norms sharded over the sequence; all-gather + "
                           "reduce-scatter instead of all-reduce)."),
         click.option("--alloc-conf", "alloc_conf", envvar="PYTORCH_CUDA_ALLOC_CONF", default="", metavar="CONF",
+                     callback=_env_alloc_conf,
                      help="The run's PYTORCH_CUDA_ALLOC_CONF (default: this shell's), e.g. "
                           "expandable_segments:True: the reserved peak follows it."),
         click.option("--torch-version", "torch_version", default="", metavar="X.Y",
                      help="The PyTorch release the run uses (default: the installed one; 2.15 without "
                           "torch): FSDP2's gradient reduction frees differently from 2.15 on."),
-        click.option("--pp", type=int, default=1, show_default=True,
+        click.option("--pp", type=INT, default=1, show_default=True,
                      help="Pipeline stages (torch.distributed.pipelining, layers split evenly); the "
                           "strategies run over gpus / (tp x pp) data-parallel ranks."),
         click.option("--pp-schedule", "pp_schedule", type=click.Choice(PP_SCHEDULES), default="1f1b",
                      show_default=True, help="With --pp: the pipeline schedule."),
-        click.option("--pp-microbatches", "pp_microbatches", type=int, default=None,
+        click.option("--pp-microbatches", "pp_microbatches", type=INT, default=None,
                      help="With --pp: micro-batches of --micro-batch sequences per step (default 2 x --pp)."),
-        click.option("--cp", type=int, default=1, show_default=True,
+        click.option("--cp", type=INT, default=1, show_default=True,
                      help="Context-parallel degree: each sequence split over cp ranks, ring attention "
                           "(torchtitan's context_parallel); the strategies run over the dp x cp ranks."),
         click.option("--checkpoint", "checkpoint", type=click.Choice(CHECKPOINT_MODES), default=None,
@@ -153,8 +192,8 @@ def training_options(fn):
 
 def cluster_options(fn):
     opts = [
-        click.option("--gpus", type=int, help="Total GPUs (ranks). Default: the local GPUs, else 8."),
-        click.option("--gpus-per-node", type=int, help="Default: the node's, else min(8, gpus)."),
+        click.option("--gpus", type=INT, help="Total GPUs (ranks). Default: the local GPUs, else 8."),
+        click.option("--gpus-per-node", type=INT, help="Default: the node's, else min(8, gpus)."),
         click.option("--gpu", metavar="NAME", help="A catalog GPU (distplan catalog list gpus)."),
         click.option("--gpu-mem", metavar="SIZE", help="GPU memory, 1 GiB to 4 TiB: a bare number is GiB (80); "
                      "units without 'i' are powers of 10, with 'i' powers of 2, B optional: 80GB = 80G = "
@@ -162,7 +201,7 @@ def cluster_options(fn):
         click.option("--node", metavar="NAME", help="A catalog node type (dgx-h100, aws-p5, ...)."),
         click.option("--intra", metavar="LINK", help="Intra-node link (nvlink4, pcie5, ...)."),
         click.option("--inter", metavar="LINK", help="Inter-node link (ib-ndr, eth-100g-tcp, ...)."),
-        click.option("--nics-per-node", type=int, help="Inter-node NICs per node."),
+        click.option("--nics-per-node", type=INT, help="Inter-node NICs per node."),
         click.option("--inter-gbps", type=float, help="Inter-node bandwidth per node, Gbit/s (overrides the NICs)."),
         click.option("--catalog", "catalog_dirs", multiple=True, metavar="DIR",
                      help="Your own YAML catalog layered over ours (also $DISTPLAN_CATALOG)."),
@@ -210,6 +249,17 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name}={value}: must be a positive integer")
 
 
+_QUOTED = re.compile(r"(?<![^\s=(:])'([^']{60})[^']{4,}'(?=[\s.,;:)]|$)")
+"""A quoted value: its opening quote after the start, a space, '=', '(' or ':', its closing quote before
+the end, a space or punctuation; an apostrophe inside a word ("model's") opens or closes nothing."""
+
+
+def _cut_quoted(line: str) -> str:
+    """click quotes the offending value whole: long ones cut to 60 characters, as our own errors do
+    (units.short_repr); the rest of the line is kept whole."""
+    return _QUOTED.sub(lambda m: f"'{m.group(1)}...'", line)
+
+
 class OneLineErrors(click.Group):
     """click's own usage errors (a value that is not an integer, an unknown option, a missing
     argument) as one `Error: ...` line with exit code 2, like ours: no usage banner."""
@@ -221,8 +271,7 @@ class OneLineErrors(click.Group):
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except click.UsageError as exc:
             line = (exc.format_message().splitlines() or [""])[0]
-            # click quotes the offending value whole: cut long ones as our own errors do (units.short_repr)
-            line = re.sub(r"'([^']{60})[^']{4,}'", lambda m: f"'{m.group(1)}...'", line)
+            line = _cut_quoted(line)
             click.echo(f"Error: {line}", err=True)
             sys.exit(2)
         except click.ClickException as exc:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,72 @@ _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za
 digits, '.', '_', '-'), with an optional `@revision` (a branch, tag or commit)."""
 
 
+_FILE_NAME = re.compile(r"\.(json|jsonl|ya?ml|txt|py|bin|safetensors|pt|pth|gguf)$", re.IGNORECASE)
+"""A name ending as a file does (`dir/config.json`): a path that is missing, never looked up on the Hub."""
+
+HUB_PROBE_S = 3.0
+"""Seconds `_hub_unreachable` waits for a TCP connection to the Hub before a download is tried."""
+
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub's endpoint (HF_ENDPOINT, else huggingface.co) cannot be reached, found in at most
+    HUB_PROBE_S seconds (no name resolution, no route, no answer); None when a TCP connection opens, when
+    HF_HUB_OFFLINE is set (the download says so itself, at once) or when a proxy is set (it is the proxy
+    that reaches the Hub). `huggingface_hub` would retry for about 26 s, printing each retry."""
+    import socket  # lazy, as json above: a cold `estimate` opens no socket
+    import threading
+    from urllib.parse import urlsplit
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") or \
+            any(os.environ.get(v) for v in _PROXY_VARS):
+        return None
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = url.hostname
+    if not host:
+        return None
+    try:
+        port = url.port or (80 if url.scheme == "http" else 443)
+    except ValueError:
+        return None
+    result: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_S).close()
+            result.append(None)
+        except OSError as e:
+            result.append(f"{host}: {' '.join((e.strerror or str(e) or type(e).__name__).split())[:120]}")
+
+    t = threading.Thread(target=connect, daemon=True, name="distplan-hub-probe")
+    t.start()
+    t.join(HUB_PROBE_S)
+    if not result:
+        return f"{host}: no answer in {HUB_PROBE_S:g} s"
+    return result[0]
+
+
+class _Unreachable(Exception):
+    """The Hub cannot be reached (`_hub_unreachable` says why)."""
+
+
+class _quiet_hub:
+    """huggingface_hub's retry warnings ("Retrying in 1s [Retry 1/5]") off while it downloads: its
+    failure is one line of ours."""
+
+    def __enter__(self):
+        import logging
+
+        self.logger = logging.getLogger("huggingface_hub")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
+        return False
+
+
 def resolve_hf_config(value):
     """`value` itself when it names a local file or folder, or is no Hub id; a Hub id `org/name[@revision]`
     that names nothing local: the path of the repository's config.json in the local Hugging Face cache
@@ -103,8 +170,8 @@ def resolve_hf_config(value):
     except (OSError, ValueError):
         return value  # load_hf_config says why it cannot be read
     m = _HUB_ID.fullmatch(value.strip())
-    if m is None:
-        return value
+    if m is None or _FILE_NAME.search(m["repo"]):
+        return value  # a path: load_hf_config says it is not found
     repo, revision = m["repo"], m["revision"]
     try:
         from huggingface_hub import hf_hub_download
@@ -123,7 +190,14 @@ def resolve_hf_config(value):
         try:  # the cached copy first: no network where the model was used before
             path = hf_hub_download(repo, "config.json", revision=revision, local_files_only=True)
         except offline:
-            path = hf_hub_download(repo, "config.json", revision=revision)
+            why = _hub_unreachable()  # seconds at most, where the download would retry for half a minute
+            if why:
+                raise _Unreachable(why) from None
+            with _quiet_hub():
+                path = hf_hub_download(repo, "config.json", revision=revision)
+    except _Unreachable as e:
+        raise _fail(f"'{at}' is neither a local path nor in the Hugging Face cache, and the Hub cannot be "
+                    f"reached ({e}); accepted: a config.json path, or a Hub id once online") from None
     except gated:
         raise _fail(f"'{at}' is a gated repository: accept its terms on huggingface.co/{repo} and set "
                     f"HF_TOKEN (or run `hf auth login`)") from None
@@ -145,6 +219,17 @@ def resolve_hf_config(value):
     return str(path)
 
 
+def _file_kind(p: Path) -> str:
+    """What a path that exists but is no regular file is, in words (`/dev/zero`, a FIFO, `/dev/stdin` on
+    a pipe or a terminal)."""
+    mode = p.stat().st_mode
+    for test, words in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
 def load_hf_config(path: str | Path) -> tuple[dict, Path]:
     """(the JSON object of a config.json, its path as messages name it), checked to be a readable JSON
     object of at most MAX_CONFIG_BYTES whose size keys (num_hidden_layers, hidden_size, ... of any
@@ -160,8 +245,12 @@ def load_hf_config(path: str | Path) -> tuple[dict, Path]:
             p = p / "config.json"
             shown = _short_path(p)
         is_file = p.is_file()
+        kind = None if is_file or not p.exists() else _file_kind(p)
     except (OSError, ValueError) as e:  # a name too long for the file system, ...
         raise _fail(f"cannot read '{_short_path(path)}': {type(e).__name__}") from None
+    if kind:  # never opened: a device or a pipe may never end, or never answer
+        raise _fail(f"'{shown}' is {kind}, not a file; accepted: the path of a config.json (a regular file of "
+                    f"at most {MAX_CONFIG_BYTES // 2**20} MiB), or of a folder holding one")
     if not is_file:
         raise _fail(f"file '{shown}' not found")
     try:

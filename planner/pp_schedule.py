@@ -344,6 +344,19 @@ def bubble_fraction(schedule: str, pp: int, M: int) -> float:
     return (pp - 1) / (div * virtual_stages(schedule) * M)
 
 
+PP_MICROBATCHES_WALKED = 1024
+"""The most micro-batches per step planned (`max_pp_microbatches`): `stage_memory` walks each stage's
+schedule action by action, and the recommendation re-plans it a few dozen times; at 1,024 micro-batches
+that takes seconds on a 2-core machine (1F1B and GPipe well under one, interleaved and zero-bubble
+schedules two to five); 2^20 took 7 minutes. Published pipelines run tens to a few hundred per step."""
+
+
+def max_pp_microbatches(pp: int) -> int:
+    """The most micro-batches per step accepted with `pp` stages: PP_MICROBATCHES_WALKED, or 4 x pp past
+    256 stages (the default is 2 x pp; 1F1B needs at least pp)."""
+    return max(PP_MICROBATCHES_WALKED, 4 * pp)
+
+
 def check_pp(train, flag: str = "--pp") -> None:
     """One-line ValueErrors for a pipeline configuration PyTorch would refuse or we do not model.
     `flag`: "--pp" names the CLI's flags in the messages, "pp" the API's arguments."""
@@ -366,6 +379,11 @@ def check_pp(train, flag: str = "--pp") -> None:
     if train.grad_accum != 1:
         raise ValueError(f"{ga}={train.grad_accum} with {flag}={p}: the pipeline's micro-batches are the "
                          f"accumulation; accepted: {ga} 1 and {mb} M")
+    top = max_pp_microbatches(p)
+    if M > top:
+        raise ValueError(f"{mb}={short_repr(M)}: accepted: an integer from 1 to {top:,} (the larger of "
+                         f"{PP_MICROBATCHES_WALKED:,} and 4 x {flag}: each stage's schedule is walked micro-batch "
+                         f"by micro-batch, seconds at that count; pipelines run tens to hundreds per step)")
     if sched == "1f1b" and M < p:
         raise ValueError(f"{mb}={short_repr(M)}: Schedule1F1B needs at least as many micro-batches as "
                          f"stages ({p}); accepted: {mb} >= {p}")

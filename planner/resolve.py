@@ -160,10 +160,7 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         except ValueError as exc:
             raise ValueError(f"--hf-config={short_repr(hf_config)}: {exc}") from None
     else:
-        target = parse_count(params if params is not None else "7B", "--params")
-        if target > LIMITS["params"][1]:
-            raise ValueError(f"--params={short_repr(params)}: accepted: 1 to 10^14 parameters "
-                             f"({LIMITS['params'][2]})")
+        target = parse_count(params if params is not None else "7B", "--params", limit="params")
         if params is None:
             notes.append("no model given: assuming 7B parameters")
         spec, note = nearest_model(target, catalog_dirs) or scaled_llama(target, catalog_dirs)

@@ -84,20 +84,28 @@ def check_float(name: str, value, lo: float, hi: float, unit: str, why: str) -> 
     return float(value)
 
 
-def parse_count(text: str | int | float, flag: str = "--params") -> int:
-    """`7B`, `7b`, `1.3e9`, `125M`, `1.5T`, `350_000_000`, `7000000000` -> an integer count."""
+def _count_range(lo: int, hi: int, unit: str, why: str | None) -> str:
+    top = f"10^{len(str(hi)) - 1}" if hi >= 10**6 and str(hi).strip("0") == "1" else f"{hi:,}"
+    return f"{lo:,} to {top}{unit}" + (f" ({why})" if why else "")
+
+
+def parse_count(text: str | int | float, flag: str = "--params", limit: str | None = None) -> int:
+    """`7B`, `7b`, `1.3e9`, `125M`, `1.5T`, `350_000_000`, `7000000000` -> an integer count, within
+    LIMITS[limit] (else 1 to 10^16); else a one-line ValueError naming `flag` and the accepted range."""
+    lo, hi, why = LIMITS[limit] if limit else (1, 10**16, None)
+    accepted = f"accepted: {_count_range(lo, hi, ' parameters' if limit == 'params' else '', why)}"
     if isinstance(text, bool) or not isinstance(text, (str, int, float)):
-        raise ValueError(f"{flag}={short_repr(text)}: expected a count such as 7B, 125M, 1.3e9 or 350_000_000")
+        raise ValueError(f"{flag}={short_repr(text)}: {accepted}, written as 7B, 125M, 1.3e9 or 350_000_000")
     if isinstance(text, (int, float)):
         value = float(text) if abs(text) < 1e300 else math.inf  # a huge int would overflow float()
     else:
         m = _COUNT_RE.match(text) if len(text) <= 100 else None
         if not m:
-            raise ValueError(
-                f"{flag}={short_repr(text)}: expected a count such as 7B, 125M, 1.5T, 1.3e9 or 350_000_000")
+            raise ValueError(f"{flag}={short_repr(text)}: {accepted}, written as 7B, 125M, 1.5T, 1.3e9 or "
+                             f"350_000_000")
         value = float(m.group(1).replace("_", "")) * _COUNT_SUFFIX[m.group(2).lower()]
-    if not value >= 1 or value != value or value > 1e16:
-        raise ValueError(f"{flag}={short_repr(text)}: must be a positive count from 1 to 1e16")
+    if not value >= lo or value != value or value > hi:
+        raise ValueError(f"{flag}={short_repr(text)}: {accepted}")
     return int(round(value))
 
 

@@ -271,3 +271,19 @@ def test_attention_kernel_is_the_analytic_front_ends():
     assert r.exit_code == 2 and "--attention-kernel=flash-triton" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["estimate", "--hf-config", cfg, "--attention-kernel", "flash-triton"])
     assert r.exit_code == 0 and "attention sdpa (flash-triton)" in r.output and "front end: analytic" in r.output
+
+
+def test_alloc_conf_from_the_environment_is_named_as_such():
+    """PYTORCH_CUDA_ALLOC_CONF=garbage:1 was blamed on --alloc-conf, which was not given (issue 62)."""
+    r = CliRunner().invoke(main, ["estimate", "--params", "7B"], env={"PYTORCH_CUDA_ALLOC_CONF": "garbage:1"})
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0].startswith("Error: PYTORCH_CUDA_ALLOC_CONF='garbage:1': accepted:") and "environment" in lines[0]
+    r = CliRunner().invoke(main, ["estimate", "--params", "7B", "--alloc-conf", "expandable_segments:True"],
+                           env={"PYTORCH_CUDA_ALLOC_CONF": "garbage:1"})
+    assert r.exit_code == 0, r.output
+
+
+def test_missing_catalog_directory_names_the_flag(tmp_path):
+    r = CliRunner().invoke(main, ["estimate", "--params", "7B", "--catalog", str(tmp_path / "none")])
+    assert r.exit_code == 2 and "--catalog" in r.output and "extra_dirs" not in r.output, r.output

@@ -6,6 +6,7 @@ Everything that launches torchrun is marked slow."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -265,3 +266,191 @@ def test_no_network_probe_runs_and_no_loopback_fails_in_seconds(private_tmp, tmp
     errors = [ln for ln in (down.stdout + down.stderr).splitlines() if ln.startswith("Error:")]
     assert len(errors) == 1 and "127.0.0.1" in errors[0] and "loopback" in errors[0], down.stderr
     assert "frame #" not in down.stdout + down.stderr
+
+
+# -- the results file: nothing of the user's lost, a full disk one line (issue 62, items 1 and 6) ------
+
+_HERE = Path(__file__).resolve().parent
+_FAKE_PROBE = f"{sys.executable} {_HERE / 'fake_probe.py'}"
+_CPU_HW = {"torch_version": "0.0-fake", "gpus": 0, "gpu_names": [], "gpu_memory_bytes": [], "bf16": True,
+           "cpu_count": 2, "ram_bytes": 8 * 2**30}
+
+
+@pytest.fixture
+def fake_validate(monkeypatch, tmp_path):
+    """`distplan validate --probe-cmd tests/fake_probe.py ...` through the command group (its one-line
+    errors and exit codes), on a machine detected as a 2-core CPU; the prediction is not judged here."""
+    from click.testing import CliRunner
+    from distplan.planner.cli import main
+    monkeypatch.setattr(runner, "detect_hardware", lambda *a, **k: dict(_CPU_HW))
+    spec = importlib.util.spec_from_file_location("fake_probe", _HERE / "fake_probe.py")
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+
+    def exact(spec):  # the prediction that matches what fake_probe measures
+        r = fake.result_for(spec)
+        return {"memory": dict(r["memory"]["components"], peak_allocated=r["memory"]["peak_allocated"],
+                               peak_phase="optimizer"), "collectives": r["collectives"], "step_time_s": None}
+    monkeypatch.setattr(runner, "default_predict", exact)
+    monkeypatch.chdir(tmp_path)
+
+    def invoke(*args):
+        r = CliRunner().invoke(main, ["validate", "--probe-cmd", _FAKE_PROBE, *args])
+        assert not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit), r.output
+        return r
+    return invoke
+
+
+def _one_line(output: str) -> str:
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+@pytest.mark.parametrize("content", [
+    b'{"id": "abc", "payload": [1, 2, 3',  # a lone line cut short: the user's, not a record cut mid-write
+    b'{"id": "abc", "status": "done"}\n{"id": "def", "status": "open"}\n',  # id and status: still foreign
+    b'{"id": "abc", "status": "done"}\n{"id": "de',
+    b'{"id": ',
+    b'{"',
+])
+def test_a_foreign_file_is_refused_byte_identical(fake_validate, tmp_path, content):
+    f = tmp_path / "broken.json"
+    f.write_bytes(content)
+    r = fake_validate("--strategy", "ddp", "--steps", "1", "--out", str(f))
+    assert r.exit_code == 2, r.output
+    line = _one_line(r.output)
+    assert line.startswith("Error: --out=") and "not a distplan validate results file" in line
+    assert f.read_bytes() == content
+
+
+def test_results_written_carry_the_schema_key_and_resume(fake_validate, tmp_path):
+    from distplan.validate.results import SCHEMA, read_records
+    out = tmp_path / "r.jsonl"
+    assert fake_validate("--strategy", "ddp", "--out", str(out)).exit_code == 0
+    lines = out.read_bytes().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(b'{"schema": "' + SCHEMA.encode() + b'", "id": ')
+    with open(out, "ab") as f:
+        f.write(lines[0][:60])  # killed mid-write: cut on the next run
+    r = fake_validate("--strategy", "ddp,zero3", "--out", str(out), "--resume")
+    assert r.exit_code == 0, r.output
+    assert [x["inputs"]["strategy"] for x in read_records(str(out))] == ["ddp", "zero3"]
+
+
+def test_committed_results_files_are_ours(tmp_path):
+    """Every benchmarks/results file `distplan validate` wrote (before the schema key) is still one it
+    appends to and resumes; a copy of one cut mid-record is repaired."""
+    from distplan.validate.results import ResultsFile, _not_ours
+    root = _HERE.parent / "benchmarks" / "results"
+    written = [p for p in sorted(root.glob("*.jsonl")) if b'"verdict"' in p.read_bytes()]
+    assert len(written) >= 30
+    for p in written:
+        assert _not_ours(str(p)) is None, p
+    copy = tmp_path / "copy.jsonl"
+    data = written[0].read_bytes()
+    copy.write_bytes(data + data.splitlines()[0][:50])
+    assert ResultsFile(str(copy)).repaired_bytes == 50 and copy.read_bytes() == data
+
+
+def test_disk_full_is_one_line_and_the_records_before_it_stay(fake_validate, tmp_path, monkeypatch):
+    import errno
+    from distplan.validate import results
+    out = tmp_path / "r.jsonl"
+    assert fake_validate("--strategy", "ddp", "--out", str(out)).exit_code == 0
+    before = out.read_bytes()
+    real_write = os.write
+
+    def full(fd, data):  # the first bytes reach the disk, then it is full
+        if len(data) > 100:
+            real_write(fd, bytes(data[:100]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+    monkeypatch.setattr(results.os, "write", full)
+    r = fake_validate("--strategy", "zero3", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    line = [ln for ln in r.output.splitlines() if ln.startswith("Error")]
+    assert len(line) == 1 and "No space left on device" in line[0] and "--resume" in line[0], r.output
+    assert "Traceback" not in r.output
+    assert out.read_bytes() == before  # the part of the line that reached the disk is cut
+    monkeypatch.setattr(results.os, "write", real_write)
+    assert fake_validate("--strategy", "ddp,zero3", "--out", str(out), "--resume").exit_code == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_dev_full_as_results_file_is_one_line():
+    from distplan.validate.results import ResultsFile, ResultsWriteError
+    rf = ResultsFile.__new__(ResultsFile)  # past check_results_path, which refuses a device
+    rf.path, rf.appended = "/dev/full", 0
+    with pytest.raises(ResultsWriteError, match="No space left on device") as e:
+        rf.append({"id": "a", "status": "ok"})
+    assert "\n" not in str(e.value)
+
+
+# -- probes bigger than the machine are refused before they start (issue 62, item 3) ------------------
+
+_WIDE = """
+import torch.nn as nn
+
+def wide():
+    return nn.Sequential(nn.Linear(40_000, 40_000), nn.Linear(40_000, 8))
+"""
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--strategy", "ddp", "--micro-batch", "20000"], ["--micro-batch=20000 --seq-len=64", "per rank", "RAM"]),
+    (["--strategy", "ddp", "--seq-len", "1000000000"], ["--seq-len=1000000000", "accepted: an integer from 1 to"]),
+    (["--strategy", "ddp", "--seq-len", "1e9"], ["--seq-len='1e9'", "accepted: an integer from 1 to"]),
+    (["--strategy", "ddp", "--nproc", "1000"], ["--nproc=1000", "2 CPU cores", "accepted: 1..8"]),
+    (["--strategy", "ddp", "--module", "wide_for_62:wide", "--input-shape", "4,40000"],
+     ["--module=wide_for_62:wide", "per rank", "RAM"]),
+])
+def test_a_probe_bigger_than_the_machine_is_refused_before_it_starts(fake_validate, tmp_path, monkeypatch, args,
+                                                                      words):
+    (tmp_path / "wide_for_62.py").write_text(_WIDE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "r.jsonl"
+    for dry in ([], ["--dry-run"]):
+        r = fake_validate(*args, *dry, "--out", str(out))
+        assert r.exit_code == 2, r.output
+        line = _one_line(r.output)
+        assert line.startswith("Error: ") and "distplan validate:" not in r.output
+        for w in words:
+            assert w in line, (w, line)
+        assert not out.exists()
+
+
+# -- user code before any probe: bounded by --timeout, its exit one line (issue 62, item 5, in part) -----
+
+_USER = """
+import os, time
+import torch.nn as nn
+
+def hangs():
+    time.sleep(3600)
+
+def exits3():
+    os._exit(3)
+
+def fine():
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+"""
+
+
+@pytest.mark.parametrize("factory, words", [("hangs", ["did not return in 3 s (--timeout)"]),
+                                            ("exits3", ["ended the process (exit code 3)"])])
+def test_user_code_that_hangs_or_exits_is_one_line(fake_validate, tmp_path, monkeypatch, factory, words):
+    (tmp_path / "user_for_62.py").write_text(_USER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import torch  # noqa: F401  (imported before the clock starts, as validate does before its child)
+    t0 = time.monotonic()
+    r = fake_validate("--strategy", "ddp", "--module", f"user_for_62:{factory}", "--input-shape", "4,8",
+                      "--timeout", "3", "--dry-run", "--out", str(tmp_path / "r.jsonl"))
+    assert time.monotonic() - t0 < 30
+    assert r.exit_code == 2, r.output
+    line = _one_line(r.output)
+    assert line.startswith(f"Error: --module='user_for_62:{factory}': ")
+    for w in words:
+        assert w in line, line
+    r = fake_validate("--strategy", "ddp", "--module", "user_for_62:fine", "--input-shape", "4,8", "--timeout", "60",
+                      "--dry-run", "--out", str(tmp_path / "r.jsonl"))
+    assert r.exit_code == 0, r.output

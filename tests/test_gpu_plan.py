@@ -91,7 +91,7 @@ def test_dry_run_lists_the_probes_and_runs_none(cli, tmp_path):
     ("- {hf-config: /nonexistent/config.json}\n", ["group 1", "--hf-config"]),
     ("layers: 2\n", ["YAML list"]),
     ("[]\n", ["non-empty"]),
-    ("- {layers: [\n", ["not valid YAML"]),
+    ("- {layers: [\n", ["invalid YAML"]),
 ])
 def test_bad_plan_is_one_line_naming_file_group_and_option(cli, tmp_path, text, words):
     plan = _write(tmp_path, text)

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,8 @@ def test_uncached_id_offline_is_one_line(hub_cache):
     assert "Traceback" not in cp.stderr
 
 
-@pytest.mark.parametrize("value", ["missing.json", "a/b/config.json", "./Qwen/Qwen2.5-0.5B", "org/name/x"])
+@pytest.mark.parametrize("value", ["missing.json", "a/b/config.json", "./Qwen/Qwen2.5-0.5B", "org/name/x",
+                                   "dir/file.json", "org/model.yaml", "dir/CONFIG.JSON"])
 def test_non_hub_paths_are_not_looked_up(value, monkeypatch):
     """A value that is no `org/name[@rev]` id stays a path: 'not found' as before, the Hub never asked."""
     def fail(*a, **k):
@@ -130,6 +132,7 @@ def _error(name: str) -> Exception:
     ("RemoteEntryNotFoundError", "the repository has no config.json"),
 ])
 def test_hub_failures_are_one_line(name, expect, monkeypatch):
+    monkeypatch.setattr(hf, "_hub_unreachable", lambda: None)  # the Hub answers (the stand-in below)
     calls = []
 
     def download(repo, filename, revision=None, local_files_only=False):
@@ -147,6 +150,7 @@ def test_hub_failures_are_one_line(name, expect, monkeypatch):
 
 
 def test_network_error_is_one_line(monkeypatch):
+    monkeypatch.setattr(hf, "_hub_unreachable", lambda: None)
     def download(repo, filename, revision=None, local_files_only=False):
         if local_files_only:
             raise _error("LocalEntryNotFoundError")
@@ -179,3 +183,39 @@ def test_api_plan_takes_a_hub_id(monkeypatch):
     assert a.train.model.param_count() == b.train.model.param_count() == 1_235_814_400
     peaks = [{r.name: r.memory.peak_allocated for r in p.results} for p in (a, b)]
     assert len(peaks[0]) == 8 and peaks[0] == peaks[1]
+
+
+def test_missing_relative_file_path_is_not_found(tmp_path):
+    """`dir/file.json` is shaped like `org/name` but names a file: 'not found', never a Hub id (issue 62)."""
+    cp = run_cli(tmp_path, "estimate", "--hf-config", "dir/file.json")
+    assert cp.returncode == 2 and cp.stderr.strip() == "Error: --hf-config: file 'dir/file.json' not found"
+
+
+def test_unreachable_hub_is_one_line_in_seconds(tmp_path):
+    """No network (here: an endpoint that refuses), HF_HUB_OFFLINE not set: one line at once, where
+    huggingface_hub retried for 26 s and printed 12 lines of retries (issue 62)."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE" and "proxy" not in k.lower()}
+    env.update(HF_HUB_CACHE=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9")
+    t0 = time.monotonic()
+    cp = subprocess.run([sys.executable, "-m", "distplan.planner", "estimate", "--hf-config", "nonexistent-org/model"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert time.monotonic() - t0 < 10
+    lines = cp.stderr.strip().splitlines()
+    assert cp.returncode == 2 and len(lines) == 1, cp.stderr
+    assert lines[0].startswith("Error: --hf-config: 'nonexistent-org/model' is neither a local path nor in the "
+                               "Hugging Face cache, and the Hub cannot be reached (127.0.0.1: ")
+
+
+def test_a_hub_that_does_not_answer_is_given_up_quickly(monkeypatch):
+    import socket
+
+    def hang(*a, **k):
+        time.sleep(30)
+    monkeypatch.setattr(socket, "create_connection", hang)
+    monkeypatch.setattr(hf, "HUB_PROBE_S", 0.2)
+    for v in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    t0 = time.monotonic()
+    assert hf._hub_unreachable() == "huggingface.co: no answer in 0.2 s"
+    assert time.monotonic() - t0 < 2

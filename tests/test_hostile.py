@@ -445,3 +445,100 @@ def test_json_has_no_infinity():
     assert r.exit_code == 0, r.output
     assert "Infinity" not in r.output and "NaN" not in r.output
     json.loads(r.output)
+
+
+# -- every YAML the tool reads goes through the catalog's guards (issue 62, item 2) -------------------
+
+PLAN_BOMB = """\
+- a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+  b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+  c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+  d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+  e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+  f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+  g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+  layers: [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+"""
+
+
+def test_validate_plan_alias_bomb_is_refused_fast_and_small(tmp_path):
+    assert len(PLAN_BOMB) < 400
+    plan = tmp_path / "bomb.yaml"
+    plan.write_text(PLAN_BOMB)
+    r = _child({"cli": ["validate", "--plan", str(plan), "--dry-run", "--out", str(tmp_path / "r.jsonl")]})
+    lines = error_lines(r["output"])
+    assert r["exit"] == 2 and len(lines) == 1, r
+    assert "--plan=" in lines[0] and "alias" in lines[0]
+    assert r["wall_s"] < 1.0 and r["rss_mb"] < 100, r
+
+
+def test_validate_plan_of_50_mb_is_refused_unread(tmp_path):
+    plan = tmp_path / "big.yaml"
+    with open(plan, "wb") as f:
+        f.write(b"- {layers: 2}\n")
+        f.truncate(50 * 2**20)
+    r = _child({"cli": ["validate", "--plan", str(plan), "--dry-run", "--out", str(tmp_path / "r.jsonl")]})
+    lines = error_lines(r["output"])
+    assert r["exit"] == 2 and len(lines) == 1, r
+    assert "--plan=" in lines[0] and "over 1 MiB" in lines[0]
+    assert r["wall_s"] < 1.0 and r["rss_mb"] < 100, r
+
+
+# -- error lines that read whole and state the accepted range (issue 62, item 8) ----------------------
+
+def test_an_apostrophe_is_not_a_closing_quote():
+    """The quote-cutting of click's values paired `'1e15'`'s quote with "Switch-C's": the line read
+    `(60 times the largest publ...'s 1.6T)`."""
+    line = _error({"cli": ["estimate", "--params", "1e15"]}, "--params='1e15'", "Switch-C's 1.6T)")
+    assert "..." not in line
+
+
+def test_params_range_reads_the_same_whatever_the_value():
+    lines = [_error({"cli": ["estimate", "--params", v]}, "--params") for v in ("1e15", "1e30", "0", "lots")]
+    accepted = {ln.split(": accepted: ", 1)[1].split(", written as")[0] for ln in lines}
+    assert accepted == {f"1 to 10^14 parameters ({LIMITS['params'][2]})"}, lines
+
+
+@pytest.mark.parametrize("flag, value, key", [("--gpus", "1e9", "gpus"), ("--micro-batch", "1e9", "micro_batch"),
+                                              ("--grad-accum", "1e12", "grad_accum"), ("--seq-len", "1e9", "seq_len"),
+                                              ("--pp", "2.5", "pp"), ("--layers", "many", "layers")])
+def test_a_non_integer_states_the_accepted_range(flag, value, key):
+    lo, hi, why = LIMITS[key]
+    _error({"cli": ["estimate", "--params", "7B", flag, value]},
+           f"{flag}='{value}'", f"accepted: an integer from {lo:,} to {hi:,} ({why})")
+
+
+def test_hf_config_error_with_an_apostrophe_reads_whole(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(LLAMA, hidden_size=10**9)))
+    _error({"cli": ["estimate", "--hf-config", str(path), "--front-end", "analytic"]},
+           "key 'hidden_size' is 1000000000; accepted: a positive integer up to 131,072 (six times the widest "
+           "published model, MT-NLG 530B's 20,480)")
+
+
+@pytest.mark.parametrize("what", ["/dev/zero", "fifo", "/dev/stdin"])
+def test_hf_config_device_or_pipe_says_what_it_is(tmp_path, what):
+    """Never opened (a device or a pipe may not end); the fork server's stdin is a pipe."""
+    if what == "fifo":
+        what = str(tmp_path / "fifo")
+        os.mkfifo(what)
+    line = _error({"cli": ["estimate", "--hf-config", what, "--front-end", "analytic"]}, "--hf-config",
+                  "not a file", "accepted: the path of a config.json")
+    assert "not found" not in line
+    assert any(k in line for k in ("character device", "FIFO")), line
+
+
+# -- unbounded work from an accepted value (issue 62, item 4) ------------------------------------------
+
+def test_a_million_pipeline_micro_batches_is_refused_naming_the_range():
+    """2^20 micro-batches ran 7 minutes (each stage's schedule is walked micro-batch by micro-batch)."""
+    _error({"cli": ["estimate", "--model", "llama-2-7b", "--pp", "2", "--pp-microbatches", str(2**20)]},
+           f"--pp-microbatches={2**20}", "accepted: an integer from 1 to 1,024", "4 x --pp")
+    _error({"api": "plan(model='llama-2-7b', gpus=8, pp=2, pp_microbatches=5000)"}, "pp-microbatches=5000", "1,024")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_most_pipeline_micro_batches_accepted_answer_in_bounded_work(schedule):
+    from distplan.planner.pp_schedule import PP_MICROBATCHES_WALKED
+    _answer({"cli": ["estimate", "--model", "llama-2-7b", "--pp", "2", "--pp-schedule", schedule,
+                     "--pp-microbatches", str(PP_MICROBATCHES_WALKED)]})

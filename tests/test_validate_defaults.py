@@ -23,7 +23,7 @@ from distplan.validate.render import _param_count, _worst_cell  # noqa: E402
 from distplan.validate import matrix as mx  # noqa: E402
 from distplan.validate import runner  # noqa: E402
 from distplan.validate.compare import compare  # noqa: E402
-from distplan.validate.results import ResultsFile, check_results_path, read_records  # noqa: E402
+from distplan.validate.results import SCHEMA, ResultsFile, check_results_path, read_records  # noqa: E402
 
 FAKE = [sys.executable, str(HERE / "fake_probe.py")]
 CPU_HW = {"torch_version": "0.0-fake", "gpus": 0, "gpu_names": [], "gpu_memory_bytes": [], "bf16": True,
@@ -190,15 +190,18 @@ def test_out_path_checked_up_front(cli, tmp_path):
 
 def test_complete_last_record_without_newline_is_kept(tmp_path):
     out = tmp_path / "r.jsonl"
-    out.write_text(json.dumps({"id": "a", "status": "ok"}) + "\n" + json.dumps({"id": "b", "status": "ok"}))
+
+    def rec(i):
+        return json.dumps({"schema": SCHEMA, "id": i, "status": "ok"})
+    out.write_text(rec("a") + "\n" + rec("b"))
     rf = ResultsFile(str(out))
     assert rf.repaired_bytes == 0
     rf.append({"id": "c", "status": "ok"})
     assert [r["id"] for r in read_records(str(out))] == ["a", "b", "c"]
-    # a record cut mid-write (ours: every record starts {"id": ) is cut; a stranger's tail is not
-    out.write_text(json.dumps({"id": "a", "status": "ok"}) + '\n{"id": "b", "sta')
-    assert ResultsFile(str(out)).repaired_bytes == len('{"id": "b", "sta')
-    out.write_text(json.dumps({"id": "a", "status": "ok"}) + "\nsomething else")
+    # a record cut mid-write (ours: it starts with the schema key) is cut; a stranger's tail is not
+    out.write_text(rec("a") + "\n" + rec("b")[:30])
+    assert ResultsFile(str(out)).repaired_bytes == 30
+    out.write_text(rec("a") + "\nsomething else")
     with pytest.raises(ValueError, match="line 2"):
         check_results_path(str(out))
     assert out.read_text().endswith("something else")

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from distplan.catalog.loader import UNIT_SUFFIXES, clear_cache, load_catalog
+from distplan.catalog.yaml_guard import Refused, read_yaml
 
 # (the fits and the measurements are `calibrate_fit`'s and `calibrate_measure`'s; named here as before: __all__)
 from .calibrate_fit import (COLLECTIVE_OPS, LARGE_MIN_BYTES, SMALL_MAX_BYTES, CalibrationError, CollectiveFit,
@@ -319,9 +320,11 @@ def _dump_yaml(data: dict) -> str:
 
 
 def _read_yaml(path: str) -> dict:
-    import yaml
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh)
+    """A catalog entry's YAML through the catalog's guards (size, anchors and aliases, depth)."""
+    try:
+        data = read_yaml(path)
+    except Refused as e:
+        raise ValueError(f"{path}: {e}") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -20,22 +20,22 @@ import shlex
 import sys
 
 import click
-import yaml
 from tabulate import tabulate
 
 from distplan.planner.api import predict_probe
-from distplan.planner.cli import UserError
+from distplan.planner.cli import INT, UserError
 from distplan.planner.cli import _hub_config as _estimate_hub_config
 from distplan.planner.config import ATTENTION, CHECKPOINTING, GRAD_SYNC, OFFLOAD
 from distplan.planner.precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from distplan.planner.strategies import NAMES, get_strategy
-from distplan.planner.units import fmt_bytes
+from distplan.catalog.yaml_guard import Refused, read_yaml
+from distplan.planner.units import LIMITS, fmt_bytes, short_repr
 
 from . import runner
 from .compare import rule_text
 from .probe_specs import _build
 from .render import FAIL_MEANS, _Progress, render_detail, render_summary, render_table, render_why, summarize
-from .results import ResultsFile, check_results_path
+from .results import ResultsFile, ResultsWriteError, check_results_path
 from .runner import MAX_FAKE_WORLD
 
 MODEL_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
@@ -61,8 +61,14 @@ def _strategies(ctx, param, values):
 
 
 def _positive_int(ctx, param, value):
+    """A positive integer, within the planner's bound where it has one (`units.LIMITS`: --seq-len,
+    --micro-batch, --layers, ...); whether the probe fits this machine is `probe_specs._check_fits`'s."""
     if value is not None and value < 1:
         raise click.BadParameter(f"{value} must be a positive integer (>= 1)")
+    bound = LIMITS.get(param.name) if value is not None else None
+    if bound and value > bound[1]:
+        raise UserError(f"{param.opts[0]}={value}: accepted: an integer from {bound[0]:,} to {bound[1]:,} "
+                        f"({bound[2]})")
     return value
 
 
@@ -131,15 +137,15 @@ def _hub_config(ctx, param, value):
 @click.option("--module", "module_factory", default=None, metavar="PKG.MOD:FACTORY",
               help="Any nn.Module from a factory (as `estimate --module`); needs --input-shape.")
 @click.option("--input-shape", default=None, metavar="N,C,H,W", help="Example input shape for --module, batch first.")
-@click.option("--layers", type=int, default=None, callback=_positive_int)
-@click.option("--hidden", type=int, default=None, callback=_positive_int)
-@click.option("--heads", type=int, default=None, callback=_positive_int)
-@click.option("--kv-heads", type=int, default=None, callback=_positive_int)
-@click.option("--ffn-hidden", type=int, default=None, callback=_positive_int)
-@click.option("--vocab", type=int, default=None, callback=_positive_int)
-@click.option("--seq-len", type=int, default=None, callback=_positive_int, help="Default 64 on CPU, 256 on GPU.")
-@click.option("--micro-batch", type=int, default=2, show_default=True, callback=_positive_int)
-@click.option("--grad-accum", type=int, default=1, show_default=True, callback=_positive_int)
+@click.option("--layers", type=INT, default=None, callback=_positive_int)
+@click.option("--hidden", type=INT, default=None, callback=_positive_int)
+@click.option("--heads", type=INT, default=None, callback=_positive_int)
+@click.option("--kv-heads", type=INT, default=None, callback=_positive_int)
+@click.option("--ffn-hidden", type=INT, default=None, callback=_positive_int)
+@click.option("--vocab", type=INT, default=None, callback=_positive_int)
+@click.option("--seq-len", type=INT, default=None, callback=_positive_int, help="Default 64 on CPU, 256 on GPU.")
+@click.option("--micro-batch", type=INT, default=2, show_default=True, callback=_positive_int)
+@click.option("--grad-accum", type=INT, default=1, show_default=True, callback=_positive_int)
 @click.option("--grad-sync", type=click.Choice(GRAD_SYNC), default="last", show_default=True,
               help="With --grad-accum > 1: no_sync (FSDP2: set_requires_gradient_sync(False)) on all but the "
                    "last micro-step, or reduce on every micro-step.")
@@ -162,18 +168,18 @@ def _hub_config(ctx, param, value):
                    "rank makes only its shards, torchtitan's way and what `estimate --hf-config` plans) or device "
                    "(the whole model on the device first, then wrapped; the default with --module). DDP, ZeRO-1 and "
                    "single build on the device.")
-@click.option("--tp", type=int, default=1, show_default=True, callback=_positive_int,
+@click.option("--tp", type=INT, default=1, show_default=True, callback=_positive_int,
               help="Tensor-parallel degree: the reference decoder split with torchtitan's Llama plan (with "
                    "--hf-config: the transformers model with torchtitan's plan for transformers models, predicted "
                    "by the analytic front end) over a (world / tp, tp) mesh; strategies single (tp ranks), "
                    "zero2, zero3 (FSDP2 on the dp dimension). Default strategies with --tp: those three.")
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, default=False,
               help="With --tp: sequence parallelism (torchtitan's default).")
-@click.option("--cp", type=int, default=1, show_default=True, callback=_positive_int,
+@click.option("--cp", type=INT, default=1, show_default=True, callback=_positive_int,
               help="Context-parallel degree: the reference decoder with ring attention (torch's "
                    "_templated_ring_attention) over a (world / (cp x tp), cp, tp) mesh, the strategy over the "
                    "dp x cp ranks; CPU probes only (gloo or the fake process group).")
-@click.option("--pp", type=int, default=1, show_default=True, callback=_positive_int,
+@click.option("--pp", type=INT, default=1, show_default=True, callback=_positive_int,
               help="Pipeline stages: the reference decoder split evenly and run by torch.distributed.pipelining "
                    "(gloo, one process per stage; with a data-parallel strategy, 2 replicas per stage); "
                    "strategies single, ddp, zero1, zero2, zero3.")
@@ -182,17 +188,17 @@ def _hub_config(ctx, param, value):
               default="1f1b", show_default=True,
               help="With --pp: the schedule the probe runs (interleaved and zero-bubble ones: 2 stages per rank; "
                    "DDP and ZeRO-1 run under 1f1b only; the zero-bubble ones without checkpointing).")
-@click.option("--pp-microbatches", "pp_microbatches", type=int, default=None, callback=_positive_int,
+@click.option("--pp-microbatches", "pp_microbatches", type=INT, default=None, callback=_positive_int,
               help="With --pp: micro-batches per step (default 2 x --pp).")
 @click.option("--matrix", is_flag=True, help="Run the standard matrix (all strategies x 3 shapes x 2 world sizes "
               "x checkpointing x precision) instead of one probe per strategy.")
-@click.option("--simulate-world-size", type=int, default=None, callback=_fake_world, metavar="N",
+@click.option("--simulate-world-size", type=INT, default=None, callback=_fake_world, metavar="N",
               help="Run as rank 0 of N ranks (at most 4096) on the fake process group (collectives counted, "
                    "not executed). The default where this machine has fewer than 2 GPUs (or --nproc 1): "
                    "rank 0 of 8.")
-@click.option("--nproc", type=int, default=None, callback=_positive_int,
+@click.option("--nproc", type=INT, default=None, callback=_positive_int,
               help="Processes per node (default: the GPUs here, or 2 gloo ranks on CPU).")
-@click.option("--nnodes", type=int, default=1, show_default=True, callback=_positive_int)
+@click.option("--nnodes", type=INT, default=1, show_default=True, callback=_positive_int)
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="Rendezvous endpoint for --nnodes > 1.")
 @click.option("--tolerance", type=float, default=5.0, show_default=True, callback=_tolerance,
               help="Allowed |peak error| in percent (components: twice this, or 64 KiB).")
@@ -201,9 +207,9 @@ def _hub_config(ctx, param, value):
 @click.option("--resume", is_flag=True, help="Skip probes whose id (same inputs) already has a final record in --out.")
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True, callback=_timeout,
               help="Seconds per probe before its process group is killed.")
-@click.option("--steps", type=int, default=3, show_default=True, callback=_positive_int,
+@click.option("--steps", type=INT, default=3, show_default=True, callback=_positive_int,
               help="Training steps per probe (after one warm-up step).")
-@click.option("--jobs", type=int, default=None, callback=_positive_int,
+@click.option("--jobs", type=INT, default=None, callback=_positive_int,
               help="CPU slots for concurrent probes (a gloo probe takes one per rank; default: CPU cores, "
                    "1 on GPU machines).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON object.")
@@ -252,6 +258,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         return hw_cache
 
     given = {k: ctx.params[k] for k in GROUP_OPTIONS}  # what a --plan group may set, as given here
+    given["timeout_s"] = timeout_s  # the session's: user code run before any probe gets it too
     if plan_path is not None:
         groups = _plan_groups(ctx, plan_path, given, get_hw)
     else:
@@ -283,6 +290,9 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
             probe_cmd=shlex.split(probe_cmd) if probe_cmd else None, nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint, resume=resume, jobs=jobs, on_event=progress.event, results=results,
             device_memory_bytes=min(hw.get("gpu_memory_bytes") or [0]) or None)
+    except ResultsWriteError as e:  # disk full: the records before it are on disk, the probes stopped
+        progress.clear()
+        raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, runner.Terminated) as e:
         progress.clear()
         what = "terminated" if isinstance(e, runner.Terminated) else "interrupted"
@@ -378,6 +388,9 @@ def _list_probes(specs: list[dict], hw: dict) -> None:
     click.echo(f"{len(specs)} probe{'s' if len(specs) != 1 else ''} (dry run: nothing ran)")
 
 
+PLAN_ACCEPTED = ("a non-empty YAML list of mappings (one per probe group), e.g. "
+                 "- {hf-config: config.json, strategy: all}")
+
 SESSION_OPTIONS = ("out", "resume", "jobs", "timeout", "tolerance", "json", "plan", "dry-run", "nnodes",
                    "rdzv-endpoint", "probe-cmd")
 """Options a --plan group may not set: they belong to the whole session (one results file, one scheduler)."""
@@ -390,17 +403,13 @@ def _plan_groups(ctx, plan_path: str, given: dict, get_hw) -> list[dict]:
     silent. Errors are one line naming the file, the group (from 1) and the option."""
 
 
-    where = f"--plan={plan_path!r}"
-    try:
-        with open(plan_path) as f:
-            doc = yaml.safe_load(f)
-    except OSError as e:
-        raise UserError(f"{where}: cannot read it ({e.strerror or e})")
-    except yaml.YAMLError as e:
-        raise UserError(f"{where}: not valid YAML ({' '.join(str(e).split())})")
+    where = f"--plan={short_repr(plan_path, 240)}"
+    try:  # the catalog's guards: size cap, no anchors or aliases (a 337-byte bomb), bounded nesting
+        doc = read_yaml(plan_path, what="a plan file: a YAML list of probe groups", accepted=PLAN_ACCEPTED)
+    except Refused as e:
+        raise UserError(f"{where}: {e}") from None
     if not isinstance(doc, list) or not doc or not all(isinstance(g, dict) for g in doc):
-        raise UserError(f"{where}: expected a non-empty YAML list of mappings (one per probe group), e.g. "
-                        f"- {{hf-config: config.json, strategy: all}}")
+        raise UserError(f"{where}: expected {PLAN_ACCEPTED}")
     defaults = {k: v for k, v in given.items() if k != "probe_cmd"}
     out = []
     for i, group in enumerate(doc, 1):
@@ -426,6 +435,7 @@ def _plan_groups(ctx, plan_path: str, given: dict, get_hw) -> list[dict]:
         named = {flags[str(k).replace("_", "-")] for k in group}
         p = {k: (sub.params[k] if k in named else defaults.get(k)) for k in GROUP_OPTIONS}
         p["probe_cmd"] = given["probe_cmd"]
+        p["timeout_s"] = given.get("timeout_s")
         try:
             out.append(_build(p, get_hw))
         except click.UsageError as e:

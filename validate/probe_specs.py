@@ -27,6 +27,7 @@ from .matrix import HF_PP_TYPES, HF_TP_TYPES
 from . import runner
 from .render import _param_count, describe_model
 from .runner import _full_param_bytes
+from .user_code import run_bounded
 
 
 RAM_FRACTION = 0.5
@@ -91,7 +92,8 @@ def _probe_model(p: dict, overrides: dict, user_model: bool) -> tuple:
     module_spec = None
     if module_factory is not None or input_shape is not None:
         module_spec = _module_spec(module_factory, input_shape, matrix, user_model,
-                                   dict(model=model, params=params, hf_config=hf_config, **overrides))
+                                   dict(model=model, params=params, hf_config=hf_config, **overrides),
+                                   p.get("timeout_s"))
     if hf_config is not None and module_spec is None:
         try:
             trace = use_trace({"hf_config": hf_config, "front_end": front_end})
@@ -225,12 +227,12 @@ def _module_probe_specs(p: dict, module_spec: dict, strategies, precision: str, 
             sp["id"] += "/init=meta"
         specs.append(sp)
     scaled = None
-    if hf:
-        if module_spec["layers"] is None and module_spec.get("vocab") is None:
-            scaled = _scale_to_machine(specs, module_spec, hw, nnodes)
-        _check_fits(specs, hw, nnodes, hint="shorten it with --layers 1, a smaller --vocab or --seq-len",
-                    hf_config=hf_config)
-    sizes = scaled or (f"{module_spec['layers'] or 'all'} layers"
+    if hf and module_spec["layers"] is None and module_spec.get("vocab") is None:
+        scaled = _scale_to_machine(specs, module_spec, hw, nnodes)
+    _check_fits(specs, hw, nnodes, hint="shorten it with --layers 1, a smaller --vocab or --seq-len" if hf else
+                "give a smaller --input-shape or module", hf_config=hf_config,
+                module=None if hf else module_spec["factory"])
+    sizes = scaled or (f"{module_spec.get('layers') or 'all'} layers"
                        + (f", vocabulary {module_spec['vocab']:,}" if module_spec.get("vocab") else ""))
     model_label = (f"{hf_config} (transformers, {sizes}) at "
                    f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
@@ -295,7 +297,7 @@ def _decoder_probe_specs(p: dict, overrides: dict, user_model: bool, hf_split, s
                                            ("over context-parallel ranks (ring attention)", cp > 1)) if on)
                        + ", analytic front end")
         model_about = None
-    if user_model:
+    if user_model or not p["matrix"]:  # the matrix's own probes are sized for the machine they run on
         _check_fits(specs, hw, nnodes, model=model, params=params, hf_config=hf_config)
     return specs, model_label, model_about
 
@@ -447,7 +449,8 @@ def _check_hf_split(flag: str, spec_model: dict, train: dict, what: str, why_sdp
 
 # -- model resolution and fit check -----------------------------------------------------------------
 
-def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: dict) -> dict:
+def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: dict,
+                 timeout_s: float | None = None) -> dict:
     """The probe spec's "module" object for --module/--input-shape, after checking the combination."""
     if factory is None:
         raise click.BadParameter(f"{input_shape!r} needs --module PKG.MOD:FACTORY", param_hint="'--input-shape'")
@@ -463,7 +466,8 @@ def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: di
         shape = parse_shape(input_shape, "--input-shape")
         # as `estimate --module` does, before any probe: the factory builds, the model runs on fake
         # tensors; a factory that raises or calls sys.exit() is one line, exit 2
-        check_factory(factory, shape, os.getcwd())
+        cwd = os.getcwd()
+        run_bounded(lambda: check_factory(factory, shape, cwd), timeout_s, "--module", factory)
     except ValueError as e:
         raise click.UsageError(str(e).splitlines()[0])
     return {"factory": factory, "input_shape": list(shape), "path": os.getcwd()}
@@ -530,8 +534,13 @@ def _checked_model(d: dict) -> dict:
 
 
 def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = None, **flags) -> None:
-    """A user-given model must fit this machine (`_misfit`), each probe of it; else one line naming the flag."""
-    flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), "the model")
+    """Every probe must fit this machine (`_misfit`); else one line naming the flag that sized it (the
+    default model: its --micro-batch and --seq-len)."""
+    flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), None)
+    if flag is None and specs:  # the default model at the sizes given: name them
+        train = specs[0].get("train") or {}
+        flag = f"--micro-batch={train.get('micro_batch')} --seq-len={train.get('seq_len')}"
+        hint = hint or "give a smaller --micro-batch or --seq-len"
     for spec in specs:
         why = _misfit(spec, hw, nnodes)
         if why:

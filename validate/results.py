@@ -4,9 +4,15 @@ A record is `{"id", "inputs" (the probe spec), "prediction", "measurement", "com
 "status", "device", "torch_version", "date"}`. Each append is one `write` of one complete line, then
 flush + fsync, with SIGINT deferred until the line is on disk, so a crash, an OOM or Ctrl-C never loses
 the probes before it. Reading tolerates a truncated last line (a process killed mid-write); opening for
-append first cuts such a partial line so the next record starts on a fresh line. A file that is not
-ours (any line not a JSON record with an id and a status) is refused before anything runs and never
-modified (`check_results_path`).
+append first cuts such a partial line so the next record starts on a fresh line.
+
+Every line written starts with the schema key, `{"schema": "distplan-validate/1", "id": ...`, so a file
+is recognisably ours: each complete line a record carrying that key, or (files written before
+2026-12-06, as in benchmarks/results/) every key of a record (`LEGACY_KEYS`). A last line cut mid-write
+is cut only when it starts with the schema key, or with `{"id": ` after at least one record of ours.
+Anything else (a foreign JSON-lines file, a lone broken line) is refused with one line before anything
+runs and never modified (`check_results_path`). A write that fails (disk full) raises `ResultsWriteError`,
+one line, after removing the part of its line that reached the file.
 
 Known limitations: one writer at a time (no file locking); a record whose id repeats is kept, and
 `latest()` returns the newest per id.
@@ -22,6 +28,17 @@ from contextlib import contextmanager
 
 FINAL_STATUSES = ("ok", "oom", "error", "timeout", "crashed")
 """A record with one of these statuses is complete: `--resume` does not run its id again."""
+
+
+SCHEMA = "distplan-validate/1"
+"""The value of the `schema` key every record written carries, first on its line."""
+
+LEGACY_KEYS = frozenset({"id", "inputs", "prediction", "measurement", "comparison", "verdict", "status", "device",
+                         "torch_version", "date"})
+"""The keys of every record written before the schema key (2026-12-06): a file of such records is ours."""
+
+_SCHEMA_HEAD = b'{"schema": "' + SCHEMA.encode() + b'", '
+_LEGACY_HEAD = b'{"id": '
 
 
 def read_records(path: str) -> list[dict]:
@@ -153,14 +170,24 @@ def check_results_path(path: str) -> None:
 
 
 def _is_record(obj) -> bool:
-    return isinstance(obj, dict) and "id" in obj and "status" in obj
+    """A complete record of ours: the schema key, or every key of a record written before it."""
+    if not isinstance(obj, dict) or "id" not in obj or "status" not in obj:
+        return False
+    return obj.get("schema") == SCHEMA or (LEGACY_KEYS <= obj.keys() and isinstance(obj.get("inputs"), dict))
 
 
-def _cut_record(tail: bytes) -> bool:
-    """A last line that can be one of our records cut mid-write: every record starts `{"id": `."""
+def _cut_record(tail: bytes, after_records: bool) -> bool:
+    """A last line that is one of our records cut mid-write: it starts with the schema key, or (after
+    at least one complete record of ours) with the start of a record, the schema key's or a legacy one's."""
     t = tail.strip()
-    head = b'{"id": '
-    return t.startswith(head) or (bool(t) and head.startswith(t))
+    if t.startswith(_SCHEMA_HEAD):
+        return True
+    if not after_records or not t:
+        return False
+    return any(t.startswith(h) or h.startswith(t) for h in (_SCHEMA_HEAD, _LEGACY_HEAD))
+
+
+_WHAT = "not a distplan validate record (the schema key, or every key of an older record)"
 
 
 def _not_ours(path: str) -> str | None:
@@ -171,6 +198,7 @@ def _not_ours(path: str) -> str | None:
         return None
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
+    records = 0
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -179,15 +207,21 @@ def _not_ours(path: str) -> str | None:
         except ValueError:
             ok = False
         if not ok:
-            return f"line {i} is not a JSON record with an id and a status"
+            return f"line {i} is {_WHAT}"
+        records += 1
     if tail.strip():
         try:
             ok = _is_record(json.loads(tail))
         except ValueError:  # a record cut mid-write starts as every record does
-            ok = _cut_record(tail)
+            ok = _cut_record(tail, records > 0)
         if not ok:
-            return f"line {len(lines) + 1} is not a JSON record with an id and a status"
+            return f"line {len(lines) + 1} is {_WHAT}" + ("" if records else ", and no record of ours precedes it")
     return None
+
+
+class ResultsWriteError(Exception):
+    """A record could not be appended (disk full, quota, I/O error): one line; the records before it
+    are intact."""
 
 
 class ResultsFile:
@@ -200,18 +234,48 @@ class ResultsFile:
         self.repaired_bytes = _cut_partial_line(path)
 
     def append(self, record: dict) -> None:
+        """Append `record` as one line (the schema key first). A failed write raises ResultsWriteError
+        (one line) after cutting what reached the file of this line, when no other writer followed it."""
+        record = {"schema": SCHEMA, **{k: v for k, v in record.items() if k != "schema"}}
         line = (json.dumps(record, sort_keys=False, default=_json_default) + "\n").encode()
         with deferred_signals():
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
+                fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise self._write_error(record, e) from None
+            start = None
+            try:
+                start = os.fstat(fd).st_size
                 view = memoryview(line)
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
                 os.fsync(fd)
+            except OSError as e:
+                if start is not None:
+                    _undo_partial(fd, start, line)
+                raise self._write_error(record, e) from None
             finally:
                 os.close(fd)
             self.appended += 1
+
+    def _write_error(self, record: dict, e: OSError) -> ResultsWriteError:
+        why = e.strerror or str(e) or type(e).__name__
+        kept = f"the {self.appended} record{'s' if self.appended != 1 else ''} written before it are intact"
+        return ResultsWriteError(f"--out={self.path}: cannot append the record of probe "
+                                          f"{str(record.get('id'))[:80]!r}: {why}; {kept}; free space (or fix "
+                                          f"the cause) and run again with --resume")
+
+
+def _undo_partial(fd: int, start: int, line: bytes) -> None:
+    """Cut the part of a failed `line` that reached the file at `start`, when that part is all that
+    follows it (no other writer appended after it)."""
+    try:
+        size = os.fstat(fd).st_size
+        if start < size <= start + len(line) and os.pread(fd, size - start, start) == line[:size - start]:
+            os.ftruncate(fd, start)
+    except OSError:
+        pass  # the next ResultsFile cuts it (a partial line of ours)
 
 
 def _cut_partial_line(path: str) -> int:
@@ -251,7 +315,7 @@ def _cut_partial_line(path: str) -> int:
             f.write(b"\n")
             removed = 0
         else:
-            if not _cut_record(tail):  # not ours: never cut (check_results_path)
+            if not _cut_record(tail, keep > 0):  # not ours: never cut (check_results_path)
                 raise NotResultsFile(f"{path}: its last line is not a record cut mid-write; left untouched")
             f.truncate(keep)
             removed = size - keep

@@ -178,6 +178,11 @@ by world), so beyond a few thousand ranks the probe measures the bookkeeping, no
 ranks is 512 nodes of 8 GPUs."""
 
 
+CPU_RANKS_PER_CORE = 4
+"""The most gloo ranks a CPU core runs (`--nproc` on a machine without GPUs): each is a process with
+torch imported, and oversubscribed ranks only wait on each other."""
+
+
 def choose_mode(hw: dict, simulate_world_size: int | None = None, nproc: int | None = None,
                 nnodes: int = 1, explain: bool = False):
     """(mode, world_size) for a run on this machine; see the module docstring. With `explain`, a third
@@ -199,6 +204,12 @@ def choose_mode(hw: dict, simulate_world_size: int | None = None, nproc: int | N
                                  f"or --simulate-world-size for more ranks")
             mode, world = "gpu", per_node * nnodes
         else:
+            cores = int(hw.get("cpu_count") or os.cpu_count() or 1)
+            most = max(DEFAULT_CPU_RANKS, CPU_RANKS_PER_CORE * cores)
+            if nproc and nproc > most:
+                raise ValueError(f"--nproc={nproc}: this machine has {cores} CPU core{'s' if cores != 1 else ''} "
+                                 f"and no GPU; accepted: 1..{most} CPU ranks ({CPU_RANKS_PER_CORE} a core), or "
+                                 f"--simulate-world-size for more ranks")
             mode, world = "cpu", (nproc or DEFAULT_CPU_RANKS) * nnodes
         if world < 2:
             have = (f"{gpus} GPU here" if gpus and not nproc else f"--nproc {nproc}" if nproc
