@@ -104,8 +104,8 @@ def model_options(fn):
     """--model/--params/--hf-config/--module and the architecture overrides."""
     opts = [
         click.option("--model", "model", metavar="NAME", help="A catalog model (distplan catalog list models)."),
-        click.option("--params", metavar="COUNT", help="Parameter count: 7B, 125M, 1.3e9, 350_000_000. "
-                     "Assumes a Llama-style decoder scaled from the nearest catalog model."),
+        click.option("--params", metavar="COUNT", help="Parameter count: 7B, 125M, 1.3e9, 350_000_000 (a "
+                     "bare count under a million is refused: 7 means 7B). Assumes a Llama-style decoder scaled from the nearest catalog model."),
         click.option("--hf-config", metavar="PATH|ID", callback=_hub_config,
                      help="A Hugging Face config.json (or a folder holding one, or a Hub id such as "
                           "Qwen/Qwen2.5-0.5B[@revision]: its config.json from the Hugging Face cache, downloaded "
@@ -195,9 +195,10 @@ def cluster_options(fn):
         click.option("--gpus", type=INT, help="Total GPUs (ranks). Default: the local GPUs, else 8."),
         click.option("--gpus-per-node", type=INT, help="Default: the node's, else min(8, gpus)."),
         click.option("--gpu", metavar="NAME", help="A catalog GPU (distplan catalog list gpus)."),
-        click.option("--gpu-mem", metavar="SIZE", help="GPU memory, 1 GiB to 4 TiB: a bare number is GiB (80); "
-                     "units without 'i' are powers of 10, with 'i' powers of 2, B optional: 80GB = 80G = "
-                     "80e9 bytes (74.5 GiB), 80GiB = 80Gi, 81920MiB."),
+        click.option("--gpu-mem", metavar="SIZE", help="GPU memory, 1 GiB to 4 TiB. A card's size (80, 80GB, "
+                     "80G) plans the memory the catalog GPU of that size reports (80: h100-sxm, 79.65 GiB), "
+                     "or that many GiB where no catalog GPU has it; an exact budget takes a unit: 74.5GiB, "
+                     "81559MiB (with 'i' powers of 2), 8e10B, 80000MB (without, powers of 10)."),
         click.option("--node", metavar="NAME", help="A catalog node type (dgx-h100, aws-p5, ...)."),
         click.option("--intra", metavar="LINK", help="Intra-node link (nvlink4, pcie5, ...)."),
         click.option("--inter", metavar="LINK", help="Inter-node link (ib-ndr, eth-100g-tcp, ...)."),

@@ -102,13 +102,18 @@ _GPU_PREFERENCE = ("h100-sxm", "h200", "b200", "a100-80gb", "a100-40gb", "l40s",
 same memory; torchtitan's 96 GB HBM2e H100 at 500 W) are planned only when `--gpu` names them."""
 
 
+def memory_matches(gpu_memory_bytes: int, memory_bytes: int) -> bool:
+    """A size names a GPU of `gpu_memory_bytes` when within GPU_MEMORY_MATCH of it."""
+    return abs(gpu_memory_bytes - memory_bytes) / memory_bytes <= GPU_MEMORY_MATCH
+
+
 def gpu_for_memory(cat, memory_bytes: int, default: str) -> tuple[str, bool]:
     """(catalog GPU, matched) for `--gpu-mem` given without `--gpu`: the default GPU when its memory
     matches, else the closest of `_GPU_PREFERENCE` within GPU_MEMORY_MATCH (ties: the more common part), else
     (default, False): the default's FLOP/s and links with the given memory."""
     def off(e) -> float:
         return abs(e.memory_bytes - memory_bytes) / memory_bytes
-    if off(cat.gpu(default)) <= GPU_MEMORY_MATCH:
+    if memory_matches(cat.gpu(default).memory_bytes, memory_bytes):
         return cat.gpu(default).name, True
     rank = {n: i for i, n in enumerate(_GPU_PREFERENCE)}
     near = [e for e in cat.entries("gpus") if off(e) <= GPU_MEMORY_MATCH and e.name in rank]

@@ -15,10 +15,10 @@ from distplan.catalog.loader import CatalogError, load_catalog
 
 from .config import Cluster
 from .hf_config import read_hf_config, resolve_hf_config
-from .hardware import default_nics, detect_local_gpus, gpu_for_memory
+from .hardware import default_nics, detect_local_gpus, gpu_for_memory, memory_matches
 from .model import ModelSpec
-from .units import (INTER_GBPS_RANGE, LIMITS, check_count, check_float, fmt_count, parse_count, parse_memory,
-                    short_repr)
+from .units import (INTER_GBPS_RANGE, LIMITS, check_count, check_float, fmt_count, is_card_size,
+                    parse_memory, parse_param_count, short_repr)
 
 DEFAULT_GPU = "h100-sxm"
 
@@ -160,7 +160,7 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         except ValueError as exc:
             raise ValueError(f"--hf-config={short_repr(hf_config)}: {exc}") from None
     else:
-        target = parse_count(params if params is not None else "7B", "--params", limit="params")
+        target = parse_param_count(params if params is not None else "7B", "--params", limit="params")
         if params is None:
             notes.append("no model given: assuming 7B parameters")
         spec, note = nearest_model(target, catalog_dirs) or scaled_llama(target, catalog_dirs)
@@ -185,6 +185,45 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
 
 
 # -- cluster ------------------------------------------------------------------------------------
+
+def gpu_memory(cat, gpu_mem, mem_bytes: int, gpu_name: str | None) -> tuple[str, int, str]:
+    """(GPU, bytes planned, note) for `--gpu-mem` (parsed to `mem_bytes`; units.py's rule): a card size
+    (`80`, `80GB`) plans the memory the catalog GPU of that class reports (the one `--gpu`/`--node`
+    names, else the one `hardware.gpu_for_memory` finds), or that many GiB where none matches; an exact
+    budget (`74.5GiB`) is planned as written, on the GPU named or the one of about that memory."""
+    card = is_card_size(gpu_mem)
+    if gpu_name is None:
+        gpu_name, matched = gpu_for_memory(cat, mem_bytes, DEFAULT_GPU)
+        named = False
+    else:
+        matched, named = memory_matches(cat.gpu(gpu_name).memory_bytes, mem_bytes), True
+    e = cat.gpu(gpu_name)
+    link = f"its FLOP/s and {e.scale_up_link}"
+    if card and matched:
+        why = "" if named else f" ({link}; --gpu NAME for another)"
+        return e.name, e.memory_bytes, (f"--gpu-mem {gpu_mem} = {e.memory_bytes / 2**30:.4g} GiB, what the "
+                                        f"{gpu_mem_words(gpu_mem)} card {e.name} reports{why}; an exact budget "
+                                        f"takes a unit: {gpu_mem_number(gpu_mem)}GiB")
+    size = f"--gpu-mem {gpu_mem} = {mem_bytes / 2**30:.4g} GiB"
+    if named:
+        kind = "a card size that is not" if card else "an exact budget, not"
+        return e.name, mem_bytes, f"{size} of {e.name} ({kind} its {e.memory_bytes / 2**30:.4g} GiB)"
+    if matched:
+        return e.name, mem_bytes, f"{size}: assumed {e.name} (the catalog GPU of about that memory: {link}); --gpu NAME for another"
+    what = "no catalog GPU has that size: planned that many GiB" if card else "no catalog GPU has about that memory"
+    return e.name, mem_bytes, f"{size}: {what} with {e.name}'s FLOP/s and {e.scale_up_link}; --gpu NAME to choose"
+
+
+def gpu_mem_number(gpu_mem) -> str:
+    """The number of a card size: 80, '80GB', '80g' -> '80'."""
+    text = f"{gpu_mem:g}" if isinstance(gpu_mem, (int, float)) else str(gpu_mem).strip()
+    return text.rstrip("bBgG ")
+
+
+def gpu_mem_words(gpu_mem) -> str:
+    """A card size as its name prints it: 80, '80G' -> '80GB'."""
+    return gpu_mem_number(gpu_mem) + "GB"
+
 
 def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, gpu: str | None = None,
                     gpu_mem: str | float | None = None, node: str | None = None, intra: str | None = None,
@@ -220,16 +259,9 @@ def resolve_cluster(gpus: int | None = None, gpus_per_node: int | None = None, g
         gpu_name = gpu or (node_e.gpu if node_e else None)
         if gpu_name is None and local is not None:
             gpu_name = local.catalog_gpu
-        if gpu_name is None and mem_bytes is not None:  # --gpu-mem alone: the catalog GPU of that size
-            gpu_name, matched = gpu_for_memory(cat, mem_bytes, DEFAULT_GPU)
-            e = cat.gpu(gpu_name)
-            notes.append(f"--gpu-mem {gpu_mem} = {mem_bytes / 2**30:.4g} GiB: " + (
-                f"assumed {e.name} (the catalog GPU with that memory: its FLOP/s and {e.scale_up_link}); "
-                f"--gpu NAME for another" if matched else
-                f"no catalog GPU has that memory: planned {e.name}'s FLOP/s and {e.scale_up_link} with it; "
-                f"--gpu NAME to choose"))
-        elif mem_bytes is not None:
-            notes.append(f"--gpu-mem {gpu_mem} = {mem_bytes / 2**30:.4g} GiB of {gpu_name}")
+        if mem_bytes is not None:
+            gpu_name, mem_bytes, note = gpu_memory(cat, gpu_mem, mem_bytes, gpu_name)
+            notes.append(note)
         gpu_e = cat.gpu(gpu_name or DEFAULT_GPU)
     except CatalogError as exc:
         flag = "--node" if node and "node" in str(exc) else "--gpu"

@@ -1,11 +1,14 @@
 """Parse and format sizes: parameter counts (`7B`, `1.3e9`, `125M`), memory (`80`, `80GB`, `81920MiB`).
 
-Conventions: bytes inside; GiB = 2**30 prints as GiB. Memory units follow ONE rule, the SI/IEC one:
-a prefix without `i` is decimal, with `i` binary, and the trailing `B` is optional:
-`k`/`kB` = 10^3, `M`/`MB` = 10^6, `G`/`GB` = 10^9, `T`/`TB` = 10^12 bytes; `Ki`/`KiB` = 2^10,
-`Mi`/`MiB` = 2^20, `Gi`/`GiB` = 2^30, `Ti`/`TiB` = 2^40 bytes; `B` = bytes. So `80GB` and `80G` are
-both 80 x 10^9 bytes (74.5 GiB). A bare number is GiB (how GPU memory is usually quoted on the command
-line: `--gpu-mem 80`), case-insensitive units.
+Conventions: bytes inside; GiB = 2**30 prints as GiB. GPU memory follows ONE rule:
+- a size as printed on a card, a bare number or GB/G (`80`, `80GB`, `80G`, as in "H100 80GB"), is a card
+  size: HBM and GDDR capacities are binary (an "80GB" H100 carries 80 GiB of HBM, of which the device
+  reports 81,559 MiB: catalog/gpus/h100-sxm.yaml), so it is read as that many GiB, and the planner
+  (`resolve.resolve_cluster`) plans the memory the catalog GPU of that class really has (79.65 GiB for
+  80); a card size that names no catalog GPU is planned as that many GiB;
+- every other unit spells an exact budget: a prefix without `i` is decimal, with `i` binary, the trailing
+  `B` optional: `kB`/`MB`/`TB` = 10^3/10^6/10^12 bytes, `KiB`/`MiB`/`GiB`/`TiB` = 2^10/2^20/2^30/2^40
+  bytes, `B` = bytes (`74.5GiB`, `81559MiB`). Units are case-insensitive.
 
 Bounds: every planner input is bounded to what exists (`LIMITS`, `GPU_MEMORY_RANGE`,
 `INTER_GBPS_RANGE`), so that hostile values give a one-line error naming the flag, the value and the
@@ -26,13 +29,15 @@ MiB = 2**20
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _COUNT_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.I)
 
+_CARD_UNITS = ("", "g", "gb")
+"""The spellings of a card size (module docstring): read as GiB, then the catalog GPU's real memory."""
 _MEM_UNITS = {
-    "": GiB, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "": GiB, "g": GiB, "gb": GiB, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "t": 10**12, "tb": 10**12,
     "ki": 2**10, "kib": 2**10, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": 2**40, "tib": 2**40,
 }
 _MEM_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.I)
-_MEM_EXAMPLES = "80 (GiB), 80GiB, 80GB (10^9 bytes, as 80G), 81920MiB"
+_MEM_EXAMPLES = "80 or 80GB (a card's size), 74.5GiB or 81559MiB (an exact budget)"
 
 GPU_MEMORY_RANGE = (GiB, 4 * 2**40)
 """Accepted GPU memory, bytes: 1 GiB (below any training GPU's) to 4 TiB (over ten times the largest
@@ -109,18 +114,41 @@ def parse_count(text: str | int | float, flag: str = "--params", limit: str | No
     return int(round(value))
 
 
+BARE_COUNT_MIN = 10**6
+"""A parameter count without a unit below this is refused (`parse_param_count`): `--params 7` means 7B far
+more often than a 7-parameter model, and the smallest model worth planning (GPT-2 small, 124M) is far
+above it. A small model's count is written with its unit (`500K`) or in full (`1000000`)."""
+
+
+def parse_param_count(text: str | int | float, flag: str = "--params", limit: str | None = None) -> int:
+    """`parse_count` (within LIMITS[limit]), refusing a bare count under `BARE_COUNT_MIN` with a one-line
+    error suggesting `7B`."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        bare = float(text) if abs(text) < 1e300 else math.inf
+    else:
+        m = _COUNT_RE.match(text) if isinstance(text, str) and len(text) <= 100 else None
+        bare = float(m.group(1).replace("_", "")) if m and not m.group(2) else None
+    if bare is not None and 0 < bare < BARE_COUNT_MIN:
+        shown = text.strip() if isinstance(text, str) else f"{bare:g}"
+        guess = f"did you mean {shown}B ({shown} billion)? " if bare < 1000 else ""
+        raise ValueError(f"{flag}={short_repr(text)}: a bare count under a million; {guess}accepted: a count with "
+                         f"its unit (7B, 125M, 500K) or 1000000 and up")
+    return parse_count(text, flag, limit)
+
+
 def parse_memory(text: str | int | float, flag: str = "--gpu-mem",
                  bounds: tuple[float, float] | None = GPU_MEMORY_RANGE) -> int:
-    """`80` (GiB), `80GiB`, `80Gi`, `80GB` = `80G` (10^9), `81920MiB` -> bytes (module docstring's rule),
-    within `bounds` (bytes; default GPU_MEMORY_RANGE, None for any positive size)."""
+    """`80` = `80GB` = `80G` (a card size: 80 GiB), `80GiB`, `80Gi`, `81920MiB`, `8e10B` -> bytes (module
+    docstring's rule), within `bounds` (bytes; default GPU_MEMORY_RANGE, None for any positive size).
+    `is_card_size` tells a card size from an exact budget."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = (float(text) if abs(text) < 1e300 else math.inf), ""
     else:
         m = _MEM_RE.match(text) if isinstance(text, str) and len(text) <= 100 else None
         if not m or m.group(2).lower() not in _MEM_UNITS:
             raise ValueError(f"{flag}={short_repr(text)}: expected a size such as {_MEM_EXAMPLES}; "
-                             f"units: B, kB, MB, GB, TB (or k, M, G, T: powers of 10), KiB, MiB, GiB, TiB "
-                             f"(or Ki, Mi, Gi, Ti: powers of 2)")
+                             f"units: none or GB (a card's size), B, kB, MB, TB (powers of 10), KiB, MiB, GiB, TiB "
+                             f"(powers of 2)")
         value, unit = float(m.group(1)), m.group(2).lower()
     nbytes = value * _MEM_UNITS[unit]
     if not math.isfinite(nbytes):
@@ -132,6 +160,15 @@ def parse_memory(text: str | int | float, flag: str = "--gpu-mem",
     if int(nbytes) < 1:
         raise ValueError(f"{flag}={short_repr(text)}: expected a size of at least 1 byte, such as {_MEM_EXAMPLES}")
     return int(nbytes)
+
+
+def is_card_size(text: str | int | float) -> bool:
+    """True for a size as printed on a card (a number, `80`, `80GB`, `80G`), False for an exact budget
+    (`74.5GiB`, `81559MiB`, `8e10B`); `text` already accepted by `parse_memory`."""
+    if isinstance(text, (int, float)):
+        return True
+    m = _MEM_RE.match(text)
+    return bool(m) and m.group(2).lower() in _CARD_UNITS
 
 
 def gib(nbytes: float) -> float:

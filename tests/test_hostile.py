@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from distplan.planner.units import LIMITS, parse_memory
+from distplan.planner.units import LIMITS, is_card_size, parse_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -417,17 +417,20 @@ def test_inter_gbps_non_finite_or_implausible(value):
 # -- 4. units -----------------------------------------------------------------------------------------
 
 def test_one_unit_rule():
-    """No `i`: powers of 10 (B optional); with `i`: powers of 2; a bare number: GiB."""
-    for d, b in (("k", "Ki"), ("M", "Mi"), ("G", "Gi"), ("T", "Ti")):
+    """A card size (a number, G, GB) reads as GiB; every other unit is exact: no `i` powers of 10, `i` powers
+    of 2, B optional."""
+    for d, b in (("k", "Ki"), ("M", "Mi"), ("T", "Ti")):
         for n in ("2", "1.5"):
             if d in ("k", "M") or (d == "T" and n == "1.5"):
                 continue  # below 1 GiB or above 4 TiB: refused (tested below)
             assert parse_memory(n + d) == parse_memory(n + d + "B") == parse_memory(n + d.lower() + "b")
             assert parse_memory(n + b) == parse_memory(n + b + "B") == parse_memory(n + b.lower() + "b")
             assert parse_memory(n + d) < parse_memory(n + b)
-    assert parse_memory("80G") == parse_memory("80GB") == 80 * 10**9
-    assert parse_memory("80") == parse_memory("80Gi") == parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("80") == parse_memory("80G") == parse_memory("80GB") == parse_memory("80gb") == 80 * 2**30
+    assert parse_memory("80Gi") == parse_memory("80GiB") == 80 * 2**30
     assert parse_memory("2048M") == 2048 * 10**6
+    assert all(is_card_size(x) for x in ("80", "80G", "80gb", 80, 79.5))
+    assert not any(is_card_size(x) for x in ("80GiB", "80Gi", "81559MiB", "8e10B", "80000MB"))
 
 
 @pytest.mark.parametrize("value", ["1023MiB", "1e9B", "4.1TiB", "5TB", "1e-12"])

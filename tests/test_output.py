@@ -8,6 +8,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
+from distplan.catalog.loader import load_catalog
 from distplan.planner.api import plan
 from distplan.planner.cli import main
 
@@ -135,13 +136,15 @@ def test_default_nics_follow_the_link():
 def test_gpu_mem_names_the_catalog_gpu(mem, gpu):
     p = plan(params="7B", gpus=8, gpu_mem=mem)
     assert p.cluster.gpu_name == gpu
-    assert any(f"assumed {gpu}" in n for n in p.notes)
+    assert p.cluster.gpu_memory_bytes == load_catalog().gpu(gpu).memory_bytes
+    assert any(f"the {mem}GB card {gpu} reports" in n for n in p.notes)
 
 
 def test_gpu_mem_without_a_catalog_match_says_so():
     p = plan(params="7B", gpus=8, gpu_mem=100)
     assert p.cluster.gpu_name == "h100-sxm"
-    assert any("no catalog GPU has that memory" in n for n in p.notes)
+    assert p.cluster.gpu_memory_bytes == 100 * 2**30  # a card size no catalog GPU has: that many GiB
+    assert any("no catalog GPU has that size" in n for n in p.notes)
     assert plan(params="7B", gpus=8, gpu="a100-80gb", gpu_mem=40).cluster.gpu_name == "a100-80gb"
 
 
@@ -281,13 +284,46 @@ def test_module_plan_counts_samples():
     assert "samples/s" in r.output and "tokens/s" not in r.output
 
 
-@pytest.mark.parametrize("given, gib", [("80GB", "74.51"), ("80G", "74.51"), ("80", "80"), ("80GiB", "80"),
-                                        ("81920MiB", "80")])
-def test_gpu_mem_interpretation_is_printed(given, gib):
-    for extra in ([], ["--gpu", "a100-80gb"]):
-        r = run("estimate", "--params", "7B", "--gpus", "8", "--gpu-mem", given, *extra)
-        assert r.exit_code == 0, r.output
-        assert f"--gpu-mem {given} = {gib} GiB" in r.output
+@pytest.mark.parametrize("gpu, given, gib", [(None, "80GB", "79.65"), (None, "80G", "79.65"), (None, "80", "79.65"),
+                                             (None, "80GiB", "80"), (None, "74.5GiB", "74.5"),
+                                             (None, "81920MiB", "80"), ("a100-80gb", "80GB", "80"),
+                                             ("a100-80gb", "74.5GiB", "74.5"), (None, "100", "100")])
+def test_gpu_mem_interpretation_is_printed(gpu, given, gib):
+    extra = ["--gpu", gpu] if gpu else []
+    r = run("estimate", "--params", "7B", "--gpus", "8", "--gpu-mem", given, *extra)
+    assert r.exit_code == 0, r.output
+    assert f"--gpu-mem {given} = {gib} GiB" in r.output
+    assert f"({gib}0 GiB)" in r.output or f"({gib} GiB)" in r.output or f"({gib}.00 GiB)" in r.output
+
+
+def _planned_memory(*flags) -> int:
+    """The GPU memory the command line plans with these flags, read off its JSON."""
+    r = run("estimate", "--params", "7B", "--gpus", "8", "--strategy", "zero3", "--json", *flags)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)["inputs"]["cluster"]["gpu_memory_bytes"]
+
+
+def test_a_card_size_plans_the_card_memory():
+    """Issue 61 item 3: --gpu-mem 80, --gpu-mem 80GB, --gpu h100-sxm and no flag plan the same memory, the
+    catalog's h100-sxm figure; an exact budget is planned as written; API and CLI agree."""
+    h100 = load_catalog().gpu("h100-sxm").memory_bytes
+    same = {_planned_memory(), _planned_memory("--gpu-mem", "80"), _planned_memory("--gpu-mem", "80GB"),
+            _planned_memory("--gpu", "h100-sxm"), _planned_memory("--gpu", "h100-sxm", "--gpu-mem", "80"),
+            plan(params="7B", gpus=8, gpu_mem=80, strategies=["zero3"]).cluster.gpu_memory_bytes,
+            plan(params="7B", gpus=8, gpu_mem="80GB", strategies=["zero3"]).cluster.gpu_memory_bytes}
+    assert same == {h100}
+    assert _planned_memory("--gpu-mem", "74.5GiB") == int(74.5 * 2**30)
+    assert _planned_memory("--gpu-mem", "40") == load_catalog().gpu("a100-40gb").memory_bytes
+
+
+@pytest.mark.parametrize("given, hint", [("7", "7B"), ("0.5", "0.5B"), ("999999", "1000000")])
+def test_a_bare_small_count_is_refused(given, hint):
+    r = run("estimate", "--params", given, "--gpus", "8")
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "--params" in lines[0] and hint in lines[0], r.output
+    with pytest.raises(ValueError, match="--params"):
+        plan(params=int(float(given)) or 0.5, gpus=8)
 
 
 @pytest.mark.parametrize("args", [["estimate", "--micro-batch", "1e9"], ["estimate", "--nope"], ["catalog", "show"],

@@ -20,7 +20,7 @@ def test_parse_count(text, value):
     assert parse_count(text) == value
 
 
-@pytest.mark.parametrize("text, value", [("80", 80 * GiB), ("80GiB", 80 * GiB), ("80GB", 80 * 10**9),
+@pytest.mark.parametrize("text, value", [("80", 80 * GiB), ("80GiB", 80 * GiB), ("80GB", 80 * GiB), ("8e10B", 8 * 10**10),
                                          ("81920MiB", 80 * GiB), (24, 24 * GiB)])
 def test_parse_memory_gib_vs_gb(text, value):
     assert parse_memory(text) == value

@@ -124,6 +124,8 @@ def test_grads_and_temporaries_missing_in_opposite_directions_pass_together():
     c = compare(pred, measured, 0.05)  # grads +25%, temporaries -33%, their sum exact
     assert c["verdict"] == "PASS", c["reasons"]
     assert c["components"]["grads"]["judged_with"] == "grads+temporaries"
+    # the rule printed with the verdict states this exception, so "grads +25% ... PASS" agrees with it
+    assert "grads and temporaries" in c["rule"] and "sum" in c["rule"]
     pred["memory"]["temporaries"] = 6 * MiB  # same direction now: grads alone is 25% over
     pred["memory"]["peak_allocated"] = 86 * MiB
     c = compare(pred, measured, 0.05)

@@ -44,7 +44,10 @@ TIME_TOLERANCE = 0.15
 """|predicted / measured - 1| allowed for a GPU-bound step time (issue 12's bar for single-GPU probes)."""
 ABS_FLOOR_BYTES = 64 * 2**10
 RULE = ("PASS = |peak error| <= {tol:.0%}, every component within {ctol:.0%} or within {floor} KiB "
-        "absolute (components tiny next to the peak are noise), collectives exact")
+        "absolute (components tiny next to the peak are noise; grads and temporaries that miss in opposite "
+        "directions are judged by their sum), collectives exact")
+"""The rule as `validate` prints it: every test `compare` applies, the grads+temporaries exception included
+(issue 61: a row read "grads -40.7% ... PASS" under a printed rule that did not state it)."""
 
 
 def rule_text(tolerance: float = DEFAULT_TOLERANCE) -> str:
