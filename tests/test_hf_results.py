@@ -33,12 +33,10 @@ KNOWN_GAPS = {
     "ddp/hf:examples/hf/llama-8l.json/w8-fake/full/fp32/eager",
     "ddp/hf:examples/hf/llama-8l.json/w8-fake/full/bf16-mixed/eager",
     "ddp/hf:examples/hf/gpt2-8l.json/w8-fake/full/bf16-mixed/eager",
-    # FSDP1 SHARD_GRAD_OP under bf16 mixed precision with a tied head: the peak instant's temporaries
-    # (-1.96% peak)
-    "fsdp-grad-op/hf:examples/hf/qwen2-8l.json/w2/none/bf16-mixed",
-    # Gemma-2 (eager attention, soft-capping) at 2 x 64 tokens: the walk's peak is another instant, +0.43%
-    # (the same run at 2 x 512 tokens, cpu-torch2.13-2026-11-24-gemma2-hf.jsonl, passes)
-    "zero3/hf:examples/hf/gemma2-8l.json/w2/none/fp32",
+    # (Gloo probes of 2 processes are judged by their peak and collectives only, their components shown:
+    # validate/compare.components_judged. Three were listed here for a component split at the peak instant
+    # while their peaks held: fsdp-grad-op qwen2-8l w2 bf16-mixed (temporaries, peak -1.96%), zero3
+    # gemma2-8l w2 fp32 (peak +0.43%), zero3 qwen2moe-8l w2 fp32 (peak +0.5%).)
     # Qwen2-MoE (shared expert + 8 routed experts per layer) under FSDP2 zero3 without checkpointing, fp32 and
     # bf16-mixed, 8 fake ranks and gloo 2 ranks: the walk peaks inside the last layer's forward with the root,
     # that layer's parameters and its kept all-gather output (+0.5% to +0.6%, the safe side); the measured peak
@@ -46,7 +44,6 @@ KNOWN_GAPS = {
     # (2 MiB of temporaries). Mixtral's zero3 (the same experts' code without a shared expert) is exact.
     "zero3/hf:examples/hf/qwen2moe-8l.json/w8-fake/none/fp32",
     "zero3/hf:examples/hf/qwen2moe-8l.json/w8-fake/none/bf16-mixed",
-    "zero3/hf:examples/hf/qwen2moe-8l.json/w2/none/fp32",
     # FSDP2's dim-0 padding of the stacked experts (more ranks than experts: 16 and 32 fake ranks,
     # cpu-torch2.13-2026-11-27-moe-padding-hf.jsonl), bf16-mixed. Mixtral zero2: peak +0.04% and +0.6%, but
     # the walk's instant holds 512 KiB of gradients the measured one does not. Qwen2-MoE zero3 at 16 ranks:

@@ -33,6 +33,7 @@ from distplan.planner.units import LIMITS, fmt_bytes, short_repr
 
 from . import runner
 from .compare import rule_text
+from .matrix import KNOWN_GAPS
 from .probe_specs import _build
 from .render import FAIL_MEANS, _Progress, render_detail, render_summary, render_table, render_why, summarize
 from .results import ResultsFile, ResultsWriteError, check_results_path
@@ -303,7 +304,7 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
         restore()
     progress.clear()
 
-    failed = [r for r in records if r.get("verdict") not in ("PASS", "SKIP")]
+    failed = [r for r in records if r.get("verdict") not in ("PASS", "KNOWN", "SKIP")]
     _report(records, failed, as_json, out_path, tol, modes, hw, matrix)
     ctx.exit(1 if failed else 0)
 
@@ -325,6 +326,10 @@ def _session_header(plan_path, groups: list, specs: list, modes: list, hw: dict,
     header += [f"  {n}" for n in notes]
     header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]
     header.append(f"  {rule_text(tol)}")
+    known = [s["id"] for s in specs if s.get("id") in KNOWN_GAPS]
+    if known:
+        header.append(f"  known gaps (KNOWN, not failures): " + "; ".join(
+            f"{i} ({', '.join(KNOWN_GAPS[i])})" for i in known))
     header.append(f"  results -> {out_path}" + (" (resume)" if resume else ""))
     return header
 
@@ -338,6 +343,7 @@ def _report(records: list, failed: list, as_json: bool, out_path: str, tol: floa
                   "where": [runner.describe_mode(m, w, hw) for m, w in modes],
                   "probes": records, "summary": summarize(records) if len(records) > 1 else None,
                   "passed": sum(r.get("verdict") == "PASS" for r in records), "failed": len(failed),
+                  "known": sum(r.get("verdict") == "KNOWN" for r in records),
                   "ok": not failed}
         click.echo(json.dumps(report, indent=2, default=str))
     else:
@@ -351,9 +357,11 @@ def _report(records: list, failed: list, as_json: bool, out_path: str, tol: floa
         if matrix or len(records) > 1:
             click.echo(render_summary(records))
         skipped = sum(r.get("verdict") == "SKIP" for r in records)
+        known = sum(r.get("verdict") == "KNOWN" for r in records)
         if failed:
             click.echo("\n" + FAIL_MEANS.format(tol=tol, ctol=2 * tol))
-        click.echo(f"{len(records) - len(failed) - skipped}/{len(records)} PASS"
+        click.echo(f"{len(records) - len(failed) - skipped - known}/{len(records)} PASS"
+                   + (f"; {known} KNOWN (gaps listed under 'why', not failures)" if known else "")
                    + (f"; {skipped} SKIP (rank 0 on another node)" if skipped else "")
                    + (f"; {len(failed)} FAIL" if failed else "") + f"; records in {out_path}")
 

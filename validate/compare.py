@@ -45,7 +45,9 @@ TIME_TOLERANCE = 0.15
 ABS_FLOOR_BYTES = 64 * 2**10
 RULE = ("PASS = |peak error| <= {tol:.0%}, every component within {ctol:.0%} or within {floor} KiB "
         "absolute (components tiny next to the peak are noise; grads and temporaries that miss in opposite "
-        "directions are judged by their sum), collectives exact")
+        "directions are judged by their sum; in CPU probes of 2+ gloo processes the split at the peak's instant "
+        "varies run to run: shown, not judged), collectives exact; KNOWN = a component miss listed as a known "
+        "gap (validate/matrix.py KNOWN_GAPS), not counted as a failure")
 """The rule as `validate` prints it: every test `compare` applies, the grads+temporaries exception included
 (issue 61: a row read "grads -40.7% ... PASS" under a printed rule that did not state it)."""
 
@@ -92,8 +94,11 @@ def compare_collectives(predicted: list[dict], measured: list[dict]) -> dict:
     return {"exact": all(r["match"] for r in rows), "rows": rows}
 
 
-def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAULT_TOLERANCE) -> dict:
-    """Judge one probe. Returns {"verdict": "PASS"|"FAIL"|"SKIP", "reasons": [...], "peak", "components", ...}."""
+def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAULT_TOLERANCE,
+            known_gaps: dict[str, str] | None = None) -> dict:
+    """Judge one probe. Returns {"verdict": "PASS"|"KNOWN"|"FAIL"|"SKIP", "reasons": [...], "peak", "components",
+    ...}. `known_gaps`: {component: why} this probe is known to miss (matrix.KNOWN_GAPS): a probe whose only
+    misses are those is KNOWN, its reasons saying so."""
     if not tolerance > 0:
         raise ValueError(f"tolerance={tolerance!r}: must be a positive fraction such as 0.05")
     out: dict = {"verdict": "FAIL", "reasons": [], "tolerance": tolerance,
@@ -106,12 +111,36 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
     pm, mm = prediction.get("memory") or {}, measurement.get("memory") or {}
     unmeasured = set(measurement.get("unmeasured") or ())
     _judge_peak(out, pm, mm, tolerance)
-    _judge_components(out, pm, mm, unmeasured, tolerance)
+    if components_judged(measurement):
+        _judge_components(out, pm, mm, unmeasured, tolerance)
+    else:
+        _show_components(out, pm, mm, unmeasured, tolerance)
     _judge_collectives(out, prediction, measurement, unmeasured)
     _judge_step_time(out, prediction, measurement)
     if not out["reasons"]:
         out["verdict"] = "PASS"
+    elif known_gaps and all(r.split(":")[0] in known_gaps for r in out["reasons"]):
+        out["verdict"] = "KNOWN"
+        out["reasons"] = [f"{r} (known gap: {known_gaps[r.split(':')[0]]})" for r in out["reasons"]]
     return out
+
+
+def components_judged(measurement: dict) -> bool:
+    """Whether a probe's components are judged: not in a CPU probe of 2+ gloo processes, where the
+    collectives finish on gloo's own threads, so which tensors are alive at the peak's instant (finished
+    gradients, communication buffers, the next block's activations) differs from run to run while the peak
+    does not (the same probe's split moved between runs of the CPU matrix: zero3/gpt2-tiny/w2,
+    fsdp/gpt2-tiny/w2, fsdp-grad-op/llama-tiny/w2, hsdp/gpt2-tiny/w2)."""
+    return not (measurement.get("mode") == "cpu" and int(measurement.get("world_size") or 1) > 1)
+
+
+def _show_components(out: dict, pm: dict, mm: dict, unmeasured: set, tolerance: float) -> None:
+    """The components side by side, each cell with `ok` (within the rule or not) and `judged` False: no
+    reason, no effect on the verdict (`components_judged`)."""
+    _judge_components(out, pm, mm, unmeasured, tolerance)
+    out["reasons"][:] = [r for r in out["reasons"] if r.split(":")[0] not in COMPONENTS]
+    for cell in out["components"].values():
+        cell["judged"] = False
 
 
 def _judged_by_status(out: dict, prediction: dict | None, measurement: dict) -> bool:

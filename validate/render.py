@@ -109,6 +109,8 @@ def _worst_cell(cmp: dict) -> str:
     if diff is None or (err is not None and abs(err) <= ctol):
         return out
     signed = ("-" if diff < 0 else "+") + fmt_bytes(abs(diff))
+    if cell.get("judged") is False:
+        return f"{out} ({signed}, shown, not judged: gloo processes)"
     if cell.get("judged_with"):
         other = [c for c in cell["judged_with"].split("+") if c != name]
         return f"{out} ({signed}; with {', '.join(other)} within {ctol:.0%})"
@@ -172,7 +174,8 @@ def render_detail(rec: dict) -> str:
         rows = []
         for name in COMPONENTS:
             c = comps.get(name) or {}
-            ok = "unmeasured" if c.get("unmeasured") else ("ok" if c.get("ok") else "OUT")
+            ok = ("unmeasured" if c.get("unmeasured") else ("ok" if c.get("ok") else "OUT")
+                  + (" (not judged)" if c.get("judged") is False else ""))
             rows.append([name, _b(c.get("predicted")), _b(c.get("measured")), _pct(c.get("error")),
                          _b(c.get("abs_error_bytes")), ok])
         p = cmp.get("peak") or {}
