@@ -15,9 +15,26 @@ memory line sits at the right edge, labelled with its value ("off scale").
 from __future__ import annotations
 
 from html import escape as _html_escape
-from xml.sax.saxutils import escape as _xml_escape, quoteattr
 
 from .units import GiB, fmt_bytes, fmt_gib, fmt_seconds
+
+
+
+def _xml_escape(text: str) -> str:
+    """`&`, `<` and `>` as entities: xml.sax.saxutils.escape, whose import pulls in urllib and http (a
+    quarter of a cold `distplan estimate`'s imports)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def quoteattr(text: str) -> str:
+    """An XML attribute value with its quotes, as xml.sax.saxutils.quoteattr writes it."""
+    text = _xml_escape(text).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
+    if '"' not in text:
+        return f'"{text}"'
+    if "'" not in text:
+        return f"'{text}'"
+    return '"' + text.replace('"', "&quot;") + '"'
+
 
 SEGMENTS = (  # (component, label, colour): colour-blind-safe palette (Okabe-Ito)
     ("params", "params", "#0072B2"),

@@ -22,11 +22,13 @@ from .chart import check_chart_path, write_chart
 from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINTING, CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, FRAMEWORKS,
                      GRAD_SYNC, OFFLOAD, PP_SCHEDULES)
 from .front_end import FRONT_ENDS, use_trace
+from .hf_config import resolve_hf_config
 from .from_flags import build_plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS
 from .recommend import render_recommendation
 from .report import render_estimate
 from .strategies import NAMES
+from .sweep import render_sweep, run_sweep
 from .units import LIMITS, parse_count
 
 TABLE_FORMATS = ("simple", "github", "grid", "plain", "pipe", "rst", "psql", "fancy_grid", "tsv")
@@ -80,7 +82,6 @@ def _hub_config(ctx, param, value):
     """--hf-config: a Hub id that names no local file becomes its cached config.json (hf_config.py)."""
     if value is None:
         return None
-    from .hf_config import resolve_hf_config  # lazy, as below: a cold `estimate` imports only what it prints
     try:
         return resolve_hf_config(value)
     except ValueError as exc:
@@ -382,7 +383,6 @@ def recommend(strategies, tokens, as_json, table_format, **kw):
 def sweep(strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len, tokens, as_json, table_format, **kw):
     """A table over GPU counts, micro-batch sizes or sequence lengths, for one or all strategies."""
     kw["tokens"] = parse_count(tokens, "--tokens") if tokens is not None else None
-    from .sweep import render_sweep, run_sweep  # lazy: it reads config.json files (json); a cold `estimate` does not
     rows = run_sweep(kw, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len)
     if as_json:
         click.echo(dump_json(rows))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from .hf_config import load_hf_config
 from .strategies import NAMES
 from .units import check_count, short_repr
 
@@ -58,7 +59,6 @@ def check_flags(kw: dict, strategies=()) -> list[str]:
         if s not in NAMES:
             raise ValueError(f"--strategy={short_repr(s)}: accepted: {', '.join(NAMES)}")
     if kw.get("hf_config") is not None:  # its sizes too, before the trace imports torch
-        from .hf_config import load_hf_config  # lazy: it imports json (a cold `estimate` does not)
         load_hf_config(kw["hf_config"])
     return strategies
 

@@ -14,6 +14,7 @@ from typing import Sequence
 from distplan.catalog.loader import CatalogError, load_catalog
 
 from .config import Cluster
+from .hf_config import read_hf_config, resolve_hf_config
 from .hardware import default_nics, detect_local_gpus, gpu_for_memory
 from .model import ModelSpec
 from .units import (INTER_GBPS_RANGE, LIMITS, check_count, check_float, fmt_count, parse_count, parse_memory,
@@ -152,7 +153,6 @@ def resolve_model(model: str | ModelSpec | None = None, params: str | int | floa
         spec = ModelSpec(**entry.spec_kwargs())
         check_spec_bounds(spec, f"--model={short_repr(model)} ({entry.path})")
     elif hf_config is not None:
-        from .hf_config import read_hf_config, resolve_hf_config  # lazy: it imports json (a cold `estimate` does not)
         hf_config = resolve_hf_config(hf_config)  # a Hub id: its config.json in the Hugging Face cache
         kwargs = read_hf_config(hf_config, implementation=implementation)
         try:

@@ -73,12 +73,13 @@ def test_random_widths_split_alike(monkeypatch):
 
 
 def test_cold_estimate_imports_only_what_it_prints():
-    """A cold `distplan estimate` imports neither tabulate (its tables are report.table's), nor json (no
-    --json), nor validate.command (an entry-point command, cli.OneLineErrors): 20-30 ms of start-up on the 2-core VM."""
+    """A cold `distplan estimate` imports neither tabulate (its tables are report.table's) nor validate.command
+    (an entry-point command, cli.OneLineErrors): 20-30 ms of start-up on the 2-core VM. (json, 2 ms, comes with
+    the Hugging Face config reader, hf_config.py, which the flag checks import at their top.)"""
     code = ("import sys\nfrom distplan.planner.cli import main\ntry:\n"
             "    main(['estimate', '--params', '7B', '--gpus', '8', '--gpu-mem', '80'])\n"
             "except SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('tabulate', 'json', 'distplan.validate.command') if m in sys.modules))\n")
+            "print(sorted(m for m in ('tabulate', 'distplan.validate.command') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-300:]

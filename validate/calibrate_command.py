@@ -14,8 +14,6 @@ import click
 
 from distplan.planner.cli import _fail_on_value_error, dump_json
 
-from .calibrate import TextProgress, render, write_overlay
-from .calibrate import calibrate as measure
 
 
 def _calibrate_peak(ctx, param, value):
@@ -44,6 +42,10 @@ def _calibrate_out(ctx, param, value):
 @_fail_on_value_error
 def calibrate_command(out_dir, quick, device, peak_tflops, as_json):
     """Measure this GPU (matmul, memory, attention, launches; NCCL with 2+ GPUs); write a catalog overlay."""
+    # the measuring modules import torch (the reference step's decoder): `distplan --help` lists this command
+    # without them
+    from .calibrate import TextProgress, calibrate as measure, render, write_overlay
+
     result = measure(device, quick=quick, peak_tflops=peak_tflops, progress=TextProgress(sys.stderr))
     written = []
     if device == "cuda" or peak_tflops is not None:

@@ -1,5 +1,6 @@
-"""`distplan calibrate`'s measurements of this machine (torch imported inside the functions): matmuls, memory
-bandwidth, attention, kernel launches, a host step, collectives."""
+"""`distplan calibrate`'s measurements of this machine: matmuls, memory bandwidth, attention, kernel launches,
+a host step, collectives. It imports torch (through the reference decoder); `calibrate_command` imports it
+only when the command runs."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any, Callable, Sequence
 
 from distplan.planner.model import ModelSpec
 
-
 from .calibrate_fit import COLLECTIVE_OPS, CalibrationError, attention_flops
+from .model import Decoder
+from .wrap import wrap
 
 
 # -- measurement (torch inside) --------------------------------------------------------------------
@@ -236,9 +238,6 @@ def reference_step(shape: dict, device: str = "cpu", precision: str = "fp32", ch
     """The reference decoder (`shape`: ModelSpec fields) wrapped as the `single` probe runs it (foreach
     AdamW), after three warm-up steps: (forward -> loss, backward(loss), optimizer step + zero_grad)."""
     import torch
-
-    from .model import Decoder  # (lazy: model and wrap import torch; calibrate imports this module without it)
-    from .wrap import wrap
 
     spec = ModelSpec(**shape)
     dev = torch.device(device)

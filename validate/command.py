@@ -321,7 +321,7 @@ def _session_header(plan_path, groups: list, specs: list, modes: list, hw: dict,
         if groups[0]["model_about"]:
             header.append(f"  {groups[0]['model_about']}")
     notes = list(dict.fromkeys(g["mode_note"] for g in groups if g["mode_note"] and
-                               any(s["mode"] == "fake" for s in g["specs"])))
+                               any(s["world_size"] > 1 for s in g["specs"])))
     header += [f"  {n}" for n in notes]
     header += ["  " + runner.describe_mode(m, w, hw) for m, w in modes]
     header.append(f"  {rule_text(tol)}")

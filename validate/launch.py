@@ -31,6 +31,7 @@ import importlib
 import os
 import sys
 
+from distplan.planner.workload.traced_model import frozen_imports
 from distplan.validate.guard import fresh_signals, set_pdeathsig
 from distplan.validate.probe_run import STACKS_AT_ENV
 
@@ -137,7 +138,8 @@ def preload(argv: list[str]) -> None:
 
 
 def _preload_module(module: str, args: list[str]) -> None:
-    mod = importlib.import_module(module)
+    with frozen_imports():  # the probe modules import torch at their top (workload.frozen_imports: why)
+        mod = importlib.import_module(module)
     if hasattr(mod, "preload"):
         mod.preload(args)
 

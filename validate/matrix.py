@@ -32,6 +32,15 @@ from dataclasses import asdict, is_dataclass
 
 from distplan.planner.strategies import NAMES, get_strategy
 
+HF_TP_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""transformers model types the tensor-parallel probe splits: separate q/k/v and gate/up projections
+(Phi-3's fused qkv_proj and GPT-2's Conv1D c_attn would put q, k and v on different ranks under a
+column split), pre-norms only (Gemma-2's sandwich norms are not in torchtitan's plan)."""
+
+HF_PP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+"""transformers model types the pipeline probe splits: `model.embed_tokens`, `model.layers`, `model.rotary_emb`,
+`model.norm`, `lm_head`, decoder layers called with the rotary tables and no mask."""
+
 CHECKPOINTING = ("none", "full")
 
 SHAPES_CPU: dict[str, dict] = {

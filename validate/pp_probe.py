@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import sys
@@ -46,8 +47,14 @@ from distplan.planner.pp import predict_probe_ranks, probe_train
 from distplan.planner.strategies import NAMES, get_strategy
 from distplan.planner.workload.traced_model import from_spec
 
-from .probe import ALLOC_EVENTS_ENV, _one_line, preload as probe_preload, write_json
+from .cp import head_tail_indices
+from .matrix import HF_PP_TYPES
+from .measure import Tracker, storage_key
+from .model import Block, Norm, rope_tables
+from .preload import preload as probe_preload
+from .probe import ALLOC_EVENTS_ENV, _one_line, write_json
 from .probe_run import launcher, local_rendezvous, run_probe
+from .wrap import make_optimizer
 
 
 DDP_SCHEDULE_ERROR = ("DistributedDataParallel stops in its reducer's first bucket rebuild under ScheduleGPipe and "
@@ -67,8 +74,6 @@ def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointin
     import torch
     from torch import nn
     from torch.utils.checkpoint import checkpoint
-
-    from .model import Block, Norm, rope_tables  # (lazy: model imports torch)
 
     class Stage(nn.Module):
         """One pipeline stage of the reference decoder (`validate.model.Decoder`), same names."""
@@ -109,9 +114,6 @@ def build_stage(spec, stage: int, pp: int, attention: str = "sdpa", checkpointin
     return Stage()
 
 
-HF_PP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-"""transformers model types the pipeline probe splits: `model.embed_tokens`, `model.layers`, `model.rotary_emb`,
-`model.norm`, `lm_head`, decoder layers called with the rotary tables and no mask."""
 
 
 def build_hf_stage(module: dict, stage: int, pp: int, checkpointing: str = "none"):
@@ -147,7 +149,7 @@ def build_hf_stage(module: dict, stage: int, pp: int, checkpointing: str = "none
 
 @functools.lru_cache(maxsize=1)
 def _hf_stage_class():
-    """The stage's class, made once torch is imported (this module imports torch inside its functions)."""
+    """The stage's class, made on first use."""
     import torch
     from torch import nn
 
@@ -195,8 +197,6 @@ def run(spec: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    from .measure import Tracker  # (lazy: measure imports torch; the launcher imports this module without it)
-    from .wrap import make_optimizer  # (lazy: wrap imports torch)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -292,7 +292,6 @@ def _stage_models(spec: dict, mspec, st, stage_ids: list, n_stages: int, cp: int
                   dp_group) -> tuple:
     """(this rank's stage modules, wrapped by the strategy; this rank's positions under cp or None;
     transformers' loss (function, vocab) or None)."""
-    from .cp import head_tail_indices  # (lazy: cp imports torch)
     train = spec["train"]
     s = int(train["seq_len"])
     positions = hf_loss = None
@@ -364,8 +363,6 @@ def _phase_stages(stages: list, tracker) -> None:
 def _roles(model, models: list, opt):
     """The tracker's `roles`: {storage key: "params" | "grads" | "optimizer"} when asked."""
     import torch
-
-    from .measure import storage_key  # (lazy: measure imports torch)
     params = list(model.parameters())  # as wrapped (FSDP2: the sharded DTensors, not the unsharded views)
     fsdp_params = [fp for mod in models for m in mod.modules() if hasattr(m, "_get_fsdp_state")
                    for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", ())]
@@ -445,9 +442,6 @@ def _probe_result(spec: dict, gathered: list, world: int, pp: int, dp: int, cp: 
 
 def preload(argv: list[str]) -> None:
     """What a stage's run imports, before the launcher forks the stages (validate/launch.py)."""
-    import importlib
-
-
     probe_preload(argv)
     importlib.import_module("torch.distributed.pipelining")
 

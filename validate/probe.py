@@ -44,11 +44,16 @@ import sys
 from distplan.planner.config import checkpoint_every
 from distplan.planner.model import ModelSpec
 from distplan.planner.strategies import get_strategy
-from distplan.planner.workload.traced_model import _preload_hf, from_spec, frozen_imports
+from distplan.planner.workload.traced_model import from_spec
 
 from .checkpoint import save_checkpoint
+from .cp import head_tail_indices, hf_context_parallel
 from .guard import set_pdeathsig
+from .measure import CATEGORIES, StepTimer, StreamTags, Tracker
+from .model import Decoder
+from .preload import preload  # noqa: F401  (launch.py and warm.py call the probe module's preload)
 from .tp_probe import parallelize_decoder, parallelize_hf
+from .wrap import wrap
 
 MODES = ("gpu", "cpu", "fake")
 SNAPSHOT_ENV = "DISTPLAN_MEMORY_SNAPSHOT"
@@ -241,8 +246,6 @@ class Probe:
         import torch
 
         # (lazy: measure and wrap import torch; the launcher imports this module without it)
-        from .measure import StepTimer
-        from .wrap import wrap
 
         spec = self.spec
         train, module, work, mspec, steps, seq, mb, accum, sync_every, ckpt, every = self._run_options()
@@ -321,7 +324,6 @@ class Probe:
         """(the tracker, the stream tags or None): the baseline bytes and the snapshot's history started."""
         import torch
 
-        from .measure import StreamTags, Tracker  # (lazy: measure imports torch)
         if cuda:
             torch.cuda.synchronize()
             self.baseline = torch.cuda.memory_allocated(self.device)
@@ -342,7 +344,6 @@ class Probe:
         meta device, extra: the inputs' extra arguments)."""
         import torch
 
-        from .model import Decoder  # (lazy: model imports torch)
         spec = self.spec
         units, extra = None, {}
         init = spec.get("init", "device")
@@ -401,7 +402,6 @@ class Probe:
         """This rank's micro-batches of one step (`accum` of them), seeded by its data rank."""
         import torch
 
-        from .cp import head_tail_indices  # (lazy: cp imports torch)
         spec = self.spec
         tp = int(spec.get("tp", 1))
         # the ranks of one context-parallel group share their sequences (each keeps its positions)
@@ -507,7 +507,6 @@ class Probe:
             (parallelize_hf if hf else parallelize_decoder)(model, mesh["tp"], sp)
         cp_rank = mesh["cp"].get_local_rank()
         if hf:
-            from .cp import hf_context_parallel  # (lazy: cp imports torch)
             hf_context_parallel(model, mesh["cp"].get_group(), cp_rank, cp, seq_len)
         else:
             model.context_parallel(mesh["cp"].get_group(), cp_rank, cp, seq_len)
@@ -554,7 +553,6 @@ class Probe:
         import torch
         import torch.distributed as dist
 
-        from .measure import CATEGORIES  # (lazy: measure imports torch)
 
         if self.mode == "fake" or self.world_size == 1:
             return
@@ -576,44 +574,6 @@ class Probe:
             "peak_phase": phases[w[3]], "components": dict(zip(CATEGORIES, w[4:])),
             "per_rank_peak_allocated": [r[0] for r in rows], "peak_rank": worst,
         })
-
-
-PRELOAD_MODULES = (
-    "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-    "torch.distributed.optim", "torch.nn.parallel", "torch.distributed.device_mesh",
-    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "torch.utils.checkpoint",
-    # nn.Embedding's reset_parameters and the other nn.init calls made while building the model run through
-    # `torch._disable_dynamo` (torch/_compile.py), whose first call imports torch._dynamo: about 1 s alone,
-    # half of a 2-rank gloo probe's worker time when each worker imported it after the fork
-    "torch._dynamo",
-    "distplan.validate.measure", "distplan.validate.model", "distplan.validate.wrap",
-    "distplan.planner.workload.traced_model", "distplan.planner.config", "distplan.planner.model",
-)
-"""What a probe's run imports (lazily, in `Probe.run` and `wrap.py`): `preload` imports it before the
-launcher forks the workers (`validate/launch.py`)."""
-
-
-def preload(argv: list[str]) -> None:
-    """Import what the probe of `argv` (`--spec PATH ...`) will import, so that workers forked from this
-    process (validate/launch.py) start with it; transformers too when the spec is a Hugging Face model.
-    Importing only: no tensor is made, no thread or CUDA context started. The imports run with the garbage
-    collector paused and are frozen after (`workload.frozen_imports`): a worker's collections, and its
-    copy-on-write pages, leave torch's ~10^5 module objects alone."""
-    import importlib
-
-
-    try:
-        spec_path = argv[argv.index("--spec") + 1]
-        with open(spec_path) as f:
-            module = (json.load(f) or {}).get("module") or {}
-        hf = from_spec(module) if module.get("hf_config") else None
-    except (ValueError, IndexError, OSError, AttributeError, TypeError, KeyError):
-        hf = None  # the worker reports it
-    with frozen_imports():
-        for name in PRELOAD_MODULES:
-            importlib.import_module(name)
-        if hf is not None:  # transformers and the model type's modeling module (never raises: the worker
-            _preload_hf(hf)  # imports them again and reports what fails)
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,7 @@ from distplan.planner.allocator import parse_alloc_conf
 from distplan.planner.api import predict_probe
 from distplan.planner.cli import UserError, use_trace
 from distplan.planner.config import TrainConfig
+from distplan.planner.hf_config import read_hf_config
 from distplan.planner.model import ModelSpec
 from distplan.planner.module_plan import check_hf_config, probe_kernel_workspaces
 from distplan.planner.strategies import NAMES, get_strategy
@@ -22,11 +23,10 @@ from distplan.planner.workload.traced_model import parse_shape
 from distplan.planner.workload.traced_model import hf_path
 
 from . import matrix as mx
+from .matrix import HF_PP_TYPES, HF_TP_TYPES
 from . import runner
 from .render import _param_count, describe_model
-from .pp_probe import HF_PP_TYPES
 from .runner import _full_param_bytes
-from .tp_probe import HF_TP_TYPES
 from .user_code import run_bounded
 
 
@@ -56,6 +56,8 @@ def _build(p: dict, get_hw) -> dict:
         mode, world, mode_note = runner.choose_mode(hw, simulate_world_size, nproc, nnodes, explain=True)
     except ValueError as e:
         raise UserError(str(e))
+    if not (simulate_world_size or nproc or tp_default) and nnodes == 1:
+        mode, world, mode_note = _mesh_world(p, strategies, hw, mode, world, mode_note)
 
     if tp > 1 and tp_default:  # FSDP2 where the dp dimension has 2+ ranks (a dp of 1 shards nothing)
         strategies = tuple(s for s in strategies if not get_strategy(s).distributed
@@ -152,6 +154,27 @@ def _layout_strategies(p: dict, module_spec, hf_split) -> tuple:
     return strategies or tuple(NAMES), tp_default
 
 
+def _mesh_world(p: dict, strategies, hw: dict, mode: str, world: int, note: str | None) -> tuple:
+    """(mode, world, note): the default world grown to the smallest the --tp x --cp mesh fits with a
+    data-parallel dimension (FSDP2 over world / tp ranks: 2 or more; cp x tp divides the world), when a
+    data-parallel strategy was asked for and neither --nproc nor --simulate-world-size was given. On the CPU
+    that many gloo processes; on a machine with fewer GPUs, rank 0 of that world on the fake process group."""
+    tp, cp = p["tp"], p["cp"] if p["pp"] == 1 else 1
+    if tp * cp == 1 or not any(get_strategy(s).distributed for s in strategies):
+        return mode, world, note
+    need = tp * cp * (2 if cp == 1 else 1)
+    if world % (tp * cp) == 0 and world // tp >= 2:
+        return mode, world, note
+    layout = " x ".join(f"{flag} {n}" for flag, n in (("--tp", tp), ("--cp", cp)) if n > 1)
+    gpus = int(hw.get("gpus") or 0)
+    if gpus and gpus < need:
+        return "fake", need, (f"{layout} with a data-parallel dimension needs {need} ranks and this machine has "
+                              f"{gpus} GPU(s): probing rank 0 of {need} on the fake process group (as "
+                              f"--simulate-world-size {need})")
+    return mode, need, (f"{layout} with a data-parallel dimension needs {need} ranks: running {need} "
+                        f"{'processes' if mode == 'cpu' else 'GPUs'} (as --nproc {need})")
+
+
 def _pp_strategies(strategies, pp: int, cp: int, pp_schedule: str, pp_microbatches, matrix, module_spec, hf_split,
                    tp: int) -> tuple:
     """The strategies of a --pp probe, --pp's options checked."""
@@ -203,10 +226,17 @@ def _module_probe_specs(p: dict, module_spec: dict, strategies, precision: str, 
             sp["init"] = "meta"  # built on the meta device (validate/wrap.py materialize)
             sp["id"] += "/init=meta"
         specs.append(sp)
-    _check_fits(specs, hw, nnodes, hint="shorten it with --layers 2 and a smaller --seq-len" if hf else
-                "give a smaller --input-shape or module", hf_config=hf_config,
-                module=None if hf else module_spec["factory"])
-    model_label = (f"{hf_config} (transformers, {module_spec['layers'] or 'all'} layers) at "
+    scaled = None
+    if hf:
+        if module_spec["layers"] is None and module_spec.get("vocab") is None:
+            scaled = _scale_to_machine(specs, module_spec, hw, nnodes)
+        _check_fits(specs, hw, nnodes, hint="shorten it with --layers 1, a smaller --vocab or --seq-len",
+                    hf_config=hf_config)
+    else:  # a --module probe: its traced peak
+        _check_fits(specs, hw, nnodes, hint="give a smaller --input-shape or module", module=module_spec["factory"])
+    sizes = scaled or (f"{module_spec['layers'] or 'all'} layers"
+                       + (f", vocabulary {module_spec['vocab']:,}" if module_spec.get("vocab") else ""))
+    model_label = (f"{hf_config} (transformers, {sizes}) at "
                    f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
                    f"{module_spec['factory']} at input {tuple(module_spec['input_shape'])}")
     return specs, model_label
@@ -450,16 +480,19 @@ def _hf_spec(hf_config, layers, micro_batch, seq_len, other_overrides: dict, mod
     itself (planner/workload/traced_model.py), at --layers depth when given."""
     if model is not None or params is not None:
         raise click.UsageError("--hf-config and --model/--params: give only one model")
-    given = [f"--{k.replace('_', '-')}" for k, v in other_overrides.items() if v is not None]
+    given = [f"--{k.replace('_', '-')}" for k, v in other_overrides.items() if v is not None and k != "vocab"]
     if given:
         raise click.UsageError(f"{', '.join(given)} with --hf-config and the trace front end: only --layers "
-                               f"applies (edit the config.json, or use --front-end analytic)")
+                               f"and --vocab apply (edit the config.json, or use --front-end analytic)")
     try:
         check_hf_config(hf_config, seq_len)
     except ValueError as e:
         flag = "--seq-len" if str(e).startswith("--seq-len") else "--hf-config"
         raise click.BadParameter(str(e).split(": ", 1)[-1], param_hint=f"'{flag}'")
-    return {"hf_config": hf_path(hf_config), "micro_batch": micro_batch, "seq_len": seq_len, "layers": layers}
+    spec = {"hf_config": hf_path(hf_config), "micro_batch": micro_batch, "seq_len": seq_len, "layers": layers}
+    if other_overrides.get("vocab"):
+        spec["vocab"] = int(other_overrides["vocab"])
+    return spec
 
 
 def _resolve_model(model, params, hf_config, overrides: dict, device: str, implementation: bool = False) -> dict:
@@ -503,40 +536,78 @@ def _checked_model(d: dict) -> dict:
 
 
 def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = None, **flags) -> None:
-    """A user-given model must fit this machine: the predicted peak per rank, or the whole model in fp32
-    while it is built if that is more (`runner._full_param_bytes`: every probe builds its model whole
-    before wrapping shards it; a 7B model is 29 GB then and 0.5 GB per rank of 64 after `fully_shard`),
-    x local ranks <= half the free RAM (CPU ranks, fake rank 0) or <= the GPU's memory (GPU ranks)."""
+    """A probe must fit this machine (`_misfit`), each of them; else one line naming the flag (the model's,
+    or for the default model the sizes given)."""
     flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), None)
     if flag is None and specs:  # the default model at the sizes given: name them
         train = specs[0].get("train") or {}
         flag = f"--micro-batch={train.get('micro_batch')} --seq-len={train.get('seq_len')}"
         hint = hint or "give a smaller --micro-batch or --seq-len"
+    flag = flag or "the model"
     for spec in specs:
-        try:
-            peak = int(predict_probe(spec)["memory"]["peak_allocated"])
-        except Exception:
-            if spec.get("module"):  # a traced model that cannot be predicted: the probe's record says why
-                continue
-            n = _param_count(spec["model"])
-            peak = 16 * n  # fp32 params + grads + Adam's two states, unsharded
-        if spec["mode"] == "gpu" or (spec["mode"] == "fake" and hw.get("gpus")):
-            cap = min(hw.get("gpu_memory_bytes") or [0])
-            local = 1
-            where = f"one {hw.get('gpu_names', ['GPU'])[0]} ({fmt_bytes(cap)})"
-        else:
-            ram = hw.get("ram_bytes")
-            if not ram:
-                continue
-            cap = int(RAM_FRACTION * ram)
-            local = 1 if spec["mode"] == "fake" else max(1, spec["world_size"] // max(1, nnodes))
-            where = f"half the free RAM ({fmt_bytes(cap)}) across {local} local rank{'s' if local > 1 else ''}"
-        built = _full_param_bytes(spec)
-        what = ""
-        if built > peak:
-            peak, what = built, " (the whole model in fp32 while it is built, before it is wrapped)"
-        if cap and peak * local > cap:
-            raise click.UsageError(
-                f"{flag}: probe {spec['id']} needs about {fmt_bytes(peak)} per rank{what}, more than {where}; "
-                + (hint or "validate a smaller model (e.g. --params 20M, or --layers/--hidden)")
-                + " and let `distplan estimate` extrapolate")
+        why = _misfit(spec, hw, nnodes)
+        if why:
+            raise click.UsageError(f"{flag}: {why}; "
+                                   + (hint or "validate a smaller model (e.g. --params 20M, or --layers/--hidden)")
+                                   + " and let `distplan estimate` extrapolate")
+
+
+def _misfit(spec: dict, hw: dict, nnodes: int) -> str | None:
+    """Why the probe does not fit this machine, or None: the predicted peak per rank, or the whole model in
+    fp32 while it is built if that is more (`runner._full_param_bytes`: every probe builds its model whole
+    before wrapping shards it; a 7B model is 29 GB then and 0.5 GB per rank of 64 after `fully_shard`),
+    x local ranks <= half the free RAM (CPU ranks, fake rank 0) or <= the GPU's memory (GPU ranks)."""
+    try:
+        peak = int(predict_probe(spec)["memory"]["peak_allocated"])
+    except Exception:
+        if spec.get("module"):  # a traced model that cannot be predicted: the probe's record says why
+            return None
+        peak = 16 * _param_count(spec["model"])  # fp32 params + grads + Adam's two states, unsharded
+    cap, local, where = _room(spec, hw, nnodes)
+    built = _full_param_bytes(spec)
+    what = ""
+    if built > peak:
+        peak, what = built, " (the whole model in fp32 while it is built, before it is wrapped)"
+    if cap and peak * local > cap:
+        return f"probe {spec['id']} needs about {fmt_bytes(peak)} per rank{what}, more than {where}"
+    return None
+
+
+def _room(spec: dict, hw: dict, nnodes: int) -> tuple[int, int, str]:
+    """(bytes one machine gives the probe's ranks (0: unknown), its local ranks, the words for it)."""
+    if spec["mode"] == "gpu" or (spec["mode"] == "fake" and hw.get("gpus")):
+        cap = min(hw.get("gpu_memory_bytes") or [0])
+        return cap, 1, f"one {hw.get('gpu_names', ['GPU'])[0]} ({fmt_bytes(cap)})"
+    cap = int(RAM_FRACTION * (hw.get("ram_bytes") or 0))
+    local = 1 if spec["mode"] == "fake" else max(1, spec["world_size"] // max(1, nnodes))
+    return cap, local, f"half the free RAM ({fmt_bytes(cap)}) across {local} local rank{'s' if local > 1 else ''}"
+
+
+SCALE_LADDER = ((2, None), (2, 32768), (1, 32768), (1, 8192), (1, 2048))
+"""(decoder layers, largest vocabulary) tried in turn for an --hf-config probe too big for this machine when
+neither --layers nor --vocab was given: depth first (the decoder layers are alike, and `distplan estimate`
+extrapolates the traced layers to any depth), then the vocabulary (embedding and LM head, 2 x vocab x hidden
+parameters: 1.05 B of Llama-3-8B's 8.03 B). Width is kept: it sets every kernel's shape."""
+
+
+def _scale_to_machine(specs: list[dict], module_spec: dict, hw: dict, nnodes: int) -> str | None:
+    """Scale an --hf-config probe down the SCALE_LADDER to the first rung its probes fit this machine at
+    (`module_spec` is shared by `specs`, changed in place); the words for what was scaled, or None when it
+    fits as it is or no rung does (then `_check_fits` says why, at the model's own size)."""
+    if all(_misfit(sp, hw, nnodes) is None for sp in specs):
+        return None
+    config = read_hf_config(module_spec["hf_config"])
+    depth, vocab = int(config["layers"]), int(config["vocab"])
+    for layers, top in SCALE_LADDER:
+        module_spec["layers"] = min(layers, depth)
+        module_spec["vocab"] = min(top, vocab) if top and top < vocab else None
+        # a bound before any trace: fp32 params + grads + Adam's two states, whole, on each local rank
+        if any(4 * _full_param_bytes(sp) * _room(sp, hw, nnodes)[1] > _room(sp, hw, nnodes)[0]
+               for sp in specs if _room(sp, hw, nnodes)[0]):
+            continue
+        if all(_misfit(sp, hw, nnodes) is None for sp in specs):
+            return (f"{module_spec['layers']} of {depth} layers"
+                    + (f", vocabulary {module_spec['vocab']:,} of {vocab:,}" if module_spec["vocab"] else "")
+                    + ", scaled to this machine's memory; --layers, --vocab to choose")
+    module_spec["layers"] = module_spec["vocab"] = None
+    return None

@@ -152,6 +152,16 @@ def detect_hardware(timeout_s: float = 120.0) -> dict:
 
 
 def available_ram_bytes() -> int | None:
+    """The memory new processes can take without swapping: Linux's MemAvailable (free pages plus the page
+    cache and reclaimable slabs it can drop, proc(5), /proc/meminfo), else the free pages alone (MemFree:
+    on a machine that has read a few GB of files, half of what is really there)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -277,7 +287,8 @@ def _full_param_bytes(spec: dict) -> int:
     try:
         module = spec.get("module") or {}
         if module.get("hf_config"):
-            model, _ = resolve_model(hf_config=module["hf_config"], overrides={"layers": module.get("layers")})
+            model, _ = resolve_model(hf_config=module["hf_config"],
+                                     overrides={"layers": module.get("layers"), "vocab": module.get("vocab")})
         elif module:
             return 0
         else:

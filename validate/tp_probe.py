@@ -24,6 +24,9 @@ import sys
 
 from distplan.planner.model import ModelSpec
 
+from .matrix import HF_TP_TYPES
+from .model import Block, Decoder, rope_tables
+
 
 def _plan(block, sp: bool):
     from torch.distributed.tensor import Replicate, Shard
@@ -96,8 +99,6 @@ def run_case(case: dict) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from distplan.validate.model import Block, rope_tables  # (lazy: model imports torch)
-
     spec, t, sp, tr, b, s, dtype, mesh = _setup(case)
     block = Block(spec, tr.get("attention", "sdpa")).to(dtype)
     parallelize_module(block, mesh, _plan(block, sp))
@@ -162,10 +163,6 @@ def parallelize_decoder(model, mesh, sp: bool):
     return model
 
 
-HF_TP_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""transformers model types the tensor-parallel probe splits: separate q/k/v and gate/up projections
-(Phi-3's fused qkv_proj and GPT-2's Conv1D c_attn would put q, k and v on different ranks under a
-column split), pre-norms only (Gemma-2's sandwich norms are not in torchtitan's plan)."""
 
 
 def parallelize_hf(model, mesh, sp: bool):
@@ -226,8 +223,6 @@ def run_model_case(case: dict) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
-
-    from distplan.validate.model import Decoder, rope_tables  # (lazy: model imports torch)
 
     spec, t, sp, tr, b, s, dtype, mesh = _setup(case)
     model = Decoder(spec, tr.get("attention", "sdpa")).to(dtype)

@@ -6,7 +6,7 @@ are forks of it in turn), is a fork of it instead of a new interpreter.
 
 A fake-process-group probe on the CPU runs for 1-3 s, after importing torch, FSDP and DTensor for about
 5 CPU-seconds on a 2-core machine. `WarmStarter` (the runner's side) starts this process once per
-`run_validation`; it imports what a probe imports (`probe.preload`), then for each probe forks a guard
+`run_validation`; it imports what a probe imports (`preload.preload`), then for each probe forks a guard
 (validate/guard.py, unchanged: a session of its own, the probe's environment, stdout/stderr to the
 probe's files), whose child is a second fork that runs `MODULE.main(ARGS)` in-process (`fork_module`)
 instead of `python -m MODULE ARGS`. The process tree, and so every kill path, is the guard's as before,
@@ -43,8 +43,10 @@ import threading
 import time
 import traceback
 
+from distplan.planner.workload.traced_model import frozen_imports
+
 from .guard import _preexec_child, fresh_signals, set_pdeathsig
-from .probe import preload
+from .preload import preload
 from . import guard
 
 START_TIMEOUT_S = 300.0
@@ -132,7 +134,8 @@ def _exit_with(body) -> None:
 
 def _preload(cmd: list[str]) -> None:
     if is_module_command(cmd):
-        mod = importlib.import_module(cmd[2])
+        with frozen_imports():  # the probe modules import torch at their top
+            mod = importlib.import_module(cmd[2])
         if hasattr(mod, "preload"):
             mod.preload(list(cmd[3:]))  # transformers on the first Hugging Face probe, then cached
 

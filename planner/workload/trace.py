@@ -99,12 +99,12 @@ def profile_module(factory_path: str, input_shape, dtype: str = "float32") -> di
 
 def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "float32",
                layers: int | None = None, device: str = "cpu", attention: str = "sdpa",
-               checkpoint_every: int = 0) -> dict:
+               checkpoint_every: int = 0, vocab: int | None = None) -> dict:
     """`profile_workload` of a Hugging Face causal LM's config.json at micro_batch x seq_len tokens
     (`attention`: the attn_implementation, workload.HFWorkload; `checkpoint_every`: transformers' own
-    checkpointing of every k-th layer, for the step's allocation log)."""
+    checkpointing of every k-th layer, for the step's allocation log; `vocab`: its vocab_size replaced)."""
 
-    work = HFWorkload(hf_config, micro_batch, seq_len, layers, attention)
+    work = HFWorkload(hf_config, micro_batch, seq_len, layers, attention, vocab)
     depth = work.depth()
     if depth <= TRACE_LAYERS:
         return profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
@@ -112,10 +112,10 @@ def profile_hf(hf_config: str, micro_batch: int, seq_len: int, dtype: str = "flo
         traced = periodic_trace_layers(depth, checkpoint_every)
         if traced >= depth:
             return profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
-        shallow = HFWorkload(hf_config, micro_batch, seq_len, traced, attention)
+        shallow = HFWorkload(hf_config, micro_batch, seq_len, traced, attention, vocab)
         return _periodic_log(profile_workload(shallow, dtype, device=device, checkpoint_every=checkpoint_every),
                              depth, checkpoint_every, traced)
-    shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS, attention)
+    shallow = HFWorkload(hf_config, micro_batch, seq_len, TRACE_LAYERS, attention, vocab)
     return expand_layers(profile_workload(shallow, dtype, device=device, checkpoint_every=checkpoint_every),
                          depth, work, checkpoint_every)
 
@@ -127,7 +127,7 @@ def profile(work, dtype: str = "float32", device: str = "cpu", checkpoint_every:
     (workload.FactoryWorkload.enable_checkpointing), for the step's allocation log; its names as without."""
     if work.kind == "hf":
         return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers, device,
-                          work.attention, checkpoint_every)
+                          work.attention, checkpoint_every, work.vocab_size)
     prof = profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
     return _without_wrapper_names(prof) if checkpoint_every else prof
 

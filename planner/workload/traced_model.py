@@ -190,18 +190,21 @@ class HFWorkload:
     kind = "hf"
 
     def __init__(self, hf_config: str, micro_batch: int, seq_len: int, layers: int | None = None,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", vocab: int | None = None):
         if attention not in ATTENTION:
             raise ValueError(f"--attention={attention!r}: accepted values are {', '.join(ATTENTION)}")
         self.hf_config = str(hf_config)
         self.attention = attention
         self.micro_batch, self.seq_len = int(micro_batch), int(seq_len)
         self.layers = int(layers) if layers else None
+        self.vocab_size = int(vocab) if vocab else None
+        """The config's vocab_size replaced (a probe scaled to a small machine), or None: as configured."""
         self.input_shape = (self.micro_batch, self.seq_len)
 
     @property
     def label(self) -> str:
         return (f"hf:{self.hf_config}" + (f" ({self.layers} layers)" if self.layers else "")
+                + (f" (vocab {self.vocab_size})" if self.vocab_size else "")
                 + (" (eager attention)" if self.attention == "eager" else ""))
 
     @property
@@ -222,6 +225,10 @@ class HFWorkload:
             for k in HF_LAYER_KEYS:
                 if k in raw:
                     raw[k] = self.layers
+        if self.vocab_size:
+            raw["vocab_size"] = self.vocab_size
+            if isinstance(raw.get("pad_token_id"), int) and raw["pad_token_id"] >= self.vocab_size:
+                raw["pad_token_id"] = None  # nn.Embedding's padding_idx must lie inside the table
         model_type = raw.pop("model_type", None)
         raw.pop("architectures", None)
         raw.pop("torch_dtype", None)
@@ -343,6 +350,8 @@ class HFWorkload:
                 "layers": self.layers}
         if self.attention != "sdpa":  # (absent for SDPA: the specs of records made before it was a choice)
             spec["attention"] = self.attention
+        if self.vocab_size:  # (absent when as configured, as in the records made before it was a choice)
+            spec["vocab"] = self.vocab_size
         return spec
 
 
@@ -366,7 +375,7 @@ def from_spec(spec: dict):
     """The workload of a probe spec's "module" object."""
     if spec.get("hf_config"):
         return HFWorkload(spec["hf_config"], spec.get("micro_batch", 1), spec.get("seq_len", 64), spec.get("layers"),
-                          spec.get("attention", "sdpa"))
+                          spec.get("attention", "sdpa"), spec.get("vocab"))
     return FactoryWorkload(spec["factory"], spec["input_shape"], spec.get("path"))
 
 
@@ -409,7 +418,7 @@ def preload(work=None) -> None:
 def frozen_imports():
     """The body's imports with the cyclic garbage collector paused (its previous state restored after
     them), then, where the body imported anything, every object alive moved to the collector's permanent
-    generation (`gc.freeze`): see `preload`. The probes' launcher and warm process (`probe.preload`) import
+    generation (`gc.freeze`): see `preload`. The probes' launcher and warm process (validate/preload.py) import
     this way before they fork, as the `gc.freeze` documentation advises before a fork."""
     import gc
 
