@@ -227,14 +227,12 @@ def _module_probe_specs(p: dict, module_spec: dict, strategies, precision: str, 
             sp["id"] += "/init=meta"
         specs.append(sp)
     scaled = None
-    if hf:
-        if module_spec["layers"] is None and module_spec.get("vocab") is None:
-            scaled = _scale_to_machine(specs, module_spec, hw, nnodes)
-        _check_fits(specs, hw, nnodes, hint="shorten it with --layers 1, a smaller --vocab or --seq-len",
-                    hf_config=hf_config)
-    else:  # a --module probe: its traced peak
-        _check_fits(specs, hw, nnodes, hint="give a smaller --input-shape or module", module=module_spec["factory"])
-    sizes = scaled or (f"{module_spec['layers'] or 'all'} layers"
+    if hf and module_spec["layers"] is None and module_spec.get("vocab") is None:
+        scaled = _scale_to_machine(specs, module_spec, hw, nnodes)
+    _check_fits(specs, hw, nnodes, hint="shorten it with --layers 1, a smaller --vocab or --seq-len" if hf else
+                "give a smaller --input-shape or module", hf_config=hf_config,
+                module=None if hf else module_spec["factory"])
+    sizes = scaled or (f"{module_spec.get('layers') or 'all'} layers"
                        + (f", vocabulary {module_spec['vocab']:,}" if module_spec.get("vocab") else ""))
     model_label = (f"{hf_config} (transformers, {sizes}) at "
                    f"{module_spec['micro_batch']}x{module_spec['seq_len']} tokens, trace front end" if hf else
@@ -536,14 +534,13 @@ def _checked_model(d: dict) -> dict:
 
 
 def _check_fits(specs: list[dict], hw: dict, nnodes: int, hint: str | None = None, **flags) -> None:
-    """A probe must fit this machine (`_misfit`), each of them; else one line naming the flag (the model's,
-    or for the default model the sizes given)."""
+    """Every probe must fit this machine (`_misfit`); else one line naming the flag that sized it (the
+    default model: its --micro-batch and --seq-len)."""
     flag = next((f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if v is not None), None)
     if flag is None and specs:  # the default model at the sizes given: name them
         train = specs[0].get("train") or {}
         flag = f"--micro-batch={train.get('micro_batch')} --seq-len={train.get('seq_len')}"
         hint = hint or "give a smaller --micro-batch or --seq-len"
-    flag = flag or "the model"
     for spec in specs:
         why = _misfit(spec, hw, nnodes)
         if why:
