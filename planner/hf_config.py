@@ -127,6 +127,8 @@ def _hub_unreachable() -> str | None:
             result.append(None)
         except OSError as e:
             result.append(f"{host}: {' '.join((e.strerror or str(e) or type(e).__name__).split())[:120]}")
+        except Exception as e:  # noqa: BLE001 - one line, never a traceback from this thread
+            result.append(f"{host}: {type(e).__name__}")
 
     t = threading.Thread(target=connect, daemon=True, name="distplan-hub-probe")
     t.start()
