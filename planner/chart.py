@@ -328,16 +328,29 @@ def check_chart_path(path: str, flag: str = "--plot") -> str:
     return fmt
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and setting it back: POSIX has no call that only reads it)."""
+    import os
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_chart(plan, path: str, flag: str = "--plot") -> None:
     """Write the chart to `path` (format by extension) atomically: a temporary file in the same
-    folder, renamed over `path` only once complete, so a failed write (full disk) leaves the old file."""
+    folder, renamed over `path` only once complete, so a failed write (full disk) leaves the old file.
+    A symlink is followed (the file it names is replaced, the link stays); the file keeps its mode, and a
+    new one gets the mode `open` would give it (0o666 less the umask; mkstemp's own is 0o600)."""
     import os
     import tempfile
     fmt = check_chart_path(path, flag)
-    parent = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path)
+    parent = os.path.dirname(target)
     tmp = None
     try:
+        mode = os.stat(target).st_mode & 0o7777 if os.path.exists(target) else 0o666 & ~_umask()
         fd, tmp = tempfile.mkstemp(prefix=".distplan-chart-", suffix=os.path.splitext(path)[1], dir=parent)
+        os.fchmod(fd, mode)
         if fmt == "svg":
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(plan_svg(plan))
@@ -346,7 +359,7 @@ def write_chart(plan, path: str, flag: str = "--plot") -> None:
         else:
             os.close(fd)
             plot_matplotlib(plan).savefig(tmp, format=fmt)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as exc:
         raise ValueError(f"{flag}={_shown(path)}: could not write the chart ({exc.strerror or exc})") from None
     finally:

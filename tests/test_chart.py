@@ -120,3 +120,25 @@ def test_chart_imports_nothing_heavy():
             "print(any(m in sys.modules for m in ('torch', 'matplotlib')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_plot_over_a_symlink_or_a_file_keeps_the_link_and_the_mode(tmp_path):
+    """--plot onto an existing file keeps its mode (the temporary file mkstemp makes is 0o600), onto a
+    symlink replaces the file it names and leaves the link; a new file gets 0o666 less the umask."""
+    import os
+    import stat
+    p = plan("llama-3-8b", gpus=8, gpu="h100-sxm", comm=False)
+    real, link = tmp_path / "real.svg", tmp_path / "link.svg"
+    real.write_text("old")
+    os.chmod(real, 0o644)
+    link.symlink_to(real.name)
+    chart.write_chart(p, str(link))
+    assert link.is_symlink() and real.read_text().startswith("<svg")
+    assert stat.S_IMODE(real.stat().st_mode) == 0o644
+    mask = os.umask(0o022)
+    try:
+        chart.write_chart(p, str(tmp_path / "new.svg"))
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "new.svg").stat().st_mode) == 0o644
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["link.svg", "new.svg", "real.svg"]  # no temporaries left

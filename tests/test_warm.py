@@ -177,3 +177,14 @@ def test_warm_proc_waits_as_popen_does(tmp_path):
         assert proc.poll() == 3
     finally:
         starter.close()
+
+
+def test_the_warm_process_leaves_nothing_in_the_users_temp_folder(tmp_path):
+    """Its preload imports torch._dynamo, which makes inductor's cache folder under $TMPDIR: in a folder of
+    the warm process's own, removed by close() (a multi-probe validate left $TMPDIR/torchinductor_root)."""
+    from distplan.validate.probe_run import probe_base_env
+    starter = warm.WarmStarter(dict(probe_base_env(), TMPDIR=str(tmp_path)))
+    own = starter._tmp
+    starter.close()  # its preload runs before it reads the closed pipe
+    assert starter.proc.returncode == 0
+    assert list(tmp_path.iterdir()) == [] and not os.path.exists(own)

@@ -36,9 +36,11 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -162,7 +164,6 @@ def _start_guard(req: dict, proto_fds: tuple[int, int]) -> int:
             os.close(f)
         os.environ.clear()
         os.environ.update(req["env"])
-        import tempfile
         tempfile.tempdir = None  # computed again from the probe's TMPDIR (inside its folder)
         fresh_signals()
         return guard.main(argv, start=fork_module)
@@ -228,10 +229,14 @@ class WarmStarter:
 
     def __init__(self, env: dict):
         # its own stderr is only its imports' (each guard and probe writes to the probe's files): an import
-        # that fails shows as the error of the first `start()`, and the runner starts new processes instead
+        # that fails shows as the error of the first `start()`, and the runner starts new processes instead.
+        # Its TMPDIR is a folder of its own, removed by `close()`: importing torch._dynamo (the preload) makes
+        # inductor's cache folder, $TMPDIR/torchinductor_$USER (torch/_inductor/runtime/cache_dir_utils.py,
+        # default_cache_dir), which would otherwise stay behind in the user's temp folder.
+        self._tmp = tempfile.mkdtemp(prefix="distplan-warm-")
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid())], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     env=dict(env, TMPDIR=self._tmp), start_new_session=True)
         self._cond = threading.Condition()
         self._answers: dict[int, dict] = {}
         self._rcs: dict[int, int] = {}
@@ -308,6 +313,7 @@ class WarmStarter:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 class WarmProc:
