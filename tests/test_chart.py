@@ -17,7 +17,7 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 @pytest.fixture(scope="module")
 def p7():
-    return plan(params="7B", gpus=8, gpu_mem=80)
+    return plan(params="7B", gpus=8, gpu_mem="80GiB")
 
 
 def _bars(root):
@@ -91,7 +91,7 @@ def test_html_has_table_svg_and_recommendation(p7):
 
 def test_small_model_off_scale_line():
     spec = ModelSpec(name="tiny", layers=2, hidden=64, heads=4, kv_heads=4, ffn_hidden=128, vocab=256)
-    q = plan(spec, gpus=2, gpu_mem=80, seq_len=32)
+    q = plan(spec, gpus=2, gpu_mem="80GiB", seq_len=32)
     root = ET.fromstring(q.svg())
     assert len(_bars(root)) == len(q.results)
     labels = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "gpu-mem-label"]
