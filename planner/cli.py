@@ -21,7 +21,7 @@ from .allocator import parse_alloc_conf
 from .chart import check_chart_path, write_chart
 from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINTING, CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, FRAMEWORKS,
                      GRAD_SYNC, OFFLOAD, PP_SCHEDULES)
-from .front_end import FRONT_ENDS, use_trace
+from .front_end import DEVICES, FRONT_ENDS, use_trace
 from .hf_config import resolve_hf_config
 from .from_flags import build_plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS
@@ -138,7 +138,8 @@ def training_options(fn):
                           "set_requires_gradient_sync(False) before it) or on every micro-step."),
         click.option("--precision", type=click.Choice(PRECISIONS), default="bf16-mixed", show_default=True),
         click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True),
-        click.option("--optimizer-impl", type=click.Choice(OPTIMIZER_IMPLS), default="foreach", show_default=True),
+        click.option("--optimizer-impl", type=click.Choice(OPTIMIZER_IMPLS), default=None,
+                     help="Default: PyTorch's for the target (--device): foreach on cuda, for-loop on cpu."),
         click.option("--activation-checkpointing", type=click.Choice(CHECKPOINTING), default="none", show_default=True),
         click.option("--attention", type=click.Choice(ATTENTION), default="sdpa", show_default=True,
                      help="eager: the (B, heads, S, S) scores materialized (transformers' "
@@ -325,6 +326,10 @@ def main():
               "FILE.png or FILE.pdf (matplotlib: pip install 'distplan[plot]').")
 @click.option("--module", metavar="PKG.MOD:FACTORY", help="Any nn.Module from a factory (needs torch).")
 @click.option("--input-shape", metavar="N,C,H,W", help="Example input shape for --module.")
+@click.option("--device", "device", type=click.Choice(DEVICES), default=None,
+              help="The target planned: cuda (default: what a catalog GPU runs: CUDA's kernels, autocast lists "
+                   "and caching allocator) or cpu (the same step on the CPU, as the CPU probes run it; trace "
+                   "front end only).")
 @output_options
 @_fail_on_value_error
 def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):

@@ -14,6 +14,39 @@ from .units import check_count, short_repr
 
 FRONT_ENDS = ("auto", "analytic", "trace")
 
+DEVICES = ("cuda", "cpu")
+"""The targets a plan follows (`--device`): "cuda", what PyTorch runs on a catalog GPU (NVIDIA's, and AMD's
+through ROCm, which PyTorch also names "cuda"): CUDA's kernels, autocast lists (workload/cuda_autocast.py),
+optimizer defaults, library workspaces and caching allocator; "cpu", the same step on the CPU, as the CPU
+probes of `distplan validate` run it (the CPU's kernels and autocast lists, no caching allocator)."""
+BACKEND = {"cuda": "nccl", "cpu": "gloo"}
+"""The process-group backend each target's collectives run on (the device footprint follows it)."""
+
+
+def planned_device(kw: dict) -> str:
+    """The target of a plan: `--device` where given, else the GPU's: every catalog GPU runs PyTorch's
+    "cuda" device, so "cuda". A ValueError naming the flag for any other value."""
+    device = kw.get("device") or "cuda"
+    if device not in DEVICES:
+        raise ValueError(f"--device={short_repr(device)}: accepted values are {', '.join(DEVICES)}")
+    return device
+
+
+def default_optimizer_impl(device: str) -> str:
+    """PyTorch's default implementation of Adam/AdamW/SGD on the target: foreach where every parameter is on a
+    device with foreach kernels ("cuda"), else the for-loop (torch/optim/optimizer.py
+    `_default_to_fused_or_foreach`; torch/utils/_foreach_utils.py `_get_foreach_kernels_supported_devices`)."""
+    return "foreach" if device == "cuda" else "for-loop"
+
+
+def target_line(device: str) -> str:
+    """The plan's header line naming its target."""
+    if device == "cpu":
+        return ("target: cpu (--device): the CPU's kernels and autocast lists, as the CPU probes run the step; "
+                "(the reserved peak still replays CUDA's caching allocator)")
+    return ("target: cuda (--device): CUDA's kernels, autocast lists, optimizer defaults, library workspaces "
+            "and caching allocator")
+
 
 def analytic_only(kw: dict) -> str | None:
     """The first flag in `kw` that only the analytic front end models (the parallel layouts and the
@@ -58,6 +91,11 @@ def check_flags(kw: dict, strategies=()) -> list[str]:
     for s in strategies:  # a name is echoed cut to 60 characters, on the trace path too
         if s not in NAMES:
             raise ValueError(f"--strategy={short_repr(s)}: accepted: {', '.join(NAMES)}")
+    if planned_device(kw) != "cuda" and not (kw.get("module") or use_trace(kw)):
+        raise ValueError(f"--device={kw['device']}: the analytic front end plans CUDA's kernels only; the CPU "
+                         f"target is planned by the trace front end (--hf-config with --front-end trace, or --module)")
+    if not kw.get("optimizer_impl"):  # (a caller's kw without it: api.plan's default)
+        kw["optimizer_impl"] = default_optimizer_impl(planned_device(kw))
     if kw.get("hf_config") is not None:  # its sizes too, before the trace imports torch
         load_hf_config(kw["hf_config"])
     return strategies

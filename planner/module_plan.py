@@ -91,6 +91,7 @@ from distplan.planner.workload.trace import profile
 from distplan.planner.workload.traced_model import FactoryWorkload, HFWorkload, from_spec, hf_path, parse_shape, preload
 
 from .compute import _gpu
+from .front_end import BACKEND, planned_device, target_line
 from .config import CHECKPOINTING, Cluster, GRAD_SYNC, checkpoint_every
 from .hardware import catalog_name
 from .hf_config import read_hf_config
@@ -167,6 +168,7 @@ class ModulePlan(Plan):
             f"measured on fake tensors in {self.profile_s:.2f} s",
             f"cluster: {c.gpus} x {c.gpu_name} ({c.gpu_memory_bytes / 2**30:.2f} GiB) in {c.nodes} node(s) of "
             f"{c.gpus_per_node}; intra {c.intra_link}, inter {c.inter_link} x {c.nics_per_node}",
+            target_line(self.device),
         ] + [f"note: {x}" for x in self.notes]
 
     @property
@@ -178,10 +180,10 @@ class ModulePlan(Plan):
         results were made; where the trace's own run is not written, the reserved peak paired with the analytic
         twin's on that cluster."""
         gpu = load_catalog(tuple(cluster.catalog_dirs)).gpu(cluster.gpu_name)
-        twin = analytic_twins(self.kw, cluster)[0] if self.twin is not None and self.kw else None
+        twin = analytic_twins(self.kw, cluster, self.device, BACKEND[self.device])[0] if self.twin is not None and self.kw else None
         hf = bool(self.kw and self.kw.get("hf_config") and not self.kw.get("module"))
         r = module_result(self.descs, self.train, cluster, name, gpu, self.workspaces, twin, self.desc.batch,
-                          "meta" if hf else "device")
+                          "meta" if hf else "device", self.device)
         if twin is not None:
             pair_reserved(r.memory, twin(name, self.desc.batch))
         return r
@@ -191,7 +193,7 @@ class ModulePlan(Plan):
         d = self.desc
         inputs = {"module": self.train.model.factory, "model": self.train.model.to_dict(),
                   "model_params": d.param_count(), "train": self.train.to_dict(),
-                  "cluster": self.cluster.to_dict(), "notes": list(self.notes),
+                  "cluster": self.cluster.to_dict(), "device": self.device, "notes": list(self.notes),
                   "profile": {regime: {"activation_bytes": x.activation_bytes, "output_bytes": x.output_bytes,
                                        "buffers_bytes": x.buffers_bytes, "forward_flops": x.forward_flops,
                                        "segments": [list(s) for s in x.segments]}
@@ -331,13 +333,14 @@ def _trace_regimes(work, names: list, precision: str, kw: dict) -> tuple:
     failed: dict[str, str] = {}  # regime -> the trace's one-line error
     profile_s = 0.0
     unrunnable: dict[str, str] = {}  # strategy -> why PyTorch cannot train the module so
+    device = planned_device(kw)
 
     def trace(regime: str) -> None:
         nonlocal profile_s
         if regime in descs or regime in failed:
             return
         try:
-            prof = profile(work, regime, "cuda")  # a plan is for GPUs: the bytes CUDA's kernels keep
+            prof = profile(work, regime, device)  # the target's kernels (front_end.planned_device)
         except ValueError as exc:
             # a model that traces in one regime and not another (an op whose meta function refuses a
             # dtype; torch 2.13's grouped_mm refused fp32 before workload.trace._grouped_mm_any_dtype):
@@ -348,7 +351,7 @@ def _trace_regimes(work, names: list, precision: str, kw: dict) -> tuple:
         every = checkpoint_every(kw.get("activation_checkpointing") or "none")
         if every:  # the checkpointed run's allocations (its recomputations), for its replay
             try:
-                ck = profile(work, regime, "cuda", every)
+                ck = profile(work, regime, device, every)
                 desc = desc.with_checkpointed_log(ModuleDesc.from_profile(ck), every)
                 profile_s += ck["profile_s"]
             except ValueError:  # (the walk still plans it; its reserved peak is the margin's)
@@ -449,6 +452,7 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     `kw` holds the `estimate` command's options (see from_flags.build_plan). Raises ValueError naming the flag.
     """
     hf, work, shape, precision = _workload_of(kw, strategies)
+    device = planned_device(kw)
 
     cluster, notes = resolve_cluster(kw.get("gpus"), kw.get("gpus_per_node"), kw.get("gpu"), kw.get("gpu_mem"),
                                      kw.get("node"), kw.get("intra"), kw.get("inter"), kw.get("nics_per_node"),
@@ -489,11 +493,11 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     notes += ws_notes
 
     gpu = load_catalog(tuple(kw.get("catalog_dirs") or ())).gpu(cluster.gpu_name)
-    twin, why = analytic_twins(kw, cluster) if hf else (None, None)
+    twin, why = analytic_twins(kw, cluster, device, BACKEND[device]) if hf else (None, None)
     # a transformers model's plan builds it under FSDP on the meta device, as the analytic front end's does
     # (a 47B Mixtral built whole on each GPU first does not fit); the probes build it on the device
-    results = [module_result(descs, train, cluster, n, gpu, workspaces, twin, desc.batch, "meta" if hf else "device")
-               for n in names]
+    results = [module_result(descs, train, cluster, n, gpu, workspaces, twin, desc.batch, "meta" if hf else "device",
+                             device) for n in names]
     fsdp2 = [n for n in names if get_strategy(n).fsdp2]
     padding = fsdp2_padding_note(desc, fsdp2, _shard_group(get_strategy(fsdp2[0]), cluster)[1]) if fsdp2 else None
     if padding:
@@ -510,18 +514,18 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     reserved = _reserved_peak_note(results, hf, twin, why, desc.batch)
     if reserved:
         notes.append(reserved)
-    return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s,
+    return ModulePlan(train, cluster, results, notes, None, device=device, desc=desc, descs=descs, profile_s=profile_s,
                       workspaces=workspaces, twin=twin, kw=dict(kw))
 
 
 def module_result(descs: dict, train: ModuleTrain, cluster: Cluster, name: str, gpu, workspaces: dict, twin,
-                  batch: int, init: str = "device") -> StrategyResult:
+                  batch: int, init: str = "device", device: str = "cuda") -> StrategyResult:
     """One strategy's prediction for a traced workload: the memory walk and collectives of the trace in the
     strategy's precision regime, the step time of the analytic twin where there is one, else the trace's.
     `init`: estimate_module_memory's."""
     st = get_strategy(name)
     d = _desc_for(descs, train.precision, st.family)
-    mem = estimate_module_memory(d, train, cluster, st, workspaces=workspaces, init=init)
+    mem = estimate_module_memory(d, train, cluster, st, device, BACKEND[device], workspaces=workspaces, init=init)
     if twin is not None:
         pair_tied(mem, d, twin(name, batch))
     colls = module_collectives(d, train, cluster, name)

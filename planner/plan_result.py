@@ -30,6 +30,8 @@ class Plan:
     """The layout search (`layout.LayoutSearch`) when `recommend` searched the mesh: this plan's train
     config is then the picked layout's (or the one given, when nothing fits anywhere)."""
     _recommendation: Any = field(default=None, repr=False, compare=False)
+    device: str = "cuda"
+    """The target planned (front_end.DEVICES): whose kernels, autocast lists and allocator the memory follows."""
 
     def __getitem__(self, name: str) -> StrategyResult:
         for r in self.results:
@@ -67,7 +69,7 @@ class Plan:
         rec = self.recommendation
         inputs = {"model": self.train.model.to_dict(), "model_params": self.train.model.param_count(),
                   "train": {k: v for k, v in self.train.to_dict().items() if k != "model"},
-                  "cluster": self.cluster.to_dict(), "notes": list(self.notes)}
+                  "cluster": self.cluster.to_dict(), "device": self.device, "notes": list(self.notes)}
         t, p, c = self.train.tp, self.train.pp, self.train.cp
         inputs["mesh"] = {"pp": p, "dp": self.cluster.gpus // (t * p * c), "cp": c, "tp": t,
                           "sequence_parallel": self.train.sequence_parallel}

@@ -19,6 +19,7 @@ import os
 import sys
 
 from .chart import plan_html as _html, plan_svg as _svg, plot_matplotlib as _plot
+from .front_end import target_line
 from .pp import bubble_fraction
 from .units import fmt_bytes, fmt_count, fmt_gib, fmt_seconds
 
@@ -124,6 +125,7 @@ def header(plan) -> str:
         f"cluster: {c.gpus} x {c.gpu_name} ({fmt_gib(c.gpu_memory_bytes)} GiB) in {c.nodes} node(s) of "
         f"{c.gpus_per_node}; intra {c.intra_link}, inter {c.inter_link} x {c.nics_per_node} per node"
         + (f" ({c.inter_bytes_per_s * 8 / 1e9:g} Gbit/s per node)" if c.inter_bytes_per_s else ""),
+        target_line(getattr(plan, "device", "cuda")),
     ]
     for n in plan.notes:
         lines.append(f"note: {n}")

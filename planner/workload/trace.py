@@ -528,7 +528,7 @@ def _traced_step(torch, work, model, rec: _ForwardRecorder, inputs, handles: lis
     # over the forward and the backward (the grouped GEMMs' gradients)
     with _grouped_mm_any_dtype(torch):
         try:
-            with work.trace_context(), _cuda_kernels(torch) if device == "cuda" else contextlib.nullcontext(), \
+            with work.trace_context(), _cuda_kernels(torch, autocast) if device == "cuda" else contextlib.nullcontext(), \
                     _quiet_fake_tensor_log(), bwd.forward_mode, \
                     torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), \
                     torch.autocast("cpu", dtype=tdtype, enabled=autocast):
@@ -549,7 +549,7 @@ def _traced_step(torch, work, model, rec: _ForwardRecorder, inputs, handles: lis
             # buckets in that order after the first iteration (`Reducer::rebuild_buckets`).
             ready, hooks = _record_grad_ready(model, owner, bwd)
             # (a checkpointed unit's recomputation runs the forward's kernels again: CUDA's, as traced)
-            with _cuda_kernels(torch) if device == "cuda" and checkpoint_every else contextlib.nullcontext():
+            with _cuda_kernels(torch, autocast) if device == "cuda" and checkpoint_every else contextlib.nullcontext():
                 if loss.requires_grad:
                     bwd.run(loss, len(segments))
             for h in hooks:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from .cuda_autocast import cuda_autocast
+
 
 @contextlib.contextmanager
 def _quiet_fake_tensor_log():
@@ -30,8 +32,9 @@ tensors; "cuda" makes the two calls whose CPU kernel saves other tensors than CU
 
 
 @contextlib.contextmanager
-def _cuda_kernels(torch):
-    """While tracing for a GPU, the two choices where CPU and CUDA kernels keep different tensors:
+def _cuda_kernels(torch, autocast: bool = False):
+    """While tracing for a GPU, the choices where CPU and CUDA kernels keep different tensors (`autocast`:
+    under autocast, CUDA's cast lists instead of the CPU's: cuda_autocast.py), and the two kernels:
 
     - `scaled_dot_product_attention`: CUDA picks flash (16-bit, no mask, head_dim <= 256, grouped KV heads
       allowed) or memory-efficient attention (any dtype and a mask, but no grouped KV heads:
@@ -54,8 +57,8 @@ def _cuda_kernels(torch):
 
     def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         grouped = bool(enable_gqa) and query.size(-3) != key.size(-3)
-        # under autocast (CPU's stands in for CUDA's), CUDA casts SDPA's inputs to the 16-bit dtype
-        # (`scaled_dot_product_attention` is in autocast_mode.cpp's lower_precision_fp list)
+        # under autocast (CPU's context carries CUDA's: cuda_autocast.py), CUDA casts SDPA's inputs to the
+        # 16-bit dtype (`scaled_dot_product_attention` is in autocast_mode.h's AT_FORALL_LOWER_PRECISION_FP)
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
         flash = dtype in lowp and attn_mask is None and query.size(-1) <= 256
         if grouped and not flash:  # no fused CUDA kernel takes it: the math composite, as on a GPU
@@ -72,7 +75,8 @@ def _cuda_kernels(torch):
 
     F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
     try:
-        yield
+        with cuda_autocast(torch) if autocast else contextlib.nullcontext():
+            yield
     finally:
         F.scaled_dot_product_attention, F.dropout = sdpa, dropout
 
