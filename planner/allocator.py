@@ -68,6 +68,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 from .strategies import FSDP1, FSDP2
+from .units import short_repr
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -125,7 +126,7 @@ def alloc_rounding(conf: str, flag: str = "--alloc-conf") -> tuple | None:
             divisions = _parse_divisions(value, flag)
         elif key == "max_non_split_rounding_mb":
             if not (value.isdigit() and int(value) >= LARGE_BUFFER >> 20):
-                raise ValueError(f"{flag}: max_non_split_rounding_mb:{value!r}: accepted: an integer of at least "
+                raise ValueError(f"{flag}: max_non_split_rounding_mb:{short_repr(value)}: accepted: an integer of at least "
                                  f"{LARGE_BUFFER >> 20} (MiB)")
             non_split = int(value) << 20
     if divisions is None and non_split is None:
@@ -136,18 +137,18 @@ def alloc_rounding(conf: str, flag: str = "--alloc-conf") -> tuple | None:
 def _parse_divisions(value: str, flag: str) -> tuple:
     def pow2(x: str, what: str, zero: bool = False) -> int:
         if not x.isdigit() or (int(x) & (int(x) - 1)) or (int(x) == 0 and not zero):
-            raise ValueError(f"{flag}: roundup_power2_divisions:{value!r}: {what} {x!r}: accepted: a power of two"
+            raise ValueError(f"{flag}: roundup_power2_divisions:{short_repr(value)}: {what} {x!r}: accepted: a power of two"
                              + (" or 0" if zero else ""))
         return int(x)
     if not value.startswith("["):
         return (pow2(value, "divisions"),) * 16
     if not value.endswith("]"):
-        raise ValueError(f"{flag}: roundup_power2_divisions:{value!r}: accepted: N or [MiB:N,...,>:N]")
+        raise ValueError(f"{flag}: roundup_power2_divisions:{short_repr(value)}: accepted: N or [MiB:N,...,>:N]")
     out, first, last = [0] * 16, True, 0
     for pair in filter(None, (x.strip() for x in value[1:-1].split(","))):
         start, sep, d = (x.strip() for x in pair.partition(":"))
         if not sep:
-            raise ValueError(f"{flag}: roundup_power2_divisions:{value!r}: accepted: N or [MiB:N,...,>:N]")
+            raise ValueError(f"{flag}: roundup_power2_divisions:{short_repr(value)}: accepted: N or [MiB:N,...,>:N]")
         n = pow2(d, "divisions", zero=True)
         if start == ">":
             out[last:] = [n] * (16 - last)
@@ -418,17 +419,17 @@ def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int |
         if key.replace("hip", "cuda") in ALLOC_CONF_KEYS and sep:  # ROCm builds spell them with hip
             key = key.replace("hip", "cuda")
         if key not in ALLOC_CONF_KEYS or not sep:
-            raise ValueError(f"{flag}={item!r}: accepted: comma-separated key:value with key one of "
+            raise ValueError(f"{flag}={short_repr(item)}: accepted: comma-separated key:value with key one of "
                              f"{', '.join(ALLOC_CONF_KEYS)} (PYTORCH_CUDA_ALLOC_CONF)")
         if key == "expandable_segments":
             if value not in ("True", "False"):
-                raise ValueError(f"{flag}: expandable_segments:{value!r}: accepted: True or False")
+                raise ValueError(f"{flag}: expandable_segments:{short_repr(value)}: accepted: True or False")
             expandable = value == "True"
         elif key == "max_split_size_mb":
             # parseMaxSplitSize: a size in MiB of at least kLargeBuffer / 1 MiB (20; c10/core/AllocatorConfig.cpp,
             # where c10/cuda/CUDAAllocatorConfig.cpp had asked for more than 20); "max" leaves it unlimited
             if value != "max" and not (value.isdigit() and int(value) >= LARGE_BUFFER >> 20):
-                raise ValueError(f"{flag}: max_split_size_mb:{value!r}: accepted: an integer of at least "
+                raise ValueError(f"{flag}: max_split_size_mb:{short_repr(value)}: accepted: an integer of at least "
                                  f"{LARGE_BUFFER >> 20} (MiB)")
             max_split = None if value == "max" else int(value) << 20
         elif key == "garbage_collection_threshold":
@@ -437,7 +438,7 @@ def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int |
             except ValueError:
                 ok = False
             if not ok:  # parseGarbageCollectionThreshold
-                raise ValueError(f"{flag}: garbage_collection_threshold:{value!r}: accepted: a number between 0 "
+                raise ValueError(f"{flag}: garbage_collection_threshold:{short_repr(value)}: accepted: a number between 0 "
                                  f"and 1")
             # CUDACachingAllocator.cpp `malloc`: garbage_collect_cached_blocks runs only when `set_fraction`
             # (torch.cuda.set_per_process_memory_fraction was called): without it the option does nothing
@@ -445,7 +446,7 @@ def parse_alloc_conf(conf: str, flag: str = "--alloc-conf") -> tuple[bool, int |
                          "which the replay does not model (without it the replay is exact)")
         elif key == "backend":
             if value not in ("native", "cudaMallocAsync", "hipMallocAsync"):
-                raise ValueError(f"{flag}: backend:{value!r}: accepted: native or cudaMallocAsync")
+                raise ValueError(f"{flag}: backend:{short_repr(value)}: accepted: native or cudaMallocAsync")
             if value != "native":
                 notes.append("backend:cudaMallocAsync: CUDA's stream-ordered allocator reserves by its own pool's "
                              "rules; the reserved peak shown is the native caching allocator's")

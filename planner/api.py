@@ -90,6 +90,8 @@ def _checked_strategies_and_tokens(strategies, tokens) -> tuple:
     if strategies is not None and not isinstance(strategies, (list, tuple, set, frozenset)):
         raise ValueError(f"strategies={short_repr(strategies)}: accepted: a list of names from "
                          f"{', '.join(NAMES)}")
+    if strategies is not None:  # one row per strategy, in the order given
+        strategies = list(dict.fromkeys(strategies)) if all(isinstance(s, str) for s in strategies) else strategies
     if tokens is not None:
         if isinstance(tokens, str):
             tokens = parse_count(tokens, "--tokens")
@@ -243,6 +245,9 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             is auto).
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
     """
+    for name, flag in (("comm", comm), ("detect_local", detect_local)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={short_repr(flag)}: accepted: True or False")
     catalog_dirs = catalog_dirs_tuple(catalog_dirs)
     if front_end != "analytic":
         traced = _plan_by_trace(strategies, dict(

@@ -545,3 +545,25 @@ def test_most_pipeline_micro_batches_accepted_answer_in_bounded_work(schedule):
     from distplan.planner.pp_schedule import PP_MICROBATCHES_WALKED
     _answer({"cli": ["estimate", "--model", "llama-2-7b", "--pp", "2", "--pp-schedule", schedule,
                      "--pp-microbatches", str(PP_MICROBATCHES_WALKED)]})
+
+
+# -- issue 62 item 9: the API's small leaks -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(alloc_conf="x" * 10**6), "--alloc-conf="),
+    (dict(alloc_conf="expandable_segments:" + "y" * 10**6), "expandable_segments:"),
+    (dict(comm="no"), "comm='no': accepted: True or False"),
+    (dict(detect_local="yes"), "detect_local='yes': accepted: True or False"),
+])
+def test_plan_refuses_in_one_short_line(kw, says):
+    from distplan.planner.api import plan
+    with pytest.raises(ValueError) as e:
+        plan("llama-3-8b", gpus=8, **kw)
+    msg = str(e.value)
+    assert says in msg and len(msg) < 500 and "\n" not in msg, msg[:200]
+
+
+def test_a_strategy_named_twice_is_planned_once():
+    from distplan.planner.api import plan
+    assert [r.name for r in plan("llama-3-8b", gpus=8, strategies=["ddp", "ddp", "zero3", "ddp"]).results] == \
+        ["ddp", "zero3"]
