@@ -103,12 +103,12 @@ from .module_step import census_seconds, module_collectives, module_time, traced
 from .module_twin import TWIN_TOLERANCE, analytic_twins, pair_reserved, pair_tied, twin_time
 from .plan_result import Plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, get_precision
-from .ranking import TIE_FRACTION, _headroom_ok, _rank
+from .ranking import HEADROOM_FRACTION, TIE_FRACTION, _headroom_ok, _rank, headroom_warning
 from .recommend import Recommendation, _reasons
 from .resolve import resolve_cluster
 from .strategies import NAMES, Strategy, get_strategy
 from .strategy_result import StrategyResult, drop_conflicts
-from .units import fmt_count, fmt_gib
+from .units import fmt_count, fmt_gib, parse_headroom
 
 
 # what the trace front end offers, here and from the modules it is split into (module_desc, module_step,
@@ -219,7 +219,7 @@ def _unit_runs(units) -> list[str]:
 def module_recommend(plan: ModulePlan):
     """recommend.recommend's rule, with the largest batch from the module's linear scaling."""
     results = plan.results
-    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits_cleanly]
+    ok = [r for r in results if _headroom_ok(r, plan.headroom)] or [r for r in results if r.fits_cleanly]
 
     def fits(name: str, batch: int) -> bool:
         st = get_strategy(name)
@@ -259,7 +259,7 @@ def module_recommend(plan: ModulePlan):
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(best.name, mid) else (lo, mid)
-    return Recommendation(best.name, reasons, lo)
+    return Recommendation(best.name, reasons, lo, warning=headroom_warning(best, plan.headroom))
 
 
 def _checkpointing_change(plan: ModulePlan, names: list[str]) -> str | None:
@@ -510,8 +510,10 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     reserved = _reserved_peak_note(results, hf, twin, why, desc.batch)
     if reserved:
         notes.append(reserved)
+    headroom = kw.get("headroom")
     return ModulePlan(train, cluster, results, notes, None, desc=desc, descs=descs, profile_s=profile_s,
-                      workspaces=workspaces, twin=twin, kw=dict(kw))
+                      workspaces=workspaces, twin=twin, kw=dict(kw),
+                      headroom=HEADROOM_FRACTION if headroom is None else parse_headroom(headroom))
 
 
 def module_result(descs: dict, train: ModuleTrain, cluster: Cluster, name: str, gpu, workspaces: dict, twin,

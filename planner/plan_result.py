@@ -9,6 +9,7 @@ from typing import Any
 
 from .config import Cluster, TrainConfig
 from .pp import bubble_fraction
+from .ranking import HEADROOM_FRACTION
 from .recommend import recommend
 from .report import plan_html, plan_svg, plot_matplotlib
 from .strategy_result import StrategyResult, evaluate
@@ -29,6 +30,8 @@ class Plan:
     search: Any = None
     """The layout search (`layout.LayoutSearch`) when `recommend` searched the mesh: this plan's train
     config is then the picked layout's (or the one given, when nothing fits anywhere)."""
+    headroom: float = HEADROOM_FRACTION
+    """The fraction of GPU memory the recommendation must leave free (--headroom; ranking._headroom_ok)."""
     _recommendation: Any = field(default=None, repr=False, compare=False)
 
     def __getitem__(self, name: str) -> StrategyResult:
@@ -48,7 +51,8 @@ class Plan:
         recommend's smallest change); a Plan whatever this plan's class."""
         return Plan(train, cluster, [evaluate(train, cluster, r.strategy, checkpoint=checkpoint,
                                               storage_bytes_per_s=storage_bytes_per_s) for r in self.results],
-                    list(self.notes), checkpoint=checkpoint, storage_bytes_per_s=storage_bytes_per_s)
+                    list(self.notes), checkpoint=checkpoint, storage_bytes_per_s=storage_bytes_per_s,
+                    headroom=self.headroom)
 
     @property
     def recommendation(self):

@@ -260,6 +260,8 @@ def render_estimate(plan, table_format: str = "simple") -> str:
     rec = plan.recommendation
     parts += recommended_rows(plan, table_format)
     parts += ["", wrap(f"recommendation: {rec.summary}")]
+    if rec.warning:
+        parts.append(wrap(f"warning: {rec.warning}"))
     return "\n".join(parts)
 
 

@@ -222,6 +222,26 @@ def test_catalog_show_prints_figures_without_float_noise():
     assert "9999999" not in r.output
 
 
+@pytest.mark.parametrize("name", ["h100-sxm", "llama-3-8b", "dgx-h100", "eth-100g-tcp"])
+def test_catalog_show_prints_text_not_python_reprs(name):
+    """Issue 61 item 7: tables as indented lines, sizes with their unit, one source a line."""
+    entry = load_catalog().entry(name)
+    r = run("catalog", "show", name)
+    assert r.exit_code == 0, r.output
+    assert not re.search(r"[{}\[\]]'|'[,:]|True|False", r.output), r.output
+    tables = [k for k, v in entry.to_dict().items() if isinstance(v, dict)]
+    for k in tables:
+        assert f"  {k}:\n" in r.output
+    sources = entry.to_dict()["source"]
+    assert all(f"    - {x}" in r.output for x in (sources if isinstance(sources, list) else [sources]))
+
+
+def test_catalog_show_gives_sizes_their_unit():
+    r = run("catalog", "show", "h100-sxm")
+    gib = load_catalog().gpu("h100-sxm").memory_bytes / 2**30
+    assert f"memory_bytes: {load_catalog().gpu('h100-sxm').memory_bytes:,} ({gib:.2f} GiB)" in r.output
+
+
 def test_catalog_notes_are_whole_sentences():
     r = run("catalog", "show", "h100-sxm")
     notes = next(x for x in r.output.splitlines() if x.strip().startswith("notes:"))
