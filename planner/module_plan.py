@@ -103,6 +103,7 @@ from .module_step import census_seconds, module_collectives, module_time, traced
 from .module_twin import TWIN_TOLERANCE, analytic_twins, pair_reserved, pair_tied, twin_time
 from .plan_result import Plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, get_precision
+from .accuracy import error_band
 from .ranking import HEADROOM_FRACTION, TIE_FRACTION, _headroom_ok, _rank, headroom_warning
 from .recommend import Recommendation, _reasons
 from .resolve import resolve_cluster
@@ -173,6 +174,11 @@ class ModulePlan(Plan):
     def recommendation(self):
         return module_recommend(self)
 
+    @property
+    def error_front_end(self) -> str:
+        hf = bool(self.kw and self.kw.get("hf_config") and not self.kw.get("module"))
+        return "trace-hf" if hf else "trace-module"
+
     def evaluate_on(self, cluster: Cluster, name: str) -> StrategyResult:
         """The traced workload under strategy `name` on another cluster (Plan.evaluate_on), as the plan's own
         results were made; where the trace's own run is not written, the reserved peak paired with the analytic
@@ -197,7 +203,7 @@ class ModulePlan(Plan):
                                        "segments": [list(s) for s in x.segments]}
                               for regime, x in self.descs.items()}}
         return {"inputs": inputs, "strategies": [r.to_dict() for r in self.results],
-                "recommendation": rec.to_dict()}
+                "recommendation": rec.to_dict(), "error_band": error_band(self.error_front_end)}
 
 
 def _unit_runs(units) -> list[str]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Cluster, TrainConfig
+from .accuracy import error_band
 from .pp import bubble_fraction
 from .ranking import HEADROOM_FRACTION
 from .recommend import recommend
@@ -63,6 +64,11 @@ class Plan:
         return self._recommendation
 
     @property
+    def error_front_end(self) -> str:
+        """Which measured error band applies to this plan (accuracy.py)."""
+        return "analytic"
+
+    @property
     def best(self) -> StrategyResult | None:
         rec = self.recommendation
         return self[rec.strategy] if rec.strategy else None
@@ -91,6 +97,7 @@ class Plan:
                 d["time_to_train_s"] = self.tokens / r.time.tokens_per_s
             out["strategies"].append(d)
         out["recommendation"] = rec.to_dict()
+        out["error_band"] = error_band(self.error_front_end)
         return out
 
     def _repr_html_(self) -> str:

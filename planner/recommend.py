@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .accuracy import memory_line, time_line
 from .checkpoint import estimate_checkpoint
 from .config import Cluster, TrainConfig
 from .layout import Layout, layout_reasons, nothing_fits_words
@@ -459,10 +460,10 @@ def render_recommendation(plan, table_format: str = "simple") -> str:
     lines = [header(plan), ""]
     if rec.search is not None:
         lines += [layout_table(plan, table_format), ""]
-    lines.append(memory_table(plan, table_format))
+    lines += [memory_table(plan, table_format), wrap(memory_line(plan.error_front_end))]
     ct = comm_table(plan, table_format)
     if ct:
-        lines += ["", ct]
+        lines += ["", ct, wrap(time_line(plan.error_front_end))]
     lines.append("")
     if rec.strategy is None:
         lines.append("recommendation: nothing fits")
