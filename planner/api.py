@@ -28,6 +28,7 @@ from .front_end import FRONT_ENDS, analytic_only, check_flags, check_traceable, 
 from .hardware import catalog_name
 from .kernels import step_bound
 from .layout import search_with_changes
+from .ranking import HEADROOM_FRACTION
 from .memory import COMPONENTS, estimate_memory
 from .model import ModelSpec
 from .plan_result import Plan
@@ -36,7 +37,7 @@ from .resolve import (DEFAULT_GPU, NEAREST_MODEL_MATCH, _OVERRIDE_FIELDS, catalo
                       check_spec_bounds, nearest_model, resolve_cluster, resolve_model, scaled_llama)
 from .strategies import NAMES, get_strategy
 from .strategy_result import StrategyResult, drop_conflicts, evaluate
-from .units import check_count, check_float, parse_count, short_repr
+from .units import check_count, check_float, parse_count, parse_headroom, short_repr
 
 __all__ = ["DEFAULT_GPU", "NEAREST_MODEL_MATCH", "Plan", "StrategyResult", "catalog_dirs_tuple", "check_spec_bounds",
            "clear_caches", "drop_conflicts", "evaluate", "nearest_model", "plan", "predict_probe", "recommend",
@@ -202,7 +203,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
          cp: int = 1, torch_version: str = "", strategies: Iterable[str] | None = None,
          tokens: float | None = None, checkpoint: str | None = None, storage_gbps: float | None = None,
          comm: bool = True, detect_local: bool = False, catalog_dirs: Sequence[str] = (),
-         front_end: str = "analytic", **overrides) -> Plan:
+         front_end: str = "analytic", headroom: str | float | None = None, **overrides) -> Plan:
     """Plan a training run: every strategy's per-GPU memory, communication and step time.
 
     Args:
@@ -243,11 +244,15 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             transformers; returns a module_plan.ModulePlan, without tp/pp/cp or checkpoint saves) or "auto"
             (the trace when torch and transformers are installed), as the CLI's --front-end (whose default
             is auto).
+        headroom: the GPU memory the recommendation must leave free, a fraction (0.05) or a percent
+            ("5%"), default ranking.HEADROOM_FRACTION; where nothing fitting leaves it, the pick is the one
+            that fits and `recommendation.warning` says so.
         overrides: layers, hidden, heads, kv_heads, ffn_hidden, vocab, tie_embeddings.
     """
     for name, flag in (("comm", comm), ("detect_local", detect_local)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={short_repr(flag)}: accepted: True or False")
+    headroom = HEADROOM_FRACTION if headroom is None else parse_headroom(headroom)
     catalog_dirs = catalog_dirs_tuple(catalog_dirs)
     if front_end != "analytic":
         traced = _plan_by_trace(strategies, dict(
@@ -260,7 +265,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
             framework=framework, compile_=compile,
             alloc_conf=alloc_conf, torch_version=torch_version, tp=tp, pp=pp, cp=cp,
             sequence_parallel=sequence_parallel, checkpoint=checkpoint, storage_gbps=storage_gbps,
-            tokens=tokens, catalog_dirs=catalog_dirs, detect_local=detect_local))
+            tokens=tokens, catalog_dirs=catalog_dirs, detect_local=detect_local, headroom=headroom))
         if traced is not None:
             return traced
     seq_len, micro_batch, grad_accum = (check_count(k, v) for k, v in (
@@ -305,7 +310,7 @@ def plan(model: str | ModelSpec | None = None, *, params: str | int | float | No
         notes.append("attention: eager, as transformers runs Gemma-2 by default (no SDPA path: SDPA cannot "
                      "soft-cap the scores), keeping B x heads x S^2 scores per layer; flash_attention_2 (the "
                      "flash-attn package) soft-caps without them and is not modelled")
-    return Plan(train, cluster, results, notes + cnotes + [front], tokens, checkpoint, storage)
+    return Plan(train, cluster, results, notes + cnotes + [front], tokens, checkpoint, storage, headroom=headroom)
 
 
 def traced_plan(kw: dict, strategies: list[str]):
@@ -350,7 +355,8 @@ def search_plan(given: Plan, *, fixed_tp: int | None = None, fixed_pp: int | Non
     c = given.cluster
     s = search_with_changes(given.train, c, list(strategies) if strategies else None, fixed_tp=fixed_tp,
                             fixed_pp=fixed_pp, fixed_sp=fixed_sp, checkpoint=given.checkpoint,
-                            storage_bytes_per_s=given.storage_bytes_per_s, catalog_dirs=c.catalog_dirs)
+                            storage_bytes_per_s=given.storage_bytes_per_s, catalog_dirs=c.catalog_dirs,
+                            headroom=given.headroom)
     if s.pick is None:
         return replace(given, search=s)
     cand, best = s.pick
@@ -361,7 +367,8 @@ def search_plan(given: Plan, *, fixed_tp: int | None = None, fixed_pp: int | Non
                                                      storage_bytes_per_s=given.storage_bytes_per_s)
                for r in cand.results]
     notes = [n for n in given.notes if not n.startswith("pipeline:")]
-    return Plan(cand.train, c, results, notes, given.tokens, given.checkpoint, given.storage_bytes_per_s, search=s)
+    return Plan(cand.train, c, results, notes, given.tokens, given.checkpoint, given.storage_bytes_per_s, search=s,
+                headroom=given.headroom)
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS
 from .recommend import render_recommendation
 from .report import render_estimate
 from .strategies import NAMES
+from .ranking import HEADROOM_FRACTION
 from .sweep import render_sweep, run_sweep
-from .units import LIMITS, parse_count
+from .units import LIMITS, fmt_bytes, parse_count, parse_headroom
 
 TABLE_FORMATS = ("simple", "github", "grid", "plain", "pipe", "rst", "psql", "fancy_grid", "tsv")
 
@@ -213,6 +214,19 @@ def cluster_options(fn):
     return fn
 
 
+def headroom_option(fn):
+    """--headroom: the margin the recommendation keeps (ranking._headroom_ok), checked before any planning."""
+    def check(ctx, param, value):
+        try:
+            return parse_headroom(value) if value is not None else None
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    return click.option("--headroom", metavar="FRACTION|PERCENT", callback=check,
+                        help=f"GPU memory the recommendation leaves free: 0.1 or 10% (default "
+                             f"{100 * HEADROOM_FRACTION:g}%). Where nothing that fits leaves it, the pick is "
+                             f"what fits, with a warning line.")(fn)
+
+
 def output_options(fn):
     fn = click.option("--format", "table_format", type=click.Choice(TABLE_FORMATS), default="simple",
                       show_default=True, help="Table style (tabulate).")(fn)
@@ -237,13 +251,34 @@ def dump_json(obj) -> str:
     return json.dumps(_finite(obj), indent=2, allow_nan=False)
 
 
-def _show_value(v) -> str:
-    """A catalog figure as written: floats without binary noise (3e-05, not 2.9999999999999997e-05)."""
-    if isinstance(v, float):
-        return f"{v:.6g}"
+def _show_value(v, key: str = "", parent: str = "") -> str:
+    """A catalog figure as written, as text: floats without binary noise (3e-05, not 2.9999999999999997e-05),
+    sizes and rates also in their unit (the key names it: `_bytes`, `_bytes_per_s`, the `flops` table)."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, list):
-        return "; ".join(_show_value(x) for x in v) if v else "-"
-    return str(v)
+        return ", ".join(_show_value(x) for x in v) if v else "-"
+    if not isinstance(v, (int, float)) or not v:
+        return str(v) if not isinstance(v, float) else f"{v:.6g}"
+    text = f"{v:,}" if isinstance(v, int) else f"{v:.6g}"
+    if key.endswith("_bytes_per_s"):
+        return f"{text} ({v / 1e9:,.4g} GB/s)"
+    if key.endswith("_bytes") and v >= 2**10:
+        return f"{text} ({fmt_bytes(v)})"
+    if parent == "flops":
+        return f"{text} ({v / 1e12:,.4g} TFLOP/s)"
+    return text
+
+
+def _show_lines(key: str, value, indent: str = "  ", parent: str = "") -> list[str]:
+    """`catalog show`'s lines for one field: a table (dict) as indented lines, a list of long texts (the
+    sources) one per line, everything else `key: value`."""
+    if isinstance(value, dict):
+        return [f"{indent}{key}:"] + [line for k, v in value.items()
+                                      for line in _show_lines(k, v, indent + "  ", key)]
+    if isinstance(value, list) and any(isinstance(x, str) and len(x) > 60 for x in value):
+        return [f"{indent}{key}:"] + [f"{indent}  - {x}" for x in value]
+    return [f"{indent}{key}: {_show_value(value, key, parent)}"]
 
 
 def _check_positive(name: str, value) -> None:
@@ -330,6 +365,7 @@ def main():
               help="The target planned: cuda (default: what a catalog GPU runs: CUDA's kernels, autocast lists "
                    "and caching allocator) or cpu (the same step on the CPU, as the CPU probes run it; trace "
                    "front end only).")
+@headroom_option
 @output_options
 @_fail_on_value_error
 def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
@@ -355,6 +391,7 @@ def estimate(strategies, tokens, plot_path, as_json, table_format, **kw):
 @click.option("--strategy", "strategies", multiple=True, metavar="NAME",
               help="Consider only these (repeatable or comma-separated).")
 @click.option("--tokens", type=str, help="Total training tokens (e.g. 2T): adds the time to train.")
+@headroom_option
 @output_options
 @_fail_on_value_error
 def recommend(strategies, tokens, as_json, table_format, **kw):
@@ -384,6 +421,7 @@ def recommend(strategies, tokens, as_json, table_format, **kw):
 @click.option("--sweep-micro-batch", metavar="LIST", help="Micro-batch sizes, e.g. 1,2,4,8.")
 @click.option("--sweep-seq-len", metavar="LIST", help="Sequence lengths, e.g. 2048,4096,8192.")
 @click.option("--tokens", type=str, help="Total training tokens (e.g. 2T): adds the time to train.")
+@headroom_option
 @output_options
 @_fail_on_value_error
 def sweep(strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len, tokens, as_json, table_format, **kw):
@@ -423,9 +461,8 @@ def catalog_show(name, catalog_dirs):
     d = entry.to_dict()
     click.echo(f"{cat.kind_of(entry)}: {d.pop('name')}")
     for k, v in d.items():
-        if k == "path":
-            continue
-        click.echo(f"  {k}: {_show_value(v)}")
+        if k != "path":
+            click.echo("\n".join(_show_lines(k, v)))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -40,5 +40,5 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
                 pp_schedule=kw.get("pp_schedule") or "1f1b", pp_microbatches=kw.get("pp_microbatches"),
                 cp=kw.get("cp") or 1, strategies=list(strategies) or None,
                 tokens=kw.get("tokens"), checkpoint=kw.get("checkpoint"), storage_gbps=kw.get("storage_gbps"),
-                detect_local=detect_local, **mesh,
+                detect_local=detect_local, headroom=kw.get("headroom"), **mesh,
                 catalog_dirs=tuple(kw.get("catalog_dirs") or ()), **overrides)

@@ -45,7 +45,7 @@ from .comm import cluster_links
 from .config import Cluster, TrainConfig, tp_divisors
 from .memory import estimate_memory
 from .pp import PP_STRATEGIES, _stages_to_walk, bubble_fraction, virtual_stages
-from .ranking import TIE_FRACTION, _headroom_ok, _rank
+from .ranking import HEADROOM_FRACTION, TIE_FRACTION, _headroom_ok, _rank
 from .strategies import NAMES, get_strategy
 from .strategy_result import drop_conflicts, evaluate
 from .units import LIMITS, fmt_gib, fmt_seconds
@@ -158,13 +158,15 @@ class Candidate:
     """The cluster's nodes (HSDP on one node is never the simpler pick: `recommend._rank`)."""
     results: list = field(default_factory=list)
     """`api.StrategyResult` per strategy; `time` is None where the allocated peak alone does not fit."""
+    headroom: float = HEADROOM_FRACTION
+    """The fraction of GPU memory a pick must leave free (ranking._headroom_ok)."""
 
     _best: tuple | None = field(default=None, repr=False)
 
     def best(self):
         """This layout's strategy by the same rule as the whole search; None when none fits."""
         if self._best is None:
-            x = _pick([(self, r) for r in self.results], self.nodes)
+            x = _pick([(self, r) for r in self.results], self.nodes, self.headroom)
             self._best = (x[1] if x else None,)
         return self._best[0]
 
@@ -198,6 +200,8 @@ class LayoutSearch:
     """The search as given, when a change was needed."""
     skipped: int = 0
     """Layouts left unevaluated when `SEARCH_BUDGET_S` ran out (the least simple ones)."""
+    headroom: float = HEADROOM_FRACTION
+    """The fraction of GPU memory the pick must leave free (ranking._headroom_ok)."""
 
     @property
     def evaluated(self) -> int:
@@ -217,6 +221,7 @@ class LayoutSearch:
                 "skipped_layouts": self.skipped,
                 "layouts": len(self.candidates), "tp": list(self.tp_values), "pp": list(self.pp_values),
                 "sequence_parallel": list(self.sp_values), "change": self.change,
+                "headroom": self.headroom, "versus_fastest": versus_fastest(self),
                 "candidates": [_candidate_dict(c, b) for c, b in self.layout_bests()]}
 
 
@@ -239,7 +244,7 @@ def _rank_key(cand: Candidate, r, nodes: int) -> tuple:
     return cand.layout.simplicity + (_rank(r.name, nodes),)
 
 
-def _pick(rows: list, nodes: int | None = None):
+def _pick(rows: list, nodes: int | None = None, headroom: float = HEADROOM_FRACTION):
     """recommend.py's rule over (Candidate, StrategyResult) rows: fits with headroom (else fits),
     fastest, the simplest within TIE_FRACTION. Walks the rows in step-time order so that the reserved
     peak is replayed only for the rows it must judge."""
@@ -248,7 +253,7 @@ def _pick(rows: list, nodes: int | None = None):
         return None
     live.sort(key=lambda x: (_time(x[1]), x[0].layout.simplicity))
     n = nodes if nodes is not None else live[0][0].nodes
-    for ok in (_headroom_ok, lambda r: r.fits_cleanly):
+    for ok in (lambda r: _headroom_ok(r, headroom), lambda r: r.fits_cleanly):
         fastest = next((x for x in live if ok(x[1])), None)
         if fastest is None:
             continue
@@ -343,10 +348,10 @@ class Budget:
 
 def evaluate_layout(layout: Layout, train: TrainConfig, cluster: Cluster, strategies=None, *,
                     checkpoint: str | None = None, storage_bytes_per_s: float | None = None,
-                    catalog_dirs=()) -> Candidate:
+                    catalog_dirs=(), headroom: float = HEADROOM_FRACTION) -> Candidate:
     """One layout's strategies: memory for each (closed form), communication and step time only for
     those whose allocated peak fits (the others cannot fit: the reserved peak is never below it)."""
-    cand = Candidate(layout, train, cluster.nodes)
+    cand = Candidate(layout, train, cluster.nodes, headroom=headroom)
     for name in layout_strategies(layout, strategies, train.optimizer, train.framework):
         st = get_strategy(name)
         mem = estimate_memory(train, cluster, st)
@@ -360,7 +365,7 @@ def evaluate_layout(layout: Layout, train: TrainConfig, cluster: Cluster, strate
 def search_layouts(train: TrainConfig, cluster: Cluster, strategies=None, *, fixed_tp: int | None = None,
                    fixed_pp: int | None = None, fixed_sp: bool | None = None, checkpoint: str | None = None,
                    storage_bytes_per_s: float | None = None, catalog_dirs=(), batch: int | None = None,
-                   budget: Budget | None = None) -> LayoutSearch:
+                   budget: Budget | None = None, headroom: float = HEADROOM_FRACTION) -> LayoutSearch:
     """Evaluate every candidate layout's strategies and pick one (see the module docstring)."""
     t0 = time.perf_counter()
     budget = budget or Budget()
@@ -376,12 +381,12 @@ def search_layouts(train: TrainConfig, cluster: Cluster, strategies=None, *, fix
             continue
         budget.left_s -= cost
         c = evaluate_layout(lay, t, cluster, strategies, checkpoint=checkpoint,
-                            storage_bytes_per_s=storage_bytes_per_s, catalog_dirs=catalog_dirs)
+                            storage_bytes_per_s=storage_bytes_per_s, catalog_dirs=catalog_dirs, headroom=headroom)
         if c.results:  # --strategy may name none that runs there (FSDP1 with pp > 1)
             cands.append(c)
-    pick = _pick([(c, r) for c in cands for r in c.results], cluster.nodes)
+    pick = _pick([(c, r) for c in cands for r in c.results], cluster.nodes, headroom)
     return LayoutSearch(cands, pick, batch, seconds=time.perf_counter() - t0, tp_values=tps, pp_values=pps,
-                        sp_values=sps, refused=refused, skipped=skipped)
+                        sp_values=sps, refused=refused, skipped=skipped, headroom=headroom)
 
 
 def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, **kw) -> LayoutSearch:
@@ -439,19 +444,50 @@ def search_with_changes(train: TrainConfig, cluster: Cluster, strategies=None, *
 
 # -- words -------------------------------------------------------------------------------------------
 
-def _simpler_words(lay: "Layout", other: "Layout", name: str, other_name: str) -> str:
-    """What made `lay` simpler than `other`: the first entry of `Layout.simplicity` that differs (then the
-    strategy's rank, recommend._rank)."""
-    a, b = lay.simplicity, other.simplicity
-    if a[0] != b[0]:
-        return f"fewer model-parallel GPUs (tp x pp x cp = {a[0]} vs {b[0]})"
-    if a[1] != b[1]:
-        return "no pipeline stages" if a[1] == 1 else f"fewer pipeline stages (pp {a[1]} vs {b[1]})"
-    if a[2] != b[2]:
-        return "no context parallelism" if a[2] == 1 else f"less context parallelism (cp {a[2]} vs {b[2]})"
-    if a[3] != b[3]:
-        return "no sequence parallelism"
-    return f"the same mesh size with a simpler strategy ({name} vs {other_name})"
+_SIMPLICITY_FIELDS = ("model-parallel GPUs (tp x pp x cp)", "pipeline stages (pp)", "context parallelism (cp)",
+                      "sequence parallelism")
+"""What each entry of `Layout.simplicity` counts, in words."""
+
+
+def versus_fastest(search: LayoutSearch) -> dict | None:
+    """Why the pick and not the fastest layout that fits, as data read off the comparison itself (None when
+    the pick is the fastest): `rule` "headroom" (the faster one leaves less than the headroom the pick
+    keeps), or "simplicity" with the first entry of `Layout.simplicity` that differs (`what`, the pick's
+    value and the other's) or, on the same mesh, the two strategies."""
+    if search.pick is None:
+        return None
+    cand, r = search.pick
+    fitting = [(c, b) for c, b in search.layout_bests() if b is not None]
+    if not fitting or fitting[0][0] is cand or not _time(fitting[0][1]) < _time(r):
+        return None
+    other, o = fitting[0]
+    out = {"layout": other.layout.to_dict(), "strategy": o.name, "step_time_s": o.step_time_s,
+           "headroom_bytes": int(o.memory.headroom), "pick_headroom_bytes": int(r.memory.headroom)}
+    if _headroom_ok(r, search.headroom) and not _headroom_ok(o, search.headroom):
+        return dict(out, rule="headroom", headroom=search.headroom)
+    for what, x, y in zip(_SIMPLICITY_FIELDS, cand.layout.simplicity, other.layout.simplicity):
+        if x != y:
+            return dict(out, rule="simplicity", what=what, pick=x, other=y)
+    return dict(out, rule="simplicity", what="strategy", pick=r.name, other=o.name)
+
+
+def versus_fastest_words(v: dict, gpu_memory_bytes: int) -> str:
+    """`versus_fastest`'s data in words, each figure the comparison's own."""
+    lay = Layout(**{k: x for k, x in v["layout"].items() if k != "pp_schedule"},
+                 pp_schedule=v["layout"]["pp_schedule"] or "1f1b")
+    head = f"{lay.words()}, {v['strategy']}, {fmt_seconds(v['step_time_s'])}"
+    if v["rule"] == "headroom":
+        free = v["headroom_bytes"]
+        return (f"the fastest that fits ({head}) leaves {fmt_gib(free)} GiB free "
+                f"({100 * free / gpu_memory_bytes:.1f}%), under the {100 * v['headroom']:.3g}% headroom this pick keeps "
+                f"({fmt_gib(v['pick_headroom_bytes'])} GiB)")
+    first = f"the simplest layout within {100 * TIE_FRACTION:.0f}% of the fastest that fits ({head}): "
+    what, x, y = v["what"], v["pick"], v["other"]
+    if what == "strategy":
+        return first + f"the same mesh with {x} instead of {y}"
+    if isinstance(x, bool):
+        return first + ("no sequence parallelism" if not x else "sequence parallelism on (the faster one: off)")
+    return first + f"{'fewer' if x < y else 'more'} {what}: {x} vs {y}"
 
 
 def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int) -> list[str]:
@@ -469,11 +505,9 @@ def layout_reasons(search: LayoutSearch, cluster: Cluster, gpu_memory_bytes: int
                f"flags: {lay.flags()}")
     bests = search.layout_bests()
     fitting = [(c, b) for c, b in bests if b is not None]
-    fastest = fitting[0] if fitting else None
-    if fastest is not None and fastest[0] is not cand and _time(fastest[1]) < _time(r):
-        out.append(f"the simplest layout within {100 * TIE_FRACTION:.0f}% of the fastest that fits "
-                   f"({fastest[0].layout.words()}, {fastest[1].name}, {fmt_seconds(_time(fastest[1]))}): "
-                   + _simpler_words(lay, fastest[0].layout, r.name, fastest[1].name))
+    versus = versus_fastest(search)
+    if versus is not None:
+        out.append(versus_fastest_words(versus, gpu_memory_bytes))
     intra, inter = cluster_links(cluster)
     ratio = intra.busbw_bytes_per_s / inter.busbw_bytes_per_s if inter.busbw_bytes_per_s else float("inf")
     link_words = (f"{cluster.intra_link} gives each GPU {intra.busbw_bytes_per_s / 1e9:,.0f} GB/s inside the "

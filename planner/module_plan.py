@@ -104,12 +104,13 @@ from .module_step import census_seconds, module_collectives, module_time, traced
 from .module_twin import TWIN_TOLERANCE, analytic_twins, pair_reserved, pair_tied, twin_time
 from .plan_result import Plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, get_precision
-from .ranking import TIE_FRACTION, _headroom_ok, _rank
+from .accuracy import error_band
+from .ranking import HEADROOM_FRACTION, TIE_FRACTION, _headroom_ok, _rank, headroom_warning
 from .recommend import Recommendation, _reasons
 from .resolve import resolve_cluster
 from .strategies import NAMES, Strategy, get_strategy
 from .strategy_result import StrategyResult, drop_conflicts
-from .units import fmt_count, fmt_gib
+from .units import fmt_count, fmt_gib, parse_headroom
 
 
 # what the trace front end offers, here and from the modules it is split into (module_desc, module_step,
@@ -175,6 +176,11 @@ class ModulePlan(Plan):
     def recommendation(self):
         return module_recommend(self)
 
+    @property
+    def error_front_end(self) -> str:
+        hf = bool(self.kw and self.kw.get("hf_config") and not self.kw.get("module"))
+        return "trace-hf" if hf else "trace-module"
+
     def evaluate_on(self, cluster: Cluster, name: str) -> StrategyResult:
         """The traced workload under strategy `name` on another cluster (Plan.evaluate_on), as the plan's own
         results were made; where the trace's own run is not written, the reserved peak paired with the analytic
@@ -199,7 +205,7 @@ class ModulePlan(Plan):
                                        "segments": [list(s) for s in x.segments]}
                               for regime, x in self.descs.items()}}
         return {"inputs": inputs, "strategies": [r.to_dict() for r in self.results],
-                "recommendation": rec.to_dict()}
+                "recommendation": rec.to_dict(), "error_band": error_band(self.error_front_end)}
 
 
 def _unit_runs(units) -> list[str]:
@@ -221,7 +227,7 @@ def _unit_runs(units) -> list[str]:
 def module_recommend(plan: ModulePlan):
     """recommend.recommend's rule, with the largest batch from the module's linear scaling."""
     results = plan.results
-    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits_cleanly]
+    ok = [r for r in results if _headroom_ok(r, plan.headroom)] or [r for r in results if r.fits_cleanly]
 
     def fits(name: str, batch: int) -> bool:
         st = get_strategy(name)
@@ -261,7 +267,7 @@ def module_recommend(plan: ModulePlan):
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(best.name, mid) else (lo, mid)
-    return Recommendation(best.name, reasons, lo)
+    return Recommendation(best.name, reasons, lo, warning=headroom_warning(best, plan.headroom))
 
 
 def _checkpointing_change(plan: ModulePlan, names: list[str]) -> str | None:
@@ -514,8 +520,10 @@ def module_spec_plan(kw: dict, strategies=()) -> ModulePlan:
     reserved = _reserved_peak_note(results, hf, twin, why, desc.batch)
     if reserved:
         notes.append(reserved)
+    headroom = kw.get("headroom")
     return ModulePlan(train, cluster, results, notes, None, device=device, desc=desc, descs=descs, profile_s=profile_s,
-                      workspaces=workspaces, twin=twin, kw=dict(kw))
+                      workspaces=workspaces, twin=twin, kw=dict(kw),
+                      headroom=HEADROOM_FRACTION if headroom is None else parse_headroom(headroom))
 
 
 def module_result(descs: dict, train: ModuleTrain, cluster: Cluster, name: str, gpu, workspaces: dict, twin,

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Cluster, TrainConfig
+from .accuracy import error_band
 from .pp import bubble_fraction
+from .ranking import HEADROOM_FRACTION
 from .recommend import recommend
 from .report import plan_html, plan_svg, plot_matplotlib
 from .strategy_result import StrategyResult, evaluate
@@ -29,6 +31,8 @@ class Plan:
     search: Any = None
     """The layout search (`layout.LayoutSearch`) when `recommend` searched the mesh: this plan's train
     config is then the picked layout's (or the one given, when nothing fits anywhere)."""
+    headroom: float = HEADROOM_FRACTION
+    """The fraction of GPU memory the recommendation must leave free (--headroom; ranking._headroom_ok)."""
     _recommendation: Any = field(default=None, repr=False, compare=False)
     device: str = "cuda"
     """The target planned (front_end.DEVICES): whose kernels, autocast lists and allocator the memory follows."""
@@ -50,7 +54,8 @@ class Plan:
         recommend's smallest change); a Plan whatever this plan's class."""
         return Plan(train, cluster, [evaluate(train, cluster, r.strategy, checkpoint=checkpoint,
                                               storage_bytes_per_s=storage_bytes_per_s) for r in self.results],
-                    list(self.notes), checkpoint=checkpoint, storage_bytes_per_s=storage_bytes_per_s)
+                    list(self.notes), checkpoint=checkpoint, storage_bytes_per_s=storage_bytes_per_s,
+                    headroom=self.headroom)
 
     @property
     def recommendation(self):
@@ -59,6 +64,11 @@ class Plan:
         if self._recommendation is None:  # a searched plan does not change: its answer is kept
             self._recommendation = recommend(self)
         return self._recommendation
+
+    @property
+    def error_front_end(self) -> str:
+        """Which measured error band applies to this plan (accuracy.py)."""
+        return "analytic"
 
     @property
     def best(self) -> StrategyResult | None:
@@ -89,6 +99,7 @@ class Plan:
                 d["time_to_train_s"] = self.tokens / r.time.tokens_per_s
             out["strategies"].append(d)
         out["recommendation"] = rec.to_dict()
+        out["error_band"] = error_band(self.error_front_end)
         return out
 
     def _repr_html_(self) -> str:

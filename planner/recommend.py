@@ -3,8 +3,9 @@
 Unless the user fixed both --tp and --pp (`api.recommend`), the mesh is searched first (layout.py) and
 the same rule picks the (layout, strategy) pair; `_recommend_searched` words it. At a given mesh:
 
-Rule: among strategies that fit with headroom (at least `HEADROOM_FRACTION` of GPU memory free after
-the allocator and process overhead), the one with the lowest step time; a simpler strategy wins when
+Rule: among strategies that fit with headroom (at least `plan.headroom` of GPU memory free after the
+allocator and process overhead: --headroom, default `HEADROOM_FRACTION`; where none that fits leaves it,
+among those that fit, and `Recommendation.warning` says so), the one with the lowest step time; a simpler strategy wins when
 it is within `TIE_FRACTION` of the fastest. Without a time model, the simplest that fits. When nothing
 fits, the smallest change that would: a smaller micro-batch, activation checkpointing, CPU offload, or
 more GPUs. DeepSpeed autotuning (deepspeed/autotuning/autotuner.py: ZeRO stages tried in order) follows the same "simplest stage that fits and is not
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .accuracy import memory_line, time_line
 from .checkpoint import estimate_checkpoint
 from .config import Cluster, TrainConfig
 from .layout import Layout, layout_reasons, nothing_fits_words
 from .memory import estimate_memory
 from .pp import ZERO_BUBBLE, virtual_stages
-from .ranking import HEADROOM_FRACTION, SIMPLICITY, TIE_FRACTION, _headroom_ok, _rank
+from .ranking import HEADROOM_FRACTION, SIMPLICITY, TIE_FRACTION, _headroom_ok, _rank, headroom_warning
 from .report import comm_table, header, layout_table, memory_table, recommended_rows, wrap
 from .resolve import _catalog
 from .strategies import get_strategy
@@ -46,6 +48,8 @@ class Recommendation:
     """The picked strategy's `api.StrategyResult` on that layout."""
     search: object = field(default=None, repr=False, compare=False)
     """The `layout.LayoutSearch` when the layout was searched (the user fixed neither --tp nor --pp)."""
+    warning: str | None = None
+    """When the pick leaves less than the headroom asked (nothing fitting did): the line saying so."""
 
     @property
     def summary(self) -> str:
@@ -61,7 +65,7 @@ class Recommendation:
     def to_dict(self) -> dict:
         d = {"strategy": self.strategy, "reasons": list(self.reasons),
              "max_micro_batch": self.max_micro_batch, "change": self.change,
-             "layout": self.layout.to_dict() if self.layout is not None else None}
+             "layout": self.layout.to_dict() if self.layout is not None else None, "warning": self.warning}
         r = self.result
         if r is not None:
             # the pick's collectives on its mesh, grouped as the estimate's (dp, tp, pp, or the
@@ -240,7 +244,7 @@ def _choose(plan) -> tuple:
     """(best, ok, timed): the result `recommend` picks among the plan's (None when nothing fits), the results
     it picked among (those with the headroom, else those that fit), and whether all of those are timed."""
     results = plan.results
-    ok = [r for r in results if _headroom_ok(r)] or [r for r in results if r.fits_cleanly]
+    ok = [r for r in results if _headroom_ok(r, plan.headroom)] or [r for r in results if r.fits_cleanly]
     if not ok:
         return None, ok, False
     timed = all(r.step_time_s for r in ok)
@@ -299,7 +303,8 @@ def recommend(plan, _depth: int = 0) -> Recommendation:
     reasons = _reasons(plan, best, ok, timed)
     mb = max_micro_batch(plan.train, plan.cluster, best.name)
     return Recommendation(best.name, reasons, mb or None, pick_reason=reasons[0],
-                          layout=Layout.of(plan.train, plan.cluster), result=best)
+                          layout=Layout.of(plan.train, plan.cluster), result=best,
+                          warning=headroom_warning(best, plan.headroom))
 
 
 def _recommend_searched(plan, search) -> Recommendation:
@@ -316,7 +321,7 @@ def _recommend_searched(plan, search) -> Recommendation:
         rec.search = search
         return rec
     cand, best = search.pick
-    ok = [r for r in plan.results if _headroom_ok(r)] or [r for r in plan.results if r.fits_cleanly]
+    ok = [r for r in plan.results if _headroom_ok(r, plan.headroom)] or [r for r in plan.results if r.fits_cleanly]
     timed = all(r.step_time_s for r in ok)
     reasons = layout_reasons(search, plan.cluster, gpu)
     strat = _reasons(plan, best, ok, timed)
@@ -329,7 +334,8 @@ def _recommend_searched(plan, search) -> Recommendation:
                           f"as given; smallest change: {search.change}")
     mb = max_micro_batch(plan.train, plan.cluster, best.name)
     return Recommendation(best.name, reasons, mb or None, change=search.change,
-                          pick_reason=why, layout=cand.layout, result=best, search=search)
+                          pick_reason=why, layout=cand.layout, result=best, search=search,
+                          warning=headroom_warning(best, plan.headroom, "layout and strategy"))
 
 
 def _reasons(plan, best, ok, timed) -> list[str]:
@@ -454,10 +460,10 @@ def render_recommendation(plan, table_format: str = "simple") -> str:
     lines = [header(plan), ""]
     if rec.search is not None:
         lines += [layout_table(plan, table_format), ""]
-    lines.append(memory_table(plan, table_format))
+    lines += [memory_table(plan, table_format), wrap(memory_line(plan.error_front_end))]
     ct = comm_table(plan, table_format)
     if ct:
-        lines += ["", ct]
+        lines += ["", ct, wrap(time_line(plan.error_front_end))]
     lines.append("")
     if rec.strategy is None:
         lines.append("recommendation: nothing fits")
@@ -469,6 +475,8 @@ def render_recommendation(plan, table_format: str = "simple") -> str:
         on = f" on {rec.layout.words()}" if rec.search is not None else ""
         lines.append(wrap(f"recommendation: {rec.strategy} ({get_strategy(rec.strategy).implementation}){on}"
                           f"{change}{mb}"))
+        if rec.warning:
+            lines.append(wrap(f"warning: {rec.warning}"))
         for reason in rec.reasons:
             lines.append(wrap(f"  - {reason}"))
     return "\n".join(lines)

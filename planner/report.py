@@ -19,6 +19,7 @@ import os
 import sys
 
 from .chart import plan_html as _html, plan_svg as _svg, plot_matplotlib as _plot
+from .accuracy import memory_line, time_line
 from .front_end import target_line
 from .pp import bubble_fraction
 from .units import fmt_bytes, fmt_count, fmt_gib, fmt_seconds
@@ -248,10 +249,10 @@ def layout_table(plan, table_format: str = "simple", rows: int = LAYOUT_ROWS) ->
 
 
 def render_estimate(plan, table_format: str = "simple") -> str:
-    parts = [header(plan), "", memory_table(plan, table_format)]
+    parts = [header(plan), "", memory_table(plan, table_format), wrap(memory_line(plan.error_front_end))]
     ct = comm_table(plan, table_format)
     if ct:
-        parts += ["", ct]
+        parts += ["", ct, wrap(time_line(plan.error_front_end))]
     ck = checkpoint_table(plan, table_format)
     if ck:
         parts += ["", ck]
@@ -262,6 +263,8 @@ def render_estimate(plan, table_format: str = "simple") -> str:
     rec = plan.recommendation
     parts += recommended_rows(plan, table_format)
     parts += ["", wrap(f"recommendation: {rec.summary}")]
+    if rec.warning:
+        parts.append(wrap(f"warning: {rec.warning}"))
     return "\n".join(parts)
 
 

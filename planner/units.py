@@ -162,6 +162,32 @@ def parse_memory(text: str | int | float, flag: str = "--gpu-mem",
     return int(nbytes)
 
 
+HEADROOM_MAX = 0.5
+"""The largest --headroom accepted: a margin of more than half the GPU's memory is not a margin."""
+_FRACTION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(%?)\s*$")
+
+
+def parse_headroom(text: str | int | float, flag: str = "--headroom") -> float:
+    """The GPU memory a recommendation must leave free, as a fraction: `0.05`, `5%` or 0.05 -> 0.05,
+    from 0 to `HEADROOM_MAX`; else a one-line ValueError naming the flag, the value and what is accepted."""
+    value = None
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text) if abs(text) < 1e300 else math.inf
+    elif isinstance(text, str) and len(text) <= 100:
+        m = _FRACTION_RE.match(text)
+        if m:
+            value = float(m.group(1)) / (100 if m.group(2) else 1)
+    if value is None or not 0 <= value <= HEADROOM_MAX:
+        raise ValueError(f"{flag}={short_repr(text)}: accepted: a fraction of the GPU's memory from 0 to "
+                         f"{HEADROOM_MAX:g} (0.05) or a percent from 0% to {100 * HEADROOM_MAX:g}% (5%)")
+    return value
+
+
+def fmt_percent(fraction: float) -> str:
+    """0.05 -> '5%', 0.125 -> '12.5%'."""
+    return f"{100 * fraction:.3g}%"
+
+
 def is_card_size(text: str | int | float) -> bool:
     """True for a size as printed on a card (a number, `80`, `80GB`, `80G`), False for an exact budget
     (`74.5GiB`, `81559MiB`, `8e10B`); `text` already accepted by `parse_memory`."""

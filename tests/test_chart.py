@@ -49,7 +49,7 @@ def test_svg_memory_line_and_comm_panel(p7):
     lines = [x for x in root.iter(f"{SVG}line") if x.get("class") == "gpu-mem"]
     assert len(lines) == 1
     labels = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "gpu-mem-label"]
-    assert labels == ["GPU memory 80.00 GiB"]
+    assert labels == [f"GPU memory {p7.cluster.gpu_memory_bytes / 2**30:.2f} GiB"]  # 79.65: an 80GB H100
     comm = [x for x in root.iter(f"{SVG}rect") if x.get("class") == "comm"]
     assert len(comm) == len(p7.results)  # communication panel, one bar per strategy
     legend = "".join(root.itertext())
@@ -95,7 +95,7 @@ def test_small_model_off_scale_line():
     root = ET.fromstring(q.svg())
     assert len(_bars(root)) == len(q.results)
     labels = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "gpu-mem-label"]
-    assert labels[0].startswith("GPU memory 80.00 GiB (off scale")
+    assert labels[0].startswith(f"GPU memory {q.cluster.gpu_memory_bytes / 2**30:.2f} GiB (off scale")
 
 
 def test_plot_without_matplotlib_raises_helpful_error(p7, monkeypatch):

@@ -222,6 +222,26 @@ def test_catalog_show_prints_figures_without_float_noise():
     assert "9999999" not in r.output
 
 
+@pytest.mark.parametrize("name", ["h100-sxm", "llama-3-8b", "dgx-h100", "eth-100g-tcp"])
+def test_catalog_show_prints_text_not_python_reprs(name):
+    """Issue 61 item 7: tables as indented lines, sizes with their unit, one source a line."""
+    entry = load_catalog().entry(name)
+    r = run("catalog", "show", name)
+    assert r.exit_code == 0, r.output
+    assert not re.search(r"[{}\[\]]'|'[,:]|True|False", r.output), r.output
+    tables = [k for k, v in entry.to_dict().items() if isinstance(v, dict)]
+    for k in tables:
+        assert f"  {k}:\n" in r.output
+    sources = entry.to_dict()["source"]
+    assert all(f"    - {x}" in r.output for x in (sources if isinstance(sources, list) else [sources]))
+
+
+def test_catalog_show_gives_sizes_their_unit():
+    r = run("catalog", "show", "h100-sxm")
+    gib = load_catalog().gpu("h100-sxm").memory_bytes / 2**30
+    assert f"memory_bytes: {load_catalog().gpu('h100-sxm').memory_bytes:,} ({gib:.2f} GiB)" in r.output
+
+
 def test_catalog_notes_are_whole_sentences():
     r = run("catalog", "show", "h100-sxm")
     notes = next(x for x in r.output.splitlines() if x.strip().startswith("notes:"))
@@ -351,3 +371,20 @@ def test_zero1_partition_with_more_ranks_than_parameters_is_the_largest_paramete
     start = time.process_time()
     layout(spec, "zero1", 2**20, False, True)
     assert time.process_time() - start < 0.5
+
+
+def test_predictions_print_their_measured_error_band():
+    """Issue 61 item 4: the band measured for the front end under each table and in the JSON, the figures
+    the README's accuracy table states."""
+    text = run("estimate", "--params", "7B", "--gpus", "8", "--strategy", "zero3").output
+    d = json.loads(run("estimate", "--params", "7B", "--gpus", "8", "--strategy", "zero3", "--json").output)
+    band = d["error_band"]
+    assert set(band) == {"step_time", "peak_allocated"}
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    t, m = band["step_time"], band["peak_allocated"]
+    assert f"{100 * t['median']:.1f}% / {100 * t['max']:.1f}%" in readme
+    assert f"{100 * m['median']:.2f}% / {100 * m['max']:.2f}%" in readme
+    flat = " ".join(text.split())
+    assert f"measured error of step time, throughput and MFU: ±{100 * t['median']:.2g}% median" in flat
+    assert f"measured error of the peak: ±{100 * m['median']:.2g}% median, {100 * m['max']:.2g}% max" in flat
+    assert flat.index("measured error of the peak") < flat.index("communication and time")

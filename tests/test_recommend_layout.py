@@ -330,21 +330,78 @@ def test_bad_inputs_one_line_exit_2(args, needle):
     assert "\n" not in line and needle in line and "Traceback" not in line, line
 
 
-def test_simpler_layout_words_name_what_decided():
-    """The reason a layout beat a faster one names the first simplicity criterion that differs (Llama-3-8B at
-    128K tokens on 256 H100s picked tp 8 x pp 1 over tp 4 x pp 2 and said "fewer model-parallel GPUs (tp x
-    pp = 8 vs 8)")."""
-    from distplan.planner.layout import Layout, _simpler_words
+def _versus(what, pick, other, rule="simplicity"):
+    lay = Layout(dp=8, tp=2, pp=1, sequence_parallel=True).to_dict()
+    return {"layout": lay, "strategy": "zero3", "step_time_s": 1.0, "headroom_bytes": 2**30,
+            "pick_headroom_bytes": 8 * 2**30, "rule": rule, "what": what, "pick": pick, "other": other,
+            "headroom": 0.05}
 
-    def lay(tp, pp, cp=1, sp=False):
-        return Layout(dp=256 // (tp * pp * cp), tp=tp, pp=pp, sequence_parallel=sp, pp_schedule="1f1b",
-                      pp_microbatches=2 * pp if pp > 1 else 1, micro_batch=1, grad_accum=1, cp=cp)
-    assert _simpler_words(lay(8, 1, 4, True), lay(4, 2, 4, True), "zero2", "zero2") == "no pipeline stages"
-    assert _simpler_words(lay(4, 2), lay(2, 4), "zero2", "zero2") == "fewer pipeline stages (pp 2 vs 4)"
-    assert _simpler_words(lay(2, 1), lay(4, 2), "zero2", "zero2") == "fewer model-parallel GPUs (tp x pp x cp = 2 vs 8)"
-    assert _simpler_words(lay(8, 1, 1), lay(4, 1, 2), "fsdp", "fsdp") == "no context parallelism"
-    assert _simpler_words(lay(8, 1), lay(8, 1, sp=True), "fsdp", "fsdp") == "no sequence parallelism"
-    assert _simpler_words(lay(8, 1), lay(8, 1), "ddp", "zero3") == "the same mesh size with a simpler strategy (ddp vs zero3)"
+
+def test_versus_fastest_words_follow_the_comparison():
+    """The reason a layout beat a faster one is worded from the comparison's own figures, in the direction
+    they go (issue 61: "fewer model-parallel GPUs (2 vs 1)" for the layout with more)."""
+    from distplan.planner.layout import versus_fastest_words
+    gpu = 80 * 2**30
+    assert versus_fastest_words(_versus("pipeline stages (pp)", 1, 2), gpu).endswith("fewer pipeline stages (pp): 1 vs 2")
+    assert versus_fastest_words(_versus("model-parallel GPUs (tp x pp x cp)", 2, 1), gpu).endswith(
+        "more model-parallel GPUs (tp x pp x cp): 2 vs 1")
+    assert versus_fastest_words(_versus("sequence parallelism", False, True), gpu).endswith("no sequence parallelism")
+    assert versus_fastest_words(_versus("strategy", "ddp", "zero3"), gpu).endswith("with ddp instead of zero3")
+    words = versus_fastest_words(_versus(None, None, None, rule="headroom"), gpu)
+    assert "leaves 1.00 GiB free (1.2%), under the 5% headroom this pick keeps (8.00 GiB)" in words
+
+
+def test_a_layout_chosen_for_headroom_says_so():
+    """Llama-3-8B, 16 H100s, 8K tokens (issue 61): the fastest layout that fits leaves under 5% free; the pick
+    keeps it, and the reason (data and words) is the headroom, with the figures of the two results."""
+    p = recommend("llama-3-8b", gpus=16, node="dgx-h100", seq_len=8192)
+    v = p.to_dict()["recommendation"]["search"]["versus_fastest"]
+    gpu = p.cluster.gpu_memory_bytes
+    best = p.best
+    assert v is not None and v["rule"] == "headroom"
+    assert v["headroom_bytes"] < HEADROOM_FRACTION * gpu <= best.memory.headroom == v["pick_headroom_bytes"]
+    assert v["step_time_s"] < best.step_time_s
+    assert any(f"leaves {v['headroom_bytes'] / 2**30:.2f} GiB free" in r for r in p.recommendation.reasons)
+    assert not any("fewer model-parallel" in r for r in p.recommendation.reasons)
+
+
+@pytest.mark.parametrize("flags", [["--tp", "1", "--pp", "1"], []], ids=["strategy", "layout"])
+@pytest.mark.parametrize("headroom, fraction", [("5%", 0.05), ("0.3", 0.3), ("50%", 0.5)])
+def test_headroom_is_kept_or_warned(flags, headroom, fraction):
+    """Issue 61 item 2: the pick leaves --headroom free, or the output (text and JSON) carries a warning line
+    saying that nothing that fits does."""
+    args = ["recommend", "--model", "llama-3-8b", "--gpus", "8", "--headroom", headroom, *flags]
+    r = run(*args, "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    rec = d["recommendation"]
+    pick = next(s for s in d["strategies"] if s["name"] == rec["strategy"])
+    free = pick["memory"]["device_total"]
+    gpu = d["inputs"]["cluster"]["gpu_memory_bytes"]
+    kept = gpu - free >= fraction * gpu
+    assert (rec["warning"] is None) == kept, (rec["warning"], (gpu - free) / gpu)
+    text = flat(run(*args).output)
+    assert ("warning: no " in text) == (not kept)
+    if not kept:
+        assert f"{rec['strategy']}, the pick among those that fit" in rec["warning"]
+
+
+def test_headroom_from_the_api():
+    from distplan.planner.api import plan
+    strict = plan("llama-3-8b", gpus=8, headroom=0.5, strategies=["zero2"]).recommendation
+    assert strict.strategy == "zero2" and "50% headroom" in strict.warning
+    assert plan("llama-3-8b", gpus=8, headroom="5%", strategies=["zero2"]).recommendation.warning is None
+
+
+@pytest.mark.parametrize("value", ["5", "60%", "-0.1", "abc", "nan", "1e400"])
+def test_bad_headroom_is_one_line(value):
+    r = run("recommend", "--model", "llama-3-8b", "--gpus", "8", "--headroom", value)
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and "--headroom" in line and value in line and "5%" in line, line
+    from distplan.planner.api import plan
+    with pytest.raises(ValueError, match="--headroom"):
+        plan("llama-3-8b", gpus=8, headroom=value)
 
 
 @pytest.mark.parametrize("kw", [

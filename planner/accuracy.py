@@ -1,0 +1,52 @@
+"""The error the project has measured for the numbers a plan predicts, printed next to them (issue 61 item 4):
+a predicted step time is as good as its comparison with measured runs, and a user reads it with that band.
+
+The figures are the repository's own measurements (README "Accuracy", docs/validation.md, where each table
+names its records under benchmarks/results/):
+- step time (and tokens/s, MFU, time to train, which follow from it): 26 published training runs
+  (torchtitan, llm-foundry, fms-fsdp; A100/H100 clusters of 8-128 GPUs, tests/test_published_runs.py):
+  |error| median 15.1%, max 37.8%, every run but four predicted faster than published;
+- peak allocated memory, analytic front end: 78 H100 probes of the reference decoder, 9 strategies
+  (torch 2.11): median 0.63%, max 3.70%;
+- peak allocated memory, trace front end on Hugging Face models on a GPU: 32 runs of seven published configs
+  on one H100 (README "Limits"): predicted low, median 7.7%, max 19%;
+- peak allocated memory, `--module` models (CNN, ResNet) on an H100: 52 probes, median 0.11%, max 1.33%.
+"""
+
+from __future__ import annotations
+
+STEP_TIME = {"median": 0.151, "max": 0.378, "bias": "predicted faster than measured in 22 of 26",
+             "measured_against": "26 published training runs (torchtitan, llm-foundry, fms-fsdp), A100/H100, "
+                                 "8-128 GPUs"}
+PEAK_ALLOCATED = {
+    "analytic": {"median": 0.0063, "max": 0.037, "bias": None,
+                 "measured_against": "78 H100 probes of the reference decoder, 9 strategies"},
+    "trace-hf": {"median": 0.077, "max": 0.19, "bias": "predicted low in 31 of 32",
+                 "measured_against": "32 H100 runs of seven published Hugging Face configs"},
+    "trace-module": {"median": 0.0011, "max": 0.0133, "bias": None,
+                     "measured_against": "52 H100 probes of a CNN and a ResNet"},
+}
+
+
+def error_band(front_end: str) -> dict:
+    """{"step_time": ..., "peak_allocated": ...}: the measured |error| band (fractions) of a plan made by
+    `front_end` ("analytic", "trace-hf" or "trace-module") on a GPU."""
+    return {"step_time": dict(STEP_TIME), "peak_allocated": dict(PEAK_ALLOCATED[front_end])}
+
+
+def band_words(band: dict) -> str:
+    """'±15% median, 38% max (predicted faster ...)'."""
+    bias = f" ({band['bias']})" if band["bias"] else ""
+    return f"±{100 * band['median']:.2g}% median, {100 * band['max']:.2g}% max{bias}"
+
+
+def time_line(front_end: str) -> str:
+    """The line printed under a time table."""
+    return (f"measured error of step time, throughput and MFU: {band_words(STEP_TIME)}, against "
+            f"{STEP_TIME['measured_against']}")
+
+
+def memory_line(front_end: str) -> str:
+    """The line printed under a memory table."""
+    b = PEAK_ALLOCATED[front_end]
+    return f"measured error of the peak: {band_words(b)}, against {b['measured_against']}"
