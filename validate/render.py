@@ -109,13 +109,13 @@ def _worst_cell(cmp: dict) -> str:
     if diff is None or (err is not None and abs(err) <= ctol):
         return out
     signed = ("-" if diff < 0 else "+") + fmt_bytes(abs(diff))
-    if cell.get("judged") is False:
-        return f"{out} ({signed}, shown, not judged: gloo processes)"
     if cell.get("judged_with"):
         other = [c for c in cell["judged_with"].split("+") if c != name]
         return f"{out} ({signed}; with {', '.join(other)} within {ctol:.0%})"
     if abs(diff) <= floor:
         return f"{out} ({signed}, under the {floor_s} floor)"
+    if cell.get("judged") is False:
+        return f"{out} ({signed}, shown, not judged: gloo processes)"
     return f"{out} ({signed}, beyond {ctol:.0%} and the {floor_s} floor)"
 
 
