@@ -111,10 +111,7 @@ def compare(prediction: dict | None, measurement: dict, tolerance: float = DEFAU
     pm, mm = prediction.get("memory") or {}, measurement.get("memory") or {}
     unmeasured = set(measurement.get("unmeasured") or ())
     _judge_peak(out, pm, mm, tolerance)
-    if components_judged(measurement):
-        _judge_components(out, pm, mm, unmeasured, tolerance)
-    else:
-        _show_components(out, pm, mm, unmeasured, tolerance)
+    _judge_components(out, pm, mm, unmeasured, tolerance, judged=components_judged(measurement))
     _judge_collectives(out, prediction, measurement, unmeasured)
     _judge_step_time(out, prediction, measurement)
     if not out["reasons"]:
@@ -132,15 +129,6 @@ def components_judged(measurement: dict) -> bool:
     does not (the same probe's split moved between runs of the CPU matrix: zero3/gpt2-tiny/w2,
     fsdp/gpt2-tiny/w2, fsdp-grad-op/llama-tiny/w2, hsdp/gpt2-tiny/w2)."""
     return not (measurement.get("mode") == "cpu" and int(measurement.get("world_size") or 1) > 1)
-
-
-def _show_components(out: dict, pm: dict, mm: dict, unmeasured: set, tolerance: float) -> None:
-    """The components side by side, each cell with `ok` (within the rule or not) and `judged` False: no
-    reason, no effect on the verdict (`components_judged`)."""
-    _judge_components(out, pm, mm, unmeasured, tolerance)
-    out["reasons"][:] = [r for r in out["reasons"] if r.split(":")[0] not in COMPONENTS]
-    for cell in out["components"].values():
-        cell["judged"] = False
 
 
 def _judged_by_status(out: dict, prediction: dict | None, measurement: dict) -> bool:
@@ -224,9 +212,12 @@ def _judge_peak(out: dict, pm: dict, mm: dict, tolerance: float) -> None:
 
 
 
-def _judge_components(out: dict, pm: dict, mm: dict, unmeasured: set, tolerance: float) -> None:
-    """Each memory component within 2 x tolerance or ABS_FLOOR_BYTES; the worst one."""
-    reasons = out["reasons"]
+def _judge_components(out: dict, pm: dict, mm: dict, unmeasured: set, tolerance: float,
+                      judged: bool = True) -> None:
+    """Each memory component within 2 x tolerance or ABS_FLOOR_BYTES; the worst one. Not `judged`
+    (`components_judged`): each cell still says whether it is within the rule (`ok`), marked `judged` False,
+    and gives no reason, so it leaves the verdict alone."""
+    reasons = out["reasons"] if judged else []
     mcomp = mm.get("components") or {}
     worst, worst_err = None, -1.0
     for name in COMPONENTS:
@@ -235,6 +226,8 @@ def _judge_components(out: dict, pm: dict, mm: dict, unmeasured: set, tolerance:
                                        "abs_error_bytes": None, "ok": None, "unmeasured": True}
             continue
         cell = _cell(pm.get(name, 0), mcomp[name], 2 * tolerance, ABS_FLOOR_BYTES)
+        if not judged:
+            cell["judged"] = False
         out["components"][name] = cell
         if not cell["ok"]:
             reasons.append(f"{name}: predicted {cell['predicted']} vs measured {cell['measured']} bytes "

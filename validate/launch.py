@@ -31,8 +31,8 @@ import importlib
 import os
 import sys
 
-from distplan.planner.workload.traced_model import frozen_imports
 from distplan.validate.guard import fresh_signals, set_pdeathsig
+from distplan.validate.preload import preload_module
 from distplan.validate.probe_run import STACKS_AT_ENV
 
 WORKER_FLAG = "--worker"
@@ -132,16 +132,10 @@ def preload(argv: list[str]) -> None:
         _, module, args = split_argv(list(argv))
     except ValueError:
         return  # main() reports it
-    _preload_module(module, args)
+    preload_module(module, args)
     importlib.import_module("torch.distributed.run")  # torchrun itself, and its elastic agent
     importlib.import_module("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
 
-
-def _preload_module(module: str, args: list[str]) -> None:
-    with frozen_imports():  # the probe modules import torch at their top (workload.frozen_imports: why)
-        mod = importlib.import_module(module)
-    if hasattr(mod, "preload"):
-        mod.preload(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    _preload_module(module, args)
+    preload_module(module, args)
     from torch.distributed import run
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 

@@ -28,6 +28,16 @@ PRELOAD_MODULES = (
 `preload` imports it before the launcher forks the workers (`validate/launch.py`)."""
 
 
+def preload_module(module: str, args: list[str]) -> None:
+    """Import probe module `module` (it imports torch at its top) and what its run with `args` will import
+    (`module.preload(args)`, where it has one), frozen (`workload.frozen_imports`): the launcher and the warm
+    process, before they fork."""
+    with frozen_imports():
+        mod = importlib.import_module(module)
+    if hasattr(mod, "preload"):
+        mod.preload(list(args))
+
+
 def preload(argv: list[str]) -> None:
     """Import what the probe of `argv` (`--spec PATH ...`) will import, so that workers forked from this
     process (validate/launch.py) start with it; transformers too when the spec is a Hugging Face model.

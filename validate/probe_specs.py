@@ -587,6 +587,13 @@ extrapolates the traced layers to any depth), then the vocabulary (embedding and
 parameters: 1.05 B of Llama-3-8B's 8.03 B). Width is kept: it sets every kernel's shape."""
 
 
+def _over_bound(spec: dict, hw: dict, nnodes: int) -> bool:
+    """A bound before any trace: fp32 params + grads + Adam's two states (4 x the model built in fp32), whole,
+    on each local rank, more than the machine gives."""
+    cap, local, _ = _room(spec, hw, nnodes)
+    return bool(cap) and 4 * _full_param_bytes(spec) * local > cap
+
+
 def _scale_to_machine(specs: list[dict], module_spec: dict, hw: dict, nnodes: int) -> str | None:
     """Scale an --hf-config probe down the SCALE_LADDER to the first rung its probes fit this machine at
     (`module_spec` is shared by `specs`, changed in place); the words for what was scaled, or None when it
@@ -598,9 +605,7 @@ def _scale_to_machine(specs: list[dict], module_spec: dict, hw: dict, nnodes: in
     for layers, top in SCALE_LADDER:
         module_spec["layers"] = min(layers, depth)
         module_spec["vocab"] = min(top, vocab) if top and top < vocab else None
-        # a bound before any trace: fp32 params + grads + Adam's two states, whole, on each local rank
-        if any(4 * _full_param_bytes(sp) * _room(sp, hw, nnodes)[1] > _room(sp, hw, nnodes)[0]
-               for sp in specs if _room(sp, hw, nnodes)[0]):
+        if any(_over_bound(sp, hw, nnodes) for sp in specs):
             continue
         if all(_misfit(sp, hw, nnodes) is None for sp in specs):
             return (f"{module_spec['layers']} of {depth} layers"

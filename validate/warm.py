@@ -45,10 +45,8 @@ import threading
 import time
 import traceback
 
-from distplan.planner.workload.traced_model import frozen_imports
-
 from .guard import _preexec_child, fresh_signals, set_pdeathsig
-from .preload import preload
+from .preload import preload, preload_module
 from . import guard
 
 START_TIMEOUT_S = 300.0
@@ -136,10 +134,7 @@ def _exit_with(body) -> None:
 
 def _preload(cmd: list[str]) -> None:
     if is_module_command(cmd):
-        with frozen_imports():  # the probe modules import torch at their top
-            mod = importlib.import_module(cmd[2])
-        if hasattr(mod, "preload"):
-            mod.preload(list(cmd[3:]))  # transformers on the first Hugging Face probe, then cached
+        preload_module(cmd[2], cmd[3:])  # transformers on the first Hugging Face probe, then cached
 
 
 def _start_guard(req: dict, proto_fds: tuple[int, int]) -> int:
