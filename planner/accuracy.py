@@ -41,13 +41,13 @@ def band_words(band: dict) -> str:
     return f"±{100 * band['median']:.2g}% median, {100 * band['max']:.2g}% max{bias}"
 
 
-def time_line(front_end: str) -> str:
-    """The line printed under a time table."""
-    return (f"measured error of step time, throughput and MFU: {band_words(STEP_TIME)}, against "
-            f"{STEP_TIME['measured_against']}")
+def time_line(front_end: str | dict) -> str:
+    """The line printed under a time table; `front_end` as error_band's, or a band it returned."""
+    b = front_end["step_time"] if isinstance(front_end, dict) else STEP_TIME
+    return f"measured error of step time, throughput and MFU: {band_words(b)}, against {b['measured_against']}"
 
 
-def memory_line(front_end: str) -> str:
-    """The line printed under a memory table."""
-    b = PEAK_ALLOCATED[front_end]
+def memory_line(front_end: str | dict) -> str:
+    """The line printed under a memory table; `front_end` as error_band's, or a band it returned."""
+    b = front_end["peak_allocated"] if isinstance(front_end, dict) else PEAK_ALLOCATED[front_end]
     return f"measured error of the peak: {band_words(b)}, against {b['measured_against']}"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from .from_flags import build_plan
+from .accuracy import error_band, memory_line, time_line
 from .front_end import use_trace
 from .hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from .recommend import pick
 from .report import table as draw
+from .report import wrap
 from .units import LIMITS, fmt_gib, fmt_seconds, short_repr
 
 MAX_SWEEP_VALUES = 32
@@ -68,6 +70,7 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
         # is it, so none is marked; the change is on every row.
         strategy, change = pick(p)
         picked = None if change else strategy
+        band = error_band(p.error_front_end)
         for r in p.results:
             rows.append({key: value, "strategy": r.name, "fits": r.fits,
                          "alloc_retries": int(r.memory.alloc_retries),
@@ -78,7 +81,7 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
                          "tokens_per_s": r.time.tokens_per_s if r.time is not None else None,
                          "recommended": r.name == picked,
                          "smallest_change": change and (f"{change}; then {strategy}" if strategy else change),
-                         "front_end": front_end})
+                         "front_end": front_end, "error_band": band})
             if kw.get("tokens"):
                 tps = rows[-1]["tokens_per_s"]
                 rows[-1]["time_to_train_s"] = kw["tokens"] / tps if tps else None
@@ -100,6 +103,7 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
     if "time_to_train_s" in rows[0]:
         headers.append("time to train")
     front = rows[0].get("front_end", "analytic")
+    band = rows[0]["error_band"]  # one front end and one band for every row of a sweep
     changes = {}  # point -> its smallest change, where nothing fits there as given
     for r in rows:
         if r.get("smallest_change"):
@@ -107,4 +111,5 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
     return (draw(table, headers, table_format) + "\n* recommended; front end: "
             + ("trace (the model run on fake tensors, traced again at each point)" if front == "trace"
                else "analytic (the formulas)")
-            + "".join(f"\n{key} {v}: nothing fits as given; smallest change: {c}" for v, c in changes.items()))
+            + "".join(f"\n{key} {v}: nothing fits as given; smallest change: {c}" for v, c in changes.items())
+            + "\n" + wrap(memory_line(band)) + "\n" + wrap(time_line(band)))

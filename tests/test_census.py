@@ -135,6 +135,8 @@ def test_a_traced_models_overlapped_collectives_slow_its_kernels():
     assert r.time.exposed_comm_s - plain.exposed_comm_s <= 24 / 132 * busy / (fwd + bwd) * overlapped + 1e-12
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_a_mixture_of_experts_counts_each_tokens_experts_and_plans_every_strategy():
     """Mixtral (transformers 5: the experts in one `_grouped_mm`, which flop_counter has no formula for): the
     census counts top-k experts per token; under DDP's autocast the experts run in fp32 (transformers casts

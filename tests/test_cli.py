@@ -175,6 +175,21 @@ def test_sweep_json_rows():
     assert {(x["gpus"], x["strategy"]) for x in rows} == {(8, "fsdp"), (8, "ddp"), (16, "fsdp"), (16, "ddp")}
 
 
+def test_sweep_states_the_measured_error_as_estimate_does():
+    """Issue 61 item 4: a sweep's rows carry the band the project measured (the JSON, every row) and the table
+    prints it under itself, the same band and the same lines as `estimate` of the same model."""
+    args = ["--params", "7B", "--gpu-mem", "80", "--strategy", "zero3"]
+    est = json.loads(run("estimate", *args, "--gpus", "8", "--json").output)
+    rows = json.loads(run("sweep", *args, "--sweep-gpus", "8,16", "--json").output)
+    assert [x["error_band"] for x in rows] == [est["error_band"]] * 2
+    assert est["error_band"]["peak_allocated"]["median"] > 0 and est["error_band"]["step_time"]["max"] > 0
+    text = run("sweep", *args, "--sweep-gpus", "8,16").output
+    estimate_text = run("estimate", *args, "--gpus", "8").output
+    for prefix in ("measured error of the peak: ", "measured error of step time"):
+        line = next(x for x in estimate_text.splitlines() if x.startswith(prefix))
+        assert line in text.splitlines()
+
+
 def test_sweep_marks_no_row_where_nothing_fits_and_names_the_change():
     """Llama-3-8B on 8 x 80 GB: micro-batch 1 fits, 8 does not under any strategy. The recommendation at 8 is
     of a changed run (a smaller micro-batch), so no row of that point is marked, and the change is given."""

@@ -223,6 +223,8 @@ def test_trace_own_replay_at_a_real_vocabularys_proportions_built_on_device_and_
     assert all(abs(analytic[i][1]) <= 0.5 for i in prefetched), {i: analytic[i] for i in prefetched}
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_tied_models_pair_with_the_analytic_replay(tmp_path):
     """Tied embeddings (Qwen2 at vocabulary 32k, Qwen2.5-0.5B at its real 151,936; bf16-mixed; the recorded
     probes of tests/test_alloc_trace.py): the module writers do not write the LM head transformers makes and
@@ -269,6 +271,8 @@ def unwritten_every_k(monkeypatch):
     monkeypatch.setattr(module_plan, "_TRACES", {})
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_trace_plan_replays_its_own_run_and_pairs_where_that_is_not_written(unwritten_every_k):
     p = _plan(EXAMPLES / "llama-8l.json")
     assert all(r.memory.reserved_source == "allocator replay" for r in p.results)
@@ -293,6 +297,8 @@ def test_trace_plan_replays_its_own_run_and_pairs_where_that_is_not_written(unwr
     assert zero3.peak_reserved > 1.1 * zero3.peak_allocated
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_every_k_trace_replays_its_own_run():
     """Every-2 on an 8-layer model: its allocation log traced at 6 layers and a period of 2 repeated
     (module_probe.periodic_trace_layers), so the plan replays the traced run's own allocations, as without
@@ -305,6 +311,8 @@ def test_every_k_trace_replays_its_own_run():
             assert r.memory.peak_reserved % (2 * MiB) == 0 and r.memory.peak_reserved >= r.memory.peak_allocated
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_trace_keeps_the_margin_where_neither_replay_is_written(unwritten_every_k):
     # q/k norms over the whole width: a model_type only the trace plans; every-2, its log not expanded
     p = _plan(EXAMPLES / "olmo2-8l.json", activation_checkpointing="every-2")

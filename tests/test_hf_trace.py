@@ -79,6 +79,8 @@ def test_estimate_states_front_end():
     assert any(n.startswith("front end: analytic") for n in an)
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_gemma2_on_both_front_ends():
     """Gemma-2 (explicit head_dim, sandwich norms, soft-capped eager attention and logits): the trace and the
     analytic front end print the same peaks (within 0.1%) and, through the analytic twin, one step time."""
@@ -138,6 +140,8 @@ def test_unknown_model_type_is_one_line(tmp_path):
     assert len(r.output.strip().splitlines()) == 1 and len(r.output) < 300, r.output
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_every_k_checkpointing_lies_between_none_and_full():
     """every-2 checkpoints half the layers: its activations sit between none's and full's, in the trace
     and in the analytic front end, which agree within 0.5% on it."""
@@ -153,9 +157,13 @@ def test_every_k_checkpointing_lies_between_none_and_full():
     assert peaks["analytic", "every-2"] == pytest.approx(peaks["trace", "every-2"], rel=0.005), peaks
 
 
-@pytest.mark.parametrize("model_type,k,depth,dtype", [("llama", 2, 8, "float32"), ("llama", 3, 12, "float32"),
-                                                      ("llama", 4, 16, "autocast-bfloat16"), ("qwen2", 2, 9, "bfloat16"),
-                                                      ("gpt2", 3, 13, "autocast-bfloat16")])
+SLOW_NEWEST = (pytest.mark.slow, pytest.mark.newest)
+
+
+@pytest.mark.parametrize("model_type,k,depth,dtype", [
+    ("llama", 2, 8, "float32"), ("llama", 3, 12, "float32"), ("qwen2", 2, 9, "bfloat16"),
+    pytest.param("llama", 4, 16, "autocast-bfloat16", marks=SLOW_NEWEST),
+    pytest.param("gpt2", 3, 13, "autocast-bfloat16", marks=SLOW_NEWEST)])
 def test_every_k_allocation_log_equals_full_trace(model_type, k, depth, dtype):
     """Under every-K checkpointing (K >= 2) a deep model's layers are of two kinds (checkpointed where
     t % K == 0), so the step's allocation log is traced at `periodic_trace_layers` layers and a period of K
@@ -212,6 +220,8 @@ def test_comm_bound_traced_moe_recommends_and_names_fsdp2_padding():
     assert not any("FSDP2 shards each parameter" in n for n in json.loads(llama.output)["inputs"]["notes"])
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_traced_nothing_fits_names_checkpointing_when_it_fits():
     """A traced model that fits nowhere at micro-batch 1 (16K tokens in 3 GiB) is traced again with full
     activation checkpointing, and the change is named with what it needs (it printed no advice before)."""
@@ -310,6 +320,8 @@ def test_traced_nothing_fits_names_the_smaller_micro_batch_flag():
     assert "(--micro-batch 1; raise --grad-accum" in change and "--input-shape" not in change, change
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_fsdp2_accumulated_gradients_are_unpadded():
     """Without sync, FSDP2 keeps each unsharded parameter's .grad between micro-steps at its real shape, not
     the dim-0-padded all-gather size: Mixtral's 4 expert rows padded to 16 ranks made the walk +62% over the

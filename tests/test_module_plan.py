@@ -366,6 +366,8 @@ MODULE_TIES = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_committed_module_probes_repredicted():
     """Every --module probe PASSes against the planner as it is (peak within 5%, every component within 10% or
     64 KiB, collectives exact), but the stated tie: what the probes showed was wrong before (each was measured):

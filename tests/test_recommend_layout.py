@@ -251,6 +251,7 @@ def test_pipeline_refusals_keep_pp_at_one():
     assert {c.layout.pp_schedule for c in p.search.candidates if c.layout.pp > 1} == {"interleaved-1f1b"}
 
 
+@pytest.mark.slow
 def test_context_parallel_degree_given_is_kept():
     """A --cp given runs in every layout, whose dp is gpus / (tp pp cp), pipelined ones included (CP
     inside each stage, torchtitan's mesh pp, dp, cp, tp)."""
@@ -266,6 +267,7 @@ def test_context_parallel_degree_given_is_kept():
     assert "--cp 4" in rec.reasons[1] or "--cp 4" in "\n".join(rec.reasons)
 
 
+@pytest.mark.slow
 def test_long_sequences_search_context_parallelism():
     """From layout.CP_MIN_SEQ tokens the search tries cp in the powers of two that split the sequence
     (with pipeline stages too); Llama-3-8B at 128K tokens on 16 H100s needs it (one GPU cannot hold a

@@ -52,7 +52,7 @@ def _roles(events) -> Counter:
     return Counter(names.get(e[3] if len(e) > 3 else 0, "other") for e in events if e[0] == "alloc" and e[2] > 0)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("fsdp", marks=(pytest.mark.slow, pytest.mark.newest)), "zero3"])
 def test_recorded_streams_are_the_writers(tmp_path, strategy):
     recorded = _recorded(tmp_path, strategy)
     train = TrainConfig(ModelSpec(**TINY), seq_len=TRAIN["seq_len"], micro_batch=TRAIN["micro_batch"],

@@ -82,6 +82,8 @@ def _check(cases, results):
             assert got == want[phase], (label, phase)
 
 
+@pytest.mark.slow
+@pytest.mark.newest
 def test_tp2_block_matches_probe(tmp_path):
     cases = _cases(2, full=False)
     _check(cases, _probe(cases, tmp_path))
