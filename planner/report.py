@@ -223,7 +223,7 @@ def _layout_row(c, best, pick, ref) -> list:
     m = r.memory
     known = best is not None or m.reserved_replay is None or m._reserved is not None
     dev = fmt_gib(m.device_total) if known else ">= " + fmt_gib(m.peak_allocated + m.process_overhead)
-    st = r.step_time_s
+    st = r.step_time_s if best is not None or m.allocated_fits else None  # (the trace times every row)
     vs = "-" if st is None or not ref else ("pick" if pick is not None and c is pick[0] else
                                             f"{100 * (st - ref) / ref:+.1f}%")
     lay = c.layout

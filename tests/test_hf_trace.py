@@ -206,6 +206,9 @@ def test_comm_bound_traced_moe_recommends_and_names_fsdp2_padding():
     assert len(bound) == 1 and "--gpus 8 (1 node)" in bound[0], out["recommendation"]["reasons"]
     pad = [n for n in out["inputs"]["notes"] if "FSDP2 shards each parameter on dim 0" in n]
     assert len(pad) == 1 and "experts" in pad[0] and "4 rows for 64 ranks" in pad[0], out["inputs"]["notes"]
+    # the analytic front end does not read Mixtral: the trace plans dp 64 alone, and says the layout was not searched
+    assert "search" not in out["recommendation"]
+    assert any(n.startswith("layout: not searched") and "'mixtral'" in n for n in out["inputs"]["notes"])
     llama = _cli("estimate", "--hf-config", str(HF / "llama-8l.json"), "--gpus", "64", "--gpu", "h100-sxm",
                  "--seq-len", "64", "--micro-batch", "2", "--front-end", "trace", "--json")
     assert llama.exit_code == 0
