@@ -115,8 +115,12 @@ class TraceCheck:
             out.append(f"trace check: {n} on {lay} {VERDICTS[vt]} by the trace ({_free(t, gpu)}) but "
                        f"{VERDICTS[va]} by the analytic front end ({_free(a, gpu)})")
         if not differ and rows:
-            out.append(f"trace check: both front ends give every strategy on {lay} the same verdict "
-                       f"(the {fmt_percent(self.search.headroom)} headroom kept, fits, or not)")
+            h = self.search.headroom
+            a, t = self.analytic.best(), self.traced.best()
+            best = ("nothing fits there without the allocator's retries" if a is None and t is None else
+                    f"its best by the trace, {_best(t, h, gpu)}; by the analytic front end, {_best(a, h, gpu)}")
+            out.append(f"trace check: both front ends give every strategy on {lay} the same verdict (the "
+                       f"{fmt_percent(h)} headroom, {fmt_gib(h * gpu)} GiB, kept, fits, or not): {best}")
         mine = self.search.pick
         if self.same_pick:
             what = (f"{mine[1].name} on {mine[0].layout.words()}" if mine is not None else "nothing fits")
@@ -146,6 +150,11 @@ def _total(r) -> int | None:
 def _gib(r) -> str:
     m = r.memory
     return fmt_gib(m.device_total) if m.allocated_fits else ">= " + fmt_gib(m.peak_allocated + m.process_overhead)
+
+
+def _best(r, headroom: float, gpu: int) -> str:
+    """'zero3, fits under the headroom (78.00 GiB, 1.65 free, 2.07%)'; 'none' for None."""
+    return "none" if r is None else f"{r.name}, {VERDICTS[verdict(r, headroom)]} ({_free(r, gpu)})"
 
 
 def _free(r, gpu: int) -> str:
