@@ -348,10 +348,10 @@ def recommend(model: str | ModelSpec | None = None, *, tp: int | None = None, pp
     kwargs.pop("comm", None)  # the search compares step times: always timed
     sp_given = bool(sequence_parallel) and tp is not None
     hf_config = kwargs.get("hf_config")
-    traced = _trace_checks_search(dict(
-        hf_config=hf_config, front_end=front_end, tp=tp, pp=pp, cp=kwargs.get("cp"), sequence_parallel=sp_given,
-        checkpoint=kwargs.get("checkpoint"), storage_gbps=kwargs.get("storage_gbps"),
-        attention_kernel=kwargs.get("attention_kernel")))
+    fixed = dict(hf_config=hf_config, front_end=front_end, tp=tp, pp=pp, cp=kwargs.get("cp"),
+                 sequence_parallel=sp_given, checkpoint=kwargs.get("checkpoint"), storage_gbps=kwargs.get("storage_gbps"),
+                 attention_kernel=kwargs.get("attention_kernel"))
+    traced = _trace_checks_search(fixed)
     unread = analytic_model_type(hf_config) if traced else None
     if unread is not None:  # the trace alone: data parallelism, no search
         p = plan(model, tp=1, pp=1, front_end=front_end, **kwargs)
@@ -362,7 +362,8 @@ def recommend(model: str | ModelSpec | None = None, *, tp: int | None = None, pp
     given = plan(model, tp=tp or 1, pp=pp or 1, sequence_parallel=sp_given, **kwargs)
     out = search_plan(given, fixed_tp=tp, fixed_pp=pp, fixed_sp=sequence_parallel,
                       strategies=kwargs.get("strategies"))
-    why_not = None
+    flag = analytic_only(fixed)
+    why_not = f"{flag} given: the trace, which does not follow it, checks no layout" if flag else None
     if traced:
         out.search.trace = _trace_check(out.search, model, kwargs)
         if out.search.trace is None:

@@ -179,3 +179,14 @@ def test_unsearched_when_the_analytic_front_end_does_not_read_the_model(monkeypa
     p = api.recommend(hf_config=str(HF / "mixtral-8x7b.json"), gpus=16, front_end="auto")
     assert seen["front_end"] == "auto" and seen["tp"] == 1 and seen["pp"] == 1
     assert any(n.startswith("layout: not searched") and "'mixtral'" in n for n in p.notes), p.notes
+
+
+def test_a_fixed_model_parallel_flag_leaves_nothing_to_check():
+    """--tp 2 given: no searched layout is data-parallel only, so the trace (auto, torch installed or not)
+    checks none, and the note says why rather than promising a check."""
+    r = CliRunner().invoke(main, ["recommend", "--hf-config", str(ROOT / "examples" / "hf" / "llama-8l.json"),
+                                  "--gpus", "8", "--tp", "2", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output[-2000:]
+    d = json.loads(r.output)
+    assert d["recommendation"]["search"]["trace_check"] is None and d["recommendation"]["layout"]["tp"] == 2
+    assert "--tp=2 given: the trace, which does not follow it, checks no layout" in _front_end_note(d)
