@@ -24,7 +24,7 @@ from .comm_schedule import collective_schedule
 from .compute import _gpu, step_time
 from .config import PP_SCHEDULES, Cluster, TrainConfig, check_tp, torch_release
 from .cp import check_cp
-from .front_end import FRONT_ENDS, analytic_model_type, analytic_only, check_flags, check_traceable, use_trace
+from .front_end import FRONT_ENDS, unread_model_type, analytic_only, check_flags, check_traceable, use_trace
 from .hardware import catalog_name
 from .hf_config import SUPPORTED_MODEL_TYPES
 from .kernels import step_bound
@@ -352,7 +352,7 @@ def recommend(model: str | ModelSpec | None = None, *, tp: int | None = None, pp
                  sequence_parallel=sp_given, checkpoint=kwargs.get("checkpoint"), storage_gbps=kwargs.get("storage_gbps"),
                  attention_kernel=kwargs.get("attention_kernel"))
     traced = _trace_checks_search(fixed)
-    unread = analytic_model_type(hf_config) if traced else None
+    unread = unread_model_type(hf_config) if traced else None
     if unread is not None:  # the trace alone: data parallelism, no search
         p = plan(model, tp=1, pp=1, front_end=front_end, **kwargs)
         p.notes.append(f"layout: not searched: the search judges tp, pp and cp by the analytic front end, which does "

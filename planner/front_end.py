@@ -63,7 +63,7 @@ def analytic_only(kw: dict) -> str | None:
     return None
 
 
-def analytic_model_type(hf_config) -> str | None:
+def unread_model_type(hf_config) -> str | None:
     """The config's model_type where the analytic front end does not read it (hf_config.SUPPORTED_MODEL_TYPES),
     else None: what decides whether a traced model's layout can be searched (api.recommend)."""
     model_type = load_hf_config(hf_config)[0].get("model_type")
