@@ -24,8 +24,9 @@ from .comm_schedule import collective_schedule
 from .compute import _gpu, step_time
 from .config import PP_SCHEDULES, Cluster, TrainConfig, check_tp, torch_release
 from .cp import check_cp
-from .front_end import FRONT_ENDS, analytic_only, check_flags, check_traceable, use_trace
+from .front_end import FRONT_ENDS, unread_model_type, analytic_only, check_flags, check_traceable, use_trace
 from .hardware import catalog_name
+from .hf_config import SUPPORTED_MODEL_TYPES
 from .kernels import step_bound
 from .layout import search_with_changes
 from .ranking import HEADROOM_FRACTION
@@ -37,6 +38,7 @@ from .resolve import (DEFAULT_GPU, NEAREST_MODEL_MATCH, _OVERRIDE_FIELDS, catalo
                       check_spec_bounds, nearest_model, resolve_cluster, resolve_model, scaled_llama)
 from .strategies import NAMES, get_strategy
 from .strategy_result import StrategyResult, drop_conflicts, evaluate
+from .trace_check import TraceCheck, dp_only, search_note
 from .units import check_count, check_float, parse_count, parse_headroom, short_repr
 
 __all__ = ["DEFAULT_GPU", "NEAREST_MODEL_MATCH", "Plan", "StrategyResult", "catalog_dirs_tuple", "check_spec_bounds",
@@ -322,7 +324,7 @@ def traced_plan(kw: dict, strategies: list[str]):
 
 
 def recommend(model: str | ModelSpec | None = None, *, tp: int | None = None, pp: int | None = None,
-              sequence_parallel: bool | None = None, **kwargs) -> Plan:
+              sequence_parallel: bool | None = None, front_end: str = "analytic", **kwargs) -> Plan:
     """`plan` and its recommendation, searching the parallel layout over what is not given.
 
     With `tp` and `pp` both given this is `plan(...)` (the strategy choice at that mesh). Otherwise the
@@ -330,20 +332,75 @@ def recommend(model: str | ModelSpec | None = None, *, tp: int | None = None, pp
     `sequence_parallel` is given; every layout at the global batch the arguments give. The Plan returned
     is the picked layout's (every strategy evaluated there), with `.search` and
     `.recommendation.layout`; when no layout fits it is the plan as given, and the recommendation says
-    what the closest layout needs. Other arguments: as `plan`.
+    what the closest layout needs. Every layout is judged by the analytic front end whatever `front_end`
+    says, so that the answer does not depend on what is installed; with `hf_config` and the trace front end
+    ("trace", or "auto" with torch and transformers) the data-parallel layout is also planned by the trace,
+    as a check (`.search.trace`, trace_check.py). A model the analytic front end does not read is planned by
+    the trace at data parallelism only, unsearched. Other arguments: as `plan`.
 
         p = recommend("llama-3-405b", gpus=256, node="dgx-h100", seq_len=8192)
         p.recommendation.layout, p.recommendation.strategy, p.best.memory.device_total
     """
     if tp is not None and pp is not None:
-        return plan(model, tp=tp, pp=pp, sequence_parallel=bool(sequence_parallel), **kwargs)
+        return plan(model, tp=tp, pp=pp, sequence_parallel=bool(sequence_parallel), front_end=front_end, **kwargs)
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
         raise ValueError(f"--sequence-parallel={short_repr(sequence_parallel)}: accepted: True or False")
     kwargs.pop("comm", None)  # the search compares step times: always timed
     sp_given = bool(sequence_parallel) and tp is not None
+    hf_config = kwargs.get("hf_config")
+    fixed = dict(hf_config=hf_config, front_end=front_end, tp=tp, pp=pp, cp=kwargs.get("cp"),
+                 sequence_parallel=sp_given, checkpoint=kwargs.get("checkpoint"), storage_gbps=kwargs.get("storage_gbps"),
+                 attention_kernel=kwargs.get("attention_kernel"))
+    traced = _trace_checks_search(fixed)
+    unread = unread_model_type(hf_config) if traced else None
+    if unread is not None:  # the trace alone: data parallelism, no search
+        p = plan(model, tp=1, pp=1, front_end=front_end, **kwargs)
+        p.notes.append(f"layout: not searched: the search judges tp, pp and cp by the analytic front end, which does "
+                       f"not read model_type {unread!r} (it reads {', '.join(SUPPORTED_MODEL_TYPES)}); the trace "
+                       f"planned data parallelism over all {p.cluster.gpus} GPUs")
+        return p
     given = plan(model, tp=tp or 1, pp=pp or 1, sequence_parallel=sp_given, **kwargs)
-    return search_plan(given, fixed_tp=tp, fixed_pp=pp, fixed_sp=sequence_parallel,
-                       strategies=kwargs.get("strategies"))
+    out = search_plan(given, fixed_tp=tp, fixed_pp=pp, fixed_sp=sequence_parallel,
+                      strategies=kwargs.get("strategies"))
+    flag = analytic_only(fixed)
+    why_not = f"{flag} given: the trace, which does not follow it, checks no layout" if flag else None
+    if traced:
+        out.search.trace = _trace_check(out.search, model, kwargs)
+        if out.search.trace is None:
+            why_not = "no layout searched is data-parallel only (the one the trace models): the trace did not run"
+    out.notes[:] = [n for n in out.notes if not n.startswith("front end: ")] + [
+        search_note(hf_config, out.search.trace, why_not)]
+    return out
+
+
+def _trace_checks_search(fixed: dict) -> bool:
+    """Whether the trace front end checks a layout search of `fixed` (the front end, --hf-config and the
+    mesh flags given): `use_trace`'s rule; --front-end trace with a flag only the analytic front end
+    models is the one-line error `plan` gives."""
+    front_end = fixed["front_end"]
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"--front-end={short_repr(front_end)}: accepted: {', '.join(FRONT_ENDS)}")
+    if front_end == "analytic":
+        return False
+    if fixed["hf_config"] is None:
+        raise ValueError(f"--front-end={front_end}: the trace front end reads a Hugging Face model; give "
+                         f"hf_config (a config.json, its folder or a Hub id)")
+    if front_end == "trace":
+        check_traceable(fixed)
+    return use_trace(fixed)
+
+
+def _trace_check(search, model, kwargs: dict):
+    """trace_check.TraceCheck of `search`: its data-parallel layout (micro-batch, micro-steps, checkpointing
+    as the search ran it) planned by the trace front end; None when it searched no such layout."""
+    cand = dp_only(search)
+    if cand is None:
+        return None
+    t = cand.train
+    kw = dict(kwargs, cp=1, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
+              activation_checkpointing=t.checkpointing, strategies=[r.name for r in cand.results])
+    traced = plan(model, tp=1, pp=1, sequence_parallel=False, front_end="trace", **kw)
+    return TraceCheck.of(search, traced.results, traced.profile_s)
 
 
 def search_plan(given: Plan, *, fixed_tp: int | None = None, fixed_pp: int | None = None,

@@ -21,7 +21,7 @@ from .allocator import parse_alloc_conf
 from .chart import check_chart_path, write_chart
 from .config import (ATTENTION, ATTENTION_KERNELS, CHECKPOINTING, CHECKPOINT_MODES, DEFAULT_STORAGE_GBPS, FRAMEWORKS,
                      GRAD_SYNC, OFFLOAD, PP_SCHEDULES)
-from .front_end import DEVICES, FRONT_ENDS, use_trace
+from .front_end import DEVICES, FRONT_ENDS, use_trace  # noqa: F401  (validate imports it from here)
 from .hf_config import resolve_hf_config
 from .from_flags import build_plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS
@@ -402,8 +402,9 @@ def recommend(strategies, tokens, as_json, table_format, **kw):
     ctx = click.get_current_context()
     kw["given"] = {k for k in ("tp", "pp", "sequence_parallel")
                    if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT)}
-    # the trace front ends model no mesh: nothing to search there
-    search = not kw.get("module") and not use_trace(kw) and not {"tp", "pp"} <= kw["given"]
+    # --module models no mesh: nothing to search there; --hf-config is searched on either front end
+    # (api.recommend: the analytic one judges every layout, the trace checks the data-parallel one)
+    search = not kw.get("module") and not {"tp", "pp"} <= kw["given"]
     p = build_plan(kw, strategies, search=search)
     if as_json:
         click.echo(dump_json(p.to_dict()))

@@ -1,6 +1,7 @@
 """The Plan of the command line's flags (`build_plan`), for `estimate`, `recommend` and `sweep`: checked
 (front_end.check_flags), then planned by the trace front end (api.traced_plan) or the analytic one
-(api.plan, or api.recommend where the layout is searched)."""
+(api.plan), or by api.recommend where the layout is searched (the analytic front end for every layout, the
+trace's check of the data-parallel one)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
     """The Plan of the flags in `kw`. `search` (recommend): search the parallel layout over the mesh
     flags the user did not give (`kw["given"]`, the set of flag names given; layout.py)."""
     strategies = check_flags(kw, strategies)
-    if kw.get("module") or use_trace(kw):
+    if kw.get("module") or (not search and use_trace(kw)):
         return traced_plan(kw, strategies)
     overrides = {k: kw.get(k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
                                          "tie_embeddings")}
@@ -24,7 +25,9 @@ def build_plan(kw: dict, strategies=(), detect_local=True, comm=True, search=Fal
     if search:
         given = kw.get("given") or set()
         mesh = {"tp": kw.get("tp") if "tp" in given else None, "pp": kw.get("pp") if "pp" in given else None,
-                "sequence_parallel": True if kw.get("sequence_parallel") else None}
+                "sequence_parallel": True if kw.get("sequence_parallel") else None,
+                # every layout judged by the analytic front end; the trace checks the data-parallel one
+                "front_end": (kw.get("front_end") or "auto") if kw.get("hf_config") else "analytic"}
     else:
         mesh = {"tp": kw.get("tp") or 1, "pp": kw.get("pp") or 1,
                 "sequence_parallel": bool(kw.get("sequence_parallel")), "comm": comm}

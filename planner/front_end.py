@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .hf_config import load_hf_config
+from .hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from .strategies import NAMES
 from .units import check_count, short_repr
 
@@ -61,6 +61,13 @@ def analytic_only(kw: dict) -> str | None:
     if (kw.get("attention_kernel") or "flash") != "flash":
         return f"--attention-kernel={kw['attention_kernel']}"
     return None
+
+
+def unread_model_type(hf_config) -> str | None:
+    """The config's model_type where the analytic front end does not read it (hf_config.SUPPORTED_MODEL_TYPES),
+    else None: what decides whether a traced model's layout can be searched (api.recommend)."""
+    model_type = load_hf_config(hf_config)[0].get("model_type")
+    return None if model_type in SUPPORTED_MODEL_TYPES else str(model_type)
 
 
 def use_trace(kw: dict) -> bool:

@@ -202,6 +202,9 @@ class LayoutSearch:
     """Layouts left unevaluated when `SEARCH_BUDGET_S` ran out (the least simple ones)."""
     headroom: float = HEADROOM_FRACTION
     """The fraction of GPU memory the pick must leave free (ranking._headroom_ok)."""
+    trace: object = None
+    """`trace_check.TraceCheck`: the data-parallel layout also planned by the trace front end (every layout is
+    judged by the analytic one); None without the trace."""
 
     @property
     def evaluated(self) -> int:
@@ -222,6 +225,7 @@ class LayoutSearch:
                 "layouts": len(self.candidates), "tp": list(self.tp_values), "pp": list(self.pp_values),
                 "sequence_parallel": list(self.sp_values), "change": self.change,
                 "headroom": self.headroom, "versus_fastest": versus_fastest(self),
+                "front_end": "analytic", "trace_check": self.trace.to_dict() if self.trace is not None else None,
                 "candidates": [_candidate_dict(c, b) for c, b in self.layout_bests()]}
 
 

@@ -479,4 +479,7 @@ def render_recommendation(plan, table_format: str = "simple") -> str:
             lines.append(wrap(f"warning: {rec.warning}"))
         for reason in rec.reasons:
             lines.append(wrap(f"  - {reason}"))
+    trace = rec.search.trace if rec.search is not None else None
+    if trace is not None:  # the trace front end's check of the data-parallel layout (trace_check.py)
+        lines += [wrap(line) for line in trace.lines()]
     return "\n".join(lines)

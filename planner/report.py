@@ -217,35 +217,48 @@ LAYOUT_ROWS = 12
 """Layouts shown in the search table (the fitting ones by step time first, then the closest misses)."""
 
 
+def _layout_row(c, best, pick, ref) -> list:
+    """One row of `layout_table`: the layout's best strategy (else the one needing the least memory)."""
+    r = best or c.closest()
+    m = r.memory
+    known = best is not None or m.reserved_replay is None or m._reserved is not None
+    dev = fmt_gib(m.device_total) if known else ">= " + fmt_gib(m.peak_allocated + m.process_overhead)
+    st = r.step_time_s if best is not None or m.allocated_fits else None  # (the trace times every row)
+    vs = "-" if st is None or not ref else ("pick" if pick is not None and c is pick[0] else
+                                            f"{100 * (st - ref) / ref:+.1f}%")
+    lay = c.layout
+    return [f"{lay.dp} x {lay.tp} x {lay.pp}", "on" if lay.sequence_parallel else "off",
+            str(lay.micro_steps), r.name, fmt_gib(m.peak_allocated), dev,
+            "yes" if best is not None else ("retry" if r.fits else "NO"),
+            fmt_seconds(st) if st is not None else "-", vs]
+
+
 def layout_table(plan, table_format: str = "simple", rows: int = LAYOUT_ROWS) -> str:
     """The layout search (`plan.search`, layout.py): per layout its best strategy, memory, fit and step
     time against the pick. A device figure with '>=' is the allocated peak plus the process overhead
-    (the reserved peak not replayed for a layout that cannot fit)."""
+    (the reserved peak not replayed for a layout that cannot fit). With the trace's check of the
+    data-parallel layout (`search.trace`, trace_check.py) a `front end` column, and the trace's row of that
+    layout after the analytic one (or last, when that is not shown)."""
     s = plan.search
     pick = s.pick
     ref = pick[1].step_time_s if pick is not None else None
+    trace = s.trace
     out = []
     for c, best in s.layout_bests()[:rows]:
-        r = best or c.closest()
-        m = r.memory
-        known = best is not None or m.reserved_replay is None or m._reserved is not None
-        dev = fmt_gib(m.device_total) if known else ">= " + fmt_gib(m.peak_allocated + m.process_overhead)
-        st = r.step_time_s
-        vs = "-" if st is None or not ref else ("pick" if pick is not None and c is pick[0] else
-                                                f"{100 * (st - ref) / ref:+.1f}%")
-        lay = c.layout
-        out.append([f"{lay.dp} x {lay.tp} x {lay.pp}", "on" if lay.sequence_parallel else "off",
-                    str(lay.micro_steps), r.name, fmt_gib(m.peak_allocated), dev,
-                    "yes" if best is not None else ("retry" if r.fits else "NO"),
-                    fmt_seconds(st) if st is not None else "-", vs])
-    more = len(s.candidates) - len(out)
+        out.append(_layout_row(c, best, pick, ref) + (["analytic"] if trace is not None else []))
+        if trace is not None and c is trace.analytic:
+            out.append(_layout_row(trace.traced, trace.traced.best(), None, ref) + ["trace"])
+    if trace is not None and not any(row[-1] == "trace" for row in out):  # the pair compared, last
+        out.append(_layout_row(trace.analytic, trace.analytic.best(), pick, ref) + ["analytic"])
+        out.append(_layout_row(trace.traced, trace.traced.best(), None, ref) + ["trace"])
+    more = len(s.candidates) - sum(row[-1] != "trace" for row in out)
     title = (f"layout search: {len(s.candidates)} layouts, {s.evaluated} configurations, {s.seconds:.2f} s "
              f"({s.cpu_seconds:.2f} s CPU)"
              + (f" (under {s.change.split(' (')[0]})" if s.change else "")
              + (f"; {more} more not shown" if more > 0 else "")
              + (f"; {s.skipped} not evaluated (the search's budget)" if s.skipped else ""))
     headers = ["dp x tp x pp", "SP", "micro-steps", "strategy", "peak", "device", "fits", "step", "vs pick"]
-    return fit_table(title, headers, out, table_format)
+    return fit_table(title, headers + (["front end"] if trace is not None else []), out, table_format)
 
 
 def render_estimate(plan, table_format: str = "simple") -> str:

@@ -214,6 +214,9 @@ def test_comm_bound_traced_moe_recommends_and_names_fsdp2_padding():
     assert len(bound) == 1 and "--gpus 8 (1 node)" in bound[0], out["recommendation"]["reasons"]
     pad = [n for n in out["inputs"]["notes"] if "FSDP2 shards each parameter on dim 0" in n]
     assert len(pad) == 1 and "experts" in pad[0] and "4 rows for 64 ranks" in pad[0], out["inputs"]["notes"]
+    # the analytic front end does not read Mixtral: the trace plans dp 64 alone, and says the layout was not searched
+    assert "search" not in out["recommendation"]
+    assert any(n.startswith("layout: not searched") and "'mixtral'" in n for n in out["inputs"]["notes"])
     llama = _cli("estimate", "--hf-config", str(HF / "llama-8l.json"), "--gpus", "64", "--gpu", "h100-sxm",
                  "--seq-len", "64", "--micro-batch", "2", "--front-end", "trace", "--json")
     assert llama.exit_code == 0
@@ -224,10 +227,11 @@ def test_comm_bound_traced_moe_recommends_and_names_fsdp2_padding():
 @pytest.mark.newest
 def test_traced_nothing_fits_names_checkpointing_when_it_fits():
     """A traced model that fits nowhere at micro-batch 1 (16K tokens in 3 GiB) is traced again with full
-    activation checkpointing, and the change is named with what it needs (it printed no advice before)."""
+    activation checkpointing, and the change is named with what it needs (it printed no advice before). At the
+    data-parallel mesh (--tp 1 --pp 1), which the trace plans alone: without them the layout is searched."""
     base = ["--hf-config", str(HF / "llama-8l.json"), "--front-end", "trace", "--gpus", "2", "--gpu-mem", "3",
             "--seq-len", "16384", "--micro-batch", "1", "--json"]
-    r = _cli("recommend", *base)
+    r = _cli("recommend", *base, "--tp", "1", "--pp", "1")
     assert r.exit_code == 0, r.output[-2000:]
     rec = json.loads(r.output)["recommendation"]
     assert rec["strategy"] is None and rec["change"].startswith("--activation-checkpointing full")
@@ -312,9 +316,10 @@ def test_sweep_traces_what_the_analytic_front_end_does_not_read():
 
 
 def test_traced_nothing_fits_names_the_smaller_micro_batch_flag():
-    """A traced HF model's smaller-batch change names --micro-batch (it named --module's --input-shape)."""
+    """A traced HF model's smaller-batch change names --micro-batch (it named --module's --input-shape), at
+    the data-parallel mesh the trace plans alone (--tp 1 --pp 1)."""
     r = _cli("recommend", "--hf-config", str(HF / "llama-8l.json"), "--front-end", "trace", "--gpus", "2",
-             "--gpu-mem", "3", "--seq-len", "8192", "--micro-batch", "4", "--json")
+             "--gpu-mem", "3", "--seq-len", "8192", "--micro-batch", "4", "--tp", "1", "--pp", "1", "--json")
     assert r.exit_code == 0, r.output[-2000:]
     change = json.loads(r.output)["recommendation"]["change"]
     assert "(--micro-batch 1; raise --grad-accum" in change and "--input-shape" not in change, change
