@@ -16,6 +16,7 @@ import pytest
 
 from distplan.planner.alloc_trace import allocation_events, reserved_peak
 from distplan.planner.allocator import replay
+from distplan.planner.accuracy import PEAK_RESERVED
 from distplan.planner.api import predict_probe, resolve_model
 from distplan.validate.results import record_spec
 from distplan.planner.config import TrainConfig
@@ -59,6 +60,15 @@ def test_reserved_single_stream_probes(errors):
     # -6.4%: its own recorded CPU re-run replays -5.4% against the H100 too)
     assert med <= 0.04 and mx <= 0.08, table
     assert med < old
+
+
+def test_the_printed_reserved_band_is_these_probes(errors):
+    """accuracy.PEAK_RESERVED["analytic"], printed under every analytic memory table and in the JSON's
+    error_band, is the |error| of these 78 probes' reserved peaks (median and max, to 0.01%)."""
+    e = [abs(v[1]) for v in errors.values()]
+    assert len(e) == 78
+    band = PEAK_RESERVED["analytic"]
+    assert round(statistics.median(e), 4) == band["median"] and round(max(e), 4) == band["max"]
 
 
 def test_reserved_fsdp_probes_meet_the_issue_bar(errors):

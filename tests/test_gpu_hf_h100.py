@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from distplan.planner.accuracy import PEAK_ALLOCATED, PEAK_RESERVED
 from distplan.planner.api import predict_probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +74,17 @@ def test_reserved_peak_where_it_is_now(rows):
     errors = _errors(rows, "peak_reserved")
     bad = {k: f"{e:+.2%}" for k, e in errors.items() if abs(e) > REACHED_RESERVED}
     assert not bad, bad
+
+
+def test_the_printed_bands_are_these_runs(rows):
+    """accuracy.py's trace-hf bands (printed under a traced Hugging Face model's memory table and in the JSON's
+    error_band) are these runs' |errors|: median and max to 0.1%, and how many were predicted low."""
+    for key, band in (("peak_allocated", PEAK_ALLOCATED["trace-hf"]), ("peak_reserved", PEAK_RESERVED["trace-hf"])):
+        errors = list(_errors(rows, key).values())
+        assert abs(statistics.median(abs(e) for e in errors) - band["median"]) < 0.001, (key, errors)
+        assert abs(max(abs(e) for e in errors) - band["max"]) < 0.001, (key, errors)
+        low = sum(e < 0 for e in errors)
+        assert f"predicted low in {low} of {len(errors)}" == band["bias"], (key, low)
 
 
 def test_single_gpu_step_time_median(rows):

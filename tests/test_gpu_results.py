@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from distplan.planner.accuracy import PEAK_RESERVED
 from distplan.planner.api import predict_probe
 from distplan.validate.results import record_spec
 from distplan.validate.compare import compare
@@ -161,6 +162,10 @@ def test_modules_on_gpu_reserved_from_the_traced_steps_allocations(modules_repre
         batch = r["inputs"]["module"]["input_shape"][0]  # (the ids of batch 32 and 128 are the same)
         judged[f"{r['id']}/b{batch}"] = pred["peak_reserved"] / r["measurement"]["memory"]["peak_reserved"] - 1
     assert len(judged) == 52
+    # the band printed for --module plans (accuracy.PEAK_RESERVED)
+    every = [abs(e) for e in judged.values()]
+    band = PEAK_RESERVED["trace-module"]
+    assert round(statistics.median(every), 4) == band["median"] and round(max(every), 4) == band["max"]
     gap = {k: e for k, e in judged.items() if "cifar_resnet" in k and "bf16-mixed" in k
            and k.startswith(("single/", "ddp/", "zero1/"))}
     rest = [abs(e) for k, e in judged.items() if k not in gap]

@@ -379,12 +379,14 @@ def test_predictions_print_their_measured_error_band():
     text = run("estimate", "--params", "7B", "--gpus", "8", "--strategy", "zero3").output
     d = json.loads(run("estimate", "--params", "7B", "--gpus", "8", "--strategy", "zero3", "--json").output)
     band = d["error_band"]
-    assert set(band) == {"step_time", "peak_allocated"}
+    assert set(band) == {"step_time", "peak_allocated", "peak_reserved"}
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
-    t, m = band["step_time"], band["peak_allocated"]
+    t, m, r = band["step_time"], band["peak_allocated"], band["peak_reserved"]
     assert f"{100 * t['median']:.1f}% / {100 * t['max']:.1f}%" in readme
     assert f"{100 * m['median']:.2f}% / {100 * m['max']:.2f}%" in readme
+    assert f"{100 * r['median']:.2f}% / {100 * r['max']:.2f}%" in readme
     flat = " ".join(text.split())
     assert f"measured error of step time, throughput and MFU: ±{100 * t['median']:.2g}% median" in flat
     assert f"measured error of the peak: ±{100 * m['median']:.2g}% median, {100 * m['max']:.2g}% max" in flat
+    assert f"of the reserved peak: ±{100 * r['median']:.2g}% median, {100 * r['max']:.2g}% max" in flat
     assert flat.index("measured error of the peak") < flat.index("communication and time")
