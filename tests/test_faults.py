@@ -454,3 +454,23 @@ def test_user_code_that_hangs_or_exits_is_one_line(fake_validate, tmp_path, monk
     r = fake_validate("--strategy", "ddp", "--module", "user_for_62:fine", "--input-shape", "4,8", "--timeout", "60",
                       "--dry-run", "--out", str(tmp_path / "r.jsonl"))
     assert r.exit_code == 0, r.output
+
+
+def test_a_process_the_probe_leaves_in_a_new_session_is_reaped(fake_validate, tmp_path, monkeypatch, private_tmp):
+    """The probe starts a process in a session of its own whose parent exits (its command line names
+    nothing of the probe): the guard, its subreaper, kills it when the probe ends (issue 62, item 5)."""
+    pidfile = tmp_path / "orphan.pid"
+    monkeypatch.setenv("DISTPLAN_FAKE_PROBE", json.dumps({"behavior": "orphan", "pidfile": str(pidfile)}))
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    try:
+        r = fake_validate("--strategy", "ddp", "--timeout", "60", "--out", str(tmp_path / "r.jsonl"))
+        assert r.exit_code == 0, r.output
+        orphan = int(pidfile.read_text())
+        assert wait_for(lambda: _state(str(orphan)) in ("Z", "gone"), 10), _cmdline(str(orphan))
+        assert not leftovers(private_tmp)
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass

@@ -148,8 +148,9 @@ def _verdict(frames: dict, reaper_status: int, flag: str, label: str, what: str,
     if "E" in frames:
         raise ValueError(frames["E"].decode(errors="replace"))
     if "M" in frames:
-        raise UserCodeFailure(f"{flag}={label!r}: {what} ran out of memory under the cap of "
-                              f"{(cap or 0) / 2**30:.1f} GiB (half the memory available); {ACCEPTED}")
+        raise UserCodeFailure(f"{flag}={label!r}: {what} ran out of memory under its cap of "
+                              f"{(cap or 0) / 2**30:.2g} GiB (beyond what distplan had mapped; by default half "
+                              f"the memory available); {ACCEPTED}")
     status = int(frames["X"]) if "X" in frames else reaper_status
     code = os.waitstatus_to_exitcode(status)
     if "V" in frames and code == 0:
@@ -208,10 +209,11 @@ def _worker(fn, w: int, tmp: str, cap: int | None, named: tuple) -> None:
         _cap_memory(cap)
         try:
             kind, payload = b"V", pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL)
-        except ValueError as exc:
-            kind, payload = b"E", _line(str(exc)).encode(errors="replace")
         except MemoryError:
             kind, payload = b"M", b""
+        except ValueError as exc:  # (the trace's line for a MemoryError it caught: memory, as above)
+            kind, payload = ((b"M", b"") if isinstance(exc.__context__, MemoryError)
+                             else (b"E", _line(str(exc)).encode(errors="replace")))
         except BaseException as exc:  # noqa: BLE001 - every way out of user code is one line
             flag, label, what = named
             text = f"{flag}={label!r}: {type(exc).__name__}: {_line(str(exc))}"
