@@ -276,8 +276,10 @@ def _read_until(fd: int, deadline: float) -> bytes | None:
     chunks = []
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0:
             return None
+        if not select.select([fd], [], [], min(left, 3600.0))[0]:
+            continue
         chunk = os.read(fd, 1 << 20)
         if not chunk:
             return b"".join(chunks)
