@@ -173,8 +173,9 @@ def _reaper(fn, r: int, w: int, tmp: str, cap: int | None, named: tuple) -> None
         os.setsid()
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
-        def end(signum, frame):
+        def end(signum, frame):  # distplan gone (PDEATHSIG) or a signal: nothing of the call outlives it
             kill_descendants(os.getpid())
+            shutil.rmtree(tmp, ignore_errors=True)
             os._exit(128 + signum)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, end)
