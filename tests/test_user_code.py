@@ -32,6 +32,10 @@ def hangs():
 def exits3():
     os._exit(3)
 
+def killed():
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
+
 def fine():
     return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 
@@ -131,13 +135,14 @@ def test_a_hanging_factory_ends_at_timeout_with_one_line(user):
     assert _left(tmp) == []
 
 
-def test_a_factory_that_ends_the_process_is_one_line(user):
+@pytest.mark.parametrize("factory, how", [("exits3", "exit code 3"), ("killed", "signal 9 (SIGKILL)")])
+def test_a_factory_that_ends_the_process_is_one_line(user, factory, how):
     pytest.importorskip("torch")
     name, _, _ = user
-    r = _estimate("--module", f"{name}:exits3", "--input-shape", "4,8", "--timeout", "60")
+    r = _estimate("--module", f"{name}:{factory}", "--input-shape", "4,8", "--timeout", "60")
     assert r.exit_code == 2, r.output
     line = _one_line(r.output)
-    assert f"--module='{name}:exits3'" in line and "ended the process (exit code 3) before returning" in line, line
+    assert f"--module='{name}:{factory}'" in line and f"ended the process ({how}) before returning" in line, line
 
 
 def test_memory_beyond_the_cap_is_one_line(user, monkeypatch):

@@ -154,9 +154,16 @@ def _verdict(frames: dict, reaper_status: int, flag: str, label: str, what: str,
     status = int(frames["X"]) if "X" in frames else reaper_status
     code = os.waitstatus_to_exitcode(status)
     if "V" in frames and code == 0:
-        return pickle.loads(frames["V"])
+        try:
+            return pickle.loads(frames["V"])
+        except Exception as exc:  # noqa: BLE001 - a value that names what this process cannot load
+            raise UserCodeFailure(f"{flag}={label!r}: its result cannot be read back ({type(exc).__name__}: "
+                                  f"{_line(str(exc))})") from None
     if code < 0:
-        how = f"signal {-code} ({signal.Signals(-code).name})"
+        try:
+            how = f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            how = f"signal {-code}"
     else:
         how = f"exit code {code}"
     raise UserCodeFailure(f"{flag}={label!r}: {what} ended the process ({how}) before returning; {ACCEPTED}")
