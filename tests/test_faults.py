@@ -518,7 +518,7 @@ def test_validate_user_code_that_forks_leaves_no_process_or_folder(fake_validate
         assert r.exit_code == 0, r.output
         noted = [int(x) for x in pids.read_text().split()]
         assert len(noted) >= 4, noted  # the check and the prediction each ran the factory
-        assert [p for p in noted if _state(str(p)) not in ("Z", "gone")] == []
+        assert [(p, _ppid(p), _state(str(p))) for p in noted if _state(str(p)) not in ("Z", "gone")] == [], noted
         assert [str(p) for p in private_tmp.rglob("*") if p.name.startswith("distplan-user-")
                 or p.name == "left-by-user-code.txt"] == []
     finally:

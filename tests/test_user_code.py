@@ -124,8 +124,7 @@ def _one_line(output: str) -> str:
 
 def test_a_hanging_factory_ends_at_timeout_with_one_line(user):
     pytest.importorskip("torch")
-    from distplan.planner.workload.trace import warm_up
-    warm_up()  # torch and the parent's warm-up trace before the clock starts (seconds on a busy machine)
+    import torch  # noqa: F401  (imported before the clock starts, as estimate does before its child)
     name, tmp, _ = user
     t0 = time.monotonic()
     # every strategy: bf16-mixed traces three regimes (autocast, FSDP2's and FSDP1's casts)
@@ -175,9 +174,14 @@ def test_user_code_runs_in_a_child_and_its_value_comes_back():
     pytest.importorskip("torch")
     from distplan.planner.workload.isolated import run_isolated, user_code_limits
     with user_code_limits(timeout_s=30):
-        assert run_isolated(lambda: (os.getpid(), {"a": [1, 2]}), "--module", "x:y")[0] != os.getpid()
-        with pytest.raises(ValueError, match="^bad value$"):
-            run_isolated(lambda: (_ for _ in ()).throw(ValueError("bad value\nsecond line")), "--module", "x:y")
+        child = run_isolated("--module", "x:y", os.getpid)
+        assert child != os.getpid()
+        assert run_isolated("--module", "x:y", dict, {"a": [1, 2]}) == {"a": [1, 2]}
+        with pytest.raises(ValueError, match="^invalid literal for int"):
+            run_isolated("--module", "x:y", int, "bad\nsecond line")
+        assert run_isolated("--module", "x:y", os.getpid) == child  # one child for the calls inside the limits
+    assert not os.path.exists(f"/proc/{child}") or _alive(child) is False  # ended with them
+    assert run_isolated("--module", "x:y", os.getpid) != child  # outside: one call, one child
 
 
 def test_a_workload_that_hung_is_not_run_again_inside_the_limits():
@@ -186,9 +190,9 @@ def test_a_workload_that_hung_is_not_run_again_inside_the_limits():
     from distplan.planner.workload.isolated import UserCodeFailure, run_isolated, user_code_limits
     with user_code_limits(timeout_s=1):
         with pytest.raises(UserCodeFailure, match="did not return in 1 s"):
-            run_isolated(lambda: time.sleep(3600), "--module", "x:hangs")
+            run_isolated("--module", "x:hangs", time.sleep, 3600)
         t0 = time.monotonic()
         with pytest.raises(UserCodeFailure, match="did not return in 1 s"):
-            run_isolated(lambda: time.sleep(3600), "--module", "x:hangs")
+            run_isolated("--module", "x:hangs", time.sleep, 3600)
         assert time.monotonic() - t0 < 0.5
-        assert run_isolated(lambda: 7, "--module", "x:other") == 7
+        assert run_isolated("--module", "x:other", abs, -7) == 7  # a new child after the one killed

@@ -57,32 +57,40 @@ ACCEPTED = "accepted: a factory that builds the model and returns it"
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-_HEADER = struct.Struct("<cQ")  # a frame: kind (V value, E error line, M out of memory, X exit status), length
+_HEADER = struct.Struct("<cQ")
+"""A frame: its kind (R request, Q quit; V value, E error line, M out of memory, X the worker's exit
+status), its length."""
 
 
 class UserCodeFailure(ValueError):
     """User code hung, ended its process, was killed or ran out of its memory: one line naming the flag."""
 
 
-_LIMITS: dict = {"timeout_s": None, "memory_bytes": None, "failed": None, "in_child": False}
+_LIMITS: dict = {"timeout_s": None, "memory_bytes": None, "failed": None, "in_child": False, "server": None}
 
 
 @contextlib.contextmanager
 def user_code_limits(timeout_s: float | None = None, memory_bytes: int | None = None):
     """The time limit and memory cap of every `run_isolated` call inside (None: the enclosing one's, else
-    DEFAULT_TIMEOUT_S and `memory_cap()`); a workload that failed as a process is not run again inside."""
-    saved = dict(_LIMITS)
+    DEFAULT_TIMEOUT_S and `memory_cap()`). The outermost one keeps one child for all the calls inside (a
+    plan traces one model in several regimes: warm after the first, as in one process), ended with it; a
+    workload that failed as a process is not run again inside."""
+    saved = {k: _LIMITS[k] for k in ("timeout_s", "memory_bytes")}
+    outermost = _LIMITS["failed"] is None
     if timeout_s is not None:
         _LIMITS["timeout_s"] = float(timeout_s)
     if memory_bytes is not None:
         _LIMITS["memory_bytes"] = int(memory_bytes)
-    if _LIMITS["failed"] is None:
+    if outermost:
         _LIMITS["failed"] = {}
     try:
         yield
     finally:
-        _LIMITS.clear()
-        _LIMITS.update(saved)
+        _LIMITS.update(saved)  # (the child and what failed stay the outermost one's)
+        if outermost:
+            server, _LIMITS["server"], _LIMITS["failed"] = _LIMITS["server"], None, None
+            if server is not None:
+                server.stop()
 
 
 def memory_cap() -> int | None:
@@ -98,67 +106,59 @@ def memory_cap() -> int | None:
     return max(MIN_MEMORY_CAP, int(MEMORY_FRACTION * avail))
 
 
-def run_isolated(fn, flag: str, label: str, what: str = WHAT):
-    """`fn()`'s value, computed in a child process under the time limit and memory cap (module docstring).
-    Raises ValueError with `fn`'s own ValueError line, or UserCodeFailure naming `flag`=`label`."""
+def run_isolated(flag: str, label: str, fn, *args, what: str = WHAT):
+    """`fn(*args)`'s value, computed in a child process under the time limit and memory cap (module
+    docstring); `fn` a module-level function, `args` picklable. Raises ValueError with `fn`'s own
+    ValueError line, or UserCodeFailure naming `flag`=`label`."""
     failed, key = _LIMITS["failed"], (flag, label)
     if failed is not None and key in failed:
         raise UserCodeFailure(failed[key])
     if _LIMITS["in_child"] or not hasattr(os, "fork"):
-        return fn()
+        return fn(*args)
     timeout_s = _LIMITS["timeout_s"] or DEFAULT_TIMEOUT_S
+    server = _LIMITS["server"]
+    if server is None or not server.alive:
+        server = _Server(memory_cap())
+        if failed is not None:  # inside user_code_limits: kept for the calls after this one
+            _LIMITS["server"] = server
     try:
-        return _run_child(fn, flag, label, what, timeout_s, memory_cap())
+        try:
+            frame = server.call((fn, args, flag, label, what), time.monotonic() + timeout_s)
+        except BaseException:  # Ctrl-C while waiting: the child's tree goes too
+            server.stop(kill=True)
+            raise
+        return _verdict(server, frame, flag, label, what, timeout_s)
     except UserCodeFailure as exc:
         if failed is not None:
             failed[key] = str(exc)
         raise
-
-
-def _run_child(fn, flag: str, label: str, what: str, timeout_s: float, cap: int | None):
-    for stream in (sys.stdout, sys.stderr):
-        _flush(stream)  # nothing buffered here is written twice by the child
-    tmp = tempfile.mkdtemp(prefix="distplan-user-")
-    r, w = os.pipe()
-    try:
-        pid = os.fork()
-        if pid == 0:
-            _reaper(fn, r, w, tmp, cap, (flag, label, what))  # never returns
-        os.close(w)
-        w = None
-        try:
-            data = _read_until(r, time.monotonic() + timeout_s)
-        except BaseException:  # Ctrl-C while waiting: the child's tree goes too
-            kill_tree(pid)
-            raise
-        if data is None:
-            kill_tree(pid)
-            raise UserCodeFailure(f"{flag}={label!r}: {what} did not return in {timeout_s:g} s (--timeout); "
-                                  f"{ACCEPTED}")
-        _, status = os.waitpid(pid, 0)
     finally:
-        os.close(r)
-        if w is not None:
-            os.close(w)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return _verdict(_frames(data), status, flag, label, what, cap)
+        if failed is None:  # outside user_code_limits: one call, one child
+            server.stop()
 
 
-def _verdict(frames: dict, reaper_status: int, flag: str, label: str, what: str, cap: int | None):
-    if "E" in frames:
-        raise ValueError(frames["E"].decode(errors="replace"))
-    if "M" in frames:
-        raise UserCodeFailure(f"{flag}={label!r}: {what} ran out of memory under its cap of "
-                              f"{(cap or 0) / 2**30:.2g} GiB (beyond what distplan had mapped; by default half "
-                              f"the memory available); {ACCEPTED}")
-    status = int(frames["X"]) if "X" in frames else reaper_status
-    code = os.waitstatus_to_exitcode(status)
-    if "V" in frames and code == 0:
+def _verdict(server, frame, flag: str, label: str, what: str, timeout_s: float):
+    """`fn`'s value from the worker's answer `frame` (kind, payload), or the one-line error."""
+    if frame is None:
+        server.stop(kill=True)
+        raise UserCodeFailure(f"{flag}={label!r}: {what} did not return in {timeout_s:g} s (--timeout); "
+                              f"{ACCEPTED}")
+    kind, payload = frame
+    if kind == b"V":
         try:
-            return pickle.loads(frames["V"])
+            return pickle.loads(payload)
         except Exception as exc:  # noqa: BLE001 - a value that names what this process cannot load
             raise UserCodeFailure(f"{flag}={label!r}: its result cannot be read back ({type(exc).__name__}: "
                                   f"{_line(str(exc))})") from None
+    if kind == b"E":
+        raise ValueError(payload.decode(errors="replace"))
+    if kind == b"M":
+        server.stop(kill=True)
+        raise UserCodeFailure(f"{flag}={label!r}: {what} ran out of memory under its cap of "
+                              f"{(server.cap or 0) / 2**30:.2g} GiB (beyond what distplan had mapped; by default "
+                              f"half the memory available); {ACCEPTED}")
+    reaper_status = server.stop()  # the worker ended: its status (X), or the reaper's where none came
+    code = os.waitstatus_to_exitcode(int(payload) if payload else reaper_status)
     if code < 0:
         try:
             how = f"signal {-code} ({signal.Signals(-code).name})"
@@ -169,13 +169,95 @@ def _verdict(frames: dict, reaper_status: int, flag: str, label: str, what: str,
     raise UserCodeFailure(f"{flag}={label!r}: {what} ended the process ({how}) before returning; {ACCEPTED}")
 
 
+class _Server:
+    """A reaper and its worker (module docstring), answering requests (fn, args, flag, label, what) over a
+    pipe, one at a time; `stop()` ends both and removes the worker's TMPDIR."""
+
+    def __init__(self, cap: int | None):
+        self.cap, self.alive, self.buf = cap, True, bytearray()
+        for stream in (sys.stdout, sys.stderr):
+            _flush(stream)  # nothing buffered here is written twice by the child
+        self.tmp = tempfile.mkdtemp(prefix="distplan-user-")
+        req_r, self.req_w = os.pipe()
+        self.resp_r, resp_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.req_w)
+            os.close(self.resp_r)
+            _reaper(req_r, resp_w, self.tmp, cap)  # never returns
+        os.close(req_r)
+        os.close(resp_w)
+
+    def call(self, request: tuple, deadline: float):
+        """The worker's answer (kind, payload) to `request`; (b"X", None) if it ended; None at `deadline`."""
+        try:
+            _write_frame(self.req_w, b"R", pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+        except BrokenPipeError:
+            pass  # the worker is gone: its status follows
+        while True:
+            if len(self.buf) >= _HEADER.size:
+                kind, n = _HEADER.unpack_from(self.buf, 0)
+                if len(self.buf) >= _HEADER.size + n:
+                    payload = bytes(self.buf[_HEADER.size:_HEADER.size + n])
+                    del self.buf[:_HEADER.size + n]
+                    return kind, payload
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not select.select([self.resp_r], [], [], min(left, 3600.0))[0]:
+                continue
+            chunk = os.read(self.resp_r, 1 << 20)
+            if not chunk:
+                return b"X", None
+            self.buf += chunk
+
+    def stop(self, kill: bool = False, grace_s: float = 5.0) -> int:
+        """End the worker (asked to: a quit frame; `kill`: at once) and the reaper, which kills what is left
+        below it; the reaper's wait status (0 where it was ended before)."""
+        if not self.alive:
+            return 0
+        self.alive = False
+        status = 0
+        try:
+            if not kill:
+                try:
+                    _write_frame(self.req_w, b"Q", b"")
+                except OSError:
+                    pass
+                status = _wait(self.pid, grace_s)
+            if kill or status is None:
+                status = kill_tree(self.pid)
+        finally:
+            for fd in (self.req_w, self.resp_r):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return status or 0
+
+
+def _wait(pid: int, timeout_s: float) -> int | None:
+    """`pid`'s wait status once it ends within `timeout_s`, else None."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return 0
+        if got == pid:
+            return status
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+
+
 # -- the child: reaper and worker --------------------------------------------------------------------
 
-def _reaper(fn, r: int, w: int, tmp: str, cap: int | None, named: tuple) -> None:
+def _reaper(req_r: int, resp_w: int, tmp: str, cap: int | None) -> None:
     """The forked child: a session and subreaper of its own; runs the worker, then kills what it left."""
     status = 70
     try:
-        os.close(r)
         parent = os.getppid()
         os.setsid()
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -191,7 +273,7 @@ def _reaper(fn, r: int, w: int, tmp: str, cap: int | None, named: tuple) -> None
             end(signal.SIGTERM, None)  # distplan died before the prctl took effect
         worker = os.fork()
         if worker == 0:
-            _worker(fn, w, tmp, cap, named)  # never returns
+            _worker(req_r, resp_w, tmp, cap)  # never returns
         while True:
             try:
                 _, st = os.waitpid(worker, 0)
@@ -199,14 +281,15 @@ def _reaper(fn, r: int, w: int, tmp: str, cap: int | None, named: tuple) -> None
             except InterruptedError:  # pragma: no cover - PEP 475 retries
                 continue
         kill_descendants(os.getpid())
-        _write_frame(w, b"X", str(st).encode())
+        _write_frame(resp_w, b"X", str(st).encode())
         status = 0
     finally:
         os._exit(status)
 
 
-def _worker(fn, w: int, tmp: str, cap: int | None, named: tuple) -> None:
-    """The grandchild: `fn()` under the cap, its value or error line to the pipe; nothing else survives."""
+def _worker(req_r: int, resp_w: int, tmp: str, cap: int | None) -> None:
+    """The grandchild: each request's `fn(*args)` under the cap, its value or error line to the pipe, until a
+    quit frame or the end of the pipe."""
     status = 70
     me = os.getpid()
     try:
@@ -215,26 +298,57 @@ def _worker(fn, w: int, tmp: str, cap: int | None, named: tuple) -> None:
         os.environ["TMPDIR"] = tmp
         tempfile.tempdir = tmp
         _cap_memory(cap)
-        try:
-            kind, payload = b"V", pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL)
-        except MemoryError:
-            kind, payload = b"M", b""
-        except ValueError as exc:  # (the trace's line for a MemoryError it caught: memory, as above)
-            kind, payload = ((b"M", b"") if isinstance(exc.__context__, MemoryError)
-                             else (b"E", _line(str(exc)).encode(errors="replace")))
-        except BaseException as exc:  # noqa: BLE001 - every way out of user code is one line
-            flag, label, what = named
-            text = f"{flag}={label!r}: {type(exc).__name__}: {_line(str(exc))}"
-            if isinstance(exc, SystemExit):
-                text = f"{flag}={label!r}: {what} called sys.exit({exc.code!r})"
-            kind, payload = b"E", text[:2000].encode(errors="replace")
-        if os.getpid() == me:  # (a process user code forked that returned here writes nothing)
-            _write_frame(w, kind, payload)
+        while True:
+            request = _read_frame(req_r)
+            if request is None or request[0] != b"R":
+                break
+            kind, payload = _answer(request[1])
+            if os.getpid() != me:  # (a process user code forked that returned here: gone quietly)
+                break
+            _write_frame(resp_w, kind, payload)
             for stream in (sys.stdout, sys.stderr):
                 _flush(stream)
-            status = 0
+        status = 0
     finally:
         os._exit(status)
+
+
+def _answer(request: bytes) -> tuple[bytes, bytes]:
+    """(kind, payload) for one request: V and the pickled value, E and one line, M (out of memory)."""
+    fn, args, flag, label, what = pickle.loads(request)
+    try:
+        return b"V", pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
+    except MemoryError:
+        return b"M", b""
+    except ValueError as exc:  # (the trace's line for a MemoryError it caught: memory, as above)
+        if isinstance(exc.__context__, MemoryError):
+            return b"M", b""
+        return b"E", _line(str(exc)).encode(errors="replace")
+    except BaseException as exc:  # noqa: BLE001 - every way out of user code is one line
+        text = f"{flag}={label!r}: {type(exc).__name__}: {_line(str(exc))}"
+        if isinstance(exc, SystemExit):
+            text = f"{flag}={label!r}: {what} called sys.exit({exc.code!r})"
+        return b"E", text[:2000].encode(errors="replace")
+
+
+def _read_frame(fd: int) -> tuple[bytes, bytes] | None:
+    """The next frame from `fd` (blocking); None at the end of the pipe."""
+    head = _read_exactly(fd, _HEADER.size)
+    if head is None:
+        return None
+    kind, n = _HEADER.unpack(head)
+    payload = _read_exactly(fd, n)
+    return None if payload is None else (kind, payload)
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return bytes(out)
 
 
 def _line(text: str) -> str:
@@ -277,35 +391,6 @@ def _write_frame(fd: int, kind: bytes, payload: bytes) -> None:
     view = memoryview(_HEADER.pack(kind, len(payload)) + payload)
     while view:
         view = view[os.write(fd, view):]
-
-
-def _read_until(fd: int, deadline: float) -> bytes | None:
-    """Everything written to the pipe until its last writer closes it; None at the deadline."""
-    chunks = []
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        if not select.select([fd], [], [], min(left, 3600.0))[0]:
-            continue
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-
-
-def _frames(data: bytes) -> dict:
-    """{kind: payload} of the frames in `data` (the first of each kind; anything unreadable ends it)."""
-    out: dict = {}
-    at = 0
-    while at + _HEADER.size <= len(data):
-        kind, n = _HEADER.unpack_from(data, at)
-        at += _HEADER.size
-        if at + n > len(data):
-            break
-        out.setdefault(kind.decode(errors="replace"), data[at:at + n])
-        at += n
-    return out
 
 
 def _flush(stream) -> None:
@@ -369,7 +454,7 @@ def kill_descendants(root: int, rounds: int = 200, reap_s: float = 5.0) -> None:
             break
 
 
-def kill_tree(pid: int, grace_s: float = 5.0) -> None:
+def kill_tree(pid: int, grace_s: float = 5.0) -> int:
     """The reaper `pid` and everything below it, killed, and `pid` reaped: its descendants killed until
     none is left, the reaper given `grace_s` to reap them and exit (no zombie left to init), then killed
     with its process group (where there is no /proc, the group is all that is found)."""
@@ -377,10 +462,11 @@ def kill_tree(pid: int, grace_s: float = 5.0) -> None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got == pid:
+                return status
         except ChildProcessError:
-            return
+            return 0
         kill_descendants(pid, rounds=1)
         time.sleep(0.01)
     _kill(pid, signal.SIGKILL)
@@ -389,9 +475,9 @@ def kill_tree(pid: int, grace_s: float = 5.0) -> None:
     except OSError:
         pass
     try:
-        os.waitpid(pid, 0)
+        return os.waitpid(pid, 0)[1]
     except ChildProcessError:
-        pass
+        return 0
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -130,32 +130,7 @@ def profile(work, dtype: str = "float32", device: str = "cpu", checkpoint_every:
         return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers, device,
                           work.attention, checkpoint_every, work.vocab_size)
     # user code: in a child, bounded (isolated.run_isolated: --timeout, a memory cap, one-line verdicts)
-    warm_up(dtype, device)
-    return run_isolated(lambda: _module_profile(work, dtype, device, checkpoint_every), "--module", work.label)
-
-
-_WARM: set = set()
-
-
-def _warm_model():
-    import torch
-
-    nn = torch.nn
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LayerNorm(144),
-                         nn.Linear(144, 2))
-
-
-def warm_up(dtype: str = "float32", device: str = "cpu") -> None:
-    """A tiny model of ours traced here once, before user code is traced in forked children: what a first
-    trace in a process pays (torch's lazy imports, the fake-tensor and dispatch caches: about 2 s of a
-    first 2.7 s, 0.7 s after) is paid once in the parent, not in every child. An optimisation only."""
-    if _WARM:  # once per process: what it warms is common to every regime
-        return
-    _WARM.add((dtype, device))
-    try:
-        _module_profile(FactoryWorkload(f"{__name__}:_warm_model", (2, 3, 8, 8)), dtype, device, 0)
-    except Exception:  # noqa: BLE001 - the user's own trace reports whatever this one met
-        pass
+    return run_isolated("--module", work.label, _module_profile, work, dtype, device, checkpoint_every)
 
 
 def _module_profile(work, dtype: str, device: str, checkpoint_every: int) -> dict:
@@ -199,11 +174,12 @@ def check_factory(factory_path: str, input_shape, path: str | None = None) -> No
     nn.Module, or has no parameters. Run in a child under `isolated.user_code_limits` (`run_isolated`): a
     factory that hangs, ends the process or runs out of its memory cap is one line too."""
 
-    def check() -> None:
-        load_factory(factory_path)
-        profile_workload(FactoryWorkload(factory_path, parse_shape(input_shape), path), "float32")
-    warm_up()
-    run_isolated(check, "--module", factory_path)
+    run_isolated("--module", factory_path, _check_factory, factory_path, parse_shape(input_shape), path)
+
+
+def _check_factory(factory_path: str, shape: tuple, path: str | None) -> None:
+    load_factory(factory_path)
+    profile_workload(FactoryWorkload(factory_path, shape, path), "float32")
 
 
 def _check_model(torch, model, flag: str, label: str) -> None:
