@@ -1,9 +1,10 @@
 """User code in a child process, bounded: a `--module` factory, its import and the model's forward and
 backward on fake tensors (`trace.profile`, `trace.check_factory`) run in a forked child, so that a factory
 that never returns, ends the process (`os._exit(3)`), eats the machine's memory or leaves processes behind is
-one line naming the flag, and nothing of it outlives the call.
+one line naming the flag, and nothing of it outlives the command.
 
-    value = run_isolated(fn, "--module", "pkg.mod:factory")
+    with user_code_limits(timeout_s=30):
+        value = run_isolated("--module", "pkg.mod:factory", fn, *args)  # fn module-level, args picklable
 
 How (POSIX; Linux for the reaping):
 
@@ -11,27 +12,30 @@ How (POSIX; Linux for the reaping):
   *reaper* in a session of its own, which makes itself the subreaper of its descendants
   (`PR_SET_CHILD_SUBREAPER`: a process user code starts, even one that calls `setsid()` and whose parent
   exits, stays below it) and gets `PR_SET_PDEATHSIG(SIGTERM)` (distplan gone, even by SIGKILL: the
-  reaper kills its tree and exits).
-- the reaper forks the *worker*, which runs `fn()` under an address-space cap (`RLIMIT_AS`: what it had
-  at the fork plus `memory_cap()`, half the available memory by default) with `TMPDIR` in a folder of its
-  own, and writes `fn`'s value (pickled) or its error (one line) to a pipe.
-- when the worker ends, however it ends, the reaper kills every process left below it (SIGKILL), reaps
-  them, writes the worker's exit status to the pipe and exits.
-- distplan reads the pipe until it closes (every writer gone) or the time limit (`--timeout`) passes; at
-  the limit it kills the tree below the reaper itself (every live descendant found under it in /proc,
-  until none is left), lets the reaper reap them and exit, and kills it (and its process group) if it has
-  not within seconds. The folder goes after the call, whatever happened.
+  reaper kills its tree, removes the folder below and exits).
+- the reaper forks the *worker*, which runs under an address-space cap (`RLIMIT_AS`: what it had at the
+  fork plus `memory_cap()`, half the available memory by default) with `TMPDIR` in a folder of its own, and
+  answers requests over a pipe, one at a time: `fn(*args)`'s value (pickled) or its error (one line).
+  Inside the outermost `user_code_limits` one worker answers every request (a plan traces one model in
+  several regimes: the later traces are warm, as in one process); outside, one request, one worker.
+- each request waits at most the time limit (`--timeout`); at the limit distplan kills the tree below the
+  reaper itself (every live descendant found under it in /proc, until none is left), lets the reaper reap
+  them and exit, and kills it (and its process group) if it has not within seconds.
+- when the worker ends (asked to quit at the end of the limits, or however it ends), the reaper kills every
+  process left below it (SIGKILL), reaps them, writes the worker's exit status to the pipe and exits; the
+  folder is removed.
 
 Verdicts: `fn`'s own ValueError passes as a ValueError (the model's error: one regime of a trace may fail
-where another runs). A hang, an exit, a signal, memory beyond the cap raise `UserCodeFailure` (a
-ValueError too), one line naming the flag; inside `user_code_limits` the same workload is then not run
-again (a plan traces one model in several regimes: a hang costs one --timeout, not one per regime).
+where another runs; the worker stays). A hang, an exit, a signal, memory beyond the cap raise
+`UserCodeFailure` (a ValueError too), one line naming the flag, and end the worker (the next request starts
+another); inside `user_code_limits` the same workload is then not run again (a hang costs one --timeout,
+not one per regime).
 
 Known limitations: without `fork` (not POSIX) `fn` runs in-process, unbounded; without /proc and prctl
 (not Linux) only the reaper's process group is killed. CUDA initialised in distplan before the fork (the
 cuDNN workspaces measured on a GPU) cannot be used by the child; the fake-tensor trace does not use it.
-The cap is on address space, not resident memory: a model whose trace maps more than the cap allows fails
-with a MemoryError line.
+The cap is on address space, not resident memory. Processes user code starts live until the worker ends
+(the end of the command), not the end of the request that started them.
 """
 
 from __future__ import annotations
