@@ -196,3 +196,9 @@ def test_a_workload_that_hung_is_not_run_again_inside_the_limits():
             run_isolated("--module", "x:hangs", time.sleep, 3600)
         assert time.monotonic() - t0 < 0.5
         assert run_isolated("--module", "x:other", abs, -7) == 7  # a new child after the one killed
+
+
+def test_distplan_isolate_0_runs_user_code_in_process(monkeypatch):
+    from distplan.planner.workload.isolated import run_isolated
+    monkeypatch.setenv("DISTPLAN_ISOLATE", "0")
+    assert run_isolated("--module", "x:y", os.getpid) == os.getpid()

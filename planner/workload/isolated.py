@@ -31,6 +31,9 @@ where another runs; the worker stays). A hang, an exit, a signal, memory beyond 
 another); inside `user_code_limits` the same workload is then not run again (a hang costs one --timeout,
 not one per regime).
 
+`DISTPLAN_ISOLATE=0` runs `fn` in-process, unbounded (a debugger in user code; a host where a fork of a
+process with threads is unsafe).
+
 Known limitations: without `fork` (not POSIX) `fn` runs in-process, unbounded; without /proc and prctl
 (not Linux) only the reaper's process group is killed. CUDA initialised in distplan before the fork (the
 cuDNN workspaces measured on a GPU) cannot be used by the child; the fake-tensor trace does not use it.
@@ -117,7 +120,7 @@ def run_isolated(flag: str, label: str, fn, *args, what: str = WHAT):
     failed, key = _LIMITS["failed"], (flag, label)
     if failed is not None and key in failed:
         raise UserCodeFailure(failed[key])
-    if _LIMITS["in_child"] or not hasattr(os, "fork"):
+    if _LIMITS["in_child"] or not hasattr(os, "fork") or os.environ.get("DISTPLAN_ISOLATE") == "0":
         return fn(*args)
     timeout_s = _LIMITS["timeout_s"] or DEFAULT_TIMEOUT_S
     server = _LIMITS["server"]
