@@ -14,6 +14,10 @@ Three numeric regimes decide the dtypes of saved tensors:
   fp32, every Linear saves a 16-bit cast of its input, and the autocast weight cache keeps a 16-bit
   copy of every Linear weight (and bias) alive from its forward use to its backward.
 
+Where a device's kernels keep other tensors (dropout masks, LayerNorm statistics, SDPA's backend and
+log-sum-exp, CUDA's autocast lists): planner/kernel_rules.py, the one place the formulas ask. The
+attention terms: planner/activations_attention.py.
+
 Per token, per block (n = b*s tokens; h hidden; kv = kv_heads*head_dim; f ffn; a heads; e = 2 or 4
 bytes of the compute dtype; r = 4 (fp32 residual) or 2):
 - RMSNorm (HF): x.float() 4h (saved by pow and mul), rsqrt 4, normalized x*rstd (fp32: 4h; lowp: the
@@ -56,7 +60,9 @@ the real model, `planner.workload.trace.profile_hf`, byte for byte on CPU):
   residual branches (resid_pdrop); Llama, Mistral and Qwen2 only the probabilities (attention_dropout).
 - GPT-2's `NewGELUActivation` (activation "gelu_new", `activations.py`):
   `0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x**3)))` saves x (pow), tanh's output, 0.5*x and 1+tanh (the
-  last mul), and the proj saves the product: 5*e*f per token, where one `F.gelu` saves 2*e*f.
+  last mul), and the proj saves the product: 5*e*f per token, where one `F.gelu` saves 2*e*f. Under CUDA's
+  autocast `pow` runs in fp32 (autocast_mode.h `AT_FORALL_FP32`) and promotes the rest of the GELU: 16*f
+  bytes per token (`kernel_rules.gelu_new_elem_bytes`).
 - Loss (`loss/loss_utils.py` ForCausalLMLoss): logits `.float()`, labels padded and shifted into a new
   int64 tensor: the same bytes as the reference decoder's targets and fp32 log_softmax, except with one
   sequence per micro-batch, where the shifted slice is contiguous and the padded (s+1) labels are kept.
