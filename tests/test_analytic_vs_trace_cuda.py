@@ -109,6 +109,9 @@ GRID_GAPS = {
     ("gemma2", "fp32", "full"): (
         "not a CUDA rule (the CPU target's walk reads the same bytes): Gemma-2 with full checkpointing, the "
         "formulas +625,920 B over the trace under zero3 (+0.58%) and fsdp (+0.60%), zero1 +334,592 B (+0.20%)"),
+    ("gpt2", "fp32", "every-2"): (
+        "GPT-2's checkpointed blocks again (gelu_new's backward): zero3 -881,276 B (-0.66%), the other strategies "
+        "within 0.001%; the CPU target's walk is under there too (-684,668 B, -0.84%)"),
 }
 """(model type, precision, checkpointing) -> why the whole step's peaks differ by more than 0.5% (strict xfail)."""
 
@@ -122,14 +125,18 @@ def _grid_case(model_type: str, precision: str, checkpointing: str, slow: bool =
 
 
 GRID = [_grid_case(t, p, c, slow=(t, p, c) != ("gpt2", "bf16-mixed", "none"))
-        for t in MODEL_TYPES for p in ("fp32", "bf16-mixed") for c in ("none", "full")]
+        for t in MODEL_TYPES for p in ("fp32", "bf16-mixed") for c in ("none", "full", "every-2")]
 
 
 @pytest.mark.parametrize("model_type, precision, checkpointing", GRID)
 def test_cuda_step_peak_trace_vs_formulas(model_type, precision, checkpointing):
     """`estimate --hf-config` planned for CUDA by the trace front end against the analytic front end's twin of
     the same run (module_twin.analytic_twins, `--front-end analytic --device cuda`): the whole step's peak
-    allocated within 0.5% for every strategy (8 H100s, 1 x 256 tokens)."""
+    allocated within 0.5% for every strategy (8 H100s, 1 x 256 tokens), without checkpointing, with full
+    checkpointing and every 2nd layer's (transformers' models have no op-level selective checkpointing in the
+    formulas). Measured 2026-12-06 (torch 2.13 CPU), 7 model types x 2 precisions x 6 strategies per
+    checkpointing: without it 84 of 84 cells within 0.5% (82 within 0.002%; Phi-3's ZeRO-1 +0.16%); with full
+    or every-2 checkpointing 158 of 168 (the 10 others in GRID_GAPS, none from a CUDA rule)."""
     kw = dict(hf_config=str(EXAMPLES / f"{model_type}-8l.json"), seq_len=256, micro_batch=1, precision=precision,
               activation_checkpointing=checkpointing)
     p = module_spec_plan(dict(kw, gpus=8, gpu="h100-sxm", detect_local=False), STRATEGIES)
