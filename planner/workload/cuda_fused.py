@@ -5,10 +5,13 @@ autograd Functions that save what the CUDA kernel's autograd node saves (trace_m
 - the memory-efficient attention kernel (`aten._scaled_dot_product_efficient_attention`, whose meta function
   torch/_meta_registrations.py `meta__scaled_dot_product_efficient_attention` traces it): its output laid out
   (B, S, heads, head_dim) (attention.cu `_efficient_attention_forward`, returned transposed), its fp32
-  log-sum-exp with the sequence rounded up to a multiple of 32; the philox seed and offset it returns are host
-  tensors outside CUDA graph capture (attention.cu: `at::scalar_tensor(..., at::dtype(at::kLong))`), no device
-  memory, so the Function does not keep them (the CPU's flash kernel, which the trace ran before, keeps the
-  output in q's layout and an unrounded log-sum-exp);
+  log-sum-exp with the sequence rounded up to a multiple of 32 (the CPU's flash kernel, which the trace ran
+  before, keeps the output in q's layout and an unrounded log-sum-exp). The philox seed and offset it returns
+  are left out: with dropout they are host tensors outside CUDA graph capture (attention.cu
+  `_efficient_attention_forward`: `at::scalar_tensor(..., at::dtype(at::kLong))`); without dropout two 0-dim
+  int64 tensors on the device (`at::empty({}, at::dtype(at::kLong).device(device))`), 8 bytes each (a 512-byte
+  block each in the caching allocator) that neither the trace nor the formulas count: a known gap of 1 KiB per
+  layer (recent flash_api.cpp versions make their flash kernel's seed and offset on the device too);
 - `native_layer_norm` on 16-bit inputs: CUDA keeps its mean and rstd in fp32 (layer_norm_kernel.cu
   `layer_norm_cuda`: `X->options().dtype(acc_type)`), the CPU in the input's dtype (layer_norm.cpp).
 
