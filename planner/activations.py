@@ -86,7 +86,8 @@ the real model, `planner.workload.trace.profile_hf`, byte for byte on CPU):
   SDPA's bool mask, materialized by a sliding window no longer than the sequence, is kept so too (s*s
   bytes, expanded over the batch).
 Not followed for transformers' models: op-level selective checkpointing (its saved set is the reference
-decoder's) and the philox state CUDA's flash kernel keeps with dropout (16 bytes).
+decoder's) and the philox seed and offset CUDA's fused kernels may keep as 0-dim device tensors (the
+memory-efficient kernel without dropout: 16 bytes a layer, planner/workload/cuda_fused.py).
 
 Tensor parallelism (`TrainConfig.tp` = t, `parallelize_module` with torchtitan's Llama plan): per op,
 what one TP rank saves. Split by t (whole heads and MLP columns per rank): q, k, v, the attention

@@ -6,7 +6,7 @@ the SDPA backend each device's dispatcher picks, and what each backend keeps for
 from __future__ import annotations
 
 from .config import TrainConfig
-from .kernel_rules import dropout_elem, logsumexp_bytes, sdpa_backend
+from .kernel_rules import dropout_elem, logsumexp_bytes, sdpa_backend, sdpa_mask_bytes
 
 
 def _hf_mask(train: TrainConfig) -> bool:
@@ -64,7 +64,7 @@ def _hf_attention_parts(train: TrainConfig, regime: str, n: int, device: str) ->
         parts = [n * e * h, n * e * kv_s, n * e * kv_s]
     parts += [n * e * h, logsumexp_bytes(device, backend, b, a, n // b)]  # output and logsumexp
     if mask:
-        parts.append(b * s * s * e)  # the bool mask converted to q's dtype, saved by the kernel
+        parts.append(sdpa_mask_bytes(device, backend, b, s, e))  # the bool mask in q's dtype, kept by the kernel
     # the output in q's (B, nh, S, hd) layout: `.transpose(1, 2).contiguous()` copies it for o_proj (Phi-3, see
     # `hf_output_copied`); under context parallelism the ring's merged output is a new (B, nh, S, hd) tensor
     # (see `_attention_saved`)

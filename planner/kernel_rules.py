@@ -62,6 +62,15 @@ def logsumexp_bytes(device: str, backend: str, batch: int, heads: int, seq: int)
     return batch * heads * s * 4
 
 
+def sdpa_mask_bytes(device: str, backend: str, batch: int, seq: int, elem: int) -> int:
+    """The additive (B, 1, S, S) mask a fused SDPA kernel keeps, converted from transformers' bool mask to q's
+    dtype (transformers/attention.cpp `convert_boolean_attn_mask`). CUDA's memory-efficient kernel wants its
+    rows aligned to 8 elements: an unaligned mask is padded and sliced back (attention.cpp `preprocess_mask`,
+    `pad_bias<8>`), so its storage holds S rounded up to 8 per row."""
+    row = -(-seq // 8) * 8 if device == "cuda" and backend == "efficient" and seq % 8 else seq
+    return batch * seq * row * elem
+
+
 def gelu_new_elem_bytes(device: str, regime: str) -> list[int]:
     """Bytes per element of the MLP's hidden width (n x f) of each tensor transformers' `NewGELUActivation`
     (`0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * torch.pow(x, 3))))`) and the output projection keep, in

@@ -85,16 +85,18 @@ def test_cuda_eager_attention_equals_trace(model_type, dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("point", ((2, 64), (1, 100)), ids=["b2s64", "b1s100"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_cuda_config_variants(tmp_path, variant):
+def test_cuda_config_variants(tmp_path, variant, point):
     """The config variants that take other code paths (tests/test_analytic_vs_trace.py VARIANTS) on CUDA: a
-    materialized mask sends 16-bit SDPA to the memory-efficient kernel, attention dropout stays in the fused
-    kernel (the CPU's runs the math composite), dropout masks are bools."""
+    materialized mask sends 16-bit SDPA to the memory-efficient kernel (at 100 tokens its rows padded to 104:
+    kernel_rules.sdpa_mask_bytes), attention dropout stays in the fused kernel (the CPU's runs the math
+    composite), dropout masks are bools."""
     base, changes, dtype = VARIANTS[variant]
     cfg = json.loads((EXAMPLES / f"{base}-8l.json").read_text()) | changes
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    (t_blk, a_blk), (t_out, a_out) = _cuda_compare(path, 2, 64, dtype)
+    (t_blk, a_blk), (t_out, a_out) = _cuda_compare(path, *point, dtype)
     assert (a_blk, a_out) == (t_blk, t_out)
 
 

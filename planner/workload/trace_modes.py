@@ -98,12 +98,15 @@ def _cuda_kernels(torch, autocast: bool = False):
 def _attn_bias(torch, mask, query, key):
     """The mask as CUDA's SDPA hands it to the memory-efficient kernel (aten/src/ATen/native/transformers/
     attention.cpp `scaled_dot_product_attention`): a bool mask converted to q's dtype (`convert_boolean_attn_mask`:
-    `at::where(attn_mask.logical_not(), -inf, 0)`), then expanded to (B, heads, S, S_k) (`preprocess_mask`)."""
+    `at::where(attn_mask, 0.0, -inf)`), padded to rows of a multiple of 8 elements and sliced back where they are
+    not (`preprocess_mask`, `pad_bias<8>`), then expanded to (B, heads, S, S_k)."""
     if mask is None:
         return None
     if mask.dtype == torch.bool:
-        mask = torch.where(mask.logical_not(), torch.full((), float("-inf"), dtype=query.dtype),
-                           torch.zeros((), dtype=query.dtype))
+        mask = torch.where(mask, 0.0, torch.full((), float("-inf"), dtype=query.dtype))
+    if mask.stride(-1) != 1 or any(st % 8 for st in mask.stride()[:-1]):
+        last = mask.size(-1)
+        mask = torch.nn.functional.pad(mask, (0, 8 - last % 8))[..., :last]
     return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
 
 
