@@ -148,3 +148,27 @@ def test_cuda_step_peak_trace_vs_formulas(model_type, precision, checkpointing):
     print(model_type, precision, checkpointing, errs)
     assert set(errs) == set(STRATEGIES)
     assert all(abs(e) <= 0.5 for e in errs.values()), errs
+
+
+def test_kernel_rules_by_device():
+    """The device rules themselves (planner/kernel_rules.py), where CUDA and the CPU part."""
+    from distplan.planner.kernel_rules import (dropout_elem, gelu_new_elem_bytes, layer_norm_stat_bytes,
+                                               logsumexp_bytes, sdpa_backend, sdpa_mask_bytes)
+    assert (dropout_elem("cuda", 2), dropout_elem("cpu", 2)) == (1, 2)
+    assert (layer_norm_stat_bytes("cuda", 2), layer_norm_stat_bytes("cpu", 2)) == (4, 2)
+    # sdp_utils.cpp: flash for 16-bit without a mask (grouped K/V allowed), efficient for fp32 or a mask unless
+    # grouped, math otherwise; the CPU's flash kernel unless dropout
+    assert sdpa_backend("cuda", True, False, True, True, 128) == "flash"
+    assert sdpa_backend("cuda", True, True, False, False, 128) == "efficient"
+    assert sdpa_backend("cuda", False, False, False, False, 128) == "efficient"
+    assert sdpa_backend("cuda", False, False, True, False, 128) == "math"
+    assert sdpa_backend("cuda", True, False, False, False, 512) == "efficient"
+    assert (sdpa_backend("cpu", False, False, True, False, 64), sdpa_backend("cpu", True, False, False, True, 64)) \
+        == ("flash", "math")
+    assert logsumexp_bytes("cuda", "efficient", 2, 4, 100) == 2 * 4 * 128 * 4
+    assert logsumexp_bytes("cuda", "flash", 2, 4, 100) == logsumexp_bytes("cpu", "efficient", 2, 4, 100) == 2 * 4 * 100 * 4
+    assert sdpa_mask_bytes("cuda", "efficient", 1, 100, 2) == 100 * 104 * 2
+    assert sdpa_mask_bytes("cuda", "efficient", 1, 96, 2) == 96 * 96 * 2  # aligned rows: no padding
+    assert sdpa_mask_bytes("cpu", "flash", 1, 100, 2) == 100 * 100 * 2
+    assert sum(gelu_new_elem_bytes("cuda", "autocast")) == 16 and gelu_new_elem_bytes("cpu", "autocast") == [2] * 5
+    assert gelu_new_elem_bytes("cuda", "fp32") == [4] * 5 and gelu_new_elem_bytes("cuda", "lowp") == [2] * 5
