@@ -14,6 +14,10 @@ Three numeric regimes decide the dtypes of saved tensors:
   fp32, every Linear saves a 16-bit cast of its input, and the autocast weight cache keeps a 16-bit
   copy of every Linear weight (and bias) alive from its forward use to its backward.
 
+Where a device's kernels keep other tensors (dropout masks, LayerNorm statistics, SDPA's backend and
+log-sum-exp, CUDA's autocast lists): planner/kernel_rules.py, the one place the formulas ask. The
+attention terms: planner/activations_attention.py.
+
 Per token, per block (n = b*s tokens; h hidden; kv = kv_heads*head_dim; f ffn; a heads; e = 2 or 4
 bytes of the compute dtype; r = 4 (fp32 residual) or 2):
 - RMSNorm (HF): x.float() 4h (saved by pow and mul), rsqrt 4, normalized x*rstd (fp32: 4h; lowp: the
@@ -56,7 +60,9 @@ the real model, `planner.workload.trace.profile_hf`, byte for byte on CPU):
   residual branches (resid_pdrop); Llama, Mistral and Qwen2 only the probabilities (attention_dropout).
 - GPT-2's `NewGELUActivation` (activation "gelu_new", `activations.py`):
   `0.5*x*(1+tanh(sqrt(2/pi)*(x+0.044715*x**3)))` saves x (pow), tanh's output, 0.5*x and 1+tanh (the
-  last mul), and the proj saves the product: 5*e*f per token, where one `F.gelu` saves 2*e*f.
+  last mul), and the proj saves the product: 5*e*f per token, where one `F.gelu` saves 2*e*f. Under CUDA's
+  autocast `pow` runs in fp32 (autocast_mode.h `AT_FORALL_FP32`) and promotes the rest of the GELU: 16*f
+  bytes per token (`kernel_rules.gelu_new_elem_bytes`).
 - Loss (`loss/loss_utils.py` ForCausalLMLoss): logits `.float()`, labels padded and shifted into a new
   int64 tensor: the same bytes as the reference decoder's targets and fp32 log_softmax, except with one
   sequence per micro-batch, where the shifted slice is contiguous and the padded (s+1) labels are kept.
@@ -80,7 +86,8 @@ the real model, `planner.workload.trace.profile_hf`, byte for byte on CPU):
   SDPA's bool mask, materialized by a sliding window no longer than the sequence, is kept so too (s*s
   bytes, expanded over the batch).
 Not followed for transformers' models: op-level selective checkpointing (its saved set is the reference
-decoder's) and the philox state CUDA's flash kernel keeps with dropout (16 bytes).
+decoder's) and the philox seed and offset CUDA's fused kernels may keep as 0-dim device tensors (the
+memory-efficient kernel without dropout: 16 bytes a layer, planner/workload/cuda_fused.py).
 
 Tensor parallelism (`TrainConfig.tp` = t, `parallelize_module` with torchtitan's Llama plan): per op,
 what one TP rank saves. Split by t (whole heads and MLP columns per rank): q, k, v, the attention
@@ -108,7 +115,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .activations_attention import _attention_saved, _eager_masks_kept, _hf_mask, attention_widths, hf_eager
 from .config import TrainConfig, checkpoint_every
+from .kernel_rules import dropout_elem, gelu_new_elem_bytes, layer_norm_stat_bytes
 from .strategies import FSDP1, FSDP2
 
 
@@ -235,7 +244,7 @@ def _norm_parts(train: TrainConfig, regime: str, n: int, consumers: int, device:
     else:
         # native_layer_norm saves input, mean, rstd; mean/rstd are fp32 on CUDA (accumulate type,
         # aten/src/ATen/native/cuda/layer_norm_kernel.cu) but in the input dtype on CPU (LayerNorm.cpp).
-        stat = 4 if device == "cuda" else res
+        stat = layer_norm_stat_bytes(device, res)
         parts = [sp * res * h, sp * stat, sp * stat]
     if regime == "autocast":
         return parts + [n * 2 * h] * consumers  # each Linear saves its own 16-bit cast of the fp32 output
@@ -271,228 +280,20 @@ def _qk_norm_saved(train: TrainConfig, regime: str, n: int) -> int:
     return n * ((q + kv) * (8 if regime == "fp32" else 6) + 4 * (a + kv_heads))
 
 
-def _dropout_elem(device: str, elem: int) -> int:
-    """Bytes per element a dropout keeps: CUDA's fused `native_dropout` a bool mask, CPU's
-    `_dropout_impl` the scaled noise in the input's dtype (aten/src/ATen/native/Dropout.cpp,
-    `is_fused_kernel_acceptable`)."""
-    return 1 if device == "cuda" else elem
+def _mlp_saved(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> int:
+    return sum(_mlp_parts(train, regime, n, device))
 
 
-def _hf_mask(train: TrainConfig) -> bool:
-    """transformers materializes the causal mask (`masking_utils._ignore_causal_mask_sdpa` returns
-    False) when a sliding window is not longer than the sequence; otherwise SDPA gets `is_causal`."""
-    w = train.model.sliding_window
-    return bool(w) and train.seq_len >= w
-
-
-def _hf_sdpa_backend(train: TrainConfig, regime: str, device: str) -> str:
-    """'math', 'efficient' or 'flash' (CPU: flash unless dropout) for a transformers model's SDPA call."""
-    m = train.model
-    mask = _hf_mask(train)
-    gqa = not mask and m.head_dim <= 256 and m.kv_heads < m.heads  # sdpa_attention.use_gqa_in_sdpa
-    if device != "cuda":
-        # measured (torch 2.13, CPU): dropout_p > 0 runs the math composite, not the CPU flash kernel
-        return "math" if m.attn_dropout > 0 else "flash"
-    if regime == "fp32":
-        return "math" if gqa else "efficient"  # as `sdpa_math`: no fp32 flash, no GQA in efficient
-    return "efficient" if mask else "flash"  # flash takes no attn_mask
-
-
-def _hf_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
-    """SDPA attention of a transformers model (`integrations/sdpa_attention.py` sdpa_attention_forward),
-    from the q/k/v projections' outputs to o_proj's input (`_hf_attention_parts`, added up); the module
-    docstring lists the terms."""
-    return sum(_hf_attention_parts(train, regime, n, device))
-
-
-def _hf_attention_parts(train: TrainConfig, regime: str, n: int, device: str) -> list[int]:
-    """The tensors `_hf_attention_saved` counts, one entry per tensor in the order forward makes them."""
-    m = train.model
-    h, a, kv = attention_widths(train)
-    e = 4 if regime == "fp32" else 2
-    b, s = train.micro_batch, train.seq_len
-    probs = b * a * s * s
-    mask = _hf_mask(train)
-    backend = _hf_sdpa_backend(train, regime, device)
-    if backend == "math":
-        # `_scaled_dot_product_attention_math`: 16-bit inputs upcast on CPU; q, k scaled (k repeated
-        # for GQA), v contiguous (repeated), softmax output; dropout noise and the dropped
-        # probabilities; then the (B, nh, S, hd) output's `.transpose(1, 2).contiguous()` for o_proj.
-        c = 4 if device != "cuda" else e
-        # v reaches bmm through a reshape to (B*nh, S, hd): a view for one sequence without upcast or
-        # repeat, which then keeps a fused projection's whole output; else a copy.
-        v_view = train.micro_batch == 1 and m.kv_heads == m.heads and c == e and m.fused_qkv
-        parts = [n * h * c, n * h * c, n * e * (h + 2 * kv) if v_view else n * h * c, probs * c]
-        if m.attn_dropout > 0:
-            parts += [probs * _dropout_elem(device, c), probs * c]
-        return parts + [n * h * e]
-    repeated = mask and kv < h  # `repeat_kv`: new K/V tensors at all heads
-    kv_s = h if repeated else kv
-    if m.fused_qkv and not repeated:
-        # v (and, without RoPE, q and k) are views of the fused projection's output: its storage stays;
-        # with RoPE, the rotated q and k are new
-        parts = [n * e * (h + 2 * kv)] + ([n * e * h, n * e * kv] if m.position == "rope" else [])
-    else:
-        parts = [n * e * h, n * e * kv_s, n * e * kv_s]
-    parts += [n * e * h, n * 4 * a]  # output and logsumexp
-    if mask:
-        parts.append(b * s * s * e)  # the bool mask converted to q's dtype, saved by the kernel
-    # the output in q's (B, nh, S, hd) layout: `.transpose(1, 2).contiguous()` copies it for o_proj (Phi-3, see
-    # `hf_output_copied`); under context parallelism the ring's merged output is a new (B, nh, S, hd) tensor
-    # (see `_attention_saved`)
-    if hf_output_copied(train, device, backend) or (train._cp_local and train.cp > 1):
-        parts.append(n * e * h)
-    return parts
-
-
-def hf_output_copied(train: TrainConfig, device: str, backend: str) -> bool:
-    """Whether SDPA's output reaches o_proj through a copy (`.transpose(1, 2).contiguous()`): Phi-3's
-    concatenating RoPE makes q (B, nh, S, hd)-contiguous and the kernel's output follows it, except CUDA's
-    memory-efficient kernel, whose output is (B, S, nh, hd) already."""
-    return train.model.hf_model_type == "phi3" and not (device == "cuda" and backend == "efficient")
-
-
-def hf_eager(train: TrainConfig) -> bool:
-    """Whether the blocks run transformers' `eager_attention_forward` of the Llama family (Llama, Mistral,
-    Qwen2, Qwen3, Phi-3, Gemma-2; `_hf_eager_attention_saved`): asked for (`attention="eager"`), or
-    Gemma-2's, which has no SDPA path. GPT-2's own eager function is `_gpt2_eager_attention_saved`."""
-    m = train.model
-    return m.hf_model_type == "gemma2" or (bool(m.hf_model_type) and m.hf_model_type != "gpt2"
-                                           and train.attention == "eager")
-
-
-def _hf_eager_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
-    """transformers' eager attention of the Llama family (`modeling_llama.py` eager_attention_forward; Mistral,
-    Qwen2, Qwen3, Phi-3 and Gemma-2 have the same function, Gemma-2's with logit soft-capping), from the
-    q/k/v projections' outputs to o_proj's input: q after RoPE, K and V repeated to every head
-    (`repeat_kv`; a copy with GQA, the rotated k itself without) as the two matmuls save them, Gemma-2's
-    soft-capped scores (`tanh` saves its output; the divisions and products by Python scalars save
-    nothing), the softmax's fp32 output (`dtype=torch.float32`), its cast back to q's dtype that the
-    second matmul saves (none in fp32: `.to` returns the same tensor), and the
-    `.transpose(1, 2).contiguous()` copy o_proj reads. The additive mask is not saved (`add` keeps no
-    input), so no (S, S) term per block, where the reference decoder keeps its bool mask."""
-    m = train.model
-    q, a, _ = attention_widths(train)
-    e = 4 if regime == "fp32" else 2
-    probs = train.micro_batch * a * train.seq_len ** 2
-    saved = 3 * n * e * q + n * e * q  # q, K and V at all heads; o_proj's input copy
-    if m.attn_softcap:
-        saved += probs * e
-    saved += probs * 4
-    if m.attn_dropout > 0:
-        # the dropout's mask (CUDA) or noise, and the dropped probabilities the second matmul saves
-        saved += probs * (_dropout_elem(device, e) + e)
-    elif e != 4:
-        saved += probs * e
-    return saved
-
-
-def _eager_masks_kept(train: TrainConfig, regime: str, every: int) -> int:
-    """The additive masks checkpointed layers of a transformers model keep as inputs under eager attention:
-    the model's forward makes one (B, 1, S, S) mask per layer type in the embeddings' dtype
-    (`masking_utils` eager masks), and a layer `torch.utils.checkpoint` wraps keeps the one it was given
-    until its backward. Gemma-2 has two types, layer i sliding when i is even (`Gemma2Config`
-    layer_types); the other models the analytic front end reads, one (a Qwen2 window on some layers only is
-    refused by hf_config). `every` (0: full) picks the layers."""
-    m = train.model
-    layers = range(0, m.layers, every) if every > 1 else range(m.layers)
-    kinds = len({i % 2 for i in layers}) if m.hf_model_type == "gemma2" else 1
-    return kinds * train.micro_batch * train.seq_len ** 2 * (2 if regime == "lowp" else 4)
-
-
-def attention_widths(train: TrainConfig) -> tuple[int, int, int]:
-    """(q width, heads, k/v width) of one tensor-parallel rank: the whole model's divided by tp
-    (`TrainConfig` checks that tp divides heads and kv_heads)."""
-    m, t = train.model, train.tp
-    return m.q_dim // t, m.heads // t, m.kv_dim // t
-
-
-def _attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
-    m = train.model
-    if hf_eager(train):
-        return _hf_eager_attention_saved(train, regime, n, device)
-    if m.hf_model_type and train.attention == "sdpa":
-        return _hf_attention_saved(train, regime, n, device)
-    h, a, kv = attention_widths(train)
-    e = 4 if regime == "fp32" else 2
-    b, s = train.micro_batch, train.seq_len
-    if train.attention == "sdpa" and not sdpa_math(train, regime, device):
-        # q, k, v, the output and the fp32 logsumexp (the flash kernel's saved tensors); wo's input is a view
-        # of the output, which the kernel lays out as (B, S, nh, hd). Context parallelism (cp.py): the ring's
-        # merged output is a new (B, nh, S, hd) tensor on every rank that `_partial_update`s it (all but
-        # the last of the cp group: `torch.cat`), so wo's input is a contiguous copy, saved as well.
-        cp_copy = n * e * h if train._cp_local and train.cp > 1 else 0
-        return n * (e * (h + 2 * kv) + e * h + 4 * a) + cp_copy
-    probs = b * a * s * s
-    if train.attention == "sdpa":
-        # `_scaled_dot_product_attention_math`: q and k scaled by sqrt(scale) (saved by the first
-        # matmul, k repeated to all heads), the fp32 softmax (saved by softmax and the second matmul),
-        # v repeated (saved by the second matmul), and the contiguous copy of the (B, nh, S, hd) output
-        # that wo's input needs.
-        return n * e * 4 * h + probs * e
-    if m.hf_model_type:
-        return _gpt2_eager_attention_saved(train, regime, n, device)
-    saved = n * e * (h + 2 * h + h) + s * s  # q, K/V repeated, y copy for wo; bool causal mask
-    if regime == "autocast" and device == "cuda":
-        saved += probs * (4 + 2)  # softmax in fp32 on CUDA autocast, then cast for the matmul
-    else:
-        saved += probs * e
-    if m.attn_dropout > 0:
-        # dropout on the probabilities (GPT-2 attn_dropout): its mask (CUDA) or noise, and the dropped
-        # probabilities, which the second matmul saves instead of the softmax output softmax keeps
-        saved += probs * (_dropout_elem(device, e) + e)
-    return saved
-
-
-def _gpt2_eager_attention_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
-    """GPT-2's eager attention (`modeling_gpt2.py` eager_attention_forward, from c_attn's output to c_proj's
-    input): q and k saved by the first matmul and v by the second (the matmuls fold the transposed
-    (B, nh, S, hd) views into bmm through copies: n*h each), the softmax's output, the dropout's noise or
-    mask and its output (which the second matmul saves), or without dropout the probabilities cast to v's
-    dtype, and the contiguous copy c_proj reads. Under autocast the scores are fp32 once the additive mask
-    (made in the embeddings' dtype, fp32) is added, so the softmax's output is fp32 on the CPU as on CUDA;
-    `attn_weights.type(value.dtype)` casts it back (a copy the dropout's `mul` does not save). The mask
-    itself is not saved (`add` keeps no input). Measured by the trace, tests/test_analytic_vs_trace.py."""
-    m = train.model
-    h, a, _ = attention_widths(train)
-    e = 4 if regime == "fp32" else 2
-    probs = train.micro_batch * a * train.seq_len ** 2
-    soft = 4 if regime == "autocast" else e
-    saved = n * e * 4 * h + probs * soft
-    if m.attn_dropout > 0:
-        saved += probs * (_dropout_elem(device, e) + e)
-    elif soft != e:
-        saved += probs * e
-    return saved
-
-
-def sdpa_math(train: TrainConfig, regime: str, device: str) -> bool:
-    """Whether `F.scaled_dot_product_attention` falls back to its math backend here.
-
-    On CUDA the flash kernel takes only fp16/bf16 and the memory-efficient kernel does not take
-    `enable_gqa` (`aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`), so fp32 with grouped-query
-    attention runs the math composite; on CPU the flash kernel takes fp32 and GQA. Measured on an H100
-    (torch 2.11): the qwen-small matrix shape in fp32 saves the (B, nh, S, S) probabilities.
-    """
-    m = train.model
-    if m.hf_model_type and train.attention == "sdpa":
-        return _hf_sdpa_backend(train, regime, device) == "math"
-    return train.attention == "sdpa" and device == "cuda" and regime == "fp32" and m.kv_heads < m.heads
-
-
-def _mlp_saved(train: TrainConfig, regime: str, n: int) -> int:
-    return sum(_mlp_parts(train, regime, n))
-
-
-def _mlp_parts(train: TrainConfig, regime: str, n: int) -> list[int]:
+def _mlp_parts(train: TrainConfig, regime: str, n: int, device: str = "cuda") -> list[int]:
     """The tensors an MLP keeps for backward, one entry per tensor."""
     e = 4 if regime == "fp32" else 2
     m = train.model
     f = m.ffn_hidden // train.tp
     if m.mlp == "swiglu":
         return [n * e * f] * 4  # gate, up (one gate_up buffer when fused), silu(gate), product
-    # NewGELUActivation: x, tanh(...), 0.5*x, 1+tanh(...), product; F.gelu: x and its output
-    return [n * e * f] * (5 if m.activation == "gelu_new" else 2)
+    if m.activation == "gelu_new":  # NewGELUActivation: 0.5*x, pow's x, tanh(...), 1+tanh(...), product
+        return [n * f * b for b in gelu_new_elem_bytes(device, regime)]
+    return [n * e * f] * 2  # F.gelu: x and its output
 
 
 def _resid_dropout_saved(train: TrainConfig, regime: str, n: int, device: str) -> int:
@@ -501,7 +302,7 @@ def _resid_dropout_saved(train: TrainConfig, regime: str, n: int, device: str) -
     if train.model.resid_dropout <= 0:
         return 0
     e = 4 if regime == "fp32" else 2
-    return 2 * sp_tokens(train, n) * train.model.hidden * _dropout_elem(device, e)
+    return 2 * sp_tokens(train, n) * train.model.hidden * dropout_elem(device, e)
 
 
 def _rope_tables(train: TrainConfig, regime: str) -> tuple[int, int]:
@@ -540,7 +341,7 @@ def block_saved(train: TrainConfig, regime: str, device: str = "cuda") -> int:
         body, const = _gemma_norm_body(m.hidden)
         post = 2 * (sp_tokens(train, n) * body + const)
     return (_norm_saved(train, regime, n, attn_consumers, device) + _attention_saved(train, regime, n, device)
-            + _norm_saved(train, regime, n, mlp_consumers, device) + _mlp_saved(train, regime, n)
+            + _norm_saved(train, regime, n, mlp_consumers, device) + _mlp_saved(train, regime, n, device)
             + _resid_dropout_saved(train, regime, n, device) + _qk_norm_saved(train, regime, n)
             + rope_per_block + post)
 
@@ -646,7 +447,7 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
     inputs = n * 8 + targets + (train.seq_len * 8 if m.position == "learned" else 0)
     outside = inputs
     if m.embed_dropout > 0:
-        outside += n_res * h * _dropout_elem(device, res)  # GPT2Model.drop on the embedding sum
+        outside += n_res * h * dropout_elem(device, res)  # GPT2Model.drop on the embedding sum
     # Final norm and the LM head's input (the norm's output, or autocast's 16-bit cast of it).
     outside += _norm_saved(train, regime, n, 1, device)
     if m.sandwich_norms:

@@ -5,7 +5,8 @@ eager attention's softmax and context parallelism's ring backward (cp.py). Used 
 
 from __future__ import annotations
 
-from .activations import _gemma_norm_body, _mlp_saved, _norm_saved, hf_eager, sdpa_math, sp_tokens
+from .activations import _gemma_norm_body, _mlp_saved, _norm_saved, sp_tokens
+from .activations_attention import hf_eager, sdpa_math
 from .config import TrainConfig
 from .cp import ring_backward_bytes
 
@@ -31,7 +32,7 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
     def mlp_freed() -> int:
         """At the attention's backward: the MLP's saved tensors and its norm's, freed (their backward ran first)."""
         consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
-        return _mlp_saved(train, regime, n) + _norm_saved(train, regime, n, consumers, device)
+        return _mlp_saved(train, regime, n, device) + _norm_saved(train, regime, n, consumers, device)
     if hf_eager(train):
         # transformers' eager attention backward (Llama family, Gemma-2), at the softmax's: the score gradient
         # in q's dtype and the fp32 one (`softmax(..., dtype=torch.float32)`), the MLP, its norm (Gemma-2:
@@ -59,7 +60,7 @@ def _block_backward_peak(train: TrainConfig, regime: str, n: int, device: str = 
         # Context parallelism: inside the attention's ring backward (cp.py), the MLP's saved tensors freed,
         # the output projection's input gradient (n x h/t) and weight gradient alive.
         ring = ring_backward_bytes(train, regime)
-        att = (_mlp_saved(train, regime, n), resid + n * (m.q_dim // t) * e + ring, h * m.q_dim // t)
+        att = (_mlp_saved(train, regime, n, device), resid + n * (m.q_dim // t) * e + ring, h * m.q_dim // t)
         if att[1] - att[0] > mlp[1] - mlp[0]:  # what each instant adds to the saved activations
             return att
     return mlp

@@ -8,9 +8,10 @@ from __future__ import annotations
 from functools import lru_cache
 from math import prod
 
-from .activations import (_hf_attention_parts, _hf_mask, _hf_sdpa_backend, _mlp_parts, _norm_parts, block_saved,
-                          hf_eager, hf_output_copied, sdpa_math)
+from .activations import _mlp_parts, _norm_parts, block_saved
+from .activations_attention import _hf_attention_parts, _hf_mask, _hf_sdpa_backend, hf_eager, hf_output_copied, sdpa_math
 from .config import TrainConfig
+from .kernel_rules import gelu_new_elem_bytes
 
 
 def _block_unwritten(train: TrainConfig) -> bool:
@@ -421,8 +422,9 @@ def _block_saved_shapes(train: TrainConfig, regime: str, n: int, device: str = "
     e = 4 if regime == "fp32" else 2
     h, q, kv, f, a = m.hidden, m.q_dim, m.kv_dim, m.ffn_hidden, m.heads
     # SwiGLU: gate, up, silu(gate), their product; GELU: fc's output and the activation's; transformers'
-    # NewGELUActivation (gelu_new) also its tanh's output, 0.5 x and 1 + tanh (activations._mlp_saved)
-    mlp = [n * f * e] * (4 if m.mlp == "swiglu" else 5 if m.activation == "gelu_new" else 2)
+    # NewGELUActivation (gelu_new) also its tanh's output, 0.5 x and 1 + tanh (activations._mlp_parts)
+    mlp = ([n * f * b for b in gelu_new_elem_bytes(device, regime)] if m.activation == "gelu_new"
+           else [n * f * e] * (4 if m.mlp == "swiglu" else 2))
     attn = [n * q * e, n * kv * e, n * kv * e, n * q * e, n * a * 4]
     if not m.hf_model_type:
         norm = [n * h * 4, n * 4, n * h * e] if regime != "fp32" else [n * h * 4, n * 4]
@@ -435,4 +437,4 @@ def _block_saved_shapes(train: TrainConfig, regime: str, n: int, device: str = "
     attn_consumers = 1 if m.fused_qkv else 3
     mlp_consumers = 2 if m.mlp == "swiglu" and not m.fused_gate_up else 1
     return (_norm_parts(train, regime, n, attn_consumers, device) + attn
-            + _norm_parts(train, regime, n, mlp_consumers, device) + _mlp_parts(train, regime, n))
+            + _norm_parts(train, regime, n, mlp_consumers, device) + _mlp_parts(train, regime, n, device))

@@ -46,7 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import attention_widths, regime_for
+from .activations import regime_for
+from .activations_attention import attention_widths
 from .config import TrainConfig, check_cp, checkpoint_every  # noqa: F401 (check_cp re-exported: config checks)
 from .pp_schedule import rank_stage_ids, stage_layers, virtual_stages
 from .tp import _HALF  # the compute dtype of each precision: one map for TP and CP

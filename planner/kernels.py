@@ -51,7 +51,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from .activations import _hf_mask, block_linears, regime_for, saved_linears, sp_tokens
+from .activations import block_linears, regime_for, saved_linears, sp_tokens
+from .activations_attention import _hf_mask
 from .config import TrainConfig
 from .cp import attention_flops_factor
 from .strategies import FSDP1

@@ -28,8 +28,9 @@ weights touched), and runs one forward pass plus the loss on a fake input of tha
 
 `dtype`: "float32"; "bfloat16"/"float16" cast the module and the input (pure 16-bit training);
 "autocast-bfloat16"/"autocast-float16" keep fp32 parameters and run the forward under CPU `torch.autocast`
-(the DDP mixed-precision recipe). CPU autocast's op lists are close to, not identical with, CUDA's (CUDA
-runs softmax/log_softmax in fp32 too) -- a known limitation. "fsdp-bfloat16"/"fsdp-float16": FSDP's mixed
+(the DDP mixed-precision recipe); with `device="cuda"` CUDA's lists instead of the CPU's (CUDA runs pow,
+softmax, log_softmax, ... in fp32: cuda_autocast.py) and CUDA's kernels where they keep other tensors
+(trace_modes.py `_cuda_kernels`, cuda_fused.py). "fsdp-bfloat16"/"fsdp-float16": FSDP's mixed
 precision: the parameters (and a module's buffers: FSDP1's `buffer_dtype`) cast, the batch made in fp32 and
 cast to 16 bits at the root's forward, as FSDP1's `_root_pre_forward` (`cast_root_forward_inputs`) and
 FSDP2's `_pre_forward` (`cast_forward_inputs`) do: the fp32 batch stays the caller's, the 16-bit copy is

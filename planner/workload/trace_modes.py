@@ -8,6 +8,7 @@ import contextlib
 import warnings
 
 from .cuda_autocast import cuda_autocast
+from .cuda_fused import cuda_functions
 
 
 @contextlib.contextmanager
@@ -48,12 +49,15 @@ def _cuda_kernels(torch, autocast: bool = False):
     - `dropout` (`nn.Dropout`, `F.dropout`): CUDA's fused `native_dropout` keeps a bool mask; the CPU's
       composite keeps the scaled mask in the input's dtype. The trace calls `native_dropout`.
 
-    The LayerNorm statistics remain the CPU's (16-bit under 16-bit inputs, fp32 on CUDA): 4 bytes per token
-    per LayerNorm under pure bf16, a known limitation (planner/activations.py `_norm_saved`)."""
+    Where CUDA picks the memory-efficient kernel (fp32, or a mask), the trace runs it as its aten op
+    (cuda_fused.py: its output's layout and its log-sum-exp rounded up to 32 tokens, as CUDA keeps them).
+    - `layer_norm` on 16-bit inputs (outside autocast, which casts them to fp32 on CUDA): CUDA keeps the
+      statistics in fp32 (cuda_fused.py)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     F = torch.nn.functional
-    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
+    sdpa, dropout, layer_norm = F.scaled_dot_product_attention, F.dropout, F.layer_norm
     lowp = (torch.float16, torch.bfloat16)
+    efficient, layer_norm_16 = cuda_functions(torch)
 
     def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         grouped = bool(enable_gqa) and query.size(-3) != key.size(-3)
@@ -65,20 +69,45 @@ def _cuda_kernels(torch, autocast: bool = False):
             with sdpa_kernel([SDPBackend.MATH]):
                 return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
+        if not flash:  # CUDA's memory-efficient kernel, with the inputs autocast casts and the mask as a bias
+            if dtype != query.dtype or dtype != key.dtype or dtype != value.dtype:
+                query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            return efficient(query, key, value, _attn_bias(torch, attn_mask, query, key), dropout_p, is_causal,
+                             scale)
         return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
+
+    def cuda_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        if input.dtype in lowp and not torch.is_autocast_enabled("cpu"):
+            return layer_norm_16(input, list(normalized_shape), weight, bias, eps)
+        return layer_norm(input, normalized_shape, weight, bias, eps)
 
     def cuda_dropout(input, p=0.5, training=True, inplace=False):
         if not training or p == 0.0:
             return input
         return torch.native_dropout(input, p, True)[0]
 
-    F.scaled_dot_product_attention, F.dropout = cuda_sdpa, cuda_dropout
+    F.scaled_dot_product_attention, F.dropout, F.layer_norm = cuda_sdpa, cuda_dropout, cuda_layer_norm
     try:
         with cuda_autocast(torch) if autocast else contextlib.nullcontext():
             yield
     finally:
-        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+        F.scaled_dot_product_attention, F.dropout, F.layer_norm = sdpa, dropout, layer_norm
+
+
+def _attn_bias(torch, mask, query, key):
+    """The mask as CUDA's SDPA hands it to the memory-efficient kernel (aten/src/ATen/native/transformers/
+    attention.cpp `scaled_dot_product_attention`): a bool mask converted to q's dtype (`convert_boolean_attn_mask`:
+    `at::where(attn_mask, 0.0, -inf)`), padded to rows of a multiple of 8 elements and sliced back where they are
+    not (`preprocess_mask`, `pad_bias<8>`), then expanded to (B, heads, S, S_k)."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, torch.full((), float("-inf"), dtype=query.dtype))
+    if mask.stride(-1) != 1 or any(st % 8 for st in mask.stride()[:-1]):
+        last = mask.size(-1)
+        mask = torch.nn.functional.pad(mask, (0, 8 - last % 8))[..., :last]
+    return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
 
 
 _TRACING = [0]
