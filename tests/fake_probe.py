@@ -19,6 +19,16 @@ MEMORY = {"params": 1_000_000, "grads": 1_000_000, "optimizer": 2_000_000, "acti
           "comm_buffers": 0, "temporaries": 100_000}
 
 
+def alive(pid: int) -> bool:
+    """The process `pid` exists and is not a zombie (its /proc/PID/stat state), for the tests that check
+    what a run leaves behind."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def result_for(spec: dict, status: str = "ok", error=None, memory=None) -> dict:
     comps = dict(MEMORY, **(memory or {}))
     w = int(spec.get("world_size", 1))

@@ -39,14 +39,16 @@ DTYPES = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "lowp"), "autocast-b
 POINTS = ((2, 64), pytest.param((1, 128), marks=pytest.mark.slow))
 
 
-def _compare(path, micro_batch: int, seq_len: int, dtype: str,
-             attention: str = "sdpa") -> tuple[tuple[int, int], tuple[int, int]]:
-    """((trace, analytic) per layer, (trace, analytic) outside the layers)."""
+def _compare(path, micro_batch: int, seq_len: int, dtype: str, attention: str = "sdpa",
+             device: str = "cpu") -> tuple[tuple[int, int], tuple[int, int]]:
+    """((trace, analytic) per layer, (trace, analytic) outside the layers), both planned for `device`'s
+    kernels (tests/test_analytic_vs_trace_cuda.py: "cuda")."""
     spec = ModelSpec(**read_hf_config(path, implementation=True))
     precision, regime = DTYPES[dtype]
     train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention)
-    act = activations_in(train, regime, "cpu")
-    p = profile_hf(str(path), micro_batch, seq_len, dtype, attention=attention)
+    act = activations_in(train, regime, device)
+    p = profile_hf(str(path), micro_batch, seq_len, dtype, device=device, attention=attention)
+    assert p["kernels_of"] == device
     layers = [s for s in p["segments"] if s["unit"] not in ("root", "loss")]
     assert len(layers) == spec.layers
     mid = layers[len(layers) // 2]["activation_bytes"]

@@ -14,15 +14,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from distplan.planner.activations import activations_in  # noqa: E402
-from distplan.planner.config import TrainConfig  # noqa: E402
-from distplan.planner.hf_config import read_hf_config  # noqa: E402
-from distplan.planner.model import ModelSpec  # noqa: E402
 from distplan.planner.module_plan import module_spec_plan  # noqa: E402
 from distplan.planner.module_twin import analytic_twins  # noqa: E402
-from distplan.planner.workload.trace import profile_hf  # noqa: E402
 
-from test_analytic_vs_trace import DTYPES, EXAMPLES, MODEL_TYPES, VARIANTS  # noqa: E402
+from test_analytic_vs_trace import DTYPES, EXAMPLES, MODEL_TYPES, VARIANTS, _compare  # noqa: E402
 
 GAPS: dict = {}
 """(model type, dtype) -> why the CUDA trace and the formulas still differ (strict xfail, measured numbers)."""
@@ -35,20 +30,8 @@ autocast: flash with grouped K/V heads); the other model types, slow."""
 
 def _cuda_compare(path, micro_batch: int, seq_len: int, dtype: str,
                   attention: str = "sdpa") -> tuple[tuple[int, int], tuple[int, int]]:
-    """((trace, analytic) per layer, (trace, analytic) outside the layers), both planned for CUDA; the
-    quantities of tests/test_analytic_vs_trace.py `_compare`."""
-    spec = ModelSpec(**read_hf_config(path, implementation=True))
-    precision, regime = DTYPES[dtype]
-    train = TrainConfig(spec, seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention)
-    act = activations_in(train, regime, "cuda")
-    p = profile_hf(str(path), micro_batch, seq_len, dtype, device="cuda", attention=attention)
-    assert p["kernels_of"] == "cuda"
-    layers = [s for s in p["segments"] if s["unit"] not in ("root", "loss")]
-    assert len(layers) == spec.layers
-    mid = layers[len(layers) // 2]["activation_bytes"]
-    outside = p["activation_bytes"] - spec.layers * mid + micro_batch * seq_len * 8 - 4
-    block = act.per_block + act.block_cache
-    return (mid, block), (outside, act.total - spec.layers * block)
+    """tests/test_analytic_vs_trace.py `_compare`, both front ends planned for CUDA."""
+    return _compare(path, micro_batch, seq_len, dtype, attention, device="cuda")
 
 
 def _case(model_type: str, dtype: str, slow: bool = False):

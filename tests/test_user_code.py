@@ -14,6 +14,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_probe import alive  # noqa: E402
+
 pytestmark = [pytest.mark.skipif(not os.path.isdir("/proc") or not hasattr(os, "fork"),
                                  reason="needs fork and /proc"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -94,14 +97,6 @@ def _noted(pids) -> list[int]:
     return [int(x) for x in pids.read_text().split()] if pids.exists() else []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _left(tmp) -> list[str]:
     """What the child's TMPDIR held, left in the private TMPDIR (not torch's own `torchinductor_<user>`,
     which the trace in distplan's own process makes: issue 62, item 9)."""
@@ -166,7 +161,7 @@ def test_no_process_or_folder_left_by_user_code_that_forks(user, factory, code):
     assert r.exit_code == code, r.output
     noted = _noted(pids)
     assert len(noted) >= 2, (noted, r.output)  # what the factory started (once per traced regime)
-    assert [p for p in noted if _alive(p)] == []
+    assert [p for p in noted if alive(p)] == []
     assert _left(tmp) == []  # the child's TMPDIR (and the file user code left there) removed
 
 
@@ -180,7 +175,7 @@ def test_user_code_runs_in_a_child_and_its_value_comes_back():
         with pytest.raises(ValueError, match="^invalid literal for int"):
             run_isolated("--module", "x:y", int, "bad\nsecond line")
         assert run_isolated("--module", "x:y", os.getpid) == child  # one child for the calls inside the limits
-    assert not os.path.exists(f"/proc/{child}") or _alive(child) is False  # ended with them
+    assert not os.path.exists(f"/proc/{child}") or alive(child) is False  # ended with them
     assert run_isolated("--module", "x:y", os.getpid) != child  # outside: one call, one child
 
 

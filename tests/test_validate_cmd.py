@@ -51,14 +51,6 @@ def _exact_prediction(spec, **extra):
     return dict({"memory": mem, "collectives": r["collectives"], "step_time_s": None}, **extra)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 # -- compare ------------------------------------------------------------------------------------------
 
 def test_rel_error_conventions():
@@ -219,9 +211,9 @@ def test_hung_probe_killed_at_timeout_with_its_process_group(tmp_path):
     pids = [int(p) for p in pidfile.read_text().split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(fake_probe.alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in pids), "probe or its child survived the timeout"
+    assert not any(fake_probe.alive(p) for p in pids), "probe or its child survived the timeout"
     c = compare(_exact_prediction(spec), m)
     assert c["verdict"] == "FAIL" and "timeout" in c["reasons"][0]
 
@@ -394,9 +386,9 @@ def test_cli_ctrl_c_kills_probe_and_leaves_parseable_file(cli, tmp_path):
     assert len(lines) == 2 and all(json.loads(ln)["status"] == "ok" for ln in lines)
     for pid in (int(p) for p in pidfile.read_text().split()):
         deadline = time.monotonic() + 5
-        while _alive(pid) and time.monotonic() < deadline:
+        while fake_probe.alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(pid)
+        assert not fake_probe.alive(pid)
 
 
 @pytest.mark.parametrize("args, flag", [
