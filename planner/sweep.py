@@ -6,6 +6,7 @@ from .from_flags import build_plan
 from .accuracy import error_band, memory_line, time_line
 from .front_end import use_trace
 from .hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
+from .ranking import headroom_warning
 from .recommend import pick
 from .report import table as draw
 from .report import wrap
@@ -70,6 +71,8 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
         # is it, so none is marked; the change is on every row.
         strategy, change = pick(p)
         picked = None if change else strategy
+        # a pick that fits but leaves less than the headroom asked is named with recommend's warning line
+        warning = headroom_warning(p[picked], p.headroom) if picked else None
         band = error_band(p.error_front_end)
         for r in p.results:
             rows.append({key: value, "strategy": r.name, "fits": r.fits,
@@ -81,6 +84,7 @@ def run_sweep(kw: dict, strategies, sweep_gpus, sweep_micro_batch, sweep_seq_len
                          "tokens_per_s": r.time.tokens_per_s if r.time is not None else None,
                          "recommended": r.name == picked,
                          "smallest_change": change and (f"{change}; then {strategy}" if strategy else change),
+                         "warning": warning,
                          "front_end": front_end, "error_band": band})
             if kw.get("tokens"):
                 tps = rows[-1]["tokens_per_s"]
@@ -105,11 +109,15 @@ def render_sweep(rows: list[dict], table_format: str = "simple") -> str:
     front = rows[0].get("front_end", "analytic")
     band = rows[0]["error_band"]  # one front end and one band for every row of a sweep
     changes = {}  # point -> its smallest change, where nothing fits there as given
+    warnings = {}  # point -> the headroom warning of its pick
     for r in rows:
         if r.get("smallest_change"):
             changes.setdefault(r[key], r["smallest_change"])
+        if r.get("warning"):
+            warnings.setdefault(r[key], r["warning"])
     return (draw(table, headers, table_format) + "\n* recommended; front end: "
             + ("trace (the model run on fake tensors, traced again at each point)" if front == "trace"
                else "analytic (the formulas)")
             + "".join(f"\n{key} {v}: nothing fits as given; smallest change: {c}" for v, c in changes.items())
+            + "".join(f"\n{key} {v}: warning: {w}" for v, w in warnings.items())
             + "\n" + wrap(memory_line(band)) + "\n" + wrap(time_line(band)))
