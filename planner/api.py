@@ -444,7 +444,7 @@ def predict_probe(spec: dict) -> dict:
         # (validate/pp_probe.build_hf_stage) or over context-parallel ranks (validate/cp.hf_context_parallel), a
         # transformers model is predicted by the analytic front end from spec["model"], the config as
         # transformers implements it
-        from .module_plan import predict_module_probe  # lazy: the trace front end imports json and torch's tracer
+        from .module_prediction import predict_module_probe  # lazy: the trace front end imports json and torch's tracer
         return predict_module_probe(spec)
     if int(spec.get("pp", 1)) > 1:  # a pipeline probe (validate/pp_probe.py): its most loaded rank
         return predict_pp_probe(spec)

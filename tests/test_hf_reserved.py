@@ -422,7 +422,7 @@ def test_gpu_probe_prediction_judges_reserved_where_replayed(unwritten_every_k):
     a model the analytic front end reads and one it does not; where neither replay is written (an
     OLMo-2 checkpointing every 2nd layer, its log not expanded: the fixture) it gets no reserved prediction (a
     margin is not one), nor does a CPU probe."""
-    from distplan.planner.module_plan import predict_module_probe
+    from distplan.planner.module_prediction import predict_module_probe
 
     def predicted(config, device_type, checkpointing="none"):
         spec = {"strategy": "zero3", "world_size": 8, "gpus_per_node": 8, "mode": "fake", "device_type": device_type,
