@@ -128,7 +128,8 @@ def test_7b_same_answer_with_and_without_torch(config):
     # where their verdicts agree, the trace's rows cannot move the pick; where they differ it is printed
     agree = all(s["verdict_analytic"] == s["verdict_trace"] for s in check["strategies"])
     assert check["same_pick"] or not agree
-    text = CliRunner().invoke(main, ["recommend", *args, "--front-end", "trace"]).output
+    # one line per table row whatever $COLUMNS the suite runs under (report.terminal_width)
+    text = CliRunner().invoke(main, ["recommend", *args, "--front-end", "trace"], env={"COLUMNS": ""}).output
     rows = [x.split() for x in text.splitlines() if x.startswith("16 x 1 x 1 ")]
     assert [r[-1] for r in rows] == ["analytic", "trace"], rows
     assert sum(x.startswith("trace check: ") for x in text.splitlines()) >= 3
