@@ -101,7 +101,7 @@ from .module_step import census_seconds, module_collectives, module_time, traced
 from .module_twin import TWIN_TOLERANCE, analytic_twins, pair_reserved, pair_tied, twin_time
 from .plan_result import Plan
 from .precision import OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, get_precision
-from .accuracy import error_band
+from .accuracy import band_key, error_band
 from .ranking import HEADROOM_FRACTION, TIE_FRACTION, _headroom_ok, _rank, headroom_warning
 from .recommend import Recommendation, _reasons
 from .resolve import resolve_cluster
@@ -176,7 +176,7 @@ class ModulePlan(Plan):
     @property
     def error_front_end(self) -> str:
         hf = bool(self.kw and self.kw.get("hf_config") and not self.kw.get("module"))
-        return "trace-hf" if hf else "trace-module"
+        return band_key("trace-hf" if hf else "trace-module", self.device)
 
     def evaluate_on(self, cluster: Cluster, name: str) -> StrategyResult:
         """The traced workload under strategy `name` on another cluster (Plan.evaluate_on), as the plan's own

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Cluster, TrainConfig
-from .accuracy import error_band
+from .accuracy import band_key, error_band
 from .pp import bubble_fraction
 from .ranking import HEADROOM_FRACTION
 from .recommend import recommend
@@ -67,8 +67,8 @@ class Plan:
 
     @property
     def error_front_end(self) -> str:
-        """Which measured error band applies to this plan (accuracy.py)."""
-        return "analytic"
+        """Which measured error band applies to this plan (accuracy.band_key: the front end and the target)."""
+        return band_key("analytic", self.device)
 
     @property
     def best(self) -> StrategyResult | None:

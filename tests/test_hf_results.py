@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # re-traces every model in every regime (about a minute on 2 cores)
 
+from distplan.planner.accuracy import PEAK_ALLOCATED  # noqa: E402
 from distplan.planner.api import predict_probe  # noqa: E402
 from distplan.validate.results import record_spec  # noqa: E402
 from distplan.planner.config import NEWEST_TORCH, torch_release  # noqa: E402
@@ -153,6 +154,20 @@ def test_peaks_within_tolerance(repredicted):
     bad = {r["id"]: round(c["peak"]["error"] * 100, 2) for r, c in repredicted if abs(c["peak"]["error"]) > 0.05}
     assert not bad, bad
     assert statistics.median(errors) <= 0.005
+
+
+def test_the_printed_cpu_band_is_the_matrix_of_2026_11_23(repredicted):
+    """accuracy.PEAK_ALLOCATED["trace-hf-cpu"], printed under a traced Hugging Face model's memory table planned
+    for the CPU target (`--device cpu`), is the |peak error| of the 90 probes of
+    cpu-torch2.13-2026-11-23-hf.jsonl (median and max, to 0.05%)."""
+    def key(r) -> str:  # ids repeat between the results files: a record is known by its whole content
+        return json.dumps(r, sort_keys=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", "cpu-torch2.13-2026-11-23-hf.jsonl")) as f:
+        wanted = {key(json.loads(line)) for line in f if line.strip()}
+    errors = list({key(r): abs(c["peak"]["error"]) for r, c in repredicted if key(r) in wanted}.values())
+    assert len(wanted) == len(errors) == 90
+    band = PEAK_ALLOCATED["trace-hf-cpu"]
+    assert abs(statistics.median(errors) - band["median"]) < 0.0005 and abs(max(errors) - band["max"]) < 0.0005
 
 
 def test_collectives_exact(repredicted):

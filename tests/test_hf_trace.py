@@ -319,6 +319,21 @@ def test_sweep_traces_what_the_analytic_front_end_does_not_read():
     assert "measured error of step time" in tail
 
 
+def test_the_cpu_target_prints_the_cpu_probes_band():
+    """Issue 61 item 4, per device: a traced model planned for the CPU target (`--device cpu`, what the CPU
+    probes run) prints the band of the CPU probes (accuracy.py "trace-hf-cpu") and no reserved-peak band (the
+    CPU has no caching allocator); for CUDA, the H100 runs' bands."""
+    args = ["estimate", "--hf-config", str(HF / "llama-8l.json"), "--front-end", "trace", "--gpus", "2",
+            "--strategy", "ddp", "--seq-len", "64"]
+    cpu = json.loads(_cli(*args, "--device", "cpu", "--json").output)["error_band"]
+    cuda = json.loads(_cli(*args, "--device", "cuda", "--json").output)["error_band"]
+    assert cpu["peak_reserved"] is None and "CPU probes" in cpu["peak_allocated"]["measured_against"]
+    assert cuda["peak_reserved"]["max"] > 0 and "H100" in cuda["peak_allocated"]["measured_against"]
+    assert cpu["step_time"] == cuda["step_time"]  # the GPU's step time on either target
+    text = " ".join(_cli(*args, "--device", "cpu").output.split())
+    assert "the reserved peak not judged (the CPU has no caching allocator); against 90 CPU probes" in text
+
+
 def test_traced_nothing_fits_names_the_smaller_micro_batch_flag():
     """A traced HF model's smaller-batch change names --micro-batch (it named --module's --input-shape), at
     the data-parallel mesh the trace plans alone (--tp 1 --pp 1)."""
