@@ -40,6 +40,7 @@ from .strategies import NAMES, get_strategy
 from .strategy_result import StrategyResult, drop_conflicts, evaluate
 from .trace_check import TraceCheck, dp_only, search_note
 from .units import check_count, check_float, parse_count, parse_headroom, short_repr
+from .workload.isolated import user_code_limits
 
 __all__ = ["DEFAULT_GPU", "NEAREST_MODEL_MATCH", "Plan", "StrategyResult", "catalog_dirs_tuple", "check_spec_bounds",
            "clear_caches", "drop_conflicts", "evaluate", "nearest_model", "plan", "predict_probe", "recommend",
@@ -320,7 +321,8 @@ def traced_plan(kw: dict, strategies: list[str]):
     `strategies`, both already checked (front_end.check_flags): `plan(front_end="trace")`, `--module`."""
     check_traceable(kw)
     from .module_plan import module_spec_plan  # lazy: the trace front end imports json and torch's tracer
-    return module_spec_plan(kw, strategies)
+    with user_code_limits(kw.get("timeout_s")):  # --module's code: in a child, bounded (workload/isolated.py)
+        return module_spec_plan(kw, strategies)
 
 
 def recommend(model: str | ModelSpec | None = None, *, tp: int | None = None, pp: int | None = None,

@@ -31,6 +31,7 @@ from .strategies import NAMES
 from .ranking import HEADROOM_FRACTION
 from .sweep import render_sweep, run_sweep
 from .units import LIMITS, fmt_bytes, parse_count, parse_headroom
+from .workload.isolated import DEFAULT_TIMEOUT_S
 
 TABLE_FORMATS = ("simple", "github", "grid", "plain", "pipe", "rst", "psql", "fancy_grid", "tsv")
 
@@ -281,6 +282,12 @@ def _show_lines(key: str, value, indent: str = "  ", parent: str = "") -> list[s
     return [f"{indent}{key}: {_show_value(value, key, parent)}"]
 
 
+def _check_timeout(value):
+    if value is not None and not 0 < value < math.inf:
+        raise UserError(f"--timeout={value:g}: accepted: a positive number of seconds")
+    return value
+
+
 def _check_positive(name: str, value) -> None:
     if value is not None and value < 1:
         raise ValueError(f"{name}={value}: must be a positive integer")
@@ -361,6 +368,10 @@ def main():
               "FILE.png or FILE.pdf (matplotlib: pip install 'distplan[plot]').")
 @click.option("--module", metavar="PKG.MOD:FACTORY", help="Any nn.Module from a factory (needs torch).")
 @click.option("--input-shape", metavar="N,C,H,W", help="Example input shape for --module.")
+@click.option("--timeout", "timeout_s", type=float, default=DEFAULT_TIMEOUT_S, show_default=True,
+              callback=lambda ctx, param, v: _check_timeout(v),
+              help="Seconds --module's code (its import, the factory, the step traced on fake tensors) may run, "
+                   "in a child process with a memory cap, before it is killed.")
 @click.option("--device", "device", type=click.Choice(DEVICES), default=None,
               help="The target planned: cuda (default: what a catalog GPU runs: CUDA's kernels, autocast lists "
                    "and caching allocator) or cpu (the same step on the CPU, as the CPU probes run it; trace "

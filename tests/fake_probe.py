@@ -3,8 +3,9 @@
 `python tests/fake_probe.py --spec SPEC.json --out RESULT.json`. What it does comes from the spec's
 "fake" object, else from the DISTPLAN_FAKE_PROBE environment variable (JSON), else "ok":
 
-    {"behavior": "ok" | "oom" | "error" | "crash" | "hang" | "exit0", "sleep": seconds,
-     "pidfile": path (hang: writes "<pid> <child pid>" there), "memory": {...overrides}}
+    {"behavior": "ok" | "oom" | "error" | "crash" | "hang" | "orphan" | "exit0", "sleep": seconds,
+     "pidfile": path (hang: writes "<pid> <child pid>" there;
+     orphan: the pid of a process it leaves in a new session, its parent gone), "memory": {...overrides}}
 """
 
 import argparse
@@ -73,6 +74,16 @@ def main() -> None:
     elif behavior == "crash":
         print("some log line", file=sys.stderr)
         raise RuntimeError("probe blew up on purpose")
+    elif behavior == "orphan":  # user code leaving a process in a session of its own, its parent gone
+        mid = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, "
+                                "'-c', 'import time; time.sleep(600)'], start_new_session=True, stdout=subprocess.DEVNULL); "
+                                "print(p.pid)"],
+                               stdout=subprocess.PIPE, text=True)
+        orphan = int(mid.communicate()[0])
+        if how.get("pidfile"):
+            with open(how["pidfile"], "w") as f:
+                f.write(str(orphan))
+        write_atomic(a.out, result_for(spec, memory=how.get("memory")))
     elif behavior == "exit0":
         sys.exit(0)
     elif behavior == "hang":

@@ -454,3 +454,77 @@ def test_user_code_that_hangs_or_exits_is_one_line(fake_validate, tmp_path, monk
     r = fake_validate("--strategy", "ddp", "--module", "user_for_62:fine", "--input-shape", "4,8", "--timeout", "60",
                       "--dry-run", "--out", str(tmp_path / "r.jsonl"))
     assert r.exit_code == 0, r.output
+
+
+def test_a_process_the_probe_leaves_in_a_new_session_is_reaped(fake_validate, tmp_path, monkeypatch, private_tmp):
+    """The probe starts a process in a session of its own whose parent exits (its command line names
+    nothing of the probe): the guard, its subreaper, kills it when the probe ends (issue 62, item 5)."""
+    pidfile = tmp_path / "orphan.pid"
+    monkeypatch.setenv("DISTPLAN_FAKE_PROBE", json.dumps({"behavior": "orphan", "pidfile": str(pidfile)}))
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    try:
+        r = fake_validate("--strategy", "ddp", "--timeout", "60", "--out", str(tmp_path / "r.jsonl"))
+        assert r.exit_code == 0, r.output
+        orphan = int(pidfile.read_text())
+        assert wait_for(lambda: _state(str(orphan)) in ("Z", "gone"), 10), _cmdline(str(orphan))
+        assert not leftovers(private_tmp)
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+_FORKS = """
+import os, subprocess, sys, time
+import torch.nn as nn
+
+def forks():
+    r, w = os.pipe()
+    if os.fork() == 0:  # an orphan in a session of its own, its parent gone
+        os.setsid()
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(3600)
+            os._exit(0)
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    pids = [int(os.read(r, 64)),
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True).pid]
+    with open(os.environ["U62_PIDS"], "a") as f:
+        f.write("".join(f"{p}\\n" for p in pids))
+    open(os.path.join(os.environ["TMPDIR"], "left-by-user-code.txt"), "w").close()
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+"""
+
+
+def test_validate_user_code_that_forks_leaves_no_process_or_folder(fake_validate, tmp_path, monkeypatch,
+                                                                   private_tmp):
+    """validate's check of --module and its predictions run the factory in bounded children: what it
+    starts (an orphan in a new session, a new session's process) and leaves in TMPDIR is gone after the
+    run (issue 62, item 5)."""
+    import tempfile
+    (tmp_path / "forks_for_62.py").write_text(_FORKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("U62_PIDS", str(pids))
+    try:
+        r = fake_validate("--strategy", "ddp", "--module", "forks_for_62:forks", "--input-shape", "4,8",
+                          "--timeout", "60", "--dry-run", "--out", str(tmp_path / "r.jsonl"))
+        assert r.exit_code == 0, r.output
+        noted = [int(x) for x in pids.read_text().split()]
+        assert len(noted) >= 4, noted  # the check and the prediction each ran the factory
+        assert [(p, _ppid(p), _state(str(p))) for p in noted if _state(str(p)) not in ("Z", "gone")] == [], noted
+        assert [str(p) for p in private_tmp.rglob("*") if p.name.startswith("distplan-user-")
+                or p.name == "left-by-user-code.txt"] == []
+    finally:
+        sys.modules.pop("forks_for_62", None)
+        for p in (pids.read_text().split() if pids.exists() else []):
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -30,6 +30,7 @@ from distplan.planner.precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from distplan.planner.strategies import NAMES, get_strategy
 from distplan.catalog.yaml_guard import Refused, read_yaml
 from distplan.planner.units import LIMITS, fmt_bytes, short_repr
+from distplan.planner.workload.isolated import user_code_limits
 
 from . import runner
 from .compare import rule_text
@@ -260,6 +261,9 @@ def validate_command(ctx, strategies, model, params, hf_config, front_end, modul
 
     given = {k: ctx.params[k] for k in GROUP_OPTIONS}  # what a --plan group may set, as given here
     given["timeout_s"] = timeout_s  # the session's: user code run before any probe gets it too
+    # --module's code outside the probes (the check, the predictions): in a child under the session's
+    # --timeout and a memory cap (planner/workload/isolated.py), until the command ends
+    ctx.with_resource(user_code_limits(timeout_s))
     if plan_path is not None:
         groups = _plan_groups(ctx, plan_path, given, get_hw)
     else:

@@ -19,8 +19,14 @@ sees the same). What it adds:
   the same way; PROBE_DIR is then the runner's to remove (it reads the result from it), unless the
   parent is gone.
 
-Known limitations: a probe process that escapes both its session and PROBE_DIR's name (a grandchild
-started with another command line in a new session) is found only while its parent chain is intact.
+- The guard is the subreaper of its descendants (`PR_SET_CHILD_SUBREAPER`, Linux): a process the probe
+  (user code) starts whose parent exits is re-parented to the guard, not to init, even in a session of
+  its own and with another command line, so it is still found below the guard; when the child ends, and
+  when the guard is signalled, everything left below it is killed and reaped (`kill_leftovers`).
+
+Known limitations: where there is no prctl (not Linux), a probe process that escapes both its session and
+PROBE_DIR's name (a grandchild started with another command line in a new session) is found only while
+its parent chain is intact.
 """
 
 from __future__ import annotations
@@ -34,18 +40,29 @@ import threading
 import time
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 KILL_GRACE_S = 3.0
 
 
 def set_pdeathsig(sig: int) -> bool:
     """Ask the kernel to send `sig` to this process when its parent thread exits (Linux). True if set."""
+    return _prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def set_child_subreaper() -> bool:
+    """Make this process the subreaper of its descendants (Linux): one whose parent exits is re-parented
+    here, not to init, even in a session of its own, so it stays among our descendants. True if set."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _prctl(option: int, arg: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+        return libc.prctl(option, arg, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
@@ -125,12 +142,12 @@ def _still(pid: int, start: int) -> bool:
 
 
 def kill_tree(root_pid: int | None, marker: str | None, pgid: int | None = None,
-              grace_s: float = KILL_GRACE_S, reap=None) -> None:
-    """SIGTERM every process of the probe (`probe_processes`) and `root_pid`, SIGKILL what is left after
-    `grace_s` (a stopped process ignores SIGTERM until continued: it gets SIGKILL). `reap()` is called
-    while waiting (to collect a direct child's exit status)."""
+              grace_s: float = KILL_GRACE_S, reap=None, with_root: bool = True) -> None:
+    """SIGTERM every process of the probe (`probe_processes`) and `root_pid` (unless not `with_root`),
+    SIGKILL what is left after `grace_s` (a stopped process ignores SIGTERM until continued: it gets
+    SIGKILL). `reap()` is called while waiting (to collect a direct child's exit status)."""
     procs = probe_processes(root_pid, marker, pgid)
-    if root_pid is not None and _proc_stat(root_pid) is not None:
+    if with_root and root_pid is not None and _proc_stat(root_pid) is not None:
         procs[root_pid] = _proc_stat(root_pid)[3]
     for pid in procs:
         _kill(pid, signal.SIGTERM)
@@ -169,6 +186,24 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
+def reap_children() -> None:
+    """Collect the exit status of every child of this process that has ended (the orphans a subreaper
+    inherits), without waiting."""
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def kill_leftovers(probe_dir: str) -> None:
+    """Every process still below this one (the guard, a subreaper: what the probe started, in a session of
+    its own too, whose parent is gone) or naming `probe_dir`, killed and reaped."""
+    kill_tree(os.getpid(), probe_dir, reap=reap_children, with_root=False)
+    reap_children()
+
+
 def remove_dir(path: str, attempts: int = 5) -> None:
     """rmtree that finishes even when interrupted: a KeyboardInterrupt (or another signal's exception)
     during the removal is held until the folder is gone, then re-raised."""
@@ -202,6 +237,7 @@ def main(argv: list[str] | None = None, start=None) -> int:
         state["ending"] = True
         child = state["child"]
         kill_tree(child.pid if child else None, probe_dir, reap=(child.poll if child else None))
+        kill_leftovers(probe_dir)  # the orphans re-parented here (set_child_subreaper)
         if os.getppid() != parent:  # distplan is gone: nobody else will remove the folder
             remove_dir(probe_dir)
         os._exit(128 + signum)
@@ -211,6 +247,7 @@ def main(argv: list[str] | None = None, start=None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    set_child_subreaper()
     if not set_pdeathsig(signal.SIGTERM):
         def watch():
             while os.getppid() == parent:
@@ -232,6 +269,8 @@ def main(argv: list[str] | None = None, start=None) -> int:
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries
             continue
+    state["ending"] = True  # (a signal from here on: the leftovers are being killed already)
+    kill_leftovers(probe_dir)  # what the probe started and left: orphans in sessions of their own too
     if rc < 0:  # killed by a signal: end the same way, so the runner reports that signal
         signal.signal(-rc, signal.SIG_DFL)
         os.kill(os.getpid(), -rc)

@@ -18,6 +18,7 @@ from distplan.planner.module_plan import check_hf_config, probe_kernel_workspace
 from distplan.planner.strategies import NAMES, get_strategy
 from distplan.planner.tp import TP_STRATEGIES
 from distplan.planner.units import fmt_bytes
+from distplan.planner.workload.isolated import user_code_limits
 from distplan.planner.workload.trace import check_factory
 from distplan.planner.workload.traced_model import parse_shape
 from distplan.planner.workload.traced_model import hf_path
@@ -27,7 +28,6 @@ from .matrix import HF_PP_TYPES, HF_TP_TYPES
 from . import runner
 from .render import _param_count, describe_model
 from .runner import _full_param_bytes
-from .user_code import run_bounded
 
 
 RAM_FRACTION = 0.5
@@ -467,7 +467,8 @@ def _module_spec(factory, input_shape, matrix: bool, user_model: bool, given: di
         # as `estimate --module` does, before any probe: the factory builds, the model runs on fake
         # tensors; a factory that raises or calls sys.exit() is one line, exit 2
         cwd = os.getcwd()
-        run_bounded(lambda: check_factory(factory, shape, cwd), timeout_s, "--module", factory)
+        with user_code_limits(timeout_s):  # in a child: the session's --timeout, a memory cap, one line
+            check_factory(factory, shape, cwd)
     except ValueError as e:
         raise click.UsageError(str(e).splitlines()[0])
     return {"factory": factory, "input_shape": list(shape), "path": os.getcwd()}

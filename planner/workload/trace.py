@@ -52,6 +52,7 @@ import contextlib
 import time
 
 from .census import CENSUS_FIELDS
+from .isolated import run_isolated
 from .layer_expansion import TRACE_LAYERS, _periodic_log, expand_layers, periodic_trace_layers
 from .segment_tracker import _SegmentTracker
 from .trace_modes import KERNEL_DEVICES, _cuda_kernels, _grouped_mm_any_dtype, _quiet_fake_tensor_log
@@ -126,9 +127,14 @@ def profile(work, dtype: str = "float32", device: str = "cpu", checkpoint_every:
     layers and expanded), anything else through `profile_workload`; keeping the bytes `device`'s kernels
     keep (KERNEL_DEVICES). `checkpoint_every`: a module's units checkpointed as the probes do
     (workload.FactoryWorkload.enable_checkpointing), for the step's allocation log; its names as without."""
-    if work.kind == "hf":
+    if work.kind == "hf":  # transformers' own code from a config.json: run here (no user code)
         return profile_hf(work.hf_config, work.micro_batch, work.seq_len, dtype, work.layers, device,
                           work.attention, checkpoint_every, work.vocab_size)
+    # user code: in a child, bounded (isolated.run_isolated: --timeout, a memory cap, one-line verdicts)
+    return run_isolated("--module", work.label, _module_profile, work, dtype, device, checkpoint_every)
+
+
+def _module_profile(work, dtype: str, device: str, checkpoint_every: int) -> dict:
     prof = profile_workload(work, dtype, device=device, checkpoint_every=checkpoint_every)
     return _without_wrapper_names(prof) if checkpoint_every else prof
 
@@ -166,10 +172,15 @@ def check_factory(factory_path: str, input_shape, path: str | None = None) -> No
     """Before any probe runs, what `distplan estimate --module` does: import the factory, build the
     model and run one forward and backward on fake tensors (no memory, no weights touched). ValueError
     (one line, naming --module) when the factory or the model raises or calls sys.exit(), returns no
-    nn.Module, or has no parameters."""
+    nn.Module, or has no parameters. Run in a child under `isolated.user_code_limits` (`run_isolated`): a
+    factory that hangs, ends the process or runs out of its memory cap is one line too."""
 
+    run_isolated("--module", factory_path, _check_factory, factory_path, parse_shape(input_shape), path)
+
+
+def _check_factory(factory_path: str, shape: tuple, path: str | None) -> None:
     load_factory(factory_path)
-    profile_workload(FactoryWorkload(factory_path, parse_shape(input_shape), path), "float32")
+    profile_workload(FactoryWorkload(factory_path, shape, path), "float32")
 
 
 def _check_model(torch, model, flag: str, label: str) -> None:
