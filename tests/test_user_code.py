@@ -197,3 +197,26 @@ def test_distplan_isolate_0_runs_user_code_in_process(monkeypatch):
     from distplan.planner.workload.isolated import run_isolated
     monkeypatch.setenv("DISTPLAN_ISOLATE", "0")
     assert run_isolated("--module", "x:y", os.getpid) == os.getpid()
+
+
+def test_user_code_traced_after_autograd_ran_here(user):
+    """A fork of a process whose autograd engine has started its thread pool cannot run autograd (torch
+    2.15 starts it for a fake-tensor backward: `forked_autograd_child`, torch/csrc/autograd/engine.cpp);
+    the child is a new interpreter, so a --module trace after one run in this process works, and plans
+    what the same trace in-process plans."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.ones(3, requires_grad=True)
+        (x * 2).sum().backward()
+    name, _, _ = user
+    args = ("--module", f"{name}:fine", "--input-shape", "4,8", "--json")
+    child = _estimate(*args)
+    assert child.exit_code == 0, child.output
+    os.environ["DISTPLAN_ISOLATE"] = "0"
+    try:
+        here = _estimate(*args)
+    finally:
+        del os.environ["DISTPLAN_ISOLATE"]
+    assert here.exit_code == 0, here.output
+    assert child.output == here.output

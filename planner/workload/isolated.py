@@ -1,5 +1,5 @@
 """User code in a child process, bounded: a `--module` factory, its import and the model's forward and
-backward on fake tensors (`trace.profile`, `trace.check_factory`) run in a forked child, so that a factory
+backward on fake tensors (`trace.profile`, `trace.check_factory`) run in a child process, so that a factory
 that never returns, ends the process (`os._exit(3)`), eats the machine's memory or leaves processes behind is
 one line naming the flag, and nothing of it outlives the command.
 
@@ -8,14 +8,16 @@ one line naming the flag, and nothing of it outlives the command.
 
 How (POSIX; Linux for the reaping):
 
-- distplan (torch imported already: a fork costs milliseconds, not the seconds of a new interpreter) forks a
-  *reaper* in a session of its own, which makes itself the subreaper of its descendants
-  (`PR_SET_CHILD_SUBREAPER`: a process user code starts, even one that calls `setsid()` and whose parent
-  exits, stays below it) and gets `PR_SET_PDEATHSIG(SIGTERM)` (distplan gone, even by SIGKILL: the
-  reaper kills its tree, removes the folder below and exits).
-- the reaper forks the *worker*, which runs under an address-space cap (`RLIMIT_AS`: what it had at the
-  fork plus `memory_cap()`, half the available memory by default) with `TMPDIR` in a folder of its own, and
-  answers requests over a pipe, one at a time: `fn(*args)`'s value (pickled) or its error (one line).
+- distplan starts the *reaper*, a new interpreter (not a fork: a fork of a process whose autograd engine
+  has started its thread pool, as torch 2.15 does for a fake-tensor backward, cannot run autograd:
+  `forked_autograd_child`, torch/csrc/autograd/engine.cpp) in a session of its own, with distplan's `sys.path`. It makes itself the
+  subreaper of its descendants (`PR_SET_CHILD_SUBREAPER`: a process user code starts, even one that calls
+  `setsid()` and whose parent exits, stays below it) and gets `PR_SET_PDEATHSIG(SIGTERM)` (distplan gone,
+  even by SIGKILL: the reaper kills its tree, removes the folder below and exits).
+- the reaper forks the *worker*, which imports torch, says it is ready (its start, seconds, is not counted
+  in the time limit), then runs under an address-space cap (`RLIMIT_AS`: what it had mapped then plus
+  `memory_cap()`, half the available memory by default) with `TMPDIR` in a folder of its own, and answers
+  requests over a pipe, one at a time: `fn(*args)`'s value (pickled) or its error (one line).
   Inside the outermost `user_code_limits` one worker answers every request (a plan traces one model in
   several regimes: the later traces are warm, as in one process); outside, one request, one worker.
 - each request waits at most the time limit (`--timeout`); at the limit distplan kills the tree below the
@@ -31,25 +33,25 @@ where another runs; the worker stays). A hang, an exit, a signal, memory beyond 
 another); inside `user_code_limits` the same workload is then not run again (a hang costs one --timeout,
 not one per regime).
 
-`DISTPLAN_ISOLATE=0` runs `fn` in-process, unbounded (a debugger in user code; a host where a fork of a
-process with threads is unsafe).
+`DISTPLAN_ISOLATE=0` runs `fn` in-process, unbounded (a debugger in user code).
 
 Known limitations: without `fork` (not POSIX) `fn` runs in-process, unbounded; without /proc and prctl
-(not Linux) only the reaper's process group is killed. CUDA initialised in distplan before the fork (the
-cuDNN workspaces measured on a GPU) cannot be used by the child; the fake-tensor trace does not use it.
-The cap is on address space, not resident memory. Processes user code starts live until the worker ends
+(not Linux) only the reaper's process group is killed. The worker inherits nothing of distplan's state but
+its environment and `sys.path` (`fn` and `args` carry the rest). The cap is on address space, not resident memory. Processes user code starts live until the worker ends
 (the end of the command), not the end of the request that started them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import select
 import shutil
 import signal
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,14 +61,16 @@ DEFAULT_TIMEOUT_S = 300.0
 MEMORY_FRACTION = 0.5
 """The memory cap's share of the memory available when the call starts (`MemAvailable`)."""
 MIN_MEMORY_CAP = 1 << 30
+STARTUP_S = 300.0
+"""The most a worker may take to start (a new interpreter importing torch: seconds), before user code's time."""
 WHAT = "the factory, its import or the model's forward and backward on fake tensors"
 ACCEPTED = "accepted: a factory that builds the model and returns it"
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 _HEADER = struct.Struct("<cQ")
-"""A frame: its kind (R request, Q quit; V value, E error line, M out of memory, X the worker's exit
-status), its length."""
+"""A frame: its kind (R request, Q quit; O the worker ready, V value, E error line, M out of memory, X the
+worker's exit status), its length."""
 
 
 class UserCodeFailure(ValueError):
@@ -101,7 +105,7 @@ def user_code_limits(timeout_s: float | None = None, memory_bytes: int | None = 
 
 
 def memory_cap() -> int | None:
-    """The bytes the worker may map beyond what it had at the fork: `user_code_limits`' or MEMORY_FRACTION
+    """The bytes the worker may map beyond what it had mapped when ready: `user_code_limits`' or MEMORY_FRACTION
     of MemAvailable (at least MIN_MEMORY_CAP); None where /proc/meminfo cannot be read."""
     if _LIMITS["memory_bytes"]:
         return _LIMITS["memory_bytes"]
@@ -113,7 +117,7 @@ def memory_cap() -> int | None:
     return max(MIN_MEMORY_CAP, int(MEMORY_FRACTION * avail))
 
 
-def run_isolated(flag: str, label: str, fn, *args, what: str = WHAT):
+def run_isolated(flag: str, label: str, fn, *args, what: str = WHAT, preload: tuple = ("torch",)):
     """`fn(*args)`'s value, computed in a child process under the time limit and memory cap (module
     docstring); `fn` a module-level function, `args` picklable. Raises ValueError with `fn`'s own
     ValueError line, or UserCodeFailure naming `flag`=`label`."""
@@ -125,7 +129,7 @@ def run_isolated(flag: str, label: str, fn, *args, what: str = WHAT):
     timeout_s = _LIMITS["timeout_s"] or DEFAULT_TIMEOUT_S
     server = _LIMITS["server"]
     if server is None or not server.alive:
-        server = _Server(memory_cap())
+        server = _Server(memory_cap(), preload)
         if failed is not None:  # inside user_code_limits: kept for the calls after this one
             _LIMITS["server"] = server
     try:
@@ -180,27 +184,46 @@ class _Server:
     """A reaper and its worker (module docstring), answering requests (fn, args, flag, label, what) over a
     pipe, one at a time; `stop()` ends both and removes the worker's TMPDIR."""
 
-    def __init__(self, cap: int | None):
-        self.cap, self.alive, self.buf = cap, True, bytearray()
+    def __init__(self, cap: int | None, preload: tuple = ()):
+        self.cap, self.alive, self.ready, self.buf = cap, True, False, bytearray()
         for stream in (sys.stdout, sys.stderr):
             _flush(stream)  # nothing buffered here is written twice by the child
         self.tmp = tempfile.mkdtemp(prefix="distplan-user-")
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            os.close(self.req_w)
-            os.close(self.resp_r)
-            _reaper(req_r, resp_w, self.tmp, cap)  # never returns
-        os.close(req_r)
-        os.close(resp_w)
+        try:
+            self.proc = subprocess.Popen(_reaper_command(req_r, resp_w, self.tmp, cap, preload),
+                                         pass_fds=(req_r, resp_w), start_new_session=True,
+                                         stdin=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (self.req_w, self.resp_r):
+                os.close(fd)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        finally:
+            os.close(req_r)
+            os.close(resp_w)
+        self.pid = self.proc.pid
 
     def call(self, request: tuple, deadline: float):
-        """The worker's answer (kind, payload) to `request`; (b"X", None) if it ended; None at `deadline`."""
+        """The worker's answer (kind, payload) to `request`; (b"X", None) if it ended; None at `deadline`
+        (which counts from the worker's ready frame: its start, a new interpreter importing `preload`, is
+        not user code's time)."""
+        if not self.ready:
+            started = time.monotonic()
+            frame = self._next_frame(started + STARTUP_S)
+            if frame is None or frame[0] != b"O":
+                return frame
+            self.ready = True
+            deadline += time.monotonic() - started
         try:
             _write_frame(self.req_w, b"R", pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
         except BrokenPipeError:
             pass  # the worker is gone: its status follows
+        return self._next_frame(deadline)
+
+    def _next_frame(self, deadline: float):
+        """The worker's next frame (kind, payload); (b"X", None) at the end of the pipe; None at `deadline`."""
         while True:
             if len(self.buf) >= _HEADER.size:
                 kind, n = _HEADER.unpack_from(self.buf, 0)
@@ -234,6 +257,7 @@ class _Server:
                 status = _wait(self.pid, grace_s)
             if kill or status is None:
                 status = kill_tree(self.pid)
+            self.proc.returncode = os.waitstatus_to_exitcode(status or 0)  # reaped here, not by Popen
         finally:
             for fd in (self.req_w, self.resp_r):
                 try:
@@ -261,12 +285,20 @@ def _wait(pid: int, timeout_s: float) -> int | None:
 
 # -- the child: reaper and worker --------------------------------------------------------------------
 
-def _reaper(req_r: int, resp_w: int, tmp: str, cap: int | None) -> None:
-    """The forked child: a session and subreaper of its own; runs the worker, then kills what it left."""
+def _reaper_command(req_r: int, resp_w: int, tmp: str, cap: int | None, preload: tuple) -> list[str]:
+    """The command line of a reaper: a new interpreter (nothing of this process's state inherited, the
+    autograd engine's included: module docstring) with this process's `sys.path` (the user's modules found
+    as here), running `_reaper`."""
+    boot = (f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); from {__name__} import _reaper; "
+            f"_reaper(*json.loads(sys.argv[2]))")
+    return [sys.executable, "-c", boot, json.dumps(sys.path), json.dumps([req_r, resp_w, tmp, cap, list(preload)])]
+
+
+def _reaper(req_r: int, resp_w: int, tmp: str, cap: int | None, preload: list) -> None:
+    """The reaper (in a session of its own): a subreaper; runs the worker, then kills what it left."""
     status = 70
     try:
         parent = os.getppid()
-        os.setsid()
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
         def end(signum, frame):  # distplan gone (PDEATHSIG) or a signal: nothing of the call outlives it
@@ -280,7 +312,7 @@ def _reaper(req_r: int, resp_w: int, tmp: str, cap: int | None) -> None:
             end(signal.SIGTERM, None)  # distplan died before the prctl took effect
         worker = os.fork()
         if worker == 0:
-            _worker(req_r, resp_w, tmp, cap)  # never returns
+            _worker(req_r, resp_w, tmp, cap, preload)  # never returns
         while True:
             try:
                 _, st = os.waitpid(worker, 0)
@@ -294,7 +326,7 @@ def _reaper(req_r: int, resp_w: int, tmp: str, cap: int | None) -> None:
         os._exit(status)
 
 
-def _worker(req_r: int, resp_w: int, tmp: str, cap: int | None) -> None:
+def _worker(req_r: int, resp_w: int, tmp: str, cap: int | None, preload: list) -> None:
     """The grandchild: each request's `fn(*args)` under the cap, its value or error line to the pipe, until a
     quit frame or the end of the pipe."""
     status = 70
@@ -304,7 +336,9 @@ def _worker(req_r: int, resp_w: int, tmp: str, cap: int | None) -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         os.environ["TMPDIR"] = tmp
         tempfile.tempdir = tmp
+        _preload(preload)
         _cap_memory(cap)
+        _write_frame(resp_w, b"O", b"")
         while True:
             request = _read_frame(req_r)
             if request is None or request[0] != b"R":
@@ -360,6 +394,20 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
 
 def _line(text: str) -> str:
     return (text.splitlines() or [""])[0][:2000]
+
+
+def _preload(names: list) -> None:
+    """Import each "module" (or run each "module:function") of `names` before the cap and before user
+    code's time starts: the cap is on what user code maps beyond them (torch's CUDA build maps 3 GB of
+    address space at import). One that fails is user code's to meet and report."""
+    for name in names:
+        module, _, function = name.partition(":")
+        try:
+            __import__(module)
+            if function:
+                getattr(sys.modules[module], function)()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _cap_memory(cap: int | None) -> None:
