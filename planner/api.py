@@ -40,7 +40,7 @@ from .strategies import NAMES, get_strategy
 from .strategy_result import StrategyResult, drop_conflicts, evaluate
 from .trace_check import TraceCheck, dp_only, search_note
 from .units import check_count, check_float, parse_count, parse_headroom, short_repr
-from .workload.isolated import user_code_limits
+from .workload.limits import user_code_limits
 
 __all__ = ["DEFAULT_GPU", "NEAREST_MODEL_MATCH", "Plan", "StrategyResult", "catalog_dirs_tuple", "check_spec_bounds",
            "clear_caches", "drop_conflicts", "evaluate", "nearest_model", "plan", "predict_probe", "recommend",

@@ -31,7 +31,7 @@ from .strategies import NAMES
 from .ranking import HEADROOM_FRACTION
 from .sweep import render_sweep, run_sweep
 from .units import LIMITS, fmt_bytes, parse_count, parse_headroom
-from .workload.isolated import DEFAULT_TIMEOUT_S
+from .workload.limits import DEFAULT_TIMEOUT_S
 
 TABLE_FORMATS = ("simple", "github", "grid", "plain", "pipe", "rst", "psql", "fancy_grid", "tsv")
 

@@ -30,7 +30,7 @@ from distplan.planner.precision import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from distplan.planner.strategies import NAMES, get_strategy
 from distplan.catalog.yaml_guard import Refused, read_yaml
 from distplan.planner.units import LIMITS, fmt_bytes, short_repr
-from distplan.planner.workload.isolated import user_code_limits
+from distplan.planner.workload.limits import user_code_limits
 
 from . import runner
 from .compare import rule_text

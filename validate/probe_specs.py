@@ -18,7 +18,7 @@ from distplan.planner.module_plan import check_hf_config, probe_kernel_workspace
 from distplan.planner.strategies import NAMES, get_strategy
 from distplan.planner.tp import TP_STRATEGIES
 from distplan.planner.units import fmt_bytes
-from distplan.planner.workload.isolated import user_code_limits
+from distplan.planner.workload.limits import user_code_limits
 from distplan.planner.workload.trace import check_factory
 from distplan.planner.workload.traced_model import parse_shape
 from distplan.planner.workload.traced_model import hf_path

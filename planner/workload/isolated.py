@@ -43,7 +43,6 @@ its environment and `sys.path` (`fn` and `args` carry the rest). The cap is on a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
@@ -56,11 +55,8 @@ import sys
 import tempfile
 import time
 
-DEFAULT_TIMEOUT_S = 300.0
-"""The time limit where none is given: `distplan validate`'s default --timeout per probe."""
-MEMORY_FRACTION = 0.5
-"""The memory cap's share of the memory available when the call starts (`MemAvailable`)."""
-MIN_MEMORY_CAP = 1 << 30
+from .limits import DEFAULT_TIMEOUT_S, LIMITS, memory_cap, user_code_limits  # noqa: F401 (re-exported)
+
 STARTUP_S = 300.0
 """The most a worker may take to start (a new interpreter importing torch: seconds), before user code's time."""
 WHAT = "the factory, its import or the model's forward and backward on fake tensors"
@@ -77,61 +73,21 @@ class UserCodeFailure(ValueError):
     """User code hung, ended its process, was killed or ran out of its memory: one line naming the flag."""
 
 
-_LIMITS: dict = {"timeout_s": None, "memory_bytes": None, "failed": None, "in_child": False, "server": None}
-
-
-@contextlib.contextmanager
-def user_code_limits(timeout_s: float | None = None, memory_bytes: int | None = None):
-    """The time limit and memory cap of every `run_isolated` call inside (None: the enclosing one's, else
-    DEFAULT_TIMEOUT_S and `memory_cap()`). The outermost one keeps one child for all the calls inside (a
-    plan traces one model in several regimes: warm after the first, as in one process), ended with it; a
-    workload that failed as a process is not run again inside."""
-    saved = {k: _LIMITS[k] for k in ("timeout_s", "memory_bytes")}
-    outermost = _LIMITS["failed"] is None
-    if timeout_s is not None:
-        _LIMITS["timeout_s"] = float(timeout_s)
-    if memory_bytes is not None:
-        _LIMITS["memory_bytes"] = int(memory_bytes)
-    if outermost:
-        _LIMITS["failed"] = {}
-    try:
-        yield
-    finally:
-        _LIMITS.update(saved)  # (the child and what failed stay the outermost one's)
-        if outermost:
-            server, _LIMITS["server"], _LIMITS["failed"] = _LIMITS["server"], None, None
-            if server is not None:
-                server.stop()
-
-
-def memory_cap() -> int | None:
-    """The bytes the worker may map beyond what it had mapped when ready: `user_code_limits`' or MEMORY_FRACTION
-    of MemAvailable (at least MIN_MEMORY_CAP); None where /proc/meminfo cannot be read."""
-    if _LIMITS["memory_bytes"]:
-        return _LIMITS["memory_bytes"]
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-    return max(MIN_MEMORY_CAP, int(MEMORY_FRACTION * avail))
-
-
 def run_isolated(flag: str, label: str, fn, *args, what: str = WHAT, preload: tuple = ("torch",)):
     """`fn(*args)`'s value, computed in a child process under the time limit and memory cap (module
     docstring); `fn` a module-level function, `args` picklable. Raises ValueError with `fn`'s own
     ValueError line, or UserCodeFailure naming `flag`=`label`."""
-    failed, key = _LIMITS["failed"], (flag, label)
+    failed, key = LIMITS["failed"], (flag, label)
     if failed is not None and key in failed:
         raise UserCodeFailure(failed[key])
-    if _LIMITS["in_child"] or not hasattr(os, "fork") or os.environ.get("DISTPLAN_ISOLATE") == "0":
+    if LIMITS["in_child"] or not hasattr(os, "fork") or os.environ.get("DISTPLAN_ISOLATE") == "0":
         return fn(*args)
-    timeout_s = _LIMITS["timeout_s"] or DEFAULT_TIMEOUT_S
-    server = _LIMITS["server"]
+    timeout_s = LIMITS["timeout_s"] or DEFAULT_TIMEOUT_S
+    server = LIMITS["server"]
     if server is None or not server.alive:
         server = _Server(memory_cap(), preload)
         if failed is not None:  # inside user_code_limits: kept for the calls after this one
-            _LIMITS["server"] = server
+            LIMITS["server"] = server
     try:
         try:
             frame = server.call((fn, args, flag, label, what), time.monotonic() + timeout_s)
@@ -332,7 +288,7 @@ def _worker(req_r: int, resp_w: int, tmp: str, cap: int | None, preload: list) -
     status = 70
     me = os.getpid()
     try:
-        _LIMITS["in_child"] = True
+        LIMITS["in_child"] = True
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         os.environ["TMPDIR"] = tmp
         tempfile.tempdir = tmp
