@@ -167,6 +167,9 @@ class ActivationBreakdown:
     """Part of `blocks_total` that every block shares rather than keeps its own: the RoPE tables (made once
     per forward) and, under checkpointing, the inputs every checkpointed block's closure keeps (eager
     attention's additive masks). Alive until block 0's backward is done, whatever the block."""
+    held_inputs: int = 0
+    """Part of `inputs` the training loop holds across the whole step, the optimizer's included: the token
+    ids and the targets (int64; a Hugging Face model's labels are the ids tensor itself, `labels=ids`)."""
 
     @property
     def kept_each(self) -> int:
@@ -486,7 +489,8 @@ def activations_in(train: TrainConfig, regime: str, device: str) -> ActivationBr
         # loss parallel's `_log_softmax` (`tensor/parallel/loss.py`) keeps `shifted = x - x_max` alive
         # while `result = shifted - logsumexp` is made: one more n x V/t fp32 tensor at the loss
         logits_transient += n * v * 4
+    held_inputs = n * 8 + (0 if m.hf_model_type else 8 * n)
     return ActivationBreakdown(per_block, blocks_total, outside, loss_saved, weight_cache, cache_all,
                                recompute, logits_transient, inputs, block_cache,
                                every if every > 1 else 0, n_res * res * h if every > 1 else 0, m.layers,
-                               shared_rope)
+                               shared_rope, held_inputs)

@@ -78,7 +78,7 @@ def fsdp_walk(snap, w: WalkTerms) -> tuple[int, int]:
     grads_final = w.lay.shard_total * f.grad_shard_elem_bytes if f.sharding else w.lay.total * w.gb
     if w.offload_params:
         grads_final = 0
-    snap("optimizer", grads=grads_final, temporaries=w.opt_tmp)
+    snap("optimizer", grads=grads_final, temporaries=w.opt_tmp + w.act.held_inputs)  # (the batch: memory.py)
     return params, 0
 
 
