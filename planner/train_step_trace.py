@@ -304,6 +304,9 @@ class TrainStepWalk:
         elif family == FSDP1 and (self.sharding or self.prec.mixed) and "root" not in held:
             held["root"] = self.fsdp1_unshard(self.lay.shard_root)
         self.out_emb = E.a(self.n * m.hidden * self.r)
+        # learned position embeddings (GPT-2): the position ids, int64, one row (`torch.arange` after the token
+        # embedding), which the position embedding saves for its backward (activations' `inputs`)
+        self.positions = E.a(self.train.seq_len * 8) if m.position == "learned" else None
         self.cur = self.out_emb  # the hidden states (written op by op: `carry`)
         self.saved_sizes: dict = {}  # block -> the bytes of what it saved (written op by op)
         # what the blocks share (RoPE tables; eager attention's masks that checkpointed blocks keep), to the
@@ -565,6 +568,8 @@ class TrainStepWalk:
             emb_g = self.new_grads("root", emb_shapes)
         if not self.carry:  # (else block 0's input, freed with it)
             E.f(self.out_emb)
+        if self.positions is not None:
+            E.f(self.positions)
         if family == FSDP2 and self.sharding:
             E.f(self.fsdp2_post("root", head_g + emb_g, held.pop("root")[1], self.rs_kept, lay.unshard_root,
                                 lay.shard_root))
