@@ -27,6 +27,12 @@ _SCRIPT = os.path.join(os.path.dirname(sys.executable), "distplan")
 DISTPLAN = [_SCRIPT] if os.path.exists(_SCRIPT) else [sys.executable, "-m", "distplan.planner.cli"]
 
 
+def _user_code_module() -> str:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_user_code import _USER
+    return _USER
+
+
 def _state(pid: str) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -476,28 +482,9 @@ def test_a_process_the_probe_leaves_in_a_new_session_is_reaped(fake_validate, tm
                 pass
 
 
-_FORKS = """
-import os, subprocess, sys, time
-import torch.nn as nn
-
-def forks():
-    r, w = os.pipe()
-    if os.fork() == 0:  # an orphan in a session of its own, its parent gone
-        os.setsid()
-        pid = os.fork()
-        if pid == 0:
-            time.sleep(3600)
-            os._exit(0)
-        os.write(w, str(pid).encode())
-        os._exit(0)
-    os.close(w)
-    pids = [int(os.read(r, 64)),
-            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True).pid]
-    with open(os.environ["U62_PIDS"], "a") as f:
-        f.write("".join(f"{p}\\n" for p in pids))
-    open(os.path.join(os.environ["TMPDIR"], "left-by-user-code.txt"), "w").close()
-    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-"""
+# the user module of tests/test_user_code.py: its `forks` factory starts an orphan in a session of its own and a
+# new session's process, notes both in $U62_PIDS and leaves a file in TMPDIR
+_FORKS = _user_code_module()
 
 
 def test_validate_user_code_that_forks_leaves_no_process_or_folder(fake_validate, tmp_path, monkeypatch,
