@@ -167,7 +167,8 @@ def test_no_process_or_folder_left_by_user_code_that_forks(user, factory, code):
 
 def test_user_code_runs_in_a_child_and_its_value_comes_back():
     pytest.importorskip("torch")
-    from distplan.planner.workload.isolated import run_isolated, user_code_limits
+    from distplan.planner.workload.isolated import run_isolated
+    from distplan.planner.workload.limits import user_code_limits
     with user_code_limits(timeout_s=30):
         child = run_isolated("--module", "x:y", os.getpid)
         assert child != os.getpid()
@@ -182,7 +183,8 @@ def test_user_code_runs_in_a_child_and_its_value_comes_back():
 def test_a_workload_that_hung_is_not_run_again_inside_the_limits():
     """A plan traces one model in several regimes: one --timeout for a hang, not one per regime."""
     pytest.importorskip("torch")
-    from distplan.planner.workload.isolated import UserCodeFailure, run_isolated, user_code_limits
+    from distplan.planner.workload.isolated import UserCodeFailure, run_isolated
+    from distplan.planner.workload.limits import user_code_limits
     with user_code_limits(timeout_s=1):
         with pytest.raises(UserCodeFailure, match="did not return in 1 s"):
             run_isolated("--module", "x:hangs", time.sleep, 3600)

@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 
-from .limits import DEFAULT_TIMEOUT_S, LIMITS, memory_cap, user_code_limits  # noqa: F401 (re-exported)
+from .limits import DEFAULT_TIMEOUT_S, LIMITS, memory_cap
 
 STARTUP_S = 300.0
 """The most a worker may take to start (a new interpreter importing torch: seconds), before user code's time."""

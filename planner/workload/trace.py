@@ -172,7 +172,7 @@ def check_factory(factory_path: str, input_shape, path: str | None = None) -> No
     """Before any probe runs, what `distplan estimate --module` does: import the factory, build the
     model and run one forward and backward on fake tensors (no memory, no weights touched). ValueError
     (one line, naming --module) when the factory or the model raises or calls sys.exit(), returns no
-    nn.Module, or has no parameters. Run in a child under `isolated.user_code_limits` (`run_isolated`): a
+    nn.Module, or has no parameters. Run in a child under `limits.user_code_limits` (`isolated.run_isolated`): a
     factory that hangs, ends the process or runs out of its memory cap is one line too."""
 
     run_isolated("--module", factory_path, _check_factory, factory_path, parse_shape(input_shape), path)
