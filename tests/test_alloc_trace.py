@@ -821,3 +821,24 @@ def test_module_pure_bf16_and_fp16_trace_against_recorded_traces():
     assert sum(r == 0 for r, _ in errs.values()) >= 27, errs
     assert max(abs(r) for r, _ in errs.values()) <= 3.0, errs
     assert max(abs(a) for _, a in errs.values()) <= 0.7, errs
+
+
+def test_walks_peak_parts_labels_every_live_byte():
+    """benchmarks/walks_peak_parts.py names the writer of each tensor live at the event list's peak: its
+    labelled events are the plain writer's, event for event, and the labelled bytes add up to that peak."""
+    import importlib.util
+    from collections import Counter
+    spec = importlib.util.spec_from_file_location("walks_peak_parts",
+                                                  os.path.join(ROOT, "benchmarks", "walks_peak_parts.py"))
+    wp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wp)
+    from distplan.planner.api import plan
+    mem = plan("llama-3-8b", gpus=8, gpu="h100-sxm", comm=False, seq_len=1024, micro_batch=2,
+               strategies=["zero2"]).results[0].memory
+    args = mem.reserved_replay
+    events, labels = wp.labelled_events(args)
+    assert events == allocation_events(*args[:7], args[8])
+    peak, at, live = wp.live_at_peak(events)
+    assert peak == sum(live.values()) and events[at][0] == "alloc"
+    sites = Counter(labels[k] for k in live)
+    assert all(sites) and any("block_forward" in s for s in sites)
