@@ -80,9 +80,12 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=1024)
     a = ap.parse_args()
-    p = plan(a.model, gpus=a.gpus, gpus_per_node=8, gpu="h100-sxm", comm=False, seq_len=a.seq_len,
-             precision=a.precision, activation_checkpointing=a.checkpointing, micro_batch=a.micro_batch,
-             grad_accum=a.grad_accum, strategies=[a.strategy])
+    try:
+        p = plan(a.model, gpus=a.gpus, gpus_per_node=8, gpu="h100-sxm", comm=False, seq_len=a.seq_len,
+                 precision=a.precision, activation_checkpointing=a.checkpointing, micro_batch=a.micro_batch,
+                 grad_accum=a.grad_accum, strategies=[a.strategy])
+    except ValueError as exc:  # the planner's one-line message naming the input (exit 2, as argparse's)
+        ap.error(str(exc))
     mem = p.results[0].memory
     print(f"walk: peak {mem.peak_allocated:,} bytes ({mem.peak_phase}); cuBLAS workspace {mem.workspace:,}")
     for name, b in mem.components.items():
