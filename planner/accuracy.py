@@ -12,7 +12,7 @@ names its records under benchmarks/results/):
   on one H100 (tests/data/gpu/, re-predicted by tests/test_gpu_hf_h100.py with the CUDA target): predicted
   low in every run, median 6.9%, max 13.3%;
 - peak allocated memory, `--module` models (CNN, ResNet) on an H100: 52 probes, median 0.11%, max 1.33%;
-- reserved peak (`torch.cuda.max_memory_reserved`, what decides "fits"), the same probes: analytic 1.37% /
+- reserved peak (`torch.cuda.max_memory_reserved`, what decides "fits"), the same probes: analytic 1.09% /
   6.42% (tests/test_alloc_trace.py), Hugging Face models by the trace 10.1% / 19.7%, low in 16 of 18
   (tests/test_gpu_hf_h100.py), `--module` 0.0% / 24.6%, the CIFAR ResNet under bf16-mixed 23-25% high
   (tests/test_gpu_results.py).
@@ -44,7 +44,7 @@ PEAK_ALLOCATED.update({
 })
 
 PEAK_RESERVED = {
-    "analytic": {"median": 0.0137, "max": 0.0642, "bias": None,
+    "analytic": {"median": 0.0109, "max": 0.0642, "bias": None,
                  "measured_against": PEAK_ALLOCATED["analytic"]["measured_against"]},
     "trace-hf": {"median": 0.101, "max": 0.1966, "bias": "predicted low in 16 of 18",
                  "measured_against": PEAK_ALLOCATED["trace-hf"]["measured_against"]},

@@ -376,6 +376,23 @@ def _split(total: int, parts: list[int]) -> list[int]:
     return [max(1, int(p * k)) for p in parts]
 
 
+def _split_to_peak(total: int, parts: list[int], freed: int) -> tuple[list[int], int]:
+    """`_split(total, parts)` for a block's saved tensors, whose backward has consumed `freed` bytes of them by
+    its peak (`_block_backward_peak`), and whether its last entry is the remainder (what `parts` leave out).
+    Where the listed tensors consumed by the peak (`_consumed`) fall short of `freed`, the shortfall is taken out
+    of the remainder and placed among them: the unlisted tensors include ones the peak has consumed (an RMSNorm's
+    normalized input and output, which the list leaves out), so the events free what the walk counts freed."""
+    sizes = _split(total, parts)
+    if len(sizes) <= len(parts):
+        return sizes, 0
+    body, rest = sizes[:-1], sizes[-1]
+    cut = _consumed(body, freed)
+    short = freed - sum(body[cut:])
+    if short <= 0 or short > rest:
+        return sizes, 1
+    return body[:cut] + [short] + body[cut:] + ([rest - short] if rest > short else []), int(rest > short)
+
+
 def _consumed(sizes: list[int], freed: int, rest: int = 0) -> int:
     """Index of the first of `sizes`' last entries that add up to at most `freed` bytes (the saved tensors a
     block's backward has consumed by its peak, backward running from the block's end); `rest` trailing entries

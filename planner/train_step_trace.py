@@ -13,9 +13,10 @@ from math import prod
 
 from .activations import _norm_parts, activations_in, regime_for, sp_tokens
 from .block_backward import _block_backward_peak
-from .block_trace import _block_saved_shapes, _compiled, _consumed, _grads_by_peak, _split, block_program
+from .block_trace import (_block_saved_shapes, _compiled, _consumed, _grads_by_peak, _split, _split_to_peak,
+                          block_program)
 from .comm import DDP_BUCKET_CAP_MB, bucket_sizes, ready_order_sizes
-from .config import TrainConfig
+from .config import TrainConfig, fsdp2_reduce_keeps_last_grad
 from .construction_trace import _construction_events
 from .model import unit_sizes
 from .state_layout import layout
@@ -76,15 +77,22 @@ class TrainStepWalk:
         """The bytes a block saves, keeps and holds transiently in backward, and its weights' autocast casts."""
         train, m, act, regime, n, r, e = self.train, self.m, self.act, self.regime, self.n, self.r, self.e
         listed = _block_saved_shapes(train, regime, n, device)
-        blk_saved = self.blk_saved = _split(act.per_block, listed)
-        self.rest = 1 if len(blk_saved) > len(listed) else 0  # `_split`'s last entry: what the list leaves out
+        blk_peak = self.blk_peak = _block_backward_peak(train, regime, n, device)
+        # (`rest`: 1 where the last entry is what the list leaves out)
+        blk_saved, self.rest = _split_to_peak(act.per_block, listed, blk_peak[0])
+        self.blk_saved = blk_saved
         kept = act.kept_each  # per block through forward (checkpointing: its input)
         self.kept_saved = blk_saved if not self.ckpt else _split(kept, [n * m.hidden * r])
         if act.every:  # every-K: blocks 0, K, 2K, ... keep their input, the others all they save
             self.kept_saved = _split(act.ckpt_kept, [n * m.hidden * r])
-        blk_peak = self.blk_peak = _block_backward_peak(train, regime, n, device)
         blk_tmp = blk_peak[1]
-        self.tmp_shapes = _split(blk_tmp, [n * m.hidden * r] + [n * m.ffn_hidden * e] * 3)
+        tmp_parts = [n * m.hidden * r] + [n * m.ffn_hidden * e] * 3
+        self.tmp_shapes = _split(blk_tmp, tmp_parts)
+        # The residual stream's gradient (the first of a block's transients) is one tensor from the head's backward
+        # to the embedding's: autograd's InputBuffer accumulates a block input's gradient in place into the one it
+        # received (torch/csrc/autograd/input_buffer.cpp `accumulate`), so it outlives each block's transients and
+        # is alive through the blocks' late gradients and post-backward hooks (fsdp_walk's hook instants count it)
+        self.resid_carried = self.t == 1 and blk_tmp >= sum(tmp_parts)
         self.early = _grads_by_peak(self.block_shapes, blk_peak[2])
         # A checkpointed block's recomputation saves what its forward saved, but its first norm's saved input is the
         # kept block input itself, not a new tensor (activations_in's `recompute_block`)
@@ -115,6 +123,13 @@ class TrainStepWalk:
                       and self.kept_saved[0] == n * m.hidden * r)
         if not self.carry:
             fwd_ops = grad_ops = None
+        # Written as one burst per block (not `carry`), block 0 saves the embedding output itself where its first
+        # saved tensor is its input (fp32 hidden states: an RMSNorm's `x.float()` returns x, a LayerNorm saves x;
+        # a checkpointed block keeps its input); else (16-bit hidden states, whose norm saves a new fp32 copy)
+        # nothing saves it: the reference decoder drops it after block 0 (`x = block(x, ...)`), transformers'
+        # <Model>.forward at its return, after the final norm (its local `inputs_embeds`)
+        self.emb_saved_by_block0 = (not self.carry and self.L > 0
+                                    and (self.ck(0) or self.regime in ("fp32", "autocast")))
         self.fwd_ops, self.grad_ops = fwd_ops, grad_ops
         # nll_loss_backward's dense gradient + log_softmax_backward's output; loss parallel's fused backward
         # holds three (memory.estimate_memory's `loss_bwd_tmp`)
@@ -232,7 +247,8 @@ class TrainStepWalk:
         return _fsdp2_post_backward(self.E, u, g, params, rs_kept, unsharded, sharded,
                                     self.block_shapes if u != "root" else list(self.head_shapes) + self.emb_shapes,
                                     sync=self.sync, reshard=True, mixed=self.prec.mixed, rb=self.rb, acc=self.acc,
-                                    saved=self.saved, grads=self.grads)
+                                    saved=self.saved, grads=self.grads,
+                                    last_grad_late=self.shard > 1 and fsdp2_reduce_keeps_last_grad(self.train))
 
     def fsdp2_ready(self, j):
         """`wait_for_unshard` in pre_backward: copy out the (prefetched) all-gather output."""
@@ -284,6 +300,8 @@ class TrainStepWalk:
         self.in_place = not self.fsdp or (family == FSDP2 and not prec.mixed)  # AccumulateGrad adds into .grad
         self.forward()
         head_saved, hc = self.final_norm_forward()
+        if not self.carry and not self.emb_saved_by_block0:
+            self.E.f(self.out_emb)  # transformers' model forward returns (or no block saved it)
         logp, upcast = self.loss_forward()
         self.prefetch_last_block()
         head_g, tied_g = self.head_backward(head_saved, hc, logp, upcast)
@@ -351,7 +369,14 @@ class TrainStepWalk:
                 self.cached.extend(casts)
             else:
                 casts_kept = casts
-            self.blocks.append(([E.a(s) for s in self.kept_by(j)], casts_kept))
+            kept = self.kept_by(j)
+            if j == 0 and self.emb_saved_by_block0:
+                self.blocks.append(([self.out_emb] + [E.a(s) for s in kept[1:]], casts_kept))
+            else:
+                self.blocks.append(([E.a(s) for s in kept], casts_kept))
+            if j == 0 and not self.emb_saved_by_block0 and not self.m.hf_model_type:
+                E.f(self.out_emb)  # the reference decoder's `x = block(x, ...)`: the embedding output dropped
+                self.out_emb = None
         self.tp_reduce()
         # resharded after forward: FULL_SHARD / zero3; NO_SHARD under mixed precision frees its 16-bit
         # copy (`_runtime_utils._post_forward` -> `_reshard` -> `handle.post_reshard`)
@@ -451,6 +476,7 @@ class TrainStepWalk:
             grad_logits = E.a(n * v * cb)
             E.f(lt[-1])
         done = [grad_logits, *hc, *head_saved]  # freed when the head's matmul backward node has run
+        self.resid_g = self.head_input_grad()
         if self.regime == "autocast" and t == 1:
             # fp32 parameters under autocast: the head's matmul backward makes its weight's gradient in 16 bits
             # (the matmul ran on the weight's cast), its node then drops what it saved and the logits'
@@ -468,6 +494,12 @@ class TrainStepWalk:
         if self.tied and not self.carry:
             tied_g = E.a(v * m.hidden * self.tied_b)
         return head_g, tied_g
+
+    def head_input_grad(self):
+        """The head input's gradient, which its matmul's backward node makes with the weight's (both alive until
+        the node returns and AccumulateGrad takes the weight's): the residual stream's gradient, carried to the
+        embedding's backward (`resid_carried`); None where the block's transients hold it."""
+        return self.E.a(self.tmp_shapes[0]) if self.resid_carried else None
 
     def block_backward(self, j: int) -> None:
         """Block j's backward: its pre-backward hooks, its gradients, its post-backward hooks."""
@@ -535,7 +567,7 @@ class TrainStepWalk:
         # tensors go
         cut = _consumed(sizes, self.blk_peak[0], rest_j)
         E.f(*keys[cut:len(keys) - rest_j])
-        tmp = [E.a(s) for s in self.tmp_shapes]
+        tmp = [E.a(s) for s in self.tmp_shapes[self.resid_carried:]]
         early = self.early
         g_early = self.new_grads(j, [block_shapes[i] for i in early])
         E.f(*tmp)
@@ -549,6 +581,7 @@ class TrainStepWalk:
     def root_backward(self, head_g: list, tied_g) -> None:
         """The embedding's backward and the root's post-backward hooks; whatever is still unsharded freed."""
         E, family, held, lay, emb_shapes = self.E, self.family, self.held, self.lay, self.emb_shapes
+        E.f(self.resid_g)
         if self.shared is not None:
             E.f(self.shared)
         # the embedding's gradient and the root
@@ -566,8 +599,6 @@ class TrainStepWalk:
                 emb_g = []
         else:
             emb_g = self.new_grads("root", emb_shapes)
-        if not self.carry:  # (else block 0's input, freed with it)
-            E.f(self.out_emb)
         if self.positions is not None:
             E.f(self.positions)
         if family == FSDP2 and self.sharding:
