@@ -388,6 +388,7 @@ class TrainStepWalk:
         """The final norm and the head's cached casts: (the head's saved tensors, its weight casts)."""
         E, m, n, r, regime, carry, cur = self.E, self.m, self.n, self.r, self.regime, self.carry, self.cur
         final_norm, outside, head_cast = self.final_norm, self.outside, self.head_cast
+        self.head_own = None  # under autocast, what the head's matmul saved of its own (None: all of head_saved)
         # the final norm and the LM head's input (activations.ActivationBreakdown.outside): an RMSNorm's saved
         # tensors one by one in the order its forward makes them (`pow`'s output and, in lowp, the fp32 x * rstd
         # are transients), then under autocast the head's cached weight cast and its cast of the input
@@ -397,7 +398,8 @@ class TrainStepWalk:
             head_saved += [E.a(final_norm[1]), E.a(final_norm[2])]
             hc = [E.a(c) for c in head_cast]
             if regime == "autocast":  # the head saves its 16-bit cast of the fp32 output
-                head_saved += [E.a(x) for x in final_norm[3:]]
+                self.head_own = [E.a(x) for x in final_norm[3:]]
+                head_saved += self.head_own
                 E.f(out_n)
             else:
                 head_saved.append(out_n)
@@ -417,7 +419,8 @@ class TrainStepWalk:
             E.f(xr)  # a local to the norm's return
             hc = [E.a(c) for c in head_cast]
             if regime == "autocast":  # the head's 16-bit cast of its input, after its weight's
-                head_saved += [E.a(x) for x in final_norm[3:]]
+                self.head_own = [E.a(x) for x in final_norm[3:]]
+                head_saved += self.head_own
             if outside > sum(final_norm):
                 head_saved.append(E.a(outside - sum(final_norm)))
         else:
@@ -482,9 +485,11 @@ class TrainStepWalk:
             # (the matmul ran on the weight's cast), its node then drops what it saved and the logits'
             # gradient, and the cast's backward (ToCopyBackward) makes the fp32 gradient, the 16-bit one freed
             # after (the H100's recorded events; memory.py's `w_head` instant)
+            # The final norm's saved tensors stay to its backward, which runs after the cast's
             w16 = [E.a(prod(s) * 2) for s in self.head_shapes if len(s) == 2]
-            E.f(*done)
-            done = w16
+            own = done if self.head_own is None else [grad_logits, *hc, *self.head_own]
+            E.f(*own)
+            done = w16 + [k for k in done if k not in own]
         head_g = self.new_grads("root", self.head_shapes)
         # A tied weight (the parameter, FSDP2's unsharded parameter, FSDP1's view): the head's matmul backward
         # makes its gradient beside the logits' gradient it reads (the recorded traces' order), and autograd holds
