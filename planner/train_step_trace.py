@@ -299,12 +299,12 @@ class TrainStepWalk:
         self.keep = family == FSDP1 and not st.reshard_after_forward and not self.sync
         self.in_place = not self.fsdp or (family == FSDP2 and not prec.mixed)  # AccumulateGrad adds into .grad
         self.forward()
-        head_saved, hc = self.final_norm_forward()
+        head_saved, hc, head_own = self.final_norm_forward()
         if not self.carry and not self.emb_saved_by_block0:
             self.E.f(self.out_emb)  # transformers' model forward returns (or no block saved it)
         logp, upcast = self.loss_forward()
         self.prefetch_last_block()
-        head_g, tied_g = self.head_backward(head_saved, hc, logp, upcast)
+        head_g, tied_g = self.head_backward(head_saved, hc, head_own, logp, upcast)
         self.rs_kept = None
         for j in reversed(range(self.L)):
             self.block_backward(j)
@@ -385,10 +385,11 @@ class TrainStepWalk:
             E.f(*(held.pop(j) if family == FSDP2 else [held.pop(j)]))
 
     def final_norm_forward(self) -> tuple:
-        """The final norm and the head's cached casts: (the head's saved tensors, its weight casts)."""
+        """The final norm and the head's cached casts: (the head's saved tensors, its weight casts, and under
+        autocast what its matmul saved of its own, else None: all of the saved tensors)."""
         E, m, n, r, regime, carry, cur = self.E, self.m, self.n, self.r, self.regime, self.carry, self.cur
         final_norm, outside, head_cast = self.final_norm, self.outside, self.head_cast
-        self.head_own = None  # under autocast, what the head's matmul saved of its own (None: all of head_saved)
+        head_own = None
         # the final norm and the LM head's input (activations.ActivationBreakdown.outside): an RMSNorm's saved
         # tensors one by one in the order its forward makes them (`pow`'s output and, in lowp, the fp32 x * rstd
         # are transients), then under autocast the head's cached weight cast and its cast of the input
@@ -398,8 +399,8 @@ class TrainStepWalk:
             head_saved += [E.a(final_norm[1]), E.a(final_norm[2])]
             hc = [E.a(c) for c in head_cast]
             if regime == "autocast":  # the head saves its 16-bit cast of the fp32 output
-                self.head_own = [E.a(x) for x in final_norm[3:]]
-                head_saved += self.head_own
+                head_own = [E.a(x) for x in final_norm[3:]]
+                head_saved += head_own
                 E.f(out_n)
             else:
                 head_saved.append(out_n)
@@ -419,14 +420,14 @@ class TrainStepWalk:
             E.f(xr)  # a local to the norm's return
             hc = [E.a(c) for c in head_cast]
             if regime == "autocast":  # the head's 16-bit cast of its input, after its weight's
-                self.head_own = [E.a(x) for x in final_norm[3:]]
-                head_saved += self.head_own
+                head_own = [E.a(x) for x in final_norm[3:]]
+                head_saved += head_own
             if outside > sum(final_norm):
                 head_saved.append(E.a(outside - sum(final_norm)))
         else:
             hc = [E.a(c) for c in head_cast]
             head_saved = [E.a(outside)]
-        return head_saved, hc
+        return head_saved, hc, head_own
 
     def loss_forward(self) -> tuple:
         """The logits and the loss: (log_softmax's saved output, whether the logits were upcast)."""
@@ -468,7 +469,7 @@ class TrainStepWalk:
             # (`_exec_order_utils.py` get_handle_to_backward_prefetch)
             held[L - 1] = self.fsdp1_unshard(self.lay.shard_block)
 
-    def head_backward(self, head_saved: list, hc: list, logp, upcast: bool) -> tuple:
+    def head_backward(self, head_saved: list, hc: list, head_own, logp, upcast: bool) -> tuple:
         """The loss's and the head's backward: (the head's gradients, the tied weight's held gradient or None)."""
         E, m, n, v, t, cb = self.E, self.m, self.n, self.v, self.t, self.cb
         # backward: the loss and the head
@@ -485,9 +486,9 @@ class TrainStepWalk:
             # (the matmul ran on the weight's cast), its node then drops what it saved and the logits'
             # gradient, and the cast's backward (ToCopyBackward) makes the fp32 gradient, the 16-bit one freed
             # after (the H100's recorded events; memory.py's `w_head` instant)
-            # The final norm's saved tensors stay to its backward, which runs after the cast's
+            # The final norm's saved tensors stay to its backward, which runs after the cast's backward
             w16 = [E.a(prod(s) * 2) for s in self.head_shapes if len(s) == 2]
-            own = done if self.head_own is None else [grad_logits, *hc, *self.head_own]
+            own = done if head_own is None else [grad_logits, *hc, *head_own]
             E.f(*own)
             done = w16 + [k for k in done if k not in own]
         head_g = self.new_grads("root", self.head_shapes)
