@@ -189,9 +189,10 @@ class TrainStepWalk:
         mixed precision, `_reduce_grad`'s output shard (reduce-scatter), or the all-reduced flat gradient
         (NO_SHARD). The tensor a collective reads goes to that stream's pool (allocator.comm_streams).
         Accumulation: a later micro-step's flat gradient is added in place to the kept one (AccumulateGrad)
-        and freed; without sync (`_post_backward_hook` returns early) the unsharded flat gradient is kept
-        in param_dtype, and SHARD_GRAD_OP keeps the unit unsharded (`_should_free_in_backward`); synced
-        every micro-step, the new shard is added to `_saved_grad_shard` (`_accumulate_sharded_grad`)."""
+        and freed after the hook (a post-hook of that AccumulateGrad node, called with it); without sync
+        (`_post_backward_hook` returns early) the unsharded flat gradient is kept in param_dtype, and
+        SHARD_GRAD_OP keeps the unit unsharded (`_should_free_in_backward`); synced every micro-step, the new
+        shard is added to `_saved_grad_shard` (`_accumulate_sharded_grad`)."""
         E, acc, saved, grads, rb = self.E, self.acc, self.saved, self.grads, self.rb
         comm = self.world > 1
         # The flat gradient (the reduction reads it, or the one kept since the first micro-step): made by the
@@ -199,32 +200,37 @@ class TrainStepWalk:
         # CUDA autograd runs a backward op on its forward op's stream: the unshard stream's pool
         flat_g = E.a(elems * self.ud, 1)
         E.f(*view_grads)
+        new_g = None
         if u in acc:  # added to the unsharded gradient kept by earlier micro-steps (without sync)
-            E.f(flat_g)
-            flat_g = acc.pop(u)
+            new_g, flat_g = flat_g, acc.pop(u)
+            if not sync:
+                E.f(new_g)
         if not sync:
             acc[u] = flat_g
             if not keep:
                 E.f(unsharded)
             return unsharded if keep else None
         E.f(unsharded)
-        src = flat_g
-        if self.prec.mixed:
-            src = E.a(elems * rb, 2 if comm else 0)
-            E.f(flat_g)
+        # Under mixed precision the flat gradient stays alive to the hook's end beside its cast (the hook's
+        # local `autograd_computed_grad`, torch/distributed/fsdp/_runtime_utils.py, _post_backward_hook)
+        src = E.a(elems * rb, 2 if comm else 0) if self.prec.mixed else flat_g
         if self.sharding:
             out = E.a(elems_shard * rb, 2)
-            E.f(src)
-            if u in saved:  # `_saved_grad_shard += sharded_grad`
+            if u in saved:  # `_saved_grad_shard += sharded_grad` (`_accumulate_sharded_grad`)
                 E.f(out)
             else:
                 saved[u] = out
                 grads.append(out)
+            E.f(src)  # `_reduce_grad`'s `unsharded_grad`, gone when it returns
         elif u in saved:  # NO_SHARD synced every micro-step: added to the kept gradient
             E.f(src)
         else:
             saved[u] = src
             grads.append(src)
+        if src is not flat_g:
+            E.f(flat_g)
+        if new_g is not None:  # the hook is a post-hook of the FlatParameter's AccumulateGrad node, called
+            E.f(new_g)  # with the new gradient it added (`_register_post_backward_hook`)
         return None
 
     def new_grads(self, u, shapes):
