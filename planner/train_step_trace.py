@@ -93,6 +93,7 @@ class TrainStepWalk:
         # received (torch/csrc/autograd/input_buffer.cpp `accumulate`), so it outlives each block's transients and
         # is alive through the blocks' late gradients and post-backward hooks (fsdp_walk's hook instants count it)
         self.resid_carried = self.t == 1 and blk_tmp >= sum(tmp_parts)
+        self.norm_saved: tuple = ()  # the final norm's saved tensors where its backward is written op by op
         self.early = _grads_by_peak(self.block_shapes, blk_peak[2])
         # A checkpointed block's recomputation saves what its forward saved, but its first norm's saved input is the
         # kept block input itself, not a new tensor (activations_in's `recompute_block`)
@@ -419,6 +420,8 @@ class TrainStepWalk:
             head_saved.append(E.a(final_norm[1]))
             xr = E.a(n * m.hidden * 4) if regime == "lowp" else None  # x * rstd, cast to 16 bits and dropped
             head_saved.append(E.a(final_norm[2]))
+            if r == 4 and carry and self.resid_carried and self.t == 1:  # its backward written op by op
+                self.norm_saved = tuple(head_saved)
             if regime != "autocast":  # the norm's output, which the head saves
                 head_saved += [E.a(x) for x in final_norm[3:]]
             if carry and r != 4:
@@ -485,7 +488,9 @@ class TrainStepWalk:
         if upcast:
             grad_logits = E.a(n * v * cb)
             E.f(lt[-1])
-        done = [grad_logits, *hc, *head_saved]  # freed when the head's matmul backward node has run
+        norm = self.norm_saved  # the final norm's (x, rstd, x * rstd) where its backward is written
+        done = [grad_logits, *hc, *(k for k in head_saved if k not in norm)]  # freed when the head's matmul
+        # backward node has run
         self.resid_g = self.head_input_grad()
         if self.regime == "autocast" and t == 1:
             # fp32 parameters under autocast: the head's matmul backward makes its weight's gradient in 16 bits
@@ -505,7 +510,28 @@ class TrainStepWalk:
         E.f(*done)
         if self.tied and not self.carry:
             tied_g = E.a(v * m.hidden * self.tied_b)
+        if norm:
+            self.final_norm_backward(*norm)
         return head_g, tied_g
+
+    def final_norm_backward(self, x, rstd, xr) -> None:
+        """The final RMSNorm's backward op by op where its input is fp32 (`x`; `rstd`, `xr` = x * rstd its other
+        saved tensors), from the head input's gradient (`resid_g`), as autograd runs `weight * xr.to(dtype)`,
+        `x * rstd`, mean and pow backward (derivatives.yaml: mul_tensor_backward per factor, a factor's gradient
+        summed to its shape in validate_outputs; pow_backward `grad * (2 * x.pow(1))`): the two gradients of x
+        are summed in its input buffer (input_buffer.cpp `accumulate`: `old_var + var`, a new tensor), which is
+        the residual stream's gradient the last block's backward reads."""
+        E, b = self.E, self.n * self.m.hidden * 4
+        g_xr, g_weight = E.a(b), E.a(b)  # grad * weight, grad * xr (summed to the weight's shape)
+        E.f(g_weight, xr, self.resid_g)  # the node's saved xr released, then its input
+        g_rstd, g_x = E.a(b), E.a(b)  # grad * x (summed to n x 1), grad * rstd
+        E.f(g_rstd, g_xr)
+        E.f(rstd)  # rsqrt's backward (n x 1), its saved result released
+        g_sq = E.a(b)  # mean's backward: the n x 1 gradient expanded and divided by h
+        pow1, twice, g_x2 = E.a(b), E.a(b), E.a(b)
+        E.f(twice, pow1, x, g_sq)
+        self.resid_g = E.a(b)
+        E.f(g_x, g_x2)
 
     def head_input_grad(self):
         """The head input's gradient, which its matmul's backward node makes with the weight's (both alive until
