@@ -93,7 +93,6 @@ class TrainStepWalk:
         # received (torch/csrc/autograd/input_buffer.cpp `accumulate`), so it outlives each block's transients and
         # is alive through the blocks' late gradients and post-backward hooks (fsdp_walk's hook instants count it)
         self.resid_carried = self.t == 1 and blk_tmp >= sum(tmp_parts)
-        self.norm_saved: tuple = ()  # the final norm's saved tensors where its backward is written op by op
         self.early = _grads_by_peak(self.block_shapes, blk_peak[2])
         # A checkpointed block's recomputation saves what its forward saved, but its first norm's saved input is the
         # kept block input itself, not a new tensor (activations_in's `recompute_block`)
@@ -306,12 +305,12 @@ class TrainStepWalk:
         self.keep = family == FSDP1 and not st.reshard_after_forward and not self.sync
         self.in_place = not self.fsdp or (family == FSDP2 and not prec.mixed)  # AccumulateGrad adds into .grad
         self.forward()
-        head_saved, hc, head_own = self.final_norm_forward()
+        head_saved, hc, head_own, norm = self.final_norm_forward()
         if not self.carry and not self.emb_saved_by_block0:
             self.E.f(self.out_emb)  # transformers' model forward returns (or no block saved it)
         logp, upcast = self.loss_forward()
         self.prefetch_last_block()
-        head_g, tied_g = self.head_backward(head_saved, hc, head_own, logp, upcast)
+        head_g, tied_g = self.head_backward(head_saved, hc, head_own, norm, logp, upcast)
         self.rs_kept = None
         for j in reversed(range(self.L)):
             self.block_backward(j)
@@ -392,11 +391,12 @@ class TrainStepWalk:
             E.f(*(held.pop(j) if family == FSDP2 else [held.pop(j)]))
 
     def final_norm_forward(self) -> tuple:
-        """The final norm and the head's cached casts: (the head's saved tensors, its weight casts, and under
-        autocast what its matmul saved of its own, else None: all of the saved tensors)."""
+        """The final norm and the head's cached casts: (the head's saved tensors, its weight casts, under
+        autocast what its matmul saved of its own, else None: all of the saved tensors; and the final norm's
+        (x, rstd, x * rstd) where its backward is written op by op, `final_norm_backward`, else ())."""
         E, m, n, r, regime, carry, cur = self.E, self.m, self.n, self.r, self.regime, self.carry, self.cur
         final_norm, outside, head_cast = self.final_norm, self.outside, self.head_cast
-        head_own = None
+        head_own, norm = None, ()
         # the final norm and the LM head's input (activations.ActivationBreakdown.outside): an RMSNorm's saved
         # tensors one by one in the order its forward makes them (`pow`'s output and, in lowp, the fp32 x * rstd
         # are transients), then under autocast the head's cached weight cast and its cast of the input
@@ -421,7 +421,7 @@ class TrainStepWalk:
             xr = E.a(n * m.hidden * 4) if regime == "lowp" else None  # x * rstd, cast to 16 bits and dropped
             head_saved.append(E.a(final_norm[2]))
             if r == 4 and carry and self.resid_carried and self.t == 1:  # its backward written op by op
-                self.norm_saved = tuple(head_saved)
+                norm = tuple(head_saved)
             if regime != "autocast":  # the norm's output, which the head saves
                 head_saved += [E.a(x) for x in final_norm[3:]]
             if carry and r != 4:
@@ -436,7 +436,7 @@ class TrainStepWalk:
         else:
             hc = [E.a(c) for c in head_cast]
             head_saved = [E.a(outside)]
-        return head_saved, hc, head_own
+        return head_saved, hc, head_own, norm
 
     def loss_forward(self) -> tuple:
         """The logits and the loss: (log_softmax's saved output, whether the logits were upcast)."""
@@ -478,7 +478,7 @@ class TrainStepWalk:
             # (`_exec_order_utils.py` get_handle_to_backward_prefetch)
             held[L - 1] = self.fsdp1_unshard(self.lay.shard_block)
 
-    def head_backward(self, head_saved: list, hc: list, head_own, logp, upcast: bool) -> tuple:
+    def head_backward(self, head_saved: list, hc: list, head_own, norm: tuple, logp, upcast: bool) -> tuple:
         """The loss's and the head's backward: (the head's gradients, the tied weight's held gradient or None)."""
         E, m, n, v, t, cb = self.E, self.m, self.n, self.v, self.t, self.cb
         # backward: the loss and the head
@@ -488,7 +488,6 @@ class TrainStepWalk:
         if upcast:
             grad_logits = E.a(n * v * cb)
             E.f(lt[-1])
-        norm = self.norm_saved  # the final norm's (x, rstd, x * rstd) where its backward is written
         done = [grad_logits, *hc, *(k for k in head_saved if k not in norm)]  # freed when the head's matmul
         # backward node has run
         self.resid_g = self.head_input_grad()
