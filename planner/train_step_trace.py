@@ -391,8 +391,8 @@ class TrainStepWalk:
             E.f(*(held.pop(j) if family == FSDP2 else [held.pop(j)]))
 
     def final_norm_forward(self) -> tuple:
-        """The final norm and the head's cached casts: (the head's saved tensors, its weight casts, under
-        autocast what its matmul saved of its own, else None: all of the saved tensors; and the final norm's
+        """The final norm and the head's cached casts: (the saved tensors the head's backward frees, its weight
+        casts, under autocast what its matmul saved of its own, else None: all of them; and the final norm's
         (x, rstd, x * rstd) where its backward is written op by op, `final_norm_backward`, else ())."""
         E, m, n, r, regime, carry, cur = self.E, self.m, self.n, self.r, self.regime, self.carry, self.cur
         final_norm, outside, head_cast = self.final_norm, self.outside, self.head_cast
@@ -421,7 +421,7 @@ class TrainStepWalk:
             xr = E.a(n * m.hidden * 4) if regime == "lowp" else None  # x * rstd, cast to 16 bits and dropped
             head_saved.append(E.a(final_norm[2]))
             if r == 4 and carry and self.resid_carried and self.t == 1:  # its backward written op by op
-                norm = tuple(head_saved)
+                norm, head_saved = tuple(head_saved), []
             if regime != "autocast":  # the norm's output, which the head saves
                 head_saved += [E.a(x) for x in final_norm[3:]]
             if carry and r != 4:
@@ -488,8 +488,7 @@ class TrainStepWalk:
         if upcast:
             grad_logits = E.a(n * v * cb)
             E.f(lt[-1])
-        done = [grad_logits, *hc, *(k for k in head_saved if k not in norm)]  # freed when the head's matmul
-        # backward node has run
+        done = [grad_logits, *hc, *head_saved]  # freed when the head's matmul backward node has run
         self.resid_g = self.head_input_grad()
         if self.regime == "autocast" and t == 1:
             # fp32 parameters under autocast: the head's matmul backward makes its weight's gradient in 16 bits
